@@ -1,0 +1,1 @@
+"""megarl: Megatron-native RL post-training for large Mixture-of-Experts LLMs."""

@@ -1,0 +1,91 @@
+"""Compose a recipe with command-line overrides into a validated :class:`MegarlConfig`.
+
+``recipe=NAME`` picks ``recipes/NAME.yaml`` (or a path to a YAML file); every other argument is a
+Hydra override (``key=value``, ``+key=value``, ``~key``). Errors are raised as :class:`ConfigError`
+with one line that names the offending key and why.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+
+from megarl.config.schema import MegarlConfig
+
+SCHEMA_NAME = "megarl_schema"
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot run; the message is one line naming the key."""
+
+
+def recipes_dir() -> Path:
+    return Path(__file__).resolve().parents[2] / "recipes"
+
+
+def _register_schema() -> None:
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=MegarlConfig)
+
+
+def _split_recipe(args: list[str]) -> tuple[Path, list[str]]:
+    recipe = [a for a in args if a.startswith("recipe=")]
+    if len(recipe) != 1:
+        raise ConfigError("give exactly one recipe=NAME (a file in recipes/ or a path to a .yaml)")
+    name = recipe[0].split("=", 1)[1]
+    path = Path(name) if name.endswith((".yaml", ".yml")) else recipes_dir() / f"{name}.yaml"
+    if not path.is_file():
+        known = sorted(p.stem for p in recipes_dir().glob("*.yaml"))
+        raise ConfigError(f"recipe={name}: no such recipe ({path}); known: {', '.join(known)}")
+    return path.resolve(), [a for a in args if not a.startswith("recipe=")]
+
+
+def _one_line(exc: Exception) -> str:
+    """Hydra/OmegaConf errors span several lines with a 'full_key:' line; keep what names the key."""
+    text = str(exc).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    first = lines[0] if lines else type(exc).__name__
+    return f"{full_key}: {first}" if full_key and full_key not in first else first
+
+
+def _unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:
+    """Keys in ``cfg`` that the schema does not have (``+key=`` slips them past Hydra)."""
+    found = []
+    for key in cfg.keys():
+        full = f"{prefix}{key}"
+        if key not in schema:
+            found.append(full)
+            continue
+        sub, ref = cfg._get_node(key), schema._get_node(key)
+        if isinstance(sub, DictConfig) and isinstance(ref, DictConfig):
+            found += _unknown_keys(sub, ref, f"{full}.")
+    return found
+
+
+def load_config(args: list[str]) -> DictConfig:
+    """Compose ``recipe=NAME`` plus overrides into a resolved, validated config (a typed DictConfig)."""
+    from megarl.config.validate import validate
+
+    path, overrides = _split_recipe(args)
+    _register_schema()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(path.parent), version_base="1.3"):
+            cfg = compose(config_name=path.stem, overrides=overrides)
+    except Exception as exc:  # Hydra raises several types; all mean "this input is wrong"
+        raise ConfigError(_one_line(exc)) from exc
+    finally:
+        GlobalHydra.instance().clear()
+    extra = _unknown_keys(cfg, OmegaConf.structured(MegarlConfig))
+    if extra:
+        raise ConfigError(f"{extra[0]}: not a megarl config key (misspelt, or added with '+')")
+    try:
+        OmegaConf.resolve(cfg)
+    except Exception as exc:
+        raise ConfigError(_one_line(exc)) from exc
+    validate(cfg)
+    return cfg
+

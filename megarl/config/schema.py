@@ -1,0 +1,215 @@
+"""The typed Hydra schema of a megarl run.
+
+Every recipe in ``recipes/`` composes onto :class:`MegarlConfig`; Hydra rejects unknown keys and
+wrong types, and :mod:`megarl.config.validate` rejects impossible combinations (layouts that do not
+divide, MoE with TP>1 and no sequence parallel, ...). Units are in the field names or comments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from omegaconf import MISSING
+
+
+class Mode(str, Enum):
+    """What ``python -m megarl.train`` runs."""
+
+    warmup = "warmup"  # supervised warm-up only (saves the HF checkpoint RL starts from)
+    sync = "sync"  # RL, buffer depth one batch, sync after every step
+    one_step_off = "one_step_off"  # RL, generation runs one step ahead of training
+    async_ = "async"  # RL, two free-running loops joined by the buffer
+
+
+class Placement(str, Enum):
+    colocated = "colocated"  # trainer and engines share devices; engines release memory while training
+    disaggregated = "disaggregated"  # separate device pools
+
+
+class Dispatcher(str, Enum):
+    alltoall = "alltoall"
+    allgather = "allgather"
+
+
+class TransformerImpl(str, Enum):
+    auto = "auto"  # transformer_engine when CUDA and TE are present, else local (pure torch)
+    local = "local"
+    transformer_engine = "transformer_engine"
+
+
+class Recompute(str, Enum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+@dataclass
+class ArchConfig:
+    """Architecture numbers; for a recipe whose checkpoint is present they are read from it.
+
+    Used by the planner for models too large to load here. ``None`` means "take it from the
+    checkpoint's config.json".
+    """
+
+    family: str = "qwen3_moe"  # qwen3_moe | deepseek_v3 | glm4_moe
+    num_layers: Optional[int] = None
+    hidden_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_query_groups: Optional[int] = None  # KV heads (GQA)
+    head_dim: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None  # dense MLP layers
+    moe_ffn_hidden_size: Optional[int] = None  # one routed expert
+    num_experts: Optional[int] = None
+    moe_topk: Optional[int] = None
+    num_shared_experts: int = 0
+    first_k_dense_layers: int = 0
+    vocab_size: Optional[int] = None
+    tie_word_embeddings: bool = False
+    # Multi-head latent attention (DeepSeek-V3); 0 = standard attention.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    num_mtp_layers: int = 0  # multi-token-prediction modules
+
+
+@dataclass
+class ModelConfig:
+    hf_path: str = MISSING  # HF checkpoint directory (config.json + safetensors + tokenizer)
+    dtype: str = "float32"  # float32 | bfloat16 | float16: parameter and compute dtype
+    transformer_impl: TransformerImpl = TransformerImpl.auto
+    arch: ArchConfig = field(default_factory=ArchConfig)
+
+
+@dataclass
+class ParallelConfig:
+    """Trainer layout. world_size = tp * pp * cp * dp; experts are split over ep * etp ranks."""
+
+    world_size: int = 1  # trainer ranks (one per GPU, or one process each on CPU)
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None  # virtual pipeline stages per rank
+    cp: int = 1
+    ep: int = 1
+    etp: Optional[int] = None  # expert tensor parallel; None = same as tp
+    sequence_parallel: bool = False
+    dispatcher: Dispatcher = Dispatcher.alltoall
+    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-3
+    min_lr: float = 0.0
+    lr_warmup_steps: int = 0
+    lr_decay_style: str = "constant"  # constant | linear | cosine
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.99
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True
+    max_tokens_per_microbatch: int = 4096  # micro-batches are packed to this token budget
+    recompute: Recompute = Recompute.none
+    recompute_num_layers: Optional[int] = None
+    gpu_memory_gb: float = 80.0  # per-device memory the planner checks layouts against
+    seed: int = 1234
+    save_interval: int = 0  # steps between checkpoints; 0 = only at the end
+
+
+@dataclass
+class WarmupConfig:
+    """Supervised warm-up on the task's format (the tiny demo's starting point)."""
+
+    steps: int = 60
+    batch_size: int = 64
+    lr: float = 1e-3
+    log_interval: int = 10
+    save_hf_path: str = "checkpoints/warmup_hf"  # where the warmed-up HF checkpoint is written
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arithmetic"  # arithmetic (synthetic, built in) | jsonl | parquet
+    path: Optional[str] = None  # dataset file for jsonl / parquet
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    max_operand: int = 9  # arithmetic: operands in [0, max_operand]
+    seed: int = 0
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "sglang"
+    num_engines: int = 1
+    engine_tp: int = 1
+    engine_ep: int = 1
+    engine_dp_attention: bool = False
+    mem_fraction_static: float = 0.8
+    prompts_per_step: int = 64
+    samples_per_prompt: int = 8  # G, the GRPO group size
+    max_new_tokens: int = 3
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 20  # finite whenever keep_sampling_mask is on
+    keep_routing: bool = True
+    keep_sampling_mask: bool = True
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal and refill
+    kv_cache_gb: Optional[float] = None  # planner: KV cache per engine; None = what is left
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp
+    policy_loss: str = "ppo"  # ppo | gspo | cispo
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: Optional[float] = None  # c > 1 for PPO dual clip
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
+    kl_coef: float = 0.0
+    kl_type: str = "k3"  # k1 | k2 | k3 | k3_is
+    entropy_coef: float = 0.0
+    off_policy_correction: str = "none"  # none | tis | mis
+    off_policy_level: str = "token"  # token | sequence
+    is_threshold: float = 2.0
+
+
+@dataclass
+class SyncConfig:
+    transport: str = "distributed"  # distributed | tensor | disk
+    bucket_mb: int = 512
+    link_gbps: float = 400.0  # planner: trainer->engine link bandwidth, Gbit/s
+
+
+@dataclass
+class BufferConfig:
+    max_staleness: int = 1
+    max_buffer_batches: int = 2
+    partial_rollout: str = "continue"  # continue | abort_resubmit
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/${run_name}"
+    tensorboard: bool = True
+    log_interval: int = 1
+
+
+@dataclass
+class MegarlConfig:
+    run_name: str = "run"
+    mode: Mode = Mode.warmup
+    placement: Placement = Placement.colocated
+    steps: int = 100  # RL steps
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

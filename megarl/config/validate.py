@@ -1,0 +1,72 @@
+"""Checks that Hydra's types cannot express: layouts that do not divide, impossible MoE settings.
+
+Each check raises :class:`ConfigError` with ``"<key>: <why>"`` before any process starts.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from megarl.config.load import ConfigError
+from megarl.config.schema import Mode
+
+
+def _fail(key: str, why: str) -> None:
+    raise ConfigError(f"{key}: {why}")
+
+
+def checkpoint_arch(hf_path: str) -> dict:
+    """The MoE numbers of an HF checkpoint's config.json ({} when the checkpoint is not present)."""
+    cfg_file = Path(hf_path) / "config.json"
+    if not cfg_file.is_file():
+        return {}
+    hf = json.loads(cfg_file.read_text())
+    return {
+        "num_layers": hf.get("num_hidden_layers"),
+        "num_experts": hf.get("num_experts") or hf.get("n_routed_experts"),
+        "num_attention_heads": hf.get("num_attention_heads"),
+        "num_query_groups": hf.get("num_key_value_heads"),
+    }
+
+
+def validate(cfg: DictConfig) -> None:
+    p = cfg.parallel
+    for key in ("world_size", "tp", "pp", "cp", "ep"):
+        if p[key] < 1:
+            _fail(f"parallel.{key}", f"must be >= 1, got {p[key]}")
+    model_parallel = p.tp * p.pp * p.cp
+    if p.world_size % model_parallel:
+        _fail("parallel.world_size", f"{p.world_size} is not divisible by tp*pp*cp = {model_parallel}")
+    etp = p.etp or p.tp
+    expert_ranks_per_stage = p.world_size // p.pp
+    if expert_ranks_per_stage % (p.ep * etp):
+        _fail("parallel.ep", f"ep*etp = {p.ep * etp} does not divide the {expert_ranks_per_stage} ranks of a pipeline stage")
+    if p.vpp is not None and p.pp == 1:
+        _fail("parallel.vpp", "virtual pipeline stages need parallel.pp > 1")
+
+    arch = {k: cfg.model.arch[k] for k in ("num_layers", "num_experts", "num_attention_heads", "num_query_groups")}
+    for k, v in checkpoint_arch(cfg.model.hf_path).items():
+        arch[k] = arch[k] if arch[k] is not None else v
+    experts = arch["num_experts"] or 0
+    if experts and experts % p.ep:
+        _fail("parallel.ep", f"{experts} experts are not divisible by ep={p.ep}")
+    if experts and p.tp > 1 and not p.sequence_parallel:
+        _fail("parallel.sequence_parallel", "MoE with tp > 1 requires sequence_parallel=true (megatron-core)")
+    if arch["num_layers"] and arch["num_layers"] % (p.pp * (p.vpp or 1)):
+        _fail("parallel.pp", f"{arch['num_layers']} layers do not split into pp*vpp = {p.pp * (p.vpp or 1)} stages")
+    if arch["num_attention_heads"] and arch["num_attention_heads"] % p.tp:
+        _fail("parallel.tp", f"{arch['num_attention_heads']} attention heads are not divisible by tp={p.tp}")
+    if arch["num_query_groups"] and arch["num_query_groups"] % p.tp and p.tp % arch["num_query_groups"]:
+        _fail("parallel.tp", f"{arch['num_query_groups']} KV heads and tp={p.tp}: neither divides the other")
+    if p.backend not in ("auto", "gloo", "nccl"):
+        _fail("parallel.backend", f"must be auto, gloo or nccl, got {p.backend!r}")
+
+    r = cfg.rollout
+    if r.keep_sampling_mask and not 0 < r.top_k:
+        _fail("rollout.top_k", "Keep Sampling Mask needs a finite top_k > 0 (the engine returns at most top_k ids)")
+    if r.samples_per_prompt < 1 or r.prompts_per_step < 1:
+        _fail("rollout.samples_per_prompt", "samples_per_prompt and prompts_per_step must be >= 1")
+    if cfg.mode != Mode.warmup:
+        _fail("mode", f"{cfg.mode.value}: the RL pipeline is not built yet; only mode=warmup runs")

@@ -1,0 +1,1 @@
+"""Models: the tiny demo checkpoint, and HF checkpoint -> megatron-bridge -> Megatron GPTModel."""

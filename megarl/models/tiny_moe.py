@@ -1,0 +1,84 @@
+"""Build the demo's tiny Qwen3-MoE checkpoint offline: a byte-level BPE tokenizer trained on the
+task's own text and a randomly initialised model, saved as a normal HF checkpoint directory.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from megarl.rollout import arithmetic
+
+log = logging.getLogger(__name__)
+
+BOS, EOS, PAD = "<|bos|>", "<|endoftext|>", "<|pad|>"
+
+
+@dataclass(frozen=True)
+class TinyMoeSpec:
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_experts: int = 8
+    topk: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    moe_ffn_hidden_size: int = 128
+    vocab_size: int = 384  # >= tokenizer size, a multiple of 128 (Megatron's vocab padding unit)
+    max_position_embeddings: int = 64
+    seed: int = 0
+
+
+def train_tokenizer(texts: list[str]):
+    """Byte-level BPE over ``texts``; digits are split individually so numbers tokenize per digit.
+
+    Returns a transformers ``PreTrainedTokenizerFast`` that prepends BOS to every encoded text.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=[PAD, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+
+
+def make_tiny_moe(out_dir: str | Path, spec: TinyMoeSpec = TinyMoeSpec(), max_operand: int = 9) -> Path:
+    """Write tokenizer + random-init Qwen3-MoE (float32 safetensors) to ``out_dir``; returns it."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(arithmetic.corpus(max_operand))
+    if len(tokenizer) > spec.vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than vocab_size={spec.vocab_size}")
+    head_dim = spec.hidden_size // spec.num_heads
+    config = Qwen3MoeConfig(
+        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size, intermediate_size=4 * spec.hidden_size,
+        moe_intermediate_size=spec.moe_ffn_hidden_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=head_dim,
+        num_experts=spec.num_experts, num_experts_per_tok=spec.topk, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen3MoeForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    gen = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+           "pad_token_id": tokenizer.pad_token_id}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    log.info("tiny MoE: %d parameters, %d tokens -> %s", sum(p.numel() for p in model.parameters()), len(tokenizer), out)
+    return out

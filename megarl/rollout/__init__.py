@@ -1,0 +1,1 @@
+"""Rollout: the SGLang engines, the client, the rollout manager, rewards, tasks and datasets."""

@@ -1,0 +1,1 @@
+"""The Megatron trainer: model building, log-probs, losses, optimizer, checkpoints."""

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Create or reuse the project's Python 3.12 virtual environment at .venv (repo root).
+#
+# Every version comes from requirements.lock. Everything except sglang and megatron-bridge is
+# installed in one normal resolve; those two go in with --no-deps because their declared
+# requirements pull GPU-only kernels (sglang) or conflict on transformers (megatron-bridge).
+# Re-running on an up-to-date .venv takes about a second: a stamp holds the hash of the lock,
+# this script and setup.py, and the install is skipped when it matches.
+#   env: PYTHON=/path/to/python3.12 (default: pyenv's 3.12.1, else python3.12 on PATH)
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+LOCK="$ROOT/requirements.lock"
+STAMP="$VENV/.megarl-installed"
+WANT="$(cat "$LOCK" "$ROOT/tools/setup_venv.sh" "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)"
+
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ] && [ -x "$VENV/bin/python" ]; then
+  exit 0
+fi
+
+find_python() {
+  if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
+  if command -v pyenv >/dev/null 2>&1 && PYENV_VERSION=3.12.1 pyenv which python3.12 >/dev/null 2>&1; then
+    PYENV_VERSION=3.12.1 pyenv which python3.12; return
+  fi
+  command -v python3.12 || { echo "setup_venv: Python 3.12 not found (set PYTHON=...)" >&2; exit 1; }
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  "$(find_python)" -m venv "$VENV"
+fi
+"$VENV/bin/python" -c 'import sys; assert sys.version_info[:2] == (3, 12), sys.version' \
+  || { echo "setup_venv: $VENV is not Python 3.12; remove it and re-run" >&2; exit 1; }
+
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q pip==26.3
+NORMAL="$(mktemp)"
+trap 'rm -f "$NORMAL"' EXIT
+grep -v -E '^(sglang|megatron-bridge)==' "$LOCK" > "$NORMAL"
+"${PIP[@]}" install -q -r "$NORMAL"
+"${PIP[@]}" install -q --no-deps sglang=="$(grep '^sglang==' "$LOCK" | cut -d= -f3)" \
+  megatron-bridge=="$(grep '^megatron-bridge==' "$LOCK" | cut -d= -f3)"
+"${PIP[@]}" install -q --no-deps --no-build-isolation -e "$ROOT"
+
+# Only the known --no-deps gaps may be reported by pip check.
+UNEXPECTED="$("${PIP[@]}" check 2>&1 \
+  | grep -v -E '^(sglang [0-9.]+|megatron-bridge [0-9.]+) requires .*, which is not installed\.$' \
+  | grep -v -E '^megatron-bridge [0-9.]+ has requirement transformers.*, but you have transformers [0-9.]+\.$' \
+  | grep -v -E '^No broken requirements found\.$' || true)"
+if [ -n "$UNEXPECTED" ]; then echo "setup_venv: unexpected pip check output:" >&2; echo "$UNEXPECTED" >&2; exit 1; fi
+echo "$WANT" > "$STAMP"
+echo "setup_venv: $VENV ready"
