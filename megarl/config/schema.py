@@ -73,6 +73,8 @@ class ArchConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     num_mtp_layers: int = 0  # multi-token-prediction modules
+    qk_layernorm: Optional[bool] = None  # per-head RMSNorm on q and k; None = checkpoint, else family default
+    attention_bias: Optional[bool] = None  # bias on the q/k/v projections; None = checkpoint, else family default
 
 
 @dataclass
@@ -80,6 +82,7 @@ class ModelConfig:
     hf_path: str = MISSING  # HF checkpoint directory (config.json + safetensors + tokenizer)
     dtype: str = "float32"  # float32 | bfloat16 | float16: parameter and compute dtype
     transformer_impl: TransformerImpl = TransformerImpl.auto
+    moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight; 0 for RL, where routing is replayed
     arch: ArchConfig = field(default_factory=ArchConfig)
 
 
@@ -117,6 +120,8 @@ class TrainerConfig:
     gpu_memory_gb: float = 80.0  # per-device memory the planner checks layouts against
     seed: int = 1234
     save_interval: int = 0  # steps between checkpoints; 0 = only at the end
+    optimizer_cpu_offload: bool = False  # fp32 master weights and Adam moments in host memory (megatron-core)
+    reserved_memory_gb: float = 4.0  # planner: per-device GB for CUDA context, NCCL buffers, fragmentation
 
 
 @dataclass
@@ -158,6 +163,7 @@ class RolloutConfig:
     keep_sampling_mask: bool = True
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal and refill
     kv_cache_gb: Optional[float] = None  # planner: KV cache per engine; None = what is left
+    max_prompt_tokens: int = 1024  # planner: longest prompt in tokens (KV cache must hold prompt + response)
 
 
 @dataclass

@@ -1,0 +1,125 @@
+"""HF checkpoint -> megatron-bridge ``AutoBridge`` -> Megatron GPTModel under any TP/PP/EP/DP layout.
+
+The bridge's own mappings convert weights both ways; megarl only picks the layer implementation
+(transformer-engine on GPU, megatron's local torch layers on CPU) and the precision.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megarl.trainer.distributed import Layout
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class MegatronModel:
+    """The bridge (for conversion back to HF) and this rank's model chunks (one per virtual stage)."""
+
+    bridge: Any  # megatron.bridge.AutoBridge
+    provider: Any  # megatron.bridge GPTModelProvider
+    chunks: list  # list[MegatronModule], DDP-wrapped when built for training
+
+
+def use_transformer_engine(impl: str) -> bool:
+    """``auto`` picks transformer-engine only where CUDA and an importable TE exist."""
+    if impl == "local":
+        return False
+    if impl == "transformer_engine":
+        return True
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401  (raises RuntimeError without cuDNN)
+    except Exception:
+        return False
+    return True
+
+
+def load_bridge(hf_path: str | Path, dtype: str = "float32"):
+    """``AutoBridge`` over an HF checkpoint directory, with a clear error for a bad checkpoint."""
+    from megarl.platform import megatron_cpu
+
+    megatron_cpu.apply()
+    from megatron.bridge import AutoBridge
+
+    path = Path(hf_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.hf_path={hf_path}: not an HF checkpoint (no config.json)")
+    try:
+        return AutoBridge.from_hf_pretrained(str(path), torch_dtype=DTYPES[dtype])
+    except ValueError as exc:
+        raise ValueError(f"model.hf_path={hf_path}: megatron-bridge cannot convert it: {exc}") from exc
+
+
+def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "float32",
+                         transformer_impl: str = "auto", dispatcher: str = "alltoall",
+                         ddp_config=None, routing_replay: bool = False,
+                         moe_aux_loss_coeff: float = 0.0) -> MegatronModel:
+    """Build this rank's Megatron chunks for ``layout`` and load the HF weights into them.
+
+    Call after :func:`megarl.trainer.distributed.init_rank`. With ``ddp_config`` the chunks are
+    wrapped in megatron's DistributedDataParallel (for training); without, they are bare modules.
+    """
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    bridge = load_bridge(hf_path, dtype)
+    provider = bridge.to_megatron_provider(load_weights=True)
+    te = use_transformer_engine(transformer_impl)
+    half = dtype != "float32"
+    settings = dict(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.sequence_parallel, moe_token_dispatcher_type=dispatcher,
+        moe_enable_routing_replay=routing_replay, moe_aux_loss_coeff=moe_aux_loss_coeff,
+        params_dtype=DTYPES[dtype], pipeline_dtype=DTYPES[dtype], bf16=dtype == "bfloat16", fp16=dtype == "float16",
+        hidden_dropout=0.0, attention_dropout=0.0,
+        calculate_per_token_loss=True,  # token-mean over the global batch; see trainer/step.py
+    )
+    if not te:  # megatron's fused kernels exist only in TE / apex / CUDA
+        settings.update(
+            transformer_impl="local", use_cpu_initialization=not torch.cuda.is_available(),
+            gradient_accumulation_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+            masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+            moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
+            cross_entropy_loss_fusion=False,
+        )
+        provider.transformer_layer_spec = local_layer_spec
+    for key, value in settings.items():
+        setattr(provider, key, value)
+    provider.finalize()
+    chunks = provider.provide_distributed_model(
+        ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        mixed_precision_wrapper=None if not half else _float16_wrapper(), bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+    )
+    log.info("megatron model on this rank: %d parameters", sum(p.numel() for c in chunks for p in c.parameters()))
+    return MegatronModel(bridge=bridge, provider=provider, chunks=chunks)
+
+
+def _float16_wrapper():
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module
+
+
+def export_hf_state(model: MegatronModel) -> dict[str, torch.Tensor]:
+    """Full HF-named tensors gathered from every TP/PP/EP shard (every rank receives all)."""
+    return {name: tensor.detach().cpu().clone()
+            for name, tensor in model.bridge.export_hf_weights(model.chunks, cpu=True, show_progress=False)}
+
+
+def save_hf_checkpoint(model: MegatronModel, out_dir: str | Path) -> Path:
+    """Write the model as an HF checkpoint directory (config, safetensors, tokenizer files)."""
+    out = Path(out_dir)
+    model.bridge.save_hf_pretrained(model.chunks, str(out))
+    return out

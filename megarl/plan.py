@@ -1,0 +1,94 @@
+"""Parallelism and memory planner: ``python -m megarl.plan recipe=NAME [overrides] [--json FILE]``.
+
+Prints the parameter counts, each trainer pipeline stage's per-GPU memory, one engine GPU's
+weights and KV cache, and the weight sync's bytes and time (a rich table), and writes the same as
+JSON. Exit status: 0 when the layout fits, 2 with one line per broken limit on stderr when it does
+not, 1 for a recipe that does not load.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from megarl.config import ConfigError, load_config
+from megarl.planner.layout import LayoutPlan, broken_limits, gib_dict, plan_layout
+
+log = logging.getLogger(__name__)
+
+EXIT_DOES_NOT_FIT = 2
+
+
+def _billions(n: int) -> str:
+    return f"{n / 1e9:,.3f} B" if n >= 1e8 else f"{n:,}"
+
+
+def render(plan: LayoutPlan, console: Console) -> None:
+    """The plan as rich tables."""
+    p = plan.params
+    counts = Table(title="parameters (MTP modules counted apart)")
+    for col in ("total", "active / token", "embedding", "head", "routed experts", "MTP"):
+        counts.add_column(col, justify="right")
+    counts.add_row(*(_billions(v) for v in (p.total, p.active, p.embedding, p.head, p.routed_experts, p.mtp)))
+    console.print(counts)
+
+    trainer = Table(title=f"trainer: per-GPU memory (GB), {plan.trainer_gpus} GPUs")
+    for col in ("stage", "layers", "weights", "grads", "optimizer", "activations", "reserved", "total", "host optim."):
+        trainer.add_column(col, justify="right")
+    for s in plan.trainer:
+        g = gib_dict(s)
+        trainer.add_row(str(s.stage), str(s.layers), *(f"{g[k]:.1f}" for k in
+                        ("weights", "grads", "optimizer", "activations", "reserved", "total", "host_optimizer")))
+    console.print(trainer)
+
+    e = plan.engine
+    engine = Table(title=f"engine: per-GPU memory, {plan.engine_gpus // e.gpus_per_engine} engines x {e.gpus_per_engine} GPUs")
+    for col in ("attention TP", "weights GB", "KV cache GB", "KV bytes/token", "KV tokens/engine", "pool GB"):
+        engine.add_column(col, justify="right")
+    engine.add_row(str(e.attention_tp), f"{e.weights / 2**30:.1f}", f"{e.kv_cache / 2**30:.1f}",
+                   f"{e.kv_bytes_per_token:,}", f"{e.kv_tokens_per_engine:,}", f"{e.pool / 2**30:.1f}")
+    console.print(engine)
+
+    w = plan.sync
+    sync = Table(title=f"weight sync per engine; GPUs in all: {plan.total_gpus}")
+    for col in ("GB", "buckets", "largest tensor MB", "seconds"):
+        sync.add_column(col, justify="right")
+    sync.add_row(f"{w.bytes_per_sync / 2**30:.1f}", str(w.buckets), f"{w.largest_tensor_bytes / 2**20:.0f}", f"{w.seconds:.2f}")
+    console.print(sync)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = list(sys.argv[1:] if argv is None else argv)
+    json_path = None
+    if "--json" in args:
+        i = args.index("--json")
+        if i + 1 >= len(args):
+            print("plan: --json needs a file name", file=sys.stderr)
+            return 1
+        json_path = Path(args[i + 1])
+        del args[i:i + 2]
+    try:
+        cfg = load_config(args)
+        plan = plan_layout(cfg)
+    except ConfigError as exc:
+        print(f"plan: {exc}", file=sys.stderr)
+        return 1
+    render(plan, Console(width=None if sys.stdout.isatty() else 130))
+    if plan.sync.largest_tensor_bytes > cfg.sync.bucket_mb * 2**20:
+        log.warning("the largest tensor (%.0f MB) exceeds sync.bucket_mb=%d and travels in a bucket of its own",
+                    plan.sync.largest_tensor_bytes / 2**20, cfg.sync.bucket_mb)
+    broken = broken_limits(plan, cfg)
+    if json_path is not None:
+        json_path.write_text(json.dumps(dict(plan.to_dict(), fits=not broken, broken_limits=broken), indent=2))
+    for line in broken:
+        print(f"plan: does not fit: {line}", file=sys.stderr)
+    return EXIT_DOES_NOT_FIT if broken else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

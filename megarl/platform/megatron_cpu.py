@@ -1,0 +1,377 @@
+"""Work-arounds that let megatron-core 0.19 and megatron-bridge 0.6 run on CPU with gloo.
+
+Each work-around is named after the failure it prevents and is applied only when CUDA is not
+available; on a GPU :func:`apply` does nothing. ``MEGARL_CPU_WORKAROUNDS_OFF=name,name`` turns
+single ones off, which the tests use to show that each one is needed.
+
+Call :func:`apply` before megatron is used (it imports the megatron modules it patches), and wrap
+optimizer construction and steps in :func:`cuda_tensor_type_scope`.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import sys
+import types
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+OFF_ENV = "MEGARL_CPU_WORKAROUNDS_OFF"
+
+
+@dataclass(frozen=True)
+class Workaround:
+    name: str
+    prevents: str  # the error megatron raises on CPU without it
+    apply: Callable[[], None]
+
+
+def _cuda_rng_tracker_needs_cuda() -> None:
+    """megatron's CudaRNGStatesTracker stores and forks torch.cuda RNG states; keep them on the CPU
+    generator (the dropout/init RNG forks then work and stay reproducible)."""
+    import megatron.core.tensor_parallel.random as mrandom
+
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.manual_seed = lambda seed: torch.manual_seed(seed)
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
+
+
+class _NoStream:
+    """Stands for a CUDA stream or event: on CPU every operation is already ordered."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: _NoStream() if name == "record_event" else None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+def _cuda_streams_and_current_device() -> None:
+    """The MoE token dispatchers create torch.cuda.Stream/Event objects, and routers, RoPE and the
+    schedules place buffers on ``torch.cuda.current_device()``."""
+    stream = _NoStream()
+    torch.cuda.Stream = _NoStream
+    torch.cuda.Event = _NoStream
+    torch.cuda.current_stream = lambda *args, **kwargs: stream
+    torch.cuda.default_stream = lambda *args, **kwargs: stream
+    torch.cuda.stream = lambda s=None: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.is_current_stream_capturing = lambda: False
+
+
+def _default_causal_mask_on_cuda() -> None:
+    """With ``attention_mask=None`` megatron builds the causal mask with ``device="cuda"``."""
+    import megatron.core.fusions.fused_softmax as fused_softmax
+    import megatron.core.transformer.utils as transformer_utils
+
+    def causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+    transformer_utils.get_default_causal_mask = causal_mask
+    fused_softmax.get_default_causal_mask = causal_mask
+
+
+_FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint", "eye",
+              "linspace", "as_tensor", "empty_strided", "zeros_like", "ones_like", "empty_like",
+              "full_like", "randperm", "tril_indices", "triu_indices")
+
+
+def _to_cpu_device(device):
+    if isinstance(device, str) and device.startswith("cuda"):
+        return "cpu"
+    if isinstance(device, int) and not isinstance(device, bool):
+        return "cpu"
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CpuTorch(types.ModuleType):
+    """``torch`` as megatron modules see it: tensor factories put ``device="cuda"`` on the CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+        for name in _FACTORIES:
+            factory = getattr(torch, name)
+
+            def on_cpu(*args, _factory=factory, **kwargs):
+                if "device" in kwargs:
+                    kwargs["device"] = _to_cpu_device(kwargs["device"])
+                return _factory(*args, **kwargs)
+
+            self.__dict__[name] = on_cpu
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+_CPU_TORCH = _CpuTorch()
+
+
+def _give_cpu_torch(module: types.ModuleType) -> None:
+    if getattr(module, "torch", None) is torch:
+        module.torch = _CPU_TORCH
+
+
+class _CpuTorchImporter(importlib.abc.MetaPathFinder):
+    """Gives every megatron module imported from now on the CPU ``torch`` (see _CpuTorch)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if not name.startswith("megatron."):
+            return None
+        later_finders = sys.meta_path[sys.meta_path.index(self) + 1:]
+        spec = next((s for f in later_finders if hasattr(f, "find_spec")
+                     for s in [f.find_spec(name, path, target)] if s is not None), None)
+        if spec is None or not isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_patch(module, _exec=exec_module):
+            _exec(module)
+            _give_cpu_torch(module)
+
+        spec.loader.exec_module = exec_then_patch
+        return spec
+
+
+def _hardcoded_cuda_devices() -> None:
+    """About 150 megatron sites create tensors with ``device="cuda"`` or call ``.cuda()`` (loss
+    scalars in the schedules, grad-norm buffers, p2p shapes, checkpoint loading)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.") and module is not None:
+            _give_cpu_torch(module)
+    if not any(isinstance(f, _CpuTorchImporter) for f in sys.meta_path):
+        sys.meta_path.insert(0, _CpuTorchImporter())
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    torch.nn.Module.cuda = lambda self, *args, **kwargs: self
+
+
+def _torch_norm_rejects_sequence_parallel() -> None:
+    """The local (non-TE) layer spec uses WrappedTorchNorm, which asserts ``not sequence_parallel``,
+    while MoE with TP > 1 requires sequence parallel. Build the torch norm anyway and tag its
+    parameters ``sequence_parallel`` so their gradients are all-reduced over TP, as TE's are."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    def build(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
+              normalization="LayerNorm"):
+        norm_cls = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        if config.sequence_parallel:
+            for param in norm.parameters():
+                param.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = build
+
+
+def _gloo_all_to_all_needs_int_splits() -> None:
+    """The alltoall dispatcher keeps split sizes as tensors unless they are on CUDA; gloo's
+    ``all_to_all_single`` then raises ``TypeError: incompatible function arguments``."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    def move_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor):
+            return tensor.cpu().numpy() if as_numpy else tensor.cpu()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = move_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_cpu
+
+
+def _gloo_uneven_all_gather() -> None:
+    """TP x EP with the alltoall dispatcher all-gathers uneven token counts; gloo has no
+    all-gather-v (``ProcessGroupGloo::allgather: invalid tensor size``). Emulate it and the matching
+    reduce-scatter-v with one all-reduce of a zero-padded buffer."""
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_v(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        start = sum(output_split_sizes[: group.rank()])
+        full = input_.new_zeros([sum(output_split_sizes)] + list(input_.shape[1:]))
+        full[start: start + output_split_sizes[group.rank()]] = input_
+        torch.distributed.all_reduce(full, group=group)
+        return full
+
+    def reduce_scatter_v(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        start = sum(input_split_sizes[: group.rank()])
+        full = input_.contiguous().clone()
+        torch.distributed.all_reduce(full, group=group)
+        return full[start: start + input_split_sizes[group.rank()]].contiguous()
+
+    mappings._gather_along_first_dim = gather_v
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_v
+
+
+def _dist_ckpt_spawns_manager() -> None:
+    """``dist_checkpointing.save`` creates a spawn-context multiprocessing Manager per save, which
+    re-imports ``__main__`` (5-10 s a save here; EOFError when ``__main__`` is stdin)."""
+    import queue
+
+    import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
+
+    results = queue.Queue()
+    filesystem_async.get_write_results_queue = lambda mp_mode="spawn": results
+
+
+class _SourcePatcher(importlib.abc.MetaPathFinder):
+    """Rewrites one import line in a module's source at import time."""
+
+    def __init__(self, module: str, old: str, new: str):
+        self.module, self.old, self.new = module, old, new
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.module:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None:
+            return None
+        old, new = self.old, self.new
+
+        class Loader(importlib.machinery.SourceFileLoader):
+            def get_code(self, fullname):
+                text = self.get_data(self.path).decode()
+                if old not in text:
+                    raise ImportError(f"megarl CPU work-around for {fullname} no longer matches its source")
+                return compile(text.replace(old, new), self.path, "exec", dont_inherit=True)
+
+        spec.loader = Loader(name, spec.origin)
+        return spec
+
+
+def _install_source_patch(module: str, old: str, new: str) -> None:
+    if module in sys.modules:
+        raise RuntimeError(f"{module} was imported before megarl.platform.megatron_cpu.apply()")
+    if not any(isinstance(f, _SourcePatcher) and f.module == module for f in sys.meta_path):
+        sys.meta_path.insert(0, _SourcePatcher(module, old, new))
+
+
+class _AbsentClassMeta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _AbsentClassMeta(name, (cls,), {})
+
+
+class _AbsentTEClass(metaclass=_AbsentClassMeta):
+    """Any class of the absent transformer-engine: subclassable, never instantiable."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(f"{type(self).__name__} needs transformer-engine, which is not installed")
+
+
+class _AbsentTransformerEngine(types.ModuleType):
+    """``transformer_engine.pytorch`` where TE is not installed: every attribute is an
+    :class:`_AbsentTEClass` subclass, so class statements that derive from TE types still run."""
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _AbsentClassMeta(name, (_AbsentTEClass,), {})
+
+
+TE_ABSENT = _AbsentTransformerEngine("transformer_engine.pytorch")
+
+
+def _bridge_imports_transformer_engine() -> None:
+    """megatron-bridge's LoRA layers import transformer_engine unconditionally and subclass its
+    types at import time; importing ``megatron.bridge`` reaches them (``ModuleNotFoundError: No
+    module named 'transformer_engine'``). Without TE, they get :data:`TE_ABSENT`."""
+    _install_source_patch(
+        "megatron.bridge.peft.lora_layers",
+        "import transformer_engine.pytorch as te\n",
+        "try:\n    import transformer_engine.pytorch as te\nexcept ImportError:\n"
+        "    from megarl.platform.megatron_cpu import TE_ABSENT as te\n",
+    )
+
+
+def _bridge_save_imports_modelopt() -> None:
+    """``AutoBridge.save_hf_pretrained`` imports nvidia-modelopt unconditionally to ask whether the
+    model is quantized (``ModuleNotFoundError: No module named 'modelopt'``); without modelopt it is not."""
+    _install_source_patch(
+        "megatron.bridge.models.conversion.auto_bridge",
+        "        from modelopt.torch.quantization.utils import is_quantized\n",
+        "        try:\n            from modelopt.torch.quantization.utils import is_quantized\n"
+        "        except ImportError:\n            is_quantized = lambda _model: False\n",
+    )
+
+
+WORKAROUNDS = (
+    Workaround("bridge_imports_transformer_engine", "No module named 'transformer_engine'", _bridge_imports_transformer_engine),
+    Workaround("bridge_save_imports_modelopt", "No module named 'modelopt'", _bridge_save_imports_modelopt),
+    Workaround("cuda_rng_tracker_needs_cuda", "Torch not compiled with CUDA enabled", _cuda_rng_tracker_needs_cuda),
+    Workaround("cuda_streams_and_current_device", "Torch not compiled with CUDA enabled", _cuda_streams_and_current_device),
+    Workaround("default_causal_mask_on_cuda", "Torch not compiled with CUDA enabled", _default_causal_mask_on_cuda),
+    Workaround("hardcoded_cuda_devices", "Torch not compiled with CUDA enabled", _hardcoded_cuda_devices),
+    Workaround("torch_norm_rejects_sequence_parallel", "sequence parallel not supported by torch LayerNorm", _torch_norm_rejects_sequence_parallel),
+    Workaround("gloo_all_to_all_needs_int_splits", "all_to_all_single(): incompatible function arguments", _gloo_all_to_all_needs_int_splits),
+    Workaround("gloo_uneven_all_gather", "invalid tensor size", _gloo_uneven_all_gather),
+    Workaround("dist_ckpt_spawns_manager", "a spawned Manager process per checkpoint save", _dist_ckpt_spawns_manager),
+)
+
+_applied: list[str] = []
+
+
+def applied() -> list[str]:
+    """Names of the work-arounds active in this process."""
+    return list(_applied)
+
+
+def apply() -> list[str]:
+    """Apply every enabled work-around once (a no-op when CUDA is available); returns their names."""
+    if torch.cuda.is_available() or _applied:
+        return applied()
+    off = {name for name in os.environ.get(OFF_ENV, "").split(",") if name}
+    unknown = off - {w.name for w in WORKAROUNDS}
+    if unknown:
+        raise ValueError(f"{OFF_ENV}: unknown work-around(s) {sorted(unknown)}")
+    for workaround in WORKAROUNDS:
+        if workaround.name not in off:
+            workaround.apply()
+            _applied.append(workaround.name)
+    log.debug("megatron CPU work-arounds: %s", _applied)
+    return applied()
+
+
+_tensor_type = torch.Tensor.type
+
+
+def _type_as_if_cuda(self, *args, **kwargs):
+    if args or kwargs or self.device.type != "cpu":
+        return _tensor_type(self, *args, **kwargs)
+    return _tensor_type(self).replace("torch.", "torch.cuda.", 1)
+
+
+@contextlib.contextmanager
+def cuda_tensor_type_scope():
+    """Megatron's optimizers accept only parameters whose ``.type()`` is ``torch.cuda.*Tensor``
+    (``TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor, ...``). Inside this
+    scope a CPU tensor reports its CUDA type name; outside it (and on GPU) nothing changes."""
+    if torch.cuda.is_available() or "cuda_tensor_type" in os.environ.get(OFF_ENV, "").split(","):
+        yield
+        return
+    torch.Tensor.type = _type_as_if_cuda
+    try:
+        yield
+    finally:
+        torch.Tensor.type = _tensor_type

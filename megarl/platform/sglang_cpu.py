@@ -1,0 +1,108 @@
+"""What SGLang 0.5.23 needs to serve on a machine without a GPU; inactive when CUDA is available.
+
+``install()`` must run before anything imports sglang, in every SGLang process (the server spawns
+its scheduler and detokenizer with the "spawn" start method; ``megarl.rollout.sglang_server``
+calls it at import time, which the spawned children repeat). Each part is named after the failure
+it prevents and can be switched off for tests with ``MEGARL_SGLANG_CPU_DISABLE=<part>[,<part>]``:
+
+- ``cpu_engine``: ``ModuleNotFoundError: No module named 'vllm'`` (from SGLang's rotary embedding,
+  among others). SGLang takes its CPU code paths only with ``SGLANG_USE_CPU_ENGINE=1``; without it
+  ``--device cpu`` still reaches kernels of other platforms.
+- ``sgl_kernel``: ``ModuleNotFoundError: No module named 'sgl_kernel'``. SGLang's CPU path imports
+  the CPU build of sgl-kernel at import time (``copy_all_layer_kv_cache_cpu``), which is not on
+  PyPI (the CUDA wheel needs ``libcuda.so.1``). None of its ops runs on megarl's CPU path (MoE
+  routing takes SGLang's torch-native top-k when sgl-kernel's AMX ops are absent), so a stand-in
+  module is enough: every op it is asked for raises ``NotImplementedError`` naming the op.
+- ``routed_experts_host_buffer``: ``RuntimeError: Found no NVIDIA driver on your system``. The
+  ``--enable-return-routed-experts`` host buffer is pinned with ``cudaHostRegister``; on CPU it is
+  allocated as plain memory (it never leaves the host there).
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import logging
+import os
+import sys
+import types
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "MEGARL_SGLANG_CPU_DISABLE"
+PARTS = ("cpu_engine", "sgl_kernel", "routed_experts_host_buffer")
+
+
+def needed() -> bool:
+    """True when no CUDA device is usable, i.e. SGLang must run on its CPU path."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _disabled_parts() -> set[str]:
+    names = {p.strip() for p in os.environ.get(DISABLE_ENV, "").split(",") if p.strip()}
+    unknown = names - set(PARTS)
+    if unknown:
+        raise ValueError(f"{DISABLE_ENV} names unknown parts {sorted(unknown)}; known: {list(PARTS)}")
+    return names
+
+
+def install() -> list[str]:
+    """Install every enabled part when no GPU is present; returns the names installed (idempotent)."""
+    if not needed():
+        return []
+    disabled = _disabled_parts()
+    installed = []
+    for part in PARTS:
+        if part in disabled:
+            log.warning("SGLang CPU compatibility part %r disabled by %s", part, DISABLE_ENV)
+            continue
+        _INSTALLERS[part]()
+        installed.append(part)
+    return installed
+
+
+def _install_cpu_engine() -> None:
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+
+
+class _SglKernelStandIn(types.ModuleType):
+    """``sgl_kernel`` for the CPU path: attributes SGLang imports but this machine never calls."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+
+        def not_implemented(*args, **kwargs):
+            raise NotImplementedError(
+                f"sgl_kernel.{name} is not provided by megarl's CPU stand-in (megarl/platform/sglang_cpu.py)"
+            )
+
+        not_implemented.__name__ = name
+        return not_implemented
+
+
+def _install_sgl_kernel() -> None:
+    if "sgl_kernel" in sys.modules:
+        return
+    module = _SglKernelStandIn("sgl_kernel", "megarl's stand-in for sgl-kernel's CPU build (no ops)")
+    module.__spec__ = importlib.machinery.ModuleSpec("sgl_kernel", loader=None)
+    module.__version__ = "0.0.0+megarl.cpu"
+    sys.modules["sgl_kernel"] = module
+
+
+def _alloc_plain_host_buffer(dims, dtype, device, pin_memory, allocator, registration_granularity_bytes=None):
+    """SGLang's host-buffer allocator signature, without pinning (no CUDA driver to register with)."""
+    return allocator.allocate(dims, dtype=dtype, device=device)
+
+
+def _install_routed_experts_host_buffer() -> None:
+    from sglang.srt.mem_cache.pool_host import common
+
+    common.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_plain_host_buffer
+
+
+_INSTALLERS = {
+    "cpu_engine": _install_cpu_engine,
+    "sgl_kernel": _install_sgl_kernel,
+    "routed_experts_host_buffer": _install_routed_experts_host_buffer,
+}

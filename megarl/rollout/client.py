@@ -1,0 +1,266 @@
+"""The one async HTTP client for SGLang engine traffic: generation with routing and sampling-mask
+metadata, pause/continue/abort, and the weight version.
+
+Weight versions are integers in megarl (the trainer step that produced the weights); the engine
+holds them as strings (``--weight-version``, ``/update_weight_version``) and reports the version of
+every generated token as spans, which become ``RolloutSample.model_version``.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pybase64
+
+from megarl.rollout.sample import FinishReason, RolloutSample, SamplingMask
+
+log = logging.getLogger(__name__)
+
+
+class EngineError(RuntimeError):
+    """The engine rejected a request or could not be reached; the message says which and why."""
+
+
+class PauseMode(str, enum.Enum):
+    """How ``/pause_generation`` treats running requests."""
+
+    ABORT = "abort"  # return them now, finish_reason aborted, with the tokens generated so far
+    RETRACT = "retract"  # put them back in the waiting queue (KV cache dropped, recomputed later)
+    IN_PLACE = "in_place"  # freeze them with their KV cache until continue_generation
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the client needs to know about the engine's checkpoint to validate and decode.
+
+    num_layers: rows per token in the routing ([T-1, num_layers, topk]; SGLang reports every
+    decoder layer). context_length: the most prompt + response tokens per sample.
+    """
+
+    vocab_size: int
+    num_layers: int
+    topk: int
+    num_experts: int
+    context_length: int
+
+    @classmethod
+    def from_hf_config(cls, model_path: str | Path) -> ServedModel:
+        """Read ``config.json`` of an HF MoE checkpoint (Qwen3-MoE, Mixtral, DeepSeek names)."""
+        path = Path(model_path) / "config.json"
+        config = json.loads(path.read_text())
+        config = config.get("text_config", config)
+        num_experts = next((config[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if k in config), None)
+        missing = [k for k in ("vocab_size", "num_hidden_layers", "num_experts_per_tok", "max_position_embeddings")
+                   if k not in config]
+        if missing or num_experts is None:
+            raise ValueError(f"{path} is not an MoE config: missing {missing or ['num_experts']}")
+        return cls(
+            vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"],
+            topk=config["num_experts_per_tok"], num_experts=num_experts,
+            context_length=config["max_position_embeddings"],
+        )
+
+    @property
+    def routing_dtype(self) -> np.dtype:
+        """int16 while expert ids fit, else int32 (DESIGN.md section 3)."""
+        return np.dtype(np.int16) if self.num_experts <= np.iinfo(np.int16).max else np.dtype(np.int32)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. top_k <= 0 means no top-k; a sampling mask needs a finite top_k."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    def to_json(self) -> dict:
+        out = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+               "top_k": self.top_k, "ignore_eos": self.ignore_eos}
+        if self.stop:
+            out["stop"] = list(self.stop)
+        return out
+
+
+_FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
+
+
+def parse_weight_version(version: str) -> int:
+    """megarl's integer version from the engine's string; a clear error for foreign versions."""
+    try:
+        return int(version)
+    except ValueError:
+        raise EngineError(
+            f"engine weight version {version!r} is not an integer; start the engine with "
+            "--weight-version <int> (megarl's SGLangEngine does)"
+        ) from None
+
+
+def decode_routed_experts(b64: str, num_tokens: int, model: ServedModel) -> np.ndarray:
+    """SGLang's base64 int32 routing -> [num_tokens - 1, num_layers, topk] in ``model.routing_dtype``."""
+    flat = np.frombuffer(pybase64.b64decode(b64), dtype=np.int32)
+    shape = (num_tokens - 1, model.num_layers, model.topk)
+    if flat.size != shape[0] * shape[1] * shape[2]:
+        raise EngineError(f"routed_experts holds {flat.size} ids, expected {shape} for {num_tokens} tokens")
+    if flat.size and (flat.min() < 0 or flat.max() >= model.num_experts):
+        raise EngineError(f"routed_experts ids outside [0, {model.num_experts}): {flat.min()}..{flat.max()}")
+    return flat.reshape(shape).astype(model.routing_dtype)
+
+
+def _model_versions(meta: dict, num_response: int) -> np.ndarray:
+    """Per-token int32 versions from the engine's spans [{"version", "start", "end"}, ...]."""
+    versions = np.full(num_response, -1, dtype=np.int32)
+    for span in meta["weight_versions"]:
+        versions[span["start"] : span["end"]] = parse_weight_version(span["version"])
+    if (versions < 0).any():
+        raise EngineError(f"weight_versions spans {meta['weight_versions']} do not cover {num_response} tokens")
+    return versions
+
+
+class SGLangClient:
+    """Async client of one SGLang HTTP server. Use ``async with`` or call ``aclose()``."""
+
+    def __init__(self, base_url: str, model: ServedModel, request_timeout_s: float = 600.0):
+        self.base_url = base_url
+        self.model = model
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(request_timeout_s, connect=10.0))
+
+    async def __aenter__(self) -> SGLangClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _post(self, path: str, payload: dict) -> httpx.Response:
+        try:
+            response = await self._http.post(path, json=payload)
+        except httpx.TransportError as e:
+            raise EngineError(f"{self.base_url}{path}: engine unreachable ({type(e).__name__}: {e})") from e
+        if response.status_code != 200:
+            raise EngineError(f"{self.base_url}{path}: HTTP {response.status_code}: {_error_message(response)}")
+        return response
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+        if len(prompt_ids) == 0:
+            raise ValueError("empty prompt: prompt_ids has no tokens")
+        bad = [i for i in prompt_ids if not 0 <= i < self.model.vocab_size]
+        if bad:
+            # SGLang 0.5.23 crashes the whole server on an out-of-vocabulary id instead of rejecting it.
+            raise ValueError(f"prompt_ids outside the vocabulary [0, {self.model.vocab_size}): {bad[:8]}")
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        *,
+        return_routed_experts: bool = True,
+        return_sampling_mask: bool = True,
+        rid: str | None = None,
+        group_id: str = "",
+        episode_id: str = "",
+    ) -> RolloutSample:
+        """Generate one response; log-probs are renormalised over the sampling mask when it is returned.
+
+        Raises ValueError for bad input (empty prompt, ids outside the vocabulary, a mask without a
+        finite top_k) and EngineError when the engine rejects the request (e.g. a prompt longer
+        than the context) or is unreachable. An aborted request returns its partial response.
+        """
+        self._validate_prompt(prompt_ids)
+        if return_sampling_mask and params.top_k <= 0:
+            raise ValueError("return_sampling_mask needs a finite top_k (<= the engine's --sampling-mask-max-tokens)")
+        payload = {
+            "input_ids": list(prompt_ids), "sampling_params": params.to_json(), "return_logprob": True,
+            "return_routed_experts": return_routed_experts, "return_sampling_mask": return_sampling_mask,
+        }
+        if return_sampling_mask:
+            payload["sampling_logprobs_mode"] = "selected"
+        if rid is not None:
+            payload["rid"] = rid
+        out = (await self._post("/generate", payload)).json()
+        return self._to_sample(list(prompt_ids), out, return_routed_experts, return_sampling_mask, group_id, episode_id)
+
+    def _to_sample(self, prompt_ids, out, with_routing, with_mask, group_id, episode_id) -> RolloutSample:
+        meta = out["meta_info"]
+        response_ids = list(out["output_ids"])
+        r = len(response_ids)
+        finish = meta["finish_reason"]
+        if finish is None or finish["type"] not in _FINISH_REASONS:
+            raise EngineError(f"unknown finish_reason {finish!r} for request {meta.get('id')}")
+        token_logprobs = meta["output_token_logprobs"]
+        if [t[1] for t in token_logprobs] != response_ids:
+            raise EngineError(f"output_token_logprobs ids disagree with output_ids for request {meta.get('id')}")
+        if with_mask:
+            logprobs = meta["output_token_sampling_logprobs"]
+            mask = SamplingMask.from_rows(meta["output_token_sampling_mask"])
+        else:
+            logprobs = [t[0] for t in token_logprobs]
+            mask = None
+        routing = None
+        if with_routing:
+            routing = decode_routed_experts(meta["routed_experts"], len(prompt_ids) + r, self.model)
+        return RolloutSample(
+            prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=np.ones(r, dtype=np.uint8),
+            rollout_logprobs=np.asarray(logprobs, dtype=np.float32), model_version=_model_versions(meta, r),
+            routed_experts=routing, sampling_mask=mask, finish_reason=_FINISH_REASONS[finish["type"]],
+            group_id=group_id, episode_id=episode_id,
+        )
+
+    async def pause_generation(self, mode: PauseMode = PauseMode.ABORT) -> None:
+        """Pause the engine. Every open generate response must be read, or this never returns."""
+        await self._post("/pause_generation", {"mode": PauseMode(mode).value})
+        log.info("%s: generation paused (%s)", self.base_url, PauseMode(mode).value)
+
+    async def continue_generation(self) -> None:
+        await self._post("/continue_generation", {})
+        log.info("%s: generation continued", self.base_url)
+
+    async def abort_request(self, rid: str) -> None:
+        """Abort one request; its ``generate`` call returns the partial response (finish_reason aborted)."""
+        await self._post("/abort_request", {"rid": rid})
+
+    async def abort_all(self) -> None:
+        await self._post("/abort_request", {"abort_all": True})
+
+    async def weight_version(self) -> int:
+        try:
+            response = await self._http.get("/model_info")
+        except httpx.TransportError as e:
+            raise EngineError(f"{self.base_url}/model_info: engine unreachable ({type(e).__name__}: {e})") from e
+        if response.status_code != 200:
+            raise EngineError(f"{self.base_url}/model_info: HTTP {response.status_code}: {_error_message(response)}")
+        return parse_weight_version(response.json()["weight_version"])
+
+    async def set_weight_version(self, version: int, abort_all_requests: bool = False) -> None:
+        """Label the engine's current weights ``version`` (for tokens generated from now on)."""
+        await self._post("/update_weight_version",
+                         {"new_version": str(int(version)), "abort_all_requests": abort_all_requests})
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and "message" in error:
+        return error["message"]
+    return str(body)[:500]

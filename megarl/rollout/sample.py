@@ -1,0 +1,104 @@
+"""The rollout sample: one prompt + one response with everything training needs (DESIGN.md section 3).
+
+Shapes, for P prompt tokens, R response tokens and T = P + R:
+``loss_mask`` uint8 [R], ``rollout_logprobs`` float32 [R], ``model_version`` int32 [R],
+``routed_experts`` int16/int32 [T-1, L, k] (L = the model's layers, k = experts per token) or None,
+``sampling_mask`` CSR over the R response positions or None (None = full vocabulary).
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class FinishReason(str, enum.Enum):
+    """Why a response ended."""
+
+    STOP = "stop"  # end-of-sequence token or a stop string
+    LENGTH = "length"  # max_new_tokens (or the context) reached
+    ABORTED = "aborted"  # cut off by pause/abort; the tokens so far are kept
+    ERROR = "error"  # generation or scoring failed
+
+
+@dataclass(frozen=True)
+class SamplingMask:
+    """Vocab ids kept by top-k/top-p at each response position, as CSR.
+
+    Row ``i`` (response position i) is ``ids[offsets[i]:offsets[i + 1]]``.
+    ids: int32 [nnz]; offsets: int32 [R + 1], offsets[0] == 0, non-decreasing, offsets[-1] == nnz.
+    """
+
+    ids: np.ndarray
+    offsets: np.ndarray
+
+    def __post_init__(self):
+        if self.ids.dtype != np.int32 or self.ids.ndim != 1:
+            raise ValueError(f"SamplingMask.ids must be int32 [nnz], got {self.ids.dtype} {self.ids.shape}")
+        if self.offsets.dtype != np.int32 or self.offsets.ndim != 1 or self.offsets.size == 0:
+            raise ValueError(
+                f"SamplingMask.offsets must be int32 [R+1], got {self.offsets.dtype} {self.offsets.shape}"
+            )
+        if self.offsets[0] != 0 or self.offsets[-1] != self.ids.size or (np.diff(self.offsets) < 0).any():
+            raise ValueError(
+                f"SamplingMask.offsets must start at 0, never decrease and end at nnz={self.ids.size}; "
+                f"got first={self.offsets[0]} last={self.offsets[-1]}"
+            )
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Sequence[int]]) -> SamplingMask:
+        """CSR from one list of kept vocab ids per response position."""
+        lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        if offsets[-1] > np.iinfo(np.int32).max:
+            raise ValueError(f"sampling mask has {offsets[-1]} entries, more than int32 offsets can index")
+        ids = np.fromiter((i for r in rows for i in r), dtype=np.int32, count=int(offsets[-1]))
+        return cls(ids=ids, offsets=offsets.astype(np.int32))
+
+    @property
+    def num_rows(self) -> int:
+        return self.offsets.size - 1
+
+    def row(self, i: int) -> np.ndarray:
+        """Kept vocab ids (int32) at response position ``i``."""
+        return self.ids[self.offsets[i] : self.offsets[i + 1]]
+
+
+@dataclass
+class RolloutSample:
+    """One prompt + one response; see the module docstring for shapes."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    loss_mask: np.ndarray
+    rollout_logprobs: np.ndarray
+    model_version: np.ndarray
+    routed_experts: np.ndarray | None
+    sampling_mask: SamplingMask | None
+    finish_reason: FinishReason
+    reward: float | None = None  # filled by the reward step
+    advantage: float | None = None  # filled by the advantage estimator
+    group_id: str = ""
+    episode_id: str = ""
+
+    def __post_init__(self):
+        r = len(self.response_ids)
+        for name, dtype in (("loss_mask", np.uint8), ("rollout_logprobs", np.float32), ("model_version", np.int32)):
+            value = getattr(self, name)
+            if value.dtype != dtype or value.shape != (r,):
+                raise ValueError(f"{name} must be {np.dtype(dtype)} [{r}], got {value.dtype} {value.shape}")
+        if self.routed_experts is not None:
+            t = len(self.prompt_ids) + r
+            re = self.routed_experts
+            if re.dtype not in (np.int16, np.int32) or re.ndim != 3 or re.shape[0] != t - 1:
+                raise ValueError(f"routed_experts must be int16/int32 [T-1={t - 1}, L, k], got {re.dtype} {re.shape}")
+        if self.sampling_mask is not None and self.sampling_mask.num_rows != r:
+            raise ValueError(f"sampling_mask has {self.sampling_mask.num_rows} rows, response has {r} tokens")
+
+    @property
+    def num_tokens(self) -> int:
+        """T = prompt + response tokens."""
+        return len(self.prompt_ids) + len(self.response_ids)

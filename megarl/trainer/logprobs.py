@@ -1,0 +1,162 @@
+"""Log-probs and entropy of target tokens from vocab-parallel logits, with Keep Sampling Mask.
+
+Each tensor-parallel rank holds a logits shard ``[N, V/tp]`` covering vocab ids
+``[vocab_start, vocab_start + V/tp)``. No rank ever builds an ``[N, V]`` tensor: ranks combine
+per-row maxima and sums with all-reduces (as megatron-core's vocab-parallel cross-entropy does), and
+the backward pass needs no communication. Under Keep Sampling Mask the log-prob is taken over the
+ids the engine kept at that position (the others set to -inf on every shard); the entropy is always
+that of the unmasked distribution. Logits must already be divided by the sampling temperature.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class CsrMask:
+    """Kept vocab ids per position: row i keeps ``ids[offsets[i]:offsets[i + 1]]``.
+
+    ``ids`` int32 [nnz], ``offsets`` int32 [N + 1]. An empty row means "no mask at this position"
+    (full vocabulary): the engine always returns at least the sampled id, so an empty row only
+    comes from samples (or prompt positions) that have no mask.
+    """
+
+    ids: torch.Tensor
+    offsets: torch.Tensor
+
+
+@dataclass
+class TokenLogprobs:
+    logprobs: torch.Tensor  # [N], log-prob of the target over its kept set (differentiable)
+    entropy: torch.Tensor  # [N], entropy of the unmasked distribution (differentiable)
+
+
+def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: Optional[dist.ProcessGroup]) -> None:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
+
+
+class _MaskedTargetLogprob(torch.autograd.Function):
+    """``log softmax(z masked to kept)[target]`` over the union of vocab shards; d/dz = onehot - p_masked."""
+
+    @staticmethod
+    def forward(ctx, logits, keep, target_local, on_rank, group):
+        z = logits if keep is None else logits.masked_fill(~keep, float("-inf"))
+        row_max = z.max(dim=1).values
+        _all_reduce(row_max, dist.ReduceOp.MAX, group)
+        shifted = z - row_max[:, None]
+        exp = shifted.exp()
+        target_shifted = shifted.gather(1, target_local[:, None]).squeeze(1)
+        stats = torch.stack(
+            [exp.sum(dim=1), torch.where(on_rank, target_shifted, torch.zeros_like(target_shifted)), on_rank.to(z.dtype)],
+            dim=1,
+        )
+        _all_reduce(stats, dist.ReduceOp.SUM, group)
+        owners = stats[:, 2]
+        if (owners != 1).any():
+            row = int((owners != 1).nonzero()[0])
+            raise ValueError(f"target id at position {row} is outside the vocabulary (held by {int(owners[row])} shards, expected 1)")
+        sum_exp = stats[:, 0]
+        ctx.save_for_backward(exp / sum_exp[:, None], target_local, on_rank)
+        return stats[:, 1] - sum_exp.log()
+
+    @staticmethod
+    def backward(ctx, grad_logprob):
+        probs, target_local, on_rank = ctx.saved_tensors
+        grad_logits = probs * -grad_logprob[:, None]
+        rows = on_rank.nonzero().squeeze(1)
+        grad_logits[rows, target_local[rows]] += grad_logprob[rows]
+        return grad_logits, None, None, None, None
+
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    """``H = -sum_j p_j log p_j = log S - sum_j p_j (z_j - max)``; dH/dz_j = -p_j (log p_j + H)."""
+
+    @staticmethod
+    def forward(ctx, logits, group):
+        row_max = logits.max(dim=1).values
+        _all_reduce(row_max, dist.ReduceOp.MAX, group)
+        shifted = logits - row_max[:, None]
+        exp = shifted.exp()
+        stats = torch.stack([exp.sum(dim=1), (exp * shifted).sum(dim=1)], dim=1)
+        _all_reduce(stats, dist.ReduceOp.SUM, group)
+        log_sum_exp = stats[:, 0].log()
+        entropy = log_sum_exp - stats[:, 1] / stats[:, 0]
+        ctx.save_for_backward(logits, row_max, log_sum_exp, entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad_entropy):
+        logits, row_max, log_sum_exp, entropy = ctx.saved_tensors
+        log_probs = logits - row_max[:, None] - log_sum_exp[:, None]
+        return -log_probs.exp() * (log_probs + entropy[:, None]) * grad_entropy[:, None], None
+
+
+def _kept_in_shard(mask: CsrMask, targets: torch.Tensor, vocab_start: int, shard_size: int) -> torch.Tensor:
+    """Bool [N, V/tp]: which ids of this shard are kept; rows without a mask keep everything.
+
+    Raises ValueError on a malformed CSR or a target that is not inside its own (non-empty) mask.
+    """
+    n = targets.numel()
+    ids, offsets = mask.ids, mask.offsets
+    if ids.dim() != 1 or offsets.shape != (n + 1,) or ids.is_floating_point() or offsets.is_floating_point():
+        raise ValueError(f"sampling mask must be integer ids [nnz] and offsets [N+1] with N={n}; got {tuple(ids.shape)}, {tuple(offsets.shape)}")
+    counts = offsets[1:] - offsets[:-1]
+    if int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel() or (counts < 0).any():
+        raise ValueError(f"sampling mask offsets must rise from 0 to nnz={ids.numel()}; got {offsets[0].item()}..{offsets[-1].item()}")
+    if ids.numel() and int(ids.min()) < 0:
+        raise ValueError(f"sampling mask holds a negative vocab id {int(ids.min())}")
+    rows = torch.repeat_interleave(torch.arange(n, device=ids.device), counts.long())
+    ids = ids.long()
+    target_hits = torch.zeros(n, dtype=torch.long, device=ids.device).index_add_(0, rows, (ids == targets[rows]).long())
+    missing = ((target_hits == 0) & (counts > 0)).nonzero().squeeze(1)
+    if missing.numel():
+        row = int(missing[0])
+        raise ValueError(
+            f"target id {int(targets[row])} at position {row} is not in its sampling mask "
+            f"({missing.numel()} positions affected); the sampled token must always be kept"
+        )
+    keep = torch.zeros(n, shard_size, dtype=torch.bool, device=ids.device)
+    local = ids - vocab_start
+    in_shard = (local >= 0) & (local < shard_size)
+    keep[rows[in_shard], local[in_shard]] = True
+    keep[counts == 0] = True
+    return keep
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    vocab_start: int,
+    targets: torch.Tensor,
+    sampling_mask: Optional[CsrMask] = None,
+    group: Optional[dist.ProcessGroup] = None,
+) -> TokenLogprobs:
+    """Target log-probs (masked to the kept ids) and unmasked entropy from this rank's logits shard.
+
+    ``logits`` float [N, V/tp] (bf16/fp16 are computed in float32), ``vocab_start`` the first vocab id
+    of the shard, ``targets`` int [N] global vocab ids, ``sampling_mask`` replicated on all ranks (None =
+    full vocabulary everywhere), ``group`` the tensor-parallel group (None = a single shard, no
+    communication; note: not the default world group). Every rank returns the same values; gradients
+    reach this rank's shard only.
+    """
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(f"logits must be a float [N, V/tp] tensor, got {logits.dtype} {tuple(logits.shape)}")
+    if targets.shape != logits.shape[:1] or targets.is_floating_point():
+        raise ValueError(f"targets must be integer [N] = {tuple(logits.shape[:1])}, got {targets.dtype} {tuple(targets.shape)}")
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    targets = targets.long()
+    if targets.numel() and int(targets.min()) < 0:
+        raise ValueError(f"target ids must be >= 0, got {int(targets.min())}")
+    shard_size = logits.shape[1]
+    keep = None if sampling_mask is None else _kept_in_shard(sampling_mask, targets, vocab_start, shard_size)
+    target_local = targets - vocab_start
+    on_rank = (target_local >= 0) & (target_local < shard_size)
+    target_local = torch.where(on_rank, target_local, torch.zeros_like(target_local))
+    logprobs = _MaskedTargetLogprob.apply(logits, keep, target_local, on_rank, group)
+    entropy = _VocabParallelEntropy.apply(logits, group)
+    return TokenLogprobs(logprobs, entropy)

@@ -1,0 +1,40 @@
+"""Build a trainable Megatron model for this rank: bridge model + DDP + optimizer + LR schedule."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from megarl.models.bridge import MegatronModel, build_megatron_model
+from megarl.trainer.distributed import Layout
+from megarl.trainer.optimizer import OptimizerSettings, build_optimizer
+
+
+@dataclass
+class TrainableModel:
+    model: MegatronModel
+    optimizer: Any
+    scheduler: Any
+
+    @property
+    def chunks(self) -> list:
+        return self.model.chunks
+
+
+def build_trainable(hf_path: str, layout: Layout, settings: OptimizerSettings, *, transformer_impl: str = "auto",
+                    dispatcher: str = "alltoall", routing_replay: bool = False,
+                    moe_aux_loss_coeff: float = 0.0) -> TrainableModel:
+    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.utils import get_model_config
+
+    ddp = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, average_in_collective=False,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+    )
+    model = build_megatron_model(hf_path, layout, dtype=settings.dtype, transformer_impl=transformer_impl,
+                                 dispatcher=dispatcher, ddp_config=ddp, routing_replay=routing_replay,
+                                 moe_aux_loss_coeff=moe_aux_loss_coeff)
+    # The schedules call this after the last backward: DP/EP gradient all-reduce, the TP all-reduce
+    # of sequence-parallel norm weights, and the division by the global token count.
+    get_model_config(model.chunks[0]).finalize_model_grads_func = finalize_model_grads
+    optimizer, scheduler = build_optimizer(model.chunks, settings)
+    return TrainableModel(model, optimizer, scheduler)

@@ -1,0 +1,52 @@
+"""Wait until a Ray cluster has the expected nodes and GPUs alive; used by megarl.sbatch.
+
+    python slurm/wait_for_ray.py --address HEAD_IP:PORT --nodes N --gpus G [--timeout SECONDS]
+
+Exit 0 once at least N nodes and G GPUs are alive, 1 (with what joined) when the timeout passes.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+log = logging.getLogger("wait_for_ray")
+
+
+def alive(nodes: list[dict]) -> tuple[int, float]:
+    """(alive nodes, their GPUs) from ``ray.nodes()``."""
+    up = [n for n in nodes if n.get("Alive")]
+    return len(up), sum(n.get("Resources", {}).get("GPU", 0.0) for n in up)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="[wait_for_ray] %(message)s")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--address", required=True, help="HEAD_IP:PORT of the Ray head")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument("--gpus", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    args = parser.parse_args()
+
+    import ray
+
+    deadline = time.monotonic() + args.timeout
+    nodes, gpus = 0, 0.0
+    while time.monotonic() < deadline:
+        try:
+            if not ray.is_initialized():
+                ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False)
+            nodes, gpus = alive(ray.nodes())
+        except (ConnectionError, RuntimeError) as exc:  # the head is not up yet
+            log.info("head %s not reachable yet (%s)", args.address, type(exc).__name__)
+        if nodes >= args.nodes and gpus >= args.gpus:
+            log.info("ray cluster ready: %d/%d nodes, %g/%d GPUs", nodes, args.nodes, gpus, args.gpus)
+            return 0
+        time.sleep(2.0)
+    log.error("timeout after %.0f s: %d/%d nodes, %g/%d GPUs joined", args.timeout, nodes, args.nodes, gpus, args.gpus)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Vocab-parallel log-probs with Keep Sampling Mask against a dense single-process reference.
+
+The reference takes the other route: the full [N, V] logits, non-kept ids set to -inf by a Python
+loop over the CSR rows, ``torch.log_softmax`` and autograd. The TP=2 run uses two gloo processes.
+"""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megarl.trainer.logprobs import CsrMask, vocab_parallel_logprobs
+
+N, V, TP = 12, 10, 2
+
+
+def _case():
+    """Logits [N, V] float64, targets [N], a CSR mask covering the awkward rows, loss weights."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(N, V, generator=gen, dtype=torch.float64) * 3
+    targets = torch.randint(0, V, (N,), generator=gen)
+    rows = []
+    for i in range(N):
+        if i in (2, 7):  # no mask at these positions: full vocabulary
+            rows.append([])
+        elif i == 4:  # only the target, kept on a single shard
+            rows.append([int(targets[i])])
+        elif i == 5:  # everything kept lies in the target's shard; the other shard is all -inf
+            lo = int(targets[i]) // (V // TP) * (V // TP)
+            rows.append(sorted({int(targets[i]), lo, lo + 1}))
+        else:
+            others = torch.randperm(V, generator=gen)[:4].tolist()
+            rows.append(sorted(set(others) | {int(targets[i])}))
+    w_logp = torch.randn(N, generator=gen, dtype=torch.float64)
+    w_ent = torch.randn(N, generator=gen, dtype=torch.float64)
+    return logits, targets, _csr(rows), rows, w_logp, w_ent
+
+
+def _csr(rows: list[list[int]]) -> CsrMask:
+    ids = torch.tensor([v for r in rows for v in r], dtype=torch.int32)
+    offsets = torch.tensor([0] + [len(r) for r in rows], dtype=torch.int32).cumsum(0).to(torch.int32)
+    return CsrMask(ids, offsets)
+
+
+def _dense_reference(logits, targets, rows, w_logp, w_ent):
+    """(masked logp [N], unmasked entropy [N], grad [N, V]) by dense log_softmax and autograd."""
+    logits = logits.clone().requires_grad_()
+    masked = logits.clone()
+    for i, kept in enumerate(rows):
+        if kept:
+            drop = [v for v in range(V) if v not in kept]
+            masked[i, drop] = float("-inf")
+    logp = torch.log_softmax(masked, dim=-1)[torch.arange(N), targets]
+    full = torch.log_softmax(logits, dim=-1)
+    entropy = -(full.exp() * full).sum(dim=-1)
+    ((w_logp * logp).sum() + (w_ent * entropy).sum()).backward()
+    return logp.detach(), entropy.detach(), logits.grad
+
+
+def _sharded(logits, targets, mask, w_logp, w_ent, start, size, group):
+    shard = logits[:, start : start + size].clone().requires_grad_()
+    out = vocab_parallel_logprobs(shard, start, targets, mask, group)
+    ((w_logp * out.logprobs).sum() + (w_ent * out.entropy).sum()).backward()
+    return out.logprobs.detach(), out.entropy.detach(), shard.grad
+
+
+def _worker(rank, port, results):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP)
+    torch.set_num_threads(1)
+    logits, targets, mask, rows, w_logp, w_ent = _case()
+    size = V // TP
+    group = dist.new_group(list(range(TP)))
+    out = {
+        "masked": _sharded(logits, targets, mask, w_logp, w_ent, rank * size, size, group),
+        "unmasked": _sharded(logits, targets, None, w_logp, w_ent, rank * size, size, group),
+    }
+    outside = _csr([[v for v in range(V) if v != int(targets[0])][:3]] + rows[1:])  # row 0 lacks its target
+    for name, args in {"outside_mask": (targets, outside), "outside_vocab": (torch.full((N,), V), None)}.items():
+        try:
+            vocab_parallel_logprobs(logits[:, rank * size : (rank + 1) * size], rank * size, args[0], args[1], group)
+            out[name] = None
+        except ValueError as err:
+            out[name] = str(err)
+    torch.save(out, f"{results}/rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    results = tmp_path_factory.mktemp("tp2")
+    mp.spawn(_worker, args=(_free_port(), str(results)), nprocs=TP, join=True)
+    return [torch.load(results / f"rank{r}.pt") for r in range(TP)]
+
+
+def test_masked_logprobs_and_grad_match_dense_reference_under_tp2(tp2):
+    logits, targets, _, rows, w_logp, w_ent = _case()
+    ref_logp, ref_ent, ref_grad = _dense_reference(logits, targets, rows, w_logp, w_ent)
+    for rank_out in tp2:
+        logp, ent, _ = rank_out["masked"]
+        assert (logp - ref_logp).abs().max() < 1e-6
+        assert (ent - ref_ent).abs().max() < 1e-6
+    grad = torch.cat([rank_out["masked"][2] for rank_out in tp2], dim=1)
+    assert (grad - ref_grad).abs().max() < 1e-6
+    # the mask matters: rows with a mask differ from the unmasked log-prob
+    plain = torch.log_softmax(logits, dim=-1)[torch.arange(N), targets]
+    assert (tp2[0]["masked"][0] - plain)[[i for i, r in enumerate(rows) if r]].abs().min() > 1e-3
+
+
+def test_entropy_is_unmasked_and_no_mask_is_plain_log_softmax_under_tp2(tp2):
+    logits, targets, _, _, w_logp, w_ent = _case()
+    ref_logp, ref_ent, ref_grad = _dense_reference(logits, targets, [[]] * N, w_logp, w_ent)
+    masked_ent = tp2[0]["masked"][1]
+    for rank_out in tp2:
+        logp, ent, _ = rank_out["unmasked"]
+        assert (logp - ref_logp).abs().max() < 1e-6
+        assert (ent - ref_ent).abs().max() < 1e-6
+    assert (masked_ent - ref_ent).abs().max() < 1e-6
+    grad = torch.cat([rank_out["unmasked"][2] for rank_out in tp2], dim=1)
+    assert (grad - ref_grad).abs().max() < 1e-6
+
+
+def test_bad_targets_raise_on_every_rank_under_tp2(tp2):
+    for rank_out in tp2:
+        assert "not in its sampling mask" in rank_out["outside_mask"] and "position 0" in rank_out["outside_mask"]
+        assert "outside the vocabulary" in rank_out["outside_vocab"]
+
+
+def test_single_shard_without_group_matches_reference():
+    logits, targets, mask, rows, w_logp, w_ent = _case()
+    ref_logp, ref_ent, ref_grad = _dense_reference(logits, targets, rows, w_logp, w_ent)
+    logp, ent, grad = _sharded(logits, targets, mask, w_logp, w_ent, 0, V, None)
+    assert (logp - ref_logp).abs().max() < 1e-6
+    assert (ent - ref_ent).abs().max() < 1e-6
+    assert (grad - ref_grad).abs().max() < 1e-6
+
+
+def test_float32_close_to_float64_reference():
+    logits, targets, mask, rows, w_logp, w_ent = _case()
+    ref_logp, ref_ent, _ = _dense_reference(logits, targets, rows, w_logp, w_ent)
+    out = vocab_parallel_logprobs(logits.float(), 0, targets, mask)
+    assert out.logprobs.dtype == torch.float32
+    assert (out.logprobs.double() - ref_logp).abs().max() < 1e-5
+    assert (out.entropy.double() - ref_ent).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "ids, offsets, match",
+    [
+        ([1, 2], [0, 2], r"offsets \[N\+1\]"),  # 2 offsets for N = 2 positions
+        ([1, 2, 1], [0, 4, 3], "rise"),  # a row of length -1
+        ([-1, 2], [0, 1, 2], "negative"),
+    ],
+)
+def test_malformed_mask_raises(ids, offsets, match):
+    mask = CsrMask(torch.tensor(ids, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32))
+    with pytest.raises(ValueError, match=match):
+        vocab_parallel_logprobs(torch.zeros(2, 4, dtype=torch.float64), 0, torch.tensor([1, 2]), mask)
