@@ -43,12 +43,14 @@ def _split_recipe(args: list[str]) -> tuple[Path, list[str]]:
 
 
 def _one_line(exc: Exception) -> str:
-    """Hydra/OmegaConf errors span several lines with a 'full_key:' line; keep what names the key."""
-    text = str(exc).strip()
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    """Hydra/OmegaConf errors span several lines (the reason is often in ``__cause__``, the key in a
+    ``full_key:`` line); keep ``<key>: <reason>``."""
+    source = exc.__cause__ or exc
+    lines = [ln.strip() for ln in str(source).splitlines() if ln.strip()]
     full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
-    first = lines[0] if lines else type(exc).__name__
-    return f"{full_key}: {first}" if full_key and full_key not in first else first
+    if full_key:
+        return f"{full_key}: {lines[0]}"
+    return "; ".join(lines[:2]) or type(exc).__name__
 
 
 def _unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> list[str]:
@@ -56,7 +58,7 @@ def _unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> list
     found = []
     for key in cfg.keys():
         full = f"{prefix}{key}"
-        if key not in schema:
+        if key not in schema.keys():
             found.append(full)
             continue
         sub, ref = cfg._get_node(key), schema._get_node(key)

@@ -13,13 +13,12 @@ from typing import Optional
 from omegaconf import MISSING
 
 
-class Mode(str, Enum):
-    """What ``python -m megarl.train`` runs."""
-
-    warmup = "warmup"  # supervised warm-up only (saves the HF checkpoint RL starts from)
-    sync = "sync"  # RL, buffer depth one batch, sync after every step
-    one_step_off = "one_step_off"  # RL, generation runs one step ahead of training
-    async_ = "async"  # RL, two free-running loops joined by the buffer
+# What ``python -m megarl.train`` runs (a string: ``async`` cannot name an Enum member):
+#   warmup        supervised warm-up only (saves the HF checkpoint RL starts from)
+#   sync          RL, buffer depth one batch, sync after every step
+#   one_step_off  RL, generation runs one step ahead of training
+#   async         RL, two free-running loops joined by the buffer
+MODES = ("warmup", "sync", "one_step_off", "async")
 
 
 class Placement(str, Enum):
@@ -80,6 +79,7 @@ class ArchConfig:
 @dataclass
 class ModelConfig:
     hf_path: str = MISSING  # HF checkpoint directory (config.json + safetensors + tokenizer)
+    make_tiny_if_missing: bool = False  # build the demo's tiny checkpoint at hf_path when it is absent
     dtype: str = "float32"  # float32 | bfloat16 | float16: parameter and compute dtype
     transformer_impl: TransformerImpl = TransformerImpl.auto
     moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight; 0 for RL, where routing is replayed
@@ -198,15 +198,13 @@ class BufferConfig:
 
 @dataclass
 class LoggingConfig:
-    run_dir: str = "runs/${run_name}"
-    tensorboard: bool = True
-    log_interval: int = 1
+    run_dir: str = "runs/${run_name}"  # metrics.jsonl and the resolved config.yaml go here
 
 
 @dataclass
 class MegarlConfig:
     run_name: str = "run"
-    mode: Mode = Mode.warmup
+    mode: str = "warmup"  # one of MODES
     placement: Placement = Placement.colocated
     steps: int = 100  # RL steps
     model: ModelConfig = field(default_factory=ModelConfig)

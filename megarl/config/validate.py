@@ -10,7 +10,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from megarl.config.load import ConfigError
-from megarl.config.schema import Mode
+from megarl.config.schema import MODES
 
 
 def _fail(key: str, why: str) -> None:
@@ -48,6 +48,8 @@ def validate(cfg: DictConfig) -> None:
 
     arch = {k: cfg.model.arch[k] for k in ("num_layers", "num_experts", "num_attention_heads", "num_query_groups")}
     for k, v in checkpoint_arch(cfg.model.hf_path).items():
+        if arch[k] is not None and v is not None and arch[k] != v:
+            _fail(f"model.arch.{k}", f"the recipe says {arch[k]}, {cfg.model.hf_path}/config.json says {v}")
         arch[k] = arch[k] if arch[k] is not None else v
     experts = arch["num_experts"] or 0
     if experts and experts % p.ep:
@@ -68,5 +70,7 @@ def validate(cfg: DictConfig) -> None:
         _fail("rollout.top_k", "Keep Sampling Mask needs a finite top_k > 0 (the engine returns at most top_k ids)")
     if r.samples_per_prompt < 1 or r.prompts_per_step < 1:
         _fail("rollout.samples_per_prompt", "samples_per_prompt and prompts_per_step must be >= 1")
-    if cfg.mode != Mode.warmup:
-        _fail("mode", f"{cfg.mode.value}: the RL pipeline is not built yet; only mode=warmup runs")
+    if cfg.mode not in MODES:
+        _fail("mode", f"{cfg.mode!r} is not one of {', '.join(MODES)}")
+    if cfg.mode != "warmup":
+        _fail("mode", f"{cfg.mode}: the RL pipeline is not built yet; only mode=warmup runs")

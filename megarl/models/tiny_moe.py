@@ -28,6 +28,14 @@ class TinyMoeSpec:
     max_position_embeddings: int = 64
     seed: int = 0
 
+    @classmethod
+    def from_arch(cls, arch) -> "TinyMoeSpec":
+        """The spec a recipe's ``model.arch`` describes (fields left ``None`` keep their default)."""
+        names = {"hidden_size": "hidden_size", "num_layers": "num_layers", "num_experts": "num_experts",
+                 "topk": "moe_topk", "num_heads": "num_attention_heads", "num_kv_heads": "num_query_groups",
+                 "moe_ffn_hidden_size": "moe_ffn_hidden_size", "vocab_size": "vocab_size"}
+        return cls(**{mine: arch[theirs] for mine, theirs in names.items() if arch[theirs] is not None})
+
 
 def train_tokenizer(texts: list[str]):
     """Byte-level BPE over ``texts``; digits are split individually so numbers tokenize per digit.

@@ -83,6 +83,11 @@ class SGLangEngine:
         self.startup_s: float | None = None  # seconds from spawn to healthy, set by start()
 
     @property
+    def pid(self) -> int | None:
+        """The server's process id (it leads its own process group); None before start/after stop."""
+        return self._process.pid if self._process is not None else None
+
+    @property
     def url(self) -> str:
         return f"http://{self.settings.host}:{self.port}"
 

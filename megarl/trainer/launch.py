@@ -24,6 +24,9 @@ def _rank_main(fn, rank, layout, port, backend, seed, args, results):
     import torch
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from megarl.log import setup_logging
+
+    setup_logging()
     try:
         from megarl.trainer.distributed import init_rank, shutdown_rank
 

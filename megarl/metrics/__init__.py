@@ -1,0 +1,1 @@
+"""Run metrics: sinks (metrics.jsonl), train-inference mismatch, routing agreement, GPU stats, plots."""

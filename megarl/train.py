@@ -1,0 +1,85 @@
+"""``python -m megarl.train recipe=NAME key=value ...``: the megarl driver.
+
+``--cfg job`` prints the resolved config and exits. A bad recipe or override exits with status 2
+and one line naming the key. ``mode=warmup`` runs the supervised warm-up that makes the RL
+starting checkpoint; the RL modes (sync / one_step_off / async) come with the async pipeline.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from megarl.config import ConfigError, load_config
+from megarl.log import setup_logging
+
+log = logging.getLogger("megarl.train")
+
+
+def warmup(cfg: DictConfig) -> list[float]:
+    """Supervised warm-up on every trainer rank; saves the HF checkpoint; returns the losses."""
+    from megarl.trainer.distributed import Layout
+    from megarl.trainer.launch import run_ranks
+    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.trainer.warmup import WarmupJob, run_warmup
+
+    t, w = cfg.trainer, cfg.warmup
+    job = WarmupJob(
+        hf_path=cfg.model.hf_path, save_hf_path=w.save_hf_path, run_dir=cfg.logging.run_dir, steps=w.steps,
+        batch_size=w.batch_size, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
+        optimizer=OptimizerSettings(
+            lr=w.lr, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
+            weight_decay=t.weight_decay, use_distributed_optimizer=t.use_distributed_optimizer, dtype=cfg.model.dtype),
+        max_operand=cfg.task.max_operand, seed=cfg.task.seed, log_interval=w.log_interval,
+        transformer_impl=cfg.model.transformer_impl.value, dispatcher=cfg.parallel.dispatcher.value,
+    )
+    losses = run_ranks(run_warmup, Layout.from_config(cfg.parallel), job, backend=cfg.parallel.backend,
+                       seed=t.seed)[-1]
+    log.info("warm-up loss %.3f -> %.3f over %d steps; HF checkpoint: %s", losses[0], losses[-1], len(losses),
+             w.save_hf_path)
+    return losses
+
+
+def run(cfg: DictConfig) -> None:
+    run_dir = Path(cfg.logging.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    hf_path = Path(cfg.model.hf_path)
+    if not (hf_path / "config.json").is_file():
+        if not cfg.model.make_tiny_if_missing:
+            raise ConfigError(f"model.hf_path: {hf_path} is not an HF checkpoint directory (no config.json)")
+        from megarl.models.tiny_moe import TinyMoeSpec, make_tiny_moe
+
+        log.info("building the tiny demo checkpoint at %s", hf_path)
+        make_tiny_moe(hf_path, TinyMoeSpec.from_arch(cfg.model.arch), max_operand=cfg.task.max_operand)
+    if cfg.mode == "warmup":
+        warmup(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    print_job = False
+    if "--cfg" in args:
+        at = args.index("--cfg")
+        if args[at + 1: at + 2] != ["job"]:
+            print("megarl: only '--cfg job' is supported", file=sys.stderr)
+            return 2
+        del args[at: at + 2]
+        print_job = True
+    setup_logging()
+    try:
+        cfg = load_config(args)
+        if print_job:
+            print(OmegaConf.to_yaml(cfg), end="")
+            return 0
+        run(cfg)
+    except ConfigError as exc:
+        print(f"megarl: config error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

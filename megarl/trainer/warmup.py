@@ -1,0 +1,84 @@
+"""Supervised warm-up on the task's format: the way the demo's starting checkpoint is made.
+
+RL from a random model sees groups whose rewards are all zero; a short supervised pass on
+``prompt -> answer<eos>`` (loss on the answer tokens only) gives GRPO a policy with mixed rewards
+to push (see DESIGN.md section 10). Runs on every rank of the layout; rank 0 reports.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+from megarl.rollout import arithmetic
+from megarl.trainer.distributed import Layout
+from megarl.trainer.optimizer import OptimizerSettings
+from megarl.trainer.token_batch import TokenBatch, pack_sequences
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WarmupJob:
+    hf_path: str
+    save_hf_path: str
+    run_dir: str
+    steps: int
+    batch_size: int
+    optimizer: OptimizerSettings
+    max_tokens_per_microbatch: int
+    max_operand: int = 9
+    seed: int = 0
+    log_interval: int = 10
+    transformer_impl: str = "auto"
+    dispatcher: str = "alltoall"
+
+
+def answer_batch(tokenizer, problems: list[arithmetic.Problem], length_multiple: int) -> TokenBatch:
+    """``prompt + answer + eos`` per problem, the loss on ``answer + eos``."""
+    sequences, starts = [], []
+    for problem in problems:
+        prompt = tokenizer(problem.prompt)["input_ids"]
+        answer = tokenizer(problem.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        sequences.append(prompt + answer)
+        starts.append(len(prompt))
+    return pack_sequences(sequences, starts, tokenizer.pad_token_id, length_multiple)
+
+
+def run_warmup(rank: int, layout: Layout, job: WarmupJob) -> list[float]:
+    """Train ``job.steps`` steps, save the HF checkpoint; returns the loss per step (rank 0: all)."""
+    from megatron.core import parallel_state
+    from rich.progress import Progress
+    from transformers import AutoTokenizer
+
+    from megarl.metrics.sink import MetricsFile
+    from megarl.models.bridge import save_hf_checkpoint
+    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.step import supervised_step
+
+    tokenizer = AutoTokenizer.from_pretrained(job.hf_path)
+    trainable = build_trainable(job.hf_path, layout, job.optimizer, transformer_impl=job.transformer_impl,
+                                dispatcher=job.dispatcher)
+    rng = random.Random(job.seed)  # the same global batch on every rank; each takes its DP share
+    length_multiple = layout.tp if layout.sequence_parallel else 1
+    reporter = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and parallel_state.get_tensor_model_parallel_rank() == 0 \
+        and parallel_state.get_data_parallel_rank() == 0
+    metrics = MetricsFile(job.run_dir) if reporter else None
+    losses = []
+    with Progress(disable=not reporter) as progress:
+        task = progress.add_task("warm-up", total=job.steps)
+        for step in range(1, job.steps + 1):
+            batch = answer_batch(tokenizer, arithmetic.sample_problems(job.batch_size, rng, job.max_operand), length_multiple)
+            result = supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch,
+                                     job.max_tokens_per_microbatch)
+            losses.append(result.loss)
+            if metrics:
+                metrics.log(step, {"warmup/loss": result.loss, "warmup/grad_norm": result.grad_norm})
+                progress.update(task, advance=1, description=f"warm-up loss {result.loss:.3f}")
+                if step % job.log_interval == 0 or step == 1:
+                    log.info("warm-up step %d/%d: loss %.4f, grad norm %.3f", step, job.steps, result.loss, result.grad_norm)
+    save_hf_checkpoint(trainable.model, job.save_hf_path)
+    if metrics:
+        metrics.close()
+        log.info("saved the warmed-up HF checkpoint to %s", job.save_hf_path)
+    return losses
