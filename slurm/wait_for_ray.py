@@ -1,13 +1,16 @@
 """Wait until a Ray cluster has the expected nodes and GPUs alive; used by megarl.sbatch.
 
-    python slurm/wait_for_ray.py --address HEAD_IP:PORT --nodes N --gpus G [--timeout SECONDS]
+    python slurm/wait_for_ray.py --address HEAD_IP:PORT --nodes N --gpus G [--timeout SECONDS] [--watch PID ...]
 
-Exit 0 once at least N nodes and G GPUs are alive, 1 (with what joined) when the timeout passes.
+Exit 0 once at least N nodes and G GPUs are alive; 1 (with what joined) when the timeout passes or
+a watched process (the `srun ... ray start --block` steps) has exited, since the cluster cannot
+form then.
 """
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 import time
 
@@ -20,6 +23,15 @@ def alive(nodes: list[dict]) -> tuple[int, float]:
     return len(up), sum(n.get("Resources", {}).get("GPU", 0.0) for n in up)
 
 
+def exited(pid: int) -> bool:
+    """True when ``pid`` is gone or a zombie (exited, not yet reaped by its parent)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="[wait_for_ray] %(message)s")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -27,6 +39,7 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--gpus", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds")
+    parser.add_argument("--watch", type=int, nargs="*", default=[], help="pids that must stay alive")
     args = parser.parse_args()
 
     import ray
@@ -34,11 +47,17 @@ def main() -> int:
     deadline = time.monotonic() + args.timeout
     nodes, gpus = 0, 0.0
     while time.monotonic() < deadline:
+        gone = [pid for pid in args.watch if exited(pid)]
+        if gone:
+            log.error("a ray start step exited (pid %s): the cluster cannot form", ", ".join(map(str, gone)))
+            return 1
         try:
             if not ray.is_initialized():
+                host, port = args.address.rsplit(":", 1)
+                socket.create_connection((host, int(port)), timeout=2.0).close()  # ray.init would block
                 ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False)
             nodes, gpus = alive(ray.nodes())
-        except (ConnectionError, RuntimeError) as exc:  # the head is not up yet
+        except (OSError, RuntimeError) as exc:  # the head is not up yet
             log.info("head %s not reachable yet (%s)", args.address, type(exc).__name__)
         if nodes >= args.nodes and gpus >= args.gpus:
             log.info("ray cluster ready: %d/%d nodes, %g/%d GPUs", nodes, args.nodes, gpus, args.gpus)

@@ -326,3 +326,17 @@ def test_rl_loss_combines_the_configured_terms_by_hand():
     with pytest.raises(ValueError, match="kl_coef != 0 needs ref_logprobs"):
         rl_loss(LossInputs(logp, logp.detach(), batch.advantages, batch.loss_mask, entropy=batch.entropy,
                            rollout_logprobs=batch.rollout_logprobs), cfg)
+
+
+def test_rl_loss_drops_negative_far_off_policy_sequences():
+    # ratio 1 everywhere, so the PPO loss per token is -A. Sequence 0 (A=-1) has KL(mu||pi) = 0.5 per
+    # token, above the bound 0.1; sequence 1 (A=+1) has KL 0. Token mean with seq 0 dropped:
+    # (-1 - 1) / 2 = -1 ; without the mask: (+1 +1 -1 -1) / 4 = 0.
+    logp = torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)
+    rollout = torch.tensor([[0.5, 0.5], [0.0, 0.0]], dtype=torch.float64)
+    inputs = LossInputs(logprobs=logp, old_logprobs=logp.detach(), advantages=torch.tensor([-1.0, 1.0], dtype=torch.float64),
+                        loss_mask=torch.ones(2, 2, dtype=torch.float64), rollout_logprobs=rollout)
+    masked = rl_loss(inputs, AlgorithmConfig(off_policy_mask_kl=0.1))
+    assert masked.loss.item() == pytest.approx(-1.0)
+    assert masked.metrics["off_policy_masked_sequences"].item() == 1
+    assert rl_loss(inputs, AlgorithmConfig()).loss.item() == pytest.approx(0.0)

@@ -162,7 +162,7 @@ def test_colocated_engines_beyond_the_trainer_gpus_are_refused():
 
 
 def test_missing_architecture_is_an_error_naming_the_key(tmp_path, capsys):
-    assert main(["recipe=tiny_moe_cpu", f"model.hf_path={tmp_path / 'absent'}"]) == 1
+    assert main(["recipe=tiny_moe_cpu", f"model.hf_path={tmp_path / 'absent'}", "model.arch.num_layers=null"]) == 1
     assert "model.arch.num_layers: not set in the recipe and not found" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="model.dtype"):
         plan_layout(load_config(["recipe=qwen3_30b_a3b", "model.dtype=int8"]))

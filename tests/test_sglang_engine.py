@@ -3,22 +3,23 @@ HF transformers forward pass over the same tokens: routing (Keep Routing), sampl
 masked log-probs (Keep Sampling Mask), pause/abort, bad prompts, weight versions, death and stop.
 """
 import asyncio
-import logging
 import os
+import shutil
 import signal
 import time
 
 import numpy as np
 import psutil
+import pybase64
 import pytest
 import torch
 
 from megarl.models.tiny_moe import make_tiny_moe
-from megarl.rollout.client import EngineError, PauseMode, SamplingParams, SGLangClient
-from megarl.rollout.engine import EngineDiedError, EngineSettings, SGLangEngine
-from megarl.rollout.sample import FinishReason
-
-log = logging.getLogger(__name__)
+from megarl.rollout.client import (
+    EngineError, PauseMode, SamplingParams, ServedModel, SGLangClient, decode_routed_experts,
+)
+from megarl.rollout.engine import EngineDiedError, EngineSettings, EngineStartError, SGLangEngine
+from megarl.rollout.sample import FinishReason, RolloutSample, SamplingMask
 
 LM_HEAD_SCALE = 25.0  # the random-init head gives near-uniform logits; scaled, top-p masks bite
 LOGPROB_TOLERANCE = 1e-3
@@ -40,13 +41,13 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint, tmp_path_factory):
+    # One request at a time makes "mid-generation" observable for the pause tests (until_mid_generation).
     settings = EngineSettings(
         model_path=str(checkpoint), dtype="float32", max_total_tokens=4096, max_running_requests=1,
         log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"),
     )
     eng = SGLangEngine(settings)
     eng.start()
-    log.info("SGLang server start-up: %.1f s", eng.startup_s)
     print(f"\n[measured] SGLang server start-up {eng.startup_s:.1f} s")
     yield eng
     eng.stop()
@@ -74,6 +75,15 @@ def run_client(engine, body):
             return await body(client)
 
     return asyncio.run(main())
+
+
+async def until_mid_generation(tasks):
+    """Return while one of ``tasks`` is mid-generation: the engine runs one request at a time
+    (max_running_requests=1), so a third of the first request's duration after it finished,
+    the next one is a third done and the rest are queued (at any engine speed)."""
+    t0 = time.monotonic()
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.sleep((time.monotonic() - t0) / 3)
 
 
 def hf_forward(hf_model, token_ids):
@@ -106,6 +116,57 @@ def check_against_hf(sample, hf_model, with_mask=True):
     assert diff.max(initial=0.0) < LOGPROB_TOLERANCE, f"log-prob differences {diff}"
     return diff.max(initial=0.0), sample.routed_experts.shape[0] * sample.routed_experts.shape[1]
 
+
+# --- decoding and validation, no server ---------------------------------------------------------
+
+def test_sampling_mask_csr_round_trip_and_validation():
+    rows = [[5, 1, 9], [], [7]]
+    mask = SamplingMask.from_rows(rows)
+    assert mask.offsets.tolist() == [0, 3, 3, 4] and mask.ids.dtype == np.int32
+    assert [mask.row(i).tolist() for i in range(mask.num_rows)] == rows
+    with pytest.raises(ValueError, match="end at nnz=4"):
+        SamplingMask(ids=mask.ids, offsets=np.array([0, 3, 3, 5], dtype=np.int32))
+    with pytest.raises(ValueError, match="int32"):
+        SamplingMask(ids=mask.ids.astype(np.int64), offsets=mask.offsets)
+
+
+def test_routed_experts_decoding_checks_shape_and_range():
+    model = ServedModel(vocab_size=16, num_layers=2, topk=2, num_experts=8, context_length=32)
+    ids = np.arange(3 * 2 * 2, dtype=np.int32) % 8  # 4 tokens -> 3 rows
+    decoded = decode_routed_experts(pybase64.b64encode(ids.tobytes()).decode(), num_tokens=4, model=model)
+    assert decoded.dtype == np.int16 and decoded.shape == (3, 2, 2)
+    np.testing.assert_array_equal(decoded.reshape(-1), ids)
+    with pytest.raises(EngineError, match="expected"):
+        decode_routed_experts(pybase64.b64encode(ids.tobytes()).decode(), num_tokens=5, model=model)
+    with pytest.raises(EngineError, match="outside"):
+        decode_routed_experts(pybase64.b64encode((ids + 8).tobytes()).decode(), num_tokens=4, model=model)
+    big = ServedModel(vocab_size=16, num_layers=2, topk=2, num_experts=40000, context_length=32)
+    assert big.routing_dtype == np.int32
+
+
+def test_rollout_sample_rejects_inconsistent_shapes():
+    ok = dict(prompt_ids=[1, 2], response_ids=[3, 4, 5], loss_mask=np.ones(3, np.uint8),
+              rollout_logprobs=np.zeros(3, np.float32), model_version=np.zeros(3, np.int32),
+              routed_experts=np.zeros((4, 2, 2), np.int16), sampling_mask=SamplingMask.from_rows([[3], [4], [5]]),
+              finish_reason=FinishReason.LENGTH)
+    RolloutSample(**ok)
+    with pytest.raises(ValueError, match="rollout_logprobs must be float32"):
+        RolloutSample(**{**ok, "rollout_logprobs": np.zeros(3, np.float64)})
+    with pytest.raises(ValueError, match=r"T-1=4"):
+        RolloutSample(**{**ok, "routed_experts": np.zeros((5, 2, 2), np.int16)})
+    with pytest.raises(ValueError, match="2 rows, response has 3"):
+        RolloutSample(**{**ok, "sampling_mask": SamplingMask.from_rows([[3], [4]])})
+
+
+def test_settings_and_model_reading_name_what_is_wrong(tmp_path):
+    with pytest.raises(ValueError, match="has no config.json"):
+        EngineSettings(model_path=str(tmp_path))
+    (tmp_path / "config.json").write_text('{"vocab_size": 10, "num_hidden_layers": 2, "max_position_embeddings": 8}')
+    with pytest.raises(ValueError, match="not an MoE config: missing .*num_experts_per_tok"):
+        ServedModel.from_hf_config(tmp_path)
+
+
+# --- one real server ------------------------------------------------------------------------------
 
 def test_routing_mask_and_logprobs_equal_the_hf_forward(engine, hf_model, tokenizer):
     params = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, top_k=20)
@@ -150,14 +211,11 @@ def test_without_metadata_logprobs_are_full_vocabulary(engine, hf_model, tokeniz
 
 
 def test_pause_with_abort_returns_partial_samples(engine, hf_model, tokenizer):
-    # The engine runs one request at a time (max_running_requests=1), so when the first of these
-    # finishes the second is mid-generation and the rest are still queued.
     params = SamplingParams(max_new_tokens=56, temperature=1.0, top_k=20, ignore_eos=True)
 
     async def body(client):
         tasks = [asyncio.create_task(client.generate(tokenizer.encode(t), params)) for t in PROMPTS]
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        await asyncio.sleep(0.3)
+        await until_mid_generation(tasks)
         try:
             await asyncio.wait_for(client.pause_generation(PauseMode.ABORT), timeout=60)
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
@@ -174,8 +232,55 @@ def test_pause_with_abort_returns_partial_samples(engine, hf_model, tokenizer):
     for sample in aborted:
         if sample.response_ids:
             check_against_hf(sample, hf_model)
+        else:  # aborted while queued: nothing ran, so no routing and an empty mask
+            assert sample.routed_experts is None and sample.sampling_mask.num_rows == 0
     print(f"\n[measured] pause(abort): {len(finished)} finished, aborted lengths "
           f"{[len(s.response_ids) for s in aborted]}")
+
+
+@pytest.mark.parametrize("mode", [PauseMode.RETRACT, PauseMode.IN_PLACE])
+def test_pause_that_keeps_requests_resumes_them_on_continue(engine, hf_model, tokenizer, mode):
+    params = SamplingParams(max_new_tokens=56, temperature=1.0, top_k=20, ignore_eos=True)
+
+    async def body(client):
+        tasks = [asyncio.create_task(client.generate(tokenizer.encode(t), params)) for t in PROMPTS[:3]]
+        await until_mid_generation(tasks)
+        try:
+            await asyncio.wait_for(client.pause_generation(mode), timeout=60)
+            done_at_pause = sum(t.done() for t in tasks)
+            await asyncio.sleep(1.0)
+            done_while_paused = sum(t.done() for t in tasks) - done_at_pause
+        finally:
+            await client.continue_generation()
+        return done_at_pause, done_while_paused, await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+
+    done_at_pause, done_while_paused, samples = run_client(engine, body)
+    assert done_at_pause < len(samples), "every request finished before the pause: nothing was paused"
+    assert done_while_paused == 0, "a request finished while the engine was paused"
+    for sample in samples:
+        assert sample.finish_reason is FinishReason.LENGTH and len(sample.response_ids) == params.max_new_tokens
+        check_against_hf(sample, hf_model)  # routing and log-probs stay exact across the pause
+
+
+def test_abort_request_by_id_returns_the_partial_sample(engine, tokenizer):
+    params = SamplingParams(max_new_tokens=56, temperature=1.0, top_k=20, ignore_eos=True)
+    rids = [f"abort-me-{i}" for i in range(3)]
+
+    async def body(client):
+        tasks = [asyncio.create_task(client.generate(tokenizer.encode(t), params, rid=rid))
+                 for t, rid in zip(PROMPTS, rids)]
+        await until_mid_generation(tasks)
+        for rid, task in zip(rids, tasks):
+            if not task.done():
+                await client.abort_request(rid)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+
+    samples = run_client(engine, body)
+    aborted = [s for s in samples if s.finish_reason is FinishReason.ABORTED]
+    assert len(aborted) == len(samples) - 1, [s.finish_reason for s in samples]
+    assert any(0 < len(s.response_ids) < params.max_new_tokens for s in aborted)
+    for s in aborted:
+        assert len(s.rollout_logprobs) == len(s.response_ids) == s.sampling_mask.num_rows < params.max_new_tokens
 
 
 def test_engine_generates_after_pause_and_continue(engine, tokenizer):
@@ -198,10 +303,12 @@ def test_prompt_longer_than_the_context_is_a_clear_error(engine, tokenizer):
     one_digit = tokenizer.encode("1", add_special_tokens=False)
 
     async def too_long_prompt(client):
-        return await asyncio.wait_for(client.generate(one_digit * (context + 10), SamplingParams(max_new_tokens=4, top_k=5)), 60)
+        params = SamplingParams(max_new_tokens=4, top_k=5)
+        return await asyncio.wait_for(client.generate(one_digit * (context + 10), params), 60)
 
     async def too_long_with_response(client):
-        return await asyncio.wait_for(client.generate(one_digit * (context - 2), SamplingParams(max_new_tokens=8, top_k=5)), 60)
+        params = SamplingParams(max_new_tokens=8, top_k=5)
+        return await asyncio.wait_for(client.generate(one_digit * (context - 2), params), 60)
 
     with pytest.raises(EngineError, match="longer than the model's context length"):
         run_client(engine, too_long_prompt)
@@ -242,6 +349,93 @@ def test_weight_version_labels_every_generated_token(engine, tokenizer):
     assert sample.model_version.tolist() == [7] * len(sample.response_ids)
 
 
+@pytest.fixture(scope="module")
+def checkpoint_42_43(checkpoint, tmp_path_factory):
+    """The checkpoint with an lm_head whose logits are +s, -s, 0: greedy always picks 42 or 43."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("tiny_moe_42_43")
+    for f in checkpoint.iterdir():
+        shutil.copy(f, path / f.name)
+    weights = load_file(checkpoint / "model.safetensors")
+    head = torch.zeros_like(weights["lm_head.weight"])
+    head[42], head[43] = 1.0, -1.0
+    weights["lm_head.weight"] = head
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_update_weights_from_disk_changes_outputs_and_versions(engine, checkpoint, checkpoint_42_43, tokenizer):
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    prompt = tokenizer.encode("2+2=")
+
+    async def body(client):
+        kwargs = dict(return_routed_experts=False, return_sampling_mask=False)
+        before = await client.generate(prompt, greedy, **kwargs)
+        await client.update_weights_from_disk(checkpoint_42_43, version=5)
+        updated = await client.generate(prompt, greedy, **kwargs)
+        version = await client.weight_version()
+        await client.update_weights_from_disk(checkpoint, version=0)
+        restored = await client.generate(prompt, greedy, **kwargs)
+        return before, updated, version, restored
+
+    before, updated, version, restored = run_client(engine, body)
+    assert version == 5 and updated.model_version.tolist() == [5] * 6
+    assert not set(before.response_ids) <= {42, 43}, "the original weights already emit only 42/43"
+    assert set(updated.response_ids) <= {42, 43} and len(updated.response_ids) == 6
+    assert restored.response_ids == before.response_ids and (restored.model_version == 0).all()
+
+
+def test_partial_rollout_across_a_weight_update_carries_both_versions(engine, checkpoint, checkpoint_42_43,
+                                                                     tokenizer):
+    # The request that is mid-generation at the pause is retracted, the weights change, and it
+    # resumes on the new ones.
+    greedy = SamplingParams(max_new_tokens=56, temperature=0.0, ignore_eos=True)
+
+    async def body(client):
+        kwargs = dict(return_routed_experts=False, return_sampling_mask=False)
+        tasks = [asyncio.create_task(client.generate(tokenizer.encode(t), greedy, **kwargs)) for t in PROMPTS[:4]]
+        await until_mid_generation(tasks)
+        await asyncio.wait_for(client.pause_generation(PauseMode.RETRACT), timeout=60)
+        try:
+            await client.update_weights_from_disk(checkpoint_42_43, version=5)
+        finally:
+            await client.continue_generation()
+        samples = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+        await client.update_weights_from_disk(checkpoint, version=0)
+        return samples
+
+    samples = run_client(engine, body)
+    mixed = 0
+    for sample in samples:
+        versions = sample.model_version
+        assert sample.finish_reason is FinishReason.LENGTH and set(versions.tolist()) <= {0, 5}
+        assert (np.diff(versions) >= 0).all(), f"versions go back in time: {versions}"
+        new_tokens = np.asarray(sample.response_ids)[versions == 5]
+        assert set(new_tokens.tolist()) <= {42, 43}, "a token labelled version 5 was not made by it"
+        mixed += int(versions[0] == 0 and versions[-1] == 5)
+    assert mixed >= 1, f"no sample spans the update: {[s.model_version.tolist() for s in samples]}"
+    counts = [[int((s.model_version == v).sum()) for v in (0, 5)] for s in samples]
+    print(f"\n[measured] partial rollout: tokens of version 0 and 5 per sample {counts}")
+
+
+def test_start_failure_reports_the_server_log(checkpoint, tmp_path):
+    settings = EngineSettings(model_path=str(checkpoint), extra_args=("--no-such-flag",),
+                              log_path=str(tmp_path / "server.log"))
+    engine = SGLangEngine(settings)
+    with pytest.raises(EngineStartError, match="(?s)exited with code .*no-such-flag"):
+        engine.start()
+    assert engine.pid is None and servers_on_port(engine.port) == []
+
+
+def test_start_timeout_stops_the_server(checkpoint, tmp_path):
+    settings = EngineSettings(model_path=str(checkpoint), startup_timeout_s=2.0, log_path=str(tmp_path / "server.log"))
+    engine = SGLangEngine(settings)
+    with pytest.raises(EngineStartError, match="not healthy after 2 s"):
+        engine.start()
+    assert engine.pid is None and servers_on_port(engine.port) == []
+
+
 def test_death_is_detected_and_stop_leaves_no_process(engine):
     """Last in the module: kills the server's leader like a crash would, then stops the rest."""
     pid = engine.pid
@@ -258,6 +452,16 @@ def test_death_is_detected_and_stop_leaves_no_process(engine):
     engine.stop()
     psutil.wait_procs(group, timeout=30)
     assert [p.pid for p in psutil.process_iter(["pid"]) if _pgid(p) == pgid] == []
+
+
+def servers_on_port(port):
+    """Pids of live processes started with ``--port <port>``."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if "--port" in cmd and cmd[cmd.index("--port") + 1 :][:1] == [str(port)]:
+            found.append(p.pid)
+    return found
 
 
 def _pgid(process):

@@ -1,7 +1,8 @@
 """slurm/megarl.sbatch under fake sbatch/srun/scontrol (tests/fake_slurm/): a real 2-node Ray
-cluster on localhost, overrides passed to the driver, SIGTERM -> checkpoint -> requeue, and
-shellcheck. The driver is tests/fake_slurm/train_stub.py (named by MEGARL_TRAIN_CMD) until
-``megarl.train`` exists."""
+cluster on the loopback interface, the tiny recipe's first step through the real driver with
+overrides, SIGTERM -> checkpoint -> requeue, submit.sh's node count, and shellcheck. The signal
+test drives tests/fake_slurm/train_stub.py (named by MEGARL_TRAIN_CMD) until ``megarl.train``
+checkpoints on SIGTERM/SIGUSR1."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "fake_slurm"
@@ -57,6 +59,7 @@ def job(tmp_path):
         MEGARL_TRAIN_CMD=f"{sys.executable} {FAKE / 'train_stub.py'}", MEGARL_RAY_PORT=str(_free_port()),
         MEGARL_RAY_TEMP_DIR=ray_tmp, MEGARL_RAY_ARGS="--object-store-memory=100000000", MEGARL_RAY_WAIT_S="150",
         RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", STUB_OUT=str(out),
+        RAY_raylet_start_wait_time_s="120",  # Ray's 30 s is too short on a loaded 2-core machine
     )
     yield {"env": env, "id": job_id, "out": out, "tmp": tmp_path}
     left = _our_processes(ray_tmp)
@@ -84,39 +87,58 @@ def _finish(proc: subprocess.Popen, timeout: float) -> str:
     return output
 
 
-def test_ray_cluster_forms_and_overrides_reach_the_driver(job):
-    proc = _sbatch(job, "recipe=tiny_moe_cpu", "trainer.lr=0.25", "run_name=from_sbatch")
-    output = _finish(proc, timeout=240)
+def test_tiny_recipe_runs_on_the_ray_cluster_with_overrides(job):
+    """The real driver (``python -m megarl.train``) runs the tiny recipe's first warm-up step."""
+    del job["env"]["MEGARL_TRAIN_CMD"]
+    tmp = job["tmp"]
+    overrides = ["recipe=tiny_moe_cpu", "run_name=from_sbatch", "warmup.steps=1", "warmup.lr=0.0005",
+                 f"model.hf_path={tmp / 'base'}", f"warmup.save_hf_path={tmp / 'sft'}", f"logging.run_dir={tmp / 'run'}"]
+    proc = _sbatch(job, *overrides)
+    output = _finish(proc, timeout=300)
     assert proc.returncode == 0, output
-    seen = json.loads((job["out"] / "seen.json").read_text())
-    assert seen["argv"] == ["recipe=tiny_moe_cpu", "trainer.lr=0.25", "run_name=from_sbatch"]
-    assert (seen["lr"], seen["run_name"]) == (0.25, "from_sbatch")
-    assert seen["nodes"] == NODES and seen["gpus"] == NODES * GPUS_PER_NODE
-    assert sorted(seen["ran_on"]) == sorted(seen["node_ids"])  # one task ran on each node
-    assert seen["node_ips"] == ["127.0.0.1"]
-    env = seen["env"]
-    assert env["MASTER_ADDR"] == "127.0.0.1" and env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "lo"
-    assert env["MEGARL_NUM_NODES"] == str(NODES)
-    log_dir = Path(env["MEGARL_LOG_DIR"])
-    assert log_dir == job["tmp"] / "logs" / f"megarl-{job['id']}" / "restart-0"
-    assert {p.name for p in log_dir.iterdir()} >= {"ray-head.log", "ray-worker-1-localhost.log", "train.log", "env.txt"}
-    calls = (job["tmp"] / "slurm_calls.log").read_text()
+    assert f"ray cluster ready: {NODES}/{NODES} nodes, {NODES * GPUS_PER_NODE}/{NODES * GPUS_PER_NODE} GPUs" in output
+    ran = OmegaConf.load(tmp / "run" / "config.yaml")
+    assert (ran.run_name, ran.warmup.steps, ran.warmup.lr) == ("from_sbatch", 1, 0.0005)
+    steps = [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1] and "warmup/loss" in steps[0]
+    assert (tmp / "sft" / "config.json").is_file()
+    log_dir = tmp / "logs" / f"megarl-{job['id']}" / "restart-0"
+    assert {p.name for p in log_dir.iterdir()} >= {"ray-head.log", "ray-worker-1-127.0.0.2.log", "train.log", "env.txt"}
+    env = dict(line.split("=", 1) for line in (log_dir / "env.txt").read_text().splitlines())
+    assert env["MASTER_ADDR"] == "127.0.0.2" and env["RAY_ADDRESS"].startswith("127.0.0.2:")
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "lo" and env["MEGARL_NUM_NODES"] == str(NODES)
+    calls = (tmp / "slurm_calls.log").read_text()
     assert calls.count("srun ") == NODES and "requeue" not in calls
 
 
 def test_sigterm_checkpoints_and_requeues(job):
     job["env"]["STUB_HOLD"] = "1"
-    proc = _sbatch(job, "recipe=tiny_moe_cpu")
+    proc = _sbatch(job, "recipe=tiny_moe_cpu", "trainer.lr=0.25")
     deadline = time.monotonic() + 240
     while not (job["out"] / "ready").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             pytest.fail(f"the driver never became ready:\n{_finish(proc, timeout=30)}")
         time.sleep(0.5)
+    seen = json.loads((job["out"] / "seen.json").read_text())
+    assert seen["argv"] == ["recipe=tiny_moe_cpu", "trainer.lr=0.25"] and seen["lr"] == 0.25
+    assert seen["nodes"] == NODES and seen["gpus"] == NODES * GPUS_PER_NODE
+    assert sorted(seen["ran_on"]) == sorted(seen["node_ids"])  # one task ran on each node
+    assert set(seen["node_ips"]) <= {"127.0.0.1", "127.0.0.2"}  # loopback only
     os.kill(proc.pid, signal.SIGTERM)  # what SLURM sends the batch shell
     output = _finish(proc, timeout=90)
     assert proc.returncode == 0, output
     assert json.loads((job["out"] / "checkpoint.json").read_text()) == {"signal": "SIGTERM"}
     assert f"scontrol requeue {job['id']}" in (job["tmp"] / "slurm_calls.log").read_text()
+
+
+def test_a_failed_ray_start_ends_the_job_early(job):
+    job["env"]["MEGARL_RAY_ARGS"] = "--no-such-ray-flag"
+    started = time.monotonic()
+    proc = _sbatch(job, "recipe=tiny_moe_cpu")
+    output = _finish(proc, timeout=120)
+    assert proc.returncode == 1 and "a ray start step exited" in output and "did not form" in output
+    assert time.monotonic() - started < 60  # not the 150 s wait
+    assert not (job["out"] / "seen.json").exists()
 
 
 def test_missing_recipe_is_refused(job):
@@ -132,3 +154,34 @@ SHELL_SCRIPTS = [SBATCH, ROOT / "slurm" / "submit.sh", FAKE / "sbatch", FAKE / "
 def test_scripts_are_shellcheck_clean():
     result = subprocess.run(["shellcheck", "-x", *map(str, SHELL_SCRIPTS)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _recording_sbatch(tmp_path: Path) -> dict:
+    """PATH with an sbatch that only records its arguments (submit.sh's job is the node count)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    record = bin_dir / "sbatch"
+    record.write_text(f'#!/bin/bash\necho "$@" > {tmp_path / "sbatch_args"}\n')
+    record.chmod(0o755)
+    return dict(os.environ, PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+                MEGARL_PYTHON=sys.executable, OMP_NUM_THREADS="1")
+
+
+def test_submit_asks_the_planner_for_the_node_count(tmp_path):
+    from megarl.config import load_config
+    from megarl.planner.layout import plan_layout
+
+    args = ["recipe=qwen3_235b_a22b", "rollout.num_engines=2"]
+    result = subprocess.run([str(ROOT / "slurm" / "submit.sh"), *args], env=_recording_sbatch(tmp_path),
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    gpus = plan_layout(load_config(args)).total_gpus  # 128 trainer + 2 x 16 engine GPUs
+    assert (tmp_path / "sbatch_args").read_text().split() == [
+        f"--nodes={-(-gpus // 8)}", "--gpus-per-node=8", str(SBATCH), *args]
+
+
+def test_submit_refuses_a_layout_that_does_not_fit(tmp_path):
+    result = subprocess.run([str(ROOT / "slurm" / "submit.sh"), "recipe=qwen3_30b_a3b", "trainer.gpu_memory_gb=1"],
+                            env=_recording_sbatch(tmp_path), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "trainer.gpu_memory_gb" in result.stderr
+    assert not (tmp_path / "sbatch_args").exists()

@@ -55,3 +55,12 @@ AGGREGATIONS: dict[str, AggregationFn] = {
 def aggregation_fn(name: str) -> AggregationFn:
     """The reduction ``AlgorithmConfig.loss_agg`` names."""
     return choose(AGGREGATIONS, name, "loss_agg")
+
+
+def denominator_share(name: str, loss_mask: torch.Tensor) -> torch.Tensor:
+    """This batch's part of the global ``denominator`` of aggregation ``name``: its trained tokens
+    (token_mean) or its sequences with at least one trained token (the sequence means)."""
+    aggregation_fn(name)  # validates the name
+    if name == "token_mean":
+        return loss_mask.sum()
+    return (loss_mask.sum(dim=1) > 0).sum().to(loss_mask.dtype)

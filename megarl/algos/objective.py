@@ -6,14 +6,14 @@ model, H the per-token entropy (the entropy bonus), all reduced by the same aggr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
 from megarl.algos.aggregation import aggregation_fn
 from megarl.algos.kl import kl_penalty
-from megarl.algos.off_policy import is_weights
+from megarl.algos.off_policy import is_weights, off_policy_sequence_mask
 from megarl.algos.policy_loss import policy_loss_fn
 from megarl.config.schema import AlgorithmConfig
 
@@ -40,6 +40,14 @@ class LossOutput:
 def rl_loss(batch: LossInputs, cfg: AlgorithmConfig, denominator: Optional[float] = None) -> LossOutput:
     """The configured loss of one (micro-)batch; ``denominator`` as in :mod:`megarl.algos.aggregation`."""
     agg = aggregation_fn(cfg.loss_agg)
+    dropped = None
+    if cfg.off_policy_mask_kl is not None:
+        if batch.rollout_logprobs is None or batch.advantages.dim() != 1:
+            raise ValueError("off_policy_mask_kl needs rollout_logprobs and per-sequence advantages [B]")
+        keep = off_policy_sequence_mask(batch.old_logprobs, batch.rollout_logprobs, batch.advantages,
+                                        batch.loss_mask, cfg.off_policy_mask_kl)
+        dropped = (1.0 - keep).sum()
+        batch = replace(batch, loss_mask=batch.loss_mask * keep[:, None])
     pg = policy_loss_fn(cfg.policy_loss)(
         batch.logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask,
         clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
@@ -67,4 +75,6 @@ def rl_loss(batch: LossInputs, cfg: AlgorithmConfig, denominator: Optional[float
         entropy = agg(batch.entropy, batch.loss_mask, denominator)
         loss = loss - cfg.entropy_coef * entropy
         metrics["entropy"] = entropy.detach()
+    if dropped is not None:
+        metrics["off_policy_masked_sequences"] = dropped
     return LossOutput(loss, metrics)

@@ -180,6 +180,7 @@ class AlgorithmConfig:
     off_policy_correction: str = "none"  # none | tis | mis
     off_policy_level: str = "token"  # token | sequence
     is_threshold: float = 2.0
+    off_policy_mask_kl: Optional[float] = None  # drop negative-advantage sequences whose KL to the rollout policy exceeds this
 
 
 @dataclass

@@ -74,18 +74,6 @@ def _cuda_streams_and_current_device() -> None:
     torch.cuda.is_current_stream_capturing = lambda: False
 
 
-def _default_causal_mask_on_cuda() -> None:
-    """With ``attention_mask=None`` megatron builds the causal mask with ``device="cuda"``."""
-    import megatron.core.fusions.fused_softmax as fused_softmax
-    import megatron.core.transformer.utils as transformer_utils
-
-    def causal_mask(sq: int) -> torch.Tensor:
-        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
-
-    transformer_utils.get_default_causal_mask = causal_mask
-    fused_softmax.get_default_causal_mask = causal_mask
-
-
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "randn", "rand", "randint", "eye",
               "linspace", "as_tensor", "empty_strided", "zeros_like", "ones_like", "empty_like",
               "full_like", "randperm", "tril_indices", "triu_indices")
@@ -150,8 +138,8 @@ class _CpuTorchImporter(importlib.abc.MetaPathFinder):
 
 
 def _hardcoded_cuda_devices() -> None:
-    """About 150 megatron sites create tensors with ``device="cuda"`` or call ``.cuda()`` (loss
-    scalars in the schedules, grad-norm buffers, p2p shapes, checkpoint loading)."""
+    """About 150 megatron sites create tensors with ``device="cuda"`` or call ``.cuda()`` (the
+    default causal mask, loss scalars in the schedules, grad-norm buffers, p2p shapes)."""
     for name, module in list(sys.modules.items()):
         if name.startswith("megatron.") and module is not None:
             _give_cpu_torch(module)
@@ -223,15 +211,32 @@ def _gloo_uneven_all_gather() -> None:
     mappings._reduce_scatter_along_first_dim = reduce_scatter_v
 
 
-def _dist_ckpt_spawns_manager() -> None:
-    """``dist_checkpointing.save`` creates a spawn-context multiprocessing Manager per save, which
-    re-imports ``__main__`` (5-10 s a save here; EOFError when ``__main__`` is stdin)."""
+def _dist_checkpoint_save_spawns_manager() -> None:
+    """``dist_checkpointing.save`` (torch_dist) collects its write results through a spawn-context
+    ``multiprocessing.Manager``: a server process per trainer process, which re-imports
+    ``__main__`` (5-10 s on the first save) and cannot start at all from a daemonic process (the
+    launcher's ranks). The synchronous save writes in this process, so a plain queue serves."""
     import queue
 
     import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
 
     results = queue.Queue()
     filesystem_async.get_write_results_queue = lambda mp_mode="spawn": results
+
+
+def _torch_adam_step_breaks_optimizer_load() -> None:
+    """Without transformer-engine or apex the DistributedOptimizer runs torch's Adam, whose
+    per-parameter state holds a ``step`` tensor. Loading a ``fully_reshardable`` optimizer
+    checkpoint restores the step from the param groups and skips it among the parameter tensors,
+    then looks it up there (``KeyError: 'step'``). Pass it as a non-tensor, which the copy skips."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states_without_step(self, model_param, tensors):
+        return set_states(self, model_param, {"step": None, **tensors})
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states_without_step
 
 
 class _SourcePatcher(importlib.abc.MetaPathFinder):
@@ -319,14 +324,15 @@ def _bridge_save_imports_modelopt() -> None:
 WORKAROUNDS = (
     Workaround("bridge_imports_transformer_engine", "No module named 'transformer_engine'", _bridge_imports_transformer_engine),
     Workaround("bridge_save_imports_modelopt", "No module named 'modelopt'", _bridge_save_imports_modelopt),
-    Workaround("cuda_rng_tracker_needs_cuda", "Torch not compiled with CUDA enabled", _cuda_rng_tracker_needs_cuda),
-    Workaround("cuda_streams_and_current_device", "Torch not compiled with CUDA enabled", _cuda_streams_and_current_device),
-    Workaround("default_causal_mask_on_cuda", "Torch not compiled with CUDA enabled", _default_causal_mask_on_cuda),
-    Workaround("hardcoded_cuda_devices", "Torch not compiled with CUDA enabled", _hardcoded_cuda_devices),
+    Workaround("cuda_rng_tracker_needs_cuda", "Found no NVIDIA driver on your system", _cuda_rng_tracker_needs_cuda),
+    Workaround("cuda_streams_and_current_device", "CUDA driver version is insufficient", _cuda_streams_and_current_device),
+    Workaround("hardcoded_cuda_devices", "Found no NVIDIA driver on your system", _hardcoded_cuda_devices),
     Workaround("torch_norm_rejects_sequence_parallel", "sequence parallel not supported by torch LayerNorm", _torch_norm_rejects_sequence_parallel),
     Workaround("gloo_all_to_all_needs_int_splits", "all_to_all_single(): incompatible function arguments", _gloo_all_to_all_needs_int_splits),
-    Workaround("gloo_uneven_all_gather", "invalid tensor size", _gloo_uneven_all_gather),
-    Workaround("dist_ckpt_spawns_manager", "a spawned Manager process per checkpoint save", _dist_ckpt_spawns_manager),
+    Workaround("gloo_uneven_all_gather", "ProcessGroupGloo::allgather: invalid tensor size", _gloo_uneven_all_gather),
+    Workaround("dist_checkpoint_save_spawns_manager", "daemonic processes are not allowed to have children",
+               _dist_checkpoint_save_spawns_manager),
+    Workaround("torch_adam_step_breaks_optimizer_load", "KeyError: 'step'", _torch_adam_step_breaks_optimizer_load),
 )
 
 _applied: list[str] = []
@@ -342,7 +348,7 @@ def apply() -> list[str]:
     if torch.cuda.is_available() or _applied:
         return applied()
     off = {name for name in os.environ.get(OFF_ENV, "").split(",") if name}
-    unknown = off - {w.name for w in WORKAROUNDS}
+    unknown = off - {w.name for w in WORKAROUNDS} - {OPTIMIZER_TYPE_SCOPE}
     if unknown:
         raise ValueError(f"{OFF_ENV}: unknown work-around(s) {sorted(unknown)}")
     for workaround in WORKAROUNDS:
@@ -354,6 +360,7 @@ def apply() -> list[str]:
 
 
 _tensor_type = torch.Tensor.type
+OPTIMIZER_TYPE_SCOPE = "optimizer_requires_cuda_tensor_type"  # the name of cuda_tensor_type_scope
 
 
 def _type_as_if_cuda(self, *args, **kwargs):
@@ -367,7 +374,7 @@ def cuda_tensor_type_scope():
     """Megatron's optimizers accept only parameters whose ``.type()`` is ``torch.cuda.*Tensor``
     (``TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor, ...``). Inside this
     scope a CPU tensor reports its CUDA type name; outside it (and on GPU) nothing changes."""
-    if torch.cuda.is_available() or "cuda_tensor_type" in os.environ.get(OFF_ENV, "").split(","):
+    if torch.cuda.is_available() or OPTIMIZER_TYPE_SCOPE in os.environ.get(OFF_ENV, "").split(","):
         yield
         return
     torch.Tensor.type = _type_as_if_cuda

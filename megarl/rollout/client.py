@@ -1,5 +1,5 @@
 """The one async HTTP client for SGLang engine traffic: generation with routing and sampling-mask
-metadata, pause/continue/abort, and the weight version.
+metadata, pause/continue/abort, weight versions and weight updates from disk.
 
 Weight versions are integers in megarl (the trainer step that produced the weights); the engine
 holds them as strings (``--weight-version``, ``/update_weight_version``) and reports the version of
@@ -54,7 +54,8 @@ class ServedModel:
         path = Path(model_path) / "config.json"
         config = json.loads(path.read_text())
         config = config.get("text_config", config)
-        num_experts = next((config[k] for k in ("num_experts", "n_routed_experts", "num_local_experts") if k in config), None)
+        expert_keys = ("num_experts", "n_routed_experts", "num_local_experts")
+        num_experts = next((config[k] for k in expert_keys if k in config), None)
         missing = [k for k in ("vocab_size", "num_hidden_layers", "num_experts_per_tok", "max_position_embeddings")
                    if k not in config]
         if missing or num_experts is None:
@@ -125,10 +126,12 @@ def decode_routed_experts(b64: str, num_tokens: int, model: ServedModel) -> np.n
 
 def _model_versions(meta: dict, num_response: int) -> np.ndarray:
     """Per-token int32 versions from the engine's spans [{"version", "start", "end"}, ...]."""
-    versions = np.full(num_response, -1, dtype=np.int32)
+    versions = np.zeros(num_response, dtype=np.int32)
+    covered = np.zeros(num_response, dtype=bool)
     for span in meta["weight_versions"]:
         versions[span["start"] : span["end"]] = parse_weight_version(span["version"])
-    if (versions < 0).any():
+        covered[span["start"] : span["end"]] = True
+    if not covered.all():
         raise EngineError(f"weight_versions spans {meta['weight_versions']} do not cover {num_response} tokens")
     return versions
 
@@ -151,8 +154,11 @@ class SGLangClient:
         await self._http.aclose()
 
     async def _post(self, path: str, payload: dict) -> httpx.Response:
+        return await self._request("POST", path, payload)
+
+    async def _request(self, method: str, path: str, payload: dict | None = None) -> httpx.Response:
         try:
-            response = await self._http.post(path, json=payload)
+            response = await self._http.request(method, path, json=payload)
         except httpx.TransportError as e:
             raise EngineError(f"{self.base_url}{path}: engine unreachable ({type(e).__name__}: {e})") from e
         if response.status_code != 200:
@@ -208,14 +214,22 @@ class SGLangClient:
         token_logprobs = meta["output_token_logprobs"]
         if [t[1] for t in token_logprobs] != response_ids:
             raise EngineError(f"output_token_logprobs ids disagree with output_ids for request {meta.get('id')}")
+        # A request aborted before it was scheduled comes back with no tokens and no metadata.
+        never_ran = r == 0 and finish["type"] == "abort"
         if with_mask:
-            logprobs = meta["output_token_sampling_logprobs"]
-            mask = SamplingMask.from_rows(meta["output_token_sampling_mask"])
+            logprobs = meta.get("output_token_sampling_logprobs", [] if never_ran else None)
+            rows = meta.get("output_token_sampling_mask", [] if never_ran else None)
+            if logprobs is None or rows is None:
+                raise EngineError(f"request {meta.get('id')} asked for a sampling mask but got none")
+            mask = SamplingMask.from_rows(rows)
         else:
             logprobs = [t[0] for t in token_logprobs]
             mask = None
         routing = None
-        if with_routing:
+        if with_routing and not never_ran:
+            if "routed_experts" not in meta:
+                raise EngineError(f"request {meta.get('id')} asked for routed experts but got none "
+                                  "(is the server started with --enable-return-routed-experts?)")
             routing = decode_routed_experts(meta["routed_experts"], len(prompt_ids) + r, self.model)
         return RolloutSample(
             prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=np.ones(r, dtype=np.uint8),
@@ -237,22 +251,30 @@ class SGLangClient:
         """Abort one request; its ``generate`` call returns the partial response (finish_reason aborted)."""
         await self._post("/abort_request", {"rid": rid})
 
-    async def abort_all(self) -> None:
-        await self._post("/abort_request", {"abort_all": True})
-
     async def weight_version(self) -> int:
-        try:
-            response = await self._http.get("/model_info")
-        except httpx.TransportError as e:
-            raise EngineError(f"{self.base_url}/model_info: engine unreachable ({type(e).__name__}: {e})") from e
-        if response.status_code != 200:
-            raise EngineError(f"{self.base_url}/model_info: HTTP {response.status_code}: {_error_message(response)}")
+        """The version label of the engine's current weights."""
+        response = await self._request("GET", "/model_info")
         return parse_weight_version(response.json()["weight_version"])
 
     async def set_weight_version(self, version: int, abort_all_requests: bool = False) -> None:
         """Label the engine's current weights ``version`` (for tokens generated from now on)."""
         await self._post("/update_weight_version",
                          {"new_version": str(int(version)), "abort_all_requests": abort_all_requests})
+
+    async def update_weights_from_disk(self, model_path: str | Path, version: int, flush_cache: bool = True) -> None:
+        """Load an HF checkpoint directory into the engine and label it ``version``.
+
+        Wrapped in the begin/end weight-update session that SGLang 0.5.23 requires. Called between
+        ``pause_generation(RETRACT)`` and ``continue_generation``, the paused requests resume on the
+        new weights and their tokens carry the version that produced each of them.
+        """
+        await self._post("/begin_weight_update", {})
+        try:
+            await self._post("/update_weights_from_disk", {
+                "model_path": str(model_path), "weight_version": str(int(version)), "flush_cache": flush_cache})
+        finally:
+            await self._post("/end_weight_update", {})
+        log.info("%s: weights from %s loaded as version %d", self.base_url, model_path, version)
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -54,7 +54,7 @@ class EngineSettings:
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 20.0
     log_path: str | None = None
-    extra_args: tuple[str, ...] = field(default_factory=tuple)
+    extra_args: tuple[str, ...] = ()  # more launch_server flags, appended as given
 
     def __post_init__(self):
         if self.sampling_mask_max_tokens < 1:
@@ -78,7 +78,7 @@ class SGLangEngine:
         self.model = ServedModel.from_hf_config(settings.model_path)
         self.device = settings.device or ("cpu" if sglang_cpu.needed() else "cuda")
         self.port = settings.port or free_port(settings.host)
-        self.log_path = Path(settings.log_path or tempfile.mkstemp(prefix="sglang-", suffix=".log")[1])
+        self.log_path = Path(settings.log_path or _temporary_log_path())
         self._process: subprocess.Popen | None = None
         self.startup_s: float | None = None  # seconds from spawn to healthy, set by start()
 
@@ -188,6 +188,12 @@ class SGLangEngine:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _temporary_log_path() -> str:
+    fd, path = tempfile.mkstemp(prefix="sglang-", suffix=".log")
+    os.close(fd)
+    return path
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

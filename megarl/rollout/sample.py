@@ -2,7 +2,8 @@
 
 Shapes, for P prompt tokens, R response tokens and T = P + R:
 ``loss_mask`` uint8 [R], ``rollout_logprobs`` float32 [R], ``model_version`` int32 [R],
-``routed_experts`` int16/int32 [T-1, L, k] (L = the model's layers, k = experts per token) or None,
+``routed_experts`` int16/int32 [T-1, L, k] (L = the model's layers, k = experts per token) or None
+(not requested, or the request was aborted before the engine ran it),
 ``sampling_mask`` CSR over the R response positions or None (None = full vocabulary).
 """
 from __future__ import annotations

@@ -35,10 +35,11 @@ def where() -> str:
 
 
 def main() -> int:
-    signal.signal(signal.SIGTERM, checkpoint_and_exit)
-    signal.signal(signal.SIGUSR1, checkpoint_and_exit)
     cfg = load_config(sys.argv[1:])
     ray.init(address=os.environ["RAY_ADDRESS"], logging_level="ERROR", log_to_driver=False)
+    # After ray.init, which installs its own SIGTERM handler (sys.exit(15)) in the driver.
+    signal.signal(signal.SIGTERM, checkpoint_and_exit)
+    signal.signal(signal.SIGUSR1, checkpoint_and_exit)
     nodes = [n for n in ray.nodes() if n["Alive"]]
     ran_on = ray.get([
         where.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()

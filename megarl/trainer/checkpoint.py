@@ -1,0 +1,280 @@
+"""Trainer checkpoints with megatron-core ``dist_checkpointing`` (format ``torch_dist``).
+
+A checkpoint holds the model chunks, the DistributedOptimizer state (sharded per parameter, so
+it reshards across TP/PP/EP/DP layouts), the LR schedule, every RNG (python, numpy, torch CPU,
+CUDA when present, megatron's RNG tracker), the step and the caller's data position (a small
+dict of ints, floats, strings, e.g. ``{"consumed_prompts": 512, "rng_seed": 7}``).
+
+Layout on disk, under a root directory::
+
+    root/iter_0000012/   one complete checkpoint (dist_checkpointing files + metadata.json)
+    root/latest          the step of the newest complete checkpoint, as text
+
+A save writes ``iter_<step>.tmp`` first, renames it to ``iter_<step>`` and then replaces
+``latest`` (write-then-rename): a crash at any point leaves the previous checkpoint and its
+``latest`` intact. RNG states are restored only under the layout they were saved with (ranks
+of another layout draw different streams anyway); model, optimizer, schedule, step and data
+position are restored under any layout.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+LATEST = "latest"
+FORMAT = "torch_dist"
+# Optimizer state in model-parameter shapes (gathered over DP on save), reshardable across every
+# layout; megatron's per-buffer 'dp_reshardable' format reshards only along DP.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# The model hyper-parameters a checkpoint must agree on to be loaded into a model.
+MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "kv_channels", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, unreadable, or does not match the model."""
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What :func:`load_checkpoint` restored besides the model, optimizer, schedule and RNG."""
+
+    step: int
+    data_position: dict
+    path: Path
+    rng_restored: bool  # False when the checkpoint was saved under another layout
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    return Path(root) / f"iter_{step:07d}"
+
+
+def latest_step(root: str | Path) -> int | None:
+    """The step ``root/latest`` names, or None when there is no ``latest`` file."""
+    pointer = Path(root) / LATEST
+    if not pointer.is_file():
+        return None
+    text = pointer.read_text().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{pointer}: expected a step number, found {text[:40]!r}")
+    return int(text)
+
+
+def save_checkpoint(root: str | Path, step: int, trainable, data_position: dict[str, Any]) -> Path:
+    """Save this rank's share of ``trainable`` (a model_setup.TrainableModel) at ``step``.
+
+    Collective: every rank calls it with the same ``root``, ``step`` and ``data_position``.
+    Returns the final ``root/iter_<step>`` directory once ``latest`` names it.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    _check_plain(data_position, "data_position")
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    rank0 = torch.distributed.get_rank() == 0
+    if rank0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a stale one from an earlier crash
+        tmp.mkdir(parents=True)
+    torch.distributed.barrier()
+    state = _sharded_state(trainable, is_loading=False)
+    state["rng_state"] = _rng_object(_rng_state())
+    state["megarl"] = {"step": step, "data_position": data_position, "model": _model_signature(trainable),
+                       "layout": _layout_signature()}
+    state["scheduler"] = trainable.scheduler.state_dict()
+    dist_checkpointing.save(state, str(tmp), sharded_strategy=get_default_save_sharded_strategy(FORMAT))
+    torch.distributed.barrier()
+    if rank0:
+        _publish(tmp, final, step)
+    torch.distributed.barrier()
+    log.info("saved checkpoint %s", final)
+    return final
+
+
+def load_checkpoint(root: str | Path, trainable, step: int | None = None) -> Resumed:
+    """Restore ``trainable`` from ``root/iter_<step>`` (default: the step ``root/latest`` names).
+
+    Collective. Raises :class:`CheckpointError` for a missing or incomplete checkpoint and for
+    one whose model differs from ``trainable``'s (layer count, sizes, experts).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+
+    path = _resolve(Path(root), step)
+    try:
+        common = dist_checkpointing.load_common_state_dict(str(path))
+        saved = common["megarl"]
+    except Exception as exc:
+        raise CheckpointError(f"{path}: unreadable checkpoint ({type(exc).__name__}: {exc})") from exc
+    _check_model(path, saved["model"], _model_signature(trainable))
+    rng_restored = saved["layout"] == _layout_signature()
+    state = _sharded_state(trainable, is_loading=True)
+    if rng_restored:
+        state["rng_state"] = _rng_object(None)
+    try:
+        loaded = dist_checkpointing.load(state, str(path), sharded_strategy=get_default_load_sharded_strategy(str(path)))
+        for index, module in enumerate(_modules(trainable)):
+            module.load_state_dict(loaded[_model_key(trainable, index)])
+        trainable.optimizer.load_state_dict(loaded["optimizer"])
+        trainable.scheduler.load_state_dict(loaded["scheduler"])
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot load into this model ({type(exc).__name__}: {exc})") from exc
+    if rng_restored:
+        _set_rng_state(loaded["rng_state"])
+    else:
+        log.warning("%s was saved under layout %s, not %s: RNG states not restored",
+                    path, saved["layout"], _layout_signature())
+    log.info("loaded checkpoint %s (step %d)", path, saved["step"])
+    return Resumed(step=saved["step"], data_position=saved["data_position"], path=path, rng_restored=rng_restored)
+
+
+def _publish(tmp: Path, final: Path, step: int) -> None:
+    """Rename the finished ``tmp`` to ``final``, then point ``latest`` at it (write-then-rename)."""
+    aside = final.with_name(final.name + ".old")
+    if final.exists():  # saving the same step again: keep the old copy until the new one is named
+        shutil.rmtree(aside, ignore_errors=True)
+        final.rename(aside)
+    tmp.rename(final)
+    pointer = final.parent / LATEST
+    staged = pointer.with_name(LATEST + ".tmp")
+    with open(staged, "w") as f:
+        f.write(f"{step}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staged, pointer)
+    dir_fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _resolve(root: Path, step: int | None) -> Path:
+    from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
+
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint root {root} does not exist")
+    if step is None:
+        step = latest_step(root)
+        if step is None:
+            raise CheckpointError(f"{root} has no '{LATEST}' file: no complete checkpoint was saved there")
+    path = step_dir(root, step)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not check_is_distributed_checkpoint(str(path)):
+        raise CheckpointError(f"{path} is not a complete {FORMAT} checkpoint (no metadata.json)")
+    return path
+
+
+def _model_key(trainable, index: int) -> str:
+    return "model" if len(trainable.chunks) == 1 else f"model{index}"
+
+
+def _modules(trainable) -> list:
+    """The chunks without their DDP / Float16Module wrappers (whose state dicts add 'module.')."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(trainable.chunks)
+
+
+def _sharded_state(trainable, is_loading: bool) -> dict:
+    """The model chunks' and the optimizer's sharded state dicts (the optimizer's refer to the model's)."""
+    if is_loading:
+        _allocate_optimizer_state(trainable.optimizer)
+    state = {_model_key(trainable, i): module.sharded_state_dict() for i, module in enumerate(_modules(trainable))}
+    state["optimizer"] = trainable.optimizer.sharded_state_dict(state, is_loading=is_loading,
+                                                                metadata=OPTIMIZER_METADATA)
+    return state
+
+
+def _allocate_optimizer_state(optimizer) -> None:
+    """A fresh DistributedOptimizer over torch's Adam (no TE/apex) has no Adam state yet, and its
+    ``state_dict()`` then fails (``assert len(steps) == 1``). Megatron's own dummy step (zero
+    gradients) allocates the state; the load overwrites it and the parameters it touched."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
+
+
+def _model_signature(trainable) -> dict:
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(trainable.chunks[0])
+    signature = {name: getattr(config, name, None) for name in MODEL_FIELDS}
+    signature["vocab_size"] = _modules(trainable)[0].vocab_size
+    return signature
+
+
+def _check_model(path: Path, saved: dict, current: dict) -> None:
+    differ = [f"{name}: checkpoint {saved.get(name)} vs model {value}"
+              for name, value in current.items() if saved.get(name) != value]
+    if differ:
+        raise CheckpointError(f"{path} holds a different model: " + "; ".join(differ))
+
+
+def _layout_signature() -> dict:
+    from megatron.core import parallel_state as ps
+
+    return {"world_size": torch.distributed.get_world_size(), "tp": ps.get_tensor_model_parallel_world_size(),
+            "pp": ps.get_pipeline_model_parallel_world_size(), "cp": ps.get_context_parallel_world_size(),
+            "ep": ps.get_expert_model_parallel_world_size(),
+            "etp": ps.get_expert_tensor_parallel_world_size(),
+            "vpp": ps.get_virtual_pipeline_model_parallel_world_size()}
+
+
+def _rng_object(data):
+    """This rank's RNG states as one shard of the per-rank ``rng_state`` object."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    return ShardedObject("rng_state", data, (world,), (rank,), replica_id=0)
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, keys.tolist(), pos, has_gauss, cached),
+             "torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _check_plain(value, where: str) -> None:
+    """Checkpoint metadata is loaded with ``weights_only``: only plain python values pass."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: key {key!r} is not a string")
+            _check_plain(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+    elif not (value is None or isinstance(value, (bool, int, float, str))):
+        raise TypeError(f"{where}: {type(value).__name__} is not a plain int/float/str/bool/None/list/dict")

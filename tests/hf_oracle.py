@@ -1,0 +1,80 @@
+"""HF transformers as the independent oracle: router top-k, forced routing, masked log-probs."""
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+
+from megarl.rollout.sample import FinishReason, RolloutSample, SamplingMask
+
+
+def load_hf(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def moe_gates(model) -> list:
+    return [layer.mlp.gate for layer in model.model.layers]
+
+
+@contextlib.contextmanager
+def forced_routing(model, experts: torch.Tensor):
+    """Route every token through ``experts`` [T, L, k] (one sequence), weights = softmax over them."""
+    gates = moe_gates(model)
+    originals = [g.forward for g in gates]
+
+    def make(layer, gate):
+        def forward(hidden):
+            hidden = hidden.reshape(-1, gate.hidden_dim)
+            logits = torch.nn.functional.linear(hidden, gate.weight)
+            ids = experts[: hidden.shape[0], layer].long()
+            weights = torch.softmax(logits.gather(1, ids), dim=-1)
+            return logits, weights, ids
+        return forward
+
+    for layer, gate in enumerate(gates):
+        gate.forward = make(layer, gate)
+    try:
+        yield
+    finally:
+        for gate, forward in zip(gates, originals):
+            gate.forward = forward
+
+
+def router_topk(model, tokens: torch.Tensor) -> torch.Tensor:
+    """[T, L, k] expert ids HF routes the tokens of one sequence to."""
+    with torch.no_grad():
+        out = model(tokens[None], output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return torch.stack([torch.topk(torch.softmax(r.float(), -1), k, dim=-1).indices for r in out.router_logits], dim=1)
+
+
+def make_samples(model, n: int, top_k: int, seed: int, rotate_experts: int = 0) -> list[RolloutSample]:
+    """Samples whose ``rollout_logprobs`` are HF's log-probs renormalised over each position's top-k
+    set (plus the target), with the routing HF used (rotated by ``rotate_experts`` when non-zero:
+    the reference is then computed under that forced routing)."""
+    gen = torch.Generator().manual_seed(seed)
+    E = model.config.num_experts
+    samples = []
+    for i in range(n):
+        P, R = int(torch.randint(3, 7, (1,), generator=gen)), int(torch.randint(2, 6, (1,), generator=gen))
+        seq = torch.randint(3, 259, (P + R,), generator=gen)
+        experts = (router_topk(model, seq[:-1]) + rotate_experts) % E
+        with torch.no_grad(), (forced_routing(model, experts) if rotate_experts else contextlib.nullcontext()):
+            logits = model(seq[None, :-1]).logits[0]
+        rows, logprobs = [], []
+        for r in range(R):
+            pos, target = P - 1 + r, int(seq[P + r])
+            kept = set(torch.topk(logits[pos], top_k).indices.tolist()) | {target}
+            ids = sorted(kept)
+            rows.append(ids)
+            logprobs.append(float(torch.log_softmax(logits[pos, ids], -1)[ids.index(target)]))
+        samples.append(RolloutSample(
+            prompt_ids=seq[:P].tolist(), response_ids=seq[P:].tolist(), loss_mask=np.ones(R, np.uint8),
+            rollout_logprobs=np.array(logprobs, np.float32), model_version=np.zeros(R, np.int32),
+            routed_experts=experts.numpy().astype(np.int16), sampling_mask=SamplingMask.from_rows(rows),
+            finish_reason=FinishReason.STOP, advantage=float(torch.randn(1, generator=gen)), group_id=f"g{i // 4}",
+        ))
+    return samples

@@ -1,0 +1,48 @@
+"""Small megatron runs on CPU, one per failure the CPU work-arounds prevent.
+
+usage: python tests/platform_scenarios.py SCENARIO HF_PATH
+Run by tests/test_platform_cpu.py with MEGARL_CPU_WORKAROUNDS_OFF naming one work-around; exits
+non-zero with megatron's error when that work-around is needed by the scenario.
+"""
+import sys
+
+import torch
+
+from megarl.trainer.distributed import Layout
+from megarl.trainer.launch import run_ranks
+
+LAYOUTS = {
+    "train": Layout(),
+    "train_tp2_sp": Layout(world_size=2, tp=2, sequence_parallel=True),
+    "train_ep2": Layout(world_size=2, ep=2),
+    "train_tp2_ep2": Layout(world_size=4, tp=2, ep=2, sequence_parallel=True),
+    "save_hf": Layout(),
+}
+
+
+def scenario(rank, layout, name, hf_path, out_dir):
+    from megarl.models.bridge import build_megatron_model, save_hf_checkpoint
+    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.trainer.step import supervised_step
+    from megarl.trainer.token_batch import pack_sequences
+
+    if name == "save_hf":
+        save_hf_checkpoint(build_megatron_model(hf_path, layout, transformer_impl="local"), out_dir)
+        return "saved"
+    trainable = build_trainable(hf_path, layout, OptimizerSettings(lr=1e-3), transformer_impl="local")
+    sequences = [[1, 5 + i, 7, 9, 11 + i, 2] for i in range(4)]
+    batch = pack_sequences(sequences, [3] * 4, pad_id=0, length_multiple=layout.tp)
+    return supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, 64).loss
+
+
+if __name__ == "__main__":
+    name, hf_path, out_dir = sys.argv[1], sys.argv[2], sys.argv[3]
+    if name == "import_bridge":
+        from megarl.platform import megatron_cpu
+
+        megatron_cpu.apply()
+        import megatron.bridge  # noqa: F401
+        print("imported")
+    else:
+        print(run_ranks(scenario, LAYOUTS[name], name, hf_path, out_dir, timeout_s=300))

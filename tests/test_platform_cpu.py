@@ -1,0 +1,50 @@
+"""Each CPU work-around is needed: turned off alone, its scenario fails with the error it names."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarl.platform import megatron_cpu
+
+SCENARIOS = Path(__file__).with_name("platform_scenarios.py")
+
+# work-around -> the smallest scenario that needs it
+NEEDED_BY = {
+    "bridge_imports_transformer_engine": "import_bridge",
+    "bridge_save_imports_modelopt": "save_hf",
+    "cuda_rng_tracker_needs_cuda": "train",
+    "cuda_streams_and_current_device": "train",
+    "hardcoded_cuda_devices": "train",
+    megatron_cpu.OPTIMIZER_TYPE_SCOPE: "train",
+    "torch_norm_rejects_sequence_parallel": "train_tp2_sp",
+    "gloo_all_to_all_needs_int_splits": "train_ep2",
+    "gloo_uneven_all_gather": "train_tp2_ep2",
+}
+PREVENTS = {w.name: w.prevents for w in megatron_cpu.WORKAROUNDS}
+PREVENTS[megatron_cpu.OPTIMIZER_TYPE_SCOPE] = "Wrapped parameters must be one of torch.cuda.FloatTensor"
+
+
+def run_scenario(name, hf_path, out_dir, off=""):
+    env = dict(os.environ, MEGARL_CPU_WORKAROUNDS_OFF=off, MEGARL_LOG_LEVEL="WARNING")
+    return subprocess.run([sys.executable, str(SCENARIOS), name, hf_path, str(out_dir)], env=env,
+                          capture_output=True, text=True, timeout=400)
+
+
+def test_every_workaround_has_a_scenario():
+    assert set(NEEDED_BY) == set(PREVENTS)
+
+
+@pytest.mark.parametrize("workaround", sorted(NEEDED_BY))
+def test_scenario_fails_without_workaround(workaround, tiny_checkpoint, tmp_path):
+    result = run_scenario(NEEDED_BY[workaround], tiny_checkpoint, tmp_path, off=workaround)
+    assert result.returncode != 0, f"{workaround} off, yet {NEEDED_BY[workaround]} passed:\n{result.stdout}"
+    assert PREVENTS[workaround] in result.stderr + result.stdout, result.stderr[-3000:]
+
+
+def test_unknown_workaround_name_is_rejected(monkeypatch):
+    monkeypatch.setenv(megatron_cpu.OFF_ENV, "no_such_workaround")
+    monkeypatch.setattr(megatron_cpu, "_applied", [])
+    with pytest.raises(ValueError, match="no_such_workaround"):
+        megatron_cpu.apply()
