@@ -17,6 +17,7 @@ LAYOUTS = {
     "train_ep2": Layout(world_size=2, ep=2),
     "train_tp2_ep2": Layout(world_size=4, tp=2, ep=2, sequence_parallel=True),
     "save_hf": Layout(),
+    "checkpoint": Layout(),
 }
 
 
@@ -33,7 +34,13 @@ def scenario(rank, layout, name, hf_path, out_dir):
     trainable = build_trainable(hf_path, layout, OptimizerSettings(lr=1e-3), transformer_impl="local")
     sequences = [[1, 5 + i, 7, 9, 11 + i, 2] for i in range(4)]
     batch = pack_sequences(sequences, [3] * 4, pad_id=0, length_multiple=layout.tp)
-    return supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, 64).loss
+    loss = supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, 64).loss
+    if name == "checkpoint":
+        from megarl.trainer.checkpoint import load_checkpoint, save_checkpoint
+
+        save_checkpoint(out_dir, 1, trainable, {})
+        load_checkpoint(out_dir, trainable)
+    return loss
 
 
 if __name__ == "__main__":

@@ -95,15 +95,16 @@ def hf_forward(hf_model, token_ids):
     return out.logits[0].float(), topk
 
 
-def check_against_hf(sample, hf_model, with_mask=True):
-    """Assert routing, mask membership and log-probs; returns (max |logprob diff|, routing rows compared)."""
+def check_against_hf(sample, hf_model, with_mask=True, temperature=1.0):
+    """Assert routing, mask membership and log-probs of the temperature-scaled distribution;
+    returns (max |logprob diff|, routing rows compared)."""
     ids = sample.prompt_ids + sample.response_ids
     p, r = len(sample.prompt_ids), len(sample.response_ids)
     logits, hf_topk = hf_forward(hf_model, ids[:-1])  # the last token is never fed: no routing row
     assert sample.routed_experts.dtype == np.int16
     assert sample.routed_experts.shape == (len(ids) - 1, hf_model.config.num_hidden_layers, hf_topk.shape[-1])
     np.testing.assert_array_equal(np.sort(sample.routed_experts, -1), np.sort(hf_topk, -1))
-    log_probs = torch.log_softmax(logits[p - 1 :], dim=-1)  # [R, V]: row i predicts response token i
+    log_probs = torch.log_softmax(logits[p - 1 :] / temperature, dim=-1)  # [R, V]: row i predicts token i
     expected = np.empty(r, dtype=np.float64)
     for i, token in enumerate(sample.response_ids):
         if with_mask:
@@ -192,6 +193,19 @@ def test_routing_mask_and_logprobs_equal_the_hf_forward(engine, hf_model, tokeni
     print(f"\n[measured] {len(samples)} samples, {sum(len(s.response_ids) for s in samples)} tokens: "
           f"routing equal to HF top-k on {rows}/{rows} (token, layer) rows; "
           f"max |masked log-prob - HF| = {max_diff:.2e}; mask sizes {min(mask_sizes)}..{max(mask_sizes)}")
+
+
+def test_logprobs_are_of_the_temperature_scaled_distribution(engine, hf_model, tokenizer):
+    params = SamplingParams(max_new_tokens=16, temperature=0.7, top_p=0.95, top_k=20)
+
+    async def body(client):
+        return await client.generate(tokenizer.encode("6+3="), params)
+
+    sample = run_client(engine, body)
+    max_diff, _ = check_against_hf(sample, hf_model, temperature=params.temperature)
+    with pytest.raises(AssertionError, match="log-prob differences"):  # the unscaled reference is far off
+        check_against_hf(sample, hf_model, temperature=1.0)
+    print(f"\n[measured] temperature 0.7: max |masked log-prob - HF(logits / 0.7)| = {max_diff:.2e}")
 
 
 def test_without_metadata_logprobs_are_full_vocabulary(engine, hf_model, tokenizer):

@@ -25,7 +25,7 @@ def checkpoint_arch(hf_path: str) -> dict:
     hf = json.loads(cfg_file.read_text())
     return {
         "num_layers": hf.get("num_hidden_layers"),
-        "num_experts": hf.get("num_experts") or hf.get("n_routed_experts"),
+        "num_experts": hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts"),
         "num_attention_heads": hf.get("num_attention_heads"),
         "num_query_groups": hf.get("num_key_value_heads"),
     }

@@ -184,7 +184,8 @@ class SGLangClient:
         group_id: str = "",
         episode_id: str = "",
     ) -> RolloutSample:
-        """Generate one response; log-probs are renormalised over the sampling mask when it is returned.
+        """Generate one response. ``rollout_logprobs`` are of the temperature-scaled distribution
+        (softmax of logits / temperature), renormalised over the sampling mask when it is returned.
 
         Raises ValueError for bad input (empty prompt, ids outside the vocabulary, a mask without a
         finite top_k) and EngineError when the engine rejects the request (e.g. a prompt longer

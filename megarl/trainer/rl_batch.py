@@ -106,3 +106,16 @@ def build_rl_batch(samples: Sequence[RolloutSample], pad_id: int, length_multipl
         torch.cumsum(counts, 0, out=offsets[1:])
         mask = CsrMask(torch.tensor([i for r in mask_rows for i in r], dtype=torch.long), offsets)
     return RLBatch(tokens, targets, loss_mask, advantages, num_positions, rollout_logprobs, routed, mask)
+
+
+def check_routing(routed: torch.Tensor, num_layers: int, num_experts: int) -> None:
+    """Raise ValueError unless ``routed`` [B, S, L, k] has one row per model layer and valid,
+    distinct expert ids per token."""
+    if routed.shape[2] != num_layers:
+        raise ValueError(f"routed_experts has {routed.shape[2]} layers, the model has {num_layers}")
+    low, high = int(routed.min()), int(routed.max())
+    if low < 0 or high >= num_experts:
+        raise ValueError(f"routed_experts holds expert id {low if low < 0 else high}, outside 0..{num_experts - 1}")
+    ordered = routed.sort(dim=-1).values
+    if (ordered[..., 1:] == ordered[..., :-1]).any():
+        raise ValueError("routed_experts repeats an expert within one token's top-k")

@@ -16,8 +16,8 @@ import torch
 from megarl.algos.aggregation import denominator_share
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.config.schema import AlgorithmConfig
-from megarl.trainer.logprobs import CsrMask, vocab_parallel_logprobs
-from megarl.trainer.rl_batch import RLBatch
+from megarl.trainer.logprobs import vocab_parallel_logprobs
+from megarl.trainer.rl_batch import RLBatch, check_routing
 
 
 @dataclass
@@ -88,12 +88,16 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+    from megatron.core.utils import get_model_config
 
     from megarl.trainer.optimizer import optimizer_step
 
     routers = _routers()
     if keep_routing and (batch.routed_experts is None or not routers):
         raise ValueError("keep_routing needs routed_experts in every sample and a model built with routing replay")
+    if routers and batch.routed_experts is not None:
+        config = get_model_config(chunks[0])
+        check_routing(batch.routed_experts, config.num_layers, config.num_moe_experts)
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     if len(batch) % dp:
         raise ValueError(f"{len(batch)} samples do not split over {dp} data-parallel ranks")
