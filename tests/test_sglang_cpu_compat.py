@@ -1,8 +1,7 @@
-"""Each part of megarl's SGLang CPU layer prevents the failure it is named after.
+"""Each SGLang CPU work-around is needed: turned off alone, its scenario fails with the error it names.
 
-Every scenario runs in a fresh interpreter (the layer changes sys.modules and the environment,
-and SGLang reads both at import time): once with the whole layer, once with one part disabled,
-where the original error must come back.
+Every scenario runs in a fresh interpreter (the work-arounds change sys.modules and the
+environment, and SGLang reads both at import time).
 """
 import os
 import subprocess
@@ -12,9 +11,9 @@ import pytest
 
 from megarl.platform import sglang_cpu
 
-pytestmark = pytest.mark.skipif(not sglang_cpu.needed(), reason="the layer is inactive on GPU machines")
+pytestmark = pytest.mark.skipif(not sglang_cpu.needed(), reason="the work-arounds are inactive on GPU machines")
 
-# One minimal SGLang scenario per part: what SGLang does on CPU that fails without that part.
+# work-around -> the smallest thing SGLang does on CPU that fails without it
 SCENARIOS = {
     "cpu_engine": (
         "import torch\n"
@@ -28,24 +27,24 @@ SCENARIOS = {
         "assert tuple(cache.buffer.shape) == (16, 2, 2)\n"
     ),
 }
-ORIGINAL_ERRORS = {
-    "cpu_engine": "ModuleNotFoundError: No module named 'vllm'",
-    "sgl_kernel": "ModuleNotFoundError: No module named 'sgl_kernel'",
-    "routed_experts_host_buffer": "RuntimeError: Found no NVIDIA driver on your system",
-}
-# The routed-experts part patches an sglang module that itself imports sgl_kernel.
-ALSO_DISABLED = {"sgl_kernel": ["routed_experts_host_buffer"]}
+PREVENTS = {w.name: w.prevents for w in sglang_cpu.WORKAROUNDS}
+# The routed-experts work-around patches an sglang module that itself imports sgl_kernel.
+ALSO_OFF = {"sgl_kernel": ["routed_experts_host_buffer"]}
 
 
-def run_with_layer(code: str, disabled: list[str]) -> subprocess.CompletedProcess:
+def run_with_workarounds(code: str, off: list[str]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
-    env[sglang_cpu.DISABLE_ENV] = ",".join(disabled)
-    prelude = "from megarl.platform import sglang_cpu\nsglang_cpu.install()\n"
+    env[sglang_cpu.OFF_ENV] = ",".join(off)
+    prelude = "from megarl.platform import sglang_cpu\nsglang_cpu.apply()\n"
     return subprocess.run([sys.executable, "-c", prelude + code + "print('SCENARIO_OK')\n"],
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_all_scenarios_run_with_the_whole_layer():
+def test_every_workaround_has_a_scenario():
+    assert set(SCENARIOS) == set(PREVENTS)
+
+
+def test_all_scenarios_run_with_every_workaround():
     stand_in_check = (
         "import sgl_kernel\n"
         "try:\n"
@@ -55,18 +54,18 @@ def test_all_scenarios_run_with_the_whole_layer():
         "else:\n"
         "    raise AssertionError('the stand-in ran an op it does not have')\n"
     )
-    result = run_with_layer("".join(SCENARIOS.values()) + stand_in_check, disabled=[])
+    result = run_with_workarounds("".join(SCENARIOS.values()) + stand_in_check, off=[])
     assert result.returncode == 0 and "SCENARIO_OK" in result.stdout, result.stderr[-3000:]
 
 
-@pytest.mark.parametrize("part", sglang_cpu.PARTS)
-def test_scenario_fails_with_the_original_error_without_its_part(part):
-    result = run_with_layer(SCENARIOS[part], disabled=[part] + ALSO_DISABLED.get(part, []))
-    assert result.returncode != 0, f"{part}: scenario passed without its part"
-    assert ORIGINAL_ERRORS[part] in result.stderr, result.stderr[-3000:]
+@pytest.mark.parametrize("workaround", sorted(PREVENTS))
+def test_scenario_fails_without_workaround(workaround):
+    result = run_with_workarounds(SCENARIOS[workaround], off=[workaround] + ALSO_OFF.get(workaround, []))
+    assert result.returncode != 0, f"{workaround} off, yet its scenario passed"
+    assert PREVENTS[workaround] in result.stderr, result.stderr[-3000:]
 
 
-def test_unknown_part_name_is_rejected(monkeypatch):
-    monkeypatch.setenv(sglang_cpu.DISABLE_ENV, "sgl_kernel,no_such_part")
-    with pytest.raises(ValueError, match="no_such_part"):
-        sglang_cpu.install()
+def test_unknown_workaround_name_is_rejected(monkeypatch):
+    monkeypatch.setenv(sglang_cpu.OFF_ENV, "sgl_kernel,no_such_workaround")
+    with pytest.raises(ValueError, match="no_such_workaround"):
+        sglang_cpu.apply()

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -14,7 +15,6 @@ import pybase64
 import pytest
 import torch
 
-from megarl.models.tiny_moe import make_tiny_moe
 from megarl.rollout.client import (
     EngineError, PauseMode, SamplingParams, ServedModel, SGLangClient, decode_routed_experts,
 )
@@ -27,11 +27,13 @@ PROMPTS = ["3+4=", "9+9=", "0+1=", "7+2=", "5+5=", "1+8="]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def checkpoint(tiny_checkpoint, tmp_path_factory):
     """The tiny MoE checkpoint with its lm_head scaled by LM_HEAD_SCALE."""
     from safetensors.torch import load_file, save_file
 
-    path = make_tiny_moe(tmp_path_factory.mktemp("tiny_moe"))
+    path = tmp_path_factory.mktemp("tiny_moe_sharp")
+    for f in Path(tiny_checkpoint).iterdir():
+        shutil.copy(f, path / f.name)
     weights_file = path / "model.safetensors"
     weights = load_file(weights_file)
     weights["lm_head.weight"] = weights["lm_head.weight"] * LM_HEAD_SCALE

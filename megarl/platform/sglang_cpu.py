@@ -1,9 +1,10 @@
 """What SGLang 0.5.23 needs to serve on a machine without a GPU; inactive when CUDA is available.
 
-``install()`` must run before anything imports sglang, in every SGLang process (the server spawns
+``apply()`` must run before anything imports sglang, in every SGLang process (the server spawns
 its scheduler and detokenizer with the "spawn" start method; ``megarl.rollout.sglang_server``
-calls it at import time, which the spawned children repeat). Each part is named after the failure
-it prevents and can be switched off for tests with ``MEGARL_SGLANG_CPU_DISABLE=<part>[,<part>]``:
+calls it at import time, which the spawned children repeat). Each work-around is named after the
+failure it prevents; ``MEGARL_SGLANG_WORKAROUNDS_OFF=name,name`` turns single ones off, which the
+tests use to show that each one is needed:
 
 - ``cpu_engine``: ``ModuleNotFoundError: No module named 'vllm'`` (from SGLang's rotary embedding,
   among others). SGLang takes its CPU code paths only with ``SGLANG_USE_CPU_ENGINE=1``; without it
@@ -24,11 +25,19 @@ import logging
 import os
 import sys
 import types
+from dataclasses import dataclass
+from typing import Callable
 
 log = logging.getLogger(__name__)
 
-DISABLE_ENV = "MEGARL_SGLANG_CPU_DISABLE"
-PARTS = ("cpu_engine", "sgl_kernel", "routed_experts_host_buffer")
+OFF_ENV = "MEGARL_SGLANG_WORKAROUNDS_OFF"
+
+
+@dataclass(frozen=True)
+class Workaround:
+    name: str
+    prevents: str  # the error SGLang raises on CPU without it
+    apply: Callable[[], None]
 
 
 def needed() -> bool:
@@ -38,30 +47,25 @@ def needed() -> bool:
     return not torch.cuda.is_available()
 
 
-def _disabled_parts() -> set[str]:
-    names = {p.strip() for p in os.environ.get(DISABLE_ENV, "").split(",") if p.strip()}
-    unknown = names - set(PARTS)
-    if unknown:
-        raise ValueError(f"{DISABLE_ENV} names unknown parts {sorted(unknown)}; known: {list(PARTS)}")
-    return names
-
-
-def install() -> list[str]:
-    """Install every enabled part when no GPU is present; returns the names installed (idempotent)."""
+def apply() -> list[str]:
+    """Apply every work-around not named in OFF_ENV when no GPU is present; returns their names."""
     if not needed():
         return []
-    disabled = _disabled_parts()
-    installed = []
-    for part in PARTS:
-        if part in disabled:
-            log.warning("SGLang CPU compatibility part %r disabled by %s", part, DISABLE_ENV)
+    off = {name.strip() for name in os.environ.get(OFF_ENV, "").split(",") if name.strip()}
+    unknown = off - {w.name for w in WORKAROUNDS}
+    if unknown:
+        raise ValueError(f"{OFF_ENV}: unknown work-around(s) {sorted(unknown)}")
+    applied = []
+    for workaround in WORKAROUNDS:
+        if workaround.name in off:
+            log.warning("SGLang CPU work-around %r turned off by %s", workaround.name, OFF_ENV)
             continue
-        _INSTALLERS[part]()
-        installed.append(part)
-    return installed
+        workaround.apply()
+        applied.append(workaround.name)
+    return applied
 
 
-def _install_cpu_engine() -> None:
+def _use_cpu_engine() -> None:
     os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
 
 
@@ -81,7 +85,7 @@ class _SglKernelStandIn(types.ModuleType):
         return not_implemented
 
 
-def _install_sgl_kernel() -> None:
+def _add_sgl_kernel_stand_in() -> None:
     if "sgl_kernel" in sys.modules:
         return
     module = _SglKernelStandIn("sgl_kernel", "megarl's stand-in for sgl-kernel's CPU build (no ops)")
@@ -95,14 +99,15 @@ def _alloc_plain_host_buffer(dims, dtype, device, pin_memory, allocator, registr
     return allocator.allocate(dims, dtype=dtype, device=device)
 
 
-def _install_routed_experts_host_buffer() -> None:
+def _allocate_routed_experts_host_buffer_unpinned() -> None:
     from sglang.srt.mem_cache.pool_host import common
 
     common.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_plain_host_buffer
 
 
-_INSTALLERS = {
-    "cpu_engine": _install_cpu_engine,
-    "sgl_kernel": _install_sgl_kernel,
-    "routed_experts_host_buffer": _install_routed_experts_host_buffer,
-}
+WORKAROUNDS = (
+    Workaround("cpu_engine", "ModuleNotFoundError: No module named 'vllm'", _use_cpu_engine),
+    Workaround("sgl_kernel", "ModuleNotFoundError: No module named 'sgl_kernel'", _add_sgl_kernel_stand_in),
+    Workaround("routed_experts_host_buffer", "RuntimeError: Found no NVIDIA driver on your system",
+               _allocate_routed_experts_host_buffer_unpinned),
+)

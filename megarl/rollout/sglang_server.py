@@ -1,7 +1,7 @@
 """Entry point of an SGLang server process: ``python -m megarl.rollout.sglang_server <launch_server args>``.
 
-Installs megarl's CPU compatibility layer (only when no GPU is present) and then runs SGLang's own
-``sglang.launch_server`` main with the same arguments. The layer is installed at import time on
+Applies megarl's SGLang CPU work-arounds (only when no GPU is present) and then runs SGLang's own
+``sglang.launch_server`` main with the same arguments. The work-arounds are applied at import time on
 purpose: SGLang starts its scheduler and detokenizer with the "spawn" start method, and a spawned
 child re-imports this module (as ``__mp_main__``) before it imports any of sglang.
 """
@@ -11,7 +11,7 @@ import runpy
 
 from megarl.platform import sglang_cpu
 
-sglang_cpu.install()
+sglang_cpu.apply()
 
 if __name__ == "__main__":
     runpy.run_module("sglang.launch_server", run_name="__main__")

@@ -1,0 +1,188 @@
+"""The Megatron trainer under every parallel layout, against one process and against HF.
+
+One process per rank runs, on the tiny MoE built through megatron-bridge:
+- two supervised steps (forward, backward, DistributedOptimizer update) on a fixed batch;
+- RL steps on a frozen copy (lr=0) with samples whose rollout log-probs come from HF transformers,
+  renormalised over each position's top-k set, under the routing HF used: with Keep Routing and Keep
+  Sampling Mask the trainer reproduces them; a forced, different routing is reproduced too when
+  replayed and not when it is not; without the mask the mismatch is large;
+- a router hook check that replay makes every MoE layer choose exactly the given experts.
+Every layout's losses, gradient norms and metrics equal the single-process run within 1e-5.
+"""
+import pytest
+
+from megarl.trainer.distributed import Layout
+from megarl.trainer.launch import run_ranks
+
+LAYOUTS = {
+    "tp2_sp": Layout(world_size=2, tp=2, sequence_parallel=True),
+    "ep2": Layout(world_size=2, ep=2),
+    "pp2": Layout(world_size=2, pp=2),
+    "dp2": Layout(world_size=2),
+    "tp2_ep2": Layout(world_size=4, tp=2, ep=2, sequence_parallel=True),
+}
+
+
+def supervised_steps(layout, hf_path):
+    """[(loss or None off the last PP stage, grad_norm)] of two steps."""
+    import torch
+    from megatron.core import parallel_state
+
+    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.trainer.step import supervised_step
+    from megarl.trainer.token_batch import pack_sequences
+
+    trainable = build_trainable(hf_path, layout, OptimizerSettings(lr=1e-3, adam_beta2=0.99), transformer_impl="local")
+    gen = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 12, (8,), generator=gen).tolist()
+    batch = pack_sequences([torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths], [2] * 8,
+                           pad_id=0, length_multiple=2)
+    last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    out = []
+    for _ in range(2):  # 8 sequences x 12 tokens over a 40-token budget: several micro-batches
+        result = supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, 40)
+        out.append((result.loss if last else None, result.grad_norm))
+    return out
+
+
+def rl_cases(trainable, layout, hf):
+    """{case: (grad_norm, metrics)} of rl_step on the frozen model."""
+    from hf_oracle import make_samples
+
+    from megarl.config.schema import AlgorithmConfig
+    from megarl.trainer.rl_batch import build_rl_batch
+    from megarl.trainer.rl_step import rl_step
+
+    natural = make_samples(hf, 8, top_k=5, seed=1)
+    forced = make_samples(hf, 8, top_k=5, seed=1, rotate_experts=3)
+
+    def step(samples, keep_routing=True, keep_mask=True):
+        batch = build_rl_batch(samples, pad_id=0, length_multiple=layout.tp if layout.sequence_parallel else 1,
+                               with_sampling_mask=keep_mask)
+        result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
+                         vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=keep_routing,
+                         sequence_parallel=layout.sequence_parallel)
+        return result.grad_norm, result.metrics
+
+    return {"kept": step(natural), "forced_kept": step(forced), "forced_free": step(forced, keep_routing=False),
+            "no_mask": step(natural, keep_mask=False)}
+
+
+def replay_choices(chunks, layout):
+    """[(per layer: chosen == given, tokens per expert)] for random replay ids and for all tokens -> {1, 5}."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    from megarl.trainer.rl_step import local_replay_indices
+
+    routers = [m for m in chunks[0].modules() if getattr(m, "router_replay", None) is not None]
+    chosen = {}
+    for router in routers:
+        router.register_forward_hook(lambda mod, inp, out: chosen.__setitem__(mod.layer_number, out[1].clone()))
+    B, S, L, k, E = 2, 8, 2, 2, 8
+    tokens = torch.randint(3, 250, (B, S), generator=torch.Generator().manual_seed(0))
+    random_ids = torch.stack([torch.randperm(E, generator=torch.Generator().manual_seed(i))[:k]
+                              for i in range(B * S * L)]).view(B, S, L, k)
+    results = []
+    for routed in (random_ids, torch.tensor([1, 5]).expand(B, S, L, k)):
+        RouterReplay.clear_global_indices()
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        RouterReplay.set_replay_data([local_replay_indices(routed, r.layer_number, layout.sequence_parallel)
+                                      for r in RouterReplay.global_router_replay_instances])
+
+        def forward_step(data_iterator, model):
+            next(data_iterator)
+            return model(tokens, torch.arange(S).expand(B, S), None), lambda out: (out.sum(), {})
+
+        with torch.no_grad():
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([None]), model=chunks,
+                                        num_microbatches=1, seq_length=S, micro_batch_size=B, forward_only=True)
+        per_layer = {}
+        for router in routers:
+            given = local_replay_indices(routed, router.layer_number, layout.sequence_parallel)
+            expected = torch.zeros_like(chosen[router.layer_number]).scatter_(1, given, True)
+            per_layer[router.layer_number] = (bool(torch.equal(chosen[router.layer_number], expected)),
+                                              chosen[router.layer_number].sum(0).tolist())
+        results.append(per_layer)
+    RouterReplay.clear_global_router_replay_action()
+    return results
+
+
+def layout_checks(rank, layout, hf_path):
+    from hf_oracle import load_hf
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.optimizer import OptimizerSettings
+
+    sft = supervised_steps(layout, hf_path)
+    RouterReplay.clear_global_router_replay_instances()
+    frozen = build_trainable(hf_path, layout, OptimizerSettings(lr=0.0), transformer_impl="local", routing_replay=True)
+    rl = rl_cases(frozen, layout, load_hf(hf_path))
+    local_tokens = 16 // (layout.tp if layout.sequence_parallel else 1)
+    return {"sft": sft, "rl": rl, "replay": replay_choices(frozen.chunks, layout), "local_tokens": local_tokens}
+
+
+@pytest.fixture(scope="module")
+def single(tiny_checkpoint):
+    return run_ranks(layout_checks, Layout(), tiny_checkpoint)[0]
+
+
+def test_supervised_update_lowers_the_loss(single):
+    (loss0, grad_norm0), (loss1, _) = single["sft"]
+    assert loss1 < loss0 and grad_norm0 > 0
+
+
+def test_keep_routing_and_mask_reproduce_rollout_logprobs(single):
+    grad_norm, kept = single["rl"]["kept"]
+    assert kept["mismatch/logprob_abs_diff"] < 1e-5  # so the PPO ratio is 1 within 1e-5
+    assert abs(kept["mismatch/kl"]) < 1e-5
+    assert kept["clip_fraction"] == 0.0 and grad_norm > 0
+
+
+def test_replayed_routing_is_the_one_used(single):
+    assert single["rl"]["forced_kept"][1]["mismatch/logprob_abs_diff"] < 1e-5
+    free = single["rl"]["forced_free"][1]
+    assert free["mismatch/logprob_abs_diff"] > 1e-3
+    assert free["routing/agreement"] < 0.05  # the rotation by 3 never equals the natural top-2
+
+
+def test_dropping_the_sampling_mask_makes_the_mismatch_larger(single):
+    kept = single["rl"]["kept"][1]["mismatch/logprob_abs_diff"]
+    assert single["rl"]["no_mask"][1]["mismatch/logprob_abs_diff"] > 100 * max(kept, 1e-6)
+
+
+def check_replay(result):
+    layers = set()
+    random_case, forced_case = result["replay"]
+    for layer, (equal, _) in random_case.items():
+        assert equal, f"layer {layer}: chosen experts differ from the replayed ones"
+        layers.add(layer)
+    n = result["local_tokens"]
+    for layer, (_, counts) in forced_case.items():
+        assert counts == [0, n, 0, 0, 0, n, 0, 0], (layer, counts)
+    return layers
+
+
+def test_replay_routes_every_layer_to_the_given_experts(single):
+    assert check_replay(single) == {1, 2}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_layout_equals_single_process(name, single, tiny_checkpoint):
+    per_rank = run_ranks(layout_checks, LAYOUTS[name], tiny_checkpoint)
+    assert any(r["sft"][0][0] is not None for r in per_rank), "no rank reported a loss"
+    layers = set()
+    for result in per_rank:
+        for (loss, grad_norm), (ref_loss, ref_grad_norm) in zip(result["sft"], single["sft"]):
+            assert grad_norm == pytest.approx(ref_grad_norm, abs=1e-5)
+            if loss is not None:
+                assert loss == pytest.approx(ref_loss, abs=1e-5)
+        for case, (grad_norm, metrics) in result["rl"].items():
+            assert grad_norm == pytest.approx(single["rl"][case][0], abs=1e-5), case
+            for key, value in metrics.items():
+                assert value == pytest.approx(single["rl"][case][1][key], abs=1e-5), (case, key)
+        layers |= check_replay(result)
+    assert layers == {1, 2}  # every MoE layer checked (PP2: one per stage)
