@@ -33,6 +33,7 @@ BAD_INPUTS = [
     (["parallel.world_size=2", "parallel.tp=2"], "parallel.sequence_parallel", "requires sequence_parallel"),
     (["parallel.world_size=4", "parallel.pp=4"], "parallel.pp", "2 layers do not split"),
     (["mode=fast"], "mode", "not one of"),
+    (["mode=async"], "mode", "not built yet"),
     (["rollout.top_k=0"], "rollout.top_k", "finite top_k"),
 ]
 

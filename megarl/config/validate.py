@@ -72,5 +72,5 @@ def validate(cfg: DictConfig) -> None:
         _fail("rollout.samples_per_prompt", "samples_per_prompt and prompts_per_step must be >= 1")
     if cfg.mode not in MODES:
         _fail("mode", f"{cfg.mode!r} is not one of {', '.join(MODES)}")
-    if cfg.mode != "warmup":
-        _fail("mode", f"{cfg.mode}: the RL pipeline is not built yet; only mode=warmup runs")
+    if cfg.mode in ("one_step_off", "async"):
+        _fail("mode", f"{cfg.mode}: the async pipeline is not built yet; mode=warmup and mode=sync run")

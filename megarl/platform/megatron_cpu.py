@@ -228,15 +228,25 @@ def _torch_adam_step_breaks_optimizer_load() -> None:
     """Without transformer-engine or apex the DistributedOptimizer runs torch's Adam, whose
     per-parameter state holds a ``step`` tensor. Loading a ``fully_reshardable`` optimizer
     checkpoint restores the step from the param groups and skips it among the parameter tensors,
-    then looks it up there (``KeyError: 'step'``). Pass it as a non-tensor, which the copy skips."""
+    then looks it up there (``KeyError: 'step'``): pass it as a non-tensor, which the copy skips.
+    The restored step is also one tensor shared by every parameter, which Adam then increments
+    once per parameter (wrong bias correction after a resume): give each parameter its own."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     set_states = DistributedOptimizer._set_main_param_and_optimizer_states
+    load_state_dict = DistributedOptimizer.load_state_dict
 
     def set_states_without_step(self, model_param, tensors):
         return set_states(self, model_param, {"step": None, **tensors})
 
+    def load_with_own_steps(self, state_dict):
+        load_state_dict(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states_without_step
+    DistributedOptimizer.load_state_dict = load_with_own_steps
 
 
 class _SourcePatcher(importlib.abc.MetaPathFinder):

@@ -60,14 +60,15 @@ def routing_agreement(recorded: list[torch.Tensor], routed: torch.Tensor, layer_
     return match, total
 
 
-def _token_logprobs(logits: torch.Tensor, mb: RLBatch, vocab_size: int):
-    """Masked log-probs and unmasked entropy [b, S] from this rank's logits [b, S, V/tp]."""
+def _token_logprobs(logits: torch.Tensor, mb: RLBatch, vocab_size: int, temperature: float):
+    """Masked log-probs and unmasked entropy [b, S] of the temperature-scaled distribution (the one
+    the engine sampled from) from this rank's logits [b, S, V/tp]."""
     from megatron.core import parallel_state
 
     b, S, shard = logits.shape
     vocab_start = parallel_state.get_tensor_model_parallel_rank() * shard
     padded = torch.arange(vocab_start, vocab_start + shard) >= vocab_size
-    logits = logits.float()
+    logits = logits.float() / temperature
     if padded.any():  # megatron's vocabulary padding is not part of the policy
         logits = logits.masked_fill(padded, torch.finfo(torch.float32).min)
     out = vocab_parallel_logprobs(logits.reshape(b * S, shard), vocab_start, mb.targets.reshape(-1),
@@ -77,7 +78,7 @@ def _token_logprobs(logits: torch.Tensor, mb: RLBatch, vocab_size: int):
 
 def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmConfig, *, vocab_size: int,
             max_tokens_per_microbatch: int, keep_routing: bool, sequence_parallel: bool,
-            ref_logprobs: Optional[torch.Tensor] = None) -> RLStepResult:
+            temperature: float = 1.0, ref_logprobs: Optional[torch.Tensor] = None) -> RLStepResult:
     """One update on ``batch`` (identical on every rank; each DP rank trains its share).
 
     ``keep_routing`` replays ``batch.routed_experts`` (the model must be built with routing replay).
@@ -128,7 +129,7 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
             agreement[1] += total
 
         def loss_func(output):
-            logprobs, entropy = _token_logprobs(output, mb, vocab_size)
+            logprobs, entropy = _token_logprobs(output, mb, vocab_size, temperature)
             inputs = LossInputs(
                 logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=mb.advantages, loss_mask=mb.loss_mask,
                 entropy=entropy, rollout_logprobs=mb.rollout_logprobs,

@@ -1,0 +1,90 @@
+"""The trainer as a group of Ray actors, one per Megatron rank (one GPU each, or one CPU process).
+
+The torch.distributed group is formed inside the actors; every call goes to all ranks with the same
+arguments (one object-store copy of a batch), and the group returns what the reporting rank
+returned (the last pipeline stage, TP rank 0, DP rank 0).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+import torch
+
+from megarl.trainer.distributed import Layout, free_port
+
+log = logging.getLogger(__name__)
+
+
+class TrainerRank:
+    """One Megatron rank: its process groups, model, optimizer and schedule."""
+
+    def __init__(self, rank: int, layout: Layout, master_port: int, backend: str, seed: int):
+        from megarl.log import setup_logging
+        from megarl.trainer.distributed import init_rank
+
+        setup_logging()
+        torch.set_num_threads(1)
+        self.rank, self.layout = rank, layout
+        init_rank(rank, layout, "127.0.0.1", master_port, backend=backend, seed=seed)
+        self.trainable = None
+
+    def build(self, hf_path: str, settings, transformer_impl: str, dispatcher: str, routing_replay: bool) -> int:
+        """Build model, DDP and optimizer from the HF checkpoint; returns this rank's parameter count."""
+        from megarl.trainer.model_setup import build_trainable
+
+        self.trainable = build_trainable(hf_path, self.layout, settings, transformer_impl=transformer_impl,
+                                         dispatcher=dispatcher, routing_replay=routing_replay)
+        return sum(p.numel() for chunk in self.trainable.chunks for p in chunk.parameters())
+
+    def is_reporter(self) -> bool:
+        from megatron.core import parallel_state
+
+        return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                and parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0)
+
+    def rl_step(self, batch, algo, **kwargs):
+        from megarl.trainer.rl_step import rl_step
+
+        t = self.trainable
+        return rl_step(t.chunks, t.optimizer, t.scheduler, batch, algo, **kwargs)
+
+    def save_hf(self, out_dir: str) -> str:
+        """Gather every shard into an HF checkpoint at ``out_dir`` (all ranks take part)."""
+        from megarl.models.bridge import save_hf_checkpoint
+
+        return str(save_hf_checkpoint(self.trainable.model, out_dir))
+
+
+class TrainerGroup:
+    """``layout.world_size`` :class:`TrainerRank` actors in one placement group."""
+
+    def __init__(self, layout: Layout, backend: str = "auto", seed: int = 1234):
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        gpus = 1 if torch.cuda.is_available() else 0
+        bundle = {"GPU": 1, "CPU": 1} if gpus else {"CPU": 1}
+        self.placement = placement_group([bundle] * layout.world_size, strategy="PACK")
+        ray.get(self.placement.ready(), timeout=600)
+        port = free_port()
+        remote = ray.remote(num_cpus=1, num_gpus=gpus)(TrainerRank)
+        self.ranks = [
+            remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.placement, placement_group_bundle_index=r)).remote(r, layout, port, backend, seed)
+            for r in range(layout.world_size)
+        ]
+        self.reporter = ray.get([r.is_reporter.remote() for r in self.ranks]).index(True)
+
+    def call(self, method: str, *args, **kwargs) -> Any:
+        """Run ``method`` on every rank; return the reporting rank's result."""
+        args = [ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args]
+        return ray.get([getattr(r, method).remote(*args, **kwargs) for r in self.ranks])[self.reporter]
+
+    def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for rank in self.ranks:
+            ray.kill(rank)
+        remove_placement_group(self.placement)
