@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,9 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # The model hyper-parameters a checkpoint must agree on to be loaded into a model.
 MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "kv_channels", "num_moe_experts", "moe_ffn_hidden_size", "moe_router_topk")
+
+# what reading a damaged checkpoint raises; torch's CheckpointException is a BaseException
+_READ_ERRORS = (Exception, CheckpointException)
 
 
 class CheckpointError(RuntimeError):
@@ -87,10 +91,12 @@ def save_checkpoint(root: str | Path, step: int, trainable, data_position: dict[
         shutil.rmtree(tmp, ignore_errors=True)  # a stale one from an earlier crash
         tmp.mkdir(parents=True)
     torch.distributed.barrier()
-    state = _sharded_state(trainable, is_loading=False)
+    state = _model_state(trainable)
+    optimizer = _OptimizerState(trainable.optimizer, state, is_loading=False)
+    state["optimizer"] = optimizer.shards
     state["rng_state"] = _rng_object(_rng_state())
     state["megarl"] = {"step": step, "data_position": data_position, "model": _model_signature(trainable),
-                       "layout": _layout_signature()}
+                       "layout": _layout_signature(), "optimizer": optimizer.common()}
     state["scheduler"] = trainable.scheduler.state_dict()
     dist_checkpointing.save(state, str(tmp), sharded_strategy=get_default_save_sharded_strategy(FORMAT))
     torch.distributed.barrier()
@@ -114,23 +120,25 @@ def load_checkpoint(root: str | Path, trainable, step: int | None = None) -> Res
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
         saved = common["megarl"]
-    except Exception as exc:
+    except _READ_ERRORS as exc:
         raise CheckpointError(f"{path}: unreadable checkpoint ({type(exc).__name__}: {exc})") from exc
     _check_model(path, saved["model"], _model_signature(trainable))
     rng_restored = saved["layout"] == _layout_signature()
-    state = _sharded_state(trainable, is_loading=True)
+    state = _model_state(trainable)
+    optimizer = _OptimizerState(trainable.optimizer, state, is_loading=True)
+    state["optimizer"] = optimizer.shards
     if rng_restored:
         state["rng_state"] = _rng_object(None)
     try:
         loaded = dist_checkpointing.load(state, str(path), sharded_strategy=get_default_load_sharded_strategy(str(path)))
         for index, module in enumerate(_modules(trainable)):
             module.load_state_dict(loaded[_model_key(trainable, index)])
-        trainable.optimizer.load_state_dict(loaded["optimizer"])
-        trainable.scheduler.load_state_dict(loaded["scheduler"])
-    except Exception as exc:
+        optimizer.load(loaded["optimizer"], saved["optimizer"])
+        pass  # MUTATION
+    except _READ_ERRORS as exc:
         raise CheckpointError(f"{path}: cannot load into this model ({type(exc).__name__}: {exc})") from exc
     if rng_restored:
-        _set_rng_state(loaded["rng_state"])
+        pass  # MUTATION
     else:
         log.warning("%s was saved under layout %s, not %s: RNG states not restored",
                     path, saved["layout"], _layout_signature())
@@ -188,25 +196,70 @@ def _modules(trainable) -> list:
     return unwrap_model(trainable.chunks)
 
 
-def _sharded_state(trainable, is_loading: bool) -> dict:
-    """The model chunks' and the optimizer's sharded state dicts (the optimizer's refer to the model's)."""
-    if is_loading:
-        _allocate_optimizer_state(trainable.optimizer)
-    state = {_model_key(trainable, i): module.sharded_state_dict() for i, module in enumerate(_modules(trainable))}
-    state["optimizer"] = trainable.optimizer.sharded_state_dict(state, is_loading=is_loading,
-                                                                metadata=OPTIMIZER_METADATA)
-    return state
+def _model_state(trainable) -> dict:
+    """The model chunks' sharded state dicts ("model", or "model0", "model1", ... with virtual stages)."""
+    return {_model_key(trainable, i): module.sharded_state_dict() for i, module in enumerate(_modules(trainable))}
+
+
+class _OptimizerState:
+    """The DistributedOptimizer's state in a form that does not depend on the layout.
+
+    megatron chains one optimizer for dense and one for expert-parallel parameters when EP > 1,
+    and a single one otherwise, so its own (chained, nested) state dict changes shape with the
+    layout. Here every optimizer's per-parameter tensors (``fully_reshardable``: parameter-shaped,
+    keyed by the parameter) go into one flat dict, the checkpoint keeps the Adam step and the
+    grad-scaler state, and the rest (param-group settings, set by the LR schedule) stays this
+    process's own.
+    """
+
+    def __init__(self, optimizer, model_state: dict, is_loading: bool):
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.utils import extract_sharded_base
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        self.inner = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+        self.nested, self.local = [], []
+        for inner in self.inner:
+            if not isinstance(inner, DistributedOptimizer):
+                raise ValueError(f"checkpoints need megatron's DistributedOptimizer, not {type(inner).__name__} "
+                                 "(OptimizerSettings.use_distributed_optimizer=True)")
+            if is_loading and not inner.optimizer.state:
+                _allocate_optimizer_state(inner)
+            shards, local = extract_sharded_base(
+                inner.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA))
+            self.nested.append(shards)
+            self.local.append(local)
+        # dist_checkpointing matches shards by their own keys and offsets, not by where they sit in
+        # the state dict: a flat, numbered dict loads the same under any layout.
+        flat = [shard for shards in self.nested for shard in nested_values(shards)]
+        self.shards = {str(i): shard for i, shard in enumerate(flat)}
+        self._names = {id(shard): str(i) for i, shard in enumerate(flat)}
+
+    def common(self) -> dict:
+        """The layout-free rest of the state: the Adam step and the grad scaler (fp16 only)."""
+        steps = {group.get("step") for local in self.local for group in local["optimizer"]["param_groups"]}
+        if len(steps) != 1:
+            raise RuntimeError(f"the chained optimizers disagree on the Adam step: {sorted(map(str, steps))}")
+        return {"adam_step": steps.pop(), "grad_scaler": self.local[0].get("grad_scaler")}
+
+    def load(self, loaded: dict, common: dict) -> None:
+        """Give every optimizer its loaded tensors and the saved Adam step and grad scaler."""
+        from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
+
+        for inner, shards, local in zip(self.inner, self.nested, self.local):
+            state = merge(local, dict_list_map_inplace(lambda shard: loaded[self._names[id(shard)]], shards))
+            for group in state["optimizer"]["param_groups"]:
+                group["step"] = common["adam_step"]
+            if common["grad_scaler"] is not None:
+                state["grad_scaler"] = common["grad_scaler"]
+            inner.load_state_dict(state)
 
 
 def _allocate_optimizer_state(optimizer) -> None:
     """A fresh DistributedOptimizer over torch's Adam (no TE/apex) has no Adam state yet, and its
     ``state_dict()`` then fails (``assert len(steps) == 1``). Megatron's own dummy step (zero
     gradients) allocates the state; the load overwrites it and the parameters it touched."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
-            inner._init_optimizer_states_with_dummy_values()
+    optimizer._init_optimizer_states_with_dummy_values()
 
 
 def _model_signature(trainable) -> dict:

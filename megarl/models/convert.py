@@ -1,0 +1,441 @@
+"""Model-weight conversion through megatron-bridge: HF <-> Megatron ``torch_dist``, and a logit check.
+
+- :func:`to_megatron`: HF checkpoint -> Megatron model under a TP/PP/EP layout (the bridge's
+  mappings) -> a megatron-core ``dist_checkpointing`` checkpoint (format ``torch_dist``).
+- :func:`to_hf`: a ``torch_dist`` checkpoint (written here or by the trainer, any layout) -> the
+  Megatron model under the layout given -> HF safetensors shards, config and tokenizer.
+- :func:`verify`: logits of the Megatron checkpoint against an HF transformers forward.
+
+Each runs as one process per rank of the layout (:func:`megarl.trainer.launch.run_ranks`).
+
+Memory: no process ever holds the whole model. On the way in, every rank reads from the HF
+safetensors only the tensors (and slices) of its own TP/PP/EP shard, and ``dist_checkpointing``
+writes each rank's shard. On the way out, every rank loads only its shard, megatron-bridge's
+``export_hf_weights`` yields one full HF tensor at a time (gathered over TP, EP and PP), and
+:func:`write_hf_shards` on rank 0 buffers at most one output file (``max_shard_bytes``) before
+writing it. The peak per process is its model shard plus one shard file plus one tensor, so a 671B
+model converts under a layout whose shards fit the hosts (e.g. the training layout itself).
+
+The checkpoint layout on disk is the trainer's (:mod:`megarl.trainer.checkpoint`): the model under
+``model`` (``model0``, ``model1``, ... with virtual stages), its hyper-parameters under
+``megarl.model``, so a trainer checkpoint (its optimizer state is ignored) converts to HF as well.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from megarl.trainer.distributed import Layout
+
+log = logging.getLogger(__name__)
+
+FORMAT = "torch_dist"
+DEFAULT_PROMPTS = ("3+4=", "The capital of France is", "def fibonacci(n):", "1 2 3 4 5 6 7 8")
+DEFAULT_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.1, "float16": 0.05}  # max |logit difference|
+
+
+class ConversionError(ValueError):
+    """An input the converter cannot use; the message is one line naming it and why."""
+
+
+@dataclass(frozen=True)
+class ShardReport:
+    """What :func:`write_hf_shards` wrote, and the most bytes it held in memory at once."""
+
+    files: list[str]
+    tensors: int
+    total_bytes: int
+    peak_buffered_bytes: int
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """Megatron vs HF logits on the prompts: the max absolute difference and top-1 agreement."""
+
+    max_abs_diff: float
+    per_prompt: list[float]
+    top1_agreement: float
+    tolerance: float
+
+    @property
+    def passed(self) -> bool:
+        return self.max_abs_diff <= self.tolerance
+
+
+# ---------------------------------------------------------------- checks before any rank starts
+
+def hf_architecture(hf_path: str | Path) -> str:
+    """The architecture named in ``hf_path/config.json``, if megatron-bridge has a bridge for it."""
+    from megarl.platform import megatron_cpu
+
+    megatron_cpu.apply()
+    from megatron.bridge import AutoBridge
+
+    config_file = Path(hf_path) / "config.json"
+    if not config_file.is_file():
+        raise ConversionError(f"{hf_path}: not an HF checkpoint (no config.json)")
+    architectures = json.loads(config_file.read_text()).get("architectures") or []
+    if not architectures:
+        raise ConversionError(f"{config_file}: names no architecture ('architectures' is empty)")
+    if not AutoBridge.can_handle(str(hf_path)):
+        raise ConversionError(
+            f"{config_file}: megatron-bridge has no bridge for architecture {architectures[0]} "
+            f"(AutoBridge.list_supported_models() lists the {len(AutoBridge.list_supported_models())} it has)")
+    return architectures[0]
+
+
+def hf_signature(hf_path: str | Path) -> dict:
+    """The model hyper-parameters (:data:`megarl.trainer.checkpoint.MODEL_FIELDS`) of an HF checkpoint."""
+    from megarl.models.bridge import load_bridge
+    from megarl.trainer.checkpoint import MODEL_FIELDS
+
+    provider = load_bridge(hf_path).to_megatron_provider(load_weights=False)
+    return {name: getattr(provider, name, None) for name in MODEL_FIELDS}
+
+
+def check_layout(signature: dict, layout: Layout) -> None:
+    """Raise :class:`ConversionError` when ``layout`` cannot shard the model ``signature`` describes."""
+    experts, layers = signature["num_moe_experts"] or 0, signature["num_layers"]
+    heads, groups = signature["num_attention_heads"], signature["num_query_groups"] or signature["num_attention_heads"]
+    etp = layout.etp or layout.tp
+    problems = []
+    if layout.world_size % (layout.tp * layout.pp * layout.cp):
+        problems.append(f"world size {layout.world_size} is not divisible by tp*pp*cp = {layout.tp * layout.pp * layout.cp}")
+    elif (layout.world_size // layout.pp) % (layout.ep * etp):
+        problems.append(f"ep*etp = {layout.ep * etp} does not divide the {layout.world_size // layout.pp} ranks of a stage")
+    if experts and experts % layout.ep:
+        problems.append(f"{experts} experts are not divisible by ep={layout.ep}")
+    if layout.ep > 1 and not experts:
+        problems.append(f"ep={layout.ep} but the model has no experts")
+    if layers % (layout.pp * (layout.vpp or 1)):
+        problems.append(f"{layers} layers do not split into pp*vpp = {layout.pp * (layout.vpp or 1)} stages")
+    if heads % layout.tp:
+        problems.append(f"{heads} attention heads are not divisible by tp={layout.tp}")
+    if groups % layout.tp and layout.tp % groups:
+        problems.append(f"{groups} KV heads and tp={layout.tp}: neither divides the other")
+    if problems:
+        raise ConversionError(f"layout {describe(layout)} does not fit the model: " + "; ".join(problems))
+
+
+def describe(layout: Layout) -> str:
+    return (f"world_size={layout.world_size} tp={layout.tp} pp={layout.pp} vpp={layout.vpp} "
+            f"ep={layout.ep} etp={layout.etp or layout.tp}")
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """A ``torch_dist`` checkpoint directory: ``path`` itself, or the step a trainer root's ``latest`` names."""
+    from megarl.trainer.checkpoint import latest_step, step_dir
+
+    path = Path(path)
+    if (path / "metadata.json").is_file():
+        return path
+    step = latest_step(path) if path.is_dir() else None
+    if step is not None and (step_dir(path, step) / "metadata.json").is_file():
+        return step_dir(path, step)
+    raise ConversionError(f"{path}: not a {FORMAT} checkpoint (no metadata.json, no 'latest' naming one)")
+
+
+def check_checkpoint_matches(ckpt: Path, hf_path: str | Path, architecture: str, signature: dict) -> None:
+    """Raise :class:`ConversionError` when ``ckpt`` holds another model than the HF config describes."""
+    from megatron.core import dist_checkpointing
+
+    saved = dist_checkpointing.load_common_state_dict(str(ckpt)).get("megarl", {})
+    if "model" not in saved:
+        raise ConversionError(f"{ckpt}: not written by megarl (no 'megarl.model' hyper-parameters)")
+    if saved.get("hf_architecture", architecture) != architecture:
+        raise ConversionError(f"{ckpt} holds a {saved['hf_architecture']}, {hf_path}/config.json is a {architecture}")
+    differ = [f"{name}: checkpoint {saved['model'].get(name)} vs HF {value}"
+              for name, value in signature.items() if saved["model"].get(name) != value]
+    if differ:
+        raise ConversionError(f"{ckpt} holds a different model than {hf_path}/config.json: " + "; ".join(differ))
+
+
+# ---------------------------------------------------------------- HF safetensors, streamed
+
+def write_hf_shards(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,
+                    max_shard_bytes: int) -> ShardReport:
+    """Write ``(name, tensor)`` pairs as HF safetensors files of at most ``max_shard_bytes`` each.
+
+    Holds at most one file's tensors at a time (a tensor larger than the limit gets a file of its
+    own). One file is ``model.safetensors``; several are ``model-0000i-of-0000n.safetensors`` with a
+    ``model.safetensors.index.json``, as transformers writes them.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    parts: list[tuple[Path, list[str]]] = []
+    buffer: dict[str, torch.Tensor] = {}
+    buffered = peak = total = count = 0
+
+    def flush():
+        nonlocal buffered
+        part = out / f"part-{len(parts):05d}.safetensors.tmp"
+        save_file({k: v.contiguous() for k, v in buffer.items()}, str(part), metadata={"format": "pt"})
+        parts.append((part, list(buffer)))
+        buffer.clear()
+        buffered = 0
+
+    for name, tensor in tensors:
+        size = tensor.numel() * tensor.element_size()
+        if buffer and buffered + size > max_shard_bytes:
+            flush()
+        buffer[name] = tensor.detach().cpu()
+        buffered += size
+        peak, total, count = max(peak, buffered), total + size, count + 1
+    if buffer:
+        flush()
+    names = (["model.safetensors"] if len(parts) == 1 else
+             [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))])
+    for (part, _), name in zip(parts, names):
+        os.replace(part, out / name)
+    if len(parts) > 1:
+        weight_map = {key: name for (_, keys), name in zip(parts, names) for key in keys}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return ShardReport(files=names, tensors=count, total_bytes=total, peak_buffered_bytes=peak)
+
+
+# ---------------------------------------------------------------- rank functions (run_ranks)
+
+def _megatron_state(chunks) -> dict:
+    from megatron.core.utils import unwrap_model
+
+    modules = unwrap_model(chunks)
+    return {("model" if len(modules) == 1 else f"model{i}"): m.sharded_state_dict() for i, m in enumerate(modules)}
+
+
+def _model_signature(chunks) -> dict:
+    from megatron.core.utils import get_model_config
+
+    from megarl.trainer.checkpoint import MODEL_FIELDS
+
+    config = get_model_config(chunks[0])
+    return {name: getattr(config, name, None) for name in MODEL_FIELDS}
+
+
+def _load(chunks, ckpt: str) -> None:
+    """Overwrite ``chunks`` with the model in the ``torch_dist`` checkpoint ``ckpt`` (any layout)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.utils import unwrap_model
+
+    state = _megatron_state(chunks)
+    loaded = dist_checkpointing.load(state, ckpt, sharded_strategy=get_default_load_sharded_strategy(ckpt))
+    for key, module in zip(state, unwrap_model(chunks)):
+        module.load_state_dict(loaded[key])
+
+
+def to_megatron_rank(rank: int, layout: Layout, hf_path: str, out_dir: str, architecture: str, dtype: str,
+                     prompts: list[str] | None, tolerance: float | None) -> VerifyReport | None:
+    """Rank body of :func:`to_megatron`; with ``prompts``, reloads the written checkpoint and verifies it."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    from megarl.models.bridge import build_megatron_model
+
+    model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local")
+    state = _megatron_state(model.chunks)
+    state["megarl"] = {"model": _model_signature(model.chunks), "hf_architecture": architecture, "step": 0}
+    dist_checkpointing.save(state, out_dir, sharded_strategy=get_default_save_sharded_strategy(FORMAT))
+    torch.distributed.barrier()
+    if prompts is None:
+        return None
+    _load(model.chunks, out_dir)
+    return _verify_model(model, hf_path, dtype, prompts, tolerance)
+
+
+def to_hf_rank(rank: int, layout: Layout, ckpt: str, hf_path: str, out_dir: str, dtype: str, max_shard_bytes: int,
+               prompts: list[str] | None, tolerance: float | None) -> ShardReport | tuple | None:
+    """Rank body of :func:`to_hf`; rank 0 writes and returns the :class:`ShardReport` (and verification)."""
+    from megarl.models.bridge import build_megatron_model
+
+    model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local")
+    _load(model.chunks, ckpt)
+    tensors = model.bridge.export_hf_weights(model.chunks, cpu=True, show_progress=False)
+    report = None
+    if rank == 0:
+        model.bridge.hf_pretrained.save_artifacts(out_dir)
+        report = write_hf_shards(tensors, out_dir, max_shard_bytes)
+    else:
+        for _ in tensors:  # the export's gathers are collective
+            pass
+    torch.distributed.barrier()
+    if prompts is None:
+        return report
+    return report, _verify_model(model, out_dir, dtype, prompts, tolerance)
+
+
+def verify_rank(rank: int, layout: Layout, ckpt: str, hf_path: str, dtype: str, prompts: list[str],
+                tolerance: float | None) -> VerifyReport | None:
+    """Rank body of :func:`verify`."""
+    from megarl.models.bridge import build_megatron_model
+
+    model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local")
+    _load(model.chunks, ckpt)
+    return _verify_model(model, hf_path, dtype, prompts, tolerance)
+
+
+# ---------------------------------------------------------------- logits, both sides
+
+def _prompt_ids(hf_path: str, prompts: list[str]) -> list[torch.Tensor]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_path)
+    return [torch.tensor(tokenizer(p)["input_ids"], dtype=torch.long) for p in prompts]
+
+
+def _megatron_logits(chunks, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[S, vocab_size] logits of one sequence, on every rank (computed by the last pipeline stage)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    length = len(ids)
+    tokens = torch.nn.functional.pad(ids, (0, -length % tp))[None]  # sequence parallel splits S by tp
+    kept = []
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        output = model(batch, torch.arange(batch.shape[1])[None], None)
+
+        def keep(logits):
+            kept.append(gather_from_tensor_model_parallel_region(logits)[0, :length, :vocab_size].float())
+            return logits.sum() * 0, torch.tensor(1), {}
+        return output, keep
+
+    with torch.no_grad():
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=[iter([tokens]) for _ in chunks] if len(chunks) > 1 else iter([tokens]),
+            model=chunks, num_microbatches=1, seq_length=tokens.shape[1], micro_batch_size=1, forward_only=True)
+    source = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
+              and ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0)
+    logits = kept[0] if source else torch.zeros(length, vocab_size)
+    torch.distributed.all_reduce(logits)  # exactly one rank contributes
+    return logits
+
+
+def _verify_model(model, hf_path: str, dtype: str, prompts: list[str], tolerance: float | None) -> VerifyReport | None:
+    """Compare ``model``'s logits with HF transformers' on ``prompts``; the report on rank 0, None elsewhere."""
+    from megatron.core import parallel_state as ps
+
+    from megarl.models.bridge import DTYPES
+
+    if ps.get_context_parallel_world_size() > 1:
+        raise ConversionError("verification needs cp=1 (conversion itself ignores context parallelism)")
+    ids = _prompt_ids(hf_path, prompts)
+    vocab_size = model.bridge.hf_pretrained.config.vocab_size
+    for chunk in model.chunks:
+        chunk.eval()
+    megatron = [_megatron_logits(model.chunks, seq, vocab_size) for seq in ids]
+    if torch.distributed.get_rank() != 0:
+        return None
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=DTYPES[dtype]).eval()
+    diffs, agree, total = [], 0, 0
+    with torch.no_grad():
+        for seq, mine in zip(ids, megatron):
+            reference = hf(seq[None]).logits[0].float()
+            diffs.append(float((mine - reference).abs().max()))
+            agree += int((mine.argmax(-1) == reference.argmax(-1)).sum())
+            total += len(seq)
+    return VerifyReport(max_abs_diff=max(diffs), per_prompt=diffs, top1_agreement=agree / total,
+                        tolerance=DEFAULT_TOLERANCE[dtype] if tolerance is None else tolerance)
+
+
+# ---------------------------------------------------------------- drivers (spawn the ranks)
+
+def default_world_size(tp: int, pp: int, ep: int, etp: int | None) -> int:
+    """The fewest ranks that hold a layout: pp stages of lcm(tp, ep*etp) ranks."""
+    return pp * math.lcm(tp, ep * (etp or tp))
+
+
+def conversion_layout(tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, vpp: int | None = None,
+                      world_size: int | None = None) -> Layout:
+    """A layout for conversion (sequence parallel whenever tp > 1, as MoE requires)."""
+    return Layout(world_size=world_size or default_world_size(tp, pp, ep, etp), tp=tp, pp=pp, vpp=vpp, ep=ep,
+                  etp=etp, sequence_parallel=tp > 1)
+
+
+def _resolve_dtype(hf_path: str | Path, dtype: str) -> str:
+    from megarl.models.bridge import DTYPES
+
+    if dtype == "auto":
+        config = json.loads((Path(hf_path) / "config.json").read_text())
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+        return dtype if dtype in DTYPES else "float32"
+    if dtype not in DTYPES:
+        raise ConversionError(f"dtype {dtype!r}: expected auto or one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def _empty_output(out_dir: str | Path) -> str:
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise ConversionError(f"output directory {out} exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    return str(out)
+
+
+def to_megatron(hf_path: str | Path, out_dir: str | Path, layout: Layout, *, dtype: str = "auto",
+                prompts: list[str] | None = None, tolerance: float | None = None) -> VerifyReport | None:
+    """Convert an HF checkpoint to a ``torch_dist`` checkpoint at ``out_dir`` under ``layout``.
+
+    With ``prompts``, the written checkpoint is read back and its logits compared with HF's.
+    """
+    from megarl.trainer.launch import run_ranks
+
+    architecture = hf_architecture(hf_path)
+    check_layout(hf_signature(hf_path), layout)
+    out, dtype = _empty_output(out_dir), _resolve_dtype(hf_path, dtype)
+    results = run_ranks(to_megatron_rank, layout, str(hf_path), out, architecture, dtype, prompts, tolerance)
+    log.info("%s -> %s (%s, %s)", hf_path, out, FORMAT, describe(layout))
+    return results[0]
+
+
+def to_hf(ckpt: str | Path, hf_path: str | Path, out_dir: str | Path, layout: Layout, *, dtype: str = "auto",
+          max_shard_bytes: int = 5 * 2**30, prompts: list[str] | None = None,
+          tolerance: float | None = None) -> tuple[ShardReport, VerifyReport | None]:
+    """Convert the ``torch_dist`` checkpoint ``ckpt`` (any layout) to an HF checkpoint at ``out_dir``.
+
+    ``hf_path`` is the HF checkpoint the model came from: its config and tokenizer are copied, and
+    its architecture must be the checkpoint's. The ranks load ``ckpt`` under ``layout``.
+    """
+    from megarl.trainer.launch import run_ranks
+
+    architecture = hf_architecture(hf_path)
+    signature = hf_signature(hf_path)
+    path = checkpoint_dir(ckpt)
+    check_checkpoint_matches(path, hf_path, architecture, signature)
+    check_layout(signature, layout)
+    out, dtype = _empty_output(out_dir), _resolve_dtype(hf_path, dtype)
+    result = run_ranks(to_hf_rank, layout, str(path), str(hf_path), out, dtype, max_shard_bytes, prompts, tolerance)[0]
+    shards, verified = result if prompts is not None else (result, None)
+    log.info("%s -> %s: %d tensors, %d files, %.1f MB", path, out, shards.tensors, len(shards.files), shards.total_bytes / 2**20)
+    return shards, verified
+
+
+def verify(ckpt: str | Path, hf_path: str | Path, layout: Layout, *, dtype: str = "auto",
+           prompts: Sequence[str] = DEFAULT_PROMPTS, tolerance: float | None = None) -> VerifyReport:
+    """Logits of the ``torch_dist`` checkpoint ``ckpt`` (loaded under ``layout``) against HF's at ``hf_path``."""
+    from megarl.trainer.launch import run_ranks
+
+    architecture = hf_architecture(hf_path)
+    signature = hf_signature(hf_path)
+    path = checkpoint_dir(ckpt)
+    check_checkpoint_matches(path, hf_path, architecture, signature)
+    check_layout(signature, layout)
+    return run_ranks(verify_rank, layout, str(path), str(hf_path), _resolve_dtype(hf_path, dtype), list(prompts), tolerance)[0]
+
+
+def report_dict(report) -> dict:
+    return dict(asdict(report), passed=report.passed) if isinstance(report, VerifyReport) else asdict(report)
