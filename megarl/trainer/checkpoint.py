@@ -119,9 +119,11 @@ def load_checkpoint(root: str | Path, trainable, step: int | None = None) -> Res
     path = _resolve(Path(root), step)
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
-        saved = common["megarl"]
     except _READ_ERRORS as exc:
         raise CheckpointError(f"{path}: unreadable checkpoint ({type(exc).__name__}: {exc})") from exc
+    if "megarl" not in common:
+        raise CheckpointError(f"{path} is a {FORMAT} checkpoint, but not one megarl's trainer saved")
+    saved = common["megarl"]
     _check_model(path, saved["model"], _model_signature(trainable))
     rng_restored = saved["layout"] == _layout_signature()
     state = _model_state(trainable)
@@ -134,11 +136,11 @@ def load_checkpoint(root: str | Path, trainable, step: int | None = None) -> Res
         for index, module in enumerate(_modules(trainable)):
             module.load_state_dict(loaded[_model_key(trainable, index)])
         optimizer.load(loaded["optimizer"], saved["optimizer"])
-        pass  # MUTATION
+        trainable.scheduler.load_state_dict(loaded["scheduler"])
     except _READ_ERRORS as exc:
         raise CheckpointError(f"{path}: cannot load into this model ({type(exc).__name__}: {exc})") from exc
     if rng_restored:
-        pass  # MUTATION
+        _set_rng_state(loaded["rng_state"])
     else:
         log.warning("%s was saved under layout %s, not %s: RNG states not restored",
                     path, saved["layout"], _layout_signature())
