@@ -50,3 +50,21 @@ def test_unknown_workaround_name_is_rejected(monkeypatch):
     monkeypatch.setattr(megatron_cpu, "_applied", [])
     with pytest.raises(ValueError, match="no_such_workaround"):
         megatron_cpu.apply()
+
+
+def test_nothing_is_applied_when_cuda_is_available():
+    code = (
+        "import torch\n"
+        "torch.cuda.is_available = lambda: True\n"
+        "current_device, tensor_type = torch.cuda.current_device, torch.Tensor.type\n"
+        "from megarl.platform import megatron_cpu\n"
+        "assert megatron_cpu.apply() == []\n"
+        "with megatron_cpu.cuda_tensor_type_scope():\n"
+        "    assert torch.Tensor.type is tensor_type\n"
+        "assert torch.cuda.current_device is current_device\n"
+        "import sys\n"
+        "assert not any(type(f).__module__ == megatron_cpu.__name__ for f in sys.meta_path)\n"
+        "print('untouched')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "untouched" in result.stdout, result.stderr[-2000:]

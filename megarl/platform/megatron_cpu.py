@@ -348,15 +348,10 @@ WORKAROUNDS = (
 _applied: list[str] = []
 
 
-def applied() -> list[str]:
-    """Names of the work-arounds active in this process."""
-    return list(_applied)
-
-
 def apply() -> list[str]:
     """Apply every enabled work-around once (a no-op when CUDA is available); returns their names."""
     if torch.cuda.is_available() or _applied:
-        return applied()
+        return list(_applied)
     off = {name for name in os.environ.get(OFF_ENV, "").split(",") if name}
     unknown = off - {w.name for w in WORKAROUNDS} - {OPTIMIZER_TYPE_SCOPE}
     if unknown:
@@ -366,7 +361,7 @@ def apply() -> list[str]:
             workaround.apply()
             _applied.append(workaround.name)
     log.debug("megatron CPU work-arounds: %s", _applied)
-    return applied()
+    return list(_applied)
 
 
 _tensor_type = torch.Tensor.type

@@ -28,10 +28,6 @@ class Layout:
         return cls(world_size=parallel.world_size, tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp,
                    cp=parallel.cp, ep=parallel.ep, etp=parallel.etp, sequence_parallel=parallel.sequence_parallel)
 
-    @property
-    def dp(self) -> int:
-        return self.world_size // (self.tp * self.pp * self.cp)
-
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that is free right now."""
