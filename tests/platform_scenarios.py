@@ -6,8 +6,6 @@ non-zero with megatron's error when that work-around is needed by the scenario.
 """
 import sys
 
-import torch
-
 from megarl.trainer.distributed import Layout
 from megarl.trainer.launch import run_ranks
 

@@ -128,7 +128,6 @@ def crash_and_bad_inputs(rank, layout, hf_path, other_hf_path, root):
     """Single process: a save that crashes half-way, then every kind of bad checkpoint."""
     import megatron.core.dist_checkpointing.serialization as serialization
 
-    from megarl.trainer import checkpoint
     from megarl.trainer.checkpoint import latest_step, load_checkpoint, save_checkpoint
 
     root = Path(root)

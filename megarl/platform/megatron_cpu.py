@@ -12,25 +12,14 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.machinery
-import logging
-import os
 import sys
 import types
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-log = logging.getLogger(__name__)
+from megarl.platform.workarounds import Workaround, apply_enabled, turned_off
 
 OFF_ENV = "MEGARL_CPU_WORKAROUNDS_OFF"
-
-
-@dataclass(frozen=True)
-class Workaround:
-    name: str
-    prevents: str  # the error megatron raises on CPU without it
-    apply: Callable[[], None]
 
 
 def _cuda_rng_tracker_needs_cuda() -> None:
@@ -346,26 +335,17 @@ WORKAROUNDS = (
 )
 
 _applied: list[str] = []
+OPTIMIZER_TYPE_SCOPE = "optimizer_requires_cuda_tensor_type"  # the name of cuda_tensor_type_scope
 
 
 def apply() -> list[str]:
     """Apply every enabled work-around once (a no-op when CUDA is available); returns their names."""
-    if torch.cuda.is_available() or _applied:
-        return list(_applied)
-    off = {name for name in os.environ.get(OFF_ENV, "").split(",") if name}
-    unknown = off - {w.name for w in WORKAROUNDS} - {OPTIMIZER_TYPE_SCOPE}
-    if unknown:
-        raise ValueError(f"{OFF_ENV}: unknown work-around(s) {sorted(unknown)}")
-    for workaround in WORKAROUNDS:
-        if workaround.name not in off:
-            workaround.apply()
-            _applied.append(workaround.name)
-    log.debug("megatron CPU work-arounds: %s", _applied)
+    if not torch.cuda.is_available() and not _applied:
+        _applied.extend(apply_enabled(WORKAROUNDS, OFF_ENV, also_known=[OPTIMIZER_TYPE_SCOPE]))
     return list(_applied)
 
 
 _tensor_type = torch.Tensor.type
-OPTIMIZER_TYPE_SCOPE = "optimizer_requires_cuda_tensor_type"  # the name of cuda_tensor_type_scope
 
 
 def _type_as_if_cuda(self, *args, **kwargs):
@@ -379,7 +359,7 @@ def cuda_tensor_type_scope():
     """Megatron's optimizers accept only parameters whose ``.type()`` is ``torch.cuda.*Tensor``
     (``TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor, ...``). Inside this
     scope a CPU tensor reports its CUDA type name; outside it (and on GPU) nothing changes."""
-    if torch.cuda.is_available() or OPTIMIZER_TYPE_SCOPE in os.environ.get(OFF_ENV, "").split(","):
+    if torch.cuda.is_available() or OPTIMIZER_TYPE_SCOPE in turned_off(OFF_ENV, [OPTIMIZER_TYPE_SCOPE] + [w.name for w in WORKAROUNDS]):
         yield
         return
     torch.Tensor.type = _type_as_if_cuda

@@ -21,23 +21,13 @@ tests use to show that each one is needed:
 from __future__ import annotations
 
 import importlib.machinery
-import logging
 import os
 import sys
 import types
-from dataclasses import dataclass
-from typing import Callable
 
-log = logging.getLogger(__name__)
+from megarl.platform.workarounds import Workaround, apply_enabled
 
 OFF_ENV = "MEGARL_SGLANG_WORKAROUNDS_OFF"
-
-
-@dataclass(frozen=True)
-class Workaround:
-    name: str
-    prevents: str  # the error SGLang raises on CPU without it
-    apply: Callable[[], None]
 
 
 def needed() -> bool:
@@ -51,18 +41,7 @@ def apply() -> list[str]:
     """Apply every work-around not named in OFF_ENV when no GPU is present; returns their names."""
     if not needed():
         return []
-    off = {name.strip() for name in os.environ.get(OFF_ENV, "").split(",") if name.strip()}
-    unknown = off - {w.name for w in WORKAROUNDS}
-    if unknown:
-        raise ValueError(f"{OFF_ENV}: unknown work-around(s) {sorted(unknown)}")
-    applied = []
-    for workaround in WORKAROUNDS:
-        if workaround.name in off:
-            log.warning("SGLang CPU work-around %r turned off by %s", workaround.name, OFF_ENV)
-            continue
-        workaround.apply()
-        applied.append(workaround.name)
-    return applied
+    return apply_enabled(WORKAROUNDS, OFF_ENV)
 
 
 def _use_cpu_engine() -> None:
