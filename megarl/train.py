@@ -136,6 +136,7 @@ def run(cfg: DictConfig) -> None:
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a new run (resuming one is not built yet)
     hf_path = Path(cfg.model.hf_path)
     if not (hf_path / "config.json").is_file():
         if not cfg.model.make_tiny_if_missing:
@@ -146,13 +147,16 @@ def run(cfg: DictConfig) -> None:
         make_tiny_moe(hf_path, TinyMoeSpec.from_arch(cfg.model.arch), max_operand=cfg.task.max_operand)
     if cfg.mode == "warmup":
         warmup(cfg)
-        return
-    start = str(hf_path)
-    if cfg.warmup.steps > 0:  # RL starts from the warmed-up checkpoint, made first if absent
-        if not (Path(cfg.warmup.save_hf_path) / "config.json").is_file():
-            warmup(cfg)
-        start = cfg.warmup.save_hf_path
-    rl_sync(cfg, start)
+    else:
+        start = str(hf_path)
+        if cfg.warmup.steps > 0:  # RL starts from the warmed-up checkpoint, made first if absent
+            if not (Path(cfg.warmup.save_hf_path) / "config.json").is_file():
+                warmup(cfg)
+            start = cfg.warmup.save_hf_path
+        rl_sync(cfg, start)
+    from megarl.metrics.plot import plot_run
+
+    log.info("curves: %s", plot_run(run_dir)[0])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,3 +19,4 @@ def test_sync_rl_steps_reproduce_the_engine_logprobs(tmp_path):
         # GRPO has a gradient exactly when some prompt group has mixed rewards
         assert (row["train/grad_norm"] > 0) == (row["groups/mixed_frac"] > 0), row
     assert (run / "engine_weights" / "model.safetensors").is_file()  # the weights the engine loaded last
+    assert (run / "curves.png").is_file()

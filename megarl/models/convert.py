@@ -9,8 +9,9 @@
 Each runs as one process per rank of the layout (:func:`megarl.trainer.launch.run_ranks`).
 
 Memory: no process ever holds the whole model. On the way in, every rank reads from the HF
-safetensors only the tensors (and slices) of its own TP/PP/EP shard, and ``dist_checkpointing``
-writes each rank's shard. On the way out, every rank loads only its shard, megatron-bridge's
+safetensors, one tensor at a time, only the tensors of its own pipeline stage and experts (a
+tensor split over TP is read by TP rank 0 and scattered), and ``dist_checkpointing`` writes each
+rank's shard. On the way out, every rank loads only its shard, megatron-bridge's
 ``export_hf_weights`` yields one full HF tensor at a time (gathered over TP, EP and PP), and
 :func:`write_hf_shards` on rank 0 buffers at most one output file (``max_shard_bytes``) before
 writing it. The peak per process is its model shard plus one shard file plus one tensor, so a 671B
@@ -69,7 +70,7 @@ class VerifyReport:
         return self.max_abs_diff <= self.tolerance
 
 
-# ---------------------------------------------------------------- checks before any rank starts
+# ---------------------------------------------------------------- checks of the inputs
 
 def hf_architecture(hf_path: str | Path) -> str:
     """The architecture named in ``hf_path/config.json``, if megatron-bridge has a bridge for it."""
@@ -183,7 +184,10 @@ def write_hf_shards(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | 
         size = tensor.numel() * tensor.element_size()
         if buffer and buffered + size > max_shard_bytes:
             flush()
-        buffer[name] = tensor.detach().cpu()
+        tensor = tensor.detach().cpu()
+        if tensor.untyped_storage().nbytes() > size:  # a view would keep its whole base alive
+            tensor = tensor.clone()
+        buffer[name] = tensor
         buffered += size
         peak, total, count = max(peak, buffered), total + size, count + 1
     if buffer:
