@@ -2,17 +2,17 @@
 
 usage:
   python tools/convert_checkpoint.py to-megatron --hf HF_DIR --out CKPT_DIR [--tp 2 --ep 2 --etp 1 ...] [--verify]
-  python tools/convert_checkpoint.py to-hf --megatron CKPT --hf HF_DIR --out HF_OUT [layout] [--max-shard-size 5GB] [--verify]
+  python tools/convert_checkpoint.py to-hf --megatron CKPT --hf HF_DIR --out HF_OUT [layout]
+      [--max-shard-size 5GB] [--verify]
   python tools/convert_checkpoint.py verify --megatron CKPT --hf HF_DIR [layout] [--tolerance 1e-4]
 
 CKPT is a torch_dist directory, or a trainer checkpoint root (its ``latest`` step is used). The
 layout (--tp --pp --vpp --ep --etp --world-size) is the one the ranks shard the model under; one
 process is started per rank. Exit status: 0 done (and verified), 1 verification above tolerance,
-2 bad input. See docs/troubleshooting.md ("Checkpoint conversion").
+2 bad input. See docs/recipes.md ("Bringing checkpoints in and out") and docs/troubleshooting.md.
 """
 import argparse
 import json
-import logging
 import re
 import sys
 

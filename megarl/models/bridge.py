@@ -62,16 +62,17 @@ def load_bridge(hf_path: str | Path, dtype: str = "float32"):
 def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "float32",
                          transformer_impl: str = "auto", dispatcher: str = "alltoall",
                          ddp_config=None, routing_replay: bool = False,
-                         moe_aux_loss_coeff: float = 0.0) -> MegatronModel:
+                         moe_aux_loss_coeff: float = 0.0, load_weights: bool = True) -> MegatronModel:
     """Build this rank's Megatron chunks for ``layout`` and load the HF weights into them.
 
     Call after :func:`megarl.trainer.distributed.init_rank`. With ``ddp_config`` the chunks are
     wrapped in megatron's DistributedDataParallel (for training); without, they are bare modules.
+    ``load_weights=False`` builds the architecture only (for weights loaded from a Megatron checkpoint).
     """
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
     bridge = load_bridge(hf_path, dtype)
-    provider = bridge.to_megatron_provider(load_weights=True)
+    provider = bridge.to_megatron_provider(load_weights=load_weights)
     te = use_transformer_engine(transformer_impl)
     half = dtype != "float32"
     settings = dict(

@@ -102,11 +102,14 @@ def check_layout(hf_path: str | Path, layout: Layout) -> None:
     experts, layers = arch["num_experts"] or 0, arch["num_layers"]
     heads, groups = arch["num_attention_heads"], arch["num_query_groups"] or arch["num_attention_heads"]
     etp = layout.etp or layout.tp
+    model_parallel, stage_ranks = layout.tp * layout.pp * layout.cp, layout.world_size // layout.pp
     problems = []
-    if layout.world_size % (layout.tp * layout.pp * layout.cp):
-        problems.append(f"world size {layout.world_size} is not divisible by tp*pp*cp = {layout.tp * layout.pp * layout.cp}")
-    elif (layout.world_size // layout.pp) % (layout.ep * etp):
-        problems.append(f"ep*etp = {layout.ep * etp} does not divide the {layout.world_size // layout.pp} ranks of a stage")
+    if layout.world_size % model_parallel:
+        problems.append(f"world size {layout.world_size} is not divisible by tp*pp*cp = {model_parallel}")
+    elif stage_ranks % (layout.ep * etp):
+        problems.append(f"ep*etp = {layout.ep * etp} does not divide the {stage_ranks} ranks of a stage")
+    if layout.cp > 1:
+        problems.append(f"cp={layout.cp}: conversion splits weights, not sequences; use cp=1")
     if experts and experts % layout.ep:
         problems.append(f"{experts} experts are not divisible by ep={layout.ep}")
     if layout.ep > 1 and not experts:
@@ -238,7 +241,7 @@ def _loaded_model(hf_path: str, ckpt: str, layout: Layout, dtype: str):
     from megarl.models.bridge import build_megatron_model
 
     architecture = hf_architecture(hf_path)
-    model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local")
+    model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local", load_weights=False)
     check_checkpoint_matches(Path(ckpt), hf_path, architecture, _model_signature(model.chunks))
     _load(model.chunks, ckpt)
     return model
@@ -255,7 +258,7 @@ def to_megatron_rank(rank: int, layout: Layout, hf_path: str, out_dir: str, dtyp
     architecture = hf_architecture(hf_path)
     model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local")
     state = _megatron_state(model.chunks)
-    state["megarl"] = {"model": _model_signature(model.chunks), "hf_architecture": architecture, "step": 0}
+    state["megarl"] = {"model": _model_signature(model.chunks), "hf_architecture": architecture}
     dist_checkpointing.save(state, out_dir, sharded_strategy=get_default_save_sharded_strategy(FORMAT))
     torch.distributed.barrier()
     if prompts is None:
@@ -315,12 +318,13 @@ def _megatron_logits(chunks, ids: torch.Tensor, vocab_size: int) -> torch.Tensor
             return logits.sum() * 0, torch.tensor(1), {}
         return output, keep
 
+    data = [iter([tokens]) for _ in chunks] if len(chunks) > 1 else iter([tokens])  # one per virtual stage
     with torch.no_grad():
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=[iter([tokens]) for _ in chunks] if len(chunks) > 1 else iter([tokens]),
-            model=chunks, num_microbatches=1, seq_length=tokens.shape[1], micro_batch_size=1, forward_only=True)
+            forward_step_func=forward_step, data_iterator=data, model=chunks, num_microbatches=1,
+            seq_length=tokens.shape[1], micro_batch_size=1, forward_only=True)
     source = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
-              and ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0)
+              and ps.get_data_parallel_rank() == 0)
     logits = kept[0] if source else torch.zeros(length, vocab_size)
     torch.distributed.all_reduce(logits)  # exactly one rank contributes
     return logits
@@ -328,12 +332,8 @@ def _megatron_logits(chunks, ids: torch.Tensor, vocab_size: int) -> torch.Tensor
 
 def _verify_model(model, hf_path: str, dtype: str, prompts: list[str], tolerance: float | None) -> VerifyReport | None:
     """Compare ``model``'s logits with HF transformers' on ``prompts``; the report on rank 0, None elsewhere."""
-    from megatron.core import parallel_state as ps
-
     from megarl.models.bridge import DTYPES
 
-    if ps.get_context_parallel_world_size() > 1:
-        raise ConversionError("verification needs cp=1 (conversion itself ignores context parallelism)")
     ids = _prompt_ids(hf_path, prompts)
     vocab_size = model.bridge.hf_pretrained.config.vocab_size
     for chunk in model.chunks:
