@@ -2,7 +2,8 @@
 
 ``--cfg job`` prints the resolved config and exits. A bad recipe or override exits with status 2
 and one line naming the key. ``mode=warmup`` runs the supervised warm-up that makes the RL
-starting checkpoint; the RL modes (sync / one_step_off / async) come with the async pipeline.
+starting checkpoint; ``mode=sync`` runs it when its checkpoint is missing, then synchronous RL
+(one_step_off and async come with the async pipeline).
 """
 from __future__ import annotations
 

@@ -91,7 +91,7 @@ def test_tiny_recipe_runs_on_the_ray_cluster_with_overrides(job):
     """The real driver (``python -m megarl.train``) runs the tiny recipe's first warm-up step."""
     del job["env"]["MEGARL_TRAIN_CMD"]
     tmp = job["tmp"]
-    overrides = ["recipe=tiny_moe_cpu", "run_name=from_sbatch", "warmup.steps=1", "warmup.lr=0.0005",
+    overrides = ["recipe=tiny_moe_cpu", "mode=warmup", "run_name=from_sbatch", "warmup.steps=1", "warmup.lr=0.0005",
                  f"model.hf_path={tmp / 'base'}", f"warmup.save_hf_path={tmp / 'sft'}", f"logging.run_dir={tmp / 'run'}"]
     proc = _sbatch(job, *overrides)
     output = _finish(proc, timeout=300)
