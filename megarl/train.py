@@ -44,6 +44,7 @@ def rl_sync(cfg: DictConfig, start_checkpoint: str) -> None:
     """Synchronous GRPO-style RL: generate a batch on the engine, train one step on it, sync the
     weights into the engine, repeat. (The async pipeline replaces the weight sync and the loop.)"""
     import asyncio
+    import os
     import random
     import shutil
     import time
@@ -68,7 +69,10 @@ def rl_sync(cfg: DictConfig, start_checkpoint: str) -> None:
     params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     weights_dir = Path(cfg.logging.run_dir) / "engine_weights"
     rng = random.Random(cfg.task.seed)
-    ray.init(num_cpus=max(2, layout.world_size + 1), include_dashboard=False, log_to_driver=False)
+    if os.environ.get("RAY_ADDRESS"):  # a cluster started for us (slurm/megarl.sbatch exports it)
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    else:
+        ray.init(num_cpus=max(2, layout.world_size + 1), include_dashboard=False, log_to_driver=False)
     trainer = TrainerGroup(layout, backend=p.backend, seed=t.seed)
     trainer.call("build", start_checkpoint, optimizer_settings(cfg, cfg.trainer.lr), cfg.model.transformer_impl.value,
                  p.dispatcher.value, True)
