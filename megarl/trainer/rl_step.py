@@ -18,6 +18,7 @@ from megarl.algos.objective import LossInputs, rl_loss
 from megarl.config.schema import AlgorithmConfig
 from megarl.trainer.logprobs import vocab_parallel_logprobs
 from megarl.trainer.rl_batch import RLBatch, check_routing
+from megarl.trainer.token_batch import micro_batch_rows
 
 
 @dataclass
@@ -105,12 +106,8 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     denominator = float(denominator_share(algo.loss_agg, batch.loss_mask))
     per_rank = len(batch) // dp
     local = batch.rows(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    rows = max(1, max_tokens_per_microbatch // local.tokens.shape[1])
-    count = -(-len(local) // rows)
-    while len(local) % count:
-        count += 1
-    rows = len(local) // count
-    micro = [local.rows(i, i + rows) for i in range(0, len(local), rows)]
+    rows = micro_batch_rows(len(local), local.tokens.shape[1], max_tokens_per_microbatch)
+    micro = [(local.rows(i, i + rows), i) for i in range(0, len(local), rows)]  # (micro-batch, first row)
     ref = None if ref_logprobs is None else ref_logprobs[dp_rank * per_rank:(dp_rank + 1) * per_rank]
     record = not keep_routing and batch.routed_experts is not None and bool(routers)
     layer_numbers = [r.layer_number for r in routers]
@@ -158,9 +155,8 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
             RouterReplay.clear_global_router_replay_action()
         else:
             RouterReplay.set_global_router_replay_action(action)
-    starts = [i for i in range(0, len(local), rows)]
     reduced = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(list(zip(micro, starts))), model=chunks,
+        forward_step_func=forward_step, data_iterator=iter(micro), model=chunks,
         num_microbatches=len(micro), seq_length=local.tokens.shape[1], micro_batch_size=rows, forward_only=False,
     )
     if routers:

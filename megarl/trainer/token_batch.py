@@ -64,9 +64,14 @@ def data_parallel_slice(batch: TokenBatch, dp_rank: int, dp_size: int) -> TokenB
 def micro_batches(batch: TokenBatch, max_tokens: int) -> list[TokenBatch]:
     """Split into equal micro-batches of at most ``max_tokens`` padded tokens each (at least one
     sequence each; equal sizes because pipeline stages exchange fixed-shape activations)."""
-    rows_budget = max(1, max_tokens // batch.tokens.shape[1])
-    count = -(-len(batch) // rows_budget)
-    while len(batch) % count:
-        count += 1
-    rows = len(batch) // count
+    rows = micro_batch_rows(len(batch), batch.tokens.shape[1], max_tokens)
     return [batch[slice(i, i + rows)] for i in range(0, len(batch), rows)]
+
+
+def micro_batch_rows(num_rows: int, seq_length: int, max_tokens: int) -> int:
+    """The largest divisor of ``num_rows`` whose ``rows * seq_length`` fits ``max_tokens`` (>= 1)."""
+    budget = max(1, max_tokens // seq_length)
+    count = -(-num_rows // budget)
+    while num_rows % count:
+        count += 1
+    return num_rows // count
