@@ -138,6 +138,9 @@ def optimizer_settings(cfg: DictConfig, lr: float):
 
 
 def run(cfg: DictConfig) -> None:
+    from megarl.config.validate import refuse_what_is_not_built
+
+    refuse_what_is_not_built(cfg)
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))

@@ -34,6 +34,10 @@ BAD_INPUTS = [
     (["parallel.world_size=4", "parallel.pp=4"], "parallel.pp", "2 layers do not split"),
     (["mode=fast"], "mode", "not one of"),
     (["mode=async"], "mode", "not built yet"),
+    (["trainer.recompute=full"], "trainer.recompute", "not applied by the trainer yet"),
+    (["sync.transport=distributed"], "sync.transport", "only the disk transport"),
+    (["rollout.num_engines=2"], "rollout.num_engines", "one engine"),
+    (["task.name=jsonl"], "task.name", "only the built-in arithmetic task"),
     (["rollout.top_k=0"], "rollout.top_k", "finite top_k"),
 ]
 
