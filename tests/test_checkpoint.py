@@ -167,6 +167,7 @@ def crash_and_bad_inputs(rank, layout, hf_path, other_hf_path, root):
     errors["truncated"] = _error(lambda: load_checkpoint(root, trainable, step=1))
     errors["data_position"] = _error(lambda: save_checkpoint(root, 3, trainable, {"t": torch.zeros(1)}))
     errors["other_model"] = _error(lambda: load_checkpoint(root, _trainable(other_hf_path, layout), step=2))
+    errors["before_first_step"] = _error(lambda: save_checkpoint(root.parent / "fresh", 0, _trainable(hf_path, layout), DATA_POSITION))
     out["errors"] = errors
     return out
 
@@ -194,6 +195,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(single_process):
 
 @pytest.mark.parametrize("case, kind, message", [
     ("missing_root", "CheckpointError", "nowhere does not exist"),
+    ("before_first_step", "CheckpointError", "no optimizer step has run yet"),
     ("no_latest", "CheckpointError", "has no 'latest' file"),
     ("missing_step", "CheckpointError", "iter_0000005 does not exist"),
     ("bad_latest", "CheckpointError", "expected a step number, found 'iter_2'"),

@@ -84,6 +84,8 @@ def save_checkpoint(root: str | Path, step: int, trainable, data_position: dict[
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
     _check_plain(data_position, "data_position")
+    if trainable.scheduler.num_steps == 0:
+        raise CheckpointError("no optimizer step has run yet: the checkpoint to resume from is the HF one it started from")
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     rank0 = torch.distributed.get_rank() == 0
