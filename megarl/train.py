@@ -2,13 +2,16 @@
 
 ``--cfg job`` prints the resolved config and exits. A bad recipe or override exits with status 2
 and one line naming the key. ``mode=warmup`` runs the supervised warm-up that makes the RL
-starting checkpoint; ``mode=sync`` runs it when its checkpoint is missing, then synchronous RL
-(one_step_off and async come with the async pipeline).
+starting checkpoint; the RL modes (``sync``, ``one_step_off``, ``async``) run it when its checkpoint
+is missing, then RL. A run directory with a checkpoint resumes from it (``trainer.resume``);
+SIGTERM or SIGUSR1 makes the run checkpoint after the current step and exit.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
+import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -40,90 +43,67 @@ def warmup(cfg: DictConfig) -> list[float]:
     return losses
 
 
-def rl_sync(cfg: DictConfig, start_checkpoint: str) -> None:
-    """Synchronous GRPO-style RL: generate a batch on the engine, train one step on it, sync the
-    weights into the engine, repeat. (The async pipeline replaces the weight sync and the loop.)"""
-    import asyncio
-    import os
-    import random
-    import shutil
-    import time
-
-    import ray
+async def rl(cfg: DictConfig, start_checkpoint: str) -> None:
+    """GRPO-style RL: the producer fills the buffer from the engines while this loop takes a batch,
+    trains one step on it and syncs the weights into the engines (see megarl/pipeline.py for how
+    the modes sync / one_step_off / async differ: only in lag and buffer depth)."""
     from rich.progress import Progress
-    from transformers import AutoTokenizer
 
-    from megarl.metrics.sink import MetricsFile
-    from megarl.rollout import arithmetic
-    from megarl.rollout.client import SamplingParams, ServedModel, SGLangClient
-    from megarl.rollout.engine import EngineSettings, SGLangEngine
-    from megarl.rollout.manager import fill_advantages, rollout_groups
-    from megarl.trainer.actor import TrainerGroup
-    from megarl.trainer.distributed import Layout
-    from megarl.trainer.rl_batch import build_rl_batch
+    from megarl.metrics.gpu import GpuStats
+    from megarl.pipeline import open_pipeline
+    from megarl.rollout.manager import fill_advantages
 
-    r, t, p = cfg.rollout, cfg.trainer, cfg.parallel
-    layout = Layout.from_config(p)
-    tokenizer = AutoTokenizer.from_pretrained(start_checkpoint)
-    served = ServedModel.from_hf_config(start_checkpoint)
-    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
-    weights_dir = Path(cfg.logging.run_dir) / "engine_weights"
-    rng = random.Random(cfg.task.seed)
-    if os.environ.get("RAY_ADDRESS"):  # a cluster started for us (slurm/megarl.sbatch exports it)
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-    else:
-        ray.init(num_cpus=max(2, layout.world_size + 1), include_dashboard=False, log_to_driver=False)
-    trainer = TrainerGroup(layout, backend=p.backend, seed=t.seed)
-    trainer.call("build", start_checkpoint, optimizer_settings(cfg, cfg.trainer.lr), cfg.model.transformer_impl.value,
-                 p.dispatcher.value, True)
-    engine = SGLangEngine(EngineSettings(model_path=start_checkpoint, sampling_mask_max_tokens=max(r.top_k, 1),
-                                         max_total_tokens=r.max_total_tokens, random_seed=cfg.task.seed))
-    metrics = MetricsFile(cfg.logging.run_dir)
-
-    async def loop(client: SGLangClient) -> None:
+    r = cfg.rollout
+    gpu = GpuStats()
+    async with open_pipeline(cfg, start_checkpoint) as pipe:
+        produced, started = pipe.producer.generated_tokens, time.monotonic()
         with Progress() as progress:
-            task = progress.add_task("RL", total=cfg.steps)
-            for step in range(1, cfg.steps + 1):
-                t0 = time.time()
-                problems = arithmetic.sample_problems(r.prompts_per_step, rng, cfg.task.max_operand)
-                samples = await rollout_groups(client, tokenizer, problems, r.samples_per_prompt, params,
-                                               routing=True, sampling_mask=r.keep_sampling_mask)
-                stats = fill_advantages(samples, cfg.algorithm.advantage)
-                t1 = time.time()
-                batch = build_rl_batch(samples, tokenizer.pad_token_id, p.tp if p.sequence_parallel else 1,
-                                       with_sampling_mask=r.keep_sampling_mask)
-                result = trainer.call("rl_step", batch, cfg.algorithm, vocab_size=served.vocab_size,
-                                      max_tokens_per_microbatch=t.max_tokens_per_microbatch, keep_routing=r.keep_routing,
-                                      sequence_parallel=p.sequence_parallel, temperature=r.temperature)
-                t2 = time.time()
-                shutil.rmtree(weights_dir, ignore_errors=True)
-                trainer.call("save_hf", str(weights_dir))
-                await client.update_weights_from_disk(weights_dir, version=step)
-                t3 = time.time()
+            bar = progress.add_task(f"RL ({cfg.mode})", total=cfg.steps, completed=pipe.start_step)
+            for step in range(pipe.start_step + 1, cfg.steps + 1):
+                if pipe.stop_signal is not None and step == pipe.start_step + 1:
+                    log.warning("stopped by %s before the first step", pipe.stop_signal)
+                    break
+                t0 = time.monotonic()
+                taken = await pipe.producer.guard(pipe.buffer.take(r.prompts_per_step, trainer_version=step - 1))
+                pipe.producer.taken(taken.groups + taken.dropped_stale)
+                stats = fill_advantages(taken.samples, cfg.algorithm.advantage)
+                t1 = time.monotonic()
+                result = await pipe.trainer.call_async("rl_step", pipe.rl_batch(taken.samples), cfg.algorithm,
+                                                       **pipe.step_kwargs())
+                t2 = time.monotonic()
+                synced = await pipe.sync_weights(step)
+                await pipe.producer.set_engine_version(step)
+                t3 = time.monotonic()
+                pipe.record_trained(step, taken.groups)
+                pipe.ledger.check()
                 row = {"reward/mean": stats.reward_mean, "response/len_mean": stats.response_len_mean,
                        "groups/mixed_frac": stats.mixed_group_frac, "train/grad_norm": result.grad_norm,
-                       **{f"train/{k}" if "/" not in k else k: v for k, v in result.metrics.items()},
-                       "perf/tokens_per_s": stats.tokens / (t1 - t0), "time/rollout_s": t1 - t0,
-                       "time/train_s": t2 - t1, "sync/seconds": t3 - t2}
-                metrics.log(step, row)
-                progress.update(task, advance=1, description=f"RL reward {stats.reward_mean:.2f}")
-                log.info("step %d: reward %.3f, mixed groups %.2f, mismatch %.2e, rollout %.1fs train %.1fs sync %.1fs",
-                         step, stats.reward_mean, stats.mixed_group_frac, row.get("mismatch/logprob_abs_diff", float("nan")),
-                         t1 - t0, t2 - t1, t3 - t2)
+                       **{k if "/" in k else f"train/{k}": v for k, v in result.metrics.items()},
+                       "staleness/mean": sum(taken.staleness) / len(taken.staleness),
+                       "staleness/max": max(taken.staleness), **pipe.ledger.metrics(),
+                       "perf/tokens_per_s": (pipe.producer.generated_tokens - produced) / (t3 - started),
+                       "perf/trainer_idle_frac": (t1 - t0) / (t3 - t0),
+                       "time/wait_s": t1 - t0, "time/train_s": t2 - t1, "sync/seconds": t3 - t2,
+                       **synced, **gpu.sample()}
+                pipe.metrics.log(step, row)
+                progress.update(bar, advance=1, description=f"RL ({cfg.mode}) reward {stats.reward_mean:.2f}")
+                log.info("step %d: reward %.3f, mismatch %.2e, staleness %.2f, wait %.1fs train %.1fs sync %.1fs",
+                         step, stats.reward_mean, row.get("mismatch/logprob_abs_diff", float("nan")),
+                         row["staleness/mean"], t1 - t0, t2 - t1, t3 - t2)
+                if pipe.save_due(step):
+                    await pipe.save(step)
+                if pipe.stop_signal is not None:
+                    log.warning("stopped by %s after step %d (checkpoint saved); rerun the same command to resume",
+                                pipe.stop_signal, step)
+                    break
+    gpu.close()
 
-    try:
-        engine.start()
 
-        async def with_client():
-            async with SGLangClient(engine.url, served) as client:
-                await loop(client)
+def resuming(cfg: DictConfig) -> bool:
+    """Whether this run continues from a checkpoint in its run directory."""
+    from megarl.trainer.checkpoint import latest_step
 
-        asyncio.run(with_client())
-    finally:
-        metrics.close()
-        engine.stop()
-        trainer.shutdown()
-        ray.shutdown()
+    return cfg.mode != "warmup" and cfg.trainer.resume and latest_step(Path(cfg.logging.run_dir) / "checkpoints") is not None
 
 
 def optimizer_settings(cfg: DictConfig, lr: float):
@@ -141,10 +121,16 @@ def run(cfg: DictConfig) -> None:
     from megarl.config.validate import refuse_what_is_not_built
 
     refuse_what_is_not_built(cfg)
+    if cfg.mode != "warmup":
+        from megarl.pipeline import StopRequest
+
+        StopRequest.install()
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a new run (resuming one is not built yet)
+    if not resuming(cfg):  # a new run: no rows of an earlier one in this directory
+        for name in ("metrics.jsonl", "trained_prompts.jsonl"):
+            (run_dir / name).unlink(missing_ok=True)
     hf_path = Path(cfg.model.hf_path)
     if not (hf_path / "config.json").is_file():
         if not cfg.model.make_tiny_if_missing:
@@ -161,7 +147,7 @@ def run(cfg: DictConfig) -> None:
             if not (Path(cfg.warmup.save_hf_path) / "config.json").is_file():
                 warmup(cfg)
             start = cfg.warmup.save_hf_path
-        rl_sync(cfg, start)
+        asyncio.run(rl(cfg, start))
     from megarl.metrics.plot import plot_run
 
     log.info("curves: %s", plot_run(run_dir)[0])

@@ -140,6 +140,13 @@ def test_keep_routing_and_mask_reproduce_rollout_logprobs(single):
     assert kept["mismatch/logprob_abs_diff"] < 1e-5  # so the PPO ratio is 1 within 1e-5
     assert abs(kept["mismatch/kl"]) < 1e-5
     assert kept["clip_fraction"] == 0.0 and grad_norm > 0
+    assert kept["routing/agreement"] > 0.99  # measured beside the replay: the trainer's router agrees
+
+
+def test_agreement_under_replay_shows_routing_the_trainer_would_not_choose(single):
+    forced = single["rl"]["forced_kept"][1]
+    assert forced["mismatch/logprob_abs_diff"] < 1e-5  # replayed, so the log-probs still match
+    assert forced["routing/agreement"] < 0.05  # but the trainer's own top-2 is never the rotated one
 
 
 def test_replayed_routing_is_the_one_used(single):

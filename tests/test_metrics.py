@@ -1,8 +1,14 @@
-"""metrics.jsonl rows and the curves PNG drawn from them."""
+"""metrics.jsonl rows, the TensorBoard scalars written beside them, GPU stats from NVML, and the
+curves PNG drawn from the rows."""
+import logging
 import math
+from types import SimpleNamespace
 
+import numpy as np
+import pytest
 from PIL import Image
 
+from megarl.metrics.gpu import GpuStats
 from megarl.metrics.plot import plot_run
 from megarl.metrics.sink import MetricsFile, read_metrics
 
@@ -26,3 +32,91 @@ def test_plot_draws_the_logged_series(tmp_path):
     assert series == {"reward/mean": [(s, s / 10) for s in range(1, 6)],
                       "mismatch/logprob_abs_diff": [(s, 1e-4 * s) for s in range(1, 6)]}
     assert Image.open(path).size == (1000, 350)  # two panels of 5 x 3.5 inches at 100 dpi
+
+
+def test_tensorboard_scalars_read_back_equal_the_logged_values(tmp_path):
+    """Every finite value comes back from the event file (as float32) at its step; NaN is left out."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logged = {1: {"reward/mean": 0.125, "mismatch/kl": 3.3e-7, "perf/tokens_per_s": 1234.5},
+              2: {"reward/mean": 0.375, "mismatch/kl": float("nan"), "perf/tokens_per_s": 987.25},
+              5: {"reward/mean": 0.6, "mismatch/kl": 1.7e-5, "perf/tokens_per_s": 2048.0}}
+    sink = MetricsFile(tmp_path)
+    for step, values in logged.items():
+        sink.log(step, values)
+    sink.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["mismatch/kl", "perf/tokens_per_s", "reward/mean"]
+    for key in ("reward/mean", "mismatch/kl", "perf/tokens_per_s"):
+        want = [(step, np.float32(v[key])) for step, v in logged.items() if math.isfinite(v[key])]
+        assert [(e.step, np.float32(e.value)) for e in events.Scalars(key)] == want, key
+    times = [row["time"] for row in read_metrics(tmp_path)]
+    assert [e.wall_time for e in events.Scalars("reward/mean")] == pytest.approx(times, abs=1e-3)
+
+
+class FakeNvml:
+    """pynvml's API over two fake devices (bytes and percent as NVML reports them)."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, fail_init=False, util_unsupported=()):
+        self.fail_init, self.util_unsupported, self.shutdowns = fail_init, util_unsupported, 0
+        self.devices = [dict(used=3 * 2**30 + 2**29, total=80 * 2**30, gpu=37),
+                        dict(used=123_456_789, total=150_592_290_816, gpu=100)]
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise self.NVMLError("Driver Not Loaded")
+
+    def nvmlShutdown(self):
+        self.shutdowns += 1
+
+    def nvmlDeviceGetCount(self):
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        d = self.devices[handle]
+        return SimpleNamespace(used=d["used"], total=d["total"], free=d["total"] - d["used"])
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        if handle in self.util_unsupported:
+            raise self.NVMLError("Not Supported")
+        return SimpleNamespace(gpu=self.devices[handle]["gpu"], memory=0)
+
+
+def test_gpu_stats_convert_nvml_bytes_to_gib_per_device():
+    nvml = FakeNvml(util_unsupported=(1,))
+    stats = GpuStats(nvml)
+    sample = stats.sample()
+    assert sample == {"gpu/0/memory_used_gb": 3.5, "gpu/0/memory_total_gb": 80.0, "gpu/0/utilization_pct": 37.0,
+                      "gpu/1/memory_used_gb": pytest.approx(0.11497809), "gpu/1/memory_total_gb": 140.25}
+    stats.close()
+    stats.close()
+    assert nvml.shutdowns == 1 and stats.sample() == {}
+
+
+def test_gpu_stats_are_empty_when_nvml_does_not_start(caplog):
+    with caplog.at_level(logging.INFO, logger="megarl.metrics.gpu"):
+        stats = GpuStats(FakeNvml(fail_init=True))
+        assert stats.sample() == {} and stats.sample() == {}
+        stats.close()
+    assert [r.getMessage() for r in caplog.records] == ["no GPU metrics: NVML did not start (Driver Not Loaded)"]
+
+
+def test_gpu_stats_on_this_machine_match_what_torch_sees():
+    """The real pynvml: {} on a machine without an NVIDIA driver, one entry set per device with one."""
+    import torch
+
+    stats = GpuStats()
+    sample = stats.sample()
+    stats.close()
+    if not torch.cuda.is_available():
+        assert sample == {}
+    else:
+        assert {k.split("/")[1] for k in sample} >= {str(i) for i in range(torch.cuda.device_count())}
+        assert 0 < sample["gpu/0/memory_used_gb"] <= sample["gpu/0/memory_total_gb"]

@@ -15,7 +15,8 @@ from megarl.planner.arch import resolve_arch
 from megarl.planner.engine_memory import kv_bytes_per_token
 from megarl.planner.layout import broken_limits, plan_layout
 from megarl.planner.params import count_params
-from megarl.planner.trainer_memory import stage_layers, trainer_memory
+from megarl.planner.pipeline import PipelineSplitError, stage_layers
+from megarl.planner.trainer_memory import trainer_memory
 from megarl.planner.units import GIB
 
 BIG_RECIPES = ["qwen3_30b_a3b", "qwen3_235b_a22b", "glm45_355b_a32b", "deepseek_v3_671b"]
@@ -183,6 +184,52 @@ def test_interleaved_stages_take_megatron_order_and_cover_every_layer():
     assert stage_layers(8, pp=2, vpp=2, stage=0) == [0, 1, 4, 5]
     assert stage_layers(8, pp=2, vpp=2, stage=1) == [2, 3, 6, 7]
     assert sorted(stage_layers(92, 2, 2, 0) + stage_layers(92, 2, 2, 1)) == list(range(92))
+
+
+# (num_layers, pp, vpp, first_stage_layers, last_stage_layers); the last two megatron refuses
+SPLITS = [(12, 3, 2, 2, 2), (10, 3, None, 2, 4), (94, 4, None, 22, 24), (9, 2, None, None, 4), (8, 2, 2, None, None),
+          (61, 4, None, 16, 15), (16, 4, 2, 2, None), (10, 2, 2, 3, None)]
+
+
+@pytest.mark.parametrize("layers,pp,vpp,first,last", SPLITS)
+def test_stage_layers_equal_megatron_core_split(layers, pp, vpp, first, last):
+    """Layer indices per stage (and virtual chunk) as megatron-core builds them, or the same refusal."""
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from megarl.platform import megatron_cpu
+
+    megatron_cpu.apply()
+    try:
+        config = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=1, pipeline_model_parallel_size=pp,
+                                   virtual_pipeline_model_parallel_size=vpp, num_layers_in_first_pipeline_stage=first,
+                                   num_layers_in_last_pipeline_stage=last, pipeline_dtype=torch.float32)
+    except ValueError:
+        with pytest.raises(PipelineSplitError):
+            stage_layers(layers, pp, vpp or 1, 0, first, last)
+        return
+    for stage in range(pp):
+        theirs = []
+        for chunk in range(vpp or 1):
+            vp = chunk if vpp else None
+            offset = get_transformer_layer_offset(config, vp_stage=vp, pp_rank=stage)
+            theirs += range(offset, offset + get_num_layers_to_build(config, vp_stage=vp, pp_rank=stage))
+        assert stage_layers(layers, pp, vpp or 1, stage, first, last) == theirs
+
+
+def test_uneven_stages_are_planned_and_validated():
+    """Qwen3-235B's 94 layers on PP4: refused evenly (naming the fix), planned with 22 / 24 / 24 / 24."""
+    base = ["recipe=qwen3_235b_a22b", "parallel.pp=4", "parallel.world_size=256"]
+    with pytest.raises(ConfigError, match="parallel.pp: 94 layers do not split into pp.vpp = 4 stages .set parallel.first_stage_layers"):
+        load_config(base)
+    with pytest.raises(ConfigError, match="parallel.first_stage_layers: 94 layers leave"):
+        load_config(base + ["parallel.first_stage_layers=50", "parallel.last_stage_layers=50"])
+    cfg = load_config(base + ["parallel.first_stage_layers=22"])
+    arch = resolve_arch(cfg)
+    stages = trainer_memory(arch, cfg)
+    assert [s.layers for s in stages] == [22, 24, 24, 24]
+    assert stages[0].params < stages[1].params  # two layers fewer outweigh the embedding
 
 
 def test_unsharded_layout_holds_the_whole_model_and_stages_partition_it():

@@ -1,22 +1,57 @@
-"""Synchronous RL end to end: warm-up on Megatron, rollouts on a real SGLang server (CPU), RL steps
-with Keep Routing and Keep Sampling Mask on Megatron (a Ray actor), weights synced back to the engine."""
+"""Synchronous RL end to end through the pipeline driver: warm-up on Megatron, rollouts on a real
+SGLang server (CPU), RL steps with Keep Routing and Keep Sampling Mask on Megatron (a Ray actor),
+weights synced back into the engine after every step."""
+import pytest
+
 from megarl.metrics.sink import read_metrics
 from megarl.train import main
 
 
-def test_sync_rl_steps_reproduce_the_engine_logprobs(tmp_path):
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """The warmed-up checkpoint both runs start from (base and warm paths)."""
+    root = tmp_path_factory.mktemp("rl_sync")
+    paths = [f"model.hf_path={root / 'base'}", f"warmup.save_hf_path={root / 'warm'}"]
+    assert main(["recipe=tiny_moe_cpu", "mode=warmup", "warmup.steps=30", f"logging.run_dir={root / 'warmup'}",
+                 *paths]) == 0
+    return paths
+
+
+def rl_rows(run):
+    return [row for row in read_metrics(run) if "reward/mean" in row]
+
+
+def sync_run(tmp_path, warm, *overrides):
     run = tmp_path / "run"
-    assert main(["recipe=tiny_moe_cpu", "mode=sync", "steps=2", "rollout.prompts_per_step=8",
-                 "rollout.samples_per_prompt=4", "warmup.steps=30", f"model.hf_path={tmp_path / 'base'}",
-                 f"warmup.save_hf_path={tmp_path / 'warm'}", f"logging.run_dir={run}"]) == 0
-    rows = [row for row in read_metrics(run) if "reward/mean" in row]
+    assert main(["recipe=tiny_moe_cpu", "mode=sync", "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
+                 "warmup.steps=30", f"logging.run_dir={run}", *warm, *overrides]) == 0
+    return run
+
+
+def test_sync_rl_steps_reproduce_the_engine_logprobs(tmp_path, warm):
+    run = sync_run(tmp_path, warm, "steps=2")
+    rows = rl_rows(run)
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
         assert 0.0 <= row["reward/mean"] <= 1.0
         assert 1 <= row["response/len_mean"] <= 3
-        # first update on fresh data: the trainer reproduces the engine's log-probs (ratio 1 within 1e-3)
+        # every update is on fresh data: the trainer reproduces the engine's log-probs, so the PPO
+        # ratio is 1 within 1e-3 on every token
         assert row["mismatch/logprob_abs_diff"] < 1e-3, row
+        assert row["mismatch/ratio_dev_max"] < 1e-3, row
+        assert row["staleness/max"] == 0 and row["sync/version"] == row["step"]
         # GRPO has a gradient exactly when some prompt group has mixed rewards
         assert (row["train/grad_norm"] > 0) == (row["groups/mixed_frac"] > 0), row
-    assert (run / "engine_weights" / "model.safetensors").is_file()  # the weights the engine loaded last
+    last = rows[-1]
+    assert last["buffer/prompts_trained"] == 16 and last["buffer/trained"] + last["buffer/error"] == 64
+    assert (run / "checkpoints" / "latest").read_text().strip() == "2"
     assert (run / "curves.png").is_file()
+
+
+def test_without_the_sampling_mask_the_mismatch_is_larger(tmp_path, warm):
+    """The engine samples from its top-k; a trainer that ignores that mask scores the tokens under
+    the full vocabulary and misses the engine's log-probs by the mass outside the top-k: beyond the
+    1e-3 the run with the mask stays within (previous test)."""
+    row = rl_rows(sync_run(tmp_path, warm, "steps=1", "rollout.keep_sampling_mask=false"))[0]
+    print(f"\n[measured] first-update mismatch without the sampling mask: {row['mismatch/logprob_abs_diff']:.2e}")
+    assert row["mismatch/logprob_abs_diff"] > 1e-3 and row["mismatch/ratio_dev_max"] > 1e-3

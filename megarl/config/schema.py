@@ -94,6 +94,8 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     vpp: Optional[int] = None  # virtual pipeline stages per rank
+    first_stage_layers: Optional[int] = None  # decoder layers on the first PP stage (None: even split); the middle stages split the rest
+    last_stage_layers: Optional[int] = None  # decoder layers on the last PP stage (None: even split), e.g. fewer beside the output layer
     cp: int = 1
     ep: int = 1
     etp: Optional[int] = None  # expert tensor parallel; None = same as tp
@@ -119,7 +121,8 @@ class TrainerConfig:
     recompute_num_layers: Optional[int] = None
     gpu_memory_gb: float = 80.0  # per-device memory the planner checks layouts against
     seed: int = 1234
-    save_interval: int = 0  # steps between checkpoints; 0 = only at the end
+    save_interval: int = 0  # steps between checkpoints (run_dir/checkpoints); 0 = only at the end
+    resume: bool = True  # continue from run_dir/checkpoints when it holds one (data position and counts too)
     optimizer_cpu_offload: bool = False  # fp32 master weights and Adam moments in host memory (megatron-core)
     reserved_memory_gb: float = 4.0  # planner: per-device GB for CUDA context, NCCL buffers, fragmentation
 
@@ -140,9 +143,21 @@ class TaskConfig:
     name: str = "arithmetic"  # arithmetic (synthetic, built in) | jsonl | parquet
     path: Optional[str] = None  # dataset file for jsonl / parquet
     prompt_key: str = "prompt"
-    answer_key: str = "answer"
+    answer_key: str = "answer"  # "" = the rows have no answers (e.g. a reward model scores them)
+    shuffle: bool = True  # jsonl / parquet: visit the rows in a seeded permutation per epoch
     max_operand: int = 9  # arithmetic: operands in [0, max_operand]
     seed: int = 0
+
+
+@dataclass
+class RewardConfig:
+    """How samples are scored (megarl/rollout/rewards.py). A reward that raises or exceeds
+    timeout_s gives the sample reward 0 and finish_reason error (counted, never fatal)."""
+
+    type: str = "arithmetic"  # arithmetic | exact_match | math (math-verify) | remote | function
+    path: Optional[str] = None  # function: dotted path "package.module.function" taking a RewardInput
+    url: Optional[str] = None  # remote: reward-model endpoint (POST JSON, answers {"reward": float})
+    timeout_s: float = 30.0
 
 
 @dataclass
@@ -187,8 +202,10 @@ class AlgorithmConfig:
 @dataclass
 class SyncConfig:
     transport: str = "distributed"  # distributed | tensor | disk
-    bucket_mb: int = 512
+    bucket_mb: int = 512  # MiB per bucket (0: one engine call per tensor)
     link_gbps: float = 400.0  # planner: trainer->engine link bandwidth, Gbit/s
+    work_dir: str = "${logging.run_dir}/weight_sync"  # disk transport and recovery checkpoints (seen by trainer and engines)
+    timeout_s: float = 600.0  # a sync running longer fails (WeightSyncError) and leaves the engines consistent
 
 
 @dataclass
@@ -214,6 +231,7 @@ class MegarlConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)

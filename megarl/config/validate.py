@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 
 from megarl.config.load import ConfigError
 from megarl.config.schema import MODES
+from megarl.planner.pipeline import PipelineSplitError, stage_layer_counts
 
 
 def _fail(key: str, why: str) -> None:
@@ -56,8 +57,11 @@ def validate(cfg: DictConfig) -> None:
         _fail("parallel.ep", f"{experts} experts are not divisible by ep={p.ep}")
     if experts and p.tp > 1 and not p.sequence_parallel:
         _fail("parallel.sequence_parallel", "MoE with tp > 1 requires sequence_parallel=true (megatron-core)")
-    if arch["num_layers"] and arch["num_layers"] % (p.pp * (p.vpp or 1)):
-        _fail("parallel.pp", f"{arch['num_layers']} layers do not split into pp*vpp = {p.pp * (p.vpp or 1)} stages")
+    if arch["num_layers"]:
+        try:
+            stage_layer_counts(arch["num_layers"], p.pp, p.vpp or 1, p.first_stage_layers, p.last_stage_layers)
+        except PipelineSplitError as exc:
+            _fail(exc.key, str(exc))
     if arch["num_attention_heads"] and arch["num_attention_heads"] % p.tp:
         _fail("parallel.tp", f"{arch['num_attention_heads']} attention heads are not divisible by tp={p.tp}")
     if arch["num_query_groups"] and arch["num_query_groups"] % p.tp and p.tp % arch["num_query_groups"]:
@@ -72,24 +76,41 @@ def validate(cfg: DictConfig) -> None:
         _fail("rollout.samples_per_prompt", "samples_per_prompt and prompts_per_step must be >= 1")
     if cfg.mode not in MODES:
         _fail("mode", f"{cfg.mode!r} is not one of {', '.join(MODES)}")
-    if cfg.mode in ("one_step_off", "async"):
-        _fail("mode", f"{cfg.mode}: the async pipeline is not built yet; mode=warmup and mode=sync run")
+    if cfg.task.name not in ("arithmetic", "jsonl", "parquet"):
+        _fail("task.name", f"{cfg.task.name!r} is not one of arithmetic, jsonl, parquet")
+    if cfg.task.name != "arithmetic" and not cfg.task.path:
+        _fail("task.path", f"task {cfg.task.name} needs the dataset file")
+    from megarl.rollout.rewards import REWARD_TYPES
+
+    if cfg.reward.type not in REWARD_TYPES:
+        _fail("reward.type", f"{cfg.reward.type!r} is not one of {', '.join(REWARD_TYPES)}")
+    for kind, key in (("remote", "url"), ("function", "path")):
+        if cfg.reward.type == kind and not cfg.reward[key]:
+            _fail(f"reward.{key}", f"reward type {kind} needs reward.{key}")
+    if cfg.reward.timeout_s <= 0:
+        _fail("reward.timeout_s", f"must be > 0, got {cfg.reward.timeout_s}")
+    if cfg.sync.transport not in ("distributed", "tensor", "disk"):
+        _fail("sync.transport", f"{cfg.sync.transport!r} is not one of distributed, tensor, disk")
+    if cfg.sync.bucket_mb < 0 or cfg.sync.timeout_s <= 0:
+        _fail("sync.bucket_mb", f"bucket_mb must be >= 0 and timeout_s > 0, got {cfg.sync.bucket_mb}, {cfg.sync.timeout_s}")
+    if cfg.buffer.partial_rollout not in ("continue", "abort_resubmit"):
+        _fail("buffer.partial_rollout", f"must be continue or abort_resubmit, got {cfg.buffer.partial_rollout!r}")
+    if cfg.mode == "async" and (cfg.buffer.max_staleness < 0 or cfg.buffer.max_buffer_batches < 1):
+        _fail("buffer.max_staleness", "async mode needs max_staleness >= 0 and max_buffer_batches >= 1")
 
 
 def refuse_what_is_not_built(cfg: DictConfig) -> None:
     """Settings a run would otherwise ignore silently: refused by ``megarl.train`` until the code
     honours them (the planner still accepts them: big-model recipes plan with them)."""
-    if cfg.task.name != "arithmetic":
-        _fail("task.name", f"{cfg.task.name}: only the built-in arithmetic task runs so far")
+    r = cfg.rollout
     if cfg.trainer.recompute != "none":
         _fail("trainer.recompute", "activation recompute is planned for (megarl.plan) but not applied by the trainer yet")
-    if cfg.mode == "sync":
-        r = cfg.rollout
-        if cfg.sync.transport != "disk":
-            _fail("sync.transport", f"{cfg.sync.transport}: only the disk transport is built so far")
-        if r.num_engines != 1 or r.engine_tp != 1 or r.engine_ep != 1 or r.engine_dp_attention:
-            _fail("rollout.num_engines", "one engine without engine TP/EP/DP-attention is all the sync loop runs so far")
-        if r.dynamic_sampling:
-            _fail("rollout.dynamic_sampling", "dynamic sampling is not built yet")
-        if cfg.algorithm.kl_coef != 0.0:
-            _fail("algorithm.kl_coef", "the KL term needs a reference model, which the sync loop does not run yet")
+    if cfg.mode == "warmup":
+        return
+    if cfg.placement == "colocated":
+        _fail("placement", "colocated (engines release their memory while the trainer runs) is not built yet; "
+              "use placement=disaggregated")
+    if r.engine_tp != 1 or r.engine_ep != 1 or r.engine_dp_attention:
+        _fail("rollout.engine_tp", "engine TP/EP/DP-attention are planned for (megarl.plan) but not passed to SGLang yet")
+    if cfg.algorithm.kl_coef != 0.0:
+        _fail("algorithm.kl_coef", "the KL term needs a reference model, which the driver does not run yet")

@@ -1,1 +1,1 @@
-"""Run metrics: sinks (metrics.jsonl), train-inference mismatch, routing agreement, GPU stats, plots."""
+"""Run metrics: sinks (metrics.jsonl, TensorBoard), train-inference mismatch, routing agreement, GPU stats, plots."""

@@ -78,6 +78,8 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
     settings = dict(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
         expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
         sequence_parallel=layout.sequence_parallel, moe_token_dispatcher_type=dispatcher,
         moe_enable_routing_replay=routing_replay, moe_aux_loss_coeff=moe_aux_loss_coeff,

@@ -9,13 +9,23 @@ Model (Megatron-LM's own accounting, Korthikanti et al. 2022 for activations):
   ``world / (pp * ep * etp)``), and held in host memory with ``optimizer_cpu_offload``.
 - dense weights are divided by TP except norms, router and MLA down-projections (replicated);
   routed experts are divided by EP x expert-TP; the embedding sits on the first stage and the
-  head on the last, both vocab-parallel over TP.
+  head on the last, both vocab-parallel over TP; the decoder layers split over the stages as
+  megatron splits them, evenly or with ``parallel.first_stage_layers`` / ``last_stage_layers``
+  (megarl/planner/pipeline.py).
 - activations for one micro-batch of ``max_tokens_per_microbatch`` tokens, split over CP, and
-  over TP by sequence parallelism; flash attention (no score matrix). A stage keeps
-  ``pp - stage`` micro-batches in flight under 1F1B, times ``1 + (pp-1)/(pp*vpp)`` when
-  interleaved. ``full`` recompute keeps only every checkpointed chunk's input plus one chunk's
-  activations during its recomputation; ``selective`` drops the SwiGLU intermediates.
-- the last stage adds fp32 logits and their gradient, vocab-parallel.
+  over TP by sequence parallelism. A stage keeps ``pp - stage`` micro-batches in flight under
+  1F1B, times ``1 + (pp-1)/(pp*vpp)`` when interleaved. ``full`` recompute keeps only every
+  checkpointed chunk's input plus one chunk's activations during its recomputation;
+  ``selective`` drops the SwiGLU intermediates.
+- what a layer keeps depends on the kernels (``model.transformer_impl``): transformer-engine's
+  fused ones (``auto``/``transformer_engine``, what GPUs run: flash attention without a score
+  matrix, fused RMSNorm and SwiGLU that keep only their inputs), or megatron's ``local`` torch
+  layers (CPU), which also keep the normalised inputs, the SwiGLU intermediates, the rotated
+  query, K/V repeated to every head and the softmax probabilities ``[heads, s, s]`` of each
+  sequence of ``s = rollout.max_prompt_tokens + rollout.max_new_tokens - 1`` positions. The local
+  model is the one measured against the live tiny trainer (tests/test_plan_memory.py).
+- the last stage adds the final norm's and the output layer's inputs and two fp32 copies of the
+  vocab-parallel logits, which the RL log-prob and entropy functions keep for backward.
 """
 from __future__ import annotations
 
@@ -23,9 +33,10 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from megarl.config.schema import Recompute
+from megarl.config.schema import Recompute, TransformerImpl
 from megarl.planner.arch import Arch
 from megarl.planner.params import embedding_params, head_params, layer_params
+from megarl.planner.pipeline import stage_layers
 from megarl.planner.units import GIB, dtype_bytes
 
 FP32 = 4
@@ -50,38 +61,53 @@ class StageMemory:
         return self.weights + self.grads + self.optimizer + self.activations + self.reserved
 
 
-def stage_layers(num_layers: int, pp: int, vpp: int, stage: int) -> list[int]:
-    """Decoder layer indices on pipeline ``stage``: ``vpp`` chunks of ``num_layers/(pp*vpp)``,
-    chunk ``c`` being virtual stage ``c*pp + stage`` (Megatron's interleaved order)."""
-    per_chunk = num_layers // (pp * vpp)
-    return [i for c in range(vpp) for i in range((c * pp + stage) * per_chunk, (c * pp + stage + 1) * per_chunk)]
-
-
-def layer_activation_bytes(arch: Arch, layer: int, tokens: float, dtype_size: int, selective: bool) -> float:
+def layer_activation_bytes(arch: Arch, layer: int, tokens: float, dtype_size: int, selective: bool,
+                           fused: bool = True, seq_len: int = 0) -> float:
     """Activations one decoder layer keeps for backward, for ``tokens`` tokens on this rank (before
-    the TP split), in bytes."""
-    h = arch.hidden_size
+    the TP split), in bytes. ``fused``: transformer-engine kernels; otherwise megatron's local
+    torch layers on sequences of ``seq_len`` positions (see the module docstring)."""
+    h, heads = arch.hidden_size, arch.num_attention_heads
+    norm = h if fused else 2 * h  # an unfused RMSNorm keeps its input and the normalised input
     if arch.mla:
-        heads = arch.num_attention_heads
         qkv = heads * (2 * (arch.qk_nope_head_dim + arch.qk_rope_head_dim) + arch.v_head_dim)
         qkv += arch.q_lora_rank + arch.kv_lora_rank + arch.qk_rope_head_dim  # latent inputs of the up-projections
         attn_out = heads * arch.v_head_dim
+        unfused = 0.0  # the local MLA path is not modelled: megarl runs no MLA model on CPU
     else:
-        qkv = (arch.num_attention_heads + 2 * arch.num_query_groups) * arch.head_dim
-        attn_out = arch.num_attention_heads * arch.head_dim
-    attention = 2 * h + qkv + attn_out  # norm in, qkv-proj in, core-attention in, out-proj in
-    swiglu = 0 if selective else 2  # the activation function's input is recomputed under selective
+        d, groups = arch.head_dim, arch.num_query_groups
+        qkv = (heads + 2 * groups) * d
+        attn_out = heads * d
+        # local: rotated query, K and V repeated to every head (GQA), softmax probabilities;
+        # with QK-norm also the normalised query (and its contiguous copy) and key
+        repeated = 2 * heads * d if heads > groups else 0
+        qk_norm = 2 * heads * d + groups * d if arch.qk_layernorm else 0
+        unfused = heads * d + repeated + qk_norm + heads * seq_len
+    attention = norm + h + qkv + attn_out  # norm, qkv-proj in, core-attention in, out-proj in
+    if not fused:
+        attention += unfused
+    # SwiGLU (in units of f): its input [2f], kept unless selective recompute drops it; unfused
+    # also silu(gate) and the shifted linear half, and in a routed expert the product before the
+    # routing-probability scale; then fc2's input [f]
+    glu = (0 if selective else 2) + (0 if fused else 2)
+    routed_glu = glu + (0 if fused else 1)
     if arch.is_moe_layer(layer):
         f = arch.moe_ffn_hidden_size
-        per_copy = h + swiglu * f + f  # fc1 in, SwiGLU in, fc2 in of one routed copy
-        shared = arch.num_shared_experts * (swiglu * f + f)
-        mlp = 2 * h + arch.moe_topk * per_copy + shared  # norm in, router in, k routed copies, shared expert
+        per_copy = h + routed_glu * f + f  # fc1 in, SwiGLU, fc2 in of one routed copy
+        shared = arch.num_shared_experts * (glu * f + f)
+        mlp = norm + h + arch.moe_topk * per_copy + shared  # norm, router in, k routed copies, shared expert
         router_logits = FP32 * arch.num_experts
     else:
         f = arch.ffn_hidden_size
-        mlp = 2 * h + swiglu * f + f
+        mlp = norm + h + glu * f + f  # norm, fc1 in, SwiGLU, fc2 in
         router_logits = 0
     return tokens * (dtype_size * (attention + mlp) + router_logits)
+
+
+def head_activation_bytes(arch: Arch, tokens: float, dtype_size: int, fused: bool) -> float:
+    """The last stage's extra activations for ``tokens`` tokens (before the TP split), in bytes:
+    the final norm's and the output layer's inputs and two fp32 copies of the logits."""
+    norm = arch.hidden_size if fused else 2 * arch.hidden_size
+    return tokens * (dtype_size * (norm + arch.hidden_size) + 2 * FP32 * arch.vocab_size)
 
 
 def _optimizer_bytes_per_param(dtype_size: int) -> int:
@@ -95,7 +121,7 @@ def stage_memory(arch: Arch, cfg: DictConfig, stage: int) -> StageMemory:
     vpp = p.vpp or 1
     etp = p.etp or p.tp
     size = dtype_bytes(cfg.model.dtype)
-    layers = stage_layers(arch.num_layers, p.pp, vpp, stage)
+    layers = stage_layers(arch.num_layers, p.pp, vpp, stage, p.first_stage_layers, p.last_stage_layers)
     counts = [layer_params(arch, i) for i in layers]
     dense = sum(c.tp_split for c in counts) / p.tp + sum(c.replicated for c in counts)
     if stage == 0:
@@ -127,11 +153,14 @@ def _activation_bytes(arch: Arch, cfg: DictConfig, stage: int, layers: list[int]
     p, t = cfg.parallel, cfg.trainer
     vpp = p.vpp or 1
     tokens = t.max_tokens_per_microbatch / p.cp  # tokens of one micro-batch on this rank, before TP
+    fused = TransformerImpl(cfg.model.transformer_impl) != TransformerImpl.local
+    seq_len = min(cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens - 1, t.max_tokens_per_microbatch)
     in_flight = p.pp - stage
     if p.vpp:
         in_flight *= 1 + (p.pp - 1) / (p.pp * vpp)
     recompute = Recompute(t.recompute)
-    per_layer = [layer_activation_bytes(arch, i, tokens, size, recompute == Recompute.selective) for i in layers]
+    per_layer = [layer_activation_bytes(arch, i, tokens, size, recompute == Recompute.selective, fused, seq_len)
+                 for i in layers]
     if recompute == Recompute.full:
         chunk = t.recompute_num_layers or 1
         checkpoints = -(-len(layers) // chunk) * tokens * size * arch.hidden_size
@@ -139,10 +168,9 @@ def _activation_bytes(arch: Arch, cfg: DictConfig, stage: int, layers: list[int]
         kept = checkpoints * in_flight + recomputing
     else:
         kept = sum(per_layer) * in_flight
-    kept /= p.tp  # sequence parallel / tensor parallel split every activation over TP
     if stage == p.pp - 1:
-        kept += 2 * FP32 * tokens * arch.vocab_size / p.tp  # fp32 logits and their gradient
-    return kept
+        kept += head_activation_bytes(arch, tokens, size, fused)
+    return kept / p.tp  # sequence parallel / tensor parallel split every activation over TP
 
 
 def trainer_memory(arch: Arch, cfg: DictConfig) -> list[StageMemory]:

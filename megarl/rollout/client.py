@@ -26,6 +26,10 @@ class EngineError(RuntimeError):
     """The engine rejected a request or could not be reached; the message says which and why."""
 
 
+class EngineUnreachable(EngineError):
+    """The engine could not be reached or dropped the connection (e.g. its process died)."""
+
+
 class PauseMode(str, enum.Enum):
     """How ``/pause_generation`` treats running requests."""
 
@@ -160,7 +164,7 @@ class SGLangClient:
         try:
             response = await self._http.request(method, path, json=payload)
         except httpx.TransportError as e:
-            raise EngineError(f"{self.base_url}{path}: engine unreachable ({type(e).__name__}: {e})") from e
+            raise EngineUnreachable(f"{self.base_url}{path}: engine unreachable ({type(e).__name__}: {e})") from e
         if response.status_code != 200:
             raise EngineError(f"{self.base_url}{path}: HTTP {response.status_code}: {_error_message(response)}")
         return response
@@ -303,6 +307,49 @@ class SGLangClient:
         finally:
             await self._post("/end_weight_update", {})
         log.info("%s: weights from %s loaded as version %d", self.base_url, model_path, version)
+
+    # --- weight-update session primitives (megarl.sync drives them) --------------------------------
+    async def begin_weight_update(self) -> None:
+        """Open the engine's weight-update session (SGLang 0.5.23 loads weights only inside one)."""
+        await self._post("/begin_weight_update", {})
+
+    async def end_weight_update(self) -> None:
+        """Close the weight-update session (the engine finalises the loaded weights)."""
+        await self._post("/end_weight_update", {})
+
+    async def flush_cache(self) -> None:
+        """Drop the radix/KV cache computed by the previous weights (refused while requests run)."""
+        await self._post("/flush_cache", {})
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        """Join the process group ``group_name`` (rank ``rank_offset`` + engine TP rank); returns
+        once every member has joined, so the trainer's side must join concurrently."""
+        await self._post("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._post("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, load_format: str | None = None) -> None:
+        """Receive tensors (``load_format="flattened_bucket"``: one flat buffer) broadcast by rank 0
+        of ``group_name`` and load them; inside a weight-update session, without a cache flush."""
+        await self._post("/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "load_format": load_format, "flush_cache": False})
+
+    async def update_weights_from_tensor(self, serialized: list[str], load_format: str | None = None) -> None:
+        """Load tensors another process on this machine shares (``serialized``: one base64
+        ``MultiprocessingSerializer`` payload per engine TP rank); inside a session, no cache flush."""
+        await self._post("/update_weights_from_tensor", {
+            "serialized_named_tensors": serialized, "load_format": load_format, "flush_cache": False})
+
+    async def load_weights_from_disk(self, model_path: str | Path) -> None:
+        """Load an HF checkpoint directory inside an open weight-update session (no cache flush,
+        the version label unchanged)."""
+        await self._post("/update_weights_from_disk", {"model_path": str(model_path), "flush_cache": False})
 
 
 def _error_message(response: httpx.Response) -> str:

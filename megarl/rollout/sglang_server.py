@@ -4,14 +4,33 @@ Applies megarl's SGLang CPU work-arounds (only when no GPU is present) and then 
 ``sglang.launch_server`` main with the same arguments. The work-arounds are applied at import time on
 purpose: SGLang starts its scheduler and detokenizer with the "spawn" start method, and a spawned
 child re-imports this module (as ``__mp_main__``) before it imports any of sglang.
+
+The server leads its own process group (see ``SGLangEngine``), so nothing reaches it when its owner
+is killed with SIGKILL; a watcher thread ends the group when the owner's process goes away, and a
+killed driver leaves no server behind.
 """
 from __future__ import annotations
 
+import os
 import runpy
+import signal
+import threading
+import time
 
 from megarl.platform import sglang_cpu
 
 sglang_cpu.apply()
 
+OWNER_POLL_S = 1.0
+
+
+def _end_with_owner(owner: int) -> None:
+    """Poll the owner's pid; when this process is re-parented (the owner died), SIGTERM the group."""
+    while os.getppid() == owner:
+        time.sleep(OWNER_POLL_S)
+    os.killpg(os.getpgrp(), signal.SIGTERM)
+
+
 if __name__ == "__main__":
+    threading.Thread(target=_end_with_owner, args=(os.getppid(),), daemon=True, name="owner-watch").start()
     runpy.run_module("sglang.launch_server", run_name="__main__")

@@ -56,6 +56,56 @@ class TrainerRank:
 
         return str(save_hf_checkpoint(self.trainable.model, out_dir))
 
+    def save_checkpoint(self, root: str, step: int, data_position: dict) -> str:
+        """Save model, optimizer, scheduler and RNG at ``step`` with the driver's data position (collective)."""
+        from megarl.trainer.checkpoint import save_checkpoint
+
+        return str(save_checkpoint(root, step, self.trainable, data_position))
+
+    def load_checkpoint(self, root: str):
+        """Restore the latest checkpoint under ``root`` (collective); returns its checkpoint.Resumed."""
+        from megarl.trainer.checkpoint import load_checkpoint
+
+        return load_checkpoint(root, self.trainable)
+
+    # --- weight sync (megarl.sync.rank.RankSync holds the state; see it for each step's contract) ---
+    def _rank_sync(self):
+        from megarl.sync.rank import RankSync
+
+        if getattr(self, "_weight_sync", None) is None:
+            self._weight_sync = RankSync(self.trainable.model)
+        return self._weight_sync
+
+    def weight_sync_address(self):
+        return self._rank_sync().address()
+
+    def weight_sync_connect(self, spec) -> None:
+        self._rank_sync().connect(spec)
+
+    def weight_sync_disconnect(self, kind: str) -> None:
+        self._rank_sync().disconnect(kind)
+
+    def weight_sync_begin(self, kind: str, version: int, capacity: int) -> None:
+        self._rank_sync().begin(kind, version, capacity)
+
+    def weight_sync_next(self):
+        return self._rank_sync().next()
+
+    def weight_sync_send(self):
+        return self._rank_sync().send()
+
+    def weight_sync_finish(self):
+        return self._rank_sync().finish()
+
+    def weight_sync_abort(self) -> None:
+        self._rank_sync().abort()
+
+    def export_hf_state(self) -> dict:
+        """Every HF tensor, gathered by megatron-bridge's full export (all ranks take part)."""
+        from megarl.models.bridge import export_hf_state
+
+        return export_hf_state(self.trainable.model)
+
 
 class TrainerGroup:
     """``layout.world_size`` :class:`TrainerRank` actors in one placement group."""
@@ -79,8 +129,17 @@ class TrainerGroup:
 
     def call(self, method: str, *args, **kwargs) -> Any:
         """Run ``method`` on every rank; return the reporting rank's result."""
+        return ray.get(self._submit(method, args, kwargs))[self.reporter]
+
+    async def call_async(self, method: str, *args, **kwargs) -> Any:
+        """:meth:`call` for an asyncio loop: awaits every rank, returns the reporting rank's result."""
+        import asyncio
+
+        return (await asyncio.gather(*self._submit(method, args, kwargs)))[self.reporter]
+
+    def _submit(self, method: str, args: tuple, kwargs: dict) -> list:
         args = [ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args]
-        return ray.get([getattr(r, method).remote(*args, **kwargs) for r in self.ranks])[self.reporter]
+        return [getattr(r, method).remote(*args, **kwargs) for r in self.ranks]
 
     def shutdown(self) -> None:
         from ray.util.placement_group import remove_placement_group
@@ -88,3 +147,9 @@ class TrainerGroup:
         for rank in self.ranks:
             ray.kill(rank)
         remove_placement_group(self.placement)
+
+    async def call_all_async(self, method: str, *args, **kwargs) -> list:
+        """Run ``method`` on every rank; every rank's result, in rank order."""
+        import asyncio
+
+        return list(await asyncio.gather(*self._submit(method, args, kwargs)))

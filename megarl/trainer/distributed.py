@@ -18,6 +18,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     vpp: int | None = None
+    first_stage_layers: int | None = None  # uneven PP: decoder layers on the first / last stage
+    last_stage_layers: int | None = None
     cp: int = 1
     ep: int = 1
     etp: int | None = None
@@ -26,6 +28,7 @@ class Layout:
     @classmethod
     def from_config(cls, parallel) -> "Layout":
         return cls(world_size=parallel.world_size, tp=parallel.tp, pp=parallel.pp, vpp=parallel.vpp,
+                   first_stage_layers=parallel.first_stage_layers, last_stage_layers=parallel.last_stage_layers,
                    cp=parallel.cp, ep=parallel.ep, etp=parallel.etp, sequence_parallel=parallel.sequence_parallel)
 
 

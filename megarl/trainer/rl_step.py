@@ -61,6 +61,45 @@ def routing_agreement(recorded: list[torch.Tensor], routed: torch.Tensor, layer_
     return match, total
 
 
+class ReplayAgreement:
+    """Counts, during a replayed forward, how often the router's own top-k equals the replayed one.
+
+    Wraps ``get_replay_topk`` of each RouterReplay instance (not megatron's class): in
+    REPLAY_FORWARD it also runs the router's default top-k on the live scores and compares sets
+    on the tokens marked valid by :meth:`set_valid`. Undone by :meth:`close`.
+    """
+
+    def __init__(self, routers: list):
+        self.routers, self.matched, self.total = routers, 0.0, 0.0
+        self._valid: list[torch.Tensor] = []
+        for router in routers:
+            router.get_replay_topk = self._wrap(router, router.get_replay_topk)
+
+    def _wrap(self, router, original):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            probs, replayed = original(scores, topk, num_groups, group_topk, default_compute_topk)
+            if router.router_replay_action == RouterReplayAction.REPLAY_FORWARD and self._valid:
+                with torch.no_grad():
+                    _, natural = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                    valid = self._valid[self.routers.index(router)]
+                    equal = (natural.sort(-1).values == replayed.sort(-1).values).all(-1) & valid
+                    self.matched += float(equal.sum())
+                    self.total += float(valid.sum())
+            return probs, replayed
+
+        return get_replay_topk
+
+    def set_valid(self, valid_per_layer: list[torch.Tensor]) -> None:
+        """bool [tokens] per router (this rank's token order) for the next forward."""
+        self._valid = valid_per_layer
+
+    def close(self) -> None:
+        for router in self.routers:
+            del router.get_replay_topk  # back to the class's method
+
+
 def _token_logprobs(logits: torch.Tensor, mb: RLBatch, vocab_size: int, temperature: float):
     """Masked log-probs and unmasked entropy [b, S] of the temperature-scaled distribution (the one
     the engine sampled from) from this rank's logits [b, S, V/tp]."""
@@ -85,7 +124,10 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     ``keep_routing`` replays ``batch.routed_experts`` (the model must be built with routing replay).
     Metrics: ``loss``, ``pg_loss``, ``clip_fraction``, ``mismatch/logprob_abs_diff`` (mean |trainer -
     rollout| log-prob over trained tokens, before the update), ``mismatch/kl`` (k3 estimate of
-    KL(rollout || trainer)), ``ratio/mean``, and ``routing/agreement`` when routing was not replayed.
+    KL(rollout || trainer)), ``mismatch/ratio_dev_max`` (max |trainer/rollout probability ratio - 1|
+    over trained tokens: the PPO ratio's distance from 1 before the update), and
+    ``routing/agreement`` (share of valid token-layer pairs where the trainer's own router picks the
+    engine's expert set: recorded when routing is not replayed, computed beside the replay when it is).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -113,10 +155,14 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     layer_numbers = [r.layer_number for r in routers]
     agreement = [0.0, 0.0]
 
+    replay_agreement = ReplayAgreement(routers) if keep_routing else None
+
     def forward_step(data_iterator, model):
         mb, start = next(data_iterator)
         if keep_routing:
             RouterReplay.set_replay_data([local_replay_indices(mb.routed_experts, n, sequence_parallel) for n in layer_numbers])
+            valid = (torch.arange(mb.tokens.shape[1]) < mb.num_positions[:, None])[:, :, None, None].long()
+            replay_agreement.set_valid([local_replay_indices(valid, 1, sequence_parallel)[:, 0].bool()] * len(routers))
         logits = model(mb.tokens, mb.position_ids, None)
         if record:
             valid = torch.arange(mb.tokens.shape[1]) < mb.num_positions[:, None]
@@ -141,7 +187,10 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
                 out.metrics["clip_fraction"] * trained.sum(), diff.abs()[trained].sum(),
                 (log_ratio.exp() - 1 - log_ratio)[trained].sum(), trained.sum().float(),
             ])
-            return out.loss * denominator, denominator_share(algo.loss_agg, mb.loss_mask).to(torch.int), {"stats": stats}
+            ratio_dev = (-log_ratio).exp().sub(1).abs()[trained]
+            ratio_dev_max = ratio_dev.max() if ratio_dev.numel() else torch.zeros(())
+            return (out.loss * denominator, denominator_share(algo.loss_agg, mb.loss_mask).to(torch.int),
+                    {"stats": stats, "ratio_dev_max": ratio_dev_max})
 
         return logits, loss_func
 
@@ -155,13 +204,19 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
             RouterReplay.clear_global_router_replay_action()
         else:
             RouterReplay.set_global_router_replay_action(action)
-    reduced = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(micro), model=chunks,
-        num_microbatches=len(micro), seq_length=local.tokens.shape[1], micro_batch_size=rows, forward_only=False,
-    )
+    try:
+        reduced = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro), model=chunks,
+            num_microbatches=len(micro), seq_length=local.tokens.shape[1], micro_batch_size=rows, forward_only=False,
+        )
+    finally:
+        if replay_agreement is not None:
+            replay_agreement.close()
     if routers:
         RouterReplay.clear_global_router_replay_action()
         RouterReplay.clear_global_indices()
+    if replay_agreement is not None:
+        agreement = [replay_agreement.matched, replay_agreement.total]
     applied, grad_norm = optimizer_step(optimizer, scheduler)
     metrics: dict[str, float] = {}
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
@@ -173,7 +228,11 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
             "clip_fraction": float(totals[2]) / tokens, "mismatch/logprob_abs_diff": float(totals[3]) / tokens,
             "mismatch/kl": float(totals[4]) / tokens,
         }
-    if record:
+        ratio_dev_max = torch.stack([r["ratio_dev_max"] for r in reduced]).max()
+        torch.distributed.all_reduce(ratio_dev_max, op=torch.distributed.ReduceOp.MAX,
+                                     group=parallel_state.get_data_parallel_group())
+        metrics["mismatch/ratio_dev_max"] = float(ratio_dev_max)
+    if record or keep_routing:
         counts = torch.tensor(agreement)
         torch.distributed.all_reduce(counts)
         metrics["routing/agreement"] = float(counts[0] / counts[1].clamp(min=1))

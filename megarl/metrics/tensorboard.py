@@ -1,0 +1,34 @@
+"""TensorBoard event files of a run: one scalar series per metric key under ``run_dir/tensorboard/``.
+
+Scalars are stored as float32 (TensorBoard's format); non-finite values are not written (the
+series has a gap there, as ``metrics.jsonl`` has ``null``). Each :meth:`TensorBoardScalars.log`
+flushes, so a killed run keeps every step it logged; a resumed run adds a new event file to the
+same folder and TensorBoard shows both as one run.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+class TensorBoardScalars:
+    """Writes ``{key: value}`` at a step as TensorBoard scalars (tag = the metric key)."""
+
+    def __init__(self, run_dir: str | Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.log_dir = Path(run_dir) / TENSORBOARD_DIR
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+
+    def log(self, step: int, values: dict[str, float], wall_time: float | None = None) -> None:
+        """Add every finite value at ``step`` (``wall_time``: seconds since the epoch; now if None)."""
+        for key, value in values.items():
+            value = float(value)
+            if math.isfinite(value):
+                self._writer.add_scalar(key, value, global_step=step, walltime=wall_time)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()

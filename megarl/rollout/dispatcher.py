@@ -1,0 +1,262 @@
+"""Several SGLang engines behind one dispatcher: least-loaded placement, pause/continue on all,
+and recovery when an engine dies mid-batch.
+
+Placement: each prompt goes to the engine with the fewest in-flight prompts (requests sent and
+not yet answered, counted per prompt; ties go to the lower index), and each engine's share of a
+batch is sent as one request (SGLang batches it). sglang-router (the Rust cache-aware router) is
+detected with :func:`sglang_router_available` but not used by this pool: it is not installed on
+the CPU machines megarl is tested on, and routing through it would hide which engine lost a
+request, which the recovery below needs. Placing through sglang-router on GPU clusters is left to do.
+
+Recovery: when an engine becomes unreachable (its process died, see
+:class:`megarl.rollout.engine_actor.EngineActor`), the pool waits for its supervisor to restart
+it, re-pauses it if the pool is paused, calls ``on_restart`` (e.g. to push the current weights),
+and resubmits every prompt of the lost request, placed again least-loaded. A lost HTTP request
+returns nothing, so each resubmission is the whole request; each prompt index yields exactly one
+sample, whatever engines died. ``resubmitted`` counts the resubmitted prompts. A prompt lost more
+than ``max_attempts`` times raises EngineError (an engine that crashes on a request every time);
+an engine that cannot come back (no supervisor, or its actor gave up) raises EngineUnreachable.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from megarl.rollout.client import EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel, SGLangClient
+from megarl.rollout.engine_actor import EngineInfo
+from megarl.rollout.sample import RolloutSample
+
+log = logging.getLogger(__name__)
+
+
+def sglang_router_available() -> bool:
+    """True when the ``sglang_router`` package is importable (it is not on megarl's CPU machines)."""
+    return importlib.util.find_spec("sglang_router") is not None
+
+
+class EngineSupervisor(Protocol):
+    """What the pool needs from whoever owns an engine process."""
+
+    async def ensure_healthy(self) -> EngineInfo:
+        """Return once the engine runs (restarting it if it died); raise EngineUnreachable if it cannot."""
+        ...
+
+
+class RayEngineSupervisor:
+    """:class:`EngineSupervisor` over an ``EngineActor`` Ray actor handle."""
+
+    def __init__(self, actor):
+        self.actor = actor
+
+    async def ensure_healthy(self) -> EngineInfo:
+        from megarl.rollout.engine import EngineDiedError
+
+        try:
+            return await self.actor.ensure_healthy.remote()
+        except EngineDiedError as e:  # Ray re-raises the actor's exception as a subclass of its type
+            raise EngineUnreachable(f"the engine actor gave up: {e}") from e
+
+
+@dataclass(frozen=True)
+class BatchResult:
+    """The samples of one ``generate_batch`` call, in prompt order, and how many prompts of it had
+    to be resubmitted because their engine died."""
+
+    samples: list[RolloutSample]
+    resubmitted: int
+
+
+RestartHook = Callable[[int, SGLangClient, EngineInfo], Awaitable[None]]
+
+
+class _Engine:
+    def __init__(self, index: int, client: SGLangClient, supervisor: EngineSupervisor | None):
+        self.index, self.client, self.supervisor = index, client, supervisor
+        self.in_flight = 0
+        self.incarnation: int | None = None  # last seen EngineInfo.incarnation
+        self.recovery = asyncio.Lock()  # one recovery at a time; the others wait for its on_restart
+
+
+class EnginePool:
+    """N engines behind one least-loaded dispatcher. ``clients[i]`` talks to engine i (weight sync
+    goes to every client); ``supervisors[i]`` (optional) restarts engine i when it dies. Use a pool
+    from one asyncio event loop: its HTTP connections belong to the loop that opened them."""
+
+    def __init__(self, clients: Sequence[SGLangClient], supervisors: Sequence[EngineSupervisor] | None = None,
+                 *, on_restart: RestartHook | None = None, max_attempts: int = 3):
+        if not clients:
+            raise ValueError("an EnginePool needs at least one engine")
+        if supervisors is not None and len(supervisors) != len(clients):
+            raise ValueError(f"{len(clients)} clients but {len(supervisors)} supervisors")
+        models = {c.model for c in clients}
+        if len(models) != 1:
+            raise ValueError(f"the engines serve different models: {models}")
+        self._engines = [_Engine(i, c, supervisors[i] if supervisors else None) for i, c in enumerate(clients)]
+        self.on_restart, self.max_attempts = on_restart, max_attempts
+        self.resubmitted = 0  # prompts resubmitted after an engine died, over the pool's life
+        self._paused: PauseMode | None = None
+        self._actors: list = []  # Ray actors this pool launched (stopped by shutdown)
+
+    @property
+    def clients(self) -> list[SGLangClient]:
+        return [e.client for e in self._engines]
+
+    @property
+    def model(self) -> ServedModel:
+        return self._engines[0].client.model
+
+    @property
+    def in_flight(self) -> list[int]:
+        """In-flight prompts per engine."""
+        return [e.in_flight for e in self._engines]
+
+    @classmethod
+    def launch(cls, settings: Sequence, *, num_cpus: float = 0.5, num_gpus: float = 0, poll_interval_s: float = 0.5,
+               max_restarts: int = 3, unresponsive_restart_s: float = 60.0, request_timeout_s: float = 600.0,
+               **pool_kwargs) -> EnginePool:
+        """Start one :class:`EngineActor` per ``EngineSettings`` (in parallel; Ray must be
+        initialised), wait until all are healthy, and return the pool over them."""
+        import ray
+
+        from megarl.rollout.engine_actor import launch_engine_actor
+
+        actors = [launch_engine_actor(s, num_cpus=num_cpus, num_gpus=num_gpus, poll_interval_s=poll_interval_s,
+                                      max_restarts=max_restarts, unresponsive_restart_s=unresponsive_restart_s)
+                  for s in settings]
+        try:
+            infos = ray.get([a.start.remote() for a in actors])
+        except BaseException:
+            ray.get([a.stop.remote() for a in actors])
+            raise
+        clients = [SGLangClient(info.url, ServedModel.from_hf_config(s.model_path), request_timeout_s)
+                   for info, s in zip(infos, settings)]
+        pool = cls(clients, [RayEngineSupervisor(a) for a in actors], **pool_kwargs)
+        pool._actors = actors
+        for engine, info in zip(pool._engines, infos):
+            engine.incarnation = info.incarnation
+        log.info("engine pool: %d engines at %s", len(actors), [i.url for i in infos])
+        return pool
+
+    @property
+    def actors(self) -> list:
+        """The Ray actor handles of the engines this pool launched ([] for a pool over given clients)."""
+        return list(self._actors)
+
+    async def aclose(self) -> None:
+        """Close the clients and stop the engines this pool launched."""
+        for engine in self._engines:
+            await engine.client.aclose()
+        if self._actors:
+            await asyncio.gather(*(a.stop.remote() for a in self._actors))
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def generate_batch(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
+                             return_routed_experts: bool = True,
+                             return_sampling_mask: bool = True) -> list[RolloutSample]:
+        """One sample per prompt, in order; the contract of ``SGLangClient.generate_batch``, spread
+        over the engines and surviving engine deaths (see the module docstring)."""
+        result = await self.generate_batch_counted(prompts, params, group_ids=group_ids,
+                                                   return_routed_experts=return_routed_experts,
+                                                   return_sampling_mask=return_sampling_mask)
+        return result.samples
+
+    async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
+                                     return_routed_experts: bool = True,
+                                     return_sampling_mask: bool = True) -> BatchResult:
+        """:meth:`generate_batch` that also says how many prompts were resubmitted."""
+        if len(group_ids) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(group_ids)} group ids")
+        samples: list[RolloutSample | None] = [None] * len(prompts)
+        resubmitted = 0
+
+        async def run(engine: _Engine, indices: list[int], attempt: int) -> None:
+            nonlocal resubmitted
+            engine.in_flight += len(indices)
+            try:
+                out = await engine.client.generate_batch(
+                    [prompts[i] for i in indices], params, group_ids=[group_ids[i] for i in indices],
+                    return_routed_experts=return_routed_experts, return_sampling_mask=return_sampling_mask)
+            except EngineUnreachable as e:
+                if engine.supervisor is None:
+                    raise  # nobody restarts this engine
+                if attempt >= self.max_attempts:
+                    raise EngineError(f"engine {engine.index} lost {len(indices)} prompts {attempt} times "
+                                      f"(max_attempts): {e}") from e
+                log.warning("engine %d lost a request of %d prompts (%s); waiting for its restart to resubmit",
+                            engine.index, len(indices), e)
+            else:
+                for i, sample in zip(indices, out):
+                    samples[i] = sample
+                return
+            finally:
+                engine.in_flight -= len(indices)
+            await self._recover(engine)
+            resubmitted += len(indices)
+            self.resubmitted += len(indices)
+            await asyncio.gather(*(run(e, part, attempt + 1) for e, part in self._place(indices)))
+
+        await asyncio.gather(*(run(e, part, 1) for e, part in self._place(list(range(len(prompts))))))
+        assert all(s is not None for s in samples)
+        return BatchResult(samples=samples, resubmitted=resubmitted)
+
+    def _place(self, indices: list[int]) -> list[tuple[_Engine, list[int]]]:
+        """Least-loaded placement of prompt ``indices``: [(engine, its indices)], engines with none omitted."""
+        load = [e.in_flight for e in self._engines]
+        parts: list[list[int]] = [[] for _ in self._engines]
+        for i in indices:
+            best = min(range(len(load)), key=load.__getitem__)
+            parts[best].append(i)
+            load[best] += 1
+        return [(self._engines[k], part) for k, part in enumerate(parts) if part]
+
+    async def _recover(self, engine: _Engine) -> None:
+        """Wait until ``engine`` runs again; after a restart, re-pause it and run ``on_restart``
+        (every request that lost its engine waits for both before it is resubmitted)."""
+        async with engine.recovery:
+            info = await engine.supervisor.ensure_healthy()
+            if info.incarnation == engine.incarnation:
+                return  # no restart since the last recovery (or a dropped connection): resubmit as it is
+            log.warning("engine %d restarted (incarnation %d, %d restarts)", engine.index, info.incarnation,
+                        info.restarts)
+            if self._paused is not None:
+                await engine.client.pause_generation(self._paused)
+            if self.on_restart is not None:
+                await self.on_restart(engine.index, engine.client, info)
+            engine.incarnation = info.incarnation
+
+    # --- control ------------------------------------------------------------------------------
+
+    async def _on_every_engine(self, call: Callable[[SGLangClient], Awaitable]) -> list:
+        async def one(engine: _Engine):
+            try:
+                return await call(engine.client)
+            except EngineUnreachable:
+                if engine.supervisor is None:
+                    raise
+                await self._recover(engine)
+                return await call(engine.client)
+
+        return list(await asyncio.gather(*(one(e) for e in self._engines)))
+
+    async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
+        """Pause every engine (see ``SGLangClient.pause_generation``); an engine restarted while the
+        pool is paused is paused too before anything is resubmitted to it."""
+        self._paused = PauseMode(mode)
+        await self._on_every_engine(lambda c: c.pause_generation(mode))
+
+    async def continue_generation(self) -> None:
+        await self._on_every_engine(lambda c: c.continue_generation())
+        self._paused = None
+
+    async def weight_versions(self) -> list[int]:
+        """The weight version each engine serves."""
+        return await self._on_every_engine(lambda c: c.weight_version())
+
+    async def weight_version(self) -> int:
+        """The oldest weight version any engine serves (all equal outside a weight sync)."""
+        return min(await self.weight_versions())

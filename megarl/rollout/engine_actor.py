@@ -1,0 +1,206 @@
+"""A Ray actor that owns one SGLang server: starts it, watches it, restarts it when it dies, stops it.
+
+The watchdog is process liveness, polled every ``poll_interval_s``: the server's leader process
+and the scheduler/detokenizer children it had once healthy. SGLang's ``/health`` and
+``/health_generate`` are not used: both generate a probe token (``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``
+is on by default) and answer 503 whenever the engine is paused, so a watchdog built on them would
+restart engines during every weight sync. When a client found the engine unreachable,
+``ensure_healthy`` also asks ``/model_info`` (answered while paused): a process still tearing down
+after a crash is waited for, and one that lives but does not answer for ``unresponsive_restart_s``
+is restarted as hung. A restart reuses the port, so
+the URL and every client of the engine stay valid; it loads ``restart_weights`` (the launch
+checkpoint and version unless :meth:`EngineActor.set_restart_weights` said otherwise), and after
+``max_restarts`` failed or repeated restarts the actor gives up and reports the engine failed.
+
+The actor runs threaded (``max_concurrency``): ``ensure_healthy`` may block for a restart while
+``info`` keeps answering.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import psutil
+
+from megarl.rollout.engine import EngineDiedError, EngineSettings, EngineStartError, SGLangEngine, free_port
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Where an engine is and what happened to it.
+
+    incarnation: 0 for the first server process, +1 for every restart. failed: why the actor gave
+    up (None while it still serves).
+    """
+
+    url: str
+    pid: int | None
+    incarnation: int
+    restarts: int
+    alive: bool
+    failed: str | None = None
+
+
+class EngineActor:
+    """One SGLang server under watch. Create it through :func:`launch_engine_actor`; plain
+    construction works too (the tests of the watchdog logic need no Ray)."""
+
+    def __init__(self, settings: EngineSettings, poll_interval_s: float = 0.5, max_restarts: int = 3,
+                 unresponsive_restart_s: float = 60.0):
+        from megarl.log import setup_logging
+
+        setup_logging()
+        if settings.port is None:
+            settings = dataclasses.replace(settings, port=free_port(settings.host))
+        self._settings = settings
+        self._restart_settings = settings
+        self.poll_interval_s, self.max_restarts = poll_interval_s, max_restarts
+        self.unresponsive_restart_s = unresponsive_restart_s
+        self._lock = threading.RLock()  # held for start, restart and stop
+        self._engine: SGLangEngine | None = None
+        self._processes: list[psutil.Process] = []  # leader + children, recorded once healthy
+        self._incarnation = -1
+        self._restarts = 0
+        self._failed: str | None = None
+        self._stopping = threading.Event()
+        self._watchdog: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._settings.host}:{self._settings.port}"
+
+    def start(self) -> EngineInfo:
+        """Start the server, wait until healthy, start the watchdog. Raises EngineStartError."""
+        with self._lock:
+            if self._engine is not None:
+                raise RuntimeError(f"engine at {self.url} already started")
+            self._spawn(self._settings)
+            self._watchdog = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
+            self._watchdog.start()
+        return self.info()
+
+    def _spawn(self, settings: EngineSettings) -> None:
+        engine = SGLangEngine(settings)
+        engine.start()
+        leader = psutil.Process(engine.pid)
+        self._engine, self._processes = engine, [leader, *leader.children(recursive=True)]
+        self._incarnation += 1
+
+    def _alive(self) -> bool:
+        return self._engine is not None and all(_running(p) for p in self._processes)
+
+    def _watch(self) -> None:
+        while not self._stopping.wait(self.poll_interval_s):
+            if self._failed is None and not self._alive():
+                with self._lock:
+                    try:
+                        self._restart_while_dead()
+                    except EngineDiedError:
+                        pass  # recorded in self._failed and logged; ensure_healthy callers get the error
+
+    def _restart_while_dead(self) -> None:
+        """Under the lock: restart until alive; raises EngineDiedError when stopped or given up."""
+        if self._stopping.is_set():
+            raise EngineDiedError(f"engine at {self.url} is stopped")
+        while self._failed is None and not self._alive():
+            self._restart("died")
+        if self._failed is not None:
+            raise EngineDiedError(self._failed)
+
+    def _answers(self) -> bool:
+        try:
+            return httpx.get(self.url + "/model_info", timeout=10.0).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def ensure_healthy(self) -> EngineInfo:
+        """Return the engine's info once it runs and answers HTTP: at once when it does, else after
+        restarting it (a dead process, or one silent for ``unresponsive_restart_s``) or waiting for
+        the restart under way. Raises EngineDiedError when the actor gave up or was stopped."""
+        deadline = time.monotonic() + self.unresponsive_restart_s
+        while True:
+            with self._lock:
+                self._restart_while_dead()
+                if self._answers():
+                    return self.info()
+                if time.monotonic() > deadline:
+                    self._restart(f"does not answer {self.url}/model_info for {self.unresponsive_restart_s:g} s")
+                    deadline = time.monotonic() + self.unresponsive_restart_s
+            time.sleep(self.poll_interval_s)
+
+    def _restart(self, why: str) -> None:
+        old_pid = self._engine.pid if self._engine is not None else None
+        tail = self._engine.log_tail(15) if self._engine is not None else ""
+        if self._restarts >= self.max_restarts:
+            self._failed = (f"SGLang server at {self.url} {why} and was already restarted {self._restarts} times "
+                            f"(max_restarts); last log:\n{tail}")
+            log.error("%s", self._failed)
+            return
+        self._restarts += 1
+        log.warning("SGLang server pid %s at %s %s; restart %d/%d. Log tail:\n%s", old_pid, self.url, why,
+                    self._restarts, self.max_restarts, tail)
+        if self._engine is not None:
+            self._engine.stop()  # reaps the leader and kills the rest of its process group
+        self._engine, self._processes = None, []
+        try:
+            self._spawn(self._restart_settings)
+        except EngineStartError as e:
+            log.error("restart %d of the SGLang server at %s failed: %s", self._restarts, self.url, e)
+            return
+        log.warning("SGLang server at %s restarted as pid %d (incarnation %d)", self.url, self._engine.pid,
+                    self._incarnation)
+
+    def set_restart_weights(self, model_path: str, version: int) -> None:
+        """Make a later restart load ``model_path`` labelled ``version`` (e.g. the newest weights a
+        disk sync wrote), instead of the checkpoint the engine was launched with."""
+        self._restart_settings = dataclasses.replace(self._restart_settings, model_path=str(model_path),
+                                                     weight_version=int(version))
+
+    def info(self) -> EngineInfo:
+        engine = self._engine
+        return EngineInfo(url=self.url, pid=engine.pid if engine is not None else None,
+                          incarnation=self._incarnation, restarts=self._restarts, alive=self._alive(),
+                          failed=self._failed)
+
+    def log_tail(self, num_lines: int = 40) -> str:
+        engine = self._engine
+        return engine.log_tail(num_lines) if engine is not None else ""
+
+    def stop(self) -> None:
+        """Stop the watchdog, then the server (its whole process group). Idempotent."""
+        self._stopping.set()
+        if self._watchdog is not None:
+            self._watchdog.join()
+        with self._lock:
+            if self._engine is not None:
+                self._engine.stop()
+            self._engine, self._processes = None, []
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def launch_engine_actor(settings: EngineSettings, *, num_cpus: float = 0.5, num_gpus: float = 0,
+                        poll_interval_s: float = 0.5, max_restarts: int = 3, unresponsive_restart_s: float = 60.0,
+                        **ray_options):
+    """Create an :class:`EngineActor` as a Ray actor (not started yet: call ``start.remote()``).
+
+    ``num_cpus`` is the actor's Ray reservation; the server process is not accounted by Ray, so on
+    CPU keep it small. On GPUs pass ``num_gpus`` = the engine's TP size: Ray then sets
+    ``CUDA_VISIBLE_DEVICES`` for the actor, which the server inherits.
+    """
+    import ray
+
+    remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=4, **ray_options)(EngineActor)
+    return remote.remote(settings, poll_interval_s=poll_interval_s, max_restarts=max_restarts,
+                         unresponsive_restart_s=unresponsive_restart_s)

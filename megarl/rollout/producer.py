@@ -1,0 +1,155 @@
+"""The generation loop of the pipeline: keep the rollout buffer full of scored prompt groups.
+
+It draws prompts (re-queued ones first, after a resume), reserves a buffer slot, waits until the
+engines' weights are recent enough for the step the group will be trained at, generates the group
+on the engines and puts it into the buffer. How far generation may run ahead is ``lag`` weight
+versions: 0 for ``sync`` (each batch comes from the weights of the step before), 1 for
+``one_step_off``, ``buffer.max_staleness`` for ``async``. Every prompt and sample attempt is
+counted in the :class:`~megarl.buffer.Ledger`.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Iterable
+
+from megarl.buffer import Group, Ledger, Outcome, RolloutBuffer
+from megarl.rollout.sample import FinishReason
+
+log = logging.getLogger(__name__)
+
+
+class GenerationFailing(RuntimeError):
+    """Every recent prompt group failed (rejected prompts, rewards that always raise): the run
+    would never fill a batch."""
+
+
+class RolloutProducer:
+    """Fills ``buffer`` from ``source`` through ``manager`` until :meth:`stop`.
+
+    ``manager.generate_group(prompt, group_id)`` returns an object with ``samples`` (one final
+    sample per requested attempt; finish ``error`` = not scorable), ``resubmitted`` (aborted
+    attempts sent again). ``source.next_batch(n)`` yields prompts; ``state_dict()`` is its position.
+    """
+
+    def __init__(self, manager, source, buffer: RolloutBuffer, ledger: Ledger, *, prompts_per_step: int,
+                 samples_per_prompt: int, lag: int, dynamic_sampling: bool, engine_version: int = 0,
+                 requeue: Iterable[tuple[int, object]] = (), next_index: int = 0,
+                 fatal: tuple[type[BaseException], ...] = ()):
+        self.manager, self.source, self.buffer, self.ledger = manager, source, buffer, ledger
+        self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
+        self.lag, self.dynamic_sampling = lag, dynamic_sampling
+        self.engine_version = engine_version
+        self.outstanding: dict[int, object] = dict(requeue)  # index -> prompt: drawn, not yet trained or dropped
+        self._queue = sorted(self.outstanding.items())
+        self._next_index = next_index
+        self._version_changed = asyncio.Condition()
+        self._tasks: set[asyncio.Task] = set()
+        self.generated_tokens = 0  # response tokens of every group that came back
+        self.fatal = fatal  # errors that end the run (no engine left), not just the group
+        self.max_consecutive_failed_groups = max(64, 4 * prompts_per_step)
+        self._consecutive_failed = 0
+        self.failure: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def _draw(self) -> tuple[int, object]:
+        if self._queue:
+            return self._queue.pop(0)
+        prompt = self.source.next_batch(1)[0]
+        index, self._next_index = self._next_index, self._next_index + 1
+        self.outstanding[index] = prompt
+        return index, prompt
+
+    def _destined_step(self) -> int:
+        """The step the next group will be trained at (groups not dropped, in order)."""
+        p = self.ledger.prompts
+        return (p.ended[Outcome.TRAINED] + p.buffered + p.in_flight) // self.prompts_per_step + 1
+
+    async def set_engine_version(self, version: int) -> None:
+        async with self._version_changed:
+            self.engine_version = version
+            self._version_changed.notify_all()
+
+    async def run(self) -> None:
+        """Produce until cancelled. A failing group is logged and counted, never fatal."""
+        while True:
+            await self.buffer.reserve()
+            async with self._version_changed:  # re-checked when the version changes or a group ends
+                await self._version_changed.wait_for(
+                    lambda: self.engine_version >= self._destined_step() - 1 - self.lag)
+            index, prompt = self._draw()
+            self.ledger.started(1, self.samples_per_prompt)
+            task = asyncio.create_task(self._one_group(index, prompt))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _one_group(self, index: int, prompt) -> None:
+        g = self.samples_per_prompt
+        try:
+            result = await self.manager.generate_group(prompt, group_id=str(index))
+        except self.fatal as exc:
+            if not self.failure.done():
+                self.failure.set_exception(exc)
+            return
+        except Exception as exc:  # the engines failed this group for good: count it, carry on
+            log.warning("prompt %d: generation failed (%s: %s); dropped as error", index, type(exc).__name__, exc)
+            self.ledger.dropped_in_flight(g, Outcome.ERROR)
+            self._finished(index)
+            await self.buffer.release()
+            return
+        if len(result.samples) != g:
+            raise RuntimeError(f"prompt {index}: manager returned {len(result.samples)} samples for {g} attempts")
+        self.ledger.resubmitted(result.resubmitted)
+        scored = [s for s in result.samples if s.finish_reason != FinishReason.ERROR]
+        self.generated_tokens += sum(len(s.response_ids) for s in result.samples)
+        self.ledger.returned(1 if scored else 0, len(scored), g - len(scored))
+        self._consecutive_failed = 0 if scored else self._consecutive_failed + 1
+        if self._consecutive_failed >= self.max_consecutive_failed_groups and not self.failure.done():
+            self.failure.set_exception(GenerationFailing(
+                f"the last {self._consecutive_failed} prompt groups all failed (last: "
+                f"{getattr(result, 'rejected', None) or 'every reward errored'}); stopping instead of spinning"))
+        if not scored:
+            self._finished(index)
+            await self.buffer.release()
+        elif self.dynamic_sampling and len({s.reward for s in scored}) == 1:
+            self.ledger.left_buffer(len(scored), Outcome.DROPPED_FILTER)  # no GRPO signal: refill
+            self._finished(index)
+            await self.buffer.release()
+        else:
+            await self.buffer.put(Group(index, scored))
+
+    async def guard(self, awaitable):
+        """Await ``awaitable`` unless generation fails for good first (then raise that error)."""
+        task = asyncio.ensure_future(awaitable)
+        await asyncio.wait([task, self.failure], return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            task.cancel()
+            self.failure.result()
+        return task.result()
+
+    def _finished(self, index: int) -> None:
+        self.outstanding.pop(index, None)
+        task = asyncio.create_task(self._notify())  # a dropped group lowers the destined step of the next
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _notify(self) -> None:
+        async with self._version_changed:
+            self._version_changed.notify_all()
+
+    def taken(self, groups: Iterable[Group]) -> None:
+        """The trainer took (or dropped as stale) these groups: their prompts are done."""
+        for group in groups:
+            self._finished(group.index)
+
+    async def stop(self) -> None:
+        """Cancel generation; groups in flight are counted as not started (re-queued on resume)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def state_dict(self) -> dict:
+        """The data position: the source's state, the next draw index and every prompt drawn but
+        not finished (re-queued first on resume, with its index)."""
+        return {"source": self.source.state_dict(), "next_index": self._next_index,
+                "requeue": [[i, dataclasses.asdict(p)] for i, p in sorted(self.outstanding.items())]}

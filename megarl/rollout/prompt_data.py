@@ -1,0 +1,152 @@
+"""Prompts for the rollout: the :class:`Prompt` record, the :class:`PromptSource` protocol, the demo's
+synthetic arithmetic task and JSONL / Parquet datasets read through HF ``datasets``.
+
+A source hands out prompts in batches and can say where it is (``state_dict``) and go back there
+(``load_state_dict``), so a resumed run continues with the prompts it would have seen next.
+"""
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from megarl.rollout import arithmetic
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt. ``answer`` is what rule-based rewards compare against (None when the task has
+    none, e.g. a reward model scores it); ``metadata`` holds the dataset row's other fields."""
+
+    text: str
+    answer: str | None = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+class PromptSource(Protocol):
+    """An endless stream of prompts with a resumable position."""
+
+    def next_batch(self, n: int) -> list[Prompt]:
+        """The next ``n`` prompts."""
+        ...
+
+    def state_dict(self) -> dict:
+        """The position in the stream, JSON-serialisable."""
+        ...
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from a position returned by :meth:`state_dict` of a source made the same way."""
+        ...
+
+
+class ArithmeticSource:
+    """The demo task (``megarl.rollout.arithmetic``): problems drawn uniformly with replacement."""
+
+    def __init__(self, max_operand: int = 9, seed: int = 0):
+        self.max_operand = max_operand
+        self._rng = random.Random(seed)
+
+    def next_batch(self, n: int) -> list[Prompt]:
+        return [Prompt(text=p.prompt, answer=p.answer)
+                for p in arithmetic.sample_problems(n, self._rng, self.max_operand)]
+
+    def state_dict(self) -> dict:
+        version, internal, gauss_next = self._rng.getstate()
+        return {"rng_state": [version, list(internal), gauss_next]}
+
+    def load_state_dict(self, state: dict) -> None:
+        version, internal, gauss_next = state["rng_state"]
+        self._rng.setstate((version, tuple(internal), gauss_next))
+
+
+class DatasetSource:
+    """Prompts from a JSONL or Parquet file, one row each, read with HF ``datasets``.
+
+    ``prompt_key`` must name a string field of every row; ``answer_key`` (None: no answers) a field
+    whose value becomes ``Prompt.answer`` as a string; the other fields go to ``Prompt.metadata``.
+    The rows are visited epoch by epoch, in a seeded permutation per epoch when ``shuffle``.
+    A missing field or a row without a prompt raises ValueError naming the field, the file and the
+    fields it has.
+    """
+
+    FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+    def __init__(self, path: str | Path, prompt_key: str = "prompt", answer_key: str | None = "answer",
+                 shuffle: bool = True, seed: int = 0, file_format: str | None = None):
+        import datasets
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"prompt dataset {self.path} does not exist")
+        builder = {"jsonl": "json", "parquet": "parquet"}.get(file_format or "", None) or \
+            self.FORMATS.get(self.path.suffix)
+        if builder is None:
+            raise ValueError(f"{self.path}: cannot tell the format from the suffix {self.path.suffix!r}; "
+                             "use .jsonl or .parquet (or pass file_format)")
+        self._rows = datasets.load_dataset(builder, data_files=str(self.path), split="train")
+        fields = list(self._rows.column_names)
+        for role, key in (("prompt_key", prompt_key), ("answer_key", answer_key)):
+            if key is not None and key not in fields:
+                raise ValueError(f"{self.path}: no field {key!r} ({role}); the rows have fields {fields}")
+        if len(self._rows) == 0:
+            raise ValueError(f"{self.path}: the dataset has no rows")
+        self.prompt_key, self.answer_key = prompt_key, answer_key
+        self.shuffle, self.seed = shuffle, seed
+        self.epoch, self.index = 0, 0
+        self._order = self._permutation(0)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self._rows)))
+        if self.shuffle:
+            random.Random(f"{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def _prompt(self, row_index: int) -> Prompt:
+        row = self._rows[row_index]
+        text = row[self.prompt_key]
+        if not isinstance(text, str):
+            raise ValueError(f"{self.path}: row {row_index} has no string {self.prompt_key!r} "
+                             f"(got {type(text).__name__})")
+        answer = None
+        if self.answer_key is not None and row[self.answer_key] is not None:
+            answer = str(row[self.answer_key])
+        metadata = {k: v for k, v in row.items() if k not in (self.prompt_key, self.answer_key)}
+        return Prompt(text=text, answer=answer, metadata=metadata)
+
+    def next_batch(self, n: int) -> list[Prompt]:
+        out = []
+        for _ in range(n):
+            if self.index == len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+                log.info("%s: epoch %d", self.path, self.epoch)
+            out.append(self._prompt(self._order[self.index]))
+            self.index += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order = self._permutation(self.epoch)
+
+
+def make_prompt_source(task) -> PromptSource:
+    """The source a ``TaskConfig`` (``cfg.task``) describes: ``name`` arithmetic | jsonl | parquet."""
+    if task.name == "arithmetic":
+        return ArithmeticSource(max_operand=task.max_operand, seed=task.seed)
+    if task.name in ("jsonl", "parquet"):
+        if not task.path:
+            raise ValueError(f"task.path: task {task.name} needs the dataset file")
+        return DatasetSource(task.path, prompt_key=task.prompt_key, answer_key=task.answer_key or None,
+                             shuffle=task.shuffle, seed=task.seed, file_format=task.name)
+    raise ValueError(f"task.name: {task.name!r} is not one of arithmetic, jsonl, parquet")

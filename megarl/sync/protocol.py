@@ -1,0 +1,276 @@
+"""The weight-sync protocol between the trainer and the engines, driven from the async driver.
+
+One sync to version ``v``:
+pause generation on every engine (mode given by the caller) -> ``begin_weight_update`` -> the
+buckets (every trainer stage gathers and packs its next bucket while the engines load the previous
+one) -> ``end_weight_update`` -> flush the KV/radix cache (not for ``in_place`` pauses, whose frozen
+requests still hold their cache) -> the engines' ``weight_version`` becomes ``v`` ->
+continue generation.
+
+Failure (an engine error, a dead engine, a trainer error, or the sync running past
+``timeout_s``): the trainer drops its buckets and links; engines that received no bucket end their
+update session and resume on their previous weights and version; engines that may hold part of
+the new weights stay paused (they never serve a request in that state) and leave the set of
+synced engines, and so do engines that failed; :class:`WeightSyncError` names both groups.
+:meth:`WeightSync.recover` brings such an engine (or a restarted one at the same URL, or a new
+one) to the current version through a disk checkpoint and returns it to the set; the next
+:meth:`WeightSync.update` forms the link again with the engines then in the set.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from megarl.rollout.client import PauseMode
+from megarl.sync.buckets import BucketIndex
+from megarl.sync.report import SyncReport
+from megarl.sync.settings import SyncSettings
+from megarl.sync.transports.base import EngineSide
+from megarl.sync.transports.disk import DiskEngineSide
+
+log = logging.getLogger(__name__)
+
+CLEANUP_TIMEOUT_S = 30.0  # per engine call on the failure path (a dead engine answers at once)
+
+
+@dataclass
+class _Progress:
+    """How far a sync got, per engine position: update session begun, bucket loads started."""
+
+    began: set[int] = field(default_factory=set)
+    touched: set[int] = field(default_factory=set)
+
+
+class WeightSyncError(RuntimeError):
+    """A sync failed. ``failed``: URLs of engines that errored or could not be reached;
+    ``held``: URLs of live engines that may hold part of the new weights and stay paused until
+    :meth:`WeightSync.recover`. Engines in neither kept their previous weights and resumed."""
+
+    def __init__(self, message: str, version: int, failed: list[str], held: list[str]):
+        super().__init__(message)
+        self.version = version
+        self.failed = failed
+        self.held = held
+
+
+def _engine_side(settings: SyncSettings, disk: DiskEngineSide) -> EngineSide:
+    if settings.transport == "distributed":
+        from megarl.sync.transports.distributed import DistributedEngineSide
+
+        return DistributedEngineSide(settings.timeout_s, settings.engine_tp)
+    if settings.transport == "tensor":
+        from megarl.sync.transports.tensor import TensorEngineSide
+
+        return TensorEngineSide(settings.engine_tp)
+    return disk
+
+
+class WeightSync:
+    """Moves the trainer's weights into SGLang engines.
+
+    ``trainer`` is a :class:`megarl.trainer.actor.TrainerGroup` (anything with its
+    ``call_all_async``); ``engines`` are :class:`megarl.rollout.client.SGLangClient` of engines
+    that serve the trainer's current weights at version ``initial_version``. Calls must not
+    overlap (an internal lock serialises them).
+    """
+
+    def __init__(self, settings, trainer, engines: list, initial_version: int = 0):
+        self.settings = SyncSettings.of(settings)
+        self.trainer = trainer
+        self.engines = list(engines)
+        self.version = initial_version  # the trainer's weights as of the last update() call
+        self._disk = DiskEngineSide(self.settings.work_dir)
+        self._transport = _engine_side(self.settings, self._disk)
+        self._linked: set[str] = set()  # transports whose link is formed with the current engines
+        self._lock = asyncio.Lock()
+
+    # --- public API ---------------------------------------------------------------------------------
+    async def setup(self) -> None:
+        """Form the link between the trainer's sending ranks and the engines."""
+        async with self._lock:
+            await self._connect(self._transport, self.engines)
+
+    async def update(self, version: int, pause_mode: PauseMode = PauseMode.ABORT) -> SyncReport:
+        """Sync the trainer's current weights into every engine as ``version``; see the module
+        docstring for the protocol and what a failure leaves behind (raises WeightSyncError)."""
+        async with self._lock:
+            self.version = version
+            engines = list(self.engines)
+            progress = _Progress()
+            try:
+                return await asyncio.wait_for(self._sync(engines, version, PauseMode(pause_mode), progress),
+                                              self.settings.timeout_s)
+            except BaseException as e:
+                raise await self._fail(engines, version, progress, e) from e
+
+    async def recover(self, client) -> None:
+        """Bring ``client``'s engine (held after a failed sync, restarted, or new) to the current
+        version through a disk checkpoint (written once per version), resume it, and sync it from
+        now on. Its waiting requests then run on the new weights.
+
+        The checkpoint of ``self.version`` is exported from the trainer when none exists yet, so
+        call it before the trainer's next step changes its weights."""
+        async with self._lock:
+            t0 = time.perf_counter()
+            path = self._disk.checkpoint(self.version)
+            if path is None:
+                try:
+                    await self._connect(self._disk, [])
+                    indices, payloads, _, _ = await self._stream(self._disk, [], self.version, set())
+                except BaseException:
+                    await _quietly(self.trainer.call_all_async("weight_sync_abort"))
+                    self._linked.clear()
+                    raise
+                path = self._disk.finalize(self.version, indices, payloads)
+            await client.pause_generation(PauseMode.RETRACT)
+            await client.begin_weight_update()
+            try:
+                await client.load_weights_from_disk(path)
+            finally:
+                await client.end_weight_update()
+            await client.flush_cache()
+            await client.set_weight_version(self.version)
+            await client.continue_generation()
+            self.engines = [c for c in self.engines if c.base_url != client.base_url] + [client]
+            if self._transport.name in self._linked:  # formed again, with this engine, at the next sync
+                await self._transport.disconnect(self.trainer, self.engines)
+                self._linked.discard(self._transport.name)
+            log.info("%s recovered to version %d in %.1f s", client.base_url, self.version, time.perf_counter() - t0)
+
+    async def close(self) -> None:
+        """Tear the links down (best effort on engines that are gone)."""
+        async with self._lock:
+            for side in {self._transport, self._disk}:
+                if side.name in self._linked:
+                    await side.disconnect(self.trainer, self.engines)
+            self._linked.clear()
+
+    # --- one sync -----------------------------------------------------------------------------------
+    async def _connect(self, side: EngineSide, engines: list) -> None:
+        if side.name in self._linked:
+            return
+        await side.connect(self.trainer, engines)
+        self._linked.add(side.name)
+
+    async def _sync(self, engines: list, version: int, mode: PauseMode, progress: _Progress) -> SyncReport:
+        t0 = time.perf_counter()
+        if not engines:
+            raise RuntimeError("no engine to sync (all failed or held: recover them first)")
+        await self._connect(self._transport, engines)
+        await _each(engines, lambda c: c.pause_generation(mode))
+
+        async def begin(i, client):
+            await client.begin_weight_update()
+            progress.began.add(i)
+
+        await asyncio.gather(*(begin(i, c) for i, c in enumerate(engines)))
+        indices, payloads, stats, load_s = await self._stream(self._transport, engines, version, progress.touched)
+        t_commit = time.perf_counter()
+        progress.touched.update(range(len(engines)))
+        await self._transport.commit(engines, version, indices, payloads)
+        load_s += time.perf_counter() - t_commit
+        await _each(engines, lambda c: c.end_weight_update())
+        if mode is not PauseMode.IN_PLACE:
+            await _each(engines, lambda c: c.flush_cache())
+        await _each(engines, lambda c: c.set_weight_version(version))
+        await _each(engines, lambda c: c.continue_generation())
+        report = SyncReport(
+            version=version, transport=self._transport.name, engines=len(engines),
+            bytes=sum(s["bytes"] for s in stats), buckets=sum(s["buckets"] for s in stats),
+            tensors=sum(s["tensors"] for s in stats), gather_s=max(s["gather_s"] for s in stats),
+            convert_s=max(s["convert_s"] for s in stats), send_s=max(s["send_s"] for s in stats), load_s=load_s,
+            total_s=time.perf_counter() - t0, peak_bucket_bytes=max(s["peak_bucket_bytes"] for s in stats),
+            largest_tensor_bytes=max(s["largest_tensor_bytes"] for s in stats),
+        )
+        log.info("weights of version %d synced into %d engines via %s: %.1f MB in %d buckets, %.2f s (%.2f GB/s)",
+                 version, len(engines), report.transport, report.bytes / 1e6, report.buckets, report.total_s,
+                 report.gbps)
+        return report
+
+    async def _stream(self, side: EngineSide, engines: list, version: int, touched: set[int]):
+        """Every stage's buckets, loaded by ``engines`` as they come; the next bucket is gathered
+        while the engines load the previous one. Returns (indices, payloads, sender stats, load seconds)."""
+        side.before_sync(version)
+        await self.trainer.call_all_async("weight_sync_begin", side.name, version, self.settings.bucket_bytes)
+        indices: list[BucketIndex] = []
+        payloads: list[Any] = []
+        load_s = 0.0
+        ready = await self._next()
+        while ready:
+            sent = await self.trainer.call_all_async("weight_sync_send")
+            batch = [(index, sent[rank]) for rank, index in ready]
+            if side.loads_per_bucket:
+                touched.update(range(len(engines)))
+            loading = asyncio.ensure_future(self._load(side, engines, batch))
+            try:
+                upcoming = await self._next()
+            finally:
+                load_s += await loading
+            indices += [index for index, _ in batch]
+            payloads += [payload for _, payload in batch]
+            ready = upcoming
+        stats = [s for s in await self.trainer.call_all_async("weight_sync_finish") if s is not None]
+        return indices, payloads, stats, load_s
+
+    async def _next(self) -> list[tuple[int, BucketIndex]]:
+        """(rank, index) of each stage's next bucket, stage order; empty when all stages are done."""
+        results = await self.trainer.call_all_async("weight_sync_next")
+        return sorted(((rank, index) for rank, index in enumerate(results) if index is not None),
+                      key=lambda item: item[1].stage)
+
+    @staticmethod
+    async def _load(side: EngineSide, engines: list, batch: list) -> float:
+        t0 = time.perf_counter()
+        for index, payload in batch:  # one engine call at a time: stages take turns
+            await side.load(engines, index, payload)
+        return time.perf_counter() - t0
+
+    # --- failure ------------------------------------------------------------------------------------
+    async def _fail(self, engines: list, version: int, progress: _Progress, cause: BaseException) -> WeightSyncError:
+        reason = "timed out" if isinstance(cause, (asyncio.TimeoutError, TimeoutError)) else f"{type(cause).__name__}: {cause}"
+        log.error("weight sync to version %d failed (%s); cleaning up", version, reason)
+        try:
+            await asyncio.wait_for(self.trainer.call_all_async("weight_sync_abort"),
+                                   self.settings.timeout_s + CLEANUP_TIMEOUT_S)
+        except BaseException as e:
+            log.error("trainer could not abort the weight sync: %s", e)
+        failed, held = [], []
+        for i, client in enumerate(engines):
+            if not await _quietly(client.weight_version()):  # dead or stuck
+                failed.append(client.base_url)
+                continue
+            if i in progress.began:
+                await _quietly(client.end_weight_update())
+            if i in progress.touched:
+                held.append(client.base_url)  # stays paused: it may hold part of the new weights
+            elif not await _quietly(client.continue_generation()):
+                failed.append(client.base_url)
+        if self._transport.name in self._linked:
+            live = [c for c in engines if c.base_url not in failed]
+            await _quietly(self._transport.disconnect(self.trainer, live))
+        self._linked.clear()  # abort closed every link on the trainer
+        gone = set(failed) | set(held)
+        self.engines = [c for c in self.engines if c.base_url not in gone]
+        return WeightSyncError(
+            f"weight sync to version {version} failed ({reason}); engines failed: {failed or 'none'}; "
+            f"held paused with partial weights until recover(): {held or 'none'}; "
+            f"{len(self.engines)} engines resumed on their previous weights",
+            version, failed, held,
+        )
+
+
+async def _each(engines: list, call) -> None:
+    await asyncio.gather(*(call(client) for client in engines))
+
+
+async def _quietly(awaitable) -> bool:
+    """Await a best-effort cleanup call; False (logged) when it fails or takes too long."""
+    try:
+        await asyncio.wait_for(awaitable, CLEANUP_TIMEOUT_S)
+        return True
+    except BaseException as e:
+        log.warning("weight-sync cleanup call failed: %s", e)
+        return False

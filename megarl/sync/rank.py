@@ -1,0 +1,204 @@
+"""One trainer rank's part of a weight sync: gather -> pack -> hand to the transport, one bucket at a time.
+
+Every rank of the trainer runs the same calls in the same order (the driver calls them on all
+ranks through :class:`megarl.trainer.actor.TrainerGroup`): ``begin``, then ``next``/``send`` until
+``next`` reports the end on every stage, then ``finish`` (or ``abort``). Every rank pulls its
+stage's HF stream (the gathers are collectives); only the stage's sending rank packs buckets and
+owns a transport :class:`~megarl.sync.transports.base.Sender`.
+
+Memory bound on a sending rank: at most two buckets are alive (the one in transfer on the send
+thread and the one being packed), plus at most one gathered tensor that did not fit in the bucket
+being packed; ``peak_bucket_bytes`` in the stats reports the largest sum of live bucket buffers.
+The buffer of a sent bucket is reused by the next bucket packed (no fresh allocation and page
+faults per bucket) or freed right after it; nothing is kept between syncs.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from megarl.sync.buckets import Bucket, BucketIndex, BucketPacker
+from megarl.sync.gather import is_stage_sender, pipeline_stage, stage_hf_stream
+from megarl.sync.transports import Sender, SenderSpec, make_sender
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SenderStats:
+    """One sending rank's numbers for one sync (seconds, bytes)."""
+
+    stage: int
+    bytes: int = 0
+    buckets: int = 0
+    tensors: int = 0
+    gather_s: float = 0.0
+    convert_s: float = 0.0
+    send_s: float = 0.0
+    peak_bucket_bytes: int = 0
+    largest_tensor_bytes: int = 0
+    capacity: int = 0
+
+
+def _host() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+class RankSync:
+    """Weight-sync state of one trainer rank over its :class:`megarl.models.bridge.MegatronModel`."""
+
+    def __init__(self, model):
+        self.model = model
+        self.stage = pipeline_stage()
+        self.is_sender = is_stage_sender()
+        self._address: dict | None = None
+        self._senders: dict[str, Sender] = {}
+        self._sender: Sender | None = None
+        self._packer: BucketPacker | None = None
+        self._ready: Bucket | None = None
+        self._inflight: tuple[threading.Thread, Bucket, list] | None = None
+        self._stats: SenderStats | None = None
+        self._spare: list = []  # the buffer of the bucket sent last, for the next bucket to reuse
+
+    # --- the link -------------------------------------------------------------------------------
+    def address(self) -> dict | None:
+        """Reserve a host/port for this stage's group (senders only; None elsewhere)."""
+        if not self.is_sender:
+            return None
+        from megarl.trainer.distributed import free_port
+        from megarl.sync.transports.distributed import link_backend
+
+        host = _host()
+        self._address = {"stage": self.stage, "host": host, "port": free_port(), "backend": link_backend()}
+        return dict(self._address)
+
+    def connect(self, spec: SenderSpec) -> None:
+        """Build this rank's sender for ``spec.kind`` (replacing an older one); no-op off senders."""
+        if not self.is_sender:
+            return
+        self.disconnect(spec.kind)
+        self._senders[spec.kind] = make_sender(spec, self.stage, self.model.bridge.hf_pretrained.config, self._address)
+
+    def disconnect(self, kind: str) -> None:
+        sender = self._senders.pop(kind, None)
+        if sender is not None:
+            sender.close()
+
+    # --- one sync -------------------------------------------------------------------------------
+    def begin(self, kind: str, version: int, capacity: int) -> None:
+        """Start a sync to ``version`` through ``kind`` with buckets of ``capacity`` bytes."""
+        if self._packer is not None:
+            raise RuntimeError("a weight sync is already running on this rank (finish or abort it first)")
+        sender = None
+        if self.is_sender:
+            sender = self._senders.get(kind)
+            if sender is None:
+                raise RuntimeError(f"no {kind!r} weight-sync link on this rank: connect first")
+            sender.begin(version)
+        self._sender = sender
+        self._stats = SenderStats(stage=self.stage, capacity=capacity)
+        kwargs = {"allocate": self._allocate, "adopt": sender.adopt} if sender is not None else {}
+        self._packer = BucketPacker(stage_hf_stream(self.model), capacity, self.stage, keep=sender is not None, **kwargs)
+
+    def _allocate(self, nbytes: int):
+        """A bucket buffer: a sent bucket's buffer of the same size, else a new one from the transport."""
+        for i, buffer in enumerate(self._spare):
+            if buffer.numel() == nbytes:
+                return self._spare.pop(i)
+        return self._sender.allocate(nbytes)
+
+    def next(self) -> BucketIndex | None:
+        """Gather and pack this stage's next bucket; its index on the sender, None elsewhere or at the end."""
+        if self._packer is None:
+            raise RuntimeError("no weight sync running on this rank: begin first")
+        if self._ready is not None:
+            raise RuntimeError(f"bucket {self._ready.index.seq} was packed but never sent")
+        item = self._packer.next_bucket()
+        self._spare.clear()  # a sent bucket's buffer that this bucket did not reuse is freed now
+        if self._sender is None or item is None:
+            return None
+        self._ready = item
+        alive = item.held_bytes + (self._inflight[1].held_bytes if self._inflight else 0)
+        self._stats.peak_bucket_bytes = max(self._stats.peak_bucket_bytes, alive)
+        self._stats.bytes += item.index.nbytes
+        self._stats.buckets += 1
+        return item.index
+
+    def send(self) -> Any:
+        """Start the transfer of the bucket ``next`` packed (after the previous one finished and
+        was freed); returns the transport's payload for the driver (None off senders)."""
+        if self._sender is None:
+            return None
+        self._join()
+        if self._ready is None:
+            raise RuntimeError("no packed bucket to send: call next first")
+        bucket, self._ready = self._ready, None
+        payload = self._sender.prepare(bucket)
+        errors: list = []
+        thread = threading.Thread(target=self._transfer, args=(bucket, errors), name="weight-sync-send", daemon=True)
+        self._inflight = (thread, bucket, errors)
+        thread.start()
+        return payload
+
+    def _transfer(self, bucket: Bucket, errors: list) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._sender.transfer(bucket)
+        except BaseException as e:  # re-raised on the rank's main thread by _join
+            errors.append(e)
+        finally:
+            self._stats.send_s += time.perf_counter() - t0
+
+    def _join(self) -> None:
+        if self._inflight is None:
+            return
+        thread, bucket, errors = self._inflight
+        thread.join()
+        self._inflight = None
+        if bucket.allocation is not None and bucket.allocation.numel() == self._stats.capacity and not errors:
+            self._spare.append(bucket.allocation)
+        del bucket
+        if errors:
+            raise RuntimeError(f"weight-sync transfer failed on stage {self.stage}: {errors[0]}") from errors[0]
+
+    def finish(self) -> dict | None:
+        """Wait for the last transfer and end the sync; the sender's :class:`SenderStats` as a dict."""
+        try:
+            self._join()
+            if self._ready is not None or (self._packer is not None and self._packer.next_bucket() is not None):
+                raise RuntimeError("weight sync finished before every bucket was sent")
+            stats = self._stats
+            if stats is not None:
+                stats.tensors = self._packer.stats.tensors
+                stats.gather_s = self._packer.stats.gather_s
+                stats.convert_s = self._packer.stats.convert_s
+                stats.largest_tensor_bytes = self._packer.stats.largest_tensor_bytes
+        finally:
+            self._reset()
+        return asdict(stats) if self.is_sender and stats is not None else None
+
+    def abort(self) -> None:
+        """Drop the running sync; the links are closed too (a failed transfer leaves them unusable).
+
+        Waits for a transfer in progress, which the link's timeout bounds."""
+        try:
+            self._join()
+        except RuntimeError as e:
+            log.warning("weight sync aborted after a failed transfer: %s", e)
+        finally:
+            self._reset()
+            for kind in list(self._senders):
+                self.disconnect(kind)
+
+    def _reset(self) -> None:
+        self._packer = None
+        self._ready = None
+        self._inflight = None
+        self._sender = None
+        self._stats = None
+        self._spare = []

@@ -1,0 +1,98 @@
+"""The one small interface every weight transport implements, in two halves.
+
+- :class:`Sender` lives on a trainer rank that sends (one per pipeline stage). For every bucket
+  it gets ``prepare`` (quick, on the calling thread: returns the JSON-able payload the driver
+  forwards to the engines, e.g. a shared-memory handle or a file name) and then ``transfer``
+  (the bulk move, on the rank's send thread, overlapping the gather of the next bucket).
+  ``allocate`` gives bucket buffers where the transport wants them (device, shared memory).
+- :class:`EngineSide` lives in the driver: it joins the engines to the link (``connect``), makes
+  each engine load each bucket (``load``, concurrent with the sender's ``transfer``) and finishes
+  a sync (``commit``). The protocol around it (pause, begin/end weight update, versions,
+  failures) is :class:`megarl.sync.protocol.WeightSync`'s, not the transport's.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megarl.sync.buckets import Bucket, BucketIndex
+
+
+@dataclass(frozen=True)
+class SenderSpec:
+    """What a sending rank needs to build its :class:`Sender` (pickled to the trainer ranks).
+
+    kind: transport name. group_prefix/engine_ranks/timeout_s: the distributed link (one group
+    per pipeline stage, named ``{group_prefix}-pp{stage}``, the sender is rank 0 and the engines'
+    ranks follow). engine_tp: ranks per engine (payload copies for ``tensor``). work_dir: where
+    ``disk`` writes checkpoints.
+    """
+
+    kind: str
+    group_prefix: str = ""
+    engine_ranks: int = 0
+    timeout_s: float = 600.0
+    engine_tp: int = 1
+    work_dir: str = ""
+
+
+class Sender(abc.ABC):
+    """Trainer-rank half of a transport (see the module docstring)."""
+
+    def begin(self, version: int) -> None:
+        """A sync to ``version`` starts (before its first bucket)."""
+
+    @abc.abstractmethod
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 buffer of ``nbytes`` for one bucket."""
+
+    def adopt(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """A uint8 view of ``tensor`` to send as a bucket buffer without copying it (used for
+        tensors larger than a bucket), or None when buffers must come from :meth:`allocate`."""
+        if not tensor.is_contiguous():
+            return None
+        return tensor.detach().reshape(-1).view(torch.uint8)
+
+    @abc.abstractmethod
+    def prepare(self, bucket: Bucket) -> Any:
+        """The payload the driver passes to :meth:`EngineSide.load` for this bucket (JSON-able or None)."""
+
+    @abc.abstractmethod
+    def transfer(self, bucket: Bucket) -> None:
+        """Move the bucket's bytes (blocking; runs on the send thread)."""
+
+    def close(self) -> None:
+        """Release the link (idempotent)."""
+
+
+class EngineSide(abc.ABC):
+    """Driver half of a transport (see the module docstring)."""
+
+    name: str
+    loads_per_bucket = True  # engines change weights from the first bucket on (disk: only at commit)
+
+    @abc.abstractmethod
+    def sender_spec(self, num_engines: int) -> SenderSpec:
+        """The spec every trainer rank gets to build its :class:`Sender` for ``num_engines`` engines."""
+
+    async def connect(self, trainer, engines: list) -> None:
+        """Join ``engines`` (SGLangClients) and the trainer's senders to the link (by default the
+        senders only build their half: nothing to join on the engines)."""
+        await trainer.call_all_async("weight_sync_connect", self.sender_spec(len(engines)))
+
+    async def disconnect(self, trainer, engines: list) -> None:
+        """Tear the link down on both sides (best effort: engines may be dead)."""
+        await trainer.call_all_async("weight_sync_disconnect", self.name)
+
+    def before_sync(self, version: int) -> None:
+        """Called in the driver before the senders begin a sync to ``version``."""
+
+    @abc.abstractmethod
+    async def load(self, engines: list, index: BucketIndex, payload: Any) -> None:
+        """Make every engine load one bucket (the sender's transfer runs meanwhile)."""
+
+    async def commit(self, engines: list, version: int, indices: list[BucketIndex], payloads: list) -> None:
+        """After the last bucket: what the transport still needs to do before the session ends."""

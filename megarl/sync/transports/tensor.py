@@ -1,0 +1,75 @@
+"""``tensor`` (colocated): the engine maps the sender's bucket buffer and copies from it.
+
+Each bucket buffer is allocated where another process on the same machine can map it: in CUDA
+memory on GPU (serialised as a CUDA IPC handle) and in POSIX shared memory on CPU (torch's
+``file_system`` sharing strategy: the handle is a file name; the default ``file_descriptor``
+strategy sends descriptors over a socket that SGLang's HTTP path does not carry, and the server
+rejects the payload). The payload is SGLang's ``flattened_bucket`` dict (``flattened_tensor`` +
+``FlattenedTensorMetadata`` list) pickled with SGLang's ``MultiprocessingSerializer``, base64 over
+HTTP to ``/update_weights_from_tensor``: only handles travel, the bytes are read in place. The
+buffer stays alive until the engine has answered (the protocol frees it at the next bucket).
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import torch
+
+from megarl.sync.buckets import DTYPES, Bucket, BucketIndex
+from megarl.sync.transports.base import EngineSide, Sender, SenderSpec
+
+LOAD_FORMAT = "flattened_bucket"
+
+
+class TensorSender(Sender):
+    def __init__(self, spec: SenderSpec):
+        self.engine_tp = spec.engine_tp
+        self.cuda = torch.cuda.is_available()
+        if self.cuda:
+            from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+            monkey_patch_torch_reductions()  # IPC handles name the device by UUID, not by local index
+        else:
+            torch.multiprocessing.set_sharing_strategy("file_system")
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        if self.cuda:
+            return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+        # Allocated in shared memory from the start: sharing a plain tensor would copy it there.
+        storage = torch.UntypedStorage._new_shared(max(nbytes, 1))
+        return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        return None  # the engine can map only buffers allocated for sharing
+
+    def prepare(self, bucket: Bucket) -> list[str]:
+        """One base64 payload per engine TP rank (each rank maps the same buffer)."""
+        if self.cuda:
+            torch.cuda.current_stream().synchronize()  # the packing copies land before the engine reads
+        from sglang.srt.utils.common import MultiprocessingSerializer
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
+
+        metadata = [FlattenedTensorMetadata(name=e.name, shape=torch.Size(e.shape), dtype=DTYPES[e.dtype],
+                                            start_idx=e.offset, end_idx=e.offset + e.nbytes, numel=e.nbytes)
+                    for e in bucket.index.entries]
+        payload = MultiprocessingSerializer.serialize({"flattened_tensor": bucket.buffer, "metadata": metadata},
+                                                      output_str=True)
+        return [payload] * self.engine_tp
+
+    def transfer(self, bucket: Bucket) -> None:
+        """Nothing moves: the engine reads the buffer in place while it loads."""
+
+
+class TensorEngineSide(EngineSide):
+    name = "tensor"
+
+    def __init__(self, engine_tp: int = 1):
+        self.engine_tp = engine_tp
+
+    def sender_spec(self, num_engines: int) -> SenderSpec:
+        return SenderSpec(kind=self.name, engine_tp=self.engine_tp)
+
+    async def load(self, engines: list, index: BucketIndex, payload: Any) -> None:
+        await asyncio.gather(*(client.update_weights_from_tensor(payload, load_format=LOAD_FORMAT)
+                               for client in engines))

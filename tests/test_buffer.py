@@ -1,0 +1,186 @@
+"""The rollout buffer, its staleness policy and the sample ledger: every prompt and every sample
+attempt ends somewhere, and the totals add up, with stale samples, aborted-and-resubmitted
+attempts, failing rewards, filtered groups and whole failed groups injected."""
+import asyncio
+import dataclasses
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from megarl.buffer import Group, Ledger, Outcome, RolloutBuffer, staleness
+from megarl.buffer.accounting import AccountingError
+from megarl.rollout.producer import RolloutProducer
+from megarl.rollout.sample import FinishReason, RolloutSample
+
+
+def sample(versions, reward=1.0, finish=FinishReason.STOP):
+    r = len(versions)
+    s = RolloutSample(prompt_ids=[1, 2], response_ids=[3] * r, loss_mask=np.ones(r, np.uint8),
+                      rollout_logprobs=np.zeros(r, np.float32), model_version=np.asarray(versions, np.int32),
+                      routed_experts=None, sampling_mask=None, finish_reason=finish)
+    s.reward = reward
+    return s
+
+
+@dataclasses.dataclass
+class Prompt:
+    text: str
+
+
+class CountingSource:
+    def __init__(self):
+        self.position = 0
+
+    def next_batch(self, n):
+        out = [Prompt(f"p{self.position + i}") for i in range(n)]
+        self.position += n
+        return out
+
+    def state_dict(self):
+        return {"position": self.position}
+
+
+@dataclasses.dataclass
+class Result:
+    samples: list
+    resubmitted: int
+
+
+class ScriptedManager:
+    """Plays a fixed script per prompt: (versions per sample, rewards, errors, resubmitted, raise)."""
+
+    def __init__(self, script):
+        self.script = script
+        self.calls = Counter()
+        self.version = 0  # the engines' weight version, stamped on every generated token
+
+    async def generate_group(self, prompt, group_id):
+        self.calls[prompt.text] += 1
+        kind = self.script(int(prompt.text[1:]))
+        await asyncio.sleep(0)
+        if kind == "engine_failed":
+            raise RuntimeError("engine unreachable after restarts")
+        v = self.version
+        samples = [sample([v, v], reward=float(i % 2)) for i in range(4)]
+        resubmitted = 0
+        if kind == "stale":
+            samples = [sample([v - 5, v], reward=float(i % 2)) for i in range(4)]
+        elif kind == "reward_raises":
+            samples[0].finish_reason = FinishReason.ERROR
+            samples[0].reward = 0.0
+        elif kind == "aborted_twice":
+            resubmitted = 2
+        elif kind == "all_equal":
+            for s in samples:
+                s.reward = 1.0
+        elif kind == "all_errors":
+            for s in samples:
+                s.finish_reason = FinishReason.ERROR
+        return Result(samples, resubmitted)
+
+
+def test_staleness_is_trainer_version_minus_the_oldest_token():
+    assert staleness(sample([3, 4, 5]), 6) == 3
+    assert Group(0, [sample([5]), sample([2, 6])]).staleness(6) == 4
+
+
+def test_ledger_refuses_counts_that_do_not_add_up():
+    ledger = Ledger()
+    ledger.started(1, 4)
+    ledger.returned(1, 3, 1)
+    ledger.check()
+    ledger.samples.buffered += 1  # a sample counted twice
+    with pytest.raises(AccountingError, match="samples: started 4"):
+        ledger.check()
+
+
+def test_every_prompt_and_attempt_ends_somewhere_and_the_totals_add_up():
+    kinds = {1: "stale", 2: "reward_raises", 3: "aborted_twice", 4: "all_equal", 5: "engine_failed",
+             6: "all_errors", 9: "stale", 11: "reward_raises"}
+    manager = ScriptedManager(lambda i: kinds.get(i, "ok"))
+    ledger = Ledger()
+    steps, per_step = 4, 3
+
+    async def run():
+        buffer = RolloutBuffer(capacity=2 * per_step, max_staleness=1, ledger=ledger)
+        producer = RolloutProducer(manager, CountingSource(), buffer, ledger, prompts_per_step=per_step,
+                                   samples_per_prompt=4, lag=1, dynamic_sampling=True)
+        task = asyncio.create_task(producer.run())
+        trained = []
+        for step in range(1, steps + 1):
+            taken = await buffer.take(per_step, trainer_version=step - 1)
+            producer.taken(taken.groups + taken.dropped_stale)
+            assert all(age <= 1 for age in taken.staleness)
+            trained += [g.index for g in taken.groups]
+            ledger.check()
+            manager.version = step
+            await producer.set_engine_version(step)
+        task.cancel()
+        await producer.stop()
+        return trained, producer
+
+    trained, producer = asyncio.run(run())
+    ledger.check()
+    assert len(trained) == steps * per_step and len(set(trained)) == len(trained)  # none trained twice
+    assert not {1, 4, 5, 6, 9} & set(trained)  # stale, filtered, failed groups never trained
+    s, p = ledger.samples.ended, ledger.prompts.ended
+    assert s[Outcome.TRAINED] == 4 * len(trained) - sum(1 for i in trained if kinds.get(i) == "reward_raises")
+    assert s[Outcome.DROPPED_STALE] == 4 * 2 and p[Outcome.DROPPED_STALE] == 2  # prompts 1 and 9
+    assert s[Outcome.DROPPED_FILTER] == 4 and p[Outcome.DROPPED_FILTER] == 1  # prompt 4
+    assert s[Outcome.ABORTED_RESUBMITTED] == 2  # prompt 3's two aborted attempts
+    assert s[Outcome.ERROR] == 1 + 1 + 4 + 4  # two raising rewards, prompt 5 failed, prompt 6 all errors
+    assert p[Outcome.ERROR] == 2 and p[Outcome.TRAINED] == len(trained)
+    assert ledger.samples.started == 4 * ledger.prompts.started + 2
+    assert max(manager.calls.values()) == 1  # no prompt generated twice
+    # what is still outstanding is exactly what was drawn and not finished: re-queued on resume
+    finished = set(trained) | {1, 4, 5, 6, 9}
+    state = producer.state_dict()
+    assert {i for i, _ in state["requeue"]} == set(range(state["next_index"])) - finished
+    restored = Ledger.from_state_dict(ledger.state_dict())
+    assert restored.samples.ended == ledger.samples.ended and restored.samples.in_flight == 0
+
+
+def test_sync_lag_waits_for_the_weights_of_the_previous_step():
+    manager = ScriptedManager(lambda i: "ok")
+    ledger = Ledger()
+
+    async def run():
+        buffer = RolloutBuffer(capacity=4, max_staleness=0, ledger=ledger)
+        producer = RolloutProducer(manager, CountingSource(), buffer, ledger, prompts_per_step=2,
+                                   samples_per_prompt=4, lag=0, dynamic_sampling=False)
+        task = asyncio.create_task(producer.run())
+        await buffer.take(2, trainer_version=0)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        started_before_sync = ledger.prompts.started  # the next batch waits for version 1
+        await producer.set_engine_version(1)
+        for _ in range(20):
+            await asyncio.sleep(0)
+        task.cancel()
+        await producer.stop()
+        return started_before_sync, ledger.prompts.started
+
+    before, after = asyncio.run(run())
+    assert before == 2 and after == 4
+
+
+def test_a_run_whose_every_group_fails_stops_with_the_reason():
+    from megarl.rollout.producer import GenerationFailing
+
+    ledger = Ledger()
+
+    async def run():
+        buffer = RolloutBuffer(capacity=4, max_staleness=0, ledger=ledger)
+        producer = RolloutProducer(ScriptedManager(lambda i: "all_errors"), CountingSource(), buffer, ledger,
+                                   prompts_per_step=2, samples_per_prompt=4, lag=0, dynamic_sampling=False)
+        task = asyncio.create_task(producer.run())
+        try:
+            with pytest.raises(GenerationFailing, match="the last 64 prompt groups all failed"):
+                await asyncio.wait_for(producer.guard(buffer.take(2, trainer_version=0)), 30)
+        finally:
+            task.cancel()
+            await producer.stop()
+
+    asyncio.run(run())
+    assert ledger.prompts.ended[Outcome.ERROR] >= 64

@@ -1,0 +1,87 @@
+"""The async driver killed and resumed: SIGKILL mid-run (resume from the last periodic checkpoint),
+then SIGTERM (checkpoint now, exit), then a run to the end. Step numbers continue, no prompt is
+trained twice in the run's lineage, and the sample ledger carries over."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from megarl.metrics.sink import read_metrics
+
+STEPS = 6
+
+
+def command(tmp_path: Path) -> list[str]:
+    return [sys.executable, "-m", "megarl.train", "recipe=tiny_moe_cpu", f"steps={STEPS}", "trainer.save_interval=2",
+            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "warmup.steps=10",
+            f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'warm'}",
+            f"logging.run_dir={tmp_path / 'run'}"]
+
+
+def rl_steps(run: Path, since: float = 0.0) -> list[int]:
+    """The RL steps in metrics.jsonl (those logged after unix time ``since``)."""
+    if not (run / "metrics.jsonl").is_file():
+        return []
+    return [row["step"] for row in read_metrics(run) if "reward/mean" in row and row["time"] > since]
+
+
+def engine_processes(tmp_path: Path) -> list[psutil.Process]:
+    """SGLang server processes serving this test's checkpoint."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "megarl.rollout.sglang_server" in cmdline and str(tmp_path / "warm") in cmdline:
+            found.append(proc)
+    return found
+
+
+def run_until(tmp_path: Path, last_step: int, sig: signal.Signals) -> subprocess.CompletedProcess:
+    """Start the driver, send ``sig`` once step ``last_step`` is in metrics.jsonl, wait for it."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    started = time.time()
+    with open(tmp_path / "driver.log", "ab") as out:
+        proc = subprocess.Popen(command(tmp_path), stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 400
+        while (max(rl_steps(tmp_path / "run", started), default=0) < last_step and proc.poll() is None
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        assert proc.poll() is None, f"driver ended early (rc {proc.returncode}); see {tmp_path / 'driver.log'}"
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+    return proc
+
+
+def test_killed_and_terminated_runs_resume_without_training_a_prompt_twice(tmp_path):
+    run = tmp_path / "run"
+    killed = run_until(tmp_path, 3, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    assert (run / "checkpoints" / "latest").read_text().strip() == "2"  # the periodic one before the kill
+    # the killed driver's SGLang server (its own process group) notices and ends itself
+    deadline = time.monotonic() + 30
+    while engine_processes(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not engine_processes(tmp_path), "the SGLang server outlived its killed driver"
+
+    terminated = run_until(tmp_path, 3, signal.SIGTERM)  # resumes at 3, then SIGTERM: checkpoint and exit
+    assert terminated.returncode == 0, (tmp_path / "driver.log").read_text()[-3000:]
+    stopped_at = int((run / "checkpoints" / "latest").read_text())
+    assert 3 <= stopped_at < STEPS
+    assert rl_steps(run) == list(range(1, stopped_at + 1))  # the killed run's step 3 was replaced
+
+    finished = subprocess.run(command(tmp_path), capture_output=True, text=True, env=dict(os.environ, RAY_AUTH_MODE="disabled"))
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    assert rl_steps(run) == list(range(1, STEPS + 1))
+    log = [json.loads(line) for line in (run / "trained_prompts.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in log] == list(range(1, STEPS + 1))
+    trained = [i for row in log for i in row["prompts"]]
+    assert all(len(row["prompts"]) == 4 for row in log) and len(set(trained)) == len(trained)
+    last = [row for row in read_metrics(run) if "reward/mean" in row][-1]
+    assert last["buffer/prompts_trained"] == 4 * STEPS  # the ledger carried over both restarts
+    assert last["buffer/trained"] + last["buffer/error"] <= last["buffer/samples_started"]
+    driver_log = (tmp_path / "driver.log").read_text()
+    assert "resuming at step 2" in driver_log and f"stopped by SIGTERM after step {stopped_at}" in driver_log

@@ -1,0 +1,271 @@
+"""The rollout manager and multi-turn episodes against one real SGLang server (CPU here): counted
+outcomes for bad prompts and failing rewards, abort_resubmit splicing checked against an HF forward
+pass, and a calculator episode whose environment tokens carry loss_mask 0."""
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megarl.rollout.client import PauseMode, SamplingParams, SGLangClient
+from megarl.rollout.engine import EngineSettings, SGLangEngine
+from megarl.rollout.env import CalculatorEnv, CalculatorError, EnvStep, calculate, run_episode
+from megarl.rollout.manager import RolloutManager
+from megarl.rollout.prompt_data import Prompt
+from megarl.rollout.rewards import RewardInput, arithmetic_reward
+from megarl.rollout.sample import FinishReason
+
+LOGPROB_TOLERANCE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop for the module: the client's HTTP connections belong to the loop that made them."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint, tmp_path_factory):
+    # Two requests at a time: a group of six runs in three waves, so a pause finds some samples
+    # finished, some mid-generation and some not started.
+    settings = EngineSettings(model_path=tiny_checkpoint, dtype="float32", max_total_tokens=4096,
+                              max_running_requests=2, log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"))
+    with SGLangEngine(settings) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def client(engine, loop):
+    client = SGLangClient(engine.url, engine.model)
+    yield client
+    loop.run_until_complete(client.aclose())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def assert_matches_hf(sample, model, temperature=1.0):
+    """Routing rows equal HF's top-k for every fed token; every policy token is inside its mask and
+    its log-prob equals HF's renormalised over the mask; environment tokens (loss_mask 0) have
+    log-prob 0 and a mask of just themselves. Returns the largest log-prob difference."""
+    ids = sample.prompt_ids + sample.response_ids
+    p = len(sample.prompt_ids)
+    with torch.no_grad():
+        out = model(torch.tensor([ids[:-1]]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    hf_topk = np.stack([torch.topk(r.float(), k, dim=-1).indices.numpy() for r in out.router_logits], axis=1)
+    assert sample.routed_experts.shape == (len(ids) - 1, model.config.num_hidden_layers, k)
+    np.testing.assert_array_equal(np.sort(sample.routed_experts, -1), np.sort(hf_topk, -1))
+    log_probs = torch.log_softmax(out.logits[0, p - 1:].float() / temperature, dim=-1)
+    worst = 0.0
+    for i, token in enumerate(sample.response_ids):
+        kept = sample.sampling_mask.row(i)
+        assert token in kept.tolist(), f"token {token} at {i} outside its mask"
+        if sample.loss_mask[i] == 0:
+            assert kept.tolist() == [token] and sample.rollout_logprobs[i] == 0.0
+            continue
+        kept_t = torch.from_numpy(kept.astype(np.int64))
+        expected = (log_probs[i, token] - torch.logsumexp(log_probs[i, kept_t], dim=0)).item()
+        worst = max(worst, abs(expected - float(sample.rollout_logprobs[i])))
+    assert worst < LOGPROB_TOLERANCE, f"log-prob difference {worst}"
+    return worst
+
+
+# --- counted outcomes -----------------------------------------------------------------------------
+
+def test_bad_prompts_and_a_raising_reward_are_counted_and_the_batch_completes(client, tokenizer, loop):
+    async def reward(inp: RewardInput) -> float:
+        if inp.prompt.text == "1+8=":
+            raise RuntimeError("the grader crashed")
+        return await arithmetic_reward(inp)
+
+    params = SamplingParams(max_new_tokens=6, top_k=10)
+    manager = RolloutManager(client, tokenizer, reward, params, samples_per_prompt=3)
+    too_long = "1" * (client.model.context_length + 5)
+    prompts = [Prompt("3+4=", "7"), Prompt("", "0"), Prompt(too_long, "1"), Prompt("1+8=", "9"),
+               Prompt("1" * (client.model.context_length - 5), "1")]  # fits alone, not with 6 new tokens
+    results = loop.run_until_complete(manager.generate_groups(prompts, [str(i) for i in range(5)]))
+
+    assert [len(r.samples) for r in results] == [3] * 5  # every group completes with G samples
+    good, empty, long_, raising, long_with_response = results
+    assert good.rejected is None and good.errors == 0
+    assert all(s.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and s.reward in (0.0, 1.0)
+               for s in good.samples)
+    assert empty.rejected == "empty_prompt: the prompt has no text" and empty.errors == 3
+    assert long_.rejected.startswith("too_long: prompt of ") and "exceeds the context length 64" in long_.rejected
+    assert long_with_response.rejected.startswith("too_long:")
+    for r in (empty, long_, long_with_response):
+        assert all(s.finish_reason is FinishReason.ERROR and s.response_ids == [] and s.reward == 0.0
+                   for s in r.samples)
+    assert raising.rejected is None and raising.errors == 3
+    assert all(s.finish_reason is FinishReason.ERROR and s.reward == 0.0 and s.response_ids for s in raising.samples)
+    assert manager.rejected == {"empty_prompt": 1, "too_long": 2}
+    assert manager.reward_errors == {"RuntimeError": 3}
+
+
+# --- abort_resubmit -------------------------------------------------------------------------------
+
+def _synthetic(prompt, response, routing_rows_from, version, first_id):
+    """A sample whose routing row j is [[routing_rows_from + j]] and mask row i is [first_id + i, token]."""
+    from megarl.rollout.sample import RolloutSample, SamplingMask
+
+    r, t = len(response), len(prompt) + len(response)
+    return RolloutSample(
+        prompt_ids=list(prompt), response_ids=list(response), loss_mask=np.ones(r, np.uint8),
+        rollout_logprobs=np.full(r, -float(version) - 1, np.float32), model_version=np.full(r, version, np.int32),
+        routed_experts=(routing_rows_from + np.arange(t - 1, dtype=np.int16)).reshape(t - 1, 1, 1),
+        sampling_mask=SamplingMask.from_rows([[first_id + i, tok] for i, tok in enumerate(response)]),
+        finish_reason=FinishReason.ABORTED, group_id="g")
+
+
+def test_splice_keeps_the_prefix_rows_and_appends_the_continuation():
+    from megarl.rollout.manager import splice_continuation
+
+    prefix = _synthetic([1, 2, 3], [4, 5], routing_rows_from=0, version=0, first_id=100)  # rows for tokens 0..3
+    continuation = _synthetic([1, 2, 3, 4, 5], [6, 7, 8], routing_rows_from=1000, version=1, first_id=200)
+    continuation.finish_reason = FinishReason.LENGTH
+    spliced = splice_continuation(prefix, continuation)
+    assert spliced.prompt_ids == [1, 2, 3] and spliced.response_ids == [4, 5, 6, 7, 8]
+    # rows 0..3 (tokens 1,2,3,4) from the prefix; row 4 (token 5, never fed before the abort) onwards new
+    assert spliced.routed_experts[:, 0, 0].tolist() == [0, 1, 2, 3, 1004, 1005, 1006]
+    assert [spliced.sampling_mask.row(i).tolist() for i in range(5)] == [[100, 4], [101, 5], [200, 6], [201, 7],
+                                                                          [202, 8]]
+    assert spliced.model_version.tolist() == [0, 0, 1, 1, 1]
+    assert spliced.rollout_logprobs.tolist() == [-1, -1, -2, -2, -2]
+    assert spliced.finish_reason is FinishReason.LENGTH
+    with pytest.raises(ValueError, match="not the prefix's prompt"):
+        splice_continuation(prefix, _synthetic([1, 2, 3], [6], 0, 1, 0))
+
+
+def test_abort_resubmit_splices_prefix_and_continuation(client, tokenizer, tiny_checkpoint, loop):
+    params = SamplingParams(max_new_tokens=56, top_k=10, ignore_eos=True)
+    manager = RolloutManager(client, tokenizer, arithmetic_reward, params, samples_per_prompt=6,
+                             partial_rollout="abort_resubmit")
+    prompt = Prompt("2+5=", "7")
+
+    async def body():
+        t0 = time.monotonic()
+        undisturbed = await manager.generate_group(prompt, "warm")
+        duration = time.monotonic() - t0
+        task = asyncio.create_task(manager.generate_group(prompt, "g"))
+        await asyncio.sleep(duration * 0.45)  # in the second of three waves
+        await client.pause_generation(PauseMode.ABORT)
+        try:
+            await client.set_weight_version(1)  # the continuations run under "new weights"
+        finally:
+            await client.continue_generation()
+        result = await asyncio.wait_for(task, timeout=120)
+        await client.set_weight_version(0)
+        return undisturbed, result
+
+    undisturbed, result = loop.run_until_complete(body())
+    assert undisturbed.resubmitted == 0
+    versions = [s.model_version for s in result.samples]
+    spliced = [v for v in versions if v[0] == 0 and v[-1] == 1]
+    assert result.resubmitted >= 1 and spliced, f"no sample spans the abort: {[set(v.tolist()) for v in versions]}"
+    assert manager.resubmitted == result.resubmitted
+    model = hf_model(tiny_checkpoint)
+    worst = 0.0
+    for sample, v in zip(result.samples, versions):
+        assert sample.finish_reason is FinishReason.LENGTH and len(sample.response_ids) == 56
+        assert (np.diff(v) >= 0).all() and set(v.tolist()) <= {0, 1}
+        assert (sample.loss_mask == 1).all() and sample.sampling_mask.num_rows == 56
+        worst = max(worst, assert_matches_hf(sample, model))
+    counts = sorted(int((v == 0).sum()) for v in versions)
+    print(f"\n[measured] abort_resubmit: {result.resubmitted} resubmitted; version-0 tokens per sample {counts}; "
+          f"max |log-prob - HF| {worst:.1e}")
+
+
+# --- multi-turn: the calculator -------------------------------------------------------------------
+
+def test_calculator_evaluates_arithmetic_only():
+    assert calculate("3+4*2") == 11 and calculate(" (1+2)/4 ") == 0.75 and calculate("-7 // 2") == -4
+    for bad in ["__import__('os')", "2**10", "x+1", "", "1/0", "1" * 201]:
+        with pytest.raises(CalculatorError):
+            calculate(bad)
+
+
+def test_calculator_env_calls_and_final_answer(loop):
+    env = CalculatorEnv(max_calls=2)
+
+    async def body():
+        await env.reset(Prompt("what is 6*7?"))
+        return [await env.step(t) for t in ["let me <calc>6*7</calc>", "<calc>1/0</calc>", "<calc>1+1</calc>"]]
+
+    assert loop.run_until_complete(body()) == [
+        EnvStep("<result>42</result>", False), EnvStep("<result>error: division by zero</result>", False),
+        EnvStep("", True)]  # the third call is past max_calls
+    assert loop.run_until_complete(env.step("the answer is 42")) == EnvStep("", True)
+    assert env.stop == ("</calc>",)
+
+
+@pytest.fixture(scope="module")
+def eos_or_seven_checkpoint(tiny_checkpoint, tokenizer, tmp_path_factory):
+    """lm_head with logits +-5 * sum(h) for end-of-sequence and '7', 0 elsewhere: the policy writes
+    sevens and ends its turn with EOS wherever sum(h) > 0, which real contexts reach within a few tokens."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("tiny_moe_eos7")
+    for f in Path(tiny_checkpoint).iterdir():
+        shutil.copy(f, path / f.name)
+    weights = load_file(path / "model.safetensors")
+    head = torch.zeros_like(weights["lm_head.weight"])
+    head[tokenizer.eos_token_id] = 5.0
+    head[tokenizer.encode("7", add_special_tokens=False)[0]] = -5.0
+    weights["lm_head.weight"] = head
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_calculator_episode_is_one_sample_with_env_tokens_masked(client, tokenizer, tiny_checkpoint,
+                                                                 eos_or_seven_checkpoint, loop):
+    env = CalculatorEnv(max_calls=3, call_open="", call_close="", result_format="={}\n")  # every turn is a call
+    params = SamplingParams(max_new_tokens=8, top_k=5)
+
+    async def body():
+        await client.update_weights_from_disk(eos_or_seven_checkpoint, version=3)
+        try:
+            return await run_episode(client, tokenizer, env, Prompt("3+4="), params, max_turns=3,
+                                     max_response_tokens=48, group_id="e", episode_id="ep0")
+        finally:
+            await client.update_weights_from_disk(tiny_checkpoint, version=0)
+
+    sample = loop.run_until_complete(body())
+    assert sample.episode_id == "ep0" and sample.group_id == "e"
+    mask = sample.loss_mask.tolist()
+    # split the response into alternating policy (1) and environment (0) segments
+    segments, start = [], 0
+    for i in range(1, len(mask) + 1):
+        if i == len(mask) or mask[i] != mask[start]:
+            segments.append((mask[start], sample.response_ids[start:i]))
+            start = i
+    kinds = [kind for kind, _ in segments]
+    assert kinds[0] == 1 and kinds[-1] == 1 and kinds.count(0) >= 1, kinds  # ends with a policy turn
+    for (kind, tokens), (_, following) in zip(segments, segments[1:]):
+        if kind == 1:  # a policy turn that the environment answered: ended by EOS, answered by the tool
+            assert tokens[-1] == tokenizer.eos_token_id
+            turn_text = tokenizer.decode(tokens, skip_special_tokens=True)
+            try:
+                expected = f"={calculate(turn_text)}\n"
+            except CalculatorError as e:
+                expected = f"=error: {e}\n"
+            assert following == tokenizer.encode(expected, add_special_tokens=False)
+    assert (sample.model_version == 3).all()  # env tokens carry the version of the policy token before them
+    assert_matches_hf(sample, hf_model(eos_or_seven_checkpoint))
+    print(f"\n[measured] calculator episode: segments {[(k, len(t)) for k, t in segments]}, "
+          f"text {tokenizer.decode(sample.response_ids)!r}")

@@ -1,0 +1,223 @@
+"""The engine pool: least-loaded placement and resubmission (with stand-in engines), then one real
+SGLang server under a Ray EngineActor: generation through the pool, and killing the server
+mid-batch, after which the actor restarts it and the pool resubmits: every prompt exactly once."""
+import asyncio
+import os
+import signal
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from megarl.rollout.client import EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel
+from megarl.rollout.dispatcher import EnginePool, sglang_router_available
+from megarl.rollout.engine import EngineSettings
+from megarl.rollout.engine_actor import EngineInfo
+from megarl.rollout.sample import FinishReason, RolloutSample
+
+MODEL = ServedModel(vocab_size=100, num_layers=2, topk=2, num_experts=8, context_length=64)
+
+
+class FakeClient:
+    """Answers each prompt with one token (the prompt's first id) after ``delay`` s; the first
+    ``fail_times`` requests raise EngineUnreachable after half the delay, like a dying server."""
+
+    def __init__(self, delay=0.05, fail_times=0):
+        self.model, self.delay, self.fail_times = MODEL, delay, fail_times
+        self.requests: list[list[str]] = []
+        self.calls: list[str] = []
+
+    async def generate_batch(self, prompts, params, *, group_ids, return_routed_experts, return_sampling_mask):
+        self.requests.append(list(group_ids))
+        if self.fail_times > 0:
+            self.fail_times -= 1
+            await asyncio.sleep(self.delay / 2)
+            raise EngineUnreachable("connection reset (stand-in)")
+        await asyncio.sleep(self.delay)
+        return [RolloutSample(prompt_ids=p, response_ids=[p[0]], loss_mask=np.ones(1, np.uint8),
+                              rollout_logprobs=np.zeros(1, np.float32), model_version=np.zeros(1, np.int32),
+                              routed_experts=None, sampling_mask=None, finish_reason=FinishReason.STOP, group_id=g)
+                for p, g in zip(prompts, group_ids)]
+
+    async def pause_generation(self, mode):
+        self.calls.append(f"pause:{PauseMode(mode).value}")
+
+    async def continue_generation(self):
+        self.calls.append("continue")
+
+
+class FakeSupervisor:
+    def __init__(self):
+        self.incarnation = 0
+
+    async def ensure_healthy(self):
+        self.incarnation += 1  # every call finds the engine restarted
+        return EngineInfo(url="fake", pid=None, incarnation=self.incarnation, restarts=self.incarnation, alive=True)
+
+
+PARAMS = SamplingParams(max_new_tokens=4, top_k=5)
+
+
+def test_router_detection_says_what_this_machine_has():
+    import importlib.util
+
+    assert sglang_router_available() == (importlib.util.find_spec("sglang_router") is not None)
+
+
+def test_least_loaded_placement():
+    clients = [FakeClient(delay=0.3), FakeClient(delay=0.05)]
+    pool = EnginePool(clients)
+
+    async def body():
+        busy = asyncio.create_task(pool.generate_batch([[1]] * 3, PARAMS, group_ids=["b0", "b1", "b2"]))
+        await asyncio.sleep(0.01)
+        assert pool.in_flight == [2, 1]  # prompt by prompt to the least loaded, ties to the lower index
+        await asyncio.sleep(0.1)
+        assert pool.in_flight == [2, 0]  # the fast engine answered
+        out = await pool.generate_batch([[i + 10] for i in range(5)], PARAMS, group_ids=[f"g{i}" for i in range(5)])
+        await busy
+        return out
+
+    out = asyncio.run(body())
+    # load [2, 0]: g0, g1 -> engine 1; tie [2, 2]: g2 -> engine 0; g3 -> engine 1; tie: g4 -> engine 0.
+    assert clients[0].requests == [["b0", "b2"], ["g2", "g4"]]
+    assert clients[1].requests == [["b1"], ["g0", "g1", "g3"]]
+    assert [s.group_id for s in out] == [f"g{i}" for i in range(5)]  # prompt order kept
+    assert [s.response_ids for s in out] == [[i + 10] for i in range(5)]
+    assert pool.in_flight == [0, 0]
+
+
+def test_lost_request_is_resubmitted_after_the_restart_exactly_once():
+    clients = [FakeClient(fail_times=1), FakeClient()]
+    restarts = []
+
+    async def on_restart(index, client, info):
+        restarts.append((index, info.incarnation, list(client.calls)))
+
+    pool = EnginePool(clients, [FakeSupervisor(), FakeSupervisor()], on_restart=on_restart)
+
+    async def body():
+        await pool.pause(PauseMode.RETRACT)
+        task = asyncio.create_task(pool.generate_batch_counted([[i] for i in range(6)], PARAMS,
+                                                               group_ids=[str(i) for i in range(6)]))
+        await asyncio.sleep(0.04)  # engine 0 fails at 0.025 s, while the pool is paused
+        await pool.continue_generation()
+        return await task
+
+    result = asyncio.run(body())
+    assert [s.group_id for s in result.samples] == [str(i) for i in range(6)]
+    assert [s.response_ids for s in result.samples] == [[i] for i in range(6)]
+    assert result.resubmitted == 3 and pool.resubmitted == 3  # engine 0 held prompts 0, 2, 4
+    # the restarted engine was re-paused (the pool was paused) before the hook and the resubmission
+    assert restarts == [(0, 1, ["pause:retract", "pause:retract"])]
+    answered = [g for c in clients for r in c.requests for g in r]
+    assert sorted(answered) == sorted([str(i) for i in range(6)] + ["0", "2", "4"])
+
+
+def test_an_engine_that_always_loses_the_request_is_an_error():
+    pool = EnginePool([FakeClient(fail_times=10)], [FakeSupervisor()], max_attempts=3)
+    with pytest.raises(EngineError, match="lost 2 prompts 3 times") as error:
+        asyncio.run(pool.generate_batch([[1], [2]], PARAMS, group_ids=["a", "b"]))
+    assert not isinstance(error.value, EngineUnreachable)  # a poison request, not a lost engine
+    with pytest.raises(EngineUnreachable, match="stand-in"):  # nobody to restart it: the engine is gone
+        asyncio.run(EnginePool([FakeClient(fail_times=1)]).generate_batch([[1]], PARAMS, group_ids=["a"]))
+
+
+# --- one real engine under a Ray actor ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop for the module: the pool's HTTP connections belong to the loop that made them."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def pool(ray_session, tiny_checkpoint, tmp_path_factory, loop):
+    settings = EngineSettings(model_path=tiny_checkpoint, dtype="float32", max_total_tokens=4096,
+                              log_path=str(tmp_path_factory.mktemp("sglang_pool") / "server.log"))
+    t0 = time.monotonic()
+    pool = EnginePool.launch([settings], poll_interval_s=0.2)
+    print(f"\n[measured] engine actor start-up {time.monotonic() - t0:.1f} s")
+    yield pool
+    loop.run_until_complete(pool.aclose())
+
+
+def engine_info(pool) -> EngineInfo:
+    import ray
+
+    return ray.get(pool.actors[0].info.remote())
+
+
+def test_pool_generates_and_controls_the_engine(pool, loop):
+    params = SamplingParams(max_new_tokens=8, top_k=10)
+
+    async def body():
+        samples = await pool.generate_batch([[1, 5, 6], [1, 7]], params, group_ids=["a", "b"])
+        await pool.pause(PauseMode.IN_PLACE)
+        await pool.continue_generation()
+        return samples, await pool.weight_version()
+
+    samples, version = loop.run_until_complete(body())
+    assert [s.group_id for s in samples] == ["a", "b"] and version == 0
+    for s in samples:
+        assert s.routed_experts.shape[0] == s.num_tokens - 1 and s.sampling_mask.num_rows == len(s.response_ids)
+
+
+def test_killing_the_server_mid_batch_restarts_it_and_loses_no_sample(pool, loop):
+    n, params = 24, SamplingParams(max_new_tokens=56, top_k=10, ignore_eos=True)
+    before = engine_info(pool)
+    old_group = [p.pid for p in psutil.process_iter() if _pgid(p) == before.pid]
+
+    async def body():
+        task = asyncio.create_task(pool.generate_batch_counted(
+            [[1, 2 + i % 9, 3] for i in range(n)], params, group_ids=[f"p{i}" for i in range(n)]))
+        while pool.in_flight != [n] and not task.done():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        assert not task.done(), "the batch finished before the kill: the test would prove nothing"
+        os.kill(before.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        result = await asyncio.wait_for(task, timeout=240)
+        return result, time.monotonic() - t0
+
+    result, recovery_s = loop.run_until_complete(body())
+    after = engine_info(pool)
+    assert after.restarts == 1 and after.incarnation == before.incarnation + 1 and after.alive
+    assert after.pid != before.pid and after.url == before.url
+    assert result.resubmitted == n and pool.resubmitted >= n
+    ids = [s.group_id for s in result.samples]
+    assert ids == [f"p{i}" for i in range(n)]  # every prompt once, in order: none lost, none duplicated
+    assert all(s.finish_reason is FinishReason.LENGTH and len(s.response_ids) == 56 for s in result.samples)
+    psutil.wait_procs([psutil.Process(p) for p in old_group if psutil.pid_exists(p)], timeout=30)
+    assert [p.pid for p in psutil.process_iter() if _pgid(p) == before.pid] == []  # no orphan of the old server
+    print(f"\n[measured] kill mid-batch: {n} prompts resubmitted, all {n} samples back "
+          f"{recovery_s:.1f} s after the kill (restart included)")
+
+
+def test_stop_leaves_no_server_process(pool, loop):
+    """Last in the module: closing the pool stops the actor's server, its whole process group."""
+    pid = engine_info(pool).pid
+    group = [p for p in psutil.process_iter() if _pgid(p) == pid]
+    assert len(group) >= 2  # leader + scheduler/detokenizer
+    loop.run_until_complete(pool.aclose())
+    psutil.wait_procs(group, timeout=30)  # SIGKILLed children are reaped by init, a moment later
+    assert [p.pid for p in psutil.process_iter() if _pgid(p) == pid] == []
+
+
+def _pgid(process):
+    try:
+        return os.getpgid(process.pid)
+    except (ProcessLookupError, psutil.NoSuchProcess):
+        return None

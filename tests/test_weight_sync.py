@@ -1,0 +1,309 @@
+"""Weight sync into one real SGLang server (CPU) from Megatron trainers under every layout.
+
+For each layout the trainer (Ray actors) takes two RL steps, the weights go to the engine through
+the ``distributed`` transport (gloo, flattened buckets), and the engine's greedy continuation and
+log-probs for a fixed prompt must equal those of an HF model built from the trainer's own export
+(megatron-bridge's full gather); the recovery path then writes the same weights as a disk
+checkpoint, whose tensors must equal that export bit for bit. The colocated ``tensor`` transport,
+a failed transfer (engine held paused, then recovered) and an engine killed mid-sync (reported,
+restarted, recovered) run on the single-process trainer. The engine is shared by the module; the
+kill test, which restarts it, runs last.
+"""
+import asyncio
+import os
+import signal
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from hf_oracle import load_hf, make_samples
+
+from megarl.rollout.client import EngineError, PauseMode, SamplingParams, SGLangClient
+from megarl.rollout.engine import EngineSettings, SGLangEngine
+from megarl.sync import SyncReport, SyncSettings, WeightSync, WeightSyncError
+from megarl.trainer.distributed import Layout
+
+LM_HEAD_SCALE = 25.0  # sharpen the random-init head: greedy choices are not near-ties
+BUCKET_MB = 0.25  # the tiny model (1.9 MB) travels in ~8 buckets
+NEW_TOKENS = 8
+LOGPROB_TOLERANCE = 1e-4
+LAYOUTS = {
+    "tp2_sp": Layout(world_size=2, tp=2, sequence_parallel=True),
+    "ep2": Layout(world_size=2, ep=2),
+    "pp2": Layout(world_size=2, pp=2),
+    "tp2_ep2": Layout(world_size=4, tp=2, ep=2, sequence_parallel=True),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint, tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("tiny_moe_sync")
+    for f in Path(tiny_checkpoint).iterdir():
+        shutil.copy(f, path / f.name)
+    weights = load_file(path / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * LM_HEAD_SCALE
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint, tmp_path_factory):
+    settings = EngineSettings(model_path=checkpoint, dtype="float32", max_total_tokens=2048,
+                              log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"))
+    eng = SGLangEngine(settings)
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def prompt(checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(checkpoint).encode("3+4=")
+
+
+def rl_steps(group, layout: Layout, checkpoint: str, steps: int, seed: int) -> None:
+    """``steps`` RL steps (lr 1e-2, so the weights move visibly) on samples made by the HF model."""
+    from megarl.config.schema import AlgorithmConfig
+    from megarl.trainer.rl_batch import build_rl_batch
+
+    hf = load_hf(checkpoint)
+    for step in range(steps):
+        batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=seed + step), pad_id=0,
+                               length_multiple=layout.tp if layout.sequence_parallel else 1)
+        group.call("rl_step", batch, AlgorithmConfig(), vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=32,
+                   keep_routing=False, sequence_parallel=layout.sequence_parallel)
+
+
+def trained_group(layout: Layout, checkpoint: str, steps: int = 2):
+    """A TrainerGroup under ``layout`` after ``steps`` RL steps."""
+    from megarl.trainer.actor import TrainerGroup
+    from megarl.trainer.optimizer import OptimizerSettings
+
+    group = TrainerGroup(layout)
+    group.call("build", checkpoint, OptimizerSettings(lr=1e-2), "local", "alltoall", False)
+    rl_steps(group, layout, checkpoint, steps, seed=0)
+    return group
+
+
+@pytest.fixture(scope="module")
+def single(ray_cluster, checkpoint):
+    group = trained_group(Layout(), checkpoint)
+    yield group
+    group.shutdown()
+
+
+def hf_from_state(checkpoint: str, state: dict, tmp_path: Path):
+    """The HF model loaded (through transformers' own checkpoint conversion) from ``state``."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "hf_reference"
+    path.mkdir(exist_ok=True)
+    shutil.copy(Path(checkpoint) / "config.json", path / "config.json")
+    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    return load_hf(str(path))
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probs (full vocabulary, temperature 1) from an HF model."""
+    ids, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            ids.append(int(logp.argmax()))
+            logprobs.append(float(logp[ids[-1]]))
+    return ids[len(prompt):], logprobs
+
+
+async def engine_greedy(client: SGLangClient, prompt: list[int]):
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    return await client.generate(prompt, params, return_routed_experts=False, return_sampling_mask=False)
+
+
+def check_engine_equals_hf(sample, hf_tokens, hf_logprobs, version):
+    assert sample.response_ids == hf_tokens
+    diff = max(abs(a - b) for a, b in zip(sample.rollout_logprobs.tolist(), hf_logprobs))
+    assert diff < LOGPROB_TOLERANCE, f"engine vs HF log-probs differ by {diff}"
+    assert sample.model_version.tolist() == [version] * NEW_TOKENS
+    return diff
+
+
+def settings(tmp_path, transport="distributed", **kw) -> SyncSettings:
+    return SyncSettings(transport=transport, bucket_mb=BUCKET_MB, work_dir=str(tmp_path / "sync"), **kw)
+
+
+def read_checkpoint(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def sync_and_compare(group, engine, checkpoint, prompt, tmp_path, version, transport="distributed"):
+    """Sync, compare the engine with HF built from the trainer's export, recover through disk and
+    compare the checkpoint bit for bit. Returns (report, max log-prob diff)."""
+    reference = group.call("export_hf_state")
+    hf_tokens, hf_logprobs = hf_greedy(hf_from_state(checkpoint, reference, tmp_path), prompt, NEW_TOKENS)
+
+    async def body():
+        async with SGLangClient(engine.url, engine.model) as client:
+            sync = WeightSync(settings(tmp_path, transport), group, [client])
+            await sync.setup()
+            report = await sync.update(version, PauseMode.ABORT)
+            after = await engine_greedy(client, prompt)
+            engine_version = await client.weight_version()
+            await sync.recover(client)  # the disk path: writes v{version} and reloads it
+            recovered = await engine_greedy(client, prompt)
+            await sync.close()
+            return report, after, engine_version, recovered
+
+    report, after, engine_version, recovered = asyncio.run(body())
+    assert isinstance(report, SyncReport) and engine_version == version
+    diff = check_engine_equals_hf(after, hf_tokens, hf_logprobs, version)
+    check_engine_equals_hf(recovered, hf_tokens, hf_logprobs, version)
+    base_tokens, base_logprobs = hf_greedy(load_hf(checkpoint), prompt, NEW_TOKENS)
+    assert base_tokens != hf_tokens or max(abs(a - b) for a, b in zip(base_logprobs, hf_logprobs)) > 1e-3, \
+        "training did not move the weights: the comparison would be vacuous"
+
+    exported = read_checkpoint(tmp_path / "sync" / f"v{version}")
+    assert sorted(exported) == sorted(reference)
+    unequal = [name for name in reference if not torch.equal(exported[name], reference[name])]
+    assert not unequal, f"exported tensors differ from the trainer's gathered parameters: {unequal[:5]}"
+    assert report.bytes == sum(t.numel() * t.element_size() for t in reference.values())
+    assert report.tensors == len(reference) and report.buckets >= report.bytes // int(BUCKET_MB * 2**20)
+    assert report.peak_bucket_bytes <= 2 * max(int(BUCKET_MB * 2**20), report.largest_tensor_bytes)
+    print(f"\n[measured] {transport}: {report.bytes / 1e6:.2f} MB in {report.buckets} buckets, "
+          f"{report.total_s:.2f} s (gather {report.gather_s:.3f}, convert {report.convert_s:.3f}, "
+          f"send {report.send_s:.3f}, load {report.load_s:.3f}); max |engine - HF| log-prob {diff:.1e}")
+    return report, diff
+
+
+def test_single_process_distributed_sync_equals_hf(single, engine, checkpoint, prompt, tmp_path):
+    sync_and_compare(single, engine, checkpoint, prompt, tmp_path, version=2)
+
+
+def test_colocated_tensor_transport_equals_hf(single, engine, checkpoint, prompt, tmp_path):
+    rl_steps(single, Layout(), checkpoint, 1, seed=10)
+    sync_and_compare(single, engine, checkpoint, prompt, tmp_path, version=3, transport="tensor")
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_sync_equals_hf(name, ray_cluster, engine, checkpoint, prompt, tmp_path):
+    group = trained_group(LAYOUTS[name], checkpoint)
+    try:
+        sync_and_compare(group, engine, checkpoint, prompt, tmp_path, version=10 + list(LAYOUTS).index(name))
+    finally:
+        group.shutdown()
+
+
+def test_failed_transfer_holds_the_engine_until_recovered(single, engine, checkpoint, prompt, tmp_path,
+                                                          monkeypatch):
+    """The engine rejects the second bucket: the sync fails within its timeout, the engine (with
+    part of the weights) stays paused and serves nothing until recover() brings it to the version."""
+    rl_steps(single, Layout(), checkpoint, 1, seed=20)
+    hf_tokens, hf_logprobs = hf_greedy(hf_from_state(checkpoint, single.call("export_hf_state"), tmp_path), prompt, NEW_TOKENS)
+
+    async def body():
+        async with SGLangClient(engine.url, engine.model) as client:
+            real = client.update_weights_from_distributed
+            calls = []
+
+            async def second_bucket_rejected(names, dtypes, shapes, group_name, load_format=None):
+                calls.append(names)
+                if len(calls) == 2:
+                    raise EngineError("injected: engine rejected the bucket")
+                await real(names, dtypes, shapes, group_name, load_format)
+
+            monkeypatch.setattr(client, "update_weights_from_distributed", second_bucket_rejected)
+            sync = WeightSync(settings(tmp_path, timeout_s=20.0), single, [client])
+            await sync.setup()
+            t0 = time.monotonic()
+            with pytest.raises(WeightSyncError, match="injected") as failure:
+                await sync.update(21, PauseMode.ABORT)
+            failed_after = time.monotonic() - t0
+            print(f"\n[measured] rejected bucket: WeightSyncError after {failed_after:.1f} s")
+            waiting = asyncio.ensure_future(engine_greedy(client, prompt))
+            await asyncio.sleep(3.0)
+            served_while_held = waiting.done()
+            monkeypatch.setattr(client, "update_weights_from_distributed", real)
+            await sync.recover(client)
+            held_request = await asyncio.wait_for(waiting, 60)
+            report = await sync.update(22, PauseMode.RETRACT)  # the link forms again after the failure
+            after = await engine_greedy(client, prompt)
+            await sync.close()
+            return failure.value, failed_after, served_while_held, held_request, report, after
+
+    error, failed_after, served_while_held, held_request, report, after = asyncio.run(body())
+    assert error.held == [engine.url] and error.failed == [] and error.version == 21
+    assert failed_after < 20.0 + 30.0  # the link's timeout bounds the stuck transfer
+    assert not served_while_held, "a request was served while the engine held partial weights"
+    check_engine_equals_hf(held_request, hf_tokens, hf_logprobs, 21)  # served only after recovery
+    assert report.version == 22
+    check_engine_equals_hf(after, hf_tokens, hf_logprobs, 22)
+
+
+def test_engine_killed_during_sync_is_reported_and_recovered(single, engine, checkpoint, prompt, tmp_path,
+                                                             monkeypatch):
+    """Last in the module (restarts the engine). The engine dies after the first bucket: the sync
+    raises WeightSyncError naming it, the restarted engine (same URL) is brought to the version."""
+    rl_steps(single, Layout(), checkpoint, 1, seed=30)
+    hf_tokens, hf_logprobs = hf_greedy(hf_from_state(checkpoint, single.call("export_hf_state"), tmp_path), prompt, NEW_TOKENS)
+
+    async def body():
+        async with SGLangClient(engine.url, engine.model) as client:
+            real = client.update_weights_from_distributed
+            calls = []
+
+            async def die_after_first_bucket(names, dtypes, shapes, group_name, load_format=None):
+                calls.append(names)
+                if len(calls) == 2:
+                    os.killpg(engine.pid, signal.SIGKILL)
+                await real(names, dtypes, shapes, group_name, load_format)
+
+            monkeypatch.setattr(client, "update_weights_from_distributed", die_after_first_bucket)
+            sync = WeightSync(settings(tmp_path, timeout_s=20.0), single, [client])
+            await sync.setup()
+            during = asyncio.ensure_future(engine_greedy(client, prompt))
+            t0 = time.monotonic()
+            with pytest.raises(WeightSyncError) as failure:
+                await sync.update(31, PauseMode.ABORT)
+            print(f"\n[measured] engine killed mid-sync: WeightSyncError after {time.monotonic() - t0:.1f} s")
+            served = await asyncio.gather(during, return_exceptions=True)
+            t0 = time.monotonic()
+            monkeypatch.setattr(client, "update_weights_from_distributed", real)
+            engine.stop()
+            engine.start()  # same port: the same URL
+            await sync.recover(client)
+            print(f"[measured] restart + recover {time.monotonic() - t0:.1f} s")
+            after = await engine_greedy(client, prompt)
+            version = await client.weight_version()
+            report = await sync.update(32, PauseMode.ABORT)
+            again = await engine_greedy(client, prompt)
+            await sync.close()
+            return failure.value, served[0], after, version, report, again
+
+    error, served, after, version, report, again = asyncio.run(body())
+    assert error.failed == [engine.url] and error.held == [] and error.version == 31
+    # the request sent during the sync either ran before the pause (old version only) or failed with the engine
+    assert isinstance(served, EngineError) or set(served.model_version.tolist()) <= {22}, served
+    assert version == 31
+    check_engine_equals_hf(after, hf_tokens, hf_logprobs, 31)
+    assert report.version == 32
+    check_engine_equals_hf(again, hf_tokens, hf_logprobs, 32)

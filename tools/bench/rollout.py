@@ -1,0 +1,107 @@
+"""Rollout throughput of one real SGLang engine on the tiny checkpoint, with and without the
+Keep Routing / Keep Sampling Mask metadata.
+
+usage: python tools/bench/rollout.py [--json FILE] [--checkpoint DIR] [--new-tokens N] [--repeats R]
+                                    [--max-total-tokens N]
+
+For batch sizes 1, 8 and 32 it times ``SGLangClient.generate_batch`` (one request per batch,
+``ignore_eos`` so every sample has exactly N new tokens) ``repeats`` times after one warm-up batch
+and reports generated tokens per second (the median over repeats). The JSON has one row per
+(batch size, metadata on/off) and the top-level ``metadata_overhead_ratio``: tokens/s without
+metadata over tokens/s with it, at batch 32 (> 1 means the metadata costs throughput).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BATCH_SIZES = (1, 8, 32)
+
+log = logging.getLogger("bench.rollout")
+
+
+async def measure(client, prompts, params, batch_size: int, metadata: bool, repeats: int) -> dict:
+    batch = [prompts[i % len(prompts)] for i in range(batch_size)]
+    kwargs = dict(group_ids=[str(i) for i in range(batch_size)], return_routed_experts=metadata,
+                  return_sampling_mask=metadata)
+    await client.generate_batch(batch, params, **kwargs)  # warm-up
+    rates, seconds = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        samples = await client.generate_batch(batch, params, **kwargs)
+        dt = time.perf_counter() - t0
+        tokens = sum(len(s.response_ids) for s in samples)
+        rates.append(tokens / dt)
+        seconds.append(dt)
+    return {"batch_size": batch_size, "metadata": metadata, "tokens_per_s": statistics.median(rates),
+            "seconds_per_batch": statistics.median(seconds), "new_tokens": params.max_new_tokens,
+            "repeats": repeats}
+
+
+async def run(checkpoint: str, new_tokens: int, repeats: int, max_total_tokens: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from megarl.rollout import arithmetic
+    from megarl.rollout.client import SamplingParams, SGLangClient
+    from megarl.rollout.engine import EngineSettings, SGLangEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompts = [tokenizer(p.prompt)["input_ids"] for p in arithmetic.all_problems()]
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_k=20, ignore_eos=True)
+    settings = EngineSettings(model_path=checkpoint, dtype="float32", sampling_mask_max_tokens=20,
+                              max_total_tokens=max_total_tokens)
+    rows = []
+    with SGLangEngine(settings) as engine:
+        async with SGLangClient(engine.url, engine.model) as client:
+            for batch_size in BATCH_SIZES:
+                for metadata in (False, True):
+                    row = await measure(client, prompts, params, batch_size, metadata, repeats)
+                    log.info("batch %2d metadata %-5s: %8.1f tokens/s", batch_size, metadata, row["tokens_per_s"])
+                    rows.append(row)
+        startup_s = engine.startup_s
+    rate = {(r["batch_size"], r["metadata"]): r["tokens_per_s"] for r in rows}
+    return {
+        "metadata_overhead_ratio": rate[(32, False)] / rate[(32, True)],
+        "results": rows,
+        "engine": {"device": engine.device, "startup_s": startup_s, "checkpoint": checkpoint,
+                   "max_total_tokens": max_total_tokens},
+        "machine": {"platform": platform.platform(), "python": sys.version.split()[0]},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here (they are printed either way)")
+    parser.add_argument("--checkpoint", help="HF checkpoint directory (default: a fresh tiny demo checkpoint)")
+    parser.add_argument("--new-tokens", type=int, default=48, help="tokens generated per sample")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-total-tokens", type=int, default=8192,
+                        help="engine KV-cache capacity (SGLang's own sizing takes half the host memory on CPU)")
+    args = parser.parse_args(argv)
+    from megarl.log import setup_logging
+
+    setup_logging()
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = args.checkpoint
+        if checkpoint is None:
+            from megarl.models.tiny_moe import make_tiny_moe
+
+            checkpoint = str(make_tiny_moe(Path(tmp) / "tiny_moe"))
+        result = asyncio.run(run(checkpoint, args.new_tokens, args.repeats, args.max_total_tokens))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

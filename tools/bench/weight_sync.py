@@ -1,0 +1,220 @@
+"""Weight-sync throughput into one real SGLang engine, against the machine's limits, in one run.
+
+A synthetic Qwen3-MoE of at least 1 GB of bf16 parameters (random init, built here) is served by
+an SGLang engine; the trainer side is one Megatron rank in this process (the model built through
+megatron-bridge, no optimizer) driven by the same :class:`megarl.sync.WeightSync` the RL driver
+uses. Measured, each as GB/s of model bytes:
+
+  memcpy               one copy of a model-sized bf16 tensor in this process (best of 3)
+  raw_broadcast        one model-sized broadcast over a gloo group formed like the sync's
+                       (SGLang's init_custom_process_group, loopback), to a helper process: no engine
+  distributed_<N>mb    end-to-end sync (pause -> buckets -> load -> continue) with N MiB buckets
+  distributed_per_tensor   the naive way: one engine update call (and broadcast) per tensor
+  tensor               the colocated transport (shared memory), 256 MiB buckets
+
+The machine may be shared: every sync runs ``--repeats`` times (the best counts) and the two
+limits are measured before and after the syncs (the better counts), so a burst of foreign load
+does not decide a ratio.
+
+Top level: ``speedup_vs_per_tensor`` (best bucketed distributed / per-tensor),
+``fraction_of_transport_limit`` (best bucketed distributed / raw broadcast) and
+``fraction_of_memcpy_colocated`` (tensor / memcpy).
+
+Usage: python tools/bench/weight_sync.py --json FILE [--layers 4 --experts 64 --hidden 1024 --moe-ffn 768 --repeats 2]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import datetime
+import json
+import logging
+import multiprocessing as mp
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+log = logging.getLogger("bench.weight_sync")
+BUCKETS_MB = (64, 256, 1024)
+
+
+def build_checkpoint(out: Path, layers: int, experts: int, hidden: int, moe_ffn: int) -> int:
+    """A random bf16 Qwen3-MoE with the arithmetic tokenizer at ``out``; returns its parameter bytes."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from megarl.models.tiny_moe import train_tokenizer
+    from megarl.rollout import arithmetic
+
+    tokenizer = train_tokenizer(arithmetic.corpus(9))
+    config = Qwen3MoeConfig(
+        vocab_size=384, hidden_size=hidden, intermediate_size=4 * hidden, moe_intermediate_size=moe_ffn,
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8,
+        num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=256, tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, dtype="bfloat16",
+    )
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = Qwen3MoeForCausalLM(config)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    return nbytes
+
+
+class LocalTrainer:
+    """The trainer interface WeightSync needs (``call_all_async``) over one in-process rank: each
+    ``weight_sync_*`` call runs the RankSync method on one worker thread, like a Ray actor would."""
+
+    def __init__(self, rank_sync):
+        self.rank_sync = rank_sync
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    async def call_all_async(self, method: str, *args):
+        fn = getattr(self.rank_sync, method.removeprefix("weight_sync_"))
+        return [await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)]
+
+
+def memcpy_gbps(nbytes: int) -> float:
+    import torch
+
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def _receiver(port: int, nbytes: int) -> None:
+    import torch
+    from sglang.srt.utils.common import init_custom_process_group
+
+    group = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1,
+                                      group_name="bench-raw", timeout=datetime.timedelta(seconds=600))
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    for size in (1024, nbytes):
+        torch.distributed.broadcast(buffer[:size], group=group, group_src=0)
+
+
+def raw_broadcast_gbps(nbytes: int) -> float:
+    """One ``nbytes`` broadcast over a loopback gloo group to another process (after a tiny warm-up)."""
+    import torch
+    from sglang.srt.utils.common import init_custom_process_group
+
+    from megarl.trainer.distributed import free_port
+
+    port = free_port()
+    helper = mp.get_context("spawn").Process(target=_receiver, args=(port, nbytes))
+    helper.start()
+    group = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
+                                      group_name="bench-raw", timeout=datetime.timedelta(seconds=600))
+    buffer = torch.ones(nbytes, dtype=torch.uint8)
+    torch.distributed.broadcast(buffer[:1024], group=group, group_src=0)
+    t0 = time.perf_counter()
+    torch.distributed.broadcast(buffer, group=group, group_src=0)
+    seconds = time.perf_counter() - t0
+    helper.join(60)
+    torch.distributed.destroy_process_group(group)
+    return nbytes / seconds / 1e9
+
+
+async def run_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
+    from megarl.rollout.client import PauseMode, SGLangClient
+    from megarl.sync import SyncSettings, WeightSync
+
+    cases = [("distributed", mb) for mb in BUCKETS_MB] + [("distributed", 0), ("tensor", 256)]
+    out = {}
+    version = 0
+    async with SGLangClient(engine.url, engine.model, request_timeout_s=1800) as client:
+        for transport, mb in cases:
+            name = f"{transport}_per_tensor" if mb == 0 else (f"{transport}_{mb}mb" if transport == "distributed"
+                                                              else transport)
+            sync = WeightSync(SyncSettings(transport=transport, bucket_mb=mb, work_dir=str(work_dir),
+                                           timeout_s=1800), trainer, [client])
+            await sync.setup()
+            reports = []
+            for _ in range(repeats):
+                version += 1
+                reports.append(await sync.update(version, PauseMode.ABORT))
+                assert await client.weight_version() == version
+            await sync.close()
+            report = max(reports, key=lambda r: r.gbps)
+            out[name] = {"gbps": report.gbps, "seconds": report.total_s, "bytes": report.bytes,
+                         "buckets": report.buckets, "gather_s": report.gather_s, "convert_s": report.convert_s,
+                         "send_s": report.send_s, "load_s": report.load_s,
+                         "peak_bucket_bytes": report.peak_bucket_bytes, "all_gbps": [r.gbps for r in reports]}
+            log.info("%s: %.3f GB/s (best of %s; %.1f s, %d buckets)", name, report.gbps,
+                     [round(r.gbps, 3) for r in reports], report.total_s, report.buckets)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--moe-ffn", type=int, default=768)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+
+    from megarl.log import setup_logging
+
+    setup_logging()
+    import torch
+
+    torch.set_num_threads(1)
+    from megarl.models.bridge import build_megatron_model
+    from megarl.rollout.engine import EngineSettings, SGLangEngine
+    from megarl.sync.rank import RankSync
+    from megarl.trainer.distributed import Layout, free_port, init_rank
+
+    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
+        tmp = Path(tmp)
+        t0 = time.perf_counter()
+        nbytes = build_checkpoint(tmp / "model", args.layers, args.experts, args.hidden, args.moe_ffn)
+        log.info("synthetic Qwen3-MoE: %.2f GB of bf16 parameters (%.0f s)", nbytes / 1e9, time.perf_counter() - t0)
+        results = {"model_bytes": nbytes, "memcpy_gbps_runs": [memcpy_gbps(nbytes)],
+                   "raw_broadcast_gbps_runs": [raw_broadcast_gbps(nbytes)]}
+
+        init_rank(0, Layout(), "127.0.0.1", free_port(), backend="gloo")
+        model = build_megatron_model(tmp / "model", Layout(), dtype="bfloat16", transformer_impl="local")
+        trainer = LocalTrainer(RankSync(model))
+        engine = SGLangEngine(EngineSettings(model_path=str(tmp / "model"), dtype="bfloat16", max_total_tokens=512,
+                                             startup_timeout_s=900, log_path=str(tmp / "server.log")))
+        engine.start()
+        try:
+            results["syncs"] = asyncio.run(run_syncs(trainer, engine, tmp / "sync", args.repeats))
+        finally:
+            engine.stop()
+        results["memcpy_gbps_runs"].append(memcpy_gbps(nbytes))
+        results["raw_broadcast_gbps_runs"].append(raw_broadcast_gbps(nbytes))
+    results["memcpy_gbps"] = max(results["memcpy_gbps_runs"])
+    results["raw_broadcast_gbps"] = max(results["raw_broadcast_gbps_runs"])
+    log.info("memcpy %.2f GB/s, raw gloo broadcast %.3f GB/s", results["memcpy_gbps"], results["raw_broadcast_gbps"])
+
+    syncs = results["syncs"]
+    best = max(v["gbps"] for k, v in syncs.items() if k.endswith("mb"))
+    results["speedup_vs_per_tensor"] = best / syncs["distributed_per_tensor"]["gbps"]
+    results["fraction_of_transport_limit"] = best / results["raw_broadcast_gbps"]
+    results["fraction_of_memcpy_colocated"] = syncs["tensor"]["gbps"] / results["memcpy_gbps"]
+    Path(args.json).write_text(json.dumps(results, indent=2))
+    print(json.dumps({k: v for k, v in results.items() if k != "syncs"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
