@@ -191,9 +191,7 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
             log.info("resuming at step %d from %s", start_step, resumed.path)
         pool = EnginePool.launch(_engine_settings(cfg, start_checkpoint, 0), num_cpus=0.5)
         stack.push_async_callback(pool.aclose)
-        settings = SyncSettings(transport=cfg.sync.transport, bucket_mb=cfg.sync.bucket_mb,
-                                work_dir=str(run_dir / "weight_sync"))
-        sync = WeightSync(settings, trainer, pool.clients, initial_version=0)
+        sync = WeightSync(SyncSettings.of(cfg.sync), trainer, pool.clients, initial_version=0)
         stack.push_async_callback(sync.close)
         await sync.setup()
         pause_mode = PAUSE_FOR_PARTIAL_ROLLOUT[cfg.buffer.partial_rollout]
