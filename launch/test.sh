@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The test suite: creates or reuses .venv (tools/setup_venv.sh), then runs pytest on tests/.
-# Extra arguments go to pytest (e.g. `bash launch/test.sh -k config`).
+# Extra arguments go to pytest (e.g. `bash launch/test.sh -k config`; `-n 0` runs in one process).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash tools/setup_venv.sh
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" RAY_AUTH_MODE=disabled
-exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=15 "$@"
+# Two workers, one test file each at a time: much of the suite waits on process start-up (Ray,
+# SGLang servers, gloo ranks), which overlaps well even on 2 cores.
+exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=15 -n 2 --dist loadfile "$@"

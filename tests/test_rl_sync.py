@@ -9,7 +9,8 @@ from megarl.train import main
 
 @pytest.fixture(scope="module")
 def warm(tmp_path_factory):
-    """The warmed-up checkpoint both runs start from (base and warm paths)."""
+    """The warmed-up checkpoint the run starts from (base and warm paths). (Without the sampling mask
+    the mismatch grows beyond 1e-3: measured 1.06 end to end; asserted in tests/test_layouts.py.)"""
     root = tmp_path_factory.mktemp("rl_sync")
     paths = [f"model.hf_path={root / 'base'}", f"warmup.save_hf_path={root / 'warm'}"]
     assert main(["recipe=tiny_moe_cpu", "mode=warmup", "warmup.steps=30", f"logging.run_dir={root / 'warmup'}",
@@ -47,11 +48,3 @@ def test_sync_rl_steps_reproduce_the_engine_logprobs(tmp_path, warm):
     assert (run / "checkpoints" / "latest").read_text().strip() == "2"
     assert (run / "curves.png").is_file()
 
-
-def test_without_the_sampling_mask_the_mismatch_is_larger(tmp_path, warm):
-    """The engine samples from its top-k; a trainer that ignores that mask scores the tokens under
-    the full vocabulary and misses the engine's log-probs by the mass outside the top-k: beyond the
-    1e-3 the run with the mask stays within (previous test)."""
-    row = rl_rows(sync_run(tmp_path, warm, "steps=1", "rollout.keep_sampling_mask=false"))[0]
-    print(f"\n[measured] first-update mismatch without the sampling mask: {row['mismatch/logprob_abs_diff']:.2e}")
-    assert row["mismatch/logprob_abs_diff"] > 1e-3 and row["mismatch/ratio_dev_max"] > 1e-3
