@@ -1,4 +1,5 @@
 """Shared fixtures: the tiny demo checkpoint, built once per test session."""
+import asyncio
 import os
 
 import pytest
@@ -12,3 +13,11 @@ def tiny_checkpoint(tmp_path_factory):
     from megarl.models.tiny_moe import make_tiny_moe
 
     return str(make_tiny_moe(tmp_path_factory.mktemp("tiny_moe")))
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """One event loop per module: an HTTP client's connections belong to the loop that made them."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()

@@ -22,14 +22,6 @@ LOGPROB_TOLERANCE = 1e-3
 
 
 @pytest.fixture(scope="module")
-def loop():
-    """One event loop for the module: the client's HTTP connections belong to the loop that made them."""
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def engine(tiny_checkpoint, tmp_path_factory):
     # Two requests at a time: a group of six runs in three waves, so a pause finds some samples
     # finished, some mid-generation and some not started.

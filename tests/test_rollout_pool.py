@@ -136,14 +136,6 @@ def ray_session():
 
 
 @pytest.fixture(scope="module")
-def loop():
-    """One event loop for the module: the pool's HTTP connections belong to the loop that made them."""
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def pool(ray_session, tiny_checkpoint, tmp_path_factory, loop):
     settings = EngineSettings(model_path=tiny_checkpoint, dtype="float32", max_total_tokens=4096,
                               log_path=str(tmp_path_factory.mktemp("sglang_pool") / "server.log"))
