@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-import time
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -24,15 +23,16 @@ log = logging.getLogger("megarl.train")
 
 def warmup(cfg: DictConfig) -> list[float]:
     """Supervised warm-up on every trainer rank; saves the HF checkpoint; returns the losses."""
-    from megarl.trainer.distributed import Layout
+    from megarl.parallel import Layout
     from megarl.trainer.launch import run_ranks
+    from megarl.trainer.optimizer import OptimizerSettings
     from megarl.trainer.warmup import WarmupJob, run_warmup
 
     t, w = cfg.trainer, cfg.warmup
     job = WarmupJob(
         hf_path=cfg.model.hf_path, save_hf_path=w.save_hf_path, run_dir=cfg.logging.run_dir, steps=w.steps,
         batch_size=w.batch_size, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-        optimizer=optimizer_settings(cfg, w.lr),
+        optimizer=OptimizerSettings.from_config(cfg, w.lr),
         max_operand=cfg.task.max_operand, seed=cfg.task.seed, log_interval=w.log_interval,
         transformer_impl=cfg.model.transformer_impl.value, dispatcher=cfg.parallel.dispatcher.value,
     )
@@ -45,58 +45,18 @@ def warmup(cfg: DictConfig) -> list[float]:
 
 async def rl(cfg: DictConfig, start_checkpoint: str) -> None:
     """GRPO-style RL: the producer fills the buffer from the engines while this loop takes a batch,
-    trains one step on it and syncs the weights into the engines (see megarl/pipeline.py for how
-    the modes sync / one_step_off / async differ: only in lag and buffer depth)."""
-    from rich.progress import Progress
+    trains one step on it and syncs the weights into the engines (the modes sync / one_step_off /
+    async differ only in lag and buffer depth: megarl/pipeline/modes.py)."""
+    from megarl.algos.advantages import fill_advantages
+    from megarl.pipeline.run import open_pipeline
 
-    from megarl.metrics.gpu import GpuStats
-    from megarl.pipeline import open_pipeline
-    from megarl.rollout.manager import fill_advantages
-
-    r = cfg.rollout
-    gpu = GpuStats()
     async with open_pipeline(cfg, start_checkpoint) as pipe:
-        produced, started = pipe.producer.generated_tokens, time.monotonic()
-        with Progress() as progress:
-            bar = progress.add_task(f"RL ({cfg.mode})", total=cfg.steps, completed=pipe.start_step)
-            for step in range(pipe.start_step + 1, cfg.steps + 1):
-                if pipe.stop_signal is not None and step == pipe.start_step + 1:
-                    log.warning("stopped by %s before the first step", pipe.stop_signal)
-                    break
-                t0 = time.monotonic()
-                taken = await pipe.producer.guard(pipe.buffer.take(r.prompts_per_step, trainer_version=step - 1))
-                pipe.producer.taken(taken.groups + taken.dropped_stale)
-                stats = fill_advantages(taken.samples, cfg.algorithm.advantage)
-                t1 = time.monotonic()
-                result = await pipe.trainer.call_async("rl_step", pipe.rl_batch(taken.samples), cfg.algorithm,
-                                                       **pipe.step_kwargs())
-                t2 = time.monotonic()
-                synced = await pipe.sync_weights(step)
-                await pipe.producer.set_engine_version(step)
-                t3 = time.monotonic()
-                pipe.record_trained(step, taken.groups)
-                pipe.ledger.check()
-                row = {"reward/mean": stats.reward_mean, "response/len_mean": stats.response_len_mean,
-                       "groups/mixed_frac": stats.mixed_group_frac, "train/grad_norm": result.grad_norm,
-                       **{k if "/" in k else f"train/{k}": v for k, v in result.metrics.items()},
-                       "staleness/mean": sum(taken.staleness) / len(taken.staleness),
-                       "staleness/max": max(taken.staleness), **pipe.ledger.metrics(),
-                       "perf/tokens_per_s": (pipe.producer.generated_tokens - produced) / (t3 - started),
-                       "perf/trainer_idle_frac": (t1 - t0) / (t3 - t0),
-                       "time/wait_s": t1 - t0, "time/train_s": t2 - t1, "sync/seconds": t3 - t2,
-                       **synced, **gpu.sample()}
-                pipe.metrics.log(step, row)
-                progress.update(bar, advance=1, description=f"RL ({cfg.mode}) reward {stats.reward_mean:.2f}")
-                log.info("step %d: reward %.3f, mismatch %.2e, staleness %.2f, wait %.1fs train %.1fs sync %.1fs",
-                         step, stats.reward_mean, row.get("mismatch/logprob_abs_diff", float("nan")),
-                         row["staleness/mean"], t1 - t0, t2 - t1, t3 - t2)
-                if pipe.save_due(step):
-                    await pipe.save(step)
-                if pipe.stop_signal is not None:
-                    log.warning("stopped by %s after step %d (checkpoint saved); rerun the same command to resume",
-                                pipe.stop_signal, step)
-                    break
-    gpu.close()
+        for step in pipe.steps():
+            batch = await pipe.take_batch(step)
+            stats = fill_advantages(batch.samples, cfg.algorithm.advantage)
+            result = await pipe.trainer.rl_step(pipe.rl_batch(batch.samples), cfg.algorithm, **pipe.step_kwargs())
+            synced = await pipe.sync_weights(step)
+            await pipe.end_step(step, batch, stats, result, synced)
 
 
 def resuming(cfg: DictConfig) -> bool:
@@ -106,23 +66,12 @@ def resuming(cfg: DictConfig) -> bool:
     return cfg.mode != "warmup" and cfg.trainer.resume and latest_step(Path(cfg.logging.run_dir) / "checkpoints") is not None
 
 
-def optimizer_settings(cfg: DictConfig, lr: float):
-    from megarl.trainer.optimizer import OptimizerSettings
-
-    t = cfg.trainer
-    return OptimizerSettings(
-        lr=lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_steps, lr_decay_steps=max(cfg.steps, 1),
-        lr_decay_style=t.lr_decay_style, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-        adam_eps=t.adam_eps, clip_grad=t.clip_grad, use_distributed_optimizer=t.use_distributed_optimizer,
-        dtype=cfg.model.dtype)
-
-
 def run(cfg: DictConfig) -> None:
     from megarl.config.validate import refuse_what_is_not_built
 
     refuse_what_is_not_built(cfg)
     if cfg.mode != "warmup":
-        from megarl.pipeline import StopRequest
+        from megarl.pipeline.signals import StopRequest
 
         StopRequest.install()
     run_dir = Path(cfg.logging.run_dir)

@@ -6,7 +6,7 @@ import contextlib
 import numpy as np
 import torch
 
-from megarl.rollout.sample import FinishReason, RolloutSample, SamplingMask
+from megarl.sample import FinishReason, RolloutSample, SamplingMask
 
 
 def load_hf(path: str):

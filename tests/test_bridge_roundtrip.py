@@ -3,7 +3,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megarl.trainer.distributed import Layout
+from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
 
 

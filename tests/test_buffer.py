@@ -8,10 +8,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from megarl.buffer import Group, Ledger, Outcome, RolloutBuffer, staleness
-from megarl.buffer.accounting import AccountingError
-from megarl.rollout.producer import RolloutProducer
-from megarl.rollout.sample import FinishReason, RolloutSample
+from megarl.pipeline.buffer import Group, RolloutBuffer, staleness
+from megarl.pipeline.ledger import Ledger, Outcome
+from megarl.pipeline.ledger import AccountingError
+from megarl.pipeline.producer import RolloutProducer
+from megarl.sample import FinishReason, RolloutSample
 
 
 def sample(versions, reward=1.0, finish=FinishReason.STOP):
@@ -166,7 +167,7 @@ def test_sync_lag_waits_for_the_weights_of_the_previous_step():
 
 
 def test_a_run_whose_every_group_fails_stops_with_the_reason():
-    from megarl.rollout.producer import GenerationFailing
+    from megarl.pipeline.producer import GenerationFailing
 
     ledger = Ledger()
 

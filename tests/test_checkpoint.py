@@ -5,6 +5,7 @@ and the Adam moments shape step 4). Fresh TP2+SP processes (another seed) that l
 checkpoint must reproduce steps 3 and 4 and the RNG draws exactly; fresh EP2 processes must
 reproduce the losses within 1e-5 (model and optimizer resharded from TP to EP).
 """
+import dataclasses
 import random
 import shutil
 from pathlib import Path
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.trainer.distributed import Layout
+from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
 
 TP2 = Layout(world_size=2, tp=2, sequence_parallel=True)
@@ -24,9 +25,10 @@ DATA_POSITION = {"consumed_prompts": 16, "rng_seed": 7, "order": [3, 1, 2]}
 
 def _trainable(hf_path, layout):
     from megarl.trainer.model_setup import build_trainable
+    from megarl.config import default_config
     from megarl.trainer.optimizer import OptimizerSettings
 
-    return build_trainable(hf_path, layout, OptimizerSettings(**SETTINGS), transformer_impl="local")
+    return build_trainable(hf_path, layout, dataclasses.replace(OptimizerSettings.from_config(default_config()), **SETTINGS), transformer_impl="local")
 
 
 def _batch():
@@ -42,7 +44,7 @@ def _steps(trainable, count):
     """[(loss, grad_norm)] of ``count`` steps; loss None off the last pipeline stage."""
     from megatron.core import parallel_state
 
-    from megarl.trainer.step import supervised_step
+    from megarl.trainer.sft_step import supervised_step
 
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     out = []

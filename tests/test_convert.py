@@ -1,4 +1,4 @@
-"""Checkpoint conversion (tools/convert_checkpoint.py, megarl/models/convert.py).
+"""Checkpoint conversion (tools/convert_checkpoint.py, megarl/trainer/convert.py).
 
 HF -> torch_dist under TP2 x EP2 (2 processes) -> HF in one process is bit-exact and written in
 size-bounded shards; --verify matches HF transformers' logits and fails on a checkpoint whose
@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megarl.models import convert
-from megarl.trainer.distributed import Layout
+from megarl.trainer import convert
+from megarl.parallel import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD = 300_000  # bytes; the tiny model's 1.9 MB go into several files

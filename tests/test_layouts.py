@@ -11,7 +11,7 @@ Every layout's losses, gradient norms and metrics equal the single-process run w
 """
 import pytest
 
-from megarl.trainer.distributed import Layout
+from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
 
 LAYOUTS = {
@@ -29,11 +29,12 @@ def supervised_steps(layout, hf_path):
     from megatron.core import parallel_state
 
     from megarl.trainer.model_setup import build_trainable
+    from megarl.config import default_config
     from megarl.trainer.optimizer import OptimizerSettings
-    from megarl.trainer.step import supervised_step
+    from megarl.trainer.sft_step import supervised_step
     from megarl.trainer.token_batch import pack_sequences
 
-    trainable = build_trainable(hf_path, layout, OptimizerSettings(lr=1e-3, adam_beta2=0.99), transformer_impl="local")
+    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-3), transformer_impl="local")
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(5, 12, (8,), generator=gen).tolist()
     batch = pack_sequences([torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths], [2] * 8,
@@ -115,11 +116,12 @@ def layout_checks(rank, layout, hf_path):
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from megarl.trainer.model_setup import build_trainable
+    from megarl.config import default_config
     from megarl.trainer.optimizer import OptimizerSettings
 
     sft = supervised_steps(layout, hf_path)
     RouterReplay.clear_global_router_replay_instances()
-    frozen = build_trainable(hf_path, layout, OptimizerSettings(lr=0.0), transformer_impl="local", routing_replay=True)
+    frozen = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=0.0), transformer_impl="local", routing_replay=True)
     rl = rl_cases(frozen, layout, load_hf(hf_path))
     local_tokens = 16 // (layout.tp if layout.sequence_parallel else 1)
     return {"sft": sft, "rl": rl, "replay": replay_choices(frozen.chunks, layout), "local_tokens": local_tokens}

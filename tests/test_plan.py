@@ -15,7 +15,7 @@ from megarl.planner.arch import resolve_arch
 from megarl.planner.engine_memory import kv_bytes_per_token
 from megarl.planner.layout import broken_limits, plan_layout
 from megarl.planner.params import count_params
-from megarl.planner.pipeline import PipelineSplitError, stage_layers
+from megarl.parallel import PipelineSplitError, stage_layers
 from megarl.planner.trainer_memory import trainer_memory
 from megarl.planner.units import GIB
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from megarl.trainer.distributed import Layout
+from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
 
 SAMPLES, PROMPT, RESPONSE, TOP_K = 512, 13, 4, 20  # the tiny recipe: 64 prompts x 8, 3 + eos new tokens
@@ -130,10 +130,11 @@ def measure_rank(rank, layout, hf_path):
 
     from megarl.config.schema import AlgorithmConfig
     from megarl.trainer.model_setup import build_trainable
+    from megarl.config import default_config
     from megarl.trainer.optimizer import OptimizerSettings
     from megarl.trainer.rl_step import rl_step
 
-    trainable = build_trainable(hf_path, layout, OptimizerSettings(lr=1e-4, adam_beta2=0.99), transformer_impl="local",
+    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-4), transformer_impl="local",
                                 routing_replay=True)
     hf = AutoConfig.from_pretrained(hf_path)
     batch = synthetic_batch(hf.vocab_size, hf.num_hidden_layers, hf.num_local_experts, hf.num_experts_per_tok)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.rollout.sample import FinishReason, RolloutSample, SamplingMask
+from megarl.sample import FinishReason, RolloutSample, SamplingMask
 from megarl.trainer.logprobs import vocab_parallel_logprobs
 from megarl.trainer.rl_batch import build_rl_batch, check_routing
 

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megarl.rollout.prompt_data import ArithmeticSource, DatasetSource, Prompt, make_prompt_source
+from megarl.tasks.prompts import ArithmeticSource, DatasetSource, Prompt, make_prompt_source
 
 ROWS = [{"question": f"q{i}", "solution": i * 10, "level": i % 3} for i in range(7)]
 

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.rollout.client import PauseMode, SamplingParams, SGLangClient
-from megarl.rollout.engine import EngineSettings, SGLangEngine
+from megarl.engines.client import PauseMode, SamplingParams, SGLangClient
+from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.rollout.env import CalculatorEnv, CalculatorError, EnvStep, calculate, run_episode
-from megarl.rollout.manager import RolloutManager
-from megarl.rollout.prompt_data import Prompt
-from megarl.rollout.rewards import RewardInput, arithmetic_reward
-from megarl.rollout.sample import FinishReason
+from megarl.rollout.group import RolloutManager
+from megarl.tasks.prompts import Prompt
+from megarl.tasks.rewards import RewardInput, arithmetic_reward
+from megarl.sample import FinishReason
 
 LOGPROB_TOLERANCE = 1e-3
 
@@ -114,7 +114,7 @@ def test_bad_prompts_and_a_raising_reward_are_counted_and_the_batch_completes(cl
 
 def _synthetic(prompt, response, routing_rows_from, version, first_id):
     """A sample whose routing row j is [[routing_rows_from + j]] and mask row i is [first_id + i, token]."""
-    from megarl.rollout.sample import RolloutSample, SamplingMask
+    from megarl.sample import RolloutSample, SamplingMask
 
     r, t = len(response), len(prompt) + len(response)
     return RolloutSample(
@@ -126,7 +126,7 @@ def _synthetic(prompt, response, routing_rows_from, version, first_id):
 
 
 def test_splice_keeps_the_prefix_rows_and_appends_the_continuation():
-    from megarl.rollout.manager import splice_continuation
+    from megarl.rollout.group import splice_continuation
 
     prefix = _synthetic([1, 2, 3], [4, 5], routing_rows_from=0, version=0, first_id=100)  # rows for tokens 0..3
     continuation = _synthetic([1, 2, 3, 4, 5], [6, 7, 8], routing_rows_from=1000, version=1, first_id=200)

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from megarl.rollout.prompt_data import Prompt
-from megarl.rollout.rewards import (
+from megarl.tasks.prompts import Prompt
+from megarl.tasks.rewards import (
     RemoteRewardModel, RewardInput, RewardScorer, arithmetic_reward, exact_match_reward, load_user_reward,
     make_reward, math_reward,
 )
-from megarl.rollout.sample import FinishReason, RolloutSample
+from megarl.sample import FinishReason, RolloutSample
 
 
 def make_input(response: str, answer: str | None = "7", ended: bool = True, prompt: str = "3+4=") -> RewardInput:
@@ -63,7 +63,7 @@ def test_raise_and_timeout_are_counted_and_logged_once_per_kind(caplog):
     async def body():
         return await asyncio.gather(*(scorer(make_input(t)) for t in ["ok", "boom", "slow", "boom", "slow", "ok"]))
 
-    with caplog.at_level(logging.WARNING, logger="megarl.rollout.rewards"):
+    with caplog.at_level(logging.WARNING, logger="megarl.tasks.rewards"):
         outcomes = run(body())
     assert [o.value for o in outcomes] == [1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     assert [o.error.split(":")[0] if o.error else None for o in outcomes] == \

@@ -15,11 +15,11 @@ import pybase64
 import pytest
 import torch
 
-from megarl.rollout.client import (
+from megarl.engines.client import (
     EngineError, PauseMode, SamplingParams, ServedModel, SGLangClient, decode_routed_experts,
 )
-from megarl.rollout.engine import EngineDiedError, EngineSettings, EngineStartError, SGLangEngine
-from megarl.rollout.sample import FinishReason, RolloutSample, SamplingMask
+from megarl.engines.server import EngineDiedError, EngineSettings, EngineStartError, SGLangEngine
+from megarl.sample import FinishReason, RolloutSample, SamplingMask
 
 LM_HEAD_SCALE = 25.0  # the random-init head gives near-uniform logits; scaled, top-p masks bite
 LOGPROB_TOLERANCE = 1e-3

@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megarl.metrics.sink import read_metrics
-from megarl.rollout import arithmetic
+from megarl.tasks import arithmetic
 from megarl.train import main
 from megarl.trainer.warmup import answer_batch
 

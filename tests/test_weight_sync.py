@@ -20,10 +20,10 @@ import pytest
 import torch
 from hf_oracle import load_hf, make_samples
 
-from megarl.rollout.client import EngineError, PauseMode, SamplingParams, SGLangClient
-from megarl.rollout.engine import EngineSettings, SGLangEngine
+from megarl.engines.client import EngineError, PauseMode, SamplingParams, SGLangClient
+from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.sync import SyncReport, SyncSettings, WeightSync, WeightSyncError
-from megarl.trainer.distributed import Layout
+from megarl.parallel import Layout
 
 LM_HEAD_SCALE = 25.0  # sharpen the random-init head: greedy choices are not near-ties
 BUCKET_MB = 0.25  # the tiny model (1.9 MB) travels in ~8 buckets
@@ -93,10 +93,11 @@ def rl_steps(group, layout: Layout, checkpoint: str, steps: int, seed: int) -> N
 def trained_group(layout: Layout, checkpoint: str, steps: int = 2):
     """A TrainerGroup under ``layout`` after ``steps`` RL steps."""
     from megarl.trainer.actor import TrainerGroup
+    from megarl.config import default_config
     from megarl.trainer.optimizer import OptimizerSettings
 
     group = TrainerGroup(layout)
-    group.call("build", checkpoint, OptimizerSettings(lr=1e-2), "local", "alltoall", False)
+    group.call("build", checkpoint, OptimizerSettings.from_config(default_config(), lr=1e-2), "local", "alltoall", False)
     rl_steps(group, layout, checkpoint, steps, seed=0)
     return group
 

@@ -159,7 +159,7 @@ def measure_sync_memory(rank, layout, hf_path, out_dir, capacity):
 
 def test_sending_rank_peak_memory_is_two_buckets_plus_the_largest_tensor(tmp_path, monkeypatch):
     from megarl.models.tiny_moe import TinyMoeSpec, make_tiny_moe
-    from megarl.trainer.distributed import Layout
+    from megarl.parallel import Layout
     from megarl.trainer.launch import run_ranks
 
     # glibc returns every allocation above 64 KiB to the system when freed (no dynamic threshold

@@ -17,7 +17,7 @@ import re
 import sys
 
 from megarl.log import setup_logging
-from megarl.models import convert
+from megarl.trainer import convert
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 

@@ -7,6 +7,7 @@ and gets advantage 0, and so does every sample of a group (or batch) whose rewar
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
 import torch
@@ -82,3 +83,24 @@ ADVANTAGES: dict[str, AdvantageFn] = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": 
 def advantage_fn(name: str) -> AdvantageFn:
     """The estimator ``AlgorithmConfig.advantage`` names."""
     return choose(ADVANTAGES, name, "advantage")
+
+
+@dataclass
+class BatchStats:
+    reward_mean: float
+    response_len_mean: float
+    mixed_group_frac: float  # groups whose rewards are not all equal (GRPO has signal only there)
+    tokens: int  # generated tokens
+
+
+def fill_advantages(samples: list[RolloutSample], estimator: str) -> BatchStats:
+    """Set each sample's advantage with the configured estimator over its prompt group."""
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    groups = group_index([s.group_id for s in samples])
+    for sample, value in zip(samples, advantage_fn(estimator)(rewards, groups).tolist()):
+        sample.advantage = value
+    group_min = torch.full((int(groups.max()) + 1,), float("inf"), dtype=torch.float64).scatter_reduce(0, groups, rewards, "amin")
+    group_max = torch.full_like(group_min, float("-inf")).scatter_reduce(0, groups, rewards, "amax")
+    lengths = [len(s.response_ids) for s in samples]
+    return BatchStats(reward_mean=float(rewards.mean()), response_len_mean=sum(lengths) / len(lengths),
+                        mixed_group_frac=float((group_max > group_min).double().mean()), tokens=sum(lengths))

@@ -15,7 +15,6 @@ from megarl.algos.aggregation import aggregation_fn
 from megarl.algos.kl import kl_penalty
 from megarl.algos.off_policy import is_weights, off_policy_sequence_mask
 from megarl.algos.policy_loss import policy_loss_fn
-from megarl.config.schema import AlgorithmConfig
 
 
 @dataclass
@@ -37,8 +36,9 @@ class LossOutput:
     metrics: dict[str, torch.Tensor]  # detached scalars: pg_loss, clip_fraction, kl, entropy, is_weight_mean
 
 
-def rl_loss(batch: LossInputs, cfg: AlgorithmConfig, denominator: Optional[float] = None) -> LossOutput:
-    """The configured loss of one (micro-)batch; ``denominator`` as in :mod:`megarl.algos.aggregation`."""
+def rl_loss(batch: LossInputs, cfg, denominator: Optional[float] = None) -> LossOutput:
+    """The configured loss of one (micro-)batch; ``cfg`` is the ``algorithm`` section of the config
+    (``megarl.config.schema.AlgorithmConfig``), ``denominator`` as in :mod:`megarl.algos.aggregation`."""
     agg = aggregation_fn(cfg.loss_agg)
     dropped = None
     if cfg.off_policy_mask_kl is not None:

@@ -13,13 +13,17 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
+from megarl.config.errors import ConfigError
 from megarl.config.schema import MegarlConfig
+from megarl.config.validate import validate
 
 SCHEMA_NAME = "megarl_schema"
 
 
-class ConfigError(ValueError):
-    """A recipe or override that cannot run; the message is one line naming the key."""
+def default_config() -> DictConfig:
+    """The schema's defaults as a typed config (``model.hf_path`` unset): the one source of defaults
+    for settings built outside a recipe (tests, tools)."""
+    return OmegaConf.structured(MegarlConfig)
 
 
 def recipes_dir() -> Path:
@@ -69,8 +73,6 @@ def _unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> list
 
 def load_config(args: list[str]) -> DictConfig:
     """Compose ``recipe=NAME`` plus overrides into a resolved, validated config (a typed DictConfig)."""
-    from megarl.config.validate import validate
-
     path, overrides = _split_recipe(args)
     _register_schema()
     GlobalHydra.instance().clear()

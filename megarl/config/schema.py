@@ -151,7 +151,7 @@ class TaskConfig:
 
 @dataclass
 class RewardConfig:
-    """How samples are scored (megarl/rollout/rewards.py). A reward that raises or exceeds
+    """How samples are scored (megarl/tasks/rewards.py). A reward that raises or exceeds
     timeout_s gives the sample reward 0 and finish_reason error (counted, never fatal)."""
 
     type: str = "arithmetic"  # arithmetic | exact_match | math (math-verify) | remote | function

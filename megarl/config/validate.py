@@ -9,9 +9,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from megarl.config.load import ConfigError
+from megarl.config.errors import ConfigError
 from megarl.config.schema import MODES
-from megarl.planner.pipeline import PipelineSplitError, stage_layer_counts
+from megarl.parallel import PipelineSplitError, stage_layer_counts
 
 
 def _fail(key: str, why: str) -> None:
@@ -80,7 +80,7 @@ def validate(cfg: DictConfig) -> None:
         _fail("task.name", f"{cfg.task.name!r} is not one of arithmetic, jsonl, parquet")
     if cfg.task.name != "arithmetic" and not cfg.task.path:
         _fail("task.path", f"task {cfg.task.name} needs the dataset file")
-    from megarl.rollout.rewards import REWARD_TYPES
+    from megarl.tasks.rewards import REWARD_TYPES
 
     if cfg.reward.type not in REWARD_TYPES:
         _fail("reward.type", f"{cfg.reward.type!r} is not one of {', '.join(REWARD_TYPES)}")

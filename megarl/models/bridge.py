@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megarl.trainer.distributed import Layout
+from megarl.parallel import Layout
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from megarl.rollout import arithmetic
+from megarl.tasks import arithmetic
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from megarl.config.load import ConfigError
+from megarl.config.errors import ConfigError
 from megarl.config.schema import ArchConfig
 
 FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")

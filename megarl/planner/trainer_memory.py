@@ -11,7 +11,7 @@ Model (Megatron-LM's own accounting, Korthikanti et al. 2022 for activations):
   routed experts are divided by EP x expert-TP; the embedding sits on the first stage and the
   head on the last, both vocab-parallel over TP; the decoder layers split over the stages as
   megatron splits them, evenly or with ``parallel.first_stage_layers`` / ``last_stage_layers``
-  (megarl/planner/pipeline.py).
+  (megarl/parallel/stages.py).
 - activations for one micro-batch of ``max_tokens_per_microbatch`` tokens, split over CP, and
   over TP by sequence parallelism. A stage keeps ``pp - stage`` micro-batches in flight under
   1F1B, times ``1 + (pp-1)/(pp*vpp)`` when interleaved. ``full`` recompute keeps only every
@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 from megarl.config.schema import Recompute, TransformerImpl
 from megarl.planner.arch import Arch
 from megarl.planner.params import embedding_params, head_params, layer_params
-from megarl.planner.pipeline import stage_layers
+from megarl.parallel import stage_layers
 from megarl.planner.units import GIB, dtype_bytes
 
 FP32 = 4

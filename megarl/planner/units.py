@@ -5,7 +5,7 @@ by "GB"); link bandwidth in Gbit/s (10**9 bits per second).
 """
 from __future__ import annotations
 
-from megarl.config.load import ConfigError
+from megarl.config.errors import ConfigError
 
 GIB = 2**30
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from megarl.config.load import ConfigError
+from megarl.config.errors import ConfigError
 from megarl.planner.arch import Arch
 from megarl.planner.params import count_params, embedding_params, expert_params, head_params
 from megarl.planner.units import dtype_bytes

@@ -1,7 +1,7 @@
 """What SGLang 0.5.23 needs to serve on a machine without a GPU; inactive when CUDA is available.
 
 ``apply()`` must run before anything imports sglang, in every SGLang process (the server spawns
-its scheduler and detokenizer with the "spawn" start method; ``megarl.rollout.sglang_server``
+its scheduler and detokenizer with the "spawn" start method; ``megarl.engines.sglang_main``
 calls it at import time, which the spawned children repeat). Each work-around is named after the
 failure it prevents; ``MEGARL_SGLANG_WORKAROUNDS_OFF=name,name`` turns single ones off, which the
 tests use to show that each one is needed:

@@ -24,10 +24,10 @@ from typing import Protocol
 
 import numpy as np
 
-from megarl.rollout.client import SamplingParams, SGLangClient
-from megarl.rollout.dispatcher import EnginePool
-from megarl.rollout.prompt_data import Prompt
-from megarl.rollout.sample import FinishReason, RolloutSample, SamplingMask
+from megarl.engines.client import SamplingParams
+from megarl.engines.protocol import Engines
+from megarl.tasks.prompts import Prompt
+from megarl.sample import FinishReason, RolloutSample, SamplingMask
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class CalculatorEnv:
         return EnvStep(observation=self.result_format.format(result), done=False)
 
 
-async def run_episode(target: EnginePool | SGLangClient, tokenizer, env: Environment, prompt: Prompt,
+async def run_episode(target: Engines, tokenizer, env: Environment, prompt: Prompt,
                       params: SamplingParams, *, max_turns: int, max_response_tokens: int, routing: bool = True,
                       sampling_mask: bool = True, group_id: str = "", episode_id: str = "") -> RolloutSample:
     """One episode of ``env`` as one sample (see the module docstring). Each policy turn gets at

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.rollout.client import PauseMode
+from megarl.engines.client import PauseMode
 from megarl.sync.buckets import BucketIndex
 from megarl.sync.report import SyncReport
 from megarl.sync.settings import SyncSettings
@@ -72,7 +72,7 @@ class WeightSync:
     """Moves the trainer's weights into SGLang engines.
 
     ``trainer`` is a :class:`megarl.trainer.actor.TrainerGroup` (anything with its
-    ``call_all_async``); ``engines`` are :class:`megarl.rollout.client.SGLangClient` of engines
+    ``call_all_async``); ``engines`` are :class:`megarl.engines.client.SGLangClient` of engines
     that serve the trainer's current weights at version ``initial_version``. Calls must not
     overlap (an internal lock serialises them).
     """

@@ -70,7 +70,7 @@ class RankSync:
         """Reserve a host/port for this stage's group (senders only; None elsewhere)."""
         if not self.is_sender:
             return None
-        from megarl.trainer.distributed import free_port
+        from megarl.parallel import free_port
         from megarl.sync.transports.distributed import link_backend
 
         host = _host()

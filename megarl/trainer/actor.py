@@ -12,7 +12,7 @@ from typing import Any
 import ray
 import torch
 
-from megarl.trainer.distributed import Layout, free_port
+from megarl.parallel import Layout, free_port
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,23 @@ class TrainerGroup:
             for r in range(layout.world_size)
         ]
         self.reporter = ray.get([r.is_reporter.remote() for r in self.ranks]).index(True)
+
+    # --- typed calls: each runs on every rank and returns the reporting rank's result ---------
+    async def build(self, hf_path: str, settings, transformer_impl: str, dispatcher: str, routing_replay: bool) -> int:
+        """:meth:`TrainerRank.build` on every rank; the reporting rank's parameter count."""
+        return await self.call_async("build", hf_path, settings, transformer_impl, dispatcher, routing_replay)
+
+    async def rl_step(self, batch, algo, **kwargs):
+        """One RL optimizer step over ``batch`` (``megarl.trainer.rl_step.rl_step``); its ``RLStepResult``."""
+        return await self.call_async("rl_step", batch, algo, **kwargs)
+
+    async def save_checkpoint(self, root: str, step: int, data_position: dict) -> str:
+        """Checkpoint under ``root`` at ``step`` with the driver's data position; its path."""
+        return await self.call_async("save_checkpoint", root, step, data_position)
+
+    async def load_checkpoint(self, root: str):
+        """Restore the latest checkpoint under ``root``; its ``checkpoint.Resumed``."""
+        return await self.call_async("load_checkpoint", root)
 
     def call(self, method: str, *args, **kwargs) -> Any:
         """Run ``method`` on every rank; return the reporting rank's result."""

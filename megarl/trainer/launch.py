@@ -12,7 +12,7 @@ import queue
 import traceback
 from typing import Any, Callable
 
-from megarl.trainer.distributed import Layout, free_port
+from megarl.parallel import Layout, free_port
 
 
 class RankFailed(RuntimeError):

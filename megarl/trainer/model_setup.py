@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.models.bridge import MegatronModel, build_megatron_model
-from megarl.trainer.distributed import Layout
+from megarl.parallel import Layout
 from megarl.trainer.optimizer import OptimizerSettings, build_optimizer
 
 

@@ -8,18 +8,31 @@ import torch
 
 @dataclass(frozen=True)
 class OptimizerSettings:
+    """The optimizer and LR schedule of one run; built from the config (:meth:`from_config`), whose
+    schema (``megarl.config.schema.TrainerConfig``) is the one source of the defaults."""
+
     lr: float
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
-    lr_decay_steps: int = 1  # steps over which the LR decays (>= 1)
-    lr_decay_style: str = "constant"  # constant | linear | cosine
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    use_distributed_optimizer: bool = True
-    dtype: str = "float32"
+    min_lr: float
+    lr_warmup_steps: int
+    lr_decay_steps: int  # steps over which the LR decays (>= 1)
+    lr_decay_style: str  # constant | linear | cosine
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_eps: float
+    clip_grad: float
+    use_distributed_optimizer: bool
+    dtype: str  # float32 | bfloat16 | float16
+
+    @classmethod
+    def from_config(cls, cfg, lr: float | None = None) -> OptimizerSettings:
+        """From a run config (``trainer``, ``model.dtype``, ``steps``); ``lr`` overrides
+        ``trainer.lr`` (the warm-up has its own)."""
+        t = cfg.trainer
+        return cls(lr=t.lr if lr is None else lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_steps,
+                   lr_decay_steps=max(cfg.steps, 1), lr_decay_style=t.lr_decay_style, weight_decay=t.weight_decay,
+                   adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
+                   use_distributed_optimizer=t.use_distributed_optimizer, dtype=cfg.model.dtype)
 
 
 def build_optimizer(chunks: list, settings: OptimizerSettings):

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megarl.rollout.sample import RolloutSample
+from megarl.sample import RolloutSample
 from megarl.trainer.logprobs import CsrMask
 
 

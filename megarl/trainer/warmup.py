@@ -10,8 +10,8 @@ import logging
 import random
 from dataclasses import dataclass
 
-from megarl.rollout import arithmetic
-from megarl.trainer.distributed import Layout
+from megarl.tasks import arithmetic
+from megarl.parallel import Layout
 from megarl.trainer.optimizer import OptimizerSettings
 from megarl.trainer.token_batch import TokenBatch, pack_sequences
 
@@ -54,7 +54,7 @@ def run_warmup(rank: int, layout: Layout, job: WarmupJob) -> list[float]:
     from megarl.metrics.sink import MetricsFile
     from megarl.models.bridge import save_hf_checkpoint
     from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.step import supervised_step
+    from megarl.trainer.sft_step import supervised_step
 
     tokenizer = AutoTokenizer.from_pretrained(job.hf_path)
     trainable = build_trainable(job.hf_path, layout, job.optimizer, transformer_impl=job.transformer_impl,

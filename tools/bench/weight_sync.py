@@ -49,7 +49,7 @@ def build_checkpoint(out: Path, layers: int, experts: int, hidden: int, moe_ffn:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from megarl.models.tiny_moe import train_tokenizer
-    from megarl.rollout import arithmetic
+    from megarl.tasks import arithmetic
 
     tokenizer = train_tokenizer(arithmetic.corpus(9))
     config = Qwen3MoeConfig(
@@ -114,7 +114,7 @@ def raw_broadcast_gbps(nbytes: int) -> float:
     import torch
     from sglang.srt.utils.common import init_custom_process_group
 
-    from megarl.trainer.distributed import free_port
+    from megarl.parallel import free_port
 
     port = free_port()
     helper = mp.get_context("spawn").Process(target=_receiver, args=(port, nbytes))
@@ -132,7 +132,7 @@ def raw_broadcast_gbps(nbytes: int) -> float:
 
 
 async def run_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
-    from megarl.rollout.client import PauseMode, SGLangClient
+    from megarl.engines.client import PauseMode, SGLangClient
     from megarl.sync import SyncSettings, WeightSync
 
     cases = [("distributed", mb) for mb in BUCKETS_MB] + [("distributed", 0), ("tensor", 256)]
@@ -178,9 +178,10 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(1)
     from megarl.models.bridge import build_megatron_model
-    from megarl.rollout.engine import EngineSettings, SGLangEngine
+    from megarl.engines.server import EngineSettings, SGLangEngine
     from megarl.sync.rank import RankSync
-    from megarl.trainer.distributed import Layout, free_port, init_rank
+    from megarl.parallel import Layout, free_port
+    from megarl.trainer.distributed import init_rank
 
     with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
         tmp = Path(tmp)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import httpx
 
-from megarl.rollout import arithmetic
-from megarl.rollout.prompt_data import Prompt
-from megarl.rollout.sample import RolloutSample
+from megarl.tasks import arithmetic
+from megarl.tasks.prompts import Prompt
+from megarl.sample import RolloutSample
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Rollout of prompt groups on the engines: G samples per prompt, rewards, advantages.
 
 :class:`RolloutManager` turns one :class:`Prompt` into a :class:`GroupResult`: G samples from an
-:class:`EnginePool` (or one ``SGLangClient``), each scored by the reward function with a timeout.
+``megarl.engines.protocol.Engines`` (a pool or one client), each scored by the reward function with a timeout.
 Every outcome is counted, none is fatal:
 
 - a prompt the engine cannot take (empty, or prompt + ``max_new_tokens`` beyond the context, or
@@ -11,9 +11,6 @@ Every outcome is counted, none is fatal:
   e.g. for a weight update) is resubmitted as prompt + its response so far and the two parts are
   spliced into one sample (:func:`splice_continuation`); with ``"continue"`` it is kept as it is
   (the driver pauses with retract / in_place, and requests resume under the new weights).
-
-``rollout_groups`` (one batched request for all groups, the arithmetic task) is what the sync
-driver uses; ``RolloutManager.generate_groups`` is its general replacement.
 """
 from __future__ import annotations
 
@@ -24,27 +21,17 @@ import logging
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from megarl.algos.advantages import advantage_fn, group_index
-from megarl.rollout import arithmetic
-from megarl.rollout.client import EngineError, EngineUnreachable, SamplingParams, SGLangClient
-from megarl.rollout.dispatcher import EnginePool
-from megarl.rollout.prompt_data import Prompt
-from megarl.rollout.rewards import RewardFn, RewardInput, RewardScorer
-from megarl.rollout.sample import FinishReason, RolloutSample, SamplingMask
+from megarl.engines.client import EngineError, EngineUnreachable, SamplingParams
+from megarl.engines.protocol import Engines
+from megarl.tasks.prompts import Prompt
+from megarl.tasks.rewards import RewardFn, RewardInput, RewardScorer
+from megarl.rollout.splice import splice_continuation
+from megarl.sample import FinishReason, RolloutSample
 
 log = logging.getLogger(__name__)
 
 PARTIAL_ROLLOUT_MODES = ("continue", "abort_resubmit")
-
-
-@dataclass
-class RolloutStats:
-    reward_mean: float
-    response_len_mean: float
-    mixed_group_frac: float  # groups whose rewards are not all equal (GRPO has signal only there)
-    tokens: int  # generated tokens
 
 
 @dataclass
@@ -72,53 +59,16 @@ def _error_sample(prompt_ids: list[int], group_id: str) -> RolloutSample:
                          sampling_mask=None, finish_reason=FinishReason.ERROR, reward=0.0, group_id=group_id)
 
 
-def splice_continuation(prefix: RolloutSample, continuation: RolloutSample) -> RolloutSample:
-    """One sample from an aborted ``prefix`` and the ``continuation`` generated for the prompt
-    ``prefix.prompt_ids + prefix.response_ids``.
-
-    Response, log-probs, per-token model versions, loss mask and sampling-mask rows are
-    concatenated (the prefix's from the engine that made them); the routing keeps the prefix's rows
-    for the prompt and prefix tokens it fed and takes the continuation's rows from the last prefix
-    token on (the prefix's final token was never fed before the abort, so it has no row there).
-    """
-    p, m = len(prefix.prompt_ids), len(prefix.response_ids)
-    if continuation.prompt_ids != prefix.prompt_ids + prefix.response_ids:
-        raise ValueError("the continuation's prompt is not the prefix's prompt + response")
-    routing = None
-    if continuation.routed_experts is not None:
-        if m == 0:
-            routing = continuation.routed_experts
-        elif prefix.routed_experts is None:
-            raise ValueError("the continuation has routed experts, the prefix with tokens has none")
-        else:
-            routing = np.concatenate([prefix.routed_experts[: p + m - 1], continuation.routed_experts[p + m - 1:]])
-    mask = None
-    if continuation.sampling_mask is not None:
-        if prefix.sampling_mask is None:
-            raise ValueError("the continuation has a sampling mask, the prefix has none")
-        a, b = prefix.sampling_mask, continuation.sampling_mask
-        mask = SamplingMask(ids=np.concatenate([a.ids, b.ids]),
-                            offsets=np.concatenate([a.offsets, b.offsets[1:] + a.offsets[-1]]).astype(np.int32))
-    return RolloutSample(
-        prompt_ids=list(prefix.prompt_ids), response_ids=prefix.response_ids + continuation.response_ids,
-        loss_mask=np.concatenate([prefix.loss_mask, continuation.loss_mask]),
-        rollout_logprobs=np.concatenate([prefix.rollout_logprobs, continuation.rollout_logprobs]),
-        model_version=np.concatenate([prefix.model_version, continuation.model_version]),
-        routed_experts=routing, sampling_mask=mask, finish_reason=continuation.finish_reason,
-        group_id=prefix.group_id, episode_id=prefix.episode_id,
-    )
-
-
 class RolloutManager:
     """G samples per prompt with rewards; see the module docstring for the outcomes.
 
-    ``target`` is an :class:`EnginePool` or one ``SGLangClient``; ``reward_fn`` an async reward
-    (``megarl.rollout.rewards``), awaited with ``reward_timeout_s``. Counters over the manager's
+    ``target`` is an ``EnginePool`` or one ``SGLangClient`` (``megarl.engines.protocol.Engines``); ``reward_fn`` an async reward
+    (``megarl.tasks.rewards``), awaited with ``reward_timeout_s``. Counters over the manager's
     life: ``resubmitted``, ``rejected`` (by reason kind), ``reward_errors`` (by kind).
     ``EngineUnreachable`` (an engine gone for good) propagates: no later group could run either.
     """
 
-    def __init__(self, target: EnginePool | SGLangClient, tokenizer, reward_fn: RewardFn, params: SamplingParams,
+    def __init__(self, target: Engines, tokenizer, reward_fn: RewardFn, params: SamplingParams,
                  samples_per_prompt: int, routing: bool = True, sampling_mask: bool = True,
                  partial_rollout: str = "continue", reward_timeout_s: float = 30.0):
         if partial_rollout not in PARTIAL_ROLLOUT_MODES:
@@ -142,11 +92,10 @@ class RolloutManager:
 
     async def _generate(self, prompts: list[list[int]], params: SamplingParams,
                         group_ids: list[str]) -> tuple[list[RolloutSample], int]:
-        kwargs = dict(group_ids=group_ids, return_routed_experts=self.routing, return_sampling_mask=self.sampling_mask)
-        if isinstance(self.target, EnginePool):
-            result = await self.target.generate_batch_counted(prompts, params, **kwargs)
-            return result.samples, result.resubmitted
-        return await self.target.generate_batch(prompts, params, **kwargs), 0
+        result = await self.target.generate_batch_counted(prompts, params, group_ids=group_ids,
+                                                          return_routed_experts=self.routing,
+                                                          return_sampling_mask=self.sampling_mask)
+        return result.samples, result.resubmitted
 
     def _refusal(self, prompt: Prompt, prompt_ids: list[int]) -> tuple[str, str] | None:
         """(kind, message) when the prompt cannot be generated from, else None."""
@@ -228,41 +177,3 @@ class RolloutManager:
         text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
         return RewardInput(prompt=prompt, response_text=text, ended=sample.finish_reason is FinishReason.STOP,
                            sample=sample)
-
-
-def score(sample: RolloutSample, problem: arithmetic.Problem, tokenizer) -> float:
-    """The arithmetic reward of one sample (1.0 = exact answer then end-of-sequence)."""
-    ids = list(sample.response_ids)
-    ended = sample.finish_reason == FinishReason.STOP and bool(ids) and ids[-1] == tokenizer.eos_token_id
-    text = tokenizer.decode(ids[:-1] if ended else ids, skip_special_tokens=True)
-    return arithmetic.reward(text, problem.answer, ended)
-
-
-async def rollout_groups(client: SGLangClient | EnginePool, tokenizer, problems: list[arithmetic.Problem],
-                         samples_per_prompt: int, params: SamplingParams, *, routing: bool,
-                         sampling_mask: bool) -> list[RolloutSample]:
-    """``samples_per_prompt`` samples for each arithmetic problem, rewards filled, in prompt-major
-    order, sent as one batch (the fastest path on CPU for the demo's many short samples)."""
-    prompts, group_ids = [], []
-    for index, problem in enumerate(problems):
-        prompt_ids = tokenizer(problem.prompt)["input_ids"]
-        prompts += [prompt_ids] * samples_per_prompt
-        group_ids += [str(index)] * samples_per_prompt
-    samples = await client.generate_batch(prompts, params, group_ids=group_ids, return_routed_experts=routing,
-                                          return_sampling_mask=sampling_mask)
-    for sample in samples:
-        sample.reward = score(sample, problems[int(sample.group_id)], tokenizer)
-    return list(samples)
-
-
-def fill_advantages(samples: list[RolloutSample], estimator: str) -> RolloutStats:
-    """Set each sample's advantage with the configured estimator over its prompt group."""
-    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
-    groups = group_index([s.group_id for s in samples])
-    for sample, value in zip(samples, advantage_fn(estimator)(rewards, groups).tolist()):
-        sample.advantage = value
-    group_min = torch.full((int(groups.max()) + 1,), float("inf"), dtype=torch.float64).scatter_reduce(0, groups, rewards, "amin")
-    group_max = torch.full_like(group_min, float("-inf")).scatter_reduce(0, groups, rewards, "amax")
-    lengths = [len(s.response_ids) for s in samples]
-    return RolloutStats(reward_mean=float(rewards.mean()), response_len_mean=sum(lengths) / len(lengths),
-                        mixed_group_frac=float((group_max > group_min).double().mean()), tokens=sum(lengths))

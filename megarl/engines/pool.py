@@ -9,7 +9,7 @@ the CPU machines megarl is tested on, and routing through it would hide which en
 request, which the recovery below needs. Placing through sglang-router on GPU clusters is left to do.
 
 Recovery: when an engine becomes unreachable (its process died, see
-:class:`megarl.rollout.engine_actor.EngineActor`), the pool waits for its supervisor to restart
+:class:`megarl.engines.actor.EngineActor`), the pool waits for its supervisor to restart
 it, re-pauses it if the pool is paused, calls ``on_restart`` (e.g. to push the current weights),
 and resubmits every prompt of the lost request, placed again least-loaded. A lost HTTP request
 returns nothing, so each resubmission is the whole request; each prompt index yields exactly one
@@ -26,9 +26,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from megarl.rollout.client import EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel, SGLangClient
-from megarl.rollout.engine_actor import EngineInfo
-from megarl.rollout.sample import RolloutSample
+from megarl.engines.client import EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel, SGLangClient
+from megarl.engines.actor import EngineInfo
+from megarl.engines.protocol import BatchResult
+from megarl.sample import RolloutSample
 
 log = logging.getLogger(__name__)
 
@@ -53,21 +54,12 @@ class RayEngineSupervisor:
         self.actor = actor
 
     async def ensure_healthy(self) -> EngineInfo:
-        from megarl.rollout.engine import EngineDiedError
+        from megarl.engines.server import EngineDiedError
 
         try:
             return await self.actor.ensure_healthy.remote()
         except EngineDiedError as e:  # Ray re-raises the actor's exception as a subclass of its type
             raise EngineUnreachable(f"the engine actor gave up: {e}") from e
-
-
-@dataclass(frozen=True)
-class BatchResult:
-    """The samples of one ``generate_batch`` call, in prompt order, and how many prompts of it had
-    to be resubmitted because their engine died."""
-
-    samples: list[RolloutSample]
-    resubmitted: int
 
 
 RestartHook = Callable[[int, SGLangClient, EngineInfo], Awaitable[None]]
@@ -122,7 +114,7 @@ class EnginePool:
         initialised), wait until all are healthy, and return the pool over them."""
         import ray
 
-        from megarl.rollout.engine_actor import launch_engine_actor
+        from megarl.engines.actor import launch_engine_actor
 
         actors = [launch_engine_actor(s, num_cpus=num_cpus, num_gpus=num_gpus, poll_interval_s=poll_interval_s,
                                       max_restarts=max_restarts, unresponsive_restart_s=unresponsive_restart_s)

@@ -1,6 +1,6 @@
 """One SGLang server process: start it with the flags megarl needs, wait for health, watch, stop.
 
-The server runs as ``python -m megarl.rollout.sglang_server`` (SGLang's own launch_server behind
+The server runs as ``python -m megarl.engines.sglang_main`` (SGLang's own launch_server behind
 megarl's CPU compatibility layer) in a process group of its own, so ``stop()`` reaches its
 scheduler and detokenizer children too and leaves no orphans.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from megarl.platform import sglang_cpu
-from megarl.rollout.client import ServedModel
+from megarl.engines.client import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class SGLangEngine:
         """The server's command line."""
         s = self.settings
         cmd = [
-            sys.executable, "-m", "megarl.rollout.sglang_server",
+            sys.executable, "-m", "megarl.engines.sglang_main",
             "--model-path", s.model_path, "--host", s.host, "--port", str(self.port), "--device", self.device,
             "--dtype", s.dtype, "--random-seed", str(s.random_seed), "--weight-version", str(s.weight_version),
             "--enable-return-routed-experts", "--sampling-mask-max-tokens", str(s.sampling_mask_max_tokens),

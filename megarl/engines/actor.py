@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import httpx
 import psutil
 
-from megarl.rollout.engine import EngineDiedError, EngineSettings, EngineStartError, SGLangEngine, free_port
+from megarl.engines.server import EngineDiedError, EngineSettings, EngineStartError, SGLangEngine, free_port
 
 log = logging.getLogger(__name__)
 

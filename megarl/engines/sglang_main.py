@@ -1,4 +1,4 @@
-"""Entry point of an SGLang server process: ``python -m megarl.rollout.sglang_server <launch_server args>``.
+"""Entry point of an SGLang server process: ``python -m megarl.engines.sglang_main <launch_server args>``.
 
 Applies megarl's SGLang CPU work-arounds (only when no GPU is present) and then runs SGLang's own
 ``sglang.launch_server`` main with the same arguments. The work-arounds are applied at import time on

@@ -14,8 +14,8 @@ import asyncio
 import collections
 from dataclasses import dataclass
 
-from megarl.buffer.accounting import Ledger, Outcome
-from megarl.rollout.sample import RolloutSample
+from megarl.pipeline.ledger import Ledger, Outcome
+from megarl.sample import RolloutSample
 
 
 def staleness(sample: RolloutSample, trainer_version: int) -> int:

@@ -33,7 +33,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from megarl.trainer.distributed import Layout
+from megarl.parallel import Layout
 
 log = logging.getLogger(__name__)
 

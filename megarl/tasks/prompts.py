@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from megarl.rollout import arithmetic
+from megarl.tasks import arithmetic
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class PromptSource(Protocol):
 
 
 class ArithmeticSource:
-    """The demo task (``megarl.rollout.arithmetic``): problems drawn uniformly with replacement."""
+    """The demo task (``megarl.tasks.arithmetic``): problems drawn uniformly with replacement."""
 
     def __init__(self, max_operand: int = 9, seed: int = 0):
         self.max_operand = max_operand

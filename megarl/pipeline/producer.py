@@ -5,7 +5,7 @@ engines' weights are recent enough for the step the group will be trained at, ge
 on the engines and puts it into the buffer. How far generation may run ahead is ``lag`` weight
 versions: 0 for ``sync`` (each batch comes from the weights of the step before), 1 for
 ``one_step_off``, ``buffer.max_staleness`` for ``async``. Every prompt and sample attempt is
-counted in the :class:`~megarl.buffer.Ledger`.
+counted in the :class:`~megarl.pipeline.ledger.Ledger`.
 """
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 
-from megarl.buffer import Group, Ledger, Outcome, RolloutBuffer
-from megarl.rollout.sample import FinishReason
+from megarl.pipeline.buffer import Group, RolloutBuffer
+from megarl.pipeline.ledger import Ledger, Outcome
+from megarl.sample import FinishReason
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import httpx
 import numpy as np
 import pybase64
 
-from megarl.rollout.sample import FinishReason, RolloutSample, SamplingMask
+from megarl.engines.protocol import BatchResult
+from megarl.sample import FinishReason, RolloutSample, SamplingMask
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +209,14 @@ class SGLangClient:
             payload["rid"] = rid
         out = (await self._post("/generate", payload)).json()
         return self._to_sample(list(prompt_ids), out, return_routed_experts, return_sampling_mask, group_id, episode_id)
+
+    async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
+                                     return_routed_experts: bool = True, return_sampling_mask: bool = True) -> BatchResult:
+        """:meth:`generate_batch` as a :class:`BatchResult` (one engine resubmits nothing)."""
+        samples = await self.generate_batch(prompts, params, group_ids=group_ids,
+                                            return_routed_experts=return_routed_experts,
+                                            return_sampling_mask=return_sampling_mask)
+        return BatchResult(samples, 0)
 
     async def generate_batch(
         self,

@@ -1,21 +1,15 @@
 """The parts of an RL run and their wiring: the driver (``megarl/train.py``) reads as the algorithm,
-this module builds what it runs on and tears it down.
+this module builds what it runs on, keeps each step's books, and tears it all down.
 
 :func:`open_pipeline` starts Ray, the trainer ranks (one actor each), the SGLang engines behind one
 pool, the weight sync between them, the rollout buffer and its producer; resumes from the run
 directory's latest checkpoint when there is one (trainer state, data position, sample ledger, and
-the engines get the checkpoint's weights); and stops everything on exit.
+the engines get the checkpoint's weights); and stops everything on exit. The modes differ only in
+lag and buffer depth (:mod:`megarl.pipeline.modes`).
 
-Modes differ only in two numbers: how many weight versions generation may run ahead of training
-(``lag``) and how many prompt groups the buffer holds (``capacity``):
-
-=============  =================================  ==========================================
-mode           lag                                capacity (prompt groups)
-=============  =================================  ==========================================
-sync           0 (a batch from the last weights)  prompts_per_step
-one_step_off   1                                  prompts_per_step
-async          buffer.max_staleness               buffer.max_buffer_batches * prompts_per_step
-=============  =================================  ==========================================
+Per step, :meth:`Pipeline.take_batch` takes the oldest groups from the buffer, :meth:`Pipeline.sync_weights`
+moves the new weights into the engines, and :meth:`Pipeline.end_step` writes the trained-prompt
+log, checks the ledger, logs the metrics row and saves a checkpoint when one is due.
 """
 from __future__ import annotations
 
@@ -24,32 +18,53 @@ import contextlib
 import json
 import logging
 import os
-import signal
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import ray
 from omegaconf import DictConfig
+from rich.progress import Progress
+from transformers import AutoTokenizer
 
-from megarl.buffer import Ledger, RolloutBuffer
+from megarl.algos.advantages import BatchStats
 from megarl.config import ConfigError
+from megarl.engines.client import EngineUnreachable, PauseMode, SamplingParams, ServedModel
+from megarl.engines.pool import EnginePool
+from megarl.engines.server import EngineSettings
+from megarl.metrics.gpu import GpuStats
 from megarl.metrics.sink import MetricsFile
-from megarl.rollout.client import PauseMode
-from megarl.rollout.producer import RolloutProducer
+from megarl.parallel import Layout
+from megarl.pipeline.buffer import Group, RolloutBuffer
+from megarl.pipeline.ledger import Ledger
+from megarl.pipeline.modes import PAUSE_FOR_PARTIAL_ROLLOUT, lag_and_capacity
+from megarl.pipeline.producer import RolloutProducer
+from megarl.pipeline.signals import StopRequest
+from megarl.rollout.group import RolloutManager
+from megarl.sample import RolloutSample
+from megarl.sync import SyncSettings, WeightSync, WeightSyncError
+from megarl.tasks.prompts import Prompt, make_prompt_source
+from megarl.tasks.rewards import make_reward
+from megarl.trainer.actor import TrainerGroup
+from megarl.trainer.checkpoint import latest_step
+from megarl.trainer.optimizer import OptimizerSettings
+from megarl.trainer.rl_batch import RLBatch, build_rl_batch
 
 log = logging.getLogger(__name__)
 
-PAUSE_FOR_PARTIAL_ROLLOUT = {"continue": PauseMode.RETRACT, "abort_resubmit": PauseMode.ABORT}
 
+@dataclass
+class Batch:
+    """The prompt groups of one step, taken from the buffer, and how they came."""
 
-def lag_and_capacity(cfg: DictConfig) -> tuple[int, int, int]:
-    """(lag in weight versions, buffer capacity in groups, max staleness) of ``cfg.mode``."""
-    p, b = cfg.rollout.prompts_per_step, cfg.buffer
-    if cfg.mode == "sync":
-        return 0, p, 0
-    if cfg.mode == "one_step_off":
-        return 1, p, 1
-    return b.max_staleness, b.max_buffer_batches * p, b.max_staleness
+    groups: list[Group]
+    staleness: list[int]  # per sample, in weight versions
+    wait_s: float  # how long the trainer waited for them
+
+    @property
+    def samples(self) -> list[RolloutSample]:
+        return [s for g in self.groups for s in g.samples]
 
 
 @dataclass
@@ -57,9 +72,9 @@ class Pipeline:
     """Everything one RL run holds; see the module docstring."""
 
     cfg: DictConfig
-    trainer: object  # megarl.trainer.actor.TrainerGroup
-    pool: object  # megarl.rollout.dispatcher.EnginePool
-    sync: object  # megarl.sync.WeightSync
+    trainer: TrainerGroup
+    pool: EnginePool
+    sync: WeightSync
     buffer: RolloutBuffer
     producer: RolloutProducer
     ledger: Ledger
@@ -69,6 +84,9 @@ class Pipeline:
     start_step: int  # the last completed step (0 for a new run)
     pause_mode: PauseMode
     _trained_log: object = field(default=None, repr=False)
+    _gpu: GpuStats = field(default_factory=GpuStats, repr=False)
+    _progress: Progress | None = field(default=None, repr=False)
+    _clock: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def stop_signal(self) -> str | None:
@@ -79,47 +97,99 @@ class Pipeline:
     def checkpoint_dir(self) -> str:
         return str(Path(self.cfg.logging.run_dir) / "checkpoints")
 
-    def rl_batch(self, samples):
-        from megarl.trainer.rl_batch import build_rl_batch
+    def steps(self) -> Iterator[int]:
+        """The steps still to run, with a progress bar; ends early when a stop signal arrived
+        (the step before it checkpointed)."""
+        if self.stop_signal is not None:
+            log.warning("stopped by %s before the first step", self.stop_signal)
+            return
+        with Progress() as self._progress:
+            self._bar = self._progress.add_task(f"RL ({self.cfg.mode})", total=self.cfg.steps,
+                                                completed=self.start_step)
+            self._clock["started"], self._clock["produced"] = time.monotonic(), self.producer.generated_tokens
+            for step in range(self.start_step + 1, self.cfg.steps + 1):
+                yield step
+                if self.stop_signal is not None:
+                    log.warning("stopped by %s after step %d (checkpoint saved); rerun the same command to resume",
+                                self.stop_signal, step)
+                    return
 
+    async def take_batch(self, step: int) -> Batch:
+        """``rollout.prompts_per_step`` groups for ``step`` (the trainer holds version ``step - 1``);
+        stale groups are dropped and counted by the buffer."""
+        t0 = time.monotonic()
+        taken = await self.producer.guard(self.buffer.take(self.cfg.rollout.prompts_per_step,
+                                                           trainer_version=step - 1))
+        self.producer.taken(taken.groups + taken.dropped_stale)
+        self._clock["train_start"] = time.monotonic()
+        return Batch(groups=taken.groups, staleness=taken.staleness, wait_s=self._clock["train_start"] - t0)
+
+    def rl_batch(self, samples: list[RolloutSample]) -> RLBatch:
+        """The trainer's tensors for ``samples`` (advantages filled)."""
         p = self.cfg.parallel
         return build_rl_batch(samples, self.pad_id, p.tp if p.sequence_parallel else 1,
                               with_sampling_mask=self.cfg.rollout.keep_sampling_mask)
 
     def step_kwargs(self) -> dict:
+        """The rl_step arguments that come from the config and the served model."""
         r, p = self.cfg.rollout, self.cfg.parallel
         return dict(vocab_size=self.vocab_size, max_tokens_per_microbatch=self.cfg.trainer.max_tokens_per_microbatch,
                     keep_routing=r.keep_routing, sequence_parallel=p.sequence_parallel, temperature=r.temperature)
 
-    def record_trained(self, step: int, groups) -> None:
-        """Append the prompt indices trained at ``step`` to ``trained_prompts.jsonl`` (the audit
-        trail that shows no prompt is trained twice across resumes)."""
-        self._trained_log.write(json.dumps({"step": step, "prompts": sorted(g.index for g in groups)}) + "\n")
-        self._trained_log.flush()
-
     async def sync_weights(self, version: int) -> dict[str, float]:
-        """Sync the trainer's weights into the engines as ``version``; its metrics. A failed sync is
-        reported and survived: engines held with partial weights are brought to ``version`` from
-        disk, dead ones when their supervisor has restarted them (``pool.on_restart``)."""
-        from megarl.sync import WeightSyncError
-
+        """Sync the trainer's weights into the engines as ``version`` and let generation use them;
+        the sync's metrics. A failed sync is reported and survived: engines held with partial
+        weights are brought to ``version`` from disk, dead ones when their supervisor has
+        restarted them (``pool.on_restart``)."""
+        self._clock["sync_start"] = time.monotonic()
         try:
-            return (await self.sync.update(version, self.pause_mode)).metrics()
+            synced = (await self.sync.update(version, self.pause_mode)).metrics()
         except WeightSyncError as exc:
             log.error("%s", exc)
             for client in self.pool.clients:
                 if client.base_url in exc.held:
                     await self.sync.recover(client)
-            return {"sync/failed": 1.0}
+            synced = {"sync/failed": 1.0}
+        await self.producer.set_engine_version(version)
+        return synced
 
-    def save_due(self, step: int) -> bool:
+    async def end_step(self, step: int, batch: Batch, stats: BatchStats, result, synced: dict[str, float]) -> None:
+        """The step's books: trained-prompt log, ledger check, metrics row, progress, checkpoint.
+        ``result`` is the trainer's ``RLStepResult``, ``synced`` what :meth:`sync_weights` returned."""
+        now, c = time.monotonic(), self._clock
+        self._record_trained(step, batch.groups)
+        self.ledger.check()
+        row = {"reward/mean": stats.reward_mean, "response/len_mean": stats.response_len_mean,
+               "groups/mixed_frac": stats.mixed_group_frac, "train/grad_norm": result.grad_norm,
+               **{k if "/" in k else f"train/{k}": v for k, v in result.metrics.items()},
+               "staleness/mean": sum(batch.staleness) / len(batch.staleness), "staleness/max": max(batch.staleness),
+               **self.ledger.metrics(),
+               "perf/tokens_per_s": (self.producer.generated_tokens - c["produced"]) / (now - c["started"]),
+               "perf/trainer_idle_frac": batch.wait_s / (now - c["train_start"] + batch.wait_s),
+               "time/wait_s": batch.wait_s, "time/train_s": c["sync_start"] - c["train_start"],
+               "sync/seconds": now - c["sync_start"], **synced, **self._gpu.sample()}
+        self.metrics.log(step, row)
+        self._progress.update(self._bar, advance=1, description=f"RL ({self.cfg.mode}) reward {stats.reward_mean:.2f}")
+        log.info("step %d: reward %.3f, mismatch %.2e, staleness %.2f, wait %.1fs train %.1fs sync %.1fs",
+                 step, stats.reward_mean, row.get("mismatch/logprob_abs_diff", float("nan")), row["staleness/mean"],
+                 row["time/wait_s"], row["time/train_s"], row["sync/seconds"])
+        if self._save_due(step):
+            await self.save(step)
+
+    def _record_trained(self, step: int, groups: list[Group]) -> None:
+        """Append the prompt indices trained at ``step`` to ``trained_prompts.jsonl`` (the audit
+        trail that shows no prompt is trained twice across resumes)."""
+        self._trained_log.write(json.dumps({"step": step, "prompts": sorted(g.index for g in groups)}) + "\n")
+        self._trained_log.flush()
+
+    def _save_due(self, step: int) -> bool:
         interval = self.cfg.trainer.save_interval
         return step == self.cfg.steps or self.stop_signal is not None or (interval > 0 and step % interval == 0)
 
     async def save(self, step: int) -> None:
         """Checkpoint the trainer with the data position and the ledger (all ranks, collective)."""
         position = self.producer.state_dict() | {"ledger": self.ledger.state_dict()}
-        path = await self.trainer.call_async("save_checkpoint", self.checkpoint_dir, step, position)
+        path = await self.trainer.save_checkpoint(self.checkpoint_dir, step, position)
         log.info("step %d: checkpoint %s", step, path)
 
 
@@ -132,8 +202,6 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
 
 
 def _engine_settings(cfg: DictConfig, start_checkpoint: str, weights_version: int):
-    from megarl.rollout.engine import EngineSettings
-
     r = cfg.rollout
     run_dir = Path(cfg.logging.run_dir)
     # dtype: the trainer's. SGLang's "auto" serves a float32 checkpoint in float16, which alone
@@ -147,20 +215,6 @@ def _engine_settings(cfg: DictConfig, start_checkpoint: str, weights_version: in
 @contextlib.asynccontextmanager
 async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator[Pipeline]:
     """Build (or resume) the run's pipeline; everything is stopped when the block exits."""
-    import ray
-    from transformers import AutoTokenizer
-
-    from megarl.rollout.client import EngineUnreachable, SamplingParams, ServedModel
-    from megarl.rollout.dispatcher import EnginePool
-    from megarl.rollout.manager import RolloutManager
-    from megarl.rollout.prompt_data import Prompt, make_prompt_source
-    from megarl.rollout.rewards import make_reward
-    from megarl.sync import SyncSettings, WeightSync
-    from megarl.trainer.actor import TrainerGroup
-    from megarl.trainer.checkpoint import latest_step
-    from megarl.trainer.distributed import Layout
-    from megarl.train import optimizer_settings
-
     r, p, t = cfg.rollout, cfg.parallel, cfg.trainer
     run_dir = Path(cfg.logging.run_dir)
     layout = Layout.from_config(p)
@@ -181,11 +235,11 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
         stack.callback(ray.shutdown)
         trainer = TrainerGroup(layout, backend=p.backend, seed=t.seed)
         stack.callback(trainer.shutdown)
-        await trainer.call_async("build", start_checkpoint, optimizer_settings(cfg, t.lr),
-                                 cfg.model.transformer_impl.value, p.dispatcher.value, r.keep_routing)
+        await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg), cfg.model.transformer_impl.value,
+                            p.dispatcher.value, r.keep_routing)
         position, ledger, start_step = None, Ledger(), 0
         if resume_step is not None:
-            resumed = await trainer.call_async("load_checkpoint", str(checkpoints))
+            resumed = await trainer.load_checkpoint(str(checkpoints))
             start_step, position = resumed.step, resumed.data_position
             ledger = Ledger.from_state_dict(position["ledger"])
             log.info("resuming at step %d from %s", start_step, resumed.path)
@@ -229,6 +283,7 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
         pipe = Pipeline(cfg=cfg, trainer=trainer, pool=pool, sync=sync, buffer=buffer, producer=producer,
                         ledger=ledger, metrics=metrics, pad_id=tokenizer.pad_token_id, vocab_size=served.vocab_size,
                         start_step=start_step, pause_mode=pause_mode, _trained_log=trained_log)
+        stack.callback(pipe._gpu.close)
         producer_task = asyncio.create_task(producer.run())
         stack.push_async_callback(producer.stop)
         stack.callback(producer_task.cancel)
@@ -237,21 +292,3 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
     except BaseException:
         await stack.aclose()
         raise
-
-
-class StopRequest:
-    """SIGTERM / SIGUSR1 (SLURM's preemption and time-limit warnings) ask the run to stop: the RL
-    loop checkpoints after the step in progress and exits. Installed once per process by the
-    driver, before anything else starts, so a signal during start-up is not lost."""
-
-    signal_name: str | None = None
-
-    @classmethod
-    def install(cls) -> None:
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, cls._handle)
-
-    @classmethod
-    def _handle(cls, signum, frame) -> None:
-        cls.signal_name = signal.Signals(signum).name
-        log.warning("%s received: checkpoint after the current step, then exit", cls.signal_name)

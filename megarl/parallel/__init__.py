@@ -1,0 +1,6 @@
+"""Layouts and where ranks meet: imported by models/, trainer/, sync/ and the planner alike."""
+from megarl.parallel.layout import Layout
+from megarl.parallel.network import free_port
+from megarl.parallel.stages import PipelineSplitError, stage_layer_counts, stage_layers
+
+__all__ = ["Layout", "PipelineSplitError", "free_port", "stage_layer_counts", "stage_layers"]

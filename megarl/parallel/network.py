@@ -1,0 +1,11 @@
+"""Addresses and ports for the rendezvous of trainer ranks, weight-sync groups and engines."""
+from __future__ import annotations
+
+import socket
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,43 @@
+"""Continuation splicing: one sample from an aborted prefix and the rest generated after it."""
+from __future__ import annotations
+
+import numpy as np
+
+from megarl.sample import RolloutSample, SamplingMask
+
+
+def splice_continuation(prefix: RolloutSample, continuation: RolloutSample) -> RolloutSample:
+    """One sample from an aborted ``prefix`` and the ``continuation`` generated for the prompt
+    ``prefix.prompt_ids + prefix.response_ids``.
+
+    Response, log-probs, per-token model versions, loss mask and sampling-mask rows are
+    concatenated (the prefix's from the engine that made them); the routing keeps the prefix's rows
+    for the prompt and prefix tokens it fed and takes the continuation's rows from the last prefix
+    token on (the prefix's final token was never fed before the abort, so it has no row there).
+    """
+    p, m = len(prefix.prompt_ids), len(prefix.response_ids)
+    if continuation.prompt_ids != prefix.prompt_ids + prefix.response_ids:
+        raise ValueError("the continuation's prompt is not the prefix's prompt + response")
+    routing = None
+    if continuation.routed_experts is not None:
+        if m == 0:
+            routing = continuation.routed_experts
+        elif prefix.routed_experts is None:
+            raise ValueError("the continuation has routed experts, the prefix with tokens has none")
+        else:
+            routing = np.concatenate([prefix.routed_experts[: p + m - 1], continuation.routed_experts[p + m - 1:]])
+    mask = None
+    if continuation.sampling_mask is not None:
+        if prefix.sampling_mask is None:
+            raise ValueError("the continuation has a sampling mask, the prefix has none")
+        a, b = prefix.sampling_mask, continuation.sampling_mask
+        mask = SamplingMask(ids=np.concatenate([a.ids, b.ids]),
+                            offsets=np.concatenate([a.offsets, b.offsets[1:] + a.offsets[-1]]).astype(np.int32))
+    return RolloutSample(
+        prompt_ids=list(prefix.prompt_ids), response_ids=prefix.response_ids + continuation.response_ids,
+        loss_mask=np.concatenate([prefix.loss_mask, continuation.loss_mask]),
+        rollout_logprobs=np.concatenate([prefix.rollout_logprobs, continuation.rollout_logprobs]),
+        model_version=np.concatenate([prefix.model_version, continuation.model_version]),
+        routed_experts=routing, sampling_mask=mask, finish_reason=continuation.finish_reason,
+        group_id=prefix.group_id, episode_id=prefix.episode_id,
+    )
