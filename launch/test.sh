@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The test suite: creates or reuses .venv (tools/setup_venv.sh), then runs pytest on tests/.
+# The test suite: creates or reuses .venv (tools/setup_venv.sh), runs `ruff check .` (settings in
+# pyproject.toml; a lint failure fails the run before any test starts), then runs pytest on tests/.
 # Extra arguments go to pytest (e.g. `bash launch/test.sh -k config`; `-n 0` runs in one process).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash tools/setup_venv.sh
+.venv/bin/ruff check .
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" RAY_AUTH_MODE=disabled
 # Two workers, one test file each at a time: much of the suite waits on process start-up (Ray,
 # SGLang servers, gloo ranks), which overlaps well even on 2 cores.

@@ -1,9 +1,10 @@
 """Parallelism and memory planner: ``python -m megarl.plan recipe=NAME [overrides] [--json FILE]``.
 
 Prints the parameter counts, each trainer pipeline stage's per-GPU memory, one engine GPU's
-weights and KV cache, and the weight sync's bytes and time (a rich table), and writes the same as
+weights and KV cache, the weight sync's bytes and time, and the placement (the node and device of
+every trainer and engine rank, the weight-sync groups) as rich tables, and writes the same as
 JSON. Exit status: 0 when the layout fits, 2 with one line per broken limit on stderr when it does
-not, 1 for a recipe that does not load.
+not or cannot be placed (one line naming the key), 1 for a recipe that does not load.
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from rich.console import Console
 from rich.table import Table
 
 from megarl.config import ConfigError, load_config
+from megarl.config.validate import PlacementError
 from megarl.planner.layout import LayoutPlan, broken_limits, gib_dict, plan_layout
+from megarl.planner.placement import PlacementPlan, ranges, span
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,31 @@ def render(plan: LayoutPlan, console: Console) -> None:
         sync.add_column(col, justify="right")
     sync.add_row(f"{w.bytes_per_sync / 2**30:.1f}", str(w.buckets), f"{w.largest_tensor_bytes / 2**20:.0f}", f"{w.seconds:.2f}")
     console.print(sync)
+    render_placement(plan.placement, console)
+
+
+def render_placement(placement: PlacementPlan, console: Console) -> None:
+    """Which node and device holds each rank, and the weight-sync groups."""
+    nodes = Table(title=f"placement ({placement.placement}): {placement.nodes} node{'s' * (placement.nodes != 1)} x "
+                        f"{placement.gpus_per_node} GPUs")
+    for col in ("node", "devices", "trainer ranks", "stage", "engine", "engine ranks"):
+        nodes.add_column(col, justify="right")
+    for seg in placement.segments():
+        nodes.add_row(str(seg.node), span(seg.devices), span(seg.trainer_ranks),
+                      "-" if seg.stage is None else str(seg.stage), "-" if seg.engine is None else str(seg.engine),
+                      span(seg.engine_ranks))
+    console.print(nodes)
+
+    groups = Table(title="weight-sync groups (one per pipeline stage)")
+    for col in ("stage", "sender (node:device)", "engine ranks", "group size", "nodes"):
+        groups.add_column(col, justify="right")
+    engine_nodes = sorted({d.node for ranks in placement.engines for d in ranks})
+    for g in placement.sync_groups:
+        sender = placement.trainer[g.sender]
+        groups.add_row(str(g.stage), f"rank {g.sender} ({sender.node}:{sender.device})",
+                       f"{len(placement.engines)} engines x {len(placement.engines[0])}", str(g.size),
+                       ranges(sorted(set(engine_nodes) | {sender.node})))
+    console.print(groups)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args)
         plan = plan_layout(cfg)
+    except PlacementError as exc:
+        print(f"plan: cannot be placed: {exc}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     except ConfigError as exc:
         print(f"plan: {exc}", file=sys.stderr)
         return 1

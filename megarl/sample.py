@@ -1,4 +1,4 @@
-"""The rollout sample: one prompt + one response with everything training needs (DESIGN.md section 3).
+"""The rollout sample: one prompt + one response with everything training needs (docs/architecture.md, "The sample").
 
 Shapes, for P prompt tokens, R response tokens and T = P + R:
 ``loss_mask`` uint8 [R], ``rollout_logprobs`` float32 [R], ``model_version`` int32 [R],

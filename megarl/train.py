@@ -25,21 +25,13 @@ def warmup(cfg: DictConfig) -> list[float]:
     """Supervised warm-up on every trainer rank; saves the HF checkpoint; returns the losses."""
     from megarl.parallel import Layout
     from megarl.trainer.launch import run_ranks
-    from megarl.trainer.optimizer import OptimizerSettings
     from megarl.trainer.warmup import WarmupJob, run_warmup
 
-    t, w = cfg.trainer, cfg.warmup
-    job = WarmupJob(
-        hf_path=cfg.model.hf_path, save_hf_path=w.save_hf_path, run_dir=cfg.logging.run_dir, steps=w.steps,
-        batch_size=w.batch_size, max_tokens_per_microbatch=t.max_tokens_per_microbatch,
-        optimizer=OptimizerSettings.from_config(cfg, w.lr),
-        max_operand=cfg.task.max_operand, seed=cfg.task.seed, log_interval=w.log_interval,
-        transformer_impl=cfg.model.transformer_impl.value, dispatcher=cfg.parallel.dispatcher.value,
-    )
+    job = WarmupJob.from_config(cfg)
     losses = run_ranks(run_warmup, Layout.from_config(cfg.parallel), job, backend=cfg.parallel.backend,
-                       seed=t.seed)[-1]
+                       seed=cfg.trainer.seed)[-1]
     log.info("warm-up loss %.3f -> %.3f over %d steps; HF checkpoint: %s", losses[0], losses[-1], len(losses),
-             w.save_hf_path)
+             job.save_hf_path)
     return losses
 
 
@@ -53,7 +45,8 @@ async def rl(cfg: DictConfig, start_checkpoint: str) -> None:
     async with open_pipeline(cfg, start_checkpoint) as pipe:
         for step in pipe.steps():
             batch = await pipe.take_batch(step)
-            stats = fill_advantages(batch.samples, cfg.algorithm.advantage)
+            penalties = await pipe.kl_penalties(batch.samples)  # KL to the reference, when in the reward
+            stats = fill_advantages(batch.samples, cfg.algorithm.advantage, penalties)
             result = await pipe.trainer.rl_step(pipe.rl_batch(batch.samples), cfg.algorithm, **pipe.step_kwargs())
             synced = await pipe.sync_weights(step)
             await pipe.end_step(step, batch, stats, result, synced)

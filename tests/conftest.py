@@ -21,3 +21,21 @@ def loop():
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()
+
+
+@pytest.fixture(scope="module")
+def fake_nodes(request):
+    """Fake nodes (tests/netns.py): ``FAKE_NODE_COUNT`` (a module global, default 3) network
+    namespaces on one bridge, shared by the module and removed after it, failed tests included.
+    Without root or iproute2 the module's tests are skipped, under ``CI=true`` they fail."""
+    import netns
+
+    missing = netns.missing_prerequisite()
+    if missing is not None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"multi-node tests cannot run: {missing}")
+        pytest.skip(missing)
+    nodes = netns.FakeNodes(getattr(request.module, "FAKE_NODE_COUNT", 3))
+    with nodes:
+        yield nodes
+    assert not nodes.leftovers(), f"fake nodes left behind: {nodes.leftovers()}"

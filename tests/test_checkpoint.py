@@ -32,12 +32,12 @@ def _trainable(hf_path, layout):
 
 
 def _batch():
-    from megarl.trainer.token_batch import pack_sequences
+    from megarl.trainer.token_batch import token_batch
 
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(5, 12, (8,), generator=gen).tolist()
     sequences = [torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths]
-    return pack_sequences(sequences, [2] * 8, pad_id=0, length_multiple=2)
+    return token_batch(sequences, [2] * 8)
 
 
 def _steps(trainable, count):

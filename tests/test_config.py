@@ -1,4 +1,5 @@
 """Recipes compose onto the typed schema; every bad input exits non-zero with one line naming the key."""
+import json
 import subprocess
 import sys
 
@@ -6,6 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from megarl.config import ConfigError, load_config
+from megarl.config.validate import check_inputs
 from megarl.train import main
 
 
@@ -33,11 +35,26 @@ BAD_INPUTS = [
     (["parallel.world_size=2", "parallel.tp=2"], "parallel.sequence_parallel", "requires sequence_parallel"),
     (["parallel.world_size=4", "parallel.pp=4"], "parallel.pp", "2 layers do not split"),
     (["mode=fast"], "mode", "not one of"),
-    (["placement=colocated"], "placement", "not built yet"),
+    (["placement=colocated"], "sync.transport", "colocated placement needs sync.transport=tensor"),
     (["rollout.engine_tp=2"], "rollout.engine_tp", "not passed to SGLang yet"),
     (["algorithm.kl_coef=0.1"], "algorithm.kl_coef", "needs a reference model"),
     (["sync.transport=carrier_pigeon"], "sync.transport", "not one of distributed, tensor, disk"),
-    (["buffer.partial_rollout=later"], "buffer.partial_rollout", "continue or abort_resubmit"),
+    (["buffer.partial_rollout=later"], "buffer.partial_rollout", "'later' is not one of continue, abort_resubmit"),
+    (["algorithm.advantage=ppo"], "algorithm.advantage", "'ppo' is not one of grpo, dr_grpo, rloo, reinforce_pp"),
+    (["algorithm.policy_loss=ppoo"], "algorithm.policy_loss", "'ppoo' is not one of ppo, gspo, cispo"),
+    (["algorithm.loss_agg=sum"], "algorithm.loss_agg", "is not one of token_mean, seq_mean_token_mean"),
+    (["algorithm.kl_type=k4"], "algorithm.kl_type", "'k4' is not one of k1, k2, k3, k3_is"),
+    (["algorithm.off_policy_correction=is"], "algorithm.off_policy_correction", "'is' is not one of none, tis, mis"),
+    (["algorithm.off_policy_level=batch"], "algorithm.off_policy_level", "'batch' is not one of token, sequence"),
+    (["algorithm.dual_clip=3", "algorithm.policy_loss=gspo"], "algorithm.dual_clip", "ppo policy loss only"),
+    (["algorithm.is_threshold=0.5"], "algorithm.is_threshold", "must be >= 1"),
+    (["rollout.top_p=0"], "rollout.top_p", "must be in (0, 1]"),
+    (["rollout.max_new_tokens=0"], "rollout.max_new_tokens", "must be >= 1"),
+    (["reward.type=bleu"], "reward.type", "'bleu' is not one of arithmetic, exact_match, math, remote, function"),
+    (["reward.type=remote", "reward.url=localhost:8000"], "reward.url", "is not an http(s) URL"),
+    (["reward.type=function", "reward.path=json.no_such_fn"], "reward.path", "AttributeError"),
+    (["reward.type=function", "reward.path=nope.mod.fn"], "reward.path", "No module named 'nope'"),
+    (["task.name=jsonl", "task.path=/nope.jsonl"], "task.path", "/nope.jsonl does not exist"),
     (["trainer.recompute=full"], "trainer.recompute", "not applied by the trainer yet"),
     (["task.name=jsonl"], "task.path", "needs the dataset file"),
     (["task.name=csv"], "task.name", "is not one of arithmetic, jsonl, parquet"),
@@ -71,3 +88,141 @@ def test_bad_input_exits_non_zero_from_the_command_line():
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert result.stderr.strip() == "megarl: config error: parallel.tp: Value 'two' of type 'str' could not be converted to Integer"
+
+
+# --- names come from the registries of the code that uses them ------------------------------------
+
+def _companions(key: str, name: str, tmp_path) -> list[str]:
+    """The overrides a name needs besides itself to load (a dataset file, a URL, a function)."""
+    if key == "task.name" and name in ("jsonl", "parquet"):
+        import datasets
+
+        path = tmp_path / f"rows.{name}"
+        rows = datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}])
+        rows.to_json(str(path)) if name == "jsonl" else rows.to_parquet(str(path))
+        return [f"task.path={path}"]
+    if key == "reward.type":
+        return {"remote": ["reward.url=http://localhost:8000/reward"],
+                "function": ["reward.path=megarl.tasks.rewards.exact_match_reward"]}.get(name, [])
+    return []
+
+
+def test_every_registered_name_loads_and_the_defaults_are_registered(tmp_path):
+    from megarl.config.load import default_config
+    from megarl.config.validate import REGISTRIES
+
+    defaults = default_config()
+    for key, names in REGISTRIES.items():
+        assert OmegaConf.select(defaults, key) in names, key
+        for name in names:
+            load_config(["recipe=tiny_moe_cpu", f"{key}={name}", *_companions(key, name, tmp_path)])
+
+
+# --- inputs an RL run reads, checked by the driver before it starts anything ----------------------
+
+def loaded(args: list[str]):
+    """``load_config`` plus the driver's input checks."""
+    cfg = load_config(args)
+    check_inputs(cfg)
+    return cfg
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_dataset_fields_are_checked_from_the_first_rows(tmp_path):
+    load_config(["recipe=tiny_moe_cpu", "task.name=jsonl", "task.path=/nope.jsonl"])  # the planner: files are elsewhere
+    path = _write_jsonl(tmp_path / "rows.jsonl", [{"question": "a"}, {"question": "b", "solution": 2}])
+    base = ["recipe=tiny_moe_cpu", "task.name=jsonl", f"task.path={path}"]
+    cfg = loaded([*base, "task.prompt_key=question", "task.answer_key=solution"])  # fields of any first row
+    assert cfg.task.path == str(path)
+    loaded([*base, "task.prompt_key=question", "task.answer_key="])  # no answers
+    with pytest.raises(ConfigError, match=r"^task.prompt_key: 'prompt' is not a field of .*rows.jsonl; "
+                                          r"its rows have question, solution$"):
+        loaded(base)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ConfigError, match="^task.path: .*empty.jsonl has no rows"):
+        loaded(["recipe=tiny_moe_cpu", "task.name=jsonl", f"task.path={tmp_path / 'empty.jsonl'}"])
+    (tmp_path / "array.json").write_text(json.dumps([{"question": "a"}], indent=1))  # not JSON Lines:
+    loaded(["recipe=tiny_moe_cpu", "task.name=jsonl", f"task.path={tmp_path / 'array.json'}"])  # read later
+
+
+def test_parquet_fields_come_from_the_schema(tmp_path):
+    import datasets
+
+    path = tmp_path / "rows.parquet"
+    datasets.Dataset.from_list([{"question": "a", "solution": 1}]).to_parquet(str(path))
+    base = ["recipe=tiny_moe_cpu", "task.name=parquet", f"task.path={path}", "task.prompt_key=question"]
+    loaded([*base, "task.answer_key=solution"])
+    with pytest.raises(ConfigError, match="^task.answer_key: 'answer' is not a field of .*question, solution$"):
+        loaded(base)
+    with pytest.raises(ConfigError, match="^task.path: .* is not a readable Parquet file"):
+        loaded([*base[:2], f"task.path={_write_jsonl(tmp_path / 'rows.jsonl', [{'a': 1}])}"])
+
+
+def test_max_new_tokens_is_checked_against_the_checkpoint_context(tiny_checkpoint, tmp_path):
+    base = ["recipe=tiny_moe_cpu", f"model.hf_path={tiny_checkpoint}", f"warmup.save_hf_path={tmp_path / 'sft'}"]
+    loaded([*base, "rollout.max_new_tokens=63"])
+    with pytest.raises(ConfigError, match=r"^rollout.max_new_tokens: 64 leaves no room for a prompt in the model's "
+                                          r"context of 64 tokens"):
+        loaded([*base, "rollout.max_new_tokens=64"])
+    loaded([*base, "rollout.max_new_tokens=64", "mode=warmup"])  # warm-up does not generate
+    # no checkpoint yet (make_tiny_if_missing builds it at start-up): nothing to check against
+    loaded(["recipe=tiny_moe_cpu", f"model.hf_path={tmp_path / 'absent'}", "rollout.max_new_tokens=100000"])
+
+
+# --- one reader of an HF config.json ---------------------------------------------------------------
+
+def test_hf_config_of_the_tiny_checkpoint_feeds_the_served_model(tiny_checkpoint):
+    from megarl.engines.client import ServedModel
+    from megarl.models.hf_config import read_hf_config
+
+    hf = read_hf_config(tiny_checkpoint)
+    assert (hf.model_type, hf.num_layers, hf.hidden_size, hf.num_attention_heads, hf.num_query_groups,
+            hf.head_dim, hf.moe_ffn_hidden_size, hf.num_experts, hf.moe_topk, hf.vocab_size, hf.context_length) == \
+        ("qwen3_moe", 2, 64, 4, 2, 16, 128, 8, 2, 384, 64)
+    assert ServedModel.from_hf_config(tiny_checkpoint) == ServedModel(vocab_size=384, num_layers=2, topk=2,
+                                                                      num_experts=8, context_length=64)
+
+
+def test_hf_config_naming_variants_and_text_config(tmp_path):
+    from megarl.engines.client import ServedModel
+    from megarl.models.hf_config import HfConfig
+
+    mixtral = HfConfig.from_dict({"model_type": "mixtral", "num_hidden_layers": 32, "num_local_experts": 8,
+                                  "num_experts_per_tok": 2, "intermediate_size": 14336, "num_key_value_heads": 8})
+    assert (mixtral.num_experts, mixtral.moe_ffn_hidden_size, mixtral.num_query_groups) == (8, 14336, 8)
+    deepseek = HfConfig.from_dict({"model_type": "deepseek_v3", "n_routed_experts": 256, "n_shared_experts": 1,
+                                   "first_k_dense_replace": 3, "num_nextn_predict_layers": 1, "kv_lora_rank": 512,
+                                   "intermediate_size": 18432, "moe_intermediate_size": 2048})
+    assert (deepseek.num_experts, deepseek.num_shared_experts, deepseek.first_k_dense_layers, deepseek.num_mtp_layers,
+            deepseek.kv_lora_rank, deepseek.ffn_hidden_size, deepseek.moe_ffn_hidden_size) == \
+        (256, 1, 3, 1, 512, 18432, 2048)
+    text = {"model_type": "qwen3_vl_moe_text", "vocab_size": 100, "num_hidden_layers": 4, "num_experts": 16,
+            "num_experts_per_tok": 4, "max_position_embeddings": 1024}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl_moe", "architectures": ["VL"],
+                                                      "vocab_size": 7, "text_config": text}))
+    assert ServedModel.from_hf_config(tmp_path) == ServedModel(vocab_size=100, num_layers=4, topk=4, num_experts=16,
+                                                               context_length=1024)
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 10, "num_hidden_layers": 2,
+                                                      "max_position_embeddings": 8}))
+    with pytest.raises(ValueError, match="not an MoE config: missing num_experts_per_tok"):
+        ServedModel.from_hf_config(tmp_path)
+
+
+# --- settings built from the config ----------------------------------------------------------------
+
+def test_engine_and_sync_settings_from_the_config(tiny_checkpoint):
+    from megarl.engines.server import EngineSettings
+    from megarl.sync.settings import SyncSettings
+
+    cfg = load_config(["recipe=tiny_moe_cpu", "task.seed=5", "logging.run_dir=/tmp/r"])
+    engine = EngineSettings.from_config(cfg, tiny_checkpoint, 1, 3)
+    assert (engine.model_path, engine.dtype, engine.sampling_mask_max_tokens, engine.max_total_tokens,
+            engine.random_seed, engine.weight_version, engine.log_path) == \
+        (tiny_checkpoint, "float32", 20, 65536, 6, 3, "/tmp/r/engine-1.log")
+    sync = SyncSettings.from_config(cfg.sync)
+    assert (sync.transport, sync.bucket_mb, sync.work_dir, sync.timeout_s, sync.engine_tp) == \
+        ("distributed", 64, "/tmp/r/weight_sync", 600.0, 1)

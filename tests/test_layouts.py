@@ -9,6 +9,8 @@ One process per rank runs, on the tiny MoE built through megatron-bridge:
 - a router hook check that replay makes every MoE layer choose exactly the given experts.
 Every layout's losses, gradient norms and metrics equal the single-process run within 1e-5.
 """
+import dataclasses
+
 import pytest
 
 from megarl.parallel import Layout
@@ -32,17 +34,16 @@ def supervised_steps(layout, hf_path):
     from megarl.config import default_config
     from megarl.trainer.optimizer import OptimizerSettings
     from megarl.trainer.sft_step import supervised_step
-    from megarl.trainer.token_batch import pack_sequences
+    from megarl.trainer.token_batch import token_batch
 
     trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-3), transformer_impl="local")
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(5, 12, (8,), generator=gen).tolist()
-    batch = pack_sequences([torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths], [2] * 8,
-                           pad_id=0, length_multiple=2)
+    batch = token_batch([torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths], [2] * 8)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     out = []
-    for _ in range(2):  # 8 sequences x 12 tokens over a 40-token budget: several micro-batches
-        result = supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, 40)
+    for pack in (True, False):  # 8 sequences of 4-11 tokens over a 40-token budget: several micro-batches
+        result = supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, 40, pack=pack)
         out.append((result.loss if last else None, result.grad_norm))
     return out
 
@@ -58,16 +59,55 @@ def rl_cases(trainable, layout, hf):
     natural = make_samples(hf, 8, top_k=5, seed=1)
     forced = make_samples(hf, 8, top_k=5, seed=1, rotate_experts=3)
 
-    def step(samples, keep_routing=True, keep_mask=True):
-        batch = build_rl_batch(samples, pad_id=0, length_multiple=layout.tp if layout.sequence_parallel else 1,
-                               with_sampling_mask=keep_mask)
+    def step(samples, keep_routing=True, keep_mask=True, pack=True):
+        batch = build_rl_batch(samples, with_sampling_mask=keep_mask)
         result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
                          vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=keep_routing,
-                         sequence_parallel=layout.sequence_parallel)
-        return result.grad_norm, result.metrics
+                         sequence_parallel=layout.sequence_parallel, pack=pack)
+        return result.grad_norm, {k: v for k, v in result.metrics.items() if not k.startswith("perf/")}
 
     return {"kept": step(natural), "forced_kept": step(forced), "forced_free": step(forced, keep_routing=False),
-            "no_mask": step(natural, keep_mask=False)}
+            "no_mask": step(natural, keep_mask=False), "padded": step(natural, pack=False)}
+
+
+def packing_diffs(trainable, layout, hf):
+    """{keep_routing: (loss diff, max gradient diff, max per-token log-prob diff, tokens compared)}
+    between packed and padded micro-batches of the same samples on the frozen model."""
+    import torch
+    from hf_oracle import make_samples
+    from megatron.core import parallel_state
+
+    from megarl.config.schema import AlgorithmConfig
+    from megarl.trainer.packing import plan_micro_batches
+    from megarl.trainer.rl_batch import build_rl_batch
+    from megarl.trainer.rl_step import micro_batches, reference_logprobs, rl_step
+
+    batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=2))
+    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    multiple = layout.tp if layout.sequence_parallel else 1
+    out = {}
+    for keep in (True, False):
+        runs = {}
+        for pack in (False, True):
+            result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
+                             vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=keep,
+                             sequence_parallel=layout.sequence_parallel, pack=pack)
+            grads = torch.cat([p.main_grad.flatten().clone() for c in trainable.chunks for p in c.parameters()])
+            plan = plan_micro_batches(batch.lengths, dp, 24, pack=pack, length_multiple=multiple)
+            micro = micro_batches(batch, plan, dp_rank, 0)
+            logprobs = reference_logprobs(trainable.chunks, micro, vocab_size=hf.config.vocab_size, temperature=1.0,
+                                          pad_id=0, replay=keep, sequence_parallel=layout.sequence_parallel)
+            per_sample = {}
+            for indices, (mb, _), lp in zip(plan.per_rank[dp_rank], micro, logprobs):
+                if lp is not None:
+                    per_sample.update(zip(indices, lp.split(mb.lengths.tolist())))
+            runs[pack] = (result.metrics.get("loss"), grads, per_sample)
+        (loss_a, grads_a, lp_a), (loss_b, grads_b, lp_b) = runs[False], runs[True]
+        common = sorted(set(lp_a) & set(lp_b))
+        lp_diff = max((float((lp_a[i] - lp_b[i]).abs().max()) for i in common), default=0.0)
+        out[keep] = (None if loss_a is None else abs(loss_a - loss_b), float((grads_a - grads_b).abs().max()),
+                     lp_diff, sum(len(lp_a[i]) for i in common))
+    return out
 
 
 def replay_choices(chunks, layout):
@@ -121,10 +161,17 @@ def layout_checks(rank, layout, hf_path):
 
     sft = supervised_steps(layout, hf_path)
     RouterReplay.clear_global_router_replay_instances()
-    frozen = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=0.0), transformer_impl="local", routing_replay=True)
-    rl = rl_cases(frozen, layout, load_hf(hf_path))
+    # lr 0; a plain DDP all-reduce (no distributed optimizer) leaves every DP rank the whole reduced
+    # gradient, which packing_diffs compares
+    frozen_settings = dataclasses.replace(OptimizerSettings.from_config(default_config(), lr=0.0),
+                                          use_distributed_optimizer=False)
+    frozen = build_trainable(hf_path, layout, frozen_settings, transformer_impl="local", routing_replay=True)
+    hf = load_hf(hf_path)
+    rl = rl_cases(frozen, layout, hf)
+    packing = packing_diffs(frozen, layout, hf)
     local_tokens = 16 // (layout.tp if layout.sequence_parallel else 1)
-    return {"sft": sft, "rl": rl, "replay": replay_choices(frozen.chunks, layout), "local_tokens": local_tokens}
+    return {"sft": sft, "rl": rl, "replay": replay_choices(frozen.chunks, layout), "local_tokens": local_tokens,
+            "packing": packing}
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +222,22 @@ def check_replay(result):
     return layers
 
 
+def check_packing(result):
+    """Packed and padded micro-batches of the same samples: same loss, gradients, log-probs."""
+    compared = 0
+    for keep_routing, (loss_diff, grad_diff, logprob_diff, tokens) in result["packing"].items():
+        assert loss_diff is None or loss_diff < 1e-5, (keep_routing, loss_diff)
+        assert grad_diff < 1e-5, (keep_routing, grad_diff)
+        assert logprob_diff < 1e-5, (keep_routing, logprob_diff)
+        compared += tokens
+    return compared
+
+
+def test_packed_equals_padded(single):
+    assert check_packing(single) > 0  # per-token log-probs were compared
+    assert single["rl"]["padded"][1]["loss"] == pytest.approx(single["rl"]["kept"][1]["loss"], abs=1e-5)
+
+
 def test_replay_routes_every_layer_to_the_given_experts(single):
     assert check_replay(single) == {1, 2}
 
@@ -194,4 +257,45 @@ def test_layout_equals_single_process(name, single, tiny_checkpoint):
             for key, value in metrics.items():
                 assert value == pytest.approx(single["rl"][case][1][key], abs=1e-5), (case, key)
         layers |= check_replay(result)
+        check_packing(result)
     assert layers == {1, 2}  # every MoE layer checked (PP2: one per stage)
+
+
+def reference_kl_checks(rank, layout, hf_path):
+    """[(sum of sequence_kl, rl_step's KL metric, trained tokens)] over three steps with a reference."""
+    from hf_oracle import load_hf, make_samples
+
+    from megarl.config import default_config
+    from megarl.config.schema import AlgorithmConfig
+    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.trainer.reference import ReferenceWeights
+    from megarl.trainer.rl_batch import build_rl_batch
+    from megarl.trainer.rl_step import rl_step, sequence_kl
+
+    hf = load_hf(hf_path)
+    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-2),
+                                transformer_impl="local", routing_replay=True)
+    reference = ReferenceWeights(trainable.chunks)
+    algo = AlgorithmConfig(kl_coef=0.1, kl_type="k3")
+    kwargs = dict(vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=True,
+                  sequence_parallel=layout.sequence_parallel)
+    out = []
+    for step in range(3):
+        batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=10 + step))
+        per_sample = sequence_kl(trainable.chunks, batch, algo.kl_type, reference, **kwargs)
+        result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, algo,
+                         reference=reference, **kwargs)
+        out.append((sum(per_sample), result.metrics["kl"], float(batch.loss_mask.sum())))
+    return out
+
+
+def test_reference_kl_is_zero_at_the_start_and_grows(tiny_checkpoint):
+    """The KL to the reference (the starting weights): 0 at the first step, positive once the policy
+    moved; the loss's token-mean KL equals the per-sample sums of sequence_kl (kl_in_reward's
+    penalty) over the same tokens, computed by the other path."""
+    steps = run_ranks(reference_kl_checks, Layout(), tiny_checkpoint)[0]
+    (first_sum, first_metric, _), *later = steps
+    assert abs(first_sum) < 1e-9 and abs(first_metric) < 1e-9
+    for total, metric, tokens in later:
+        assert metric > 0 and total / tokens == pytest.approx(metric, rel=1e-4)

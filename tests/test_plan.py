@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megarl.config import ConfigError, load_config, recipes_dir
+from megarl.config.validate import PlacementError
 from megarl.models.tiny_moe import make_tiny_moe
 from megarl.plan import EXIT_DOES_NOT_FIT, main
 from megarl.planner.arch import resolve_arch
@@ -158,8 +159,8 @@ def test_kv_cache_too_small_for_one_sequence_is_refused():
 
 
 def test_colocated_engines_beyond_the_trainer_gpus_are_refused():
-    cfg = load_config(["recipe=qwen3_30b_a3b", "rollout.num_engines=8"])
-    assert any(b.startswith("rollout.num_engines: colocated engines need 16 GPUs") for b in broken_limits(plan_layout(cfg), cfg))
+    with pytest.raises(PlacementError, match="rollout.num_engines: colocated engines need 16 devices"):
+        load_config(["recipe=qwen3_30b_a3b", "rollout.num_engines=8"])
 
 
 def test_missing_architecture_is_an_error_naming_the_key(tmp_path, capsys):
@@ -232,21 +233,26 @@ def test_uneven_stages_are_planned_and_validated():
     assert stages[0].params < stages[1].params  # two layers fewer outweigh the embedding
 
 
+# Trainer layouts smaller than the recipe's engines: planned with the engines on devices of their own.
+APART = ["placement=disaggregated", "sync.transport=distributed"]
+
+
 def test_unsharded_layout_holds_the_whole_model_and_stages_partition_it():
     """pp=1, tp=1, ep=1: one GPU holds every parameter; with pp=2 the stages hold them between them."""
     one = load_config(["recipe=glm45_355b_a32b", "parallel.world_size=1", "parallel.tp=1", "parallel.pp=1",
-                       "parallel.vpp=null", "parallel.ep=1", "parallel.etp=1", "parallel.sequence_parallel=false"])
+                       "parallel.vpp=null", "parallel.ep=1", "parallel.etp=1", "parallel.sequence_parallel=false",
+                       *APART])
     total = count_params(resolve_arch(one)).total
     assert trainer_memory(resolve_arch(one), one)[0].params == total
     two = load_config(["recipe=glm45_355b_a32b", "parallel.world_size=2", "parallel.tp=1", "parallel.pp=2",
-                       "parallel.vpp=2", "parallel.ep=1", "parallel.etp=1", "parallel.sequence_parallel=false"])
+                       "parallel.vpp=2", "parallel.ep=1", "parallel.etp=1", "parallel.sequence_parallel=false", *APART])
     assert abs(sum(s.params for s in trainer_memory(resolve_arch(two), two)) - total) <= 2  # per-stage rounding
 
 
 def test_distributed_optimizer_shards_adam_state_over_data_parallel_ranks():
     """bf16 weights: 12 bytes of Adam state (fp32 master, two moments) a parameter, split over DP."""
     base = ["recipe=qwen3_30b_a3b", "parallel.tp=1", "parallel.ep=1", "parallel.sequence_parallel=false",
-            "trainer.optimizer_cpu_offload=false"]
+            "trainer.optimizer_cpu_offload=false", *APART]
     one = load_config(base + ["parallel.world_size=1"])
     four = load_config(base + ["parallel.world_size=4"])
     s1, s4 = trainer_memory(resolve_arch(one), one)[0], trainer_memory(resolve_arch(four), four)[0]

@@ -68,9 +68,10 @@ def synthetic_batch(vocab: int, layers: int, experts: int, topk: int, seed: int 
     offsets = torch.zeros(B * S + 1, dtype=torch.long)
     torch.cumsum(counts, 0, out=offsets[1:])
     mask = CsrMask(torch.tensor([i for r in rows for i in r], dtype=torch.long), offsets)
-    return RLBatch(tokens=tokens, targets=targets, loss_mask=loss_mask,
-                   advantages=torch.randn(B, generator=gen), num_positions=torch.full((B,), S),
-                   rollout_logprobs=torch.full((B, S), -3.0) * loss_mask, routed_experts=routed, sampling_mask=mask)
+    return RLBatch(tokens=tokens.reshape(-1), targets=targets.reshape(-1), loss_mask=loss_mask.reshape(-1),
+                   rollout_logprobs=(torch.full((B, S), -3.0) * loss_mask).reshape(-1),
+                   cu_seqlens=torch.arange(B + 1) * S, advantages=torch.randn(B, generator=gen),
+                   routed_experts=routed.reshape(B * S, layers, topk).to(torch.int16), sampling_mask=mask)
 
 
 class _Saved:
@@ -189,9 +190,16 @@ def measured(checkpoints):
 
 
 def planned(checkpoints, name: str):
-    from megarl.config import load_config
     from megarl.planner.arch import resolve_arch
     from megarl.planner.trainer_memory import trainer_memory
+
+    cfg = planned_config(checkpoints, name)
+    return trainer_memory(resolve_arch(cfg), cfg)
+
+
+def planned_config(checkpoints, name: str, *overrides: str):
+    """The tiny recipe as layout ``name`` runs it in these tests (plus ``overrides``)."""
+    from megarl.config import load_config
 
     layout, layers = LAYOUTS[name], LAYERS.get(name, 2)
     first = "null" if layout.first_stage_layers is None else layout.first_stage_layers
@@ -199,9 +207,9 @@ def planned(checkpoints, name: str):
                        f"parallel.world_size={layout.world_size}", f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}",
                        f"parallel.ep={layout.ep}", f"parallel.first_stage_layers={first}",
                        f"parallel.sequence_parallel={str(layout.sequence_parallel).lower()}",
-                       f"rollout.max_prompt_tokens={PROMPT}", f"rollout.max_new_tokens={RESPONSE}"])
+                       f"rollout.max_prompt_tokens={PROMPT}", f"rollout.max_new_tokens={RESPONSE}", *overrides])
     assert cfg.trainer.max_tokens_per_microbatch == SAMPLES * POSITIONS // 2
-    return trainer_memory(resolve_arch(cfg), cfg)
+    return cfg
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -227,3 +235,59 @@ def test_activation_estimate_against_the_measured_peak(name, measured, checkpoin
         assert abs(ratio - 1) <= ACTIVATIONS, (name, rank, m["saved_activations"], plan.activations)
         growth = m["step_peak_growth"] / plan.activations
         assert STEP_PEAK[0] <= growth <= STEP_PEAK[1], (name, rank, m["step_peak_growth"], plan.activations)
+
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+def measure_recompute(rank, layout, hf_path):
+    """{recompute: (this rank's gradient after one RL step, peak saved-activation bytes)} for the
+    same batch; its routing is random, so only a replayed recompute reproduces the gradients."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from transformers import AutoConfig
+
+    from megarl.config import default_config
+    from megarl.config.schema import AlgorithmConfig
+    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.trainer.rl_step import rl_step
+
+    hf = AutoConfig.from_pretrained(hf_path)
+    batch = synthetic_batch(hf.vocab_size, hf.num_hidden_layers, hf.num_local_experts, hf.num_experts_per_tok)
+    out = {"stage": parallel_state.get_pipeline_model_parallel_rank()}
+    for recompute in RECOMPUTE:
+        RouterReplay.clear_global_router_replay_instances()
+        trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=0.0),
+                                    transformer_impl="local", routing_replay=True, recompute=recompute)
+        params = [p for chunk in trainable.chunks for p in chunk.parameters()]
+        meter = SavedTensorMeter({p.untyped_storage().data_ptr() for p in params})
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
+                    vocab_size=hf.vocab_size, max_tokens_per_microbatch=SAMPLES * POSITIONS // 2, keep_routing=True,
+                    sequence_parallel=layout.sequence_parallel)
+        out[recompute] = (torch.cat([p.main_grad.flatten().clone() for p in params]), meter.peak)
+    return out
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_recompute_replays_routing_and_saves_what_the_planner_predicts(name, checkpoints):
+    """Full and selective recompute give the gradients of no recompute (within 1e-6) under Keep
+    Routing with routing the model would not choose (two micro-batches: under PP2 the recomputes
+    interleave with forwards), and the saved activations drop as the planner's model says."""
+    from megarl.planner.arch import resolve_arch
+    from megarl.planner.trainer_memory import trainer_memory
+
+    per_rank = run_ranks(measure_recompute, LAYOUTS[name], checkpoints[LAYERS.get(name, 2)])
+    for m in per_rank:
+        base_grads, base_peak = m["none"]
+        for recompute in ("selective", "full"):
+            grads, peak = m[recompute]
+            assert float((grads - base_grads).abs().max()) <= 1e-6, (name, recompute)
+            cfg = planned_config(checkpoints, name, f"trainer.recompute={recompute}")
+            plan = trainer_memory(resolve_arch(cfg), cfg)[m["stage"]].activations
+            plan_none = planned(checkpoints, name)[m["stage"]].activations
+            assert peak < base_peak, (name, recompute, peak, base_peak)
+            measured_ratio, planned_ratio = peak / base_peak, plan / plan_none
+            assert abs(measured_ratio / planned_ratio - 1) <= ACTIVATIONS, (name, recompute, measured_ratio, planned_ratio)

@@ -20,26 +20,30 @@ def sample(prompt, response, routed=True, mask_rows=None, advantage=1.0, L=2, k=
 
 
 def test_response_tokens_land_on_the_positions_that_predict_them():
-    batch = build_rl_batch([sample([1, 5, 6], [7, 2], mask_rows=[[7, 9], [2]]), sample([1, 4], [8])], pad_id=0,
-                           length_multiple=2)
-    assert batch.tokens.tolist() == [[1, 5, 6, 7], [1, 4, 0, 0]]
-    assert batch.targets.tolist() == [[5, 6, 7, 2], [4, 8, 0, 0]]
-    assert batch.loss_mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
-    assert batch.num_positions.tolist() == [4, 2]
-    # routing: real positions copied, padding replays the valid distinct ids 0..k-1
-    assert batch.routed_experts[1, 1, 0].tolist() == [2, 3] and batch.routed_experts[1, 2, 0].tolist() == [0, 1]
-    # CSR over the 8 positions: rows 2 and 3 of sample 0 hold its mask; all others are empty (full vocab)
+    batch = build_rl_batch([sample([1, 5, 6], [7, 2], mask_rows=[[7, 9], [2]]), sample([1, 4], [8])])
+    assert batch.cu_seqlens.tolist() == [0, 4, 6] and batch.lengths.tolist() == [4, 2]
+    assert batch.tokens.tolist() == [1, 5, 6, 7, 1, 4]
+    assert batch.targets.tolist() == [5, 6, 7, 2, 4, 8]
+    assert batch.loss_mask.tolist() == [0, 0, 1, 1, 0, 1]
+    assert batch.rollout_logprobs.tolist() == [0, 0, -0.5, -0.5, 0, -0.5]
+    assert batch.routed_experts.dtype == torch.int16 and batch.routed_experts[5, 0].tolist() == [2, 3]
+    # CSR over the 6 positions: rows 2 and 3 of sample 0 hold its mask; all others are empty (full vocab)
     offsets = batch.sampling_mask.offsets.tolist()
-    assert [batch.sampling_mask.ids[offsets[i]:offsets[i + 1]].tolist() for i in range(8)] == \
-        [[], [], [7, 9], [2], [], [], [], []]
-    half = batch.rows(1, 2)
-    assert half.tokens.tolist() == [[1, 4, 0, 0]] and half.sampling_mask.offsets.tolist() == [0] * 5
+    assert [batch.sampling_mask.ids[offsets[i]:offsets[i + 1]].tolist() for i in range(6)] == \
+        [[], [], [7, 9], [2], [], []]
+    second = batch.select([1])
+    assert second.tokens.tolist() == [1, 4] and second.sampling_mask.offsets.tolist() == [0, 0, 0]
+    swapped = batch.select([1, 0])
+    assert swapped.cu_seqlens.tolist() == [0, 2, 6] and swapped.advantages.tolist() == [1.0, 1.0]
+    offsets = swapped.sampling_mask.offsets.tolist()
+    assert [swapped.sampling_mask.ids[offsets[i]:offsets[i + 1]].tolist() for i in range(6)] == \
+        [[], [], [], [], [7, 9], [2]]
 
 
 def test_masked_logprob_of_a_batch_equals_log_softmax_over_the_kept_ids():
-    batch = build_rl_batch([sample([1, 5, 6], [7, 2], mask_rows=[[7, 9], [2]])], pad_id=0)
+    batch = build_rl_batch([sample([1, 5, 6], [7, 2], mask_rows=[[7, 9], [2]])])
     logits = torch.randn(4, 12, dtype=torch.float64)
-    out = vocab_parallel_logprobs(logits, 0, batch.targets.reshape(-1), batch.sampling_mask)
+    out = vocab_parallel_logprobs(logits, 0, batch.targets, batch.sampling_mask)
     assert out.logprobs[2].item() == pytest.approx(torch.log_softmax(logits[2, [7, 9]], -1)[0].item())
     assert out.logprobs[3].item() == pytest.approx(0.0)  # a mask that keeps only the sampled token
     assert out.logprobs[0].item() == pytest.approx(torch.log_softmax(logits[0], -1)[5].item())  # no mask
@@ -47,24 +51,24 @@ def test_masked_logprob_of_a_batch_equals_log_softmax_over_the_kept_ids():
 
 def test_bad_samples_are_rejected():
     with pytest.raises(ValueError, match="has no advantage"):
-        build_rl_batch([sample([1, 5], [7], advantage=None)], pad_id=0)
+        build_rl_batch([sample([1, 5], [7], advantage=None)])
     with pytest.raises(ValueError, match="loss_mask must be uint8"):  # lengths that disagree
         RolloutSample(prompt_ids=[1], response_ids=[2, 3], loss_mask=np.ones(1, np.uint8),
                       rollout_logprobs=np.zeros(2, np.float32), model_version=np.zeros(2, np.int32),
                       routed_experts=None, sampling_mask=None, finish_reason=FinishReason.STOP)
     with pytest.raises(ValueError, match="is not in its sampling mask"):
-        batch = build_rl_batch([sample([1, 5], [7], mask_rows=[[8, 9]])], pad_id=0)
-        vocab_parallel_logprobs(torch.randn(2, 12), 0, batch.targets.reshape(-1), batch.sampling_mask)
+        batch = build_rl_batch([sample([1, 5], [7], mask_rows=[[8, 9]])])
+        vocab_parallel_logprobs(torch.randn(2, 12), 0, batch.targets, batch.sampling_mask)
 
 
 def test_bad_routing_is_rejected():
-    routed = build_rl_batch([sample([1, 5], [7, 2])], pad_id=0).routed_experts
+    routed = build_rl_batch([sample([1, 5], [7, 2])]).routed_experts
     check_routing(routed, num_layers=2, num_experts=8)
     with pytest.raises(ValueError, match="has 2 layers, the model has 3"):
         check_routing(routed, num_layers=3, num_experts=8)
     with pytest.raises(ValueError, match="expert id 3, outside 0..2"):
         check_routing(routed, num_layers=2, num_experts=3)
     repeated = routed.clone()
-    repeated[0, 0, 0] = torch.tensor([4, 4])
+    repeated[0, 0] = torch.tensor([4, 4])
     with pytest.raises(ValueError, match="repeats an expert"):
         check_routing(repeated, num_layers=2, num_experts=8)

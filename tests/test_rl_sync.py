@@ -30,7 +30,9 @@ def sync_run(tmp_path, warm, *overrides):
 
 
 def test_sync_rl_steps_reproduce_the_engine_logprobs(tmp_path, warm):
-    run = sync_run(tmp_path, warm, "steps=2")
+    """Also with a KL term to the reference (the starting checkpoint) and full activation recompute:
+    the KL is 0 at the first step (the policy is the reference) and positive once it has moved."""
+    run = sync_run(tmp_path, warm, "steps=2", "algorithm.kl_coef=0.05", "trainer.recompute=full")
     rows = rl_rows(run)
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
@@ -43,6 +45,8 @@ def test_sync_rl_steps_reproduce_the_engine_logprobs(tmp_path, warm):
         assert row["staleness/max"] == 0 and row["sync/version"] == row["step"]
         # GRPO has a gradient exactly when some prompt group has mixed rewards
         assert (row["train/grad_norm"] > 0) == (row["groups/mixed_frac"] > 0), row
+    assert rows[0]["train/kl"] == pytest.approx(0.0, abs=1e-9)
+    assert rows[0]["train/grad_norm"] == 0 or rows[1]["train/kl"] > 1e-7, rows
     last = rows[-1]
     assert last["buffer/prompts_trained"] == 16 and last["buffer/trained"] + last["buffer/error"] == 64
     assert (run / "checkpoints" / "latest").read_text().strip() == "2"

@@ -1,8 +1,9 @@
 """slurm/megarl.sbatch under fake sbatch/srun/scontrol (tests/fake_slurm/): a real 2-node Ray
-cluster on the loopback interface, the tiny recipe's first step through the real driver with
-overrides, SIGTERM -> checkpoint -> requeue, submit.sh's node count, and shellcheck. The signal
-test drives tests/fake_slurm/train_stub.py (named by MEGARL_TRAIN_CMD) until ``megarl.train``
-checkpoints on SIGTERM/SIGUSR1."""
+cluster over two fake nodes (tests/netns.py: network namespaces, each with its own loopback, on
+one bridge; the batch script and the head run in the first, the worker in the second), the tiny
+recipe's first step through the real driver with overrides, SIGTERM -> checkpoint -> requeue,
+submit.sh's node count, and shellcheck. The signal test drives tests/fake_slurm/train_stub.py
+(named by MEGARL_TRAIN_CMD) until ``megarl.train`` checkpoints on SIGTERM/SIGUSR1."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,12 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "fake_slurm"
 SBATCH = ROOT / "slurm" / "megarl.sbatch"
 NODES, GPUS_PER_NODE = 2, 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+FAKE_NODE_COUNT = NODES  # the fake_nodes fixture (tests/conftest.py)
+RAY_PORT = 6379  # free: each fake node has its own ports
 
 
 def _our_processes(marker: str) -> list[int]:
@@ -45,8 +41,9 @@ def _our_processes(marker: str) -> list[int]:
 
 
 @pytest.fixture
-def job(tmp_path):
-    """Environment of one fake job; afterwards asserts no Ray process of it is left (killing any)."""
+def job(tmp_path, fake_nodes):
+    """Environment of one fake job on the fake nodes (named by their addresses); afterwards asserts
+    no Ray process of it is left (killing any)."""
     job_id = str(random.randrange(100000, 999999))
     ray_tmp = f"/tmp/mrl_{job_id}"  # short: Ray's unix socket paths must stay under 107 bytes
     out = tmp_path / "stub"
@@ -56,12 +53,15 @@ def job(tmp_path):
         PATH=f"{FAKE}:{Path(sys.executable).parent}:{os.environ['PATH']}",
         FAKE_SLURM_JOB_ID=job_id, FAKE_SLURM_LOG=str(tmp_path / "slurm_calls.log"),
         MEGARL_ROOT=str(ROOT), MEGARL_PYTHON=sys.executable, MEGARL_LOG_DIR=str(tmp_path / "logs"),
-        MEGARL_TRAIN_CMD=f"{sys.executable} {FAKE / 'train_stub.py'}", MEGARL_RAY_PORT=str(_free_port()),
+        MEGARL_TRAIN_CMD=f"{sys.executable} {FAKE / 'train_stub.py'}", MEGARL_RAY_PORT=str(RAY_PORT),
         MEGARL_RAY_TEMP_DIR=ray_tmp, MEGARL_RAY_ARGS="--object-store-memory=100000000", MEGARL_RAY_WAIT_S="150",
         RAY_AUTH_MODE="disabled", OMP_NUM_THREADS="1", STUB_OUT=str(out),
         RAY_raylet_start_wait_time_s="120",  # Ray's 30 s is too short on a loaded 2-core machine
+        FAKE_SLURM_NODES=",".join(f"{n.address}={n.namespace}" for n in fake_nodes),
     )
-    yield {"env": env, "id": job_id, "out": out, "tmp": tmp_path}
+    for name in ("RAY_ADDRESS", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env.pop(name, None)  # the script derives them
+    yield {"env": env, "id": job_id, "out": out, "tmp": tmp_path, "nodes": fake_nodes}
     left = _our_processes(ray_tmp)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
@@ -92,7 +92,9 @@ def test_tiny_recipe_runs_on_the_ray_cluster_with_overrides(job):
     del job["env"]["MEGARL_TRAIN_CMD"]
     tmp = job["tmp"]
     overrides = ["recipe=tiny_moe_cpu", "mode=warmup", "run_name=from_sbatch", "warmup.steps=1", "warmup.lr=0.0005",
-                 f"model.hf_path={tmp / 'base'}", f"warmup.save_hf_path={tmp / 'sft'}", f"logging.run_dir={tmp / 'run'}"]
+                 f"model.hf_path={tmp / 'base'}", f"warmup.save_hf_path={tmp / 'sft'}",
+                 f"logging.run_dir={tmp / 'run'}"]
+    head, worker = job["nodes"][0].address, job["nodes"][1].address
     proc = _sbatch(job, *overrides)
     output = _finish(proc, timeout=300)
     assert proc.returncode == 0, output
@@ -103,10 +105,10 @@ def test_tiny_recipe_runs_on_the_ray_cluster_with_overrides(job):
     assert [s["step"] for s in steps] == [1] and "warmup/loss" in steps[0]
     assert (tmp / "sft" / "config.json").is_file()
     log_dir = tmp / "logs" / f"megarl-{job['id']}" / "restart-0"
-    assert {p.name for p in log_dir.iterdir()} >= {"ray-head.log", "ray-worker-1-127.0.0.2.log", "train.log", "env.txt"}
+    assert {p.name for p in log_dir.iterdir()} >= {"ray-head.log", f"ray-worker-1-{worker}.log", "train.log", "env.txt"}
     env = dict(line.split("=", 1) for line in (log_dir / "env.txt").read_text().splitlines())
-    assert env["MASTER_ADDR"] == "127.0.0.2" and env["RAY_ADDRESS"].startswith("127.0.0.2:")
-    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "lo" and env["MEGARL_NUM_NODES"] == str(NODES)
+    assert env["MASTER_ADDR"] == head and env["RAY_ADDRESS"] == f"{head}:{RAY_PORT}"
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0" and env["MEGARL_NUM_NODES"] == str(NODES)
     calls = (tmp / "slurm_calls.log").read_text()
     assert calls.count("srun ") == NODES and "requeue" not in calls
 
@@ -123,7 +125,8 @@ def test_sigterm_checkpoints_and_requeues(job):
     assert seen["argv"] == ["recipe=tiny_moe_cpu", "trainer.lr=0.25"] and seen["lr"] == 0.25
     assert seen["nodes"] == NODES and seen["gpus"] == NODES * GPUS_PER_NODE
     assert sorted(seen["ran_on"]) == sorted(seen["node_ids"])  # one task ran on each node
-    assert set(seen["node_ips"]) <= {"127.0.0.1", "127.0.0.2"}  # loopback only
+    assert seen["node_ips"] == sorted(n.address for n in job["nodes"])  # the fake nodes, one Ray node each
+    assert seen["driver_node_ip"] == job["nodes"][0].address  # the driver runs on the first node
     os.kill(proc.pid, signal.SIGTERM)  # what SLURM sends the batch shell
     output = _finish(proc, timeout=90)
     assert proc.returncode == 0, output

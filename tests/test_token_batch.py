@@ -1,38 +1,26 @@
-"""Padding, data-parallel slices and token-budget micro-batches."""
+"""Supervised token batches: shifted labels, the loss on the answer, selection, bad input."""
 import pytest
-import torch
 
-from megarl.trainer.token_batch import data_parallel_slice, micro_batches, pack_sequences
+from megarl.trainer.packing import model_input, plan_micro_batches
+from megarl.trainer.token_batch import token_batch
 
 
-def test_pack_shifts_labels_and_masks_only_the_answer():
-    batch = pack_sequences([[1, 5, 6, 7, 2], [1, 8, 2]], loss_starts=[3, 2], pad_id=0, length_multiple=2)
-    assert batch.tokens.tolist() == [[1, 5, 6, 7], [1, 8, 0, 0]]
-    assert batch.labels.tolist() == [[5, 6, 7, 2], [8, 2, 0, 0]]
+def test_batch_shifts_labels_and_masks_only_the_answer():
+    batch = token_batch([[1, 5, 6, 7, 2], [1, 8, 2]], loss_starts=[3, 2])
+    assert batch.tokens.tolist() == [1, 5, 6, 7, 1, 8]
+    assert batch.labels.tolist() == [5, 6, 7, 2, 8, 2]
     # predictions of seq[3:] = [7, 2] and of seq[2:] = [2]
-    assert batch.loss_mask.tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+    assert batch.loss_mask.tolist() == [0, 0, 1, 1, 0, 1]
+    assert batch.cu_seqlens.tolist() == [0, 4, 6]
+    assert batch.select([1, 0]).tokens.tolist() == [1, 8, 1, 5, 6, 7]
 
 
-def test_pack_rounds_length_up_for_sequence_parallel():
-    assert pack_sequences([[1, 2, 3, 4]], [1], pad_id=0, length_multiple=4).tokens.shape == (1, 4)
+def test_padded_rows_round_up_for_sequence_parallel():
+    batch = token_batch([[1, 2, 3, 4]], [1])
+    plan = plan_micro_batches(batch.lengths, 1, 64, pack=False, length_multiple=4)
+    assert model_input(batch.cu_seqlens, batch.tokens, 0, plan.length, plan.packed).tokens.shape == (1, 4)
 
 
-def test_pack_rejects_a_loss_start_outside_the_sequence():
+def test_batch_rejects_a_loss_start_outside_the_sequence():
     with pytest.raises(ValueError, match="loss start 5"):
-        pack_sequences([[1, 2, 3]], [5], pad_id=0)
-
-
-def test_data_parallel_slices_cover_the_batch_once():
-    batch = pack_sequences([[i, i + 1, i + 2] for i in range(6)], [1] * 6, pad_id=0)
-    parts = [data_parallel_slice(batch, r, 3) for r in range(3)]
-    assert torch.equal(torch.cat([p.tokens for p in parts]), batch.tokens)
-    with pytest.raises(ValueError, match="does not split over 4"):
-        data_parallel_slice(batch, 0, 4)
-
-
-def test_micro_batches_are_equal_and_within_the_token_budget():
-    batch = pack_sequences([[1, 2, 3, 4, 5]] * 6, [1] * 6, pad_id=0)  # S = 4
-    mbs = micro_batches(batch, max_tokens=10)  # 2 rows fit; 6 rows -> 3 x 2
-    assert [len(m) for m in mbs] == [2, 2, 2]
-    assert [len(m) for m in micro_batches(batch, max_tokens=16)] == [3, 3]  # 4 fit, but equal sizes
-    assert [len(m) for m in micro_batches(batch, max_tokens=1)] == [1] * 6
+        token_batch([[1, 2, 3]], [5])

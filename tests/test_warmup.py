@@ -6,6 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from megarl.metrics.sink import read_metrics
 from megarl.tasks import arithmetic
 from megarl.train import main
+from megarl.trainer.packing import model_input
 from megarl.trainer.warmup import answer_batch
 
 
@@ -13,10 +14,11 @@ def hf_answer_loss(path: str) -> float:
     """Token-mean cross-entropy of every problem's answer + eos under the HF model at ``path``."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    batch = answer_batch(tokenizer, arithmetic.all_problems(), length_multiple=1)
+    batch = answer_batch(tokenizer, arithmetic.all_problems())
+    rows = model_input(batch.cu_seqlens, batch.tokens, tokenizer.pad_token_id, int(batch.lengths.max()), packed=False)
     with torch.no_grad():
-        logits = model(batch.tokens).logits
-    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.labels, reduction="none")
+        logits = rows.gather(model(rows.tokens).logits.flatten(0, 1))  # right-padded rows, causal: padding is unseen
+    per_token = torch.nn.functional.cross_entropy(logits, batch.labels, reduction="none")
     return float((per_token * batch.loss_mask).sum() / batch.loss_mask.sum())
 
 

@@ -10,9 +10,10 @@ restarted, recovered) run on the single-process trainer. The engine is shared by
 kill test, which restarts it, runs last.
 """
 import asyncio
+import dataclasses
 import os
-import signal
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -20,10 +21,11 @@ import pytest
 import torch
 from hf_oracle import load_hf, make_samples
 
+from megarl.config import default_config
 from megarl.engines.client import EngineError, PauseMode, SamplingParams, SGLangClient
 from megarl.engines.server import EngineSettings, SGLangEngine
-from megarl.sync import SyncReport, SyncSettings, WeightSync, WeightSyncError
 from megarl.parallel import Layout
+from megarl.sync import SyncReport, SyncSettings, WeightSync, WeightSyncError
 
 LM_HEAD_SCALE = 25.0  # sharpen the random-init head: greedy choices are not near-ties
 BUCKET_MB = 0.25  # the tiny model (1.9 MB) travels in ~8 buckets
@@ -84,20 +86,23 @@ def rl_steps(group, layout: Layout, checkpoint: str, steps: int, seed: int) -> N
 
     hf = load_hf(checkpoint)
     for step in range(steps):
-        batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=seed + step), pad_id=0,
-                               length_multiple=layout.tp if layout.sequence_parallel else 1)
-        group.call("rl_step", batch, AlgorithmConfig(), vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=32,
-                   keep_routing=False, sequence_parallel=layout.sequence_parallel)
+        batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=seed + step))
+        asyncio.run(group.rl_step(batch, AlgorithmConfig(), vocab_size=hf.config.vocab_size,
+                                  max_tokens_per_microbatch=32, keep_routing=False,
+                                  sequence_parallel=layout.sequence_parallel))
 
 
 def trained_group(layout: Layout, checkpoint: str, steps: int = 2):
     """A TrainerGroup under ``layout`` after ``steps`` RL steps."""
-    from megarl.trainer.actor import TrainerGroup
     from megarl.config import default_config
+    from megarl.trainer.actor import TrainerGroup
+    from megarl.trainer.model_setup import ModelSettings
     from megarl.trainer.optimizer import OptimizerSettings
 
     group = TrainerGroup(layout)
-    group.call("build", checkpoint, OptimizerSettings.from_config(default_config(), lr=1e-2), "local", "alltoall", False)
+    model = ModelSettings("local", "alltoall", routing_replay=False, recompute="none", recompute_num_layers=None,
+                          moe_aux_loss_coeff=0.0, reference=False)
+    asyncio.run(group.build(checkpoint, OptimizerSettings.from_config(default_config(), lr=1e-2), model))
     rl_steps(group, layout, checkpoint, steps, seed=0)
     return group
 
@@ -145,7 +150,8 @@ def check_engine_equals_hf(sample, hf_tokens, hf_logprobs, version):
 
 
 def settings(tmp_path, transport="distributed", **kw) -> SyncSettings:
-    return SyncSettings(transport=transport, bucket_mb=BUCKET_MB, work_dir=str(tmp_path / "sync"), **kw)
+    base = SyncSettings.from_config(default_config().sync)
+    return dataclasses.replace(base, transport=transport, bucket_mb=BUCKET_MB, work_dir=str(tmp_path / "sync"), **kw)
 
 
 def read_checkpoint(path: Path) -> dict:
@@ -160,7 +166,7 @@ def read_checkpoint(path: Path) -> dict:
 def sync_and_compare(group, engine, checkpoint, prompt, tmp_path, version, transport="distributed"):
     """Sync, compare the engine with HF built from the trainer's export, recover through disk and
     compare the checkpoint bit for bit. Returns (report, max log-prob diff)."""
-    reference = group.call("export_hf_state")
+    reference = asyncio.run(group.export_hf_state())
     hf_tokens, hf_logprobs = hf_greedy(hf_from_state(checkpoint, reference, tmp_path), prompt, NEW_TOKENS)
 
     async def body():
@@ -219,7 +225,8 @@ def test_failed_transfer_holds_the_engine_until_recovered(single, engine, checkp
     """The engine rejects the second bucket: the sync fails within its timeout, the engine (with
     part of the weights) stays paused and serves nothing until recover() brings it to the version."""
     rl_steps(single, Layout(), checkpoint, 1, seed=20)
-    hf_tokens, hf_logprobs = hf_greedy(hf_from_state(checkpoint, single.call("export_hf_state"), tmp_path), prompt, NEW_TOKENS)
+    reference = asyncio.run(single.export_hf_state())
+    hf_tokens, hf_logprobs = hf_greedy(hf_from_state(checkpoint, reference, tmp_path), prompt, NEW_TOKENS)
 
     async def body():
         async with SGLangClient(engine.url, engine.model) as client:
@@ -265,7 +272,8 @@ def test_engine_killed_during_sync_is_reported_and_recovered(single, engine, che
     """Last in the module (restarts the engine). The engine dies after the first bucket: the sync
     raises WeightSyncError naming it, the restarted engine (same URL) is brought to the version."""
     rl_steps(single, Layout(), checkpoint, 1, seed=30)
-    hf_tokens, hf_logprobs = hf_greedy(hf_from_state(checkpoint, single.call("export_hf_state"), tmp_path), prompt, NEW_TOKENS)
+    reference = asyncio.run(single.export_hf_state())
+    hf_tokens, hf_logprobs = hf_greedy(hf_from_state(checkpoint, reference, tmp_path), prompt, NEW_TOKENS)
 
     async def body():
         async with SGLangClient(engine.url, engine.model) as client:

@@ -1,11 +1,13 @@
 """Weight-sync buckets without an engine: packing, the index, safetensors shards, settings, and the
 sending rank's peak memory during a real gather (RSS sampled in the rank's process)."""
+import dataclasses
 import threading
 import time
 
 import pytest
 import torch
 
+from megarl.config import load_config
 from megarl.sync import SyncReport, SyncSettings
 from megarl.sync.buckets import BucketPacker, pack, unpack
 from megarl.sync.transports.disk import write_safetensors
@@ -102,16 +104,13 @@ def test_shard_is_a_valid_safetensors_file(tmp_path):
 
 
 def test_settings_and_report():
+    cfg = load_config(["recipe=tiny_moe_cpu", "sync.transport=tensor", "sync.bucket_mb=64", "sync.work_dir=/tmp/x"])
+    s = SyncSettings.from_config(cfg.sync, engine_tp=2)
+    assert (s.transport, s.bucket_bytes, s.work_dir, s.timeout_s, s.engine_tp) == ("tensor", 64 * 2**20, "/tmp/x", 600.0, 2)
     with pytest.raises(ValueError, match="one of"):
-        SyncSettings(transport="nccl")
+        dataclasses.replace(s, transport="nccl")
     with pytest.raises(ValueError, match="bucket_mb"):
-        SyncSettings(bucket_mb=-1)
-
-    class Section:  # a config section with the same field names
-        transport, bucket_mb, work_dir, timeout_s = "tensor", 64, "/tmp/x", None
-
-    s = SyncSettings.of(Section())
-    assert (s.transport, s.bucket_bytes, s.work_dir, s.timeout_s) == ("tensor", 64 * 2**20, "/tmp/x", 600.0)
+        dataclasses.replace(s, bucket_mb=-1)
     report = SyncReport(version=3, transport="disk", engines=1, bytes=2_000_000_000, buckets=4, tensors=9,
                         gather_s=0.1, convert_s=0.1, send_s=0.5, load_s=0.5, total_s=2.0, peak_bucket_bytes=0,
                         largest_tensor_bytes=0)

@@ -8,7 +8,7 @@ usage:
 
 CKPT is a torch_dist directory, or a trainer checkpoint root (its ``latest`` step is used). The
 layout (--tp --pp --vpp --ep --etp --world-size) is the one the ranks shard the model under; one
-process is started per rank. Exit status: 0 done (and verified), 1 verification above tolerance,
+process (a Ray actor) is started per rank. Exit status: 0 done (and verified), 1 verification above tolerance,
 2 bad input. See docs/recipes.md ("Bringing checkpoints in and out") and docs/troubleshooting.md.
 """
 import argparse
@@ -85,7 +85,8 @@ def main(argv=None) -> int:
         return 0
     print(json.dumps({"verify": convert.report_dict(verified)}))
     if not verified.passed:
-        print(f"error: logits differ by {verified.max_abs_diff:.3g} > tolerance {verified.tolerance:g}", file=sys.stderr)
+        print(f"error: logits differ by {verified.max_abs_diff:.3g} > tolerance {verified.tolerance:g}",
+              file=sys.stderr)
         return 1
     return 0
 

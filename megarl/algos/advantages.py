@@ -13,6 +13,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from megarl.algos.registry import choose
+from megarl.sample import RolloutSample
 
 AdvantageFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -93,14 +94,17 @@ class BatchStats:
     tokens: int  # generated tokens
 
 
-def fill_advantages(samples: list[RolloutSample], estimator: str) -> BatchStats:
-    """Set each sample's advantage with the configured estimator over its prompt group."""
+def fill_advantages(samples: list[RolloutSample], estimator: str,
+                    penalties: Sequence[float] | None = None) -> BatchStats:
+    """Set each sample's advantage with the configured estimator over its prompt group, from its
+    reward minus its penalty (e.g. the KL to the reference); the stats are of the rewards."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     groups = group_index([s.group_id for s in samples])
-    for sample, value in zip(samples, advantage_fn(estimator)(rewards, groups).tolist()):
+    scores = rewards if penalties is None else rewards - torch.tensor(list(penalties), dtype=torch.float64)
+    for sample, value in zip(samples, advantage_fn(estimator)(scores, groups).tolist()):
         sample.advantage = value
     group_min = torch.full((int(groups.max()) + 1,), float("inf"), dtype=torch.float64).scatter_reduce(0, groups, rewards, "amin")
     group_max = torch.full_like(group_min, float("-inf")).scatter_reduce(0, groups, rewards, "amax")
     lengths = [len(s.response_ids) for s in samples]
     return BatchStats(reward_mean=float(rewards.mean()), response_len_mean=sum(lengths) / len(lengths),
-                        mixed_group_frac=float((group_max > group_min).double().mean()), tokens=sum(lengths))
+                     mixed_group_frac=float((group_max > group_min).double().mean()), tokens=sum(lengths))

@@ -63,7 +63,7 @@ def rl_loss(batch: LossInputs, cfg, denominator: Optional[float] = None) -> Loss
         "clip_fraction": aggregation_fn("token_mean")(pg.clipped.to(weights.dtype), batch.loss_mask),
         "is_weight_mean": aggregation_fn("token_mean")(weights, batch.loss_mask),
     }
-    if cfg.kl_coef != 0.0:
+    if cfg.kl_coef != 0.0 and not cfg.kl_in_reward:  # in the reward, it is in the advantages already
         if batch.ref_logprobs is None:
             raise ValueError("kl_coef != 0 needs ref_logprobs")
         kl = agg(kl_penalty(cfg.kl_type, batch.logprobs, batch.ref_logprobs, batch.old_logprobs), batch.loss_mask, denominator)

@@ -116,7 +116,8 @@ class TrainerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = True
-    max_tokens_per_microbatch: int = 4096  # micro-batches are packed to this token budget
+    max_tokens_per_microbatch: int = 4096  # token budget of one micro-batch (packed: about this many real tokens)
+    pack_sequences: bool = True  # packed (THD) micro-batches, DP ranks balanced by tokens; false: right-padded rows
     recompute: Recompute = Recompute.none
     recompute_num_layers: Optional[int] = None
     gpu_memory_gb: float = 80.0  # per-device memory the planner checks layouts against
@@ -190,8 +191,9 @@ class AlgorithmConfig:
     clip_high: float = 0.2
     dual_clip: Optional[float] = None  # c > 1 for PPO dual clip
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0  # weight of the KL to the reference policy (the starting checkpoint)
     kl_type: str = "k3"  # k1 | k2 | k3 | k3_is
+    kl_in_reward: bool = False  # true: reward - kl_coef * sum_t KL_t before the advantages (verl's use_kl_in_reward); false: in the loss
     entropy_coef: float = 0.0
     off_policy_correction: str = "none"  # none | tis | mis
     off_policy_level: str = "token"  # token | sequence
@@ -216,6 +218,15 @@ class BufferConfig:
 
 
 @dataclass
+class ClusterConfig:
+    """The machines a layout is placed on (planner: ``python -m megarl.plan`` reports which node and
+    device holds each trainer and engine rank, and refuses a layout that cannot be placed)."""
+
+    gpus_per_node: int = 8  # devices per node; trainer ranks, then engines (disaggregated), fill nodes in order
+    num_nodes: Optional[int] = None  # nodes available; None = as many as the layout needs
+
+
+@dataclass
 class LoggingConfig:
     run_dir: str = "runs/${run_name}"  # metrics.jsonl and the resolved config.yaml go here
 
@@ -236,4 +247,5 @@ class MegarlConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,38 +1,97 @@
-"""Checks that Hydra's types cannot express: layouts that do not divide, impossible MoE settings.
+"""Checks that Hydra's types cannot express, run before any process starts.
 
-Each check raises :class:`ConfigError` with ``"<key>: <why>"`` before any process starts.
+:func:`validate` (every load: the driver, the planner, ``--cfg job``) checks the config itself:
+names against the registries of the code that uses them, layouts that do not divide, impossible
+MoE settings, layouts that cannot be placed on the cluster (:class:`PlacementError`). :func:`check_inputs` (the driver, before it starts anything; the planner plans for
+machines whose files live elsewhere) checks what an RL run reads, as far as that is cheap: the
+dataset file and its fields, the reward function's import, the rollout length against the
+checkpoint's context. Each check raises :class:`ConfigError` with ``"<key>: <why>"``.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from omegaconf import DictConfig
+import torch
+from omegaconf import DictConfig, OmegaConf
 
+from megarl.algos.advantages import ADVANTAGES
+from megarl.algos.aggregation import AGGREGATIONS
+from megarl.algos.kl import KL_ESTIMATORS
+from megarl.algos.off_policy import CORRECTIONS, LEVELS
+from megarl.algos.policy_loss import POLICY_LOSSES
 from megarl.config.errors import ConfigError
 from megarl.config.schema import MODES
+from megarl.models.hf_config import hf_config_if_present
 from megarl.parallel import PipelineSplitError, stage_layer_counts
+from megarl.rollout.group import PARTIAL_ROLLOUT_MODES
+from megarl.sync.transports import TRANSPORTS
+from megarl.tasks.prompts import DATASET_TASKS, TASKS, dataset_fields
+from megarl.tasks.rewards import REWARD_TYPES, check_reward_url, load_user_reward
+
+# Config key -> the registry of its valid names (the tables the code looks the name up in).
+REGISTRIES = {
+    "mode": MODES,
+    "task.name": TASKS,
+    "reward.type": REWARD_TYPES,
+    "algorithm.advantage": ADVANTAGES,
+    "algorithm.policy_loss": POLICY_LOSSES,
+    "algorithm.loss_agg": AGGREGATIONS,
+    "algorithm.kl_type": KL_ESTIMATORS,
+    "algorithm.off_policy_correction": CORRECTIONS,
+    "algorithm.off_policy_level": LEVELS,
+    "sync.transport": TRANSPORTS,
+    "buffer.partial_rollout": PARTIAL_ROLLOUT_MODES,
+}
+
+
+class PlacementError(ConfigError):
+    """The layout cannot be placed on the cluster: more ranks than devices, or engine ranks that
+    do not divide the model (``python -m megarl.plan`` exits 2 on it, as on a layout that does not
+    fit in memory)."""
 
 
 def _fail(key: str, why: str) -> None:
-    raise ConfigError(f"{key}: {why}")
+    raise ConfigError(f"{key}: {_one_line(why)}")
+
+
+def _one_line(text: str) -> str:
+    """Messages of other libraries' errors may span lines; the CLI prints one."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def checkpoint_arch(hf_path: str) -> dict:
     """The MoE numbers of an HF checkpoint's config.json ({} when the checkpoint is not present)."""
-    cfg_file = Path(hf_path) / "config.json"
-    if not cfg_file.is_file():
+    hf = hf_config_if_present(hf_path)
+    if hf is None:
         return {}
-    hf = json.loads(cfg_file.read_text())
-    return {
-        "num_layers": hf.get("num_hidden_layers"),
-        "num_experts": hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts"),
-        "num_attention_heads": hf.get("num_attention_heads"),
-        "num_query_groups": hf.get("num_key_value_heads"),
-    }
+    return {"num_layers": hf.num_layers, "num_experts": hf.num_experts, "num_attention_heads": hf.num_attention_heads,
+            "num_query_groups": hf.num_query_groups}
 
 
 def validate(cfg: DictConfig) -> None:
+    _check_names(cfg)
+    _check_parallel(cfg)
+    _check_placement(cfg)
+    _check_rollout(cfg)
+    _check_algorithm(cfg)
+    if cfg.task.name in DATASET_TASKS and not cfg.task.path:
+        _fail("task.path", f"task {cfg.task.name} needs the dataset file")
+    _check_reward(cfg.reward)
+    if cfg.sync.bucket_mb < 0 or cfg.sync.timeout_s <= 0:
+        _fail("sync.bucket_mb",
+              f"bucket_mb must be >= 0 and timeout_s > 0, got {cfg.sync.bucket_mb}, {cfg.sync.timeout_s}")
+    if cfg.mode == "async" and (cfg.buffer.max_staleness < 0 or cfg.buffer.max_buffer_batches < 1):
+        _fail("buffer.max_staleness", "async mode needs max_staleness >= 0 and max_buffer_batches >= 1")
+
+
+def _check_names(cfg: DictConfig) -> None:
+    for key, names in REGISTRIES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in names:
+            _fail(key, f"{value!r} is not one of {', '.join(names)}")
+
+
+def _check_parallel(cfg: DictConfig) -> None:
     p = cfg.parallel
     for key in ("world_size", "tp", "pp", "cp", "ep"):
         if p[key] < 1:
@@ -43,7 +102,8 @@ def validate(cfg: DictConfig) -> None:
     etp = p.etp or p.tp
     expert_ranks_per_stage = p.world_size // p.pp
     if expert_ranks_per_stage % (p.ep * etp):
-        _fail("parallel.ep", f"ep*etp = {p.ep * etp} does not divide the {expert_ranks_per_stage} ranks of a pipeline stage")
+        _fail("parallel.ep",
+              f"ep*etp = {p.ep * etp} does not divide the {expert_ranks_per_stage} ranks of a pipeline stage")
     if p.vpp is not None and p.pp == 1:
         _fail("parallel.vpp", "virtual pipeline stages need parallel.pp > 1")
 
@@ -69,48 +129,169 @@ def validate(cfg: DictConfig) -> None:
     if p.backend not in ("auto", "gloo", "nccl"):
         _fail("parallel.backend", f"must be auto, gloo or nccl, got {p.backend!r}")
 
+
+def _arch_numbers(cfg: DictConfig) -> dict:
+    """The recipe's architecture numbers, the checkpoint's where the recipe leaves one unset."""
+    arch = {k: cfg.model.arch[k] for k in ("num_experts", "num_attention_heads", "num_query_groups")}
+    for k, v in checkpoint_arch(cfg.model.hf_path).items():
+        if k in arch and arch[k] is None:
+            arch[k] = v
+    return arch
+
+
+def engine_devices_start(world_size: int, engine_tp: int, gpus_per_node: int) -> int:
+    """The first device (counted across nodes) of the disaggregated engines: right after the
+    trainer's, rounded up so that no engine straddles a node it could fit in (an engine larger than
+    a node starts on a node of its own)."""
+    step = min(engine_tp, gpus_per_node)
+    return -(-world_size // step) * step
+
+
+def devices_needed(cfg: DictConfig) -> int:
+    """Devices the layout occupies, counted across nodes from node 0 (with the gaps of
+    :func:`engine_devices_start`): the trainer's alone when colocated."""
+    r, p, c = cfg.rollout, cfg.parallel, cfg.cluster
+    if cfg.placement == "colocated":
+        return p.world_size
+    return engine_devices_start(p.world_size, r.engine_tp, c.gpus_per_node) + r.num_engines * r.engine_tp
+
+
+def _check_placement(cfg: DictConfig) -> None:
+    """Engine ranks that divide the model; ranks that fit on the devices; the colocated weight
+    sync's transport. The placement itself: :mod:`megarl.planner.placement`."""
+    r, p, c = cfg.rollout, cfg.parallel, cfg.cluster
+    for key, value in (("rollout.num_engines", r.num_engines), ("rollout.engine_tp", r.engine_tp),
+                       ("rollout.engine_ep", r.engine_ep), ("cluster.gpus_per_node", c.gpus_per_node)):
+        if value < 1:
+            raise PlacementError(f"{key}: must be >= 1, got {value}")
+    if c.num_nodes is not None and c.num_nodes < 1:
+        raise PlacementError(f"cluster.num_nodes: must be >= 1 (or null), got {c.num_nodes}")
+    arch = _arch_numbers(cfg)
+    heads, kv_heads, experts = arch["num_attention_heads"], arch["num_query_groups"], arch["num_experts"]
+    if not r.engine_dp_attention:  # DP attention: one attention replica per engine rank, nothing split
+        if heads and heads % r.engine_tp:
+            raise PlacementError(f"rollout.engine_tp: {heads} attention heads are not divisible by "
+                                 f"engine_tp={r.engine_tp}")
+        if kv_heads and kv_heads % r.engine_tp and r.engine_tp % kv_heads:
+            raise PlacementError(f"rollout.engine_tp: {kv_heads} KV heads and engine_tp={r.engine_tp}: "
+                                 "neither divides the other")
+    if r.engine_tp % r.engine_ep or (experts and experts % r.engine_ep):
+        raise PlacementError(f"rollout.engine_ep: {r.engine_ep} must divide engine_tp={r.engine_tp} and the "
+                             f"{experts} experts")
+    gpn = c.gpus_per_node
+    if gpn % r.engine_tp and r.engine_tp % gpn:
+        raise PlacementError(f"rollout.engine_tp: an engine of {r.engine_tp} ranks on nodes of "
+                             f"cluster.gpus_per_node={gpn} would straddle nodes: one must divide the other")
+    colocated = cfg.placement == "colocated"
+    if colocated and r.num_engines * r.engine_tp > p.world_size:
+        raise PlacementError(
+            f"rollout.num_engines: colocated engines need {r.num_engines * r.engine_tp} devices "
+            f"(num_engines x engine_tp = {r.num_engines} x {r.engine_tp}), more than the trainer's "
+            f"{p.world_size} (parallel.world_size) by {r.num_engines * r.engine_tp - p.world_size}")
+    needed = devices_needed(cfg)
+    if c.num_nodes is not None and needed > c.num_nodes * gpn:
+        what = (f"the trainer's {p.world_size} ranks" if colocated else
+                f"{p.world_size} trainer ranks and {r.num_engines} engines x {r.engine_tp} ranks")
+        raise PlacementError(f"cluster.num_nodes: {what} need {needed} devices ({-(-needed // gpn)} nodes of "
+                             f"{gpn}), more than {c.num_nodes} nodes x {gpn} = {c.num_nodes * gpn}")
+    if colocated and cfg.sync.transport != "tensor":
+        _fail("sync.transport", f"colocated placement needs sync.transport=tensor (the engines load the buckets "
+              f"from the trainer's memory on the same devices), got {cfg.sync.transport!r}")
+
+
+def _check_rollout(cfg: DictConfig) -> None:
     r = cfg.rollout
     if r.keep_sampling_mask and not 0 < r.top_k:
         _fail("rollout.top_k", "Keep Sampling Mask needs a finite top_k > 0 (the engine returns at most top_k ids)")
     if r.samples_per_prompt < 1 or r.prompts_per_step < 1:
         _fail("rollout.samples_per_prompt", "samples_per_prompt and prompts_per_step must be >= 1")
-    if cfg.mode not in MODES:
-        _fail("mode", f"{cfg.mode!r} is not one of {', '.join(MODES)}")
-    if cfg.task.name not in ("arithmetic", "jsonl", "parquet"):
-        _fail("task.name", f"{cfg.task.name!r} is not one of arithmetic, jsonl, parquet")
-    if cfg.task.name != "arithmetic" and not cfg.task.path:
-        _fail("task.path", f"task {cfg.task.name} needs the dataset file")
-    from megarl.tasks.rewards import REWARD_TYPES
+    if r.max_new_tokens < 1:
+        _fail("rollout.max_new_tokens", f"must be >= 1, got {r.max_new_tokens}")
+    if r.temperature < 0:
+        _fail("rollout.temperature", f"must be >= 0, got {r.temperature}")
+    if not 0 < r.top_p <= 1:
+        _fail("rollout.top_p", f"must be in (0, 1], got {r.top_p}")
 
-    if cfg.reward.type not in REWARD_TYPES:
-        _fail("reward.type", f"{cfg.reward.type!r} is not one of {', '.join(REWARD_TYPES)}")
+
+def _check_algorithm(cfg: DictConfig) -> None:
+    a = cfg.algorithm
+    if not (0 <= a.clip_low < 1 and a.clip_high >= 0):
+        _fail("algorithm.clip_low", f"need 0 <= clip_low < 1 and clip_high >= 0, got {a.clip_low}, {a.clip_high}")
+    if a.dual_clip is not None:
+        if a.policy_loss != "ppo":
+            _fail("algorithm.dual_clip", f"applies to the ppo policy loss only, not {a.policy_loss}")
+        if a.dual_clip <= 1:
+            _fail("algorithm.dual_clip", f"must be > 1, got {a.dual_clip}")
+    if a.off_policy_correction != "none" and a.is_threshold < 1:
+        _fail("algorithm.is_threshold", f"must be >= 1, got {a.is_threshold}")
+
+
+def _check_reward(reward: DictConfig) -> None:
     for kind, key in (("remote", "url"), ("function", "path")):
-        if cfg.reward.type == kind and not cfg.reward[key]:
+        if reward.type == kind and not reward[key]:
             _fail(f"reward.{key}", f"reward type {kind} needs reward.{key}")
-    if cfg.reward.timeout_s <= 0:
-        _fail("reward.timeout_s", f"must be > 0, got {cfg.reward.timeout_s}")
-    if cfg.sync.transport not in ("distributed", "tensor", "disk"):
-        _fail("sync.transport", f"{cfg.sync.transport!r} is not one of distributed, tensor, disk")
-    if cfg.sync.bucket_mb < 0 or cfg.sync.timeout_s <= 0:
-        _fail("sync.bucket_mb", f"bucket_mb must be >= 0 and timeout_s > 0, got {cfg.sync.bucket_mb}, {cfg.sync.timeout_s}")
-    if cfg.buffer.partial_rollout not in ("continue", "abort_resubmit"):
-        _fail("buffer.partial_rollout", f"must be continue or abort_resubmit, got {cfg.buffer.partial_rollout!r}")
-    if cfg.mode == "async" and (cfg.buffer.max_staleness < 0 or cfg.buffer.max_buffer_batches < 1):
-        _fail("buffer.max_staleness", "async mode needs max_staleness >= 0 and max_buffer_batches >= 1")
+    if reward.timeout_s <= 0:
+        _fail("reward.timeout_s", f"must be > 0, got {reward.timeout_s}")
+    if reward.type == "remote":
+        try:
+            check_reward_url(reward.url)
+        except ValueError as exc:  # the message names reward.url
+            raise ConfigError(_one_line(str(exc))) from exc
+
+
+def check_inputs(cfg: DictConfig) -> None:
+    """What an RL run reads, checked before it starts anything (a warm-up reads none of it)."""
+    if cfg.mode == "warmup":
+        return
+    if cfg.task.name in DATASET_TASKS:
+        _check_dataset(cfg.task)
+    if cfg.reward.type == "function":
+        try:
+            load_user_reward(cfg.reward.path)  # imports the module: the run imports it again from the cache
+        except ValueError as exc:  # the message names reward.path
+            raise ConfigError(_one_line(str(exc))) from exc
+    checkpoint = _rl_start_checkpoint(cfg)
+    if checkpoint is not None:
+        context = hf_config_if_present(checkpoint).context_length
+        if context is not None and cfg.rollout.max_new_tokens >= context:
+            _fail("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for a prompt in the model's "
+                  f"context of {context} tokens ({checkpoint})")
+
+
+def _rl_start_checkpoint(cfg: DictConfig) -> str | None:
+    """The checkpoint RL starts from, if it is present: the warm-up's (which copies the base
+    checkpoint's config) when the run warms up, else the base one."""
+    candidates = ([cfg.warmup.save_hf_path] if cfg.warmup.steps > 0 else []) + [cfg.model.hf_path]
+    return next((c for c in candidates if c and (Path(c) / "config.json").is_file()), None)
+
+
+def _check_dataset(task: DictConfig) -> None:
+    """The file exists and its rows have the prompt (and answer) fields; only the first rows
+    (JSON Lines) or the schema (Parquet) are read."""
+    if not Path(task.path).is_file():
+        _fail("task.path", f"{task.path} does not exist (or is not a file)")
+    try:
+        names = dataset_fields(task.path, task.name)
+    except (OSError, ValueError) as exc:
+        _fail("task.path", str(exc))
+    if names is None:  # not cheaply readable: the full read at start-up checks the fields
+        return
+    for key in ("prompt_key", "answer_key"):
+        field = task[key]
+        if field and field not in names:
+            _fail(f"task.{key}", f"{field!r} is not a field of {task.path}; its rows have {', '.join(names)}")
 
 
 def refuse_what_is_not_built(cfg: DictConfig) -> None:
-    """Settings a run would otherwise ignore silently: refused by ``megarl.train`` until the code
-    honours them (the planner still accepts them: big-model recipes plan with them)."""
+    """``megarl.train``'s checks before it starts anything: the run's inputs (:func:`check_inputs`),
+    then settings a run would otherwise ignore silently, refused until the code honours them (the
+    planner still accepts them: big-model recipes plan with them)."""
+    check_inputs(cfg)
     r = cfg.rollout
-    if cfg.trainer.recompute != "none":
-        _fail("trainer.recompute", "activation recompute is planned for (megarl.plan) but not applied by the trainer yet")
+    if cfg.parallel.cp > 1 and not torch.cuda.is_available():
+        _fail("parallel.cp", "context parallelism needs transformer-engine's attention (CUDA); "
+              "megatron's local attention on CPU has no context-parallel path")
     if cfg.mode == "warmup":
         return
-    if cfg.placement == "colocated":
-        _fail("placement", "colocated (engines release their memory while the trainer runs) is not built yet; "
-              "use placement=disaggregated")
     if r.engine_tp != 1 or r.engine_ep != 1 or r.engine_dp_attention:
         _fail("rollout.engine_tp", "engine TP/EP/DP-attention are planned for (megarl.plan) but not passed to SGLang yet")
-    if cfg.algorithm.kl_coef != 0.0:
-        _fail("algorithm.kl_coef", "the KL term needs a reference model, which the driver does not run yet")

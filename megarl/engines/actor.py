@@ -26,7 +26,9 @@ from dataclasses import dataclass
 import httpx
 import psutil
 
-from megarl.engines.server import EngineDiedError, EngineSettings, EngineStartError, SGLangEngine, free_port
+from megarl.engines.client import auth_headers
+from megarl.engines.server import EngineDiedError, EngineSettings, EngineStartError, SGLangEngine
+from megarl.parallel import free_port, node_address, pin_gloo_interface, rendezvous_host, role_resources
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ class EngineInfo:
     """Where an engine is and what happened to it.
 
     incarnation: 0 for the first server process, +1 for every restart. failed: why the actor gave
-    up (None while it still serves).
+    up (None while it still serves). node: the address of the node the engine runs on.
     """
 
     url: str
@@ -45,6 +47,7 @@ class EngineInfo:
     restarts: int
     alive: bool
     failed: str | None = None
+    node: str = ""
 
 
 class EngineActor:
@@ -56,8 +59,12 @@ class EngineActor:
         from megarl.log import setup_logging
 
         setup_logging()
+        pin_gloo_interface()  # several nodes: the server's weight-sync group on the routable interface
+        if settings.host is None:  # loopback on one node, else this node's address (the driver calls it there)
+            settings = dataclasses.replace(settings, host=rendezvous_host())
         if settings.port is None:
             settings = dataclasses.replace(settings, port=free_port(settings.host))
+        self._node = node_address()
         self._settings = settings
         self._restart_settings = settings
         self.poll_interval_s, self.max_restarts = poll_interval_s, max_restarts
@@ -115,7 +122,8 @@ class EngineActor:
 
     def _answers(self) -> bool:
         try:
-            return httpx.get(self.url + "/model_info", timeout=10.0).status_code == 200
+            response = httpx.get(self.url + "/model_info", timeout=10.0, headers=auth_headers(self._settings.api_key))
+            return response.status_code == 200
         except httpx.TransportError:
             return False
 
@@ -166,7 +174,7 @@ class EngineActor:
         engine = self._engine
         return EngineInfo(url=self.url, pid=engine.pid if engine is not None else None,
                           incarnation=self._incarnation, restarts=self._restarts, alive=self._alive(),
-                          failed=self._failed)
+                          failed=self._failed, node=self._node)
 
     def log_tail(self, num_lines: int = 40) -> str:
         engine = self._engine
@@ -197,10 +205,15 @@ def launch_engine_actor(settings: EngineSettings, *, num_cpus: float = 0.5, num_
 
     ``num_cpus`` is the actor's Ray reservation; the server process is not accounted by Ray, so on
     CPU keep it small. On GPUs pass ``num_gpus`` = the engine's TP size: Ray then sets
-    ``CUDA_VISIBLE_DEVICES`` for the actor, which the server inherits.
+    ``CUDA_VISIBLE_DEVICES`` for the actor, which the server inherits. When some node of the
+    cluster offers the custom resource ``megarl_engine``, the actor asks for one unit of it
+    (:func:`megarl.parallel.role_resources`): engines then run on the nodes set aside for them.
     """
     import ray
 
+    resources = {**role_resources("engine"), **ray_options.pop("resources", {})}
+    if resources:
+        ray_options["resources"] = resources
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=4, **ray_options)(EngineActor)
     return remote.remote(settings, poll_interval_s=poll_interval_s, max_restarts=max_restarts,
                          unresponsive_restart_s=unresponsive_restart_s)

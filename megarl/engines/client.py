@@ -1,5 +1,6 @@
 """The one async HTTP client for SGLang engine traffic: generation with routing and sampling-mask
-metadata, pause/continue/abort, weight versions and weight updates from disk.
+metadata, pause/continue/abort, weight versions, weight updates from disk, and the release of the
+engine's memory (colocated placement).
 
 Weight versions are integers in megarl (the trainer step that produced the weights); the engine
 holds them as strings (``--weight-version``, ``/update_weight_version``) and reports the version of
@@ -8,8 +9,8 @@ every generated token as spans, which become ``RolloutSample.model_version``.
 from __future__ import annotations
 
 import enum
-import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import numpy as np
 import pybase64
 
 from megarl.engines.protocol import BatchResult
+from megarl.models.hf_config import read_hf_config
 from megarl.sample import FinishReason, RolloutSample, SamplingMask
 
 log = logging.getLogger(__name__)
@@ -29,6 +31,10 @@ class EngineError(RuntimeError):
 
 class EngineUnreachable(EngineError):
     """The engine could not be reached or dropped the connection (e.g. its process died)."""
+
+
+# The memory regions an engine can release (SGLang's tags; its third, cuda_graph, is left mapped).
+MEMORY_TAGS = ("weights", "kv_cache")
 
 
 class PauseMode(str, enum.Enum):
@@ -55,25 +61,17 @@ class ServedModel:
 
     @classmethod
     def from_hf_config(cls, model_path: str | Path) -> ServedModel:
-        """Read ``config.json`` of an HF MoE checkpoint (Qwen3-MoE, Mixtral, DeepSeek names)."""
-        path = Path(model_path) / "config.json"
-        config = json.loads(path.read_text())
-        config = config.get("text_config", config)
-        expert_keys = ("num_experts", "n_routed_experts", "num_local_experts")
-        num_experts = next((config[k] for k in expert_keys if k in config), None)
-        missing = [k for k in ("vocab_size", "num_hidden_layers", "num_experts_per_tok", "max_position_embeddings")
-                   if k not in config]
-        if missing or num_experts is None:
-            raise ValueError(f"{path} is not an MoE config: missing {missing or ['num_experts']}")
-        return cls(
-            vocab_size=config["vocab_size"], num_layers=config["num_hidden_layers"],
-            topk=config["num_experts_per_tok"], num_experts=num_experts,
-            context_length=config["max_position_embeddings"],
-        )
+        """Read ``config.json`` of an HF MoE checkpoint (:func:`megarl.models.hf_config.read_hf_config`)."""
+        hf = read_hf_config(model_path)
+        missing = hf.missing("vocab_size", "num_layers", "moe_topk", "num_experts", "context_length")
+        if missing:
+            raise ValueError(f"{hf.path} is not an MoE config: missing {', '.join(missing)}")
+        return cls(vocab_size=hf.vocab_size, num_layers=hf.num_layers, topk=hf.moe_topk, num_experts=hf.num_experts,
+                   context_length=hf.context_length)
 
     @property
     def routing_dtype(self) -> np.dtype:
-        """int16 while expert ids fit, else int32 (DESIGN.md section 3)."""
+        """int16 while expert ids fit, else int32 (docs/architecture.md, "The sample")."""
         return np.dtype(np.int16) if self.num_experts <= np.iinfo(np.int16).max else np.dtype(np.int32)
 
 
@@ -105,6 +103,11 @@ class SamplingParams:
 
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header that authenticates a request to an engine started with ``api_key`` (none without)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def parse_weight_version(version: str) -> int:
@@ -142,12 +145,17 @@ def _model_versions(meta: dict, num_response: int) -> np.ndarray:
 
 
 class SGLangClient:
-    """Async client of one SGLang HTTP server. Use ``async with`` or call ``aclose()``."""
+    """Async client of one SGLang HTTP server. Use ``async with`` or call ``aclose()``.
 
-    def __init__(self, base_url: str, model: ServedModel, request_timeout_s: float = 600.0):
+    ``api_key``: the server's ``--api-key``, sent as ``Authorization: Bearer`` on every request
+    (generation, control and weight updates alike); it is never logged."""
+
+    def __init__(self, base_url: str, model: ServedModel, request_timeout_s: float = 600.0,
+                 api_key: str | None = None):
         self.base_url = base_url
         self.model = model
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(request_timeout_s, connect=10.0))
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(request_timeout_s, connect=10.0),
+                                       headers=auth_headers(api_key))
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -359,6 +367,35 @@ class SGLangClient:
         """Load an HF checkpoint directory inside an open weight-update session (no cache flush,
         the version label unchanged)."""
         await self._post("/update_weights_from_disk", {"model_path": str(model_path), "flush_cache": False})
+
+    # --- memory release (colocated placement; megarl.pipeline.colocate drives it) ----------------
+    async def memory_saver_enabled(self) -> bool:
+        """Whether the engine can release its memory: started with ``--enable-memory-saver``
+        (torch_memory_saver, CUDA only). Without it SGLang's release frees nothing on a GPU, and on
+        CPU (SGLang 0.5.23) ``/release_memory_occupation`` kills the engine's scheduler: it ends with
+        ``torch.cuda.synchronize()``."""
+        response = await self._request("GET", "/server_info")
+        return bool(response.json().get("enable_memory_saver", False))
+
+    async def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Free the memory regions ``tags`` (``weights``, ``kv_cache``) until :meth:`resume_memory`.
+        The engine must be paused with nothing running (SGLang asserts it is idle). Released
+        weights come back uninitialised: sync the weights after resuming them."""
+        await self._post("/release_memory_occupation", {"tags": _memory_tags(tags)})
+        log.info("%s: memory released (%s)", self.base_url, ", ".join(tags))
+
+    async def resume_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Map the regions ``tags`` that :meth:`release_memory` freed again (an error for a region
+        that was not released)."""
+        await self._post("/resume_memory_occupation", {"tags": _memory_tags(tags)})
+        log.info("%s: memory resumed (%s)", self.base_url, ", ".join(tags))
+
+
+def _memory_tags(tags: Sequence[str]) -> list[str]:
+    unknown = [t for t in tags if t not in MEMORY_TAGS]
+    if unknown or not tags:
+        raise ValueError(f"memory tags must be some of {', '.join(MEMORY_TAGS)}, got {list(tags)}")
+    return list(tags)
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -16,6 +16,10 @@ returns nothing, so each resubmission is the whole request; each prompt index yi
 sample, whatever engines died. ``resubmitted`` counts the resubmitted prompts. A prompt lost more
 than ``max_attempts`` times raises EngineError (an engine that crashes on a request every time);
 an engine that cannot come back (no supervisor, or its actor gave up) raises EngineUnreachable.
+
+Hold (colocated placement, :mod:`megarl.pipeline.colocate`): while the pool is held no request
+reaches an engine (new and resubmitted ones wait in the pool), and :meth:`EnginePool.hold` returns
+once none is in flight; the engines' weights and KV cache can then be released and resumed.
 """
 from __future__ import annotations
 
@@ -92,6 +96,10 @@ class EnginePool:
         self.resubmitted = 0  # prompts resubmitted after an engine died, over the pool's life
         self._paused: PauseMode | None = None
         self._actors: list = []  # Ray actors this pool launched (stopped by shutdown)
+        self._open = asyncio.Event()  # cleared while held: requests wait in the pool (see hold())
+        self._open.set()
+        self._idle = asyncio.Condition()  # notified when a request ends (hold() waits for none in flight)
+        self._released: dict[int, tuple[int | None, set[str]]] = {}  # engine -> (incarnation, released tags)
 
     @property
     def clients(self) -> list[SGLangClient]:
@@ -124,13 +132,15 @@ class EnginePool:
         except BaseException:
             ray.get([a.stop.remote() for a in actors])
             raise
-        clients = [SGLangClient(info.url, ServedModel.from_hf_config(s.model_path), request_timeout_s)
-                   for info, s in zip(infos, settings)]
+        # info.url: where the engine's node serves it (its node address on a multi-node cluster)
+        clients = [SGLangClient(info.url, ServedModel.from_hf_config(s.model_path), request_timeout_s,
+                                api_key=s.api_key) for info, s in zip(infos, settings)]
         pool = cls(clients, [RayEngineSupervisor(a) for a in actors], **pool_kwargs)
         pool._actors = actors
         for engine, info in zip(pool._engines, infos):
             engine.incarnation = info.incarnation
-        log.info("engine pool: %d engines at %s", len(actors), [i.url for i in infos])
+        log.info("engine pool: %d engines at %s (nodes %s)", len(actors), [i.url for i in infos],
+                 [i.node for i in infos])
         return pool
 
     @property
@@ -168,6 +178,7 @@ class EnginePool:
 
         async def run(engine: _Engine, indices: list[int], attempt: int) -> None:
             nonlocal resubmitted
+            await self._open.wait()  # not while the pool is held (colocated: the trainer has the devices)
             engine.in_flight += len(indices)
             try:
                 out = await engine.client.generate_batch(
@@ -187,6 +198,7 @@ class EnginePool:
                 return
             finally:
                 engine.in_flight -= len(indices)
+                await self._request_ended()
             await self._recover(engine)
             resubmitted += len(indices)
             self.resubmitted += len(indices)
@@ -244,6 +256,60 @@ class EnginePool:
     async def continue_generation(self) -> None:
         await self._on_every_engine(lambda c: c.continue_generation())
         self._paused = None
+
+    # --- hold and memory release (colocated placement: megarl.pipeline.colocate) ----------------
+
+    @property
+    def held(self) -> bool:
+        return not self._open.is_set()
+
+    async def _request_ended(self) -> None:
+        async with self._idle:
+            self._idle.notify_all()
+
+    async def hold(self, *, abort: bool) -> None:
+        """Send nothing more to the engines until :meth:`unhold` (new and resubmitted requests wait
+        in the pool), and return once no request is in flight, every engine paused. ``abort``:
+        in-flight requests are aborted (they return at once with what they generated: for callers
+        that resubmit aborted samples); else they run to their end first."""
+        self._open.clear()
+        if abort:
+            await self.pause(PauseMode.ABORT)
+        async with self._idle:
+            await self._idle.wait_for(lambda: sum(self.in_flight) == 0)
+        if not abort:
+            await self.pause(PauseMode.ABORT)  # nothing left to abort: paused, as a memory release needs
+
+    async def unhold(self) -> None:
+        """Continue every engine and send the requests that waited (see :meth:`hold`)."""
+        await self.continue_generation()
+        self._open.set()
+
+    async def memory_release_available(self) -> bool:
+        """Whether every engine can release its memory (``SGLangClient.memory_saver_enabled``)."""
+        return all(await self._on_every_engine(lambda c: c.memory_saver_enabled()))
+
+    async def release_memory(self, tags: Sequence[str]) -> None:
+        """Release the memory regions ``tags`` of every engine (held, see :meth:`hold`)."""
+        await self._on_every_engine(lambda c: c.release_memory(tags))
+        for e in self._engines:
+            incarnation, released = self._released.get(e.index, (e.incarnation, set()))
+            self._released[e.index] = (e.incarnation, released | set(tags))
+
+    async def resume_memory(self, tags: Sequence[str]) -> None:
+        """Map the regions ``tags`` again on every engine that released them and still runs the
+        incarnation that did (a restarted engine starts with all its memory mapped)."""
+        async def one(engine: _Engine) -> None:
+            incarnation, released = self._released.get(engine.index, (None, set()))
+            todo = [t for t in tags if t in released]
+            if todo and incarnation == engine.incarnation:
+                await engine.client.resume_memory(todo)
+            if released - set(todo):
+                self._released[engine.index] = (incarnation, released - set(todo))
+            else:
+                self._released.pop(engine.index, None)
+
+        await asyncio.gather(*(one(e) for e in self._engines))
 
     async def weight_versions(self) -> list[int]:
         """The weight version each engine serves."""

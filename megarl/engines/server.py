@@ -9,18 +9,18 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
-from megarl.platform import sglang_cpu
 from megarl.engines.client import ServedModel
+from megarl.parallel import free_port, rendezvous_host
+from megarl.platform import sglang_cpu
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +37,24 @@ class EngineDiedError(RuntimeError):
 class EngineSettings:
     """How to launch one SGLang server.
 
-    port None picks a free port on ``host``. device None means "cpu" when no GPU is present,
-    else "cuda". log_path None writes the server log to a temporary file (see ``SGLangEngine.log_path``).
+    host None binds the loopback address, or this node's routable address when the Ray cluster
+    has more than one node (:func:`megarl.parallel.rendezvous_host`, resolved where the server
+    starts). port None picks a free port on ``host``. ``api_key``: the bearer token every request
+    but ``/health`` must carry (SGLang's ``--api-key``; kept out of the repr). device None means
+    "cpu" when no GPU is present, else "cuda". log_path None writes the server log to a temporary
+    file (see ``SGLangEngine.log_path``).
+
+    Parallelism (SGLang's rules, checked here): the engine runs ``tp`` ranks; ``ep`` of them split
+    the routed experts (``ep`` divides ``tp`` and the expert count; each expert is split over
+    ``tp / ep`` ranks); ``dp_attention`` runs attention data parallel with one attention replica
+    per rank (SGLang's ``--attn-dp-size tp``, formerly ``--enable-dp-attention --dp-size tp``),
+    which needs ``tp`` > 1 and a GPU (see ``SGLangEngine``). An engine spanning ``nnodes`` nodes
+    is started once on each node, with its ``node_rank`` and the same ``dist_init_addr``
+    ("host:port" of node 0); its ``tp`` ranks are split evenly over the nodes.
     """
 
     model_path: str
-    host: str = "127.0.0.1"
+    host: str | None = None
     port: int | None = None
     device: str | None = None
     dtype: str = "auto"
@@ -51,32 +63,96 @@ class EngineSettings:
     max_total_tokens: int | None = None  # KV-cache capacity in tokens; None lets SGLang size it
     max_running_requests: int | None = None
     random_seed: int = 0
+    tp: int = 1
+    ep: int = 1
+    dp_attention: bool = False
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # "host:port" of node 0; required when nnodes > 1
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 20.0
     log_path: str | None = None
     extra_args: tuple[str, ...] = ()  # more launch_server flags, appended as given
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
         if self.sampling_mask_max_tokens < 1:
             raise ValueError(f"sampling_mask_max_tokens must be >= 1, got {self.sampling_mask_max_tokens}")
         if not (Path(self.model_path) / "config.json").is_file():
             raise ValueError(f"model_path {self.model_path!r} has no config.json")
+        self._check_parallelism()
 
+    @property
+    def attention_tp(self) -> int:
+        """Ranks one attention layer is split over: ``tp``, or 1 with DP attention."""
+        return 1 if self.dp_attention else self.tp
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tp // self.nnodes
+
+    def _check_parallelism(self) -> None:
+        from megarl.models.hf_config import read_hf_config
+
+        if self.tp < 1 or self.ep < 1:
+            raise ValueError(f"tp and ep must be >= 1, got tp={self.tp} ep={self.ep}")
+        if self.tp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide tp={self.tp}: SGLang's expert-parallel ranks are "
+                             f"tensor-parallel ranks (each expert is split over tp/ep ranks)")
+        if self.dp_attention and self.tp == 1:
+            raise ValueError("dp_attention needs tp > 1 (one attention replica per rank)")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"need nnodes >= 1 and 0 <= node_rank < nnodes, got nnodes={self.nnodes} "
+                             f"node_rank={self.node_rank}")
+        if self.tp % self.nnodes:
+            raise ValueError(f"tp={self.tp} ranks do not split evenly over nnodes={self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError(f"an engine on nnodes={self.nnodes} needs dist_init_addr (host:port of node 0)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"dist_init_addr must be host:port, got {self.dist_init_addr!r}")
+        hf = read_hf_config(self.model_path)
+        if hf.num_experts and hf.num_experts % self.ep:
+            raise ValueError(f"ep={self.ep} must divide the model's {hf.num_experts} experts")
+        moe_tp = self.tp // self.ep
+        if hf.num_experts and hf.moe_ffn_hidden_size and hf.moe_ffn_hidden_size % moe_tp:
+            raise ValueError(f"each expert is split over tp/ep={moe_tp} ranks, which must divide its "
+                             f"FFN size {hf.moe_ffn_hidden_size}")
+        if hf.num_attention_heads and hf.num_attention_heads % self.attention_tp:
+            raise ValueError(f"attention is split over {self.attention_tp} ranks, which must divide the "
+                             f"{hf.num_attention_heads} attention heads")
+        kv = hf.num_query_groups
+        if kv and kv % self.attention_tp and self.attention_tp % kv:
+            raise ValueError(f"attention is split over {self.attention_tp} ranks: that and the {kv} KV heads "
+                             "must divide one another")
+
+    @classmethod
+    def from_config(cls, cfg, model_path: str, index: int, weight_version: int) -> EngineSettings:
+        """The settings of engine ``index`` of a run (``cfg``: the run's config) serving
+        ``model_path`` at ``weight_version``. The dtype is the trainer's: SGLang's "auto" serves a
+        float32 checkpoint in float16, which alone puts a ~3e-4 mean (1e-3 max) gap between the
+        engine's and the trainer's log-probs. Each engine gets its own seed and a log in the run dir."""
+        r = cfg.rollout
+        return cls(model_path=model_path, dtype=cfg.model.dtype, sampling_mask_max_tokens=max(r.top_k, 1),
+                   max_total_tokens=r.max_total_tokens, random_seed=cfg.task.seed + index,
+                   tp=r.engine_tp, ep=r.engine_ep, dp_attention=r.engine_dp_attention,
+                   weight_version=weight_version, log_path=str(Path(cfg.logging.run_dir) / f"engine-{index}.log"))
 
 
 class SGLangEngine:
     """Owns one SGLang server process. ``start()`` blocks until ``/health`` answers 200."""
 
     def __init__(self, settings: EngineSettings):
+        if settings.host is None:
+            settings = replace(settings, host=rendezvous_host())
         self.settings = settings
         self.model = ServedModel.from_hf_config(settings.model_path)
         self.device = settings.device or ("cpu" if sglang_cpu.needed() else "cuda")
+        if settings.dp_attention and self.device == "cpu":
+            # SGLang 0.5.23 pads DP-attention batches through an attention-backend method that its
+            # CPU (torch_native) backend lacks: AttributeError 'get_cpu_graph_seq_len_fill_value'.
+            raise ValueError("dp_attention does not run on SGLang's CPU path; use tp/ep without it on CPU")
         self.port = settings.port or free_port(settings.host)
         self.log_path = Path(settings.log_path or _temporary_log_path())
         self._process: subprocess.Popen | None = None
@@ -107,7 +183,25 @@ class SGLangEngine:
             cmd += ["--max-total-tokens", str(s.max_total_tokens)]
         if s.max_running_requests is not None:
             cmd += ["--max-running-requests", str(s.max_running_requests)]
+        if s.tp > 1:
+            cmd += ["--tp-size", str(s.tp)]
+        if s.ep > 1:
+            cmd += ["--ep-size", str(s.ep)]
+        if s.dp_attention:
+            cmd += ["--attn-dp-size", str(s.tp)]
+        if s.nnodes > 1:
+            cmd += ["--nnodes", str(s.nnodes), "--node-rank", str(s.node_rank), "--dist-init-addr", s.dist_init_addr]
+        if s.api_key:
+            cmd += ["--api-key", s.api_key]
         return cmd + list(s.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: this process's, plus on CPU the ranks it starts on this node
+        (megarl's SGLang CPU layer binds each its cores, see ``sglang_cpu``)."""
+        env = dict(os.environ)
+        if self.device == "cpu":
+            env[sglang_cpu.RANKS_PER_NODE_ENV] = str(self.settings.ranks_per_node)
+        return env
 
     def start(self) -> None:
         """Spawn the server and wait for health; raises EngineStartError (server stopped) on failure."""
@@ -116,7 +210,8 @@ class SGLangEngine:
         t0 = time.monotonic()
         with open(self.log_path, "ab") as log_file:
             self._process = subprocess.Popen(
-                self.command(), stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True
+                self.command(), env=self.environment(), stdout=log_file, stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         log.info("SGLang server pid %d starting at %s (log %s)", self._process.pid, self.url, self.log_path)
         try:

@@ -62,8 +62,13 @@ def load_bridge(hf_path: str | Path, dtype: str = "float32"):
 def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "float32",
                          transformer_impl: str = "auto", dispatcher: str = "alltoall",
                          ddp_config=None, routing_replay: bool = False,
-                         moe_aux_loss_coeff: float = 0.0, load_weights: bool = True) -> MegatronModel:
+                         moe_aux_loss_coeff: float = 0.0, load_weights: bool = True, recompute: str = "none",
+                         recompute_num_layers: int | None = None) -> MegatronModel:
     """Build this rank's Megatron chunks for ``layout`` and load the HF weights into them.
+
+    ``recompute``: megatron's activation recompute, ``none`` | ``selective`` (see
+    :func:`recompute_settings`) | ``full`` (every ``recompute_num_layers`` layers, default 1, keep
+    only their input).
 
     Call after :func:`megarl.trainer.distributed.init_rank`. With ``ddp_config`` the chunks are
     wrapped in megatron's DistributedDataParallel (for training); without, they are bare modules.
@@ -87,6 +92,8 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
         hidden_dropout=0.0, attention_dropout=0.0,
         calculate_per_token_loss=True,  # token-mean over the global batch; see trainer/step.py
     )
+    settings.update(recompute_settings(recompute, recompute_num_layers,
+                                       grouped_experts=te and bool(getattr(provider, "moe_grouped_gemm", False))))
     if not te:  # megatron's fused kernels exist only in TE / apex / CUDA
         settings.update(
             transformer_impl="local", use_cpu_initialization=not torch.cuda.is_available(),
@@ -107,6 +114,20 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
     )
     log.info("megatron model on this rank: %d parameters", sum(p.numel() for c in chunks for p in c.parameters()))
     return MegatronModel(bridge=bridge, provider=provider, chunks=chunks)
+
+
+def recompute_settings(recompute: str, num_layers: int | None = None, grouped_experts: bool = False) -> dict:
+    """megatron TransformerConfig fields of a ``trainer.recompute`` setting. ``selective``:
+    megatron's ``core_attn``, plus ``moe_act`` (routed experts' activation) where the experts run
+    as grouped GEMMs (transformer-engine), the only place megatron supports it."""
+    if recompute == "none":
+        return dict(recompute_granularity=None)
+    if recompute == "selective":
+        return dict(recompute_granularity="selective",
+                    recompute_modules=["core_attn", "moe_act"] if grouped_experts else ["core_attn"])
+    if recompute == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=num_layers or 1)
+    raise ValueError(f"trainer.recompute={recompute!r}: one of none, selective, full")
 
 
 def _float16_wrapper():

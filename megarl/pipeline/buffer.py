@@ -6,7 +6,7 @@ finished group always has room. The trainer takes the oldest groups first; a gro
 staleness exceeds ``max_staleness`` when taken is dropped and counted, never trained.
 
 Staleness of a sample = trainer version - the oldest ``model_version`` of its response tokens
-(DESIGN.md section 7); the trainer version is the step whose weights the trainer holds.
+(docs/architecture.md, "Staleness"); the trainer version is the step whose weights the trainer holds.
 """
 from __future__ import annotations
 

@@ -9,15 +9,19 @@ lag and buffer depth (:mod:`megarl.pipeline.modes`).
 
 Per step, :meth:`Pipeline.take_batch` takes the oldest groups from the buffer, :meth:`Pipeline.sync_weights`
 moves the new weights into the engines, and :meth:`Pipeline.end_step` writes the trained-prompt
-log, checks the ledger, logs the metrics row and saves a checkpoint when one is due.
+log, checks the ledger, logs the metrics row and saves a checkpoint when one is due. With
+``placement=colocated`` the engines hand the devices to the trainer from the end of ``take_batch``
+to the end of ``sync_weights`` (:mod:`megarl.pipeline.colocate`).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -29,7 +33,7 @@ from rich.progress import Progress
 from transformers import AutoTokenizer
 
 from megarl.algos.advantages import BatchStats
-from megarl.config import ConfigError
+from megarl.config.schema import Placement
 from megarl.engines.client import EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.engines.pool import EnginePool
 from megarl.engines.server import EngineSettings
@@ -37,10 +41,12 @@ from megarl.metrics.gpu import GpuStats
 from megarl.metrics.sink import MetricsFile
 from megarl.parallel import Layout
 from megarl.pipeline.buffer import Group, RolloutBuffer
+from megarl.pipeline.colocate import Colocation, memory_saver_args
 from megarl.pipeline.ledger import Ledger
 from megarl.pipeline.modes import PAUSE_FOR_PARTIAL_ROLLOUT, lag_and_capacity
 from megarl.pipeline.producer import RolloutProducer
 from megarl.pipeline.signals import StopRequest
+from megarl.platform import sglang_cpu
 from megarl.rollout.group import RolloutManager
 from megarl.sample import RolloutSample
 from megarl.sync import SyncSettings, WeightSync, WeightSyncError
@@ -48,6 +54,7 @@ from megarl.tasks.prompts import Prompt, make_prompt_source
 from megarl.tasks.rewards import make_reward
 from megarl.trainer.actor import TrainerGroup
 from megarl.trainer.checkpoint import latest_step
+from megarl.trainer.model_setup import ModelSettings
 from megarl.trainer.optimizer import OptimizerSettings
 from megarl.trainer.rl_batch import RLBatch, build_rl_batch
 
@@ -83,6 +90,7 @@ class Pipeline:
     vocab_size: int
     start_step: int  # the last completed step (0 for a new run)
     pause_mode: PauseMode
+    colocation: Colocation | None = None  # placement=colocated: engines and trainer take turns
     _trained_log: object = field(default=None, repr=False)
     _gpu: GpuStats = field(default_factory=GpuStats, repr=False)
     _progress: Progress | None = field(default=None, repr=False)
@@ -121,20 +129,30 @@ class Pipeline:
         taken = await self.producer.guard(self.buffer.take(self.cfg.rollout.prompts_per_step,
                                                            trainer_version=step - 1))
         self.producer.taken(taken.groups + taken.dropped_stale)
+        if self.colocation is not None:  # the devices go to the trainer: nothing generates until the sync
+            await self.colocation.before_training()
         self._clock["train_start"] = time.monotonic()
         return Batch(groups=taken.groups, staleness=taken.staleness, wait_s=self._clock["train_start"] - t0)
 
     def rl_batch(self, samples: list[RolloutSample]) -> RLBatch:
         """The trainer's tensors for ``samples`` (advantages filled)."""
-        p = self.cfg.parallel
-        return build_rl_batch(samples, self.pad_id, p.tp if p.sequence_parallel else 1,
-                              with_sampling_mask=self.cfg.rollout.keep_sampling_mask)
+        return build_rl_batch(samples, with_sampling_mask=self.cfg.rollout.keep_sampling_mask)
+
+    async def kl_penalties(self, samples: list[RolloutSample]) -> list[float] | None:
+        """``kl_coef * sum_t KL_t`` to the reference per sample when ``algorithm.kl_in_reward``
+        (taken from the rewards before the advantages, as verl's ``use_kl_in_reward``), else None."""
+        algo = self.cfg.algorithm
+        if not (algo.kl_in_reward and algo.kl_coef != 0.0):
+            return None
+        batch = build_rl_batch(samples, with_sampling_mask=self.cfg.rollout.keep_sampling_mask, with_advantages=False)
+        return [algo.kl_coef * kl for kl in await self.trainer.sequence_kl(batch, algo, **self.step_kwargs())]
 
     def step_kwargs(self) -> dict:
         """The rl_step arguments that come from the config and the served model."""
         r, p = self.cfg.rollout, self.cfg.parallel
         return dict(vocab_size=self.vocab_size, max_tokens_per_microbatch=self.cfg.trainer.max_tokens_per_microbatch,
-                    keep_routing=r.keep_routing, sequence_parallel=p.sequence_parallel, temperature=r.temperature)
+                    keep_routing=r.keep_routing, sequence_parallel=p.sequence_parallel, temperature=r.temperature,
+                    pack=self.cfg.trainer.pack_sequences, pad_id=self.pad_id)
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         """Sync the trainer's weights into the engines as ``version`` and let generation use them;
@@ -142,16 +160,23 @@ class Pipeline:
         weights are brought to ``version`` from disk, dead ones when their supervisor has
         restarted them (``pool.on_restart``)."""
         self._clock["sync_start"] = time.monotonic()
+        if self.colocation is not None:  # the engines get their memory back around the sync
+            synced = await self.colocation.after_training(lambda: self._sync(version))
+            synced.update(self.colocation.metrics())
+        else:
+            synced = await self._sync(version)
+        await self.producer.set_engine_version(version)
+        return synced
+
+    async def _sync(self, version: int) -> dict[str, float]:
         try:
-            synced = (await self.sync.update(version, self.pause_mode)).metrics()
+            return (await self.sync.update(version, self.pause_mode)).metrics()
         except WeightSyncError as exc:
             log.error("%s", exc)
             for client in self.pool.clients:
                 if client.base_url in exc.held:
                     await self.sync.recover(client)
-            synced = {"sync/failed": 1.0}
-        await self.producer.set_engine_version(version)
-        return synced
+            return {"sync/failed": 1.0}
 
     async def end_step(self, step: int, batch: Batch, stats: BatchStats, result, synced: dict[str, float]) -> None:
         """The step's books: trained-prompt log, ledger check, metrics row, progress, checkpoint.
@@ -201,17 +226,6 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
         path.write_text("".join(line + "\n" for line in kept))
 
 
-def _engine_settings(cfg: DictConfig, start_checkpoint: str, weights_version: int):
-    r = cfg.rollout
-    run_dir = Path(cfg.logging.run_dir)
-    # dtype: the trainer's. SGLang's "auto" serves a float32 checkpoint in float16, which alone
-    # puts a ~3e-4 mean (1e-3 max) gap between the engine's and the trainer's log-probs.
-    return [EngineSettings(model_path=start_checkpoint, dtype=cfg.model.dtype, sampling_mask_max_tokens=max(r.top_k, 1),
-                           max_total_tokens=r.max_total_tokens, random_seed=cfg.task.seed + i,
-                           weight_version=weights_version, log_path=str(run_dir / f"engine-{i}.log"))
-            for i in range(r.num_engines)]
-
-
 @contextlib.asynccontextmanager
 async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator[Pipeline]:
     """Build (or resume) the run's pipeline; everything is stopped when the block exits."""
@@ -220,9 +234,6 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
     layout = Layout.from_config(p)
     tokenizer = AutoTokenizer.from_pretrained(start_checkpoint)
     served = ServedModel.from_hf_config(start_checkpoint)
-    if r.max_new_tokens >= served.context_length:
-        raise ConfigError(f"rollout.max_new_tokens: {r.max_new_tokens} leaves no room for a prompt in the model's "
-                          f"context of {served.context_length} tokens ({start_checkpoint})")
     checkpoints = run_dir / "checkpoints"
     resume_step = latest_step(checkpoints) if t.resume else None
     if os.environ.get("RAY_ADDRESS"):  # a cluster started for us (slurm/megarl.sbatch exports it)
@@ -235,17 +246,26 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
         stack.callback(ray.shutdown)
         trainer = TrainerGroup(layout, backend=p.backend, seed=t.seed)
         stack.callback(trainer.shutdown)
-        await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg), cfg.model.transformer_impl.value,
-                            p.dispatcher.value, r.keep_routing)
+        await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg), ModelSettings.from_config(cfg))
         position, ledger, start_step = None, Ledger(), 0
         if resume_step is not None:
             resumed = await trainer.load_checkpoint(str(checkpoints))
             start_step, position = resumed.step, resumed.data_position
             ledger = Ledger.from_state_dict(position["ledger"])
             log.info("resuming at step %d from %s", start_step, resumed.path)
-        pool = EnginePool.launch(_engine_settings(cfg, start_checkpoint, 0), num_cpus=0.5)
+        api_key = secrets.token_urlsafe(32)  # this run's engines answer only megarl's clients (never logged)
+        engines = [dataclasses.replace(EngineSettings.from_config(cfg, start_checkpoint, i, 0), api_key=api_key)
+                   for i in range(r.num_engines)]
+        colocated = Placement(cfg.placement) == Placement.colocated
+        if colocated:
+            release = memory_saver_args(cuda=not sglang_cpu.needed())
+            engines = [dataclasses.replace(e, extra_args=e.extra_args + release) for e in engines]
+        pool = EnginePool.launch(engines, num_cpus=0.5)
+        log.info("placement: trainer ranks on nodes %s, engines on nodes %s at %s", await trainer.node_addresses(),
+                 [a.node for a in await asyncio.gather(*(e.info.remote() for e in pool.actors))],
+                 [c.base_url for c in pool.clients])
         stack.push_async_callback(pool.aclose)
-        sync = WeightSync(SyncSettings.of(cfg.sync), trainer, pool.clients, initial_version=0)
+        sync = WeightSync(SyncSettings.from_config(cfg.sync, r.engine_tp), trainer, pool.clients, initial_version=0)
         stack.push_async_callback(sync.close)
         await sync.setup()
         pause_mode = PAUSE_FOR_PARTIAL_ROLLOUT[cfg.buffer.partial_rollout]
@@ -282,7 +302,9 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
         trained_log = stack.enter_context((run_dir / "trained_prompts.jsonl").open("a"))
         pipe = Pipeline(cfg=cfg, trainer=trainer, pool=pool, sync=sync, buffer=buffer, producer=producer,
                         ledger=ledger, metrics=metrics, pad_id=tokenizer.pad_token_id, vocab_size=served.vocab_size,
-                        start_step=start_step, pause_mode=pause_mode, _trained_log=trained_log)
+                        start_step=start_step, pause_mode=pause_mode, _trained_log=trained_log,
+                        colocation=Colocation(pool, abort=cfg.buffer.partial_rollout == "abort_resubmit")
+                        if colocated else None)
         stack.callback(pipe._gpu.close)
         producer_task = asyncio.create_task(producer.run())
         stack.push_async_callback(producer.stop)

@@ -6,41 +6,15 @@ checkpoint is present (the tiny demo) may leave them ``None`` and they are read 
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 from omegaconf import DictConfig
 
 from megarl.config.errors import ConfigError
 from megarl.config.schema import ArchConfig
+from megarl.models.hf_config import hf_config_if_present
 
 FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
-
-# HF config.json key for each Arch field, per family (first key present wins).
-_HF_KEYS = {
-    "num_layers": ("num_hidden_layers",),
-    "hidden_size": ("hidden_size",),
-    "num_attention_heads": ("num_attention_heads",),
-    "num_query_groups": ("num_key_value_heads",),
-    "head_dim": ("head_dim",),
-    "ffn_hidden_size": ("intermediate_size",),
-    "moe_ffn_hidden_size": ("moe_intermediate_size",),
-    "num_experts": ("num_experts", "num_local_experts", "n_routed_experts"),
-    "moe_topk": ("num_experts_per_tok",),
-    "num_shared_experts": ("n_shared_experts",),
-    "first_k_dense_layers": ("first_k_dense_replace",),
-    "vocab_size": ("vocab_size",),
-    "tie_word_embeddings": ("tie_word_embeddings",),
-    "q_lora_rank": ("q_lora_rank",),
-    "kv_lora_rank": ("kv_lora_rank",),
-    "qk_nope_head_dim": ("qk_nope_head_dim",),
-    "qk_rope_head_dim": ("qk_rope_head_dim",),
-    "v_head_dim": ("v_head_dim",),
-    "num_mtp_layers": ("num_nextn_predict_layers",),
-    "qk_layernorm": ("use_qk_norm",),
-    "attention_bias": ("attention_bias",),
-}
 
 # Family facts that config.json does not spell out.
 _QK_LAYERNORM_DEFAULT = {"qwen3_moe": True, "glm4_moe": False, "deepseek_v3": False}
@@ -95,31 +69,18 @@ class Arch:
         return index >= self.first_k_dense_layers
 
 
-def checkpoint_config(hf_path: str) -> dict:
-    """The checkpoint's config.json as a dict ({} when the checkpoint is not present)."""
-    path = Path(hf_path) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
-def _from_checkpoint(hf: dict, name: str):
-    for key in _HF_KEYS.get(name, ()):
-        if hf.get(key) is not None:
-            return hf[key]
-    return None
-
-
 def resolve_arch(cfg: DictConfig) -> Arch:
     """``cfg.model.arch`` with every value left ``None`` (or at its schema default) taken from the
     checkpoint's config.json when there is one.
 
     Raises :class:`ConfigError` naming ``model.arch.<key>`` when a number is in neither.
     """
-    hf = checkpoint_config(cfg.model.hf_path)
-    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+    hf = hf_config_if_present(cfg.model.hf_path)
+    if hf is not None and (hf.mlp_only_layers or (hf.decoder_sparse_step or 1) != 1):
         raise ConfigError(f"model.hf_path: {cfg.model.hf_path} interleaves dense and MoE layers "
                           "(mlp_only_layers / decoder_sparse_step); the planner knows only first_k_dense_layers")
     given = cfg.model.arch
-    family = _MODEL_TYPE_FAMILY.get(hf.get("model_type"), given.family)
+    family = _MODEL_TYPE_FAMILY.get(hf.model_type if hf else None, given.family)
     if family not in FAMILIES:
         raise ConfigError(f"model.arch.family: {family!r} is not one of {', '.join(FAMILIES)}")
     values: dict = {"family": family, "router_expert_bias": _ROUTER_EXPERT_BIAS[family]}
@@ -128,7 +89,7 @@ def resolve_arch(cfg: DictConfig) -> Arch:
             continue
         value = given[f.name]
         if value is None or value == getattr(_SCHEMA_DEFAULTS, f.name):
-            from_ckpt = _from_checkpoint(hf, f.name)
+            from_ckpt = getattr(hf, f.name) if hf else None
             value = from_ckpt if from_ckpt is not None else value
         values[f.name] = value
     if values["qk_layernorm"] is None:

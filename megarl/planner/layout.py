@@ -10,6 +10,7 @@ from megarl.config.schema import Placement
 from megarl.planner.arch import Arch, resolve_arch
 from megarl.planner.engine_memory import EngineMemory, engine_memory
 from megarl.planner.params import ParamCounts, count_params
+from megarl.planner.placement import PlacementPlan, place
 from megarl.planner.trainer_memory import StageMemory, trainer_memory
 from megarl.planner.units import GIB, gib
 from megarl.planner.weight_sync import WeightSyncPlan, weight_sync_plan
@@ -25,6 +26,7 @@ class LayoutPlan:
     trainer_gpus: int
     engine_gpus: int  # all engines together
     total_gpus: int  # engines share the trainer's GPUs when colocated
+    placement: PlacementPlan  # the node and device of every rank, the weight-sync groups
 
     @property
     def peak_stage(self) -> StageMemory:
@@ -32,6 +34,7 @@ class LayoutPlan:
 
     def to_dict(self) -> dict:
         out = asdict(self)
+        out["placement"] = self.placement.to_dict()
         out["trainer"] = [dict(asdict(s), total=s.total) for s in self.trainer]
         out["params"]["mtp_excluded_from_total"] = True
         return out
@@ -47,6 +50,7 @@ def plan_layout(cfg: DictConfig) -> LayoutPlan:
         arch=arch, params=count_params(arch), trainer=trainer_memory(arch, cfg), engine=engine_memory(arch, cfg),
         sync=weight_sync_plan(arch, cfg), trainer_gpus=cfg.parallel.world_size, engine_gpus=engine_gpus,
         total_gpus=max(cfg.parallel.world_size, engine_gpus) if colocated else cfg.parallel.world_size + engine_gpus,
+        placement=place(cfg),
     )
 
 
@@ -77,17 +81,8 @@ def broken_limits(plan: LayoutPlan, cfg: DictConfig) -> list[str]:
             f"short of one sequence of max_prompt_tokens + max_new_tokens = {e.max_sequence_tokens} "
             f"by {e.max_sequence_tokens - e.kv_tokens_per_replica} tokens"
         )
-    arch = plan.arch
-    if r.engine_tp % r.engine_ep or arch.num_experts % r.engine_ep:
-        out.append(
-            f"rollout.engine_ep: {r.engine_ep} must divide engine_tp={r.engine_tp} and the {arch.num_experts} experts"
-        )
-    colocated = Placement(cfg.placement) == Placement.colocated
-    if colocated and plan.engine_gpus > plan.trainer_gpus:
-        out.append(
-            f"rollout.num_engines: colocated engines need {plan.engine_gpus} GPUs "
-            f"(num_engines x engine_tp), more than the trainer's {plan.trainer_gpus} by {plan.engine_gpus - plan.trainer_gpus}"
-        )
+    # Layouts that cannot be placed (engine_ep, engine_tp, more ranks than devices) are refused
+    # when the config loads: megarl.config.validate.PlacementError.
     return out
 
 

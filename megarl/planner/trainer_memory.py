@@ -15,8 +15,12 @@ Model (Megatron-LM's own accounting, Korthikanti et al. 2022 for activations):
 - activations for one micro-batch of ``max_tokens_per_microbatch`` tokens, split over CP, and
   over TP by sequence parallelism. A stage keeps ``pp - stage`` micro-batches in flight under
   1F1B, times ``1 + (pp-1)/(pp*vpp)`` when interleaved. ``full`` recompute keeps only every
-  checkpointed chunk's input plus one chunk's activations during its recomputation;
-  ``selective`` drops the SwiGLU intermediates.
+  checkpointed chunk's input, plus either the last stage's head activations (before the backward
+  reaches the layers) or one chunk's activations during its recomputation, whichever is larger;
+  ``selective`` (megatron's ``core_attn``, and ``moe_act`` where grouped experts run it) drops
+  what core attention keeps inside (local: K/V repeated to every head and the softmax
+  probabilities; flash attention keeps nothing of size there) and, with fused kernels, each
+  routed expert's activation output (fc2's input).
 - what a layer keeps depends on the kernels (``model.transformer_impl``): transformer-engine's
   fused ones (``auto``/``transformer_engine``, what GPUs run: flash attention without a score
   matrix, fused RMSNorm and SwiGLU that keep only their inputs), or megatron's ``local`` torch
@@ -81,18 +85,19 @@ def layer_activation_bytes(arch: Arch, layer: int, tokens: float, dtype_size: in
         # with QK-norm also the normalised query (and its contiguous copy) and key
         repeated = 2 * heads * d if heads > groups else 0
         qk_norm = 2 * heads * d + groups * d if arch.qk_layernorm else 0
-        unfused = heads * d + repeated + qk_norm + heads * seq_len
+        inside_core_attention = repeated + heads * seq_len  # what core_attn recompute drops
+        unfused = heads * d + qk_norm + (0 if selective else inside_core_attention)
     attention = norm + h + qkv + attn_out  # norm, qkv-proj in, core-attention in, out-proj in
     if not fused:
         attention += unfused
-    # SwiGLU (in units of f): its input [2f], kept unless selective recompute drops it; unfused
-    # also silu(gate) and the shifted linear half, and in a routed expert the product before the
-    # routing-probability scale; then fc2's input [f]
-    glu = (0 if selective else 2) + (0 if fused else 2)
+    # SwiGLU (in units of f): its input [2f]; unfused also silu(gate) and the shifted linear half,
+    # and in a routed expert the product before the routing-probability scale; then fc2's input
+    # [f], which selective recompute (moe_act, fused grouped experts only) drops in routed experts
+    glu = 2 + (0 if fused else 2)
     routed_glu = glu + (0 if fused else 1)
     if arch.is_moe_layer(layer):
         f = arch.moe_ffn_hidden_size
-        per_copy = h + routed_glu * f + f  # fc1 in, SwiGLU, fc2 in of one routed copy
+        per_copy = h + routed_glu * f + (0 if selective and fused else f)  # fc1 in, SwiGLU, fc2 in of one routed copy
         shared = arch.num_shared_experts * (glu * f + f)
         mlp = norm + h + arch.moe_topk * per_copy + shared  # norm, router in, k routed copies, shared expert
         router_logits = FP32 * arch.num_experts
@@ -165,11 +170,12 @@ def _activation_bytes(arch: Arch, cfg: DictConfig, stage: int, layers: list[int]
         chunk = t.recompute_num_layers or 1
         checkpoints = -(-len(layers) // chunk) * tokens * size * arch.hidden_size
         recomputing = max(sum(per_layer[i:i + chunk]) for i in range(0, len(layers), chunk)) if layers else 0
-        kept = checkpoints * in_flight + recomputing
+        head = head_activation_bytes(arch, tokens, size, fused) if stage == p.pp - 1 else 0
+        kept = checkpoints * in_flight + max(recomputing, head)
     else:
         kept = sum(per_layer) * in_flight
-    if stage == p.pp - 1:
-        kept += head_activation_bytes(arch, tokens, size, fused)
+        if stage == p.pp - 1:
+            kept += head_activation_bytes(arch, tokens, size, fused)
     return kept / p.tp  # sequence parallel / tensor parallel split every activation over TP
 
 

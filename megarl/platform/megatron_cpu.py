@@ -200,19 +200,6 @@ def _gloo_uneven_all_gather() -> None:
     mappings._reduce_scatter_along_first_dim = reduce_scatter_v
 
 
-def _dist_checkpoint_save_spawns_manager() -> None:
-    """``dist_checkpointing.save`` (torch_dist) collects its write results through a spawn-context
-    ``multiprocessing.Manager``: a server process per trainer process, which re-imports
-    ``__main__`` (5-10 s on the first save) and cannot start at all from a daemonic process (the
-    launcher's ranks). The synchronous save writes in this process, so a plain queue serves."""
-    import queue
-
-    import megatron.core.dist_checkpointing.strategies.filesystem_async as filesystem_async
-
-    results = queue.Queue()
-    filesystem_async.get_write_results_queue = lambda mp_mode="spawn": results
-
-
 def _torch_adam_step_breaks_optimizer_load() -> None:
     """Without transformer-engine or apex the DistributedOptimizer runs torch's Adam, whose
     per-parameter state holds a ``step`` tensor. Loading a ``fully_reshardable`` optimizer
@@ -320,6 +307,75 @@ def _bridge_save_imports_modelopt() -> None:
     )
 
 
+def _local_attention_rejects_packed_sequences() -> None:
+    """megatron's local ``DotProductAttention`` refuses packed (THD) batches ("Packed sequence is not
+    supported by DotProductAttention"), which only transformer-engine's attention takes. Without TE,
+    a THD call is answered by a causal attention restricted to each sequence of ``cu_seqlens_q``
+    (a block-diagonal mask in torch SDPA); every other call goes to megatron's own forward."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    original = DotProductAttention.forward
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None or packed_seq_params.qkv_format != "thd":
+            return original(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
+                            packed_seq_params)
+        return varlen_causal_attention(query, key, value, packed_seq_params.cu_seqlens_q, self.softmax_scale,
+                                       self.attention_dropout.p if self.training else 0.0)
+
+    DotProductAttention.forward = forward
+
+
+def varlen_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                            scale: float, dropout_p: float = 0.0) -> torch.Tensor:
+    """Causal attention within each packed sequence. query [t, np, hn], key/value [t, ng, hn] (GQA:
+    ng divides np), cu_seqlens int [n + 1] with ``cu_seqlens[-1] == t``; returns [t, np * hn].
+    Sequences of equal length run as one batch of torch SDPA, so memory and work grow with the sum
+    of squared sequence lengths, as in a varlen kernel, not with the square of the pack."""
+    t, heads, dim = query.shape
+    if int(cu_seqlens[-1]) != t:
+        raise ValueError(f"cu_seqlens ends at {int(cu_seqlens[-1])}, the packed batch has {t} tokens")
+    if key.shape[1] != heads:
+        key = key.repeat_interleave(heads // key.shape[1], dim=1)
+        value = value.repeat_interleave(heads // value.shape[1], dim=1)
+    starts, lengths = cu_seqlens[:-1].long(), (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    out = query.new_empty(t, heads, dim)
+    for length in lengths.unique().tolist():
+        if length == 0:
+            continue
+        positions = starts[lengths == length][:, None] + torch.arange(length)  # [n, length]
+        q, k, v = (x[positions].permute(0, 2, 1, 3) for x in (query, key, value))  # [n, heads, length, dim]
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
+                                                                    scale=scale)
+        out = out.index_put((positions,), attended.permute(0, 2, 1, 3))
+    return out.reshape(t, heads * dim)
+
+
+def _thd_rope_loops_over_sequences() -> None:
+    """Without TE's fused kernel, megatron applies RoPE to a packed (THD) batch one sequence at a
+    time, a Python loop that took half of a packed RL step of the tiny model. Without context
+    parallelism the same rotation is one gather of each token's frequencies: positions restart at
+    0 in every sequence, as megatron's loop does (``tests/test_packing.py`` checks equality)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = rope_utils._apply_rotary_pos_emb_thd
+
+    def apply_thd(t, cu_seqlens, freqs, rotary_interleaved=False, mla_rotary_interleaved=False, mscale=1.0,
+                  cp_group=None, multi_latent_attention=None):
+        if cp_group is None or cp_group.size() != 1 or multi_latent_attention is not None \
+                or freqs.size(0) == int(cu_seqlens[-1]):
+            return original(t, cu_seqlens, freqs, rotary_interleaved, mla_rotary_interleaved, mscale, cp_group,
+                            multi_latent_attention)
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        positions = torch.arange(t.size(0), device=t.device) - torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
+        return rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1), freqs[positions], rotary_interleaved=rotary_interleaved,
+            mla_rotary_interleaved=mla_rotary_interleaved, mscale=mscale).squeeze(1)
+
+    rope_utils._apply_rotary_pos_emb_thd = apply_thd
+
+
 WORKAROUNDS = (
     Workaround("bridge_imports_transformer_engine", "No module named 'transformer_engine'", _bridge_imports_transformer_engine),
     Workaround("bridge_save_imports_modelopt", "No module named 'modelopt'", _bridge_save_imports_modelopt),
@@ -329,19 +385,26 @@ WORKAROUNDS = (
     Workaround("torch_norm_rejects_sequence_parallel", "sequence parallel not supported by torch LayerNorm", _torch_norm_rejects_sequence_parallel),
     Workaround("gloo_all_to_all_needs_int_splits", "all_to_all_single(): incompatible function arguments", _gloo_all_to_all_needs_int_splits),
     Workaround("gloo_uneven_all_gather", "ProcessGroupGloo::allgather: invalid tensor size", _gloo_uneven_all_gather),
-    Workaround("dist_checkpoint_save_spawns_manager", "daemonic processes are not allowed to have children",
-               _dist_checkpoint_save_spawns_manager),
     Workaround("torch_adam_step_breaks_optimizer_load", "KeyError: 'step'", _torch_adam_step_breaks_optimizer_load),
+    Workaround("local_attention_rejects_packed_sequences", "Packed sequence is not supported by DotProductAttention",
+               _local_attention_rejects_packed_sequences),
 )
 
 _applied: list[str] = []
 OPTIMIZER_TYPE_SCOPE = "optimizer_requires_cuda_tensor_type"  # the name of cuda_tensor_type_scope
 
 
+# Not failures but slow paths of megatron's pure-torch fallbacks on CPU; tested for equal results.
+SPEEDUPS = (
+    Workaround("thd_rope_loops_over_sequences", "a Python loop over the sequences of a packed batch",
+               _thd_rope_loops_over_sequences),
+)
+
+
 def apply() -> list[str]:
     """Apply every enabled work-around once (a no-op when CUDA is available); returns their names."""
     if not torch.cuda.is_available() and not _applied:
-        _applied.extend(apply_enabled(WORKAROUNDS, OFF_ENV, also_known=[OPTIMIZER_TYPE_SCOPE]))
+        _applied.extend(apply_enabled(WORKAROUNDS + SPEEDUPS, OFF_ENV, also_known=[OPTIMIZER_TYPE_SCOPE]))
     return list(_applied)
 
 
@@ -359,7 +422,8 @@ def cuda_tensor_type_scope():
     """Megatron's optimizers accept only parameters whose ``.type()`` is ``torch.cuda.*Tensor``
     (``TypeError: Wrapped parameters must be one of torch.cuda.FloatTensor, ...``). Inside this
     scope a CPU tensor reports its CUDA type name; outside it (and on GPU) nothing changes."""
-    if torch.cuda.is_available() or OPTIMIZER_TYPE_SCOPE in turned_off(OFF_ENV, [OPTIMIZER_TYPE_SCOPE] + [w.name for w in WORKAROUNDS]):
+    known = [OPTIMIZER_TYPE_SCOPE] + [w.name for w in WORKAROUNDS + SPEEDUPS]
+    if torch.cuda.is_available() or OPTIMIZER_TYPE_SCOPE in turned_off(OFF_ENV, known):
         yield
         return
     torch.Tensor.type = _type_as_if_cuda

@@ -17,17 +17,36 @@ tests use to show that each one is needed:
 - ``routed_experts_host_buffer``: ``RuntimeError: Found no NVIDIA driver on your system``. The
   ``--enable-return-routed-experts`` host buffer is pinned with ``cudaHostRegister``; on CPU it is
   allocated as plain memory (it never leaves the host there).
+- ``omp_threads_bind``: ``AssertionError: SGLANG_CPU_OMP_THREADS_BIND is not set, in this case, the
+  total number of ranks ...``. SGLang binds each rank of a CPU engine to a NUMA node of its own and
+  refuses more ranks than NUMA nodes unless ``SGLANG_CPU_OMP_THREADS_BIND`` names each rank's cores.
+  The engine's owner states the ranks it starts on this node in ``MEGARL_SGLANG_RANKS_PER_NODE``
+  (``SGLangEngine`` does); with more ranks than NUMA nodes the process's physical cores are split
+  evenly among them (:func:`omp_threads_bind`), and an explicit ``SGLANG_CPU_OMP_THREADS_BIND`` is
+  left as it is.
+- ``tp_group_pynccl``: ``ValueError: Expected a cuda device, but got: cpu`` (from ``pynccl.py``).
+  SGLang gives its TP (and attention-TP) groups a PyNccl communicator whenever the platform does not
+  say otherwise, and the CPU platform does not; on CPU every group is created without one (gloo only).
+- ``ep_non_local_experts``: ``RuntimeError: index -1 is out of bounds for dimension 1``. With
+  ``--ep-size`` > 1 SGLang's dispatcher maps the experts of other EP ranks to -1, which the CPU
+  native MoE forward (``moe_forward_native``) uses as an index. On CPU it runs SGLang's forward on
+  the local (token, expert) pairs only and sums them per token, so each rank's MoE output is its
+  local experts' share, which the all-reduce after the MoE block sums over the ranks.
 """
 from __future__ import annotations
 
+import glob
 import importlib.machinery
 import os
 import sys
 import types
+from pathlib import Path
 
 from megarl.platform.workarounds import Workaround, apply_enabled
 
 OFF_ENV = "MEGARL_SGLANG_WORKAROUNDS_OFF"
+RANKS_PER_NODE_ENV = "MEGARL_SGLANG_RANKS_PER_NODE"  # the engine ranks its owner starts on this node
+THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's: each rank's cores, "|"-separated
 
 
 def needed() -> bool:
@@ -84,9 +103,109 @@ def _allocate_routed_experts_host_buffer_unpinned() -> None:
     common.ALLOC_MEMORY_FUNCS["cpu"] = _alloc_plain_host_buffer
 
 
+def physical_cpus() -> list[int]:
+    """The CPUs this process may run on, one per physical core (the first allowed SMT sibling),
+    as SGLang picks them for its per-NUMA-node binding."""
+    seen, cpus = set(), []
+    for cpu in sorted(os.sched_getaffinity(0)):
+        try:
+            core = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip()
+        except OSError:
+            core = str(cpu)
+        if core not in seen:
+            seen.add(core)
+            cpus.append(cpu)
+    return cpus
+
+
+def numa_node_count() -> int:
+    """NUMA nodes with CPUs (1 where sysfs does not say)."""
+    nodes = [n for n in glob.glob("/sys/devices/system/node/node[0-9]*")
+             if Path(n, "cpulist").is_file() and Path(n, "cpulist").read_text().strip()]
+    return max(len(nodes), 1)
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"`` (the cpulist format SGLang's examples use)."""
+    runs: list[list[int]] = []
+    for cpu in cpus:
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def omp_threads_bind(num_ranks: int, cpus: list[int]) -> str:
+    """An ``SGLANG_CPU_OMP_THREADS_BIND`` value giving each of ``num_ranks`` ranks its share of
+    ``cpus``: consecutive, even blocks (the first ranks get one core less when they do not divide);
+    with more ranks than cores, neighbouring ranks share a core (``"0|0|1|1"`` for 4 on 2)."""
+    if num_ranks < 1 or not cpus:
+        raise ValueError(f"need >= 1 rank and >= 1 cpu, got {num_ranks} ranks and cpus {cpus}")
+    n = len(cpus)
+    blocks = []
+    for rank in range(num_ranks):
+        start = rank * n // num_ranks
+        end = max((rank + 1) * n // num_ranks, start + 1)
+        blocks.append(_cpu_list(cpus[start:end]))
+    return "|".join(blocks)
+
+
+def _bind_each_rank_its_cores() -> None:
+    if os.environ.get(THREADS_BIND_ENV):  # the user's, or set by the server before it spawned this process
+        return
+    ranks = int(os.environ.get(RANKS_PER_NODE_ENV) or 1)
+    if ranks > numa_node_count():
+        os.environ[THREADS_BIND_ENV] = omp_threads_bind(ranks, physical_cpus())
+
+
+def _create_groups_without_pynccl() -> None:
+    from sglang.srt.distributed import parallel_state
+
+    create = parallel_state.init_model_parallel_group
+    if getattr(create, "_megarl_cpu", False):
+        return
+
+    def init_model_parallel_group(*args, **kwargs):
+        kwargs["use_pynccl"] = False  # keyword-only in effect: every SGLang caller passes it by name or not at all
+        return create(*args, **kwargs)
+
+    init_model_parallel_group._megarl_cpu = True
+    parallel_state.init_model_parallel_group = init_model_parallel_group
+
+
+def _skip_non_local_experts() -> None:
+    from sglang.srt.layers.moe import fused_moe_native
+
+    forward = fused_moe_native.moe_forward_native
+    if getattr(forward, "_megarl_cpu", False):
+        return
+
+    def moe_forward_native(layer, x, topk_output, moe_runner_config):
+        topk_weights, topk_ids, _ = topk_output
+        local = topk_ids >= 0  # SGLang's dispatcher maps the experts of other EP ranks to -1
+        if bool(local.all()):
+            return forward(layer, x, topk_output, moe_runner_config)
+        # SGLang's own forward over the local (token, expert) pairs, one pair a row, summed per token.
+        tokens, slots = local.nonzero(as_tuple=True)
+        out = x.new_zeros((x.shape[0], layer.w2_weight.shape[-2]))
+        if tokens.numel():
+            pairs = topk_output._replace(topk_weights=topk_weights[tokens, slots].unsqueeze(1),
+                                         topk_ids=topk_ids[tokens, slots].unsqueeze(1))
+            out.index_add_(0, tokens, forward(layer, x[tokens], pairs, moe_runner_config))
+        return out
+
+    moe_forward_native._megarl_cpu = True
+    fused_moe_native.moe_forward_native = moe_forward_native
+
+
 WORKAROUNDS = (
     Workaround("cpu_engine", "ModuleNotFoundError: No module named 'vllm'", _use_cpu_engine),
     Workaround("sgl_kernel", "ModuleNotFoundError: No module named 'sgl_kernel'", _add_sgl_kernel_stand_in),
     Workaround("routed_experts_host_buffer", "RuntimeError: Found no NVIDIA driver on your system",
                _allocate_routed_experts_host_buffer_unpinned),
+    Workaround("omp_threads_bind", "SGLANG_CPU_OMP_THREADS_BIND is not set, in this case", _bind_each_rank_its_cores),
+    Workaround("tp_group_pynccl", "ValueError: Expected a cuda device, but got: cpu", _create_groups_without_pynccl),
+    Workaround("ep_non_local_experts", "RuntimeError: index -1 is out of bounds for dimension 1",
+               _skip_non_local_experts),
 )

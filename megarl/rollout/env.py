@@ -1,6 +1,6 @@
 """Multi-turn episodes: an environment interface (reset / step) and a built-in calculator tool.
 
-An episode is one sample (DESIGN.md section 3). The policy generates a turn; the environment reads
+An episode is one sample (docs/architecture.md, "The sample"). The policy generates a turn; the environment reads
 the turn's text and answers with an observation, whose tokens are appended to the response with
 ``loss_mask = 0``; the next turn is generated from the prompt + everything so far; and so on until
 the environment says done, a turn ends without stopping by itself (length or abort), the turn

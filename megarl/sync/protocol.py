@@ -28,6 +28,8 @@ from megarl.engines.client import PauseMode
 from megarl.sync.buckets import BucketIndex
 from megarl.sync.report import SyncReport
 from megarl.sync.settings import SyncSettings
+from megarl.sync.trainer_side import WeightSyncTrainer
+from megarl.sync.transports import make_engine_side
 from megarl.sync.transports.base import EngineSide
 from megarl.sync.transports.disk import DiskEngineSide
 
@@ -56,34 +58,25 @@ class WeightSyncError(RuntimeError):
         self.held = held
 
 
-def _engine_side(settings: SyncSettings, disk: DiskEngineSide) -> EngineSide:
-    if settings.transport == "distributed":
-        from megarl.sync.transports.distributed import DistributedEngineSide
-
-        return DistributedEngineSide(settings.timeout_s, settings.engine_tp)
-    if settings.transport == "tensor":
-        from megarl.sync.transports.tensor import TensorEngineSide
-
-        return TensorEngineSide(settings.engine_tp)
-    return disk
-
-
 class WeightSync:
     """Moves the trainer's weights into SGLang engines.
 
-    ``trainer`` is a :class:`megarl.trainer.actor.TrainerGroup` (anything with its
-    ``call_all_async``); ``engines`` are :class:`megarl.engines.client.SGLangClient` of engines
+    ``trainer`` is a :class:`megarl.trainer.actor.TrainerGroup` (anything implementing
+    :class:`megarl.sync.trainer_side.WeightSyncTrainer`); ``engines`` are
+    :class:`megarl.engines.client.SGLangClient` of engines
     that serve the trainer's current weights at version ``initial_version``. Calls must not
     overlap (an internal lock serialises them).
     """
 
-    def __init__(self, settings, trainer, engines: list, initial_version: int = 0):
-        self.settings = SyncSettings.of(settings)
+    def __init__(self, settings: SyncSettings, trainer: WeightSyncTrainer, engines: list, initial_version: int = 0):
+        self.settings = settings
         self.trainer = trainer
         self.engines = list(engines)
         self.version = initial_version  # the trainer's weights as of the last update() call
-        self._disk = DiskEngineSide(self.settings.work_dir)
-        self._transport = _engine_side(self.settings, self._disk)
+        self._transport = make_engine_side(self.settings)
+        # recovery goes through disk; with the disk transport, through the same side (one link)
+        self._disk = (self._transport if isinstance(self._transport, DiskEngineSide)
+                      else DiskEngineSide(self.settings.work_dir))
         self._linked: set[str] = set()  # transports whose link is formed with the current engines
         self._lock = asyncio.Lock()
 
@@ -121,7 +114,7 @@ class WeightSync:
                     await self._connect(self._disk, [])
                     indices, payloads, _, _ = await self._stream(self._disk, [], self.version, set())
                 except BaseException:
-                    await _quietly(self.trainer.call_all_async("weight_sync_abort"))
+                    await _quietly(self.trainer.weight_sync_abort())
                     self._linked.clear()
                     raise
                 path = self._disk.finalize(self.version, indices, payloads)
@@ -194,13 +187,13 @@ class WeightSync:
         """Every stage's buckets, loaded by ``engines`` as they come; the next bucket is gathered
         while the engines load the previous one. Returns (indices, payloads, sender stats, load seconds)."""
         side.before_sync(version)
-        await self.trainer.call_all_async("weight_sync_begin", side.name, version, self.settings.bucket_bytes)
+        await self.trainer.weight_sync_begin(side.name, version, self.settings.bucket_bytes)
         indices: list[BucketIndex] = []
         payloads: list[Any] = []
         load_s = 0.0
         ready = await self._next()
         while ready:
-            sent = await self.trainer.call_all_async("weight_sync_send")
+            sent = await self.trainer.weight_sync_send()
             batch = [(index, sent[rank]) for rank, index in ready]
             if side.loads_per_bucket:
                 touched.update(range(len(engines)))
@@ -212,12 +205,12 @@ class WeightSync:
             indices += [index for index, _ in batch]
             payloads += [payload for _, payload in batch]
             ready = upcoming
-        stats = [s for s in await self.trainer.call_all_async("weight_sync_finish") if s is not None]
+        stats = [s for s in await self.trainer.weight_sync_finish() if s is not None]
         return indices, payloads, stats, load_s
 
     async def _next(self) -> list[tuple[int, BucketIndex]]:
         """(rank, index) of each stage's next bucket, stage order; empty when all stages are done."""
-        results = await self.trainer.call_all_async("weight_sync_next")
+        results = await self.trainer.weight_sync_next()
         return sorted(((rank, index) for rank, index in enumerate(results) if index is not None),
                       key=lambda item: item[1].stage)
 
@@ -230,10 +223,11 @@ class WeightSync:
 
     # --- failure ------------------------------------------------------------------------------------
     async def _fail(self, engines: list, version: int, progress: _Progress, cause: BaseException) -> WeightSyncError:
-        reason = "timed out" if isinstance(cause, (asyncio.TimeoutError, TimeoutError)) else f"{type(cause).__name__}: {cause}"
+        timed_out = isinstance(cause, (asyncio.TimeoutError, TimeoutError))
+        reason = "timed out" if timed_out else f"{type(cause).__name__}: {cause}"
         log.error("weight sync to version %d failed (%s); cleaning up", version, reason)
         try:
-            await asyncio.wait_for(self.trainer.call_all_async("weight_sync_abort"),
+            await asyncio.wait_for(self.trainer.weight_sync_abort(),
                                    self.settings.timeout_s + CLEANUP_TIMEOUT_S)
         except BaseException as e:
             log.error("trainer could not abort the weight sync: %s", e)

@@ -1,7 +1,8 @@
 """One trainer rank's part of a weight sync: gather -> pack -> hand to the transport, one bucket at a time.
 
 Every rank of the trainer runs the same calls in the same order (the driver calls them on all
-ranks through :class:`megarl.trainer.actor.TrainerGroup`): ``begin``, then ``next``/``send`` until
+ranks through a :class:`megarl.sync.trainer_side.WeightSyncTrainer`, such as the trainer's
+``TrainerGroup``): ``begin``, then ``next``/``send`` until
 ``next`` reports the end on every stage, then ``finish`` (or ``abort``). Every rank pulls its
 stage's HF stream (the gathers are collectives); only the stage's sending rank packs buckets and
 owns a transport :class:`~megarl.sync.transports.base.Sender`.
@@ -43,12 +44,6 @@ class SenderStats:
     capacity: int = 0
 
 
-def _host() -> str:
-    import ray
-
-    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-
-
 class RankSync:
     """Weight-sync state of one trainer rank over its :class:`megarl.models.bridge.MegatronModel`."""
 
@@ -67,14 +62,15 @@ class RankSync:
 
     # --- the link -------------------------------------------------------------------------------
     def address(self) -> dict | None:
-        """Reserve a host/port for this stage's group (senders only; None elsewhere)."""
+        """Reserve a host/port for this stage's group (senders only; None elsewhere): the engines
+        join at the sender's node address in a multi-node cluster, on loopback on one node."""
         if not self.is_sender:
             return None
-        from megarl.parallel import free_port
+        from megarl.parallel import free_port, rendezvous_host
         from megarl.sync.transports.distributed import link_backend
 
-        host = _host()
-        self._address = {"stage": self.stage, "host": host, "port": free_port(), "backend": link_backend()}
+        host = rendezvous_host()
+        self._address = {"stage": self.stage, "host": host, "port": free_port(host), "backend": link_backend()}
         return dict(self._address)
 
     def connect(self, spec: SenderSpec) -> None:
@@ -103,7 +99,8 @@ class RankSync:
         self._sender = sender
         self._stats = SenderStats(stage=self.stage, capacity=capacity)
         kwargs = {"allocate": self._allocate, "adopt": sender.adopt} if sender is not None else {}
-        self._packer = BucketPacker(stage_hf_stream(self.model), capacity, self.stage, keep=sender is not None, **kwargs)
+        self._packer = BucketPacker(stage_hf_stream(self.model), capacity, self.stage, keep=sender is not None,
+                                    **kwargs)
 
     def _allocate(self, nbytes: int):
         """A bucket buffer: a sent bucket's buffer of the same size, else a new one from the transport."""

@@ -13,17 +13,18 @@ class SyncSettings:
     """transport: distributed | tensor | disk. bucket_mb: bucket capacity in MiB (0: one tensor per
     bucket, i.e. one engine call per tensor). work_dir: the disk transport's checkpoints and the
     recovery checkpoints (visible to trainer and engines). timeout_s: the most one sync (and each
-    group formation) may take before it fails. engine_tp: ranks per engine in the update group."""
+    group formation) may take before it fails. engine_tp: ranks per engine in the update group.
+    Built from the config (:meth:`from_config`), whose schema holds the defaults."""
 
-    transport: str = "distributed"
-    bucket_mb: float = 512
-    work_dir: str = "weight_sync"
-    timeout_s: float = 600.0
-    engine_tp: int = 1
+    transport: str
+    bucket_mb: float
+    work_dir: str
+    timeout_s: float
+    engine_tp: int
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"sync.transport={self.transport!r}: one of {TRANSPORTS}")
+            raise ValueError(f"sync.transport: {self.transport!r} is not one of {', '.join(TRANSPORTS)}")
         if self.bucket_mb < 0:
             raise ValueError(f"sync.bucket_mb must be >= 0, got {self.bucket_mb}")
         if self.timeout_s <= 0:
@@ -36,10 +37,8 @@ class SyncSettings:
         return int(self.bucket_mb * MIB)
 
     @classmethod
-    def of(cls, settings) -> SyncSettings:
-        """``settings`` itself, or the same fields read from any object that has them (e.g. the
-        ``sync`` section of the config; fields it lacks keep their defaults)."""
-        if isinstance(settings, cls):
-            return settings
-        names = ("transport", "bucket_mb", "work_dir", "timeout_s", "engine_tp")
-        return cls(**{n: getattr(settings, n) for n in names if getattr(settings, n, None) is not None})
+    def from_config(cls, sync, engine_tp: int = 1) -> SyncSettings:
+        """The settings of a config's ``sync`` section (``cfg.sync``; the schema,
+        ``megarl.config.schema.SyncConfig``, holds the defaults) for engines of ``engine_tp`` ranks."""
+        return cls(transport=sync.transport, bucket_mb=sync.bucket_mb, work_dir=sync.work_dir,
+                   timeout_s=sync.timeout_s, engine_tp=engine_tp)

@@ -6,6 +6,7 @@ A source hands out prompts in batches and can say where it is (``state_dict``) a
 """
 from __future__ import annotations
 
+import json
 import logging
 import random
 from collections.abc import Mapping
@@ -140,13 +141,53 @@ class DatasetSource:
         self._order = self._permutation(self.epoch)
 
 
+# The valid task.name values (the config is checked against them at load): the synthetic demo task,
+# and the datasets read from task.path.
+DATASET_TASKS = ("jsonl", "parquet")
+TASKS = ("arithmetic", *DATASET_TASKS)
+
+
+def dataset_fields(path: str | Path, file_format: str, max_rows: int = 100) -> list[str] | None:
+    """The field names of a ``jsonl`` / ``parquet`` dataset, read without loading it: the keys of
+    the first ``max_rows`` JSON lines (in order of appearance), or the Parquet schema. None when the
+    file cannot be read that cheaply (e.g. a JSON document rather than JSON Lines); the full read
+    (:class:`DatasetSource`) decides then. Raises ValueError for an empty or unreadable file."""
+    path = Path(path)
+    if file_format == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            return list(pq.read_schema(path).names)
+        except Exception as exc:  # pyarrow raises several types for "not a Parquet file"
+            raise ValueError(f"{path} is not a readable Parquet file ({type(exc).__name__}: {exc})") from exc
+    names: dict[str, None] = {}
+    rows = 0
+    with path.open(encoding="utf-8-sig", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                return None if rows == 0 else list(names)
+            if not isinstance(row, dict):
+                return None
+            names.update(dict.fromkeys(row))
+            rows += 1
+            if rows == max_rows:
+                break
+    if rows == 0:
+        raise ValueError(f"{path} has no rows")
+    return list(names)
+
+
 def make_prompt_source(task) -> PromptSource:
-    """The source a ``TaskConfig`` (``cfg.task``) describes: ``name`` arithmetic | jsonl | parquet."""
+    """The source a ``TaskConfig`` (``cfg.task``) describes: ``name`` one of :data:`TASKS`."""
     if task.name == "arithmetic":
         return ArithmeticSource(max_operand=task.max_operand, seed=task.seed)
-    if task.name in ("jsonl", "parquet"):
+    if task.name in DATASET_TASKS:
         if not task.path:
             raise ValueError(f"task.path: task {task.name} needs the dataset file")
         return DatasetSource(task.path, prompt_key=task.prompt_key, answer_key=task.answer_key or None,
                              shuffle=task.shuffle, seed=task.seed, file_format=task.name)
-    raise ValueError(f"task.name: {task.name!r} is not one of arithmetic, jsonl, parquet")
+    raise ValueError(f"task.name: {task.name!r} is not one of {', '.join(TASKS)}")

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import httpx
 
+from megarl.sample import RolloutSample
 from megarl.tasks import arithmetic
 from megarl.tasks.prompts import Prompt
-from megarl.sample import RolloutSample
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,16 @@ async def math_reward(inp: RewardInput) -> float:
     return 1.0 if await asyncio.to_thread(_math_verify, _require_answer(inp), inp.response_text) else 0.0
 
 
+def check_reward_url(url: str) -> None:
+    """Raise ValueError naming ``reward.url`` unless ``url`` is an absolute http(s) URL."""
+    try:
+        parsed = httpx.URL(url)
+    except Exception as e:  # noqa: BLE001 -- httpx raises several types for a malformed URL
+        raise ValueError(f"reward.url: {url!r} is not a URL ({type(e).__name__}: {e})") from e
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"reward.url: {url!r} is not an http(s) URL with a host (e.g. http://host:8000/reward)")
+
+
 class RemoteRewardModel:
     """A reward model behind HTTP: POST ``url`` with JSON ``{"prompt", "response", "answer",
     "metadata"}``, answered by JSON ``{"reward": float}``. Any other answer raises (-> error)."""
@@ -108,13 +118,17 @@ def load_user_reward(dotted_path: str) -> RewardFn:
     :class:`RewardInput` and returning a float or an awaitable float; plain functions run in a thread."""
     module_name, sep, attr = dotted_path.rpartition(":") if ":" in dotted_path else dotted_path.rpartition(".")
     if not sep or not module_name or not attr:
-        raise ValueError(f"reward.path {dotted_path!r} is not 'package.module.function'")
+        raise ValueError(f"reward.path: {dotted_path!r} is not 'package.module.function'")
     try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"reward.path {dotted_path!r}: {type(e).__name__}: {e}") from e
+        module = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 -- a user module can fail to import in any way
+        raise ValueError(f"reward.path: {dotted_path!r} does not import: {type(e).__name__}: {e}") from e
+    try:
+        fn = getattr(module, attr)
+    except AttributeError as e:
+        raise ValueError(f"reward.path: {dotted_path!r}: AttributeError: {e}") from e
     if not callable(fn):
-        raise ValueError(f"reward.path {dotted_path!r} is a {type(fn).__name__}, not a function")
+        raise ValueError(f"reward.path: {dotted_path!r} is a {type(fn).__name__}, not a function")
     if inspect.iscoroutinefunction(fn):
         return fn
 
@@ -139,6 +153,7 @@ def make_reward(reward_cfg) -> RewardFn:
     if kind == "remote":
         if not reward_cfg.url:
             raise ValueError("reward.url: reward type remote needs the reward model's URL")
+        check_reward_url(reward_cfg.url)
         return RemoteRewardModel(reward_cfg.url)
     if kind == "function":
         if not reward_cfg.path:

@@ -1,18 +1,21 @@
 """The trainer as a group of Ray actors, one per Megatron rank (one GPU each, or one CPU process).
 
 The torch.distributed group is formed inside the actors; every call goes to all ranks with the same
-arguments (one object-store copy of a batch), and the group returns what the reporting rank
-returned (the last pipeline stage, TP rank 0, DP rank 0).
+arguments (one object-store copy of a batch). The trainer calls return what the reporting rank
+returned (the last pipeline stage, TP rank 0, DP rank 0); the weight-sync calls return every
+rank's result. The same ranks run the functions of :func:`megarl.trainer.launch.run_ranks`.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-from typing import Any
+import sys
+from typing import Any, Sequence
 
 import ray
 import torch
 
-from megarl.parallel import Layout, free_port
+from megarl.parallel import Layout, free_port, rendezvous_host, role_resources
 
 log = logging.getLogger(__name__)
 
@@ -20,35 +23,62 @@ log = logging.getLogger(__name__)
 class TrainerRank:
     """One Megatron rank: its process groups, model, optimizer and schedule."""
 
-    def __init__(self, rank: int, layout: Layout, master_port: int, backend: str, seed: int):
+    def __init__(self, rank: int, layout: Layout, master_addr: str, master_port: int, backend: str, seed: int,
+                 import_paths: Sequence[str] = ()):
         from megarl.log import setup_logging
         from megarl.trainer.distributed import init_rank
 
+        sys.path.extend(p for p in import_paths if p not in sys.path)  # where run()'s functions live
         setup_logging()
         torch.set_num_threads(1)
         self.rank, self.layout = rank, layout
-        init_rank(rank, layout, "127.0.0.1", master_port, backend=backend, seed=seed)
+        init_rank(rank, layout, master_addr, master_port, backend=backend, seed=seed)
         self.trainable = None
+        self.reference = None
 
-    def build(self, hf_path: str, settings, transformer_impl: str, dispatcher: str, routing_replay: bool) -> int:
-        """Build model, DDP and optimizer from the HF checkpoint; returns this rank's parameter count."""
+    def build(self, hf_path: str, optimizer, model) -> int:
+        """Build model, DDP and optimizer from the HF checkpoint (``optimizer``: OptimizerSettings,
+        ``model``: model_setup.ModelSettings), and the KL reference from the same weights when
+        asked; returns this rank's parameter count."""
         from megarl.trainer.model_setup import build_trainable
+        from megarl.trainer.reference import ReferenceWeights
 
-        self.trainable = build_trainable(hf_path, self.layout, settings, transformer_impl=transformer_impl,
-                                         dispatcher=dispatcher, routing_replay=routing_replay)
+        self.trainable = build_trainable(hf_path, self.layout, optimizer, transformer_impl=model.transformer_impl,
+                                         dispatcher=model.dispatcher, routing_replay=model.routing_replay,
+                                         moe_aux_loss_coeff=model.moe_aux_loss_coeff, recompute=model.recompute,
+                                         recompute_num_layers=model.recompute_num_layers)
+        self.reference = ReferenceWeights(self.trainable.chunks) if model.reference else None
         return sum(p.numel() for chunk in self.trainable.chunks for p in chunk.parameters())
 
     def is_reporter(self) -> bool:
         from megatron.core import parallel_state
 
         return (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-                and parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0)
+                and parallel_state.get_tensor_model_parallel_rank() == 0
+                and parallel_state.get_data_parallel_rank() == 0)
+
+    def node_address(self) -> str:
+        """The address of the node this rank runs on (:func:`megarl.parallel.node_address`)."""
+        from megarl.parallel import node_address
+
+        return node_address()
+
+    def run(self, fn, *args):
+        """``fn(rank, layout, *args)`` on this rank (:func:`megarl.trainer.launch.run_ranks`)."""
+        return fn(self.rank, self.layout, *args)
 
     def rl_step(self, batch, algo, **kwargs):
         from megarl.trainer.rl_step import rl_step
 
         t = self.trainable
-        return rl_step(t.chunks, t.optimizer, t.scheduler, batch, algo, **kwargs)
+        return rl_step(t.chunks, t.optimizer, t.scheduler, batch, algo, reference=self.reference, **kwargs)
+
+    def sequence_kl(self, batch, algo, **kwargs):
+        from megarl.trainer.rl_step import sequence_kl
+
+        if self.reference is None:
+            raise ValueError("algorithm.kl_in_reward needs the reference policy (built when algorithm.kl_coef != 0)")
+        return sequence_kl(self.trainable.chunks, batch, algo.kl_type, self.reference, **kwargs)
 
     def save_hf(self, out_dir: str) -> str:
         """Gather every shard into an HF checkpoint at ``out_dir`` (all ranks take part)."""
@@ -107,52 +137,122 @@ class TrainerRank:
         return export_hf_state(self.trainable.model)
 
 
-class TrainerGroup:
-    """``layout.world_size`` :class:`TrainerRank` actors in one placement group."""
+@ray.remote(num_cpus=0)
+def _rendezvous_point() -> tuple[str, int]:
+    """(host, port) for rank 0's TCP store, run on rank 0's node: its routable address in a
+    multi-node cluster (loopback on one node) and a port free there."""
+    host = rendezvous_host()
+    return host, free_port(host)
 
-    def __init__(self, layout: Layout, backend: str = "auto", seed: int = 1234):
+
+class TrainerGroup:
+    """``layout.world_size`` :class:`TrainerRank` actors in one placement group.
+
+    Every call runs on every rank with the same arguments. The trainer calls return the reporting
+    rank's result; the weight-sync calls (:class:`megarl.sync.trainer_side.WeightSyncTrainer`)
+    return every rank's result in rank order. ``import_paths`` are appended to the ranks'
+    ``sys.path`` (where the functions given to :meth:`run` are imported from); the ranks and the
+    placement group are removed again when the group cannot start within ``startup_timeout_s``.
+    """
+
+    def __init__(self, layout: Layout, backend: str = "auto", seed: int = 1234, *,
+                 import_paths: Sequence[str] = (), startup_timeout_s: float = 600.0):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self.layout = layout
+        self.ranks: list = []
         gpus = 1 if torch.cuda.is_available() else 0
-        bundle = {"GPU": 1, "CPU": 1} if gpus else {"CPU": 1}
+        resources = role_resources("trainer")  # nodes set aside for trainer ranks, when the cluster has any
+        bundle = {"GPU": 1, "CPU": 1, **resources} if gpus else {"CPU": 1, **resources}
         self.placement = placement_group([bundle] * layout.world_size, strategy="PACK")
-        ray.get(self.placement.ready(), timeout=600)
-        port = free_port()
-        remote = ray.remote(num_cpus=1, num_gpus=gpus)(TrainerRank)
-        self.ranks = [
-            remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.placement, placement_group_bundle_index=r)).remote(r, layout, port, backend, seed)
-            for r in range(layout.world_size)
-        ]
-        self.reporter = ray.get([r.is_reporter.remote() for r in self.ranks]).index(True)
+        try:
+            ray.get(self.placement.ready(), timeout=startup_timeout_s)
+            # Rank 0's TCP store listens on its node: its address and a free port there, asked on that node.
+            host, port = ray.get(_rendezvous_point.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.placement, placement_group_bundle_index=0)).remote(), timeout=startup_timeout_s)
+            self.master = (host, port)
+            remote = ray.remote(num_cpus=1, num_gpus=gpus)(TrainerRank)
+            self.ranks = [
+                remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.placement, placement_group_bundle_index=r)).remote(
+                        r, layout, host, port, backend, seed, list(import_paths))
+                for r in range(layout.world_size)
+            ]
+            self.reporter = ray.get([r.is_reporter.remote() for r in self.ranks], timeout=startup_timeout_s).index(True)
+        except BaseException:
+            self.shutdown()
+            raise
 
-    # --- typed calls: each runs on every rank and returns the reporting rank's result ---------
-    async def build(self, hf_path: str, settings, transformer_impl: str, dispatcher: str, routing_replay: bool) -> int:
+    # --- trainer calls: each runs on every rank and returns the reporting rank's result ---------
+    async def build(self, hf_path: str, optimizer, model) -> int:
         """:meth:`TrainerRank.build` on every rank; the reporting rank's parameter count."""
-        return await self.call_async("build", hf_path, settings, transformer_impl, dispatcher, routing_replay)
+        return await self._call("build", hf_path, optimizer, model)
 
     async def rl_step(self, batch, algo, **kwargs):
         """One RL optimizer step over ``batch`` (``megarl.trainer.rl_step.rl_step``); its ``RLStepResult``."""
-        return await self.call_async("rl_step", batch, algo, **kwargs)
+        return await self._call("rl_step", batch, algo, **kwargs)
+
+    async def sequence_kl(self, batch, algo, **kwargs) -> list[float]:
+        """Per sample, the summed KL of the policy to the reference (``rl_step.sequence_kl``)."""
+        return await self._call("sequence_kl", batch, algo, **kwargs)
 
     async def save_checkpoint(self, root: str, step: int, data_position: dict) -> str:
         """Checkpoint under ``root`` at ``step`` with the driver's data position; its path."""
-        return await self.call_async("save_checkpoint", root, step, data_position)
+        return await self._call("save_checkpoint", root, step, data_position)
 
     async def load_checkpoint(self, root: str):
         """Restore the latest checkpoint under ``root``; its ``checkpoint.Resumed``."""
-        return await self.call_async("load_checkpoint", root)
+        return await self._call("load_checkpoint", root)
 
-    def call(self, method: str, *args, **kwargs) -> Any:
-        """Run ``method`` on every rank; return the reporting rank's result."""
-        return ray.get(self._submit(method, args, kwargs))[self.reporter]
+    async def export_hf_state(self) -> dict:
+        """Every HF tensor of the model (megatron-bridge's full export, collective); the reporting rank's copy."""
+        return await self._call("export_hf_state")
 
-    async def call_async(self, method: str, *args, **kwargs) -> Any:
-        """:meth:`call` for an asyncio loop: awaits every rank, returns the reporting rank's result."""
-        import asyncio
+    async def save_hf(self, out_dir: str) -> str:
+        """The model as an HF checkpoint at ``out_dir``; its path."""
+        return await self._call("save_hf", out_dir)
 
-        return (await asyncio.gather(*self._submit(method, args, kwargs)))[self.reporter]
+    # --- weight sync (megarl.sync.trainer_side.WeightSyncTrainer): every rank's result, rank order ---
+    async def weight_sync_address(self) -> list[dict | None]:
+        return await self._call_all("weight_sync_address")
+
+    async def weight_sync_connect(self, spec) -> list[None]:
+        return await self._call_all("weight_sync_connect", spec)
+
+    async def weight_sync_disconnect(self, kind: str) -> list[None]:
+        return await self._call_all("weight_sync_disconnect", kind)
+
+    async def weight_sync_begin(self, kind: str, version: int, capacity: int) -> list[None]:
+        return await self._call_all("weight_sync_begin", kind, version, capacity)
+
+    async def weight_sync_next(self) -> list:
+        return await self._call_all("weight_sync_next")
+
+    async def weight_sync_send(self) -> list:
+        return await self._call_all("weight_sync_send")
+
+    async def weight_sync_finish(self) -> list[dict | None]:
+        return await self._call_all("weight_sync_finish")
+
+    async def weight_sync_abort(self) -> list[None]:
+        return await self._call_all("weight_sync_abort")
+
+    # --- plumbing ---------------------------------------------------------------------------------
+    async def node_addresses(self) -> list[str]:
+        """The address of the node each rank runs on, in rank order."""
+        return await self._call_all("node_address")
+
+    def run(self, fn, *args) -> list:
+        """Start ``fn(rank, layout, *args)`` on every rank; one ObjectRef per rank, in rank order
+        (``fn`` must be importable by the ranks: see ``import_paths``)."""
+        return self._submit("run", (fn, *args), {})
+
+    async def _call(self, method: str, *args, **kwargs) -> Any:
+        return (await self._call_all(method, *args, **kwargs))[self.reporter]
+
+    async def _call_all(self, method: str, *args, **kwargs) -> list:
+        return list(await asyncio.gather(*self._submit(method, args, kwargs)))
 
     def _submit(self, method: str, args: tuple, kwargs: dict) -> list:
         args = [ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args]
@@ -164,9 +264,3 @@ class TrainerGroup:
         for rank in self.ranks:
             ray.kill(rank)
         remove_placement_group(self.placement)
-
-    async def call_all_async(self, method: str, *args, **kwargs) -> list:
-        """Run ``method`` on every rank; every rank's result, in rank order."""
-        import asyncio
-
-        return list(await asyncio.gather(*self._submit(method, args, kwargs)))

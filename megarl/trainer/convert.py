@@ -6,7 +6,7 @@
   Megatron model under the layout given -> HF safetensors shards, config and tokenizer.
 - :func:`verify`: logits of the Megatron checkpoint against an HF transformers forward.
 
-Each runs as one process per rank of the layout (:func:`megarl.trainer.launch.run_ranks`).
+Each runs as one process per rank of the layout: the trainer's Ray actors (:func:`megarl.trainer.launch.run_ranks`).
 
 Memory: no process ever holds the whole model. On the way in, every rank reads from the HF
 safetensors, one tensor at a time, only the tensors of its own pipeline stage and experts (a
@@ -355,7 +355,7 @@ def _verify_model(model, hf_path: str, dtype: str, prompts: list[str], tolerance
                         tolerance=DEFAULT_TOLERANCE[dtype] if tolerance is None else tolerance)
 
 
-# ---------------------------------------------------------------- drivers (spawn the ranks)
+# ---------------------------------------------------------------- drivers (start the ranks)
 
 def default_world_size(tp: int, pp: int, ep: int, etp: int | None) -> int:
     """The fewest ranks that hold a layout: pp stages of lcm(tp, ep*etp) ranks."""

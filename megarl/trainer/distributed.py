@@ -5,7 +5,7 @@ import logging
 
 import torch
 
-from megarl.parallel import Layout
+from megarl.parallel import Layout, pin_gloo_interface
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +18,9 @@ def backend_for(requested: str) -> str:
 
 def init_rank(rank: int, layout: Layout, master_addr: str, master_port: int, backend: str = "auto",
               seed: int = 1234) -> None:
-    """Join the process group and build megatron's TP/PP/CP/EP/DP groups for ``layout``."""
+    """Join the process group (rank 0's TCP store listens at ``master_addr:master_port``, which
+    every rank must reach: rank 0's node address on several nodes) and build megatron's
+    TP/PP/CP/EP/DP groups for ``layout``."""
     from megarl.platform import megatron_cpu
 
     megatron_cpu.apply()
@@ -27,6 +29,7 @@ def init_rank(rank: int, layout: Layout, master_addr: str, master_port: int, bac
 
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    pin_gloo_interface()  # several nodes: gloo on the interface the other nodes reach
     torch.distributed.init_process_group(
         backend=backend_for(backend), init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank, world_size=layout.world_size,

@@ -1,73 +1,110 @@
-"""Run a function on every rank of a trainer layout, one process each (gloo on CPU, NCCL on GPU).
+"""Run a function on every rank of a trainer layout (gloo on CPU, NCCL on GPU).
 
-This is the plain-process launcher for tests, tools and the warm-up; the RL driver places the same
-ranks as Ray actors. ``fn(rank, layout, master_port, *args)`` runs in a fresh spawned process
-after :func:`megarl.trainer.distributed.init_rank`; its return values come back in rank order.
+The launcher for tests, tools, the warm-up and the converter. The ranks are the RL driver's:
+:class:`megarl.trainer.actor.TrainerRank` Ray actors of a :class:`~megarl.trainer.actor.TrainerGroup`,
+one process each. ``fn(rank, layout, *args)`` runs on every rank after
+:func:`megarl.trainer.distributed.init_rank`; its return values come back in rank order.
+
+``fn`` (and every argument) travels pickled, so it must be a module-level function of a module
+the ranks can import: the directory that module was imported from is added to their
+``sys.path`` (e.g. ``tests/`` for a test module's function). When Ray is not initialised,
+:func:`run_ranks` starts a local Ray for the call and shuts it down after; otherwise it uses the
+running one and removes only its own actors and placement group. The ranks' environment is the
+Ray workers': the driver's at ``ray.init``.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
-import traceback
+import re
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
 from typing import Any, Callable
 
-from megarl.parallel import Layout, free_port
+import ray
+
+from megarl.parallel import Layout
 
 
 class RankFailed(RuntimeError):
     """A rank raised; the message holds its rank and traceback."""
 
 
-def _rank_main(fn, rank, layout, port, backend, seed, args, results):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the header of a task's error
 
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from megarl.log import setup_logging
 
-    setup_logging()
-    try:
-        from megarl.trainer.distributed import init_rank, shutdown_rank
+def _plain(error: Exception) -> str:
+    return _ANSI.sub("", str(error))
 
-        init_rank(rank, layout, "127.0.0.1", port, backend=backend, seed=seed)
-        value = fn(rank, layout, *args)
-        results.put((rank, "ok", value))
-        shutdown_rank()
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
+
+def _import_root(obj) -> str | None:
+    """The ``sys.path`` entry ``obj``'s module was imported from (None for ``__main__`` and builtins)."""
+    name = getattr(obj, "__module__", None)
+    module = sys.modules.get(name) if name else None
+    file = getattr(module, "__file__", None)
+    if module is None or file is None or name == "__main__":
+        return None
+    root = Path(file).resolve().parent
+    for _ in range(name.count(".") + (Path(file).stem == "__init__")):
+        root = root.parent
+    return str(root)
+
+
+def _start_ray(world_size: int) -> None:
+    """Ray for this call: the cluster at ``RAY_ADDRESS`` when set, else a local one; the process's
+    SIGTERM handler stays what it was (ray.init sets its own)."""
+    main = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main else None
+    if os.environ.get("RAY_ADDRESS"):  # a cluster started for us (slurm/megarl.sbatch exports it): join it
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    else:
+        ray.init(num_cpus=max(2, world_size), include_dashboard=False, log_to_driver=False)
+    if main and sigterm is not None:
+        signal.signal(signal.SIGTERM, sigterm)
 
 
 def run_ranks(fn: Callable[..., Any], layout: Layout, *args, backend: str = "auto", seed: int = 1234,
               timeout_s: float = 600.0) -> list[Any]:
-    """Spawn ``layout.world_size`` processes running ``fn``; return their results by rank.
+    """Run ``fn`` on ``layout.world_size`` trainer ranks; return their results by rank.
 
-    Raises :class:`RankFailed` with the first failing rank's traceback (the others are stopped),
-    or when a rank neither returns nor fails within ``timeout_s`` seconds.
+    Raises :class:`RankFailed` with the first failing rank's traceback (the other ranks are then
+    stopped), or when the ranks neither return nor fail within ``timeout_s`` seconds (start-up
+    included).
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, layout, port, backend, seed, args, results), daemon=True)
-             for r in range(layout.world_size)]
-    for proc in procs:
-        proc.start()
-    values: dict[int, Any] = {}
+    from megarl.trainer.actor import TrainerGroup
+
+    deadline = time.monotonic() + timeout_s
+    started = not ray.is_initialized()
+    if started:
+        _start_ray(layout.world_size)
+    group = None
     try:
-        while len(values) < layout.world_size:
+        paths = sorted({root for obj in (fn, *args) if callable(obj) for root in [_import_root(obj)] if root})
+        try:
+            group = TrainerGroup(layout, backend=backend, seed=seed, import_paths=paths, startup_timeout_s=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise RankFailed(f"the ranks of {layout} did not start within {timeout_s:.0f} s") from None
+        except ray.exceptions.RayError as e:
+            raise RankFailed(f"the ranks of {layout} failed to start:\n{_plain(e)}") from None
+        refs = group.run(fn, *args)
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        values: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise RankFailed(f"ranks {sorted(rank_of[ref] for ref in pending)} gave no result within "
+                                 f"{timeout_s:.0f} s")
+            rank = rank_of[ready[0]]
             try:
-                rank, status, value = results.get(timeout=timeout_s)
-            except queue.Empty:
-                raise RankFailed(f"ranks {sorted(set(range(layout.world_size)) - set(values))} "
-                                 f"gave no result within {timeout_s:.0f} s") from None
-            if status == "error":
-                raise RankFailed(f"rank {rank} of {layout} failed:\n{value}")
-            values[rank] = value
-        for proc in procs:
-            proc.join(timeout=60)
+                values[rank] = ray.get(ready[0])
+            except ray.exceptions.RayError as e:
+                raise RankFailed(f"rank {rank} of {layout} failed:\n{_plain(e)}") from None  # its traceback
+        return [values[r] for r in range(layout.world_size)]
     finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
-    return [values[r] for r in range(layout.world_size)]
+        if group is not None:
+            group.shutdown()
+        if started:
+            ray.shutdown()

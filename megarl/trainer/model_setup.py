@@ -9,6 +9,27 @@ from megarl.parallel import Layout
 from megarl.trainer.optimizer import OptimizerSettings, build_optimizer
 
 
+@dataclass(frozen=True)
+class ModelSettings:
+    """How a trainer rank builds its model (besides the layout and the optimizer); from the config."""
+
+    transformer_impl: str  # auto | local | transformer_engine
+    dispatcher: str  # alltoall | allgather
+    routing_replay: bool  # Keep Routing: the model replays the engine's experts
+    recompute: str  # none | selective | full
+    recompute_num_layers: int | None
+    moe_aux_loss_coeff: float
+    reference: bool  # keep the starting weights as the KL reference (algorithm.kl_coef != 0)
+
+    @classmethod
+    def from_config(cls, cfg) -> ModelSettings:
+        t = cfg.trainer
+        return cls(transformer_impl=str(cfg.model.transformer_impl.value), dispatcher=str(cfg.parallel.dispatcher.value),
+                   routing_replay=cfg.rollout.keep_routing, recompute=str(t.recompute.value),
+                   recompute_num_layers=t.recompute_num_layers, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
+                   reference=cfg.algorithm.kl_coef != 0.0)
+
+
 @dataclass
 class TrainableModel:
     model: MegatronModel
@@ -22,7 +43,8 @@ class TrainableModel:
 
 def build_trainable(hf_path: str, layout: Layout, settings: OptimizerSettings, *, transformer_impl: str = "auto",
                     dispatcher: str = "alltoall", routing_replay: bool = False,
-                    moe_aux_loss_coeff: float = 0.0) -> TrainableModel:
+                    moe_aux_loss_coeff: float = 0.0, recompute: str = "none",
+                    recompute_num_layers: int | None = None) -> TrainableModel:
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.utils import get_model_config
 
@@ -32,7 +54,8 @@ def build_trainable(hf_path: str, layout: Layout, settings: OptimizerSettings, *
     )
     model = build_megatron_model(hf_path, layout, dtype=settings.dtype, transformer_impl=transformer_impl,
                                  dispatcher=dispatcher, ddp_config=ddp, routing_replay=routing_replay,
-                                 moe_aux_loss_coeff=moe_aux_loss_coeff)
+                                 moe_aux_loss_coeff=moe_aux_loss_coeff, recompute=recompute,
+                                 recompute_num_layers=recompute_num_layers)
     # The schedules call this after the last backward: DP/EP gradient all-reduce, the TP all-reduce
     # of sequence-parallel norm weights, and the division by the global token count.
     get_model_config(model.chunks[0]).finalize_model_grads_func = finalize_model_grads

@@ -1,14 +1,16 @@
-"""Rollout samples -> the padded tensors one RL training step consumes.
+"""Rollout samples -> the ragged tensors one RL training step consumes.
 
 A sample of T tokens (P prompt + R response) gives T-1 input positions; input position ``j``
-predicts token ``j+1``, so response token ``r`` is predicted at position ``P-1+r``. Rows are
-right-padded to S positions (a multiple of ``length_multiple``: sequence parallel needs S % TP == 0).
+predicts token ``j+1``, so response token ``r`` is predicted at position ``P-1+r``. The batch holds
+the positions of all samples back to back (``cu_seqlens``); :mod:`megarl.trainer.packing` turns a
+micro-batch of them into packed or padded model inputs.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from megarl.sample import RolloutSample
@@ -17,102 +19,115 @@ from megarl.trainer.logprobs import CsrMask
 
 @dataclass
 class RLBatch:
-    """B samples as [B, S] tensors; ``routed_experts`` [B, S, L, k] int64 or None; the sampling
-    mask as CSR over the B*S positions in row-major order (empty rows = full vocabulary)."""
+    """B samples, N positions in all. Per position: ``tokens``/``targets`` int64 [N],
+    ``loss_mask`` float32 [N] (1 where the policy generated the target), ``rollout_logprobs``
+    float32 [N] (0 outside the response), ``routed_experts`` int16 [N, L, k] or None, the sampling
+    mask as CSR over the N positions (empty rows = full vocabulary) or None. Per sample:
+    ``cu_seqlens`` int64 [B + 1], ``advantages`` float32 [B]."""
 
-    tokens: torch.Tensor  # int64 [B, S] inputs
-    targets: torch.Tensor  # int64 [B, S] the next token at each position
-    loss_mask: torch.Tensor  # float32 [B, S] 1 where the policy generated the target (sample.loss_mask)
-    advantages: torch.Tensor  # float32 [B]
-    num_positions: torch.Tensor  # int64 [B], T-1 of each sample (the rest of the row is padding)
-    rollout_logprobs: torch.Tensor  # float32 [B, S], 0 outside the response
+    tokens: torch.Tensor
+    targets: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    cu_seqlens: torch.Tensor
+    advantages: torch.Tensor
     routed_experts: Optional[torch.Tensor]
     sampling_mask: Optional[CsrMask]
 
     def __len__(self) -> int:
-        return self.tokens.shape[0]
+        return len(self.advantages)
 
     @property
-    def position_ids(self) -> torch.Tensor:
-        return torch.arange(self.tokens.shape[1]).expand_as(self.tokens)
+    def lengths(self) -> torch.Tensor:
+        """Positions per sample, int64 [B]."""
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
 
-    def rows(self, start: int, stop: int) -> "RLBatch":
-        """Samples ``start:stop`` (the CSR mask re-based to the slice's positions)."""
-        S = self.tokens.shape[1]
+    def select(self, indices: Sequence[int]) -> RLBatch:
+        """The samples ``indices``, in that order, as a batch of their own."""
+        idx = torch.as_tensor(list(indices), dtype=torch.long)
+        lengths = self.lengths[idx]
+        positions = _ranges(self.cu_seqlens[:-1][idx], lengths)
+        cu = torch.zeros(len(idx) + 1, dtype=torch.long)
+        torch.cumsum(lengths, 0, out=cu[1:])
         mask = None
         if self.sampling_mask is not None:
-            offsets = self.sampling_mask.offsets[start * S: stop * S + 1]
-            mask = CsrMask(self.sampling_mask.ids[int(offsets[0]): int(offsets[-1])], offsets - offsets[0])
-        return RLBatch(
-            self.tokens[start:stop], self.targets[start:stop], self.loss_mask[start:stop], self.advantages[start:stop],
-            self.num_positions[start:stop], self.rollout_logprobs[start:stop],
-            None if self.routed_experts is None else self.routed_experts[start:stop], mask,
-        )
+            offsets = self.sampling_mask.offsets.long()
+            counts = (offsets[1:] - offsets[:-1])[positions]
+            new_offsets = torch.zeros(len(positions) + 1, dtype=torch.long)
+            torch.cumsum(counts, 0, out=new_offsets[1:])
+            mask = CsrMask(self.sampling_mask.ids[_ranges(offsets[:-1][positions], counts)], new_offsets)
+        return RLBatch(self.tokens[positions], self.targets[positions], self.loss_mask[positions],
+                       self.rollout_logprobs[positions], cu, self.advantages[idx],
+                       None if self.routed_experts is None else self.routed_experts[positions], mask)
 
 
-def build_rl_batch(samples: Sequence[RolloutSample], pad_id: int, length_multiple: int = 1,
-                   with_routing: bool = True, with_sampling_mask: bool = True) -> RLBatch:
-    """Pad ``samples`` (advantages filled) into an :class:`RLBatch`.
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``cat(arange(s, s + n) for s, n in zip(starts, lengths))`` without a Python loop."""
+    total = int(lengths.sum())
+    first = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - first, lengths, output_size=total) + torch.arange(total)
 
-    Padding positions replay experts ``0..k-1`` (valid and distinct, as megatron's dispatchers need).
-    Raises ValueError for a sample without advantage or with inconsistent per-token fields.
-    """
+
+def build_rl_batch(samples: Sequence[RolloutSample], with_routing: bool = True, with_sampling_mask: bool = True,
+                   with_advantages: bool = True) -> RLBatch:
+    """The :class:`RLBatch` of ``samples`` (advantages filled, or 0 without ``with_advantages``).
+    Raises ValueError for a sample without advantage or with inconsistent per-token fields."""
     if not samples:
         raise ValueError("an RL batch needs at least one sample")
-    longest = max(len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples)
-    S = -(-longest // length_multiple) * length_multiple
-    B = len(samples)
-    tokens = torch.full((B, S), pad_id, dtype=torch.long)
-    targets = torch.full((B, S), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros(B, S)
-    rollout_logprobs = torch.zeros(B, S)
-    advantages = torch.zeros(B)
-    num_positions = torch.tensor([len(s.prompt_ids) + len(s.response_ids) - 1 for s in samples])
-    routing = [s.routed_experts for s in samples] if with_routing else [None]
-    routed = None
-    if with_routing and all(r is not None for r in routing):
-        _, L, k = routing[0].shape
-        routed = torch.arange(k, dtype=torch.long).expand(B, S, L, k).clone()
-    mask_rows: list[list[int]] = [[] for _ in range(B * S)]
+    tokens, targets, loss_mask, logprobs, routed, mask_counts, mask_ids = [], [], [], [], [], [], []
+    use_routing = with_routing and all(s.routed_experts is not None for s in samples)
     use_mask = with_sampling_mask and any(s.sampling_mask is not None for s in samples)
+    shape = None
     for b, sample in enumerate(samples):
         P, R = len(sample.prompt_ids), len(sample.response_ids)
-        if sample.advantage is None:
+        if with_advantages and sample.advantage is None:
             raise ValueError(f"sample {b} ({sample.group_id}) has no advantage")
         if len(sample.loss_mask) != R or len(sample.rollout_logprobs) != R:
             raise ValueError(f"sample {b}: loss_mask/rollout_logprobs must have one entry per response token ({R})")
         if P < 1 or R < 1:
             raise ValueError(f"sample {b}: needs at least one prompt and one response token (got {P}, {R})")
-        seq = torch.tensor(list(sample.prompt_ids) + list(sample.response_ids), dtype=torch.long)
-        tokens[b, : P + R - 1] = seq[:-1]
-        targets[b, : P + R - 1] = seq[1:]
-        response = slice(P - 1, P - 1 + R)
-        loss_mask[b, response] = torch.as_tensor(sample.loss_mask, dtype=torch.float32)
-        rollout_logprobs[b, response] = torch.as_tensor(sample.rollout_logprobs, dtype=torch.float32)
-        advantages[b] = float(sample.advantage)
-        if routed is not None:
-            r = torch.as_tensor(sample.routed_experts, dtype=torch.long)
-            if r.shape[0] != P + R - 1 or r.shape[1:] != routed.shape[2:]:
-                raise ValueError(f"sample {b}: routed_experts {tuple(r.shape)} must be [T-1={P + R - 1}, {routed.shape[2]}, {routed.shape[3]}]")
-            routed[b, : P + R - 1] = r
-        if use_mask and sample.sampling_mask is not None:
-            ids, offsets = sample.sampling_mask.ids, sample.sampling_mask.offsets
-            for i in range(R):
-                mask_rows[b * S + P - 1 + i] = ids[offsets[i]: offsets[i + 1]].tolist()
+        seq = np.asarray(list(sample.prompt_ids) + list(sample.response_ids), dtype=np.int64)
+        tokens.append(seq[:-1])
+        targets.append(seq[1:])
+        loss_mask.append(np.concatenate([np.zeros(P - 1, np.float32), np.asarray(sample.loss_mask, np.float32)]))
+        logprobs.append(np.concatenate([np.zeros(P - 1, np.float32), np.asarray(sample.rollout_logprobs, np.float32)]))
+        if use_routing:
+            r = np.asarray(sample.routed_experts)
+            shape = shape or r.shape[1:]
+            if r.shape != (P + R - 1, *shape):
+                raise ValueError(f"sample {b}: routed_experts {tuple(r.shape)} must be [T-1={P + R - 1}, "
+                                 f"{shape[0]}, {shape[1]}]")
+            routed.append(r.astype(np.int16))
+        if use_mask:
+            counts = np.zeros(P + R - 1, np.int64)
+            if sample.sampling_mask is not None:
+                m = sample.sampling_mask
+                counts[P - 1:] = np.diff(m.offsets)
+                mask_ids.append(np.asarray(m.ids, np.int64))
+            mask_counts.append(counts)
+    lengths = torch.tensor([len(t) for t in tokens])
+    cu = torch.zeros(len(samples) + 1, dtype=torch.long)
+    torch.cumsum(lengths, 0, out=cu[1:])
     mask = None
     if use_mask:
-        counts = torch.tensor([len(r) for r in mask_rows])
-        offsets = torch.zeros(B * S + 1, dtype=torch.long)
+        counts = torch.from_numpy(np.concatenate(mask_counts))
+        offsets = torch.zeros(len(counts) + 1, dtype=torch.long)
         torch.cumsum(counts, 0, out=offsets[1:])
-        mask = CsrMask(torch.tensor([i for r in mask_rows for i in r], dtype=torch.long), offsets)
-    return RLBatch(tokens, targets, loss_mask, advantages, num_positions, rollout_logprobs, routed, mask)
+        mask = CsrMask(torch.from_numpy(np.concatenate(mask_ids)) if mask_ids else torch.zeros(0, dtype=torch.long),
+                       offsets)
+    return RLBatch(
+        tokens=torch.from_numpy(np.concatenate(tokens)), targets=torch.from_numpy(np.concatenate(targets)),
+        loss_mask=torch.from_numpy(np.concatenate(loss_mask)), rollout_logprobs=torch.from_numpy(np.concatenate(logprobs)),
+        cu_seqlens=cu, advantages=torch.tensor([float(s.advantage) if with_advantages else 0.0 for s in samples],
+                                                dtype=torch.float32),
+        routed_experts=torch.from_numpy(np.concatenate(routed)) if use_routing else None, sampling_mask=mask)
 
 
 def check_routing(routed: torch.Tensor, num_layers: int, num_experts: int) -> None:
-    """Raise ValueError unless ``routed`` [B, S, L, k] has one row per model layer and valid,
+    """Raise ValueError unless ``routed`` [N, L, k] has one row per model layer and valid,
     distinct expert ids per token."""
-    if routed.shape[2] != num_layers:
-        raise ValueError(f"routed_experts has {routed.shape[2]} layers, the model has {num_layers}")
+    if routed.shape[1] != num_layers:
+        raise ValueError(f"routed_experts has {routed.shape[1]} layers, the model has {num_layers}")
     low, high = int(routed.min()), int(routed.max())
     if low < 0 or high >= num_experts:
         raise ValueError(f"routed_experts holds expert id {low if low < 0 else high}, outside 0..{num_experts - 1}")

@@ -5,20 +5,27 @@ and one optimizer step. Runs on every trainer rank with the same global :class:`
 The log-probs are taken from vocab-parallel logits (each TP rank holds V/tp columns); Megatron's
 padded vocabulary ids (>= the model's real vocabulary) are excluded from the softmax. Without
 replay, the routing the trainer chose is recorded and compared with the engine's (agreement).
+
+Micro-batches are packed (THD, no padding, DP ranks balanced by tokens) or padded rows
+(:mod:`megarl.trainer.packing`); the per-token results go back to the ragged layout and the loss is
+computed on per-sample rows, so both give the same numbers. Under activation recompute the
+recomputed forward replays the same experts: each router keeps the replay ids of every forward in
+order (megatron-core's ``replay_backward_list``) and the recompute in the backward pass takes them
+back in that order (``REPLAY_BACKWARD``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 
 from megarl.algos.aggregation import denominator_share
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.config.schema import AlgorithmConfig
-from megarl.trainer.logprobs import vocab_parallel_logprobs
+from megarl.trainer.logprobs import CsrMask, vocab_parallel_logprobs
+from megarl.trainer.packing import ModelInput, model_input, plan_micro_batches, to_grid
+from megarl.trainer.reference import ReferenceWeights
 from megarl.trainer.rl_batch import RLBatch, check_routing
-from megarl.trainer.token_batch import micro_batch_rows
 
 
 @dataclass
@@ -100,37 +107,172 @@ class ReplayAgreement:
             del router.get_replay_topk  # back to the class's method
 
 
-def _token_logprobs(logits: torch.Tensor, mb: RLBatch, vocab_size: int, temperature: float):
-    """Masked log-probs and unmasked entropy [b, S] of the temperature-scaled distribution (the one
-    the engine sampled from) from this rank's logits [b, S, V/tp]."""
+def _token_logprobs(logits: torch.Tensor, mb: RLBatch, mi: ModelInput, vocab_size: int, temperature: float,
+                    pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked log-probs and unmasked entropy, ragged [n], of the temperature-scaled distribution
+    (the one the engine sampled from) from this rank's logits [b, s, V/tp]."""
     from megatron.core import parallel_state
 
-    b, S, shard = logits.shape
+    b, s, shard = logits.shape
     vocab_start = parallel_state.get_tensor_model_parallel_rank() * shard
     padded = torch.arange(vocab_start, vocab_start + shard) >= vocab_size
     logits = logits.float() / temperature
     if padded.any():  # megatron's vocabulary padding is not part of the policy
         logits = logits.masked_fill(padded, torch.finfo(torch.float32).min)
-    out = vocab_parallel_logprobs(logits.reshape(b * S, shard), vocab_start, mb.targets.reshape(-1),
-                                  mb.sampling_mask, parallel_state.get_tensor_model_parallel_group())
-    return out.logprobs.view(b, S), out.entropy.view(b, S)
+    mask = None
+    if mb.sampling_mask is not None:  # the ragged CSR rows moved to their places in [b * s]
+        counts = torch.zeros(b * s, dtype=torch.long)
+        counts[mi.flat_index] = mb.sampling_mask.offsets[1:] - mb.sampling_mask.offsets[:-1]
+        offsets = torch.zeros(b * s + 1, dtype=torch.long)
+        torch.cumsum(counts, 0, out=offsets[1:])
+        mask = CsrMask(mb.sampling_mask.ids, offsets)
+    targets = mi.scatter(mb.targets, pad_id).reshape(-1)
+    out = vocab_parallel_logprobs(logits.reshape(b * s, shard), vocab_start, targets, mask,
+                                  parallel_state.get_tensor_model_parallel_group())
+    return mi.gather(out.logprobs), mi.gather(out.entropy)
+
+
+class _Replay:
+    """Keep Routing over micro-batches: the engine's experts of each micro-batch set before its
+    forward, ``REPLAY_BACKWARD`` outside forwards so that a recompute replays them again."""
+
+    def __init__(self, routers: list, sequence_parallel: bool, count_agreement: bool):
+        self.routers, self.sp = routers, sequence_parallel
+        self.layer_numbers = [r.layer_number for r in routers]
+        self.agreement = ReplayAgreement(routers) if count_agreement else None
+
+    def before_forward(self, mb: RLBatch, mi: ModelInput) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        k = mb.routed_experts.shape[-1]
+        routed = mi.scatter(mb.routed_experts.long(), torch.arange(k))  # padding replays 0..k-1 (valid, distinct)
+        RouterReplay.set_replay_data([local_replay_indices(routed, n, self.sp) for n in self.layer_numbers])
+        if self.agreement is not None:
+            valid = mi.scatter(torch.ones(len(mb.tokens), dtype=torch.long), 0)[:, :, None, None]
+            self.agreement.set_valid([local_replay_indices(valid, 1, self.sp)[:, 0].bool()] * len(self.routers))
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def after_forward(self) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+    def close(self) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        if self.agreement is not None:
+            self.agreement.close()
+        RouterReplay.clear_global_router_replay_action()
+        RouterReplay.clear_global_indices()
+
+
+def micro_batches(batch: RLBatch, plan, rank: int, pad_id: int) -> list[tuple[RLBatch, ModelInput]]:
+    """DP rank ``rank``'s micro-batches of ``plan``: each its samples and its model input."""
+    out = []
+    for indices in plan.per_rank[rank]:
+        mb = batch.select(indices)
+        out.append((mb, model_input(mb.cu_seqlens, mb.tokens, pad_id, plan.length, plan.packed)))
+    return out
+
+
+def _forward_backward(chunks, micro: list, forward_step, forward_only: bool, length: int):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    b = micro[0][1].shape[0]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=[iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro), model=chunks,
+        num_microbatches=len(micro), seq_length=length, micro_batch_size=b, forward_only=forward_only)
+
+
+def reference_logprobs(chunks: list, micro: list, *, vocab_size: int, temperature: float, pad_id: int,
+                       replay: bool, sequence_parallel: bool) -> list[torch.Tensor | None]:
+    """Forward-only log-probs (ragged [n] per micro-batch, last PP stage; None elsewhere) of the
+    weights the model holds now, with the same routing replay and sampling mask as the step."""
+    from megatron.core import parallel_state
+
+    routers = _routers() if replay else []
+    replayer = _Replay(routers, sequence_parallel, count_agreement=False) if routers else None
+    collected: list[torch.Tensor] = []
+
+    def forward_step(data_iterator, model):
+        mb, mi = next(data_iterator)
+        if replayer is not None:
+            replayer.before_forward(mb, mi)
+        logits = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params)
+        if replayer is not None:
+            replayer.after_forward()
+
+        def keep(output):
+            collected.append(_token_logprobs(output, mb, mi, vocab_size, temperature, pad_id)[0].detach())
+            return output.sum() * 0, {}
+
+        return logits, keep
+
+    try:
+        with torch.no_grad():
+            _forward_backward(chunks, micro, forward_step, True, micro[0][1].shape[1])
+    finally:
+        if replayer is not None:
+            replayer.close()
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return [None] * len(micro)
+    return collected
+
+
+def sequence_kl(chunks: list, batch: RLBatch, kl_type: str, reference: ReferenceWeights, *, vocab_size: int,
+                max_tokens_per_microbatch: int, keep_routing: bool, sequence_parallel: bool, temperature: float = 1.0,
+                pack: bool = True, pad_id: int = 0) -> list[float] | None:
+    """Per sample, the sum over its trained tokens of the KL estimator ``kl_type`` between the
+    policy the model holds and ``reference`` (both forward-only, same replay and mask): the penalty
+    ``algorithm.kl_in_reward`` takes from the reward. The whole list on the last PP stage, else None."""
+    from megatron.core import parallel_state
+
+    from megarl.algos.kl import kl_penalty
+
+    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    plan = plan_micro_batches(batch.lengths, dp, max_tokens_per_microbatch, pack=pack,
+                              length_multiple=tp if sequence_parallel else 1)
+    micro = micro_batches(batch, plan, dp_rank, pad_id)
+    kwargs = dict(vocab_size=vocab_size, temperature=temperature, pad_id=pad_id, replay=keep_routing,
+                  sequence_parallel=sequence_parallel)
+    current = reference_logprobs(chunks, micro, **kwargs)
+    with reference.swapped_in():
+        ref = reference_logprobs(chunks, micro, **kwargs)
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    local = {}
+    for indices, (mb, _), mine, theirs in zip(plan.per_rank[dp_rank], micro, current, ref):
+        if indices:
+            lp, rlp = to_grid(mine, mb.cu_seqlens), to_grid(theirs, mb.cu_seqlens)
+            per_token = kl_penalty(kl_type, lp, rlp, lp) * to_grid(mb.loss_mask, mb.cu_seqlens)
+            local.update(zip(indices, per_token.sum(1).tolist()))
+    gathered = [None] * dp
+    torch.distributed.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
+    merged = {i: value for part in gathered for i, value in part.items()}
+    return [merged[i] for i in range(len(batch))]
 
 
 def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmConfig, *, vocab_size: int,
             max_tokens_per_microbatch: int, keep_routing: bool, sequence_parallel: bool,
-            temperature: float = 1.0, ref_logprobs: Optional[torch.Tensor] = None) -> RLStepResult:
+            temperature: float = 1.0, pack: bool = True, pad_id: int = 0,
+            reference: ReferenceWeights | None = None) -> RLStepResult:
     """One update on ``batch`` (identical on every rank; each DP rank trains its share).
 
     ``keep_routing`` replays ``batch.routed_experts`` (the model must be built with routing replay).
-    Metrics: ``loss``, ``pg_loss``, ``clip_fraction``, ``mismatch/logprob_abs_diff`` (mean |trainer -
-    rollout| log-prob over trained tokens, before the update), ``mismatch/kl`` (k3 estimate of
-    KL(rollout || trainer)), ``mismatch/ratio_dev_max`` (max |trainer/rollout probability ratio - 1|
-    over trained tokens: the PPO ratio's distance from 1 before the update), and
-    ``routing/agreement`` (share of valid token-layer pairs where the trainer's own router picks the
-    engine's expert set: recorded when routing is not replayed, computed beside the replay when it is).
+    ``pack``: packed micro-batches (else padded rows). ``reference``: the frozen reference policy
+    whose log-probs (same replay and mask) the KL term of ``algo`` needs when ``kl_coef != 0``.
+    Metrics: ``loss``, ``pg_loss``, ``clip_fraction``, ``kl`` (with a reference),
+    ``mismatch/logprob_abs_diff`` (mean |trainer - rollout| log-prob over trained tokens, before the
+    update), ``mismatch/kl`` (k3 estimate of KL(rollout || trainer)), ``mismatch/ratio_dev_max``
+    (max |trainer/rollout probability ratio - 1| over trained tokens: the PPO ratio's distance from
+    1 before the update), ``routing/agreement`` (share of valid token-layer pairs where the
+    trainer's own router picks the engine's expert set: recorded when routing is not replayed,
+    computed beside the replay when it is), ``perf/padding_frac`` (padding share of the model's
+    input positions) and ``perf/dp_token_imbalance`` (max / mean real tokens per DP rank).
     """
     from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
     from megatron.core.utils import get_model_config
 
@@ -142,54 +284,65 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     if routers and batch.routed_experts is not None:
         config = get_model_config(chunks[0])
         check_routing(batch.routed_experts, config.num_layers, config.num_moe_experts)
+    if algo.kl_coef != 0.0 and reference is None:
+        raise ValueError("algorithm.kl_coef != 0 needs the reference policy (built with the trainer)")
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    if len(batch) % dp:
-        raise ValueError(f"{len(batch)} samples do not split over {dp} data-parallel ranks")
-    denominator = float(denominator_share(algo.loss_agg, batch.loss_mask))
-    per_rank = len(batch) // dp
-    local = batch.rows(dp_rank * per_rank, (dp_rank + 1) * per_rank)
-    rows = micro_batch_rows(len(local), local.tokens.shape[1], max_tokens_per_microbatch)
-    micro = [(local.rows(i, i + rows), i) for i in range(0, len(local), rows)]  # (micro-batch, first row)
-    ref = None if ref_logprobs is None else ref_logprobs[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    plan = plan_micro_batches(batch.lengths, dp, max_tokens_per_microbatch, pack=pack,
+                              length_multiple=tp if sequence_parallel else 1)
+    denominator = float(denominator_share(algo.loss_agg, to_grid(batch.loss_mask, batch.cu_seqlens)))
+    micro = micro_batches(batch, plan, dp_rank, pad_id)
+    refs = [None] * len(micro)
+    if reference is not None and algo.kl_coef != 0.0 and not algo.kl_in_reward:
+        with reference.swapped_in():
+            refs = reference_logprobs(chunks, micro, vocab_size=vocab_size, temperature=temperature, pad_id=pad_id,
+                                      replay=keep_routing, sequence_parallel=sequence_parallel)
+    micro = [(mb, mi, ref) for (mb, mi), ref in zip(micro, refs)]
     record = not keep_routing and batch.routed_experts is not None and bool(routers)
     layer_numbers = [r.layer_number for r in routers]
     agreement = [0.0, 0.0]
-
-    replay_agreement = ReplayAgreement(routers) if keep_routing else None
+    replayer = _Replay(routers, sequence_parallel, count_agreement=True) if keep_routing else None
 
     def forward_step(data_iterator, model):
-        mb, start = next(data_iterator)
-        if keep_routing:
-            RouterReplay.set_replay_data([local_replay_indices(mb.routed_experts, n, sequence_parallel) for n in layer_numbers])
-            valid = (torch.arange(mb.tokens.shape[1]) < mb.num_positions[:, None])[:, :, None, None].long()
-            replay_agreement.set_valid([local_replay_indices(valid, 1, sequence_parallel)[:, 0].bool()] * len(routers))
-        logits = model(mb.tokens, mb.position_ids, None)
+        mb, mi, ref = next(data_iterator)
+        if replayer is not None:
+            replayer.before_forward(mb, mi)
+        logits = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params)
+        if replayer is not None:
+            replayer.after_forward()
         if record:
-            valid = torch.arange(mb.tokens.shape[1]) < mb.num_positions[:, None]
-            matched, total = routing_agreement(RouterReplay.get_recorded_data(), mb.routed_experts, layer_numbers,
+            k = mb.routed_experts.shape[-1]
+            valid = mi.scatter(torch.ones(len(mb.tokens), dtype=torch.bool), False)
+            matched, total = routing_agreement(RouterReplay.get_recorded_data(),
+                                               mi.scatter(mb.routed_experts.long(), torch.arange(k)), layer_numbers,
                                                valid, sequence_parallel)
             agreement[0] += matched
             agreement[1] += total
 
         def loss_func(output):
-            logprobs, entropy = _token_logprobs(output, mb, vocab_size, temperature)
+            if len(mb) == 0:  # a padding-only micro-batch (a DP rank with fewer samples than micro-batches)
+                zero = output.sum() * 0
+                return zero, torch.zeros((), dtype=torch.int), {"stats": torch.zeros(7), "ratio_dev_max": torch.zeros(())}
+            flat_lp, flat_ent = _token_logprobs(output, mb, mi, vocab_size, temperature, pad_id)
+            logprobs, entropy = to_grid(flat_lp, mb.cu_seqlens), to_grid(flat_ent, mb.cu_seqlens)
+            loss_mask, rollout = to_grid(mb.loss_mask, mb.cu_seqlens), to_grid(mb.rollout_logprobs, mb.cu_seqlens)
             inputs = LossInputs(
-                logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=mb.advantages, loss_mask=mb.loss_mask,
-                entropy=entropy, rollout_logprobs=mb.rollout_logprobs,
-                ref_logprobs=None if ref is None else ref[start:start + len(mb)],
+                logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=mb.advantages, loss_mask=loss_mask,
+                entropy=entropy, rollout_logprobs=rollout, ref_logprobs=None if ref is None else to_grid(ref, mb.cu_seqlens),
             )
             out = rl_loss(inputs, algo, denominator)
-            trained = mb.loss_mask > 0
-            diff = (logprobs.detach() - mb.rollout_logprobs)
-            log_ratio = (mb.rollout_logprobs - logprobs.detach())
+            trained = loss_mask > 0
+            diff = (logprobs.detach() - rollout)
+            log_ratio = (rollout - logprobs.detach())
             stats = torch.stack([
                 out.loss.detach() * denominator, out.metrics["pg_loss"] * denominator,
                 out.metrics["clip_fraction"] * trained.sum(), diff.abs()[trained].sum(),
                 (log_ratio.exp() - 1 - log_ratio)[trained].sum(), trained.sum().float(),
+                out.metrics.get("kl", torch.zeros(())) * denominator,
             ])
             ratio_dev = (-log_ratio).exp().sub(1).abs()[trained]
             ratio_dev_max = ratio_dev.max() if ratio_dev.numel() else torch.zeros(())
-            return (out.loss * denominator, denominator_share(algo.loss_agg, mb.loss_mask).to(torch.int),
+            return (out.loss * denominator, denominator_share(algo.loss_agg, loss_mask).to(torch.int),
                     {"stats": stats, "ratio_dev_max": ratio_dev_max})
 
         return logits, loss_func
@@ -199,35 +352,33 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     optimizer.zero_grad()
     if routers:
         RouterReplay.clear_global_indices()
-        action = RouterReplayAction.REPLAY_FORWARD if keep_routing else RouterReplayAction.RECORD if record else None
-        if action is None:
+        if record:
+            RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+        elif not keep_routing:
             RouterReplay.clear_global_router_replay_action()
-        else:
-            RouterReplay.set_global_router_replay_action(action)
     try:
-        reduced = get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(micro), model=chunks,
-            num_microbatches=len(micro), seq_length=local.tokens.shape[1], micro_batch_size=rows, forward_only=False,
-        )
+        reduced = _forward_backward(chunks, micro, forward_step, False, plan.length)
     finally:
-        if replay_agreement is not None:
-            replay_agreement.close()
-    if routers:
-        RouterReplay.clear_global_router_replay_action()
-        RouterReplay.clear_global_indices()
-    if replay_agreement is not None:
-        agreement = [replay_agreement.matched, replay_agreement.total]
+        if replayer is not None:
+            agreement = [replayer.agreement.matched, replayer.agreement.total]
+            replayer.close()
+        elif routers:
+            RouterReplay.clear_global_router_replay_action()
+            RouterReplay.clear_global_indices()
     applied, grad_norm = optimizer_step(optimizer, scheduler)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = {"perf/padding_frac": plan.padding_frac(batch.lengths),
+                                 "perf/dp_token_imbalance": plan.imbalance(batch.lengths)}
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         totals = torch.stack([r["stats"] for r in reduced]).sum(0)
         torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
         tokens = max(float(totals[5]), 1.0)
-        metrics = {
+        metrics |= {
             "loss": float(totals[0]) / denominator, "pg_loss": float(totals[1]) / denominator,
             "clip_fraction": float(totals[2]) / tokens, "mismatch/logprob_abs_diff": float(totals[3]) / tokens,
             "mismatch/kl": float(totals[4]) / tokens,
         }
+        if algo.kl_coef != 0.0 and not algo.kl_in_reward:
+            metrics["kl"] = float(totals[6]) / denominator
         ratio_dev_max = torch.stack([r["ratio_dev_max"] for r in reduced]).max()
         torch.distributed.all_reduce(ratio_dev_max, op=torch.distributed.ReduceOp.MAX,
                                      group=parallel_state.get_data_parallel_group())

@@ -1,13 +1,15 @@
-"""One training step on Megatron: forward/backward over micro-batches (any PP schedule), then the
-optimizer. The loss is a token mean over the whole global batch, across micro-batches and DP ranks
-(megatron's ``calculate_per_token_loss``), so every layout computes the same number."""
+"""One supervised training step on Megatron: forward/backward over micro-batches (any PP schedule),
+then the optimizer. The loss is a token mean over the whole global batch, across micro-batches and
+DP ranks (megatron's ``calculate_per_token_loss``), so every layout computes the same number.
+Micro-batches are packed or padded rows as in the RL step (:mod:`megarl.trainer.packing`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from megarl.trainer.token_batch import TokenBatch, data_parallel_slice, micro_batches
+from megarl.trainer.packing import model_input, plan_micro_batches
+from megarl.trainer.token_batch import TokenBatch
 
 
 @dataclass
@@ -18,34 +20,48 @@ class StepResult:
     applied: bool
 
 
-def _token_loss_step(data_iterator, model):
-    mb: TokenBatch = next(data_iterator)
-    per_token = model(mb.tokens, mb.position_ids, None, labels=mb.labels)  # [b, s] on the last stage
+def _token_loss_step(pad_id: int):
+    def forward_step(data_iterator, model):
+        mb, mi = next(data_iterator)
+        per_token = model(mi.tokens, mi.position_ids, None, labels=mi.scatter(mb.labels, pad_id),
+                          packed_seq_params=mi.packed_seq_params)  # [b, s] on the last stage
 
-    def loss_func(output):
-        loss_sum = (output.float() * mb.loss_mask).sum()
-        tokens = mb.loss_mask.sum().to(torch.int)
-        return loss_sum, tokens, {"loss_sum": torch.stack([loss_sum.detach(), tokens.float()])}
+        def loss_func(output):
+            loss_sum = (mi.gather(output.reshape(-1)).float() * mb.loss_mask).sum()
+            tokens = mb.loss_mask.sum().to(torch.int)
+            return loss_sum, tokens, {"loss_sum": torch.stack([loss_sum.detach(), tokens.float()])}
 
-    return per_token, loss_func
+        return per_token, loss_func
+
+    return forward_step
 
 
-def supervised_step(chunks: list, optimizer, scheduler, batch: TokenBatch, max_tokens_per_microbatch: int) -> StepResult:
-    """Token-mean cross-entropy on ``batch`` (the global batch, identical on every rank), one update."""
+def supervised_step(chunks: list, optimizer, scheduler, batch: TokenBatch, max_tokens_per_microbatch: int, *,
+                    pack: bool = True, pad_id: int = 0) -> StepResult:
+    """Token-mean cross-entropy on ``batch`` (the global batch, identical on every rank), one update;
+    ``pack``: packed micro-batches (else padded rows)."""
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
 
     from megarl.trainer.optimizer import optimizer_step
 
-    local = data_parallel_slice(batch, parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size())
-    mbs = micro_batches(local, max_tokens_per_microbatch)
+    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    multiple = parallel_state.get_tensor_model_parallel_world_size() if get_model_config(chunks[0]).sequence_parallel \
+        else 1
+    plan = plan_micro_batches(batch.lengths, dp, max_tokens_per_microbatch, pack=pack, length_multiple=multiple)
+    micro = []
+    for indices in plan.per_rank[dp_rank]:
+        mb = batch.select(indices)
+        micro.append((mb, model_input(mb.cu_seqlens, mb.tokens, pad_id, plan.length, plan.packed)))
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     reduced = get_forward_backward_func()(
-        forward_step_func=_token_loss_step, data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
-        model=chunks, num_microbatches=len(mbs), seq_length=local.tokens.shape[1],
-        micro_batch_size=len(mbs[0]), forward_only=False,
+        forward_step_func=_token_loss_step(pad_id),
+        data_iterator=[iter(micro) for _ in chunks] if len(chunks) > 1 else iter(micro),
+        model=chunks, num_microbatches=len(micro), seq_length=plan.length, micro_batch_size=micro[0][1].shape[0],
+        forward_only=False,
     )
     applied, grad_norm = optimizer_step(optimizer, scheduler)
     loss, tokens = float("nan"), int(batch.loss_mask.sum())

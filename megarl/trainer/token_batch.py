@@ -1,77 +1,56 @@
-"""Padded token batches and their split into data-parallel slices and token-budget micro-batches."""
+"""Supervised token batches: sequences held ragged, with the loss on a suffix of each."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 
 @dataclass
 class TokenBatch:
-    """``B`` right-padded sequences of length ``S``.
-
-    tokens: int64 [B, S] input ids; labels: int64 [B, S], the next token at each position;
-    loss_mask: float32 [B, S], 1 where the prediction of ``labels`` counts.
-    """
+    """``B`` sequences, ``N`` input positions in all, back to back: ``tokens`` int64 [N] input ids,
+    ``labels`` int64 [N] the next token at each position, ``loss_mask`` float32 [N] 1 where the
+    prediction of ``labels`` counts, ``cu_seqlens`` int64 [B + 1] where each sequence starts."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
+    cu_seqlens: torch.Tensor
 
     def __len__(self) -> int:
-        return self.tokens.shape[0]
-
-    def __getitem__(self, rows) -> "TokenBatch":
-        return TokenBatch(self.tokens[rows], self.labels[rows], self.loss_mask[rows])
+        return len(self.cu_seqlens) - 1
 
     @property
-    def position_ids(self) -> torch.Tensor:
-        return torch.arange(self.tokens.shape[1]).expand_as(self.tokens)
+    def lengths(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    def select(self, indices: Sequence[int]) -> TokenBatch:
+        """The sequences ``indices``, in that order."""
+        idx = torch.as_tensor(list(indices), dtype=torch.long)
+        lengths = self.lengths[idx]
+        positions = torch.repeat_interleave(self.cu_seqlens[:-1][idx] - (torch.cumsum(lengths, 0) - lengths), lengths,
+                                            output_size=int(lengths.sum())) + torch.arange(int(lengths.sum()))
+        cu = torch.zeros(len(idx) + 1, dtype=torch.long)
+        torch.cumsum(lengths, 0, out=cu[1:])
+        return TokenBatch(self.tokens[positions], self.labels[positions], self.loss_mask[positions], cu)
 
 
-def pack_sequences(sequences: list[list[int]], loss_starts: list[int], pad_id: int,
-                   length_multiple: int = 1) -> TokenBatch:
-    """Right-pad ``sequences`` into a :class:`TokenBatch`.
-
-    The loss covers the predictions of ``seq[loss_starts[i]:]`` (e.g. the answer after a prompt).
-    ``S`` is rounded up to ``length_multiple`` (sequence parallel needs S divisible by TP).
-    """
+def token_batch(sequences: list[list[int]], loss_starts: list[int]) -> TokenBatch:
+    """The :class:`TokenBatch` of ``sequences``; the loss covers the predictions of
+    ``seq[loss_starts[i]:]`` (e.g. the answer after a prompt)."""
     if len(sequences) != len(loss_starts):
         raise ValueError(f"{len(sequences)} sequences but {len(loss_starts)} loss starts")
-    longest = max(len(s) for s in sequences)
-    S = -(-(longest - 1) // length_multiple) * length_multiple
-    tokens = torch.full((len(sequences), S), pad_id, dtype=torch.long)
-    labels = torch.full((len(sequences), S), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((len(sequences), S), dtype=torch.float32)
+    tokens, labels, masks = [], [], []
     for row, (seq, start) in enumerate(zip(sequences, loss_starts)):
         if not 1 <= start < len(seq):
             raise ValueError(f"sequence {row}: loss start {start} outside 1..{len(seq) - 1}")
-        n = len(seq) - 1
-        tokens[row, :n] = torch.tensor(seq[:-1])
-        labels[row, :n] = torch.tensor(seq[1:])
-        loss_mask[row, start - 1: n] = 1.0
-    return TokenBatch(tokens, labels, loss_mask)
-
-
-def data_parallel_slice(batch: TokenBatch, dp_rank: int, dp_size: int) -> TokenBatch:
-    """This DP rank's contiguous share of the global batch (B must divide by ``dp_size``)."""
-    if len(batch) % dp_size:
-        raise ValueError(f"global batch of {len(batch)} sequences does not split over {dp_size} DP ranks")
-    per_rank = len(batch) // dp_size
-    return batch[slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
-
-
-def micro_batches(batch: TokenBatch, max_tokens: int) -> list[TokenBatch]:
-    """Split into equal micro-batches of at most ``max_tokens`` padded tokens each (at least one
-    sequence each; equal sizes because pipeline stages exchange fixed-shape activations)."""
-    rows = micro_batch_rows(len(batch), batch.tokens.shape[1], max_tokens)
-    return [batch[slice(i, i + rows)] for i in range(0, len(batch), rows)]
-
-
-def micro_batch_rows(num_rows: int, seq_length: int, max_tokens: int) -> int:
-    """The largest divisor of ``num_rows`` whose ``rows * seq_length`` fits ``max_tokens`` (>= 1)."""
-    budget = max(1, max_tokens // seq_length)
-    count = -(-num_rows // budget)
-    while num_rows % count:
-        count += 1
-    return num_rows // count
+        tokens.append(torch.tensor(seq[:-1], dtype=torch.long))
+        labels.append(torch.tensor(seq[1:], dtype=torch.long))
+        mask = torch.zeros(len(seq) - 1)
+        mask[start - 1:] = 1.0
+        masks.append(mask)
+    lengths = torch.tensor([len(t) for t in tokens])
+    cu = torch.zeros(len(sequences) + 1, dtype=torch.long)
+    torch.cumsum(lengths, 0, out=cu[1:])
+    return TokenBatch(torch.cat(tokens), torch.cat(labels), torch.cat(masks), cu)

@@ -2,7 +2,7 @@
 
 RL from a random model sees groups whose rewards are all zero; a short supervised pass on
 ``prompt -> answer<eos>`` (loss on the answer tokens only) gives GRPO a policy with mixed rewards
-to push (see DESIGN.md section 10). Runs on every rank of the layout; rank 0 reports.
+to push (docs/architecture.md, "Warm-up before RL"). Runs on every rank of the layout; rank 0 reports.
 """
 from __future__ import annotations
 
@@ -10,16 +10,19 @@ import logging
 import random
 from dataclasses import dataclass
 
-from megarl.tasks import arithmetic
 from megarl.parallel import Layout
+from megarl.tasks import arithmetic
 from megarl.trainer.optimizer import OptimizerSettings
-from megarl.trainer.token_batch import TokenBatch, pack_sequences
+from megarl.trainer.token_batch import TokenBatch, token_batch
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class WarmupJob:
+    """One warm-up run; built from the config (:meth:`from_config`), whose schema
+    (``megarl.config.schema``) is the one source of the defaults."""
+
     hf_path: str
     save_hf_path: str
     run_dir: str
@@ -27,14 +30,25 @@ class WarmupJob:
     batch_size: int
     optimizer: OptimizerSettings
     max_tokens_per_microbatch: int
-    max_operand: int = 9
-    seed: int = 0
-    log_interval: int = 10
-    transformer_impl: str = "auto"
-    dispatcher: str = "alltoall"
+    max_operand: int
+    seed: int
+    log_interval: int
+    transformer_impl: str
+    dispatcher: str
+
+    @classmethod
+    def from_config(cls, cfg) -> WarmupJob:
+        """From a run config: ``warmup`` (steps, batch, lr, logging, output), the task's operands
+        and seed, the trainer's micro-batch budget and optimizer (with ``warmup.lr``), the model."""
+        w = cfg.warmup
+        return cls(hf_path=cfg.model.hf_path, save_hf_path=w.save_hf_path, run_dir=cfg.logging.run_dir, steps=w.steps,
+                   batch_size=w.batch_size, optimizer=OptimizerSettings.from_config(cfg, w.lr),
+                   max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
+                   max_operand=cfg.task.max_operand, seed=cfg.task.seed, log_interval=w.log_interval,
+                   transformer_impl=cfg.model.transformer_impl.value, dispatcher=cfg.parallel.dispatcher.value)
 
 
-def answer_batch(tokenizer, problems: list[arithmetic.Problem], length_multiple: int) -> TokenBatch:
+def answer_batch(tokenizer, problems: list[arithmetic.Problem]) -> TokenBatch:
     """``prompt + answer + eos`` per problem, the loss on ``answer + eos``."""
     sequences, starts = [], []
     for problem in problems:
@@ -42,7 +56,7 @@ def answer_batch(tokenizer, problems: list[arithmetic.Problem], length_multiple:
         answer = tokenizer(problem.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         sequences.append(prompt + answer)
         starts.append(len(prompt))
-    return pack_sequences(sequences, starts, tokenizer.pad_token_id, length_multiple)
+    return token_batch(sequences, starts)
 
 
 def run_warmup(rank: int, layout: Layout, job: WarmupJob) -> list[float]:
@@ -60,15 +74,16 @@ def run_warmup(rank: int, layout: Layout, job: WarmupJob) -> list[float]:
     trainable = build_trainable(job.hf_path, layout, job.optimizer, transformer_impl=job.transformer_impl,
                                 dispatcher=job.dispatcher)
     rng = random.Random(job.seed)  # the same global batch on every rank; each takes its DP share
-    length_multiple = layout.tp if layout.sequence_parallel else 1
-    reporter = parallel_state.is_pipeline_last_stage(ignore_virtual=True) and parallel_state.get_tensor_model_parallel_rank() == 0 \
-        and parallel_state.get_data_parallel_rank() == 0
+    reporter = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+                and parallel_state.get_tensor_model_parallel_rank() == 0
+                and parallel_state.get_data_parallel_rank() == 0)
     metrics = MetricsFile(job.run_dir) if reporter else None
     losses = []
     with Progress(disable=not reporter) as progress:
         task = progress.add_task("warm-up", total=job.steps)
         for step in range(1, job.steps + 1):
-            batch = answer_batch(tokenizer, arithmetic.sample_problems(job.batch_size, rng, job.max_operand), length_multiple)
+            problems = arithmetic.sample_problems(job.batch_size, rng, job.max_operand)
+            batch = answer_batch(tokenizer, problems)
             result = supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch,
                                      job.max_tokens_per_microbatch)
             losses.append(result.loss)
@@ -76,7 +91,8 @@ def run_warmup(rank: int, layout: Layout, job: WarmupJob) -> list[float]:
                 metrics.log(step, {"warmup/loss": result.loss, "warmup/grad_norm": result.grad_norm})
                 progress.update(task, advance=1, description=f"warm-up loss {result.loss:.3f}")
                 if step % job.log_interval == 0 or step == 1:
-                    log.info("warm-up step %d/%d: loss %.4f, grad norm %.3f", step, job.steps, result.loss, result.grad_norm)
+                    log.info("warm-up step %d/%d: loss %.4f, grad norm %.3f", step, job.steps, result.loss,
+                             result.grad_norm)
     save_hf_checkpoint(trainable.model, job.save_hf_path)
     if metrics:
         metrics.close()

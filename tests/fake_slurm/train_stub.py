@@ -1,11 +1,12 @@
-"""Stand-in for ``python -m megarl.train`` in the fake-SLURM tests (the RL driver is not built yet).
+"""Stand-in for ``python -m megarl.train`` in the fake-SLURM signal test (the real driver's signal
+handling is tested in tests/test_rl_resume.py).
 
 It keeps the driver's contract with slurm/megarl.sbatch: it joins the Ray cluster at RAY_ADDRESS,
 takes the recipe and Hydra overrides as arguments, and on SIGTERM/SIGUSR1 writes a checkpoint
 and exits 0. What it saw goes to ``$STUB_OUT/seen.json``: the arguments, the composed config's
-values, the alive Ray nodes and GPUs, the node each of one task per node ran on, the environment
-the script derived. With STUB_HOLD=1 it then waits (at most STUB_HOLD_S seconds) for a signal,
-having written ``$STUB_OUT/ready``; the checkpoint is ``$STUB_OUT/checkpoint.json``.
+values, the alive Ray nodes and GPUs, the node each of one task per node ran on, the driver's node
+address, the environment the script derived. With STUB_HOLD=1 it then waits (at most STUB_HOLD_S
+seconds) for a signal, having written ``$STUB_OUT/ready``; the checkpoint is ``$STUB_OUT/checkpoint.json``.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ def main() -> int:
         "argv": sys.argv[1:], "run_name": cfg.run_name, "lr": cfg.trainer.lr,
         "nodes": len(nodes), "gpus": sum(n["Resources"].get("GPU", 0) for n in nodes),
         "node_ips": sorted({n["NodeManagerAddress"] for n in nodes}), "ran_on": ran_on,
+        "driver_node_ip": ray.util.get_node_ip_address(),
         "node_ids": [n["NodeID"] for n in nodes],
         "env": {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "NCCL_SOCKET_IFNAME",
                                                 "GLOO_SOCKET_IFNAME", "MEGARL_NUM_NODES", "MEGARL_LOG_DIR")},

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 import logging
@@ -73,16 +74,40 @@ def build_checkpoint(out: Path, layers: int, experts: int, hidden: int, moe_ffn:
 
 
 class LocalTrainer:
-    """The trainer interface WeightSync needs (``call_all_async``) over one in-process rank: each
-    ``weight_sync_*`` call runs the RankSync method on one worker thread, like a Ray actor would."""
+    """The trainer interface WeightSync needs (megarl.sync.trainer_side.WeightSyncTrainer) over one
+    in-process rank: each call runs the RankSync method on one worker thread, like a Ray actor would,
+    and returns the one rank's result as a list."""
 
     def __init__(self, rank_sync):
         self.rank_sync = rank_sync
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
 
-    async def call_all_async(self, method: str, *args):
-        fn = getattr(self.rank_sync, method.removeprefix("weight_sync_"))
+    async def _run(self, fn, *args) -> list:
         return [await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)]
+
+    async def weight_sync_address(self) -> list:
+        return await self._run(self.rank_sync.address)
+
+    async def weight_sync_connect(self, spec) -> list:
+        return await self._run(self.rank_sync.connect, spec)
+
+    async def weight_sync_disconnect(self, kind: str) -> list:
+        return await self._run(self.rank_sync.disconnect, kind)
+
+    async def weight_sync_begin(self, kind: str, version: int, capacity: int) -> list:
+        return await self._run(self.rank_sync.begin, kind, version, capacity)
+
+    async def weight_sync_next(self) -> list:
+        return await self._run(self.rank_sync.next)
+
+    async def weight_sync_send(self) -> list:
+        return await self._run(self.rank_sync.send)
+
+    async def weight_sync_finish(self) -> list:
+        return await self._run(self.rank_sync.finish)
+
+    async def weight_sync_abort(self) -> list:
+        return await self._run(self.rank_sync.abort)
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -132,6 +157,7 @@ def raw_broadcast_gbps(nbytes: int) -> float:
 
 
 async def run_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
+    from megarl.config import default_config
     from megarl.engines.client import PauseMode, SGLangClient
     from megarl.sync import SyncSettings, WeightSync
 
@@ -142,8 +168,9 @@ async def run_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
         for transport, mb in cases:
             name = f"{transport}_per_tensor" if mb == 0 else (f"{transport}_{mb}mb" if transport == "distributed"
                                                               else transport)
-            sync = WeightSync(SyncSettings(transport=transport, bucket_mb=mb, work_dir=str(work_dir),
-                                           timeout_s=1800), trainer, [client])
+            settings = dataclasses.replace(SyncSettings.from_config(default_config().sync), transport=transport,
+                                           bucket_mb=mb, work_dir=str(work_dir), timeout_s=1800)
+            sync = WeightSync(settings, trainer, [client])
             await sync.setup()
             reports = []
             for _ in range(repeats):
@@ -177,10 +204,10 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from megarl.models.bridge import build_megatron_model
     from megarl.engines.server import EngineSettings, SGLangEngine
-    from megarl.sync.rank import RankSync
+    from megarl.models.bridge import build_megatron_model
     from megarl.parallel import Layout, free_port
+    from megarl.sync.rank import RankSync
     from megarl.trainer.distributed import init_rank
 
     with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:

@@ -80,12 +80,13 @@ class EngineSide(abc.ABC):
 
     async def connect(self, trainer, engines: list) -> None:
         """Join ``engines`` (SGLangClients) and the trainer's senders to the link (by default the
-        senders only build their half: nothing to join on the engines)."""
-        await trainer.call_all_async("weight_sync_connect", self.sender_spec(len(engines)))
+        senders only build their half: nothing to join on the engines). ``trainer`` is a
+        :class:`megarl.sync.trainer_side.WeightSyncTrainer`."""
+        await trainer.weight_sync_connect(self.sender_spec(len(engines)))
 
     async def disconnect(self, trainer, engines: list) -> None:
         """Tear the link down on both sides (best effort: engines may be dead)."""
-        await trainer.call_all_async("weight_sync_disconnect", self.name)
+        await trainer.weight_sync_disconnect(self.name)
 
     def before_sync(self, version: int) -> None:
         """Called in the driver before the senders begin a sync to ``version``."""

@@ -42,7 +42,8 @@ class DistributedSender(Sender):
     def __init__(self, spec: SenderSpec, stage: int, host: str, port: int):
         from sglang.srt.utils.common import init_custom_process_group
 
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.name = group_name(spec.group_prefix, stage)
         self.group = init_custom_process_group(
             backend=link_backend(), init_method=f"tcp://{host}:{port}", world_size=1 + spec.engine_ranks, rank=0,
@@ -88,21 +89,21 @@ class DistributedEngineSide(EngineSide):
     async def connect(self, trainer, engines: list) -> None:
         """Fresh groups (new names) between every stage's sender and ``engines``."""
         self._prefix = f"megarl-{uuid.uuid4().hex[:12]}"  # group names are never reused in a process
-        addresses = [a for a in await trainer.call_all_async("weight_sync_address") if a is not None]
+        addresses = [a for a in await trainer.weight_sync_address() if a is not None]
         spec = self.sender_spec(len(engines))
         world = 1 + spec.engine_ranks
         joins = [client.init_weights_update_group(
                      master_address=a["host"], master_port=a["port"], rank_offset=1 + i * self.engine_tp,
                      world_size=world, group_name=group_name(self._prefix, a["stage"]), backend=a["backend"])
                  for a in sorted(addresses, key=lambda a: a["stage"]) for i, client in enumerate(engines)]
-        await asyncio.wait_for(asyncio.gather(trainer.call_all_async("weight_sync_connect", spec), *joins),
+        await asyncio.wait_for(asyncio.gather(trainer.weight_sync_connect(spec), *joins),
                                self.timeout_s)
         self._groups = [group_name(self._prefix, a["stage"]) for a in addresses]
         log.info("weight-sync groups %s: %d stage senders, %d engines", self._groups, len(addresses), len(engines))
 
     async def disconnect(self, trainer, engines: list) -> None:
         groups, self._groups = self._groups, []
-        await trainer.call_all_async("weight_sync_disconnect", self.name)
+        await trainer.weight_sync_disconnect(self.name)
         for client in engines:
             for name in groups:
                 try:

@@ -1,0 +1,226 @@
+"""Fake nodes for multi-node tests: one Linux network namespace per node, joined by a bridge.
+
+Each node has its own network stack: its own loopback (what one node binds on 127.0.0.1 no other
+node reaches) and one interface, ``eth0``, a veth pair whose other end is a port of a bridge in the
+root namespace; the nodes have the addresses ``<subnet>.2``, ``<subnet>.3``, ... of a private /24
+and no other route (nothing outside the bridge is reachable from a node; the root namespace gets no
+address on the bridge). Processes run in a node through ``ip netns exec``; they share the file
+system, the process table and /dev/shm with everything else, as the nodes of a cluster with a
+shared file system would.
+
+Names carry the owning process's pid (``mrl<pid><seq>n<i>`` for namespaces, ``...b`` for the
+bridge, ``...v<i>`` for the root-side veth ends), so :func:`clean_stale` can remove what a crashed
+run left behind without touching the nodes of a run still going (two pytest workers may each hold
+a cluster). Needs root and iproute2: :func:`missing_prerequisite` says what is missing.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PREFIX = "mrl"
+SUBNET = "10.213.0"  # private /24 of the fake nodes: node i is SUBNET.(i + 2)
+IFACE = "eth0"  # the node's side of its veth pair
+_NAME = re.compile(rf"^{PREFIX}(\d+)([a-z])(?:[nbv]\d*)$")
+_sequence = itertools.count()
+
+
+def missing_prerequisite() -> str | None:
+    """Why fake nodes cannot be made here (None when they can)."""
+    if os.geteuid() != 0:
+        return "fake nodes need root (network namespaces, veth pairs, a bridge)"
+    if shutil.which("ip") is None:
+        return "fake nodes need iproute2's `ip`"
+    probe = f"{PREFIX}{os.getpid()}zprobe"[:15]
+    result = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if result.returncode != 0:
+        return f"cannot create a network namespace: {result.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)} failed: {result.stderr.strip()}")
+    return result
+
+
+def _namespaces() -> list[str]:
+    return [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()]
+
+
+def _links() -> list[str]:
+    out = _ip("-o", "link", "show").stdout
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def namespace_pids(namespace: str) -> list[int]:
+    """Processes running in ``namespace``."""
+    result = _ip("netns", "pids", namespace, check=False)
+    return [int(p) for p in result.stdout.split() if p.isdigit()]
+
+
+def kill_namespace_processes(namespace: str, grace_s: float = 5.0) -> list[int]:
+    """SIGTERM every process in ``namespace``, SIGKILL what is left after ``grace_s``; their pids."""
+    pids = namespace_pids(namespace)
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        for pid in namespace_pids(namespace):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while namespace_pids(namespace) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if not namespace_pids(namespace):
+            break
+    return pids
+
+
+def _remove(namespaces: list[str], links: list[str]) -> None:
+    for ns in namespaces:
+        kill_namespace_processes(ns)
+    for link in links:
+        _ip("link", "del", link, check=False)  # a veth takes its peer along
+    for ns in namespaces:
+        _ip("netns", "del", ns, check=False)
+
+
+def clean_stale() -> list[str]:
+    """Remove the namespaces and links of fake nodes whose owning process is gone; their names."""
+    stale_ns = [n for n in _namespaces() if (m := _NAME.match(n)) and not _alive(int(m.group(1)))]
+    stale_links = [n for n in _links() if (m := _NAME.match(n)) and not _alive(int(m.group(1)))]
+    # veth ends first, the bridges last
+    stale_links.sort(key=lambda n: n.endswith("b"))
+    _remove(stale_ns, stale_links)
+    return stale_ns + stale_links
+
+
+@dataclass
+class Node:
+    """One fake node: a network namespace with ``address`` on its ``eth0``."""
+
+    index: int
+    namespace: str
+    address: str
+    iface: str = IFACE
+    processes: list[subprocess.Popen] = field(default_factory=list, repr=False)
+
+    def command(self, argv: list[str]) -> list[str]:
+        """``argv`` run inside this node."""
+        return ["ip", "netns", "exec", self.namespace, *argv]
+
+    def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
+        """Start ``argv`` in this node (in a session of its own); it is killed at teardown."""
+        kwargs.setdefault("start_new_session", True)
+        process = subprocess.Popen(self.command(argv), **kwargs)
+        self.processes.append(process)
+        return process
+
+    def run(self, argv: list[str], **kwargs) -> subprocess.CompletedProcess:
+        """Run ``argv`` in this node to its end (``subprocess.run`` arguments)."""
+        return subprocess.run(self.command(argv), **kwargs)
+
+    def pids(self) -> list[int]:
+        return namespace_pids(self.namespace)
+
+
+class FakeNodes:
+    """``count`` fake nodes on one bridge; a context manager (``up`` on enter, ``down`` on exit)."""
+
+    def __init__(self, count: int, subnet: str = SUBNET):
+        if not 1 <= count <= 200:
+            raise ValueError(f"count must be in [1, 200], got {count}")
+        self.count, self.subnet = count, subnet
+        tag = f"{PREFIX}{os.getpid()}{chr(ord('a') + next(_sequence) % 26)}"
+        self.bridge = f"{tag}b"
+        self.nodes = [Node(i, f"{tag}n{i}", f"{subnet}.{i + 2}") for i in range(count)]
+        self._veths = [f"{tag}v{i}" for i in range(count)]
+        if max(len(n) for n in [self.bridge, *self._veths]) > 15:
+            raise ValueError(f"interface names too long for pid {os.getpid()}")
+
+    def __getitem__(self, i: int) -> Node:
+        return self.nodes[i]
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __iter__(self):
+        return iter(self.nodes)
+
+    def up(self) -> FakeNodes:
+        """Create the bridge and the nodes (after removing stale ones of crashed runs)."""
+        clean_stale()
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("link", "set", self.bridge, "up")
+            for node, veth in zip(self.nodes, self._veths):
+                _ip("netns", "add", node.namespace)
+                _ip("-n", node.namespace, "link", "set", "lo", "up")
+                _ip("link", "add", veth, "type", "veth", "peer", "name", node.iface, "netns", node.namespace)
+                _ip("link", "set", veth, "master", self.bridge)
+                _ip("link", "set", veth, "up")
+                _ip("-n", node.namespace, "addr", "add", f"{node.address}/24", "dev", node.iface)
+                _ip("-n", node.namespace, "link", "set", node.iface, "up")
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self) -> None:
+        """Kill every process in the nodes, remove the veths, the namespaces and the bridge."""
+        for node in self.nodes:
+            for process in node.processes:
+                if process.poll() is None:
+                    try:
+                        os.killpg(process.pid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                try:
+                    process.wait(10)
+                except subprocess.TimeoutExpired:
+                    pass
+            node.processes.clear()
+        existing = set(_namespaces())
+        _remove([n.namespace for n in self.nodes if n.namespace in existing], [*self._veths, self.bridge])
+
+    def leftovers(self) -> list[str]:
+        """What of this cluster still exists (namespaces, links); [] after :meth:`down`."""
+        names = {n.namespace for n in self.nodes} | {self.bridge, *self._veths}
+        return sorted(names & (set(_namespaces()) | set(_links())))
+
+    def __enter__(self) -> FakeNodes:
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+
+def node_of_pid(pid: int, nodes: FakeNodes) -> Node | None:
+    """The fake node whose namespace ``pid`` runs in (None: another namespace, or gone)."""
+    try:
+        ns_inode = os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+    for node in nodes:
+        if os.stat(Path("/run/netns") / node.namespace).st_ino == ns_inode:
+            return node
+    return None

@@ -1,0 +1,291 @@
+"""Colocated placement: the engines stop generating and release their memory around every training
+step. The protocol with stand-ins (order of the calls, the metrics, a sync that fails), the pool's
+hold with stand-in engines (nothing in flight, nothing sent while held), and a short real run on
+CPU in which no generation request overlaps a training step. On CPU the engines start without
+``--enable-memory-saver`` (torch_memory_saver is CUDA-only) and report it, so the run skips the
+release: SGLang 0.5.23's ``/release_memory_occupation`` would kill a CPU engine's scheduler (it
+ends in ``torch.cuda.synchronize()``)."""
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from megarl.engines.client import PauseMode, SamplingParams, ServedModel
+from megarl.engines.pool import EnginePool
+from megarl.metrics.sink import read_metrics
+from megarl.pipeline.colocate import Colocation, memory_saver_args
+from megarl.sample import FinishReason, RolloutSample
+
+# --- the protocol, with a stand-in pool ------------------------------------------------------------
+
+
+class FakePool:
+    def __init__(self, can_release: bool):
+        self.can_release = can_release
+        self.calls: list[str] = []
+
+    async def hold(self, *, abort):
+        self.calls.append(f"hold(abort={abort})")
+
+    async def unhold(self):
+        self.calls.append("unhold")
+
+    async def memory_release_available(self):
+        self.calls.append("available?")
+        return self.can_release
+
+    async def release_memory(self, tags):
+        self.calls.append(f"release{sorted(tags)}")
+
+    async def resume_memory(self, tags):
+        self.calls.append(f"resume{sorted(tags)}")
+
+
+def _step(colocation: Colocation, pool: FakePool, sync):
+    async def body():
+        await colocation.before_training()
+        pool.calls.append("train")
+        return await colocation.after_training(sync)
+
+    return asyncio.run(body())
+
+
+@pytest.mark.parametrize("abort", [True, False])
+def test_release_and_resume_around_the_step_in_order(abort):
+    pool = FakePool(can_release=True)
+    ticks = iter(range(100))
+    colocation = Colocation(pool, abort=abort, clock=lambda: float(next(ticks)))
+
+    async def sync():
+        pool.calls.append("sync")
+        return {"sync/seconds": 1.0}
+
+    assert _step(colocation, pool, sync) == {"sync/seconds": 1.0}
+    assert pool.calls == [f"hold(abort={abort})", "available?", "release['kv_cache', 'weights']", "train",
+                          "resume['weights']", "sync", "resume['kv_cache']", "unhold"]
+    metrics = colocation.metrics()
+    assert metrics["colocate/release_skipped"] == 0.0
+    assert metrics["colocate/pause_s"] == 1.0  # one tick: hold .. released
+    assert metrics["colocate/resume_s"] == 2.0  # one tick to resume the weights, one for the KV cache + unhold
+    pool.calls.clear()
+    _step(colocation, pool, sync)
+    assert "available?" not in pool.calls  # asked once per run
+
+
+def test_without_release_the_same_protocol_runs_and_says_it_skipped():
+    pool = FakePool(can_release=False)
+    colocation = Colocation(pool, abort=False)
+
+    async def sync():
+        pool.calls.append("sync")
+
+    _step(colocation, pool, sync)
+    assert pool.calls == ["hold(abort=False)", "available?", "train", "sync", "unhold"]
+    metrics = colocation.metrics()
+    assert metrics["colocate/release_skipped"] == 1.0
+    assert metrics["colocate/pause_s"] >= 0 and metrics["colocate/resume_s"] >= 0
+
+
+def test_a_failing_sync_still_gives_the_engines_back():
+    pool = FakePool(can_release=True)
+    colocation = Colocation(pool, abort=True)
+
+    async def sync():
+        raise RuntimeError("sync broke")
+
+    with pytest.raises(RuntimeError, match="sync broke"):
+        _step(colocation, pool, sync)
+    assert pool.calls[-2:] == ["resume['kv_cache']", "unhold"]
+
+
+def test_memory_saver_flag_only_on_cuda_with_the_package(monkeypatch):
+    import importlib.util
+
+    assert memory_saver_args(cuda=False) == ()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "torch_memory_saver" else None)
+    assert memory_saver_args(cuda=True) == ("--enable-memory-saver",)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert memory_saver_args(cuda=True) == ()
+
+
+# --- the pool's hold, with stand-in engines --------------------------------------------------------
+
+MODEL = ServedModel(vocab_size=100, num_layers=2, topk=2, num_experts=8, context_length=64)
+PARAMS = SamplingParams(max_new_tokens=4, top_k=5)
+
+
+class SlowClient:
+    """Answers after ``delay`` s, or at once with finish ``aborted`` when paused with abort."""
+
+    def __init__(self, delay: float):
+        self.model, self.delay = MODEL, delay
+        self.calls: list[str] = []
+        self.sent: list[float] = []
+        self._abort = asyncio.Event()
+
+    async def generate_batch(self, prompts, params, *, group_ids, return_routed_experts, return_sampling_mask):
+        self.sent.append(time.monotonic())
+        try:
+            await asyncio.wait_for(self._abort.wait(), self.delay)
+            finish = FinishReason.ABORTED
+        except asyncio.TimeoutError:
+            finish = FinishReason.STOP
+        return [RolloutSample(prompt_ids=p, response_ids=[p[0]], loss_mask=np.ones(1, np.uint8),
+                              rollout_logprobs=np.zeros(1, np.float32), model_version=np.zeros(1, np.int32),
+                              routed_experts=None, sampling_mask=None, finish_reason=finish, group_id=g)
+                for p, g in zip(prompts, group_ids)]
+
+    async def pause_generation(self, mode):
+        self.calls.append(f"pause:{PauseMode(mode).value}")
+        if PauseMode(mode) is PauseMode.ABORT:
+            self._abort.set()
+
+    async def continue_generation(self):
+        self.calls.append("continue")
+        self._abort.clear()
+
+
+def test_hold_lets_requests_finish_then_sends_nothing_until_unhold():
+    client = SlowClient(delay=0.2)
+    pool = EnginePool([client])
+
+    async def body():
+        running = asyncio.create_task(pool.generate_batch([[1]], PARAMS, group_ids=["a"]))
+        await asyncio.sleep(0.02)
+        t0 = time.monotonic()
+        await pool.hold(abort=False)
+        drained_s = time.monotonic() - t0
+        assert running.done() and pool.in_flight == [0]
+        waiting = asyncio.create_task(pool.generate_batch([[2]], PARAMS, group_ids=["b"]))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and len(client.sent) == 1 and pool.held  # not sent while held
+        t_unhold = time.monotonic()
+        await pool.unhold()
+        out = await waiting
+        return running.result(), out, drained_s, t_unhold
+
+    first, second, drained_s, t_unhold = asyncio.run(body())
+    assert drained_s > 0.1  # waited for the running request
+    assert first[0].finish_reason is FinishReason.STOP and second[0].finish_reason is FinishReason.STOP
+    assert client.sent[1] >= t_unhold
+    assert client.calls == ["pause:abort", "continue"]  # paused only once nothing was running
+
+
+def test_hold_with_abort_returns_the_running_requests_at_once():
+    client = SlowClient(delay=5.0)
+    pool = EnginePool([client])
+
+    async def body():
+        running = asyncio.create_task(pool.generate_batch([[1]], PARAMS, group_ids=["a"]))
+        await asyncio.sleep(0.02)
+        t0 = time.monotonic()
+        await pool.hold(abort=True)
+        held_s = time.monotonic() - t0
+        out = await running
+        await pool.unhold()
+        return out, held_s
+
+    out, held_s = asyncio.run(body())
+    assert held_s < 1.0 and out[0].finish_reason is FinishReason.ABORTED
+
+
+class MemoryClient(SlowClient):
+    def __init__(self, saver: bool):
+        super().__init__(delay=0.0)
+        self.saver = saver
+
+    async def memory_saver_enabled(self):
+        return self.saver
+
+    async def release_memory(self, tags):
+        self.calls.append(f"release:{','.join(tags)}")
+
+    async def resume_memory(self, tags):
+        self.calls.append(f"resume:{','.join(tags)}")
+
+
+def test_pool_release_needs_every_engine_and_resumes_only_what_it_released():
+    clients = [MemoryClient(True), MemoryClient(False)]
+    pool = EnginePool(clients)
+
+    async def body():
+        assert not await pool.memory_release_available()
+        clients[1].saver = True
+        assert await pool.memory_release_available()
+        await pool.release_memory(("kv_cache", "weights"))
+        await pool.resume_memory(("weights",))
+        pool._engines[1].incarnation = 7  # engine 1 restarted meanwhile: its memory is mapped already
+        await pool.resume_memory(("kv_cache",))
+        await pool.resume_memory(("kv_cache",))  # nothing left to resume
+
+    asyncio.run(body())
+    assert clients[0].calls == ["release:kv_cache,weights", "resume:weights", "resume:kv_cache"]
+    assert clients[1].calls == ["release:kv_cache,weights", "resume:weights"]
+
+
+# --- a short colocated run on CPU -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory):
+    """The warmed-up checkpoint the run starts from (base and warm paths)."""
+    from megarl.train import main
+
+    root = tmp_path_factory.mktemp("colocated")
+    paths = [f"model.hf_path={root / 'base'}", f"warmup.save_hf_path={root / 'warm'}"]
+    assert main(["recipe=tiny_moe_cpu", "mode=warmup", "warmup.steps=30", f"logging.run_dir={root / 'warmup'}",
+                 *paths]) == 0
+    return paths
+
+
+def test_no_generation_request_overlaps_a_training_step(tmp_path, warm, monkeypatch):
+    """The recipe's mode (async) stays; every request the engines got (each ``/generate`` the
+    driver's clients sent, start to answer) lies outside every training step (``rl_step``, start to
+    end), and the metrics say the release was skipped on CPU."""
+    from megarl.engines.client import SGLangClient
+    from megarl.train import main
+    from megarl.trainer.actor import TrainerGroup
+
+    requests: list[tuple[float, float]] = []
+    steps: list[tuple[float, float]] = []
+    post, rl_step = SGLangClient._post, TrainerGroup.rl_step
+
+    async def timed_post(self, path, payload):
+        t0 = time.monotonic()
+        try:
+            return await post(self, path, payload)
+        finally:
+            if path == "/generate":
+                requests.append((t0, time.monotonic()))
+
+    async def timed_rl_step(self, *args, **kwargs):
+        t0 = time.monotonic()
+        try:
+            return await rl_step(self, *args, **kwargs)
+        finally:
+            steps.append((t0, time.monotonic()))
+
+    monkeypatch.setattr(SGLangClient, "_post", timed_post)
+    monkeypatch.setattr(TrainerGroup, "rl_step", timed_rl_step)
+    run = tmp_path / "run"
+    t0 = time.monotonic()
+    assert main(["recipe=tiny_moe_cpu", "placement=colocated", "sync.transport=tensor", "steps=3",
+                 "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "warmup.steps=30",
+                 f"logging.run_dir={run}", *warm]) == 0
+    print(f"\n[measured] colocated run of 3 steps: {time.monotonic() - t0:.1f} s, {len(requests)} requests")
+    assert len(steps) == 3 and len(requests) >= 3
+    overlaps = [(r, s) for r in requests for s in steps if r[0] < s[1] and s[0] < r[1]]
+    assert not overlaps, overlaps
+    rows = [row for row in read_metrics(run) if "reward/mean" in row]
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    for row in rows:
+        print(f"[measured] step {row['step']}: reward {row['reward/mean']:.3f}, "
+              f"pause {row['colocate/pause_s']:.3f} s, resume {row['colocate/resume_s']:.3f} s, "
+              f"release skipped {row['colocate/release_skipped']:.0f}, sync {row['sync/seconds']:.2f} s, "
+              f"staleness max {row['staleness/max']}")
+        assert row["colocate/release_skipped"] == 1.0
+        assert row["colocate/pause_s"] >= 0 and row["colocate/resume_s"] >= 0
+        assert row["sync/version"] == row["step"] and row["staleness/max"] <= 1
+        assert 0.0 <= row["reward/mean"] <= 1.0
+    assert "mode: async" in (run / "config.yaml").read_text()

@@ -1,0 +1,182 @@
+"""Engine parallelism passed to SGLang: the settings' rules and command line without a server, then
+the tiny MoE served by one engine of 2 ranks with TP2 and with TP2 + EP2 (SGLang's expert-parallel
+ranks are tensor-parallel ranks, so EP2 needs TP >= 2), checked against HF transformers: greedy
+tokens, log-probs and the routed experts of every token.
+
+Each configuration starts one engine for the module (two ranks on this 2-core machine take about a
+minute to start); the prompts are few and short.
+"""
+import asyncio
+import shutil
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from hf_oracle import load_hf, router_topk
+
+from megarl.engines.client import SamplingParams, SGLangClient
+from megarl.engines.server import EngineSettings, SGLangEngine
+from megarl.platform import sglang_cpu
+
+LM_HEAD_SCALE = 25.0  # the random-init head gives near-uniform logits; scaled, greedy has no near-ties
+LOGPROB_TOLERANCE = 1e-4
+PROMPTS = ["3+4=", "9+9=", "0+1="]
+MAX_NEW_TOKENS = 5
+
+
+# --- settings and command line, no server ---------------------------------------------------------
+
+def settings(path, **kwargs) -> EngineSettings:
+    return EngineSettings(model_path=str(path), **kwargs)
+
+
+def flag_values(cmd: list[str]) -> dict[str, str | None]:
+    """``--flag value`` pairs of a command line (a flag followed by another flag maps to None)."""
+    out = {}
+    for i, arg in enumerate(cmd):
+        if arg.startswith("--"):
+            nxt = cmd[i + 1] if i + 1 < len(cmd) else None
+            out[arg] = None if nxt is None or nxt.startswith("--") else nxt
+    return out
+
+
+def test_command_passes_the_parallelism(tiny_checkpoint):
+    plain = flag_values(SGLangEngine(settings(tiny_checkpoint)).command())
+    assert not {"--tp-size", "--ep-size", "--attn-dp-size", "--nnodes"} & set(plain)
+
+    flags = flag_values(SGLangEngine(settings(tiny_checkpoint, tp=2, ep=2, dp_attention=True, device="cuda")).command())
+    assert (flags["--tp-size"], flags["--ep-size"], flags["--attn-dp-size"]) == ("2", "2", "2")
+    assert "--nnodes" not in flags
+    with pytest.raises(ValueError, match="dp_attention does not run on SGLang's CPU path"):
+        SGLangEngine(settings(tiny_checkpoint, tp=2, dp_attention=True, device="cpu"))
+
+    multi = SGLangEngine(settings(tiny_checkpoint, tp=2, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:25000",
+                                  device="cpu"))
+    flags = flag_values(multi.command())
+    assert (flags["--nnodes"], flags["--node-rank"], flags["--dist-init-addr"]) == ("2", "1", "10.0.0.1:25000")
+    assert multi.environment()[sglang_cpu.RANKS_PER_NODE_ENV] == "1"  # 2 TP ranks over 2 nodes
+
+
+def test_from_config_reads_the_engine_parallelism(tiny_checkpoint, tmp_path):
+    from types import SimpleNamespace as NS
+
+    cfg = NS(rollout=NS(top_k=20, max_total_tokens=512, engine_tp=2, engine_ep=2, engine_dp_attention=True),
+             model=NS(dtype="float32"), task=NS(seed=3), logging=NS(run_dir=str(tmp_path)))
+    s = EngineSettings.from_config(cfg, tiny_checkpoint, index=1, weight_version=0)
+    assert (s.tp, s.ep, s.dp_attention, s.random_seed) == (2, 2, True, 4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tp": 0}, "tp and ep must be >= 1"),
+    ({"tp": 2, "ep": 4}, "ep=4 must divide tp=2"),
+    ({"tp": 3, "ep": 3}, "must divide the model's 8 experts"),
+    ({"dp_attention": True}, "dp_attention needs tp > 1"),
+    ({"tp": 8}, "must divide the 4 attention heads"),
+    ({"tp": 2, "nnodes": 2}, "needs dist_init_addr"),
+    ({"tp": 3, "ep": 1, "nnodes": 2, "dist_init_addr": "h:1"}, "do not split evenly"),
+    ({"tp": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank < nnodes"),
+    ({"tp": 2, "nnodes": 2, "dist_init_addr": "h"}, "must be host:port"),
+])
+def test_parallelism_rules(tiny_checkpoint, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        settings(tiny_checkpoint, **kwargs)
+
+
+def test_omp_threads_bind_splits_the_cores_evenly():
+    assert sglang_cpu.omp_threads_bind(2, [0, 1]) == "0|1"
+    assert sglang_cpu.omp_threads_bind(4, [0, 1]) == "0|0|1|1"  # more ranks than cores: neighbours share
+    assert sglang_cpu.omp_threads_bind(2, list(range(8))) == "0-3|4-7"
+    assert sglang_cpu.omp_threads_bind(3, list(range(8))) == "0-1|2-4|5-7"
+    assert sglang_cpu.omp_threads_bind(1, [0, 2, 3, 4, 9]) == "0,2-4,9"
+    with pytest.raises(ValueError):
+        sglang_cpu.omp_threads_bind(0, [0])
+
+
+# --- served: TP2 and TP2 + EP2 against HF ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint, tmp_path_factory):
+    """The tiny MoE checkpoint with its lm_head scaled by LM_HEAD_SCALE."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path_factory.mktemp("tiny_moe_sharp")
+    for f in Path(tiny_checkpoint).iterdir():
+        shutil.copy(f, path / f.name)
+    weights = load_file(path / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * LM_HEAD_SCALE
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoint):
+    return load_hf(str(checkpoint))
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (2, 2)], ids=["tp2", "tp2_ep2"])
+def engine(request, checkpoint, tmp_path_factory):
+    """One engine per configuration (float32, as megarl serves: EngineSettings.from_config)."""
+    tp, ep = request.param
+    if torch.cuda.is_available() and torch.cuda.device_count() < tp:
+        pytest.skip(f"TP{tp} needs {tp} GPUs, {torch.cuda.device_count()} here")
+    eng = SGLangEngine(EngineSettings(
+        model_path=str(checkpoint), dtype="float32", max_total_tokens=1024, tp=tp, ep=ep,
+        log_path=str(tmp_path_factory.mktemp(f"sglang_tp{tp}_ep{ep}") / "server.log"),
+    ))
+    eng.start()
+    print(f"\n[measured] SGLang TP{tp} EP{ep} start-up {eng.startup_s:.1f} s")
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
+def samples(engine, checkpoint):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    greedy = SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
+
+    async def main():
+        async with SGLangClient(engine.url, engine.model) as client:
+            return await client.generate_batch(prompts, greedy, group_ids=[""] * len(prompts),
+                                               return_routed_experts=True, return_sampling_mask=False)
+
+    return asyncio.run(main())
+
+
+def test_engine_runs_the_requested_layout(engine):
+    info = httpx.get(engine.url + "/server_info", timeout=10).json()
+    assert (info["tp_size"], info["ep_size"]) == (engine.settings.tp, engine.settings.ep)
+
+
+def test_greedy_tokens_equal_hf(samples, hf_model):
+    for sample in samples:
+        ids = torch.tensor(sample.prompt_ids)
+        with torch.no_grad():
+            for _ in range(MAX_NEW_TOKENS):
+                ids = torch.cat([ids, hf_model(ids[None]).logits[0, -1].argmax().reshape(1)])
+        assert sample.response_ids == ids[len(sample.prompt_ids):].tolist()
+
+
+def test_logprobs_equal_hf(samples, hf_model):
+    worst = 0.0
+    for sample in samples:
+        ids = torch.tensor(sample.prompt_ids + sample.response_ids)
+        p = len(sample.prompt_ids)
+        with torch.no_grad():
+            log_probs = torch.log_softmax(hf_model(ids[None, :-1]).logits[0].double(), dim=-1)
+        expected = log_probs[p - 1:].gather(1, ids[p:, None]).squeeze(1).numpy()
+        np.testing.assert_allclose(sample.rollout_logprobs, expected, atol=LOGPROB_TOLERANCE, rtol=0)
+        worst = max(worst, float(np.abs(sample.rollout_logprobs - expected).max()))
+    print(f"\n[measured] max |log-prob - HF| {worst:.2e} over {sum(len(s.response_ids) for s in samples)} tokens")
+
+
+def test_routed_experts_equal_hf(samples, hf_model):
+    for sample in samples:
+        ids = torch.tensor(sample.prompt_ids + sample.response_ids)
+        expected = router_topk(hf_model, ids[:-1]).numpy()  # the last token is never fed: no routing row
+        assert sample.routed_experts.shape == expected.shape
+        np.testing.assert_array_equal(np.sort(sample.routed_experts, -1), np.sort(expected, -1))

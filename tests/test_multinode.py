@@ -1,0 +1,478 @@
+"""Multi-node megarl on fake nodes (tests/netns.py: network namespaces on one bridge, each with its
+own loopback): the nodes are isolated as real machines are, an engine refuses every call that lacks
+the run's API key, and one RL run spans three nodes: node 0 holds the Ray head, the driver and a
+trainer rank, node 1 the other trainer rank (DP2), node 2 the SGLang engine; the weights travel
+through the distributed (gloo) transport. Placement: Ray custom resources ``megarl_trainer`` on
+nodes 0 and 1 and ``megarl_engine`` on node 2 (megarl.parallel.network, "Placement").
+
+On one network stack a rank meeting at 127.0.0.1 or an engine bound to it would still work; here
+the other nodes cannot reach a node's loopback, so each of those regressions fails the run."""
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import netns
+import pytest
+
+from megarl.metrics.sink import read_metrics
+
+FAKE_NODE_COUNT = 3
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+RAY = str(Path(PYTHON).parent / "ray")
+
+
+def node_env(**extra: str) -> dict[str, str]:
+    """The environment of a process in a fake node: this one's, without any cluster address."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    env.update(OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1",
+               PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", **extra)
+    return env
+
+
+def run_python(node: netns.Node, script: str, *args: str, timeout: float = 120) -> dict:
+    """Run ``script`` in ``node``; the JSON object it prints last."""
+    result = node.run([PYTHON, "-c", script, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+                      env=node_env(), cwd=ROOT)
+    assert result.returncode == 0, f"script in node {node.index} failed:\n{result.stdout}\n{result.stderr}"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# --- the fake nodes are isolated ------------------------------------------------------------------
+
+SERVE = r"""
+import socket, sys, threading, time
+port, addresses = int(sys.argv[1]), sys.argv[2:]
+for host in addresses:
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind((host, port))
+    s.listen()
+    def serve(s=s, host=host):
+        while True:
+            c, _ = s.accept()
+            c.sendall(host.encode())
+            c.close()
+    threading.Thread(target=serve, daemon=True).start()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+PROBE = r"""
+import json, socket, sys
+out = {}
+for target in sys.argv[1:]:
+    host, port = target.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=3) as c:
+            out[target] = c.recv(64).decode()
+    except OSError as e:
+        out[target] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def test_fake_nodes_have_their_own_loopback(fake_nodes):
+    """A server on 127.0.0.1 in node B is unreachable from node A, B's bridge address is reachable,
+    and nothing outside the bridge is (the nodes have no other route)."""
+    a, b = fake_nodes[0], fake_nodes[1]
+    assert netns.node_of_pid(os.getpid(), fake_nodes) is None  # the test runs outside the nodes
+    port = 5555
+    server = b.popen([PYTHON, "-c", SERVE, str(port), "127.0.0.1", b.address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        assert netns.node_of_pid(server.pid, fake_nodes) is b
+        from_a = run_python(a, PROBE, f"127.0.0.1:{port}", f"{b.address}:{port}", "192.0.2.1:9")
+        from_b = run_python(b, PROBE, f"127.0.0.1:{port}", f"{b.address}:{port}")
+    finally:
+        server.kill()
+        server.wait()
+    assert from_a[f"127.0.0.1:{port}"] == "ConnectionRefusedError"  # A's own loopback: nothing there
+    assert from_a[f"{b.address}:{port}"] == b.address  # B over the bridge
+    assert from_a["192.0.2.1:9"] != "127.0.0.1"  # no route out of the bridge
+    assert from_a["192.0.2.1:9"] in ("OSError", "ConnectionRefusedError", "TimeoutError")
+    assert from_b == {f"127.0.0.1:{port}": "127.0.0.1", f"{b.address}:{port}": b.address}
+    assert [n.address for n in fake_nodes] == ["10.213.0.2", "10.213.0.3", "10.213.0.4"]
+
+
+ADDRESS = r"""
+import json
+from megarl.parallel import free_port, node_address, rendezvous_host
+from megarl.parallel.network import interface_of
+address = node_address()
+print(json.dumps({"address": address, "iface": interface_of(address), "rendezvous": rendezvous_host(),
+                  "port": free_port(address)}))
+"""
+
+
+def test_node_address_outside_ray(fake_nodes):
+    """Outside Ray a node finds its routable address, toward MASTER_ADDR or from its interfaces,
+    and binds a free port there; with no Ray cluster the rendezvous stays on loopback."""
+    node, head = fake_nodes[1], fake_nodes[0]
+    toward_head = run_python_env(node, ADDRESS, MASTER_ADDR=head.address)
+    from_interfaces = run_python_env(node, ADDRESS)
+    for found in (toward_head, from_interfaces):
+        assert (found["address"], found["iface"], found["rendezvous"]) == (node.address, "eth0", "127.0.0.1")
+        assert found["port"] > 0
+
+
+def run_python_env(node: netns.Node, script: str, **env: str) -> dict:
+    result = node.run([PYTHON, "-c", script], capture_output=True, text=True, timeout=120, env=node_env(**env),
+                      cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_client_sends_the_key_on_every_call(tiny_checkpoint):
+    """SGLangClient authenticates generation, control and weight-update calls alike; the key is
+    not in the settings' repr and reaches the server's command line as --api-key."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from megarl.engines.client import ServedModel, SGLangClient
+    from megarl.engines.server import EngineSettings, SGLangEngine
+
+    seen: list[tuple[str, str | None]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, body: bytes) -> None:
+            seen.append((self.path, self.headers.get("Authorization")))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self._answer(b'{"weight_version": "3"}')
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._answer(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def calls():
+        async with SGLangClient(url, ServedModel.from_hf_config(tiny_checkpoint), api_key="k3y") as client:
+            assert await client.weight_version() == 3
+            await client.pause_generation()
+            await client.begin_weight_update()
+            await client.update_weights_from_distributed(["w"], ["float32"], [[1]], group_name="g")
+            await client.load_weights_from_disk("/nowhere")
+            await client.set_weight_version(4)
+            await client.end_weight_update()
+            await client.continue_generation()
+        async with SGLangClient(url, ServedModel.from_hf_config(tiny_checkpoint)) as anonymous:
+            await anonymous.flush_cache()
+
+    try:
+        asyncio.run(calls())
+    finally:
+        server.shutdown()
+    assert [auth for _, auth in seen[:-1]] == ["Bearer k3y"] * 8 and seen[-1] == ("/flush_cache", None), seen
+
+    settings = EngineSettings(model_path=tiny_checkpoint, api_key="k3y")
+    assert "k3y" not in repr(settings) and "k3y" not in str(settings)
+    command = SGLangEngine(settings).command()
+    assert command[command.index("--api-key") + 1] == "k3y"
+    assert "--api-key" not in SGLangEngine(EngineSettings(model_path=tiny_checkpoint)).command()
+    assert SGLangEngine(settings).url.startswith("http://127.0.0.1:")  # no Ray cluster: loopback
+
+
+# --- an engine refuses calls without the key --------------------------------------------------------
+
+ENGINE = r"""
+import os, signal, sys, time
+from megarl.engines.server import EngineSettings, SGLangEngine
+model, host, key, url_file, log = sys.argv[1:6]
+engine = SGLangEngine(EngineSettings(model_path=model, host=host, api_key=key, dtype="float32",
+                                     max_total_tokens=4096, log_path=log))
+def stop(*_):
+    engine.stop()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+engine.start()
+with open(url_file + ".tmp", "w") as f:
+    f.write(engine.url)
+os.rename(url_file + ".tmp", url_file)
+while True:
+    time.sleep(1)
+"""
+
+CALLS = r"""
+import asyncio, json, sys
+import httpx
+from megarl.engines.client import SamplingParams, ServedModel, SGLangClient
+url, model_path, key, other, prompt = sys.argv[1:6]
+prompt = json.loads(prompt)
+GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0)
+ATTACKS = [("POST", "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}}),
+           ("POST", "/begin_weight_update", {}),
+           ("POST", "/update_weights_from_disk", {"model_path": other, "weight_version": "7"}),
+           ("POST", "/update_weight_version", {"new_version": "7"}),
+           ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                                   "world_size": 2, "group_name": "x", "backend": "gloo"}),
+           ("GET", "/model_info", None)]
+
+async def greedy(client):
+    await client.flush_cache()
+    s = await client.generate(prompt, GREEDY, return_routed_experts=False, return_sampling_mask=False)
+    return s.response_ids, [float(x) for x in s.rollout_logprobs]
+
+async def main():
+    out = {}
+    async with SGLangClient(url, ServedModel.from_hf_config(model_path), 120, api_key=key) as engine:
+        out["before"], out["version_before"] = await greedy(engine), await engine.weight_version()
+        for name, headers in (("no_key", {}), ("wrong_key", {"Authorization": "Bearer not-the-key"})):
+            async with httpx.AsyncClient(base_url=url, timeout=60, headers=headers) as other_client:
+                out[name] = {path: (await other_client.request(method, path, json=body)).status_code
+                             for method, path, body in ATTACKS}
+                out[name + "_health"] = (await other_client.get("/health")).status_code
+        out["after"], out["version_after"] = await greedy(engine), await engine.weight_version()
+        await engine.update_weights_from_disk(other, version=5)
+        out["updated"], out["version_updated"] = await greedy(engine), await engine.weight_version()
+    print(json.dumps(out))
+
+asyncio.run(main())
+"""
+
+
+@pytest.fixture
+def sharp_checkpoint(tiny_checkpoint, tmp_path):
+    """The tiny checkpoint with a 25x lm_head: other weights, for an update to change the output."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "sharp"
+    shutil.copytree(tiny_checkpoint, path)
+    weights = load_file(path / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * 25.0
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def wait_for_file(path: Path, process: subprocess.Popen, timeout: float, log: Path) -> str:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+            pytest.fail(f"the engine did not start (exit {process.poll()}):\n{tail}")
+        time.sleep(0.5)
+    return path.read_text()
+
+
+def test_engine_refuses_calls_without_the_key(fake_nodes, tiny_checkpoint, sharp_checkpoint, tmp_path):
+    """An engine in node B with an API key, called from node A: without the key (or with a wrong
+    one) generation and every weight-update call are refused (401) and change nothing: the
+    greedy tokens, their log-probs and the weight version are the same after; with the key the
+    same update goes through."""
+    import secrets
+
+    from transformers import AutoTokenizer
+
+    a, b = fake_nodes[0], fake_nodes[1]
+    key = secrets.token_urlsafe(32)
+    url_file, log = tmp_path / "engine.url", tmp_path / "engine.log"
+    engine = b.popen([PYTHON, "-c", ENGINE, tiny_checkpoint, b.address, key, str(url_file), str(log)],
+                     env=node_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = wait_for_file(url_file, engine, 300, log)
+        assert url.startswith(f"http://{b.address}:")
+        prompt = AutoTokenizer.from_pretrained(tiny_checkpoint)("3+4=")["input_ids"]
+        out = run_python(a, CALLS, url, tiny_checkpoint, key, sharp_checkpoint, json.dumps(prompt), timeout=300)
+    finally:
+        engine.send_signal(signal.SIGTERM)
+        try:
+            engine.wait(60)
+        except subprocess.TimeoutExpired:
+            engine.kill()
+    for name in ("no_key", "wrong_key"):
+        assert set(out[name].values()) == {401}, out[name]
+        assert out[name + "_health"] == 200  # only the health probe is open
+    assert out["version_before"] == out["version_after"] == 0
+    assert out["after"][0] == out["before"][0]
+    assert out["after"][1] == pytest.approx(out["before"][1], abs=1e-6)
+    assert out["version_updated"] == 5
+    assert out["updated"][1] != pytest.approx(out["before"][1], abs=1e-3)  # the keyed update took effect
+    assert key not in log.read_text(errors="replace")
+
+
+# --- one RL run over three nodes -------------------------------------------------------------------
+
+RAY_PORT = 6379
+ROLES = {0: {"megarl_trainer": 1}, 1: {"megarl_trainer": 1}, 2: {"megarl_engine": 1}}
+PLACEMENT = re.compile(r"placement: trainer ranks on nodes (\[.*?\]), engines on nodes (\[.*?\]) at (\[.*?\])")
+
+# Runs from node 1 for the whole run: once the engine answers, one call without the key, then the
+# engine's weight version (/model_info, with the key) until a synced one shows or the engine is gone.
+ENGINE_PROBE = r"""
+import json, sys, time
+import httpx
+url, key, timeout = sys.argv[1], sys.argv[2], float(sys.argv[3])
+out = {"no_key": None, "versions": []}
+deadline = time.monotonic() + timeout
+while time.monotonic() < deadline:
+    try:
+        if out["no_key"] is None:
+            body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+            out["no_key"] = httpx.post(url + "/generate", json=body, timeout=30).status_code
+        r = httpx.get(url + "/model_info", headers={"Authorization": "Bearer " + key}, timeout=30)
+    except httpx.TransportError:
+        if out["no_key"] is not None:
+            break  # the engine is gone: the run ended
+        time.sleep(0.5)  # not up yet
+        continue
+    version = int(r.json()["weight_version"])
+    if not out["versions"] or out["versions"][-1] != version:
+        out["versions"].append(version)
+    if version >= 1:
+        break
+    time.sleep(0.2)
+print(json.dumps(out))
+"""
+
+
+def processes_in(node: netns.Node, marker: str) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes in ``node`` whose command line contains ``marker``."""
+    found = []
+    for pid in node.pids():
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            found.append((pid, cmdline))
+    return found
+
+
+@pytest.fixture
+def ray_cluster(fake_nodes, tmp_path):
+    """A Ray cluster over the fake nodes: the head on node 0, a worker on nodes 1 and 2, each with
+    one CPU and its role's custom resource. Yields the head's address."""
+    temp_dir = f"/tmp/mrl_mn_{os.getpid()}"  # short: Ray's socket paths must stay under 107 bytes
+    head = f"{fake_nodes[0].address}:{RAY_PORT}"
+    common = ["--num-cpus=1", "--object-store-memory=100000000", "--disable-usage-stats", "--block"]
+    starts = []
+    for node in fake_nodes:
+        where = (["--head", f"--port={RAY_PORT}", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
+                 if node.index == 0 else [f"--address={head}"])
+        log = open(tmp_path / f"ray-node{node.index}.log", "w")
+        argv = [RAY, "start", *where, f"--node-ip-address={node.address}",
+                f"--resources={json.dumps(ROLES[node.index])}", *common]
+        starts.append(node.popen(argv, env=node_env(RAY_raylet_start_wait_time_s="120"), stdout=log,
+                                 stderr=subprocess.STDOUT))
+        log.close()
+    try:
+        ready = fake_nodes[0].run([PYTHON, str(ROOT / "slurm" / "wait_for_ray.py"), "--address", head, "--nodes", "3",
+                                   "--timeout", "240"], env=node_env(), capture_output=True, text=True, timeout=300)
+        assert ready.returncode == 0, ready.stdout + ready.stderr + "".join(
+            (tmp_path / f"ray-node{i}.log").read_text() for i in range(3))
+        yield {"address": head, "temp_dir": temp_dir}
+    finally:
+        for process in starts:
+            process.send_signal(signal.SIGTERM)
+        for process in starts:
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        for node in fake_nodes:
+            netns.kill_namespace_processes(node.namespace)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tmp_path):
+    n0, n1, n2 = fake_nodes
+    run = tmp_path / "run"
+    out_path = tmp_path / "driver.log"
+    args = ["recipe=tiny_moe_cpu", "mode=sync", "steps=3", "placement=disaggregated", "parallel.world_size=2",
+            "sync.transport=distributed", "sync.timeout_s=180", "rollout.prompts_per_step=4",
+            "rollout.samples_per_prompt=4", "warmup.steps=2", "warmup.batch_size=8", f"logging.run_dir={run}",
+            f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'warm'}"]
+    started = time.monotonic()
+    with open(out_path, "w") as out:
+        driver = n0.popen([PYTHON, "-m", "megarl.train", *args], env=node_env(RAY_ADDRESS=ray_cluster["address"]),
+                          cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    deadline = started + 720  # measured: about 230 s on the shared 2-core machine
+
+    def until(found):
+        """Poll ``found()`` every 0.5 s while the driver runs; its first true value (None if none)."""
+        while driver.poll() is None and time.monotonic() < deadline:
+            value = found()
+            if value:
+                return value
+            time.sleep(0.5)
+        return None
+
+    # The engine's server process, as soon as it appears in node 2 (it must not appear elsewhere):
+    # its address, port and key, from its command line; the probe from node 1 starts at once.
+    server = until(lambda: processes_in(n2, "megarl.engines.sglang_main"))
+    assert server, f"no engine started in node 2 (exit {driver.poll()}):\n{out_path.read_text()[-6000:]}"
+    flags = dict(zip(server[0][1].split(), server[0][1].split()[1:]))
+    key = flags.get("--api-key")
+    assert key, "the engine was started without --api-key"
+    probe = n1.popen([PYTHON, "-c", ENGINE_PROBE, f"http://{flags['--host']}:{flags['--port']}", key, "600"],
+                     env=node_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    placement = until(lambda: PLACEMENT.search(out_path.read_text(errors="replace")))
+    assert placement is not None, f"no placement line (exit {driver.poll()}):\n{out_path.read_text()[-6000:]}"
+    rank_nodes, engine_nodes, urls = (ast.literal_eval(g) for g in placement.groups())
+    # While the run goes on: who runs where, seen from the process table.
+    ranks = {node.index: processes_in(node, "TrainerRank") for node in fake_nodes}
+    servers = {node.index: processes_in(node, "megarl.engines.sglang_main") for node in fake_nodes}
+
+    try:
+        driver.wait(max(1.0, deadline - time.monotonic()))
+        probe_out, probe_err = probe.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        probe.kill()
+        pytest.fail(f"the run did not end in time:\n{out_path.read_text()[-6000:]}")
+    output = out_path.read_text(errors="replace")
+    print(f"\n[measured] 3-node RL run (warm-up + 3 steps): {time.monotonic() - started:.0f} s; {placement.group(0)}")
+    assert driver.returncode == 0, output[-8000:]
+
+    # Placement: one trainer rank on each of nodes 0 and 1, the engine on node 2, serving at node 2's address.
+    assert sorted(rank_nodes) == [n0.address, n1.address], rank_nodes
+    assert engine_nodes == [n2.address] and urls[0].startswith(f"http://{n2.address}:"), (engine_nodes, urls)
+    assert len(ranks[0]) >= 1 and len(ranks[1]) >= 1 and not ranks[2], ranks
+    assert servers[2] and not servers[0] and not servers[1], servers
+
+    # The engine, asked from node 1: it refuses a call without the key, and served a synced version.
+    assert probe.returncode == 0, probe_err
+    probe = json.loads(probe_out.strip().splitlines()[-1])
+    assert probe["no_key"] == 401, probe
+    assert probe["versions"] and probe["versions"][-1] >= 1, probe
+
+    # Three RL steps, every one synced into the engine, which generated the next batch with it.
+    rows = [r for r in read_metrics(run) if "reward/mean" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3], rows
+    for row in rows:
+        assert row["sync/version"] == row["step"] and row["sync/engines"] == 1 and row["sync/bytes"] > 0, row
+        assert row["staleness/max"] == 0, row  # sync mode: the batch came from the engine at version step - 1
+
+    # The key is in no log, metrics file or config of the run, nor in Ray's logs.
+    texts = [output, *(p.read_text(errors="replace") for p in run.rglob("*")
+                       if p.is_file() and p.stat().st_size < 20_000_000)]
+    texts += [p.read_text(errors="replace") for p in Path(ray_cluster["temp_dir"]).rglob("*.log")
+              if p.is_file()]
+    texts += [p.read_text(errors="replace") for p in Path(ray_cluster["temp_dir"]).rglob("*.out")
+              if p.is_file()]
+    texts += [p.read_text(errors="replace") for p in Path(ray_cluster["temp_dir"]).rglob("*.err")
+              if p.is_file()]
+    assert not [t for t in texts if key in t], "the engine's API key leaked into a log"

@@ -1,0 +1,130 @@
+"""The placement report of ``python -m megarl.plan``: which node and device holds each trainer and
+engine rank, the weight-sync groups, and the layouts that cannot be placed (exit 2, one line
+naming the key, refused as well by the driver before anything starts)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megarl.config import load_config
+from megarl.config.validate import PlacementError, engine_devices_start
+from megarl.plan import EXIT_DOES_NOT_FIT, main
+from megarl.planner.placement import Device, place
+
+# Qwen3-30B-A3B's numbers on two nodes of 4 devices: 4 trainer ranks (TP2 x PP2), 2 engines x TP2.
+TWO_NODES = ["recipe=qwen3_30b_a3b", "cluster.gpus_per_node=4", "parallel.world_size=4", "parallel.tp=2",
+             "parallel.pp=2", "parallel.ep=2", "rollout.num_engines=2", "rollout.engine_tp=2"]
+DISAGGREGATED = ["placement=disaggregated", "sync.transport=distributed"]
+
+
+def test_disaggregated_two_nodes_trainer_then_engines():
+    plan = place(load_config(TWO_NODES + DISAGGREGATED))
+    assert plan.nodes == 2
+    assert plan.trainer == [Device(0, 0), Device(0, 1), Device(0, 2), Device(0, 3)]
+    assert plan.engines == [[Device(1, 0), Device(1, 1)], [Device(1, 2), Device(1, 3)]]
+    # one group per pipeline stage: the stage's TP/DP rank 0 and the four engine ranks
+    assert [(g.stage, g.sender, g.size) for g in plan.sync_groups] == [(0, 0, 5), (1, 2, 5)]
+    assert plan.sync_groups[0].engine_ranks == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_colocated_two_nodes_engines_on_the_trainer_devices():
+    plan = place(load_config(TWO_NODES + ["parallel.world_size=8", "rollout.engine_tp=4"]))
+    assert plan.nodes == 2 and plan.placement == "colocated"
+    assert plan.trainer == [Device(i // 4, i % 4) for i in range(8)]
+    assert plan.engines == [[Device(0, i) for i in range(4)], [Device(1, i) for i in range(4)]]
+    assert [(g.stage, g.sender) for g in plan.sync_groups] == [(0, 0), (1, 4)]
+
+
+def test_report_lists_node_and_device_of_every_rank(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(TWO_NODES + DISAGGREGATED + ["--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "placement (disaggregated): 2 nodes x 4 GPUs" in text
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in text.splitlines() if line.startswith("│")]
+    # node, devices, trainer ranks, stage, engine, engine ranks
+    assert ["0", "0-1", "0-1", "0", "-", "-"] in rows and ["0", "2-3", "2-3", "1", "-", "-"] in rows
+    assert ["1", "0-1", "-", "-", "0", "0-1"] in rows and ["1", "2-3", "-", "-", "1", "0-1"] in rows
+    assert ["0", "rank 0 (0:0)", "2 engines x 2", "5", "0-1"] in rows
+    assert ["1", "rank 2 (0:2)", "2 engines x 2", "5", "0-1"] in rows
+    placement = json.loads(out.read_text())["placement"]
+    assert placement["nodes"] == 2
+    assert placement["engines"][1] == [{"node": 1, "device": 2}, {"node": 1, "device": 3}]
+    assert [g["sender"] for g in placement["sync_groups"]] == [0, 2]
+
+
+def test_engines_do_not_straddle_a_node_they_fit_in():
+    assert engine_devices_start(6, engine_tp=2, gpus_per_node=4) == 6
+    assert engine_devices_start(6, engine_tp=4, gpus_per_node=4) == 8
+    assert engine_devices_start(6, engine_tp=8, gpus_per_node=4) == 8  # two whole nodes
+    plan = place(load_config(TWO_NODES + DISAGGREGATED + ["parallel.world_size=6", "parallel.pp=1",
+                                                          "parallel.ep=2", "rollout.engine_tp=4"]))
+    assert plan.nodes == 4 and plan.engines[0][0] == Device(2, 0) and plan.engines[1][3] == Device(3, 3)
+
+
+def test_stage_senders_are_megatron_tp_dp_cp_rank_zero():
+    """The sender of each stage is rank ``stage * world / pp``: the TP-, CP- and DP-rank-0 rank of
+    that stage in megatron-core's own rank order."""
+    from megatron.core.parallel_state import RankGenerator
+
+    for tp, cp, dp, pp in [(2, 1, 2, 2), (2, 2, 1, 4), (4, 1, 2, 2), (1, 1, 1, 3)]:
+        world = tp * cp * dp * pp
+        pipeline_of_rank_0 = next(g for g in RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp,
+                                                           order="tp-cp-ep-dp-pp").get_ranks("pp") if 0 in g)
+        cfg = load_config(["recipe=qwen3_30b_a3b", f"parallel.world_size={world}", f"parallel.tp={tp}",
+                           f"parallel.cp={cp}", f"parallel.pp={pp}", "parallel.ep=1", "rollout.num_engines=1",
+                           "rollout.engine_tp=1"])
+        assert [g.sender for g in place(cfg).sync_groups] == list(pipeline_of_rank_0), (tp, cp, dp, pp)
+
+
+BAD_LAYOUTS = {
+    "more ranks than devices (disaggregated)": (
+        TWO_NODES + DISAGGREGATED + ["cluster.num_nodes=1"], "cluster.num_nodes",
+        "4 trainer ranks and 2 engines x 2 ranks need 8 devices (2 nodes of 4), more than 1 nodes x 4 = 4"),
+    "more engine ranks than trainer devices (colocated)": (
+        TWO_NODES + ["rollout.num_engines=3"], "rollout.num_engines",
+        "colocated engines need 6 devices (num_engines x engine_tp = 3 x 2), more than the trainer's 4"),
+    "engine_tp does not divide the attention heads": (
+        ["recipe=glm45_355b_a32b", "rollout.num_engines=4", "rollout.engine_tp=64"], "rollout.engine_tp",
+        "96 attention heads are not divisible by engine_tp=64"),
+    "engine_ep does not divide the experts": (
+        TWO_NODES + DISAGGREGATED + ["model.arch.num_experts=136", "cluster.gpus_per_node=16",
+                                     "rollout.engine_tp=16", "rollout.engine_ep=16"], "rollout.engine_ep",
+        "16 must divide engine_tp=16 and the 136 experts"),
+    "engine_ep does not divide engine_tp": (
+        ["recipe=qwen3_235b_a22b", "rollout.engine_ep=3"], "rollout.engine_ep", "3 must divide engine_tp=16"),
+    "an engine straddles nodes": (
+        TWO_NODES + ["rollout.engine_tp=4", "cluster.gpus_per_node=6", "parallel.world_size=8"],
+        "rollout.engine_tp", "an engine of 4 ranks on nodes of cluster.gpus_per_node=6 would straddle nodes"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LAYOUTS))
+def test_layout_that_cannot_be_placed_exits_2_naming_the_key(case, capsys):
+    overrides, key, why = BAD_LAYOUTS[case]
+    assert main(overrides) == EXIT_DOES_NOT_FIT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"plan: cannot be placed: {key}: "), err
+    assert why in err, err
+    with pytest.raises(PlacementError, match=key):
+        load_config(overrides)
+
+
+def test_the_driver_refuses_it_before_starting_anything(tmp_path, capsys):
+    from megarl.train import main as train
+
+    assert train(["recipe=tiny_moe_cpu", "placement=colocated", "sync.transport=tensor", "rollout.num_engines=2",
+                  f"logging.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megarl: config error: rollout.num_engines: colocated engines need 2 devices"), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_colocated_needs_the_tensor_transport(capsys):
+    from megarl.train import main as train
+
+    assert train(["recipe=tiny_moe_cpu", "placement=colocated", "sync.transport=disk"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("megarl: config error: sync.transport: colocated placement needs sync.transport=tensor (the "
+                   "engines load the buckets from the trainer's memory on the same devices), got 'disk'")
