@@ -13,7 +13,8 @@ setup(
     python_requires=">=3.12",
     extras_require={
         # GPU machines: transformer-engine and SGLang's CUDA kernels (see README "GPU install").
-        "gpu": ["transformer-engine[core_cu13,pytorch]==2.20.2", "sglang-kernel==0.4.10", "flashinfer-python[cu13]==0.7.2"],
+        "gpu": ["transformer-engine[core_cu13,pytorch]==2.20.2", "sglang-kernel==0.4.10",
+                "flashinfer-python[cu13]==0.7.2"],
     },
     entry_points={"console_scripts": ["megarl-train=megarl.train:main", "megarl-plan=megarl.plan:main"]},
 )

@@ -49,7 +49,8 @@ def render(plan: LayoutPlan, console: Console) -> None:
     console.print(trainer)
 
     e = plan.engine
-    engine = Table(title=f"engine: per-GPU memory, {plan.engine_gpus // e.gpus_per_engine} engines x {e.gpus_per_engine} GPUs")
+    engine = Table(title=f"engine: per-GPU memory, {plan.engine_gpus // e.gpus_per_engine} engines "
+                         f"x {e.gpus_per_engine} GPUs")
     for col in ("attention TP", "weights GB", "KV cache GB", "KV bytes/token", "KV tokens/engine", "pool GB"):
         engine.add_column(col, justify="right")
     engine.add_row(str(e.attention_tp), f"{e.weights / 2**30:.1f}", f"{e.kv_cache / 2**30:.1f}",
@@ -60,7 +61,8 @@ def render(plan: LayoutPlan, console: Console) -> None:
     sync = Table(title=f"weight sync per engine; GPUs in all: {plan.total_gpus}")
     for col in ("GB", "buckets", "largest tensor MB", "seconds"):
         sync.add_column(col, justify="right")
-    sync.add_row(f"{w.bytes_per_sync / 2**30:.1f}", str(w.buckets), f"{w.largest_tensor_bytes / 2**20:.0f}", f"{w.seconds:.2f}")
+    sync.add_row(f"{w.bytes_per_sync / 2**30:.1f}", str(w.buckets), f"{w.largest_tensor_bytes / 2**20:.0f}",
+                 f"{w.seconds:.2f}")
     console.print(sync)
     render_placement(plan.placement, console)
 

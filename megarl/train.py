@@ -56,7 +56,8 @@ def resuming(cfg: DictConfig) -> bool:
     """Whether this run continues from a checkpoint in its run directory."""
     from megarl.trainer.checkpoint import latest_step
 
-    return cfg.mode != "warmup" and cfg.trainer.resume and latest_step(Path(cfg.logging.run_dir) / "checkpoints") is not None
+    return (cfg.mode != "warmup" and cfg.trainer.resume
+            and latest_step(Path(cfg.logging.run_dir) / "checkpoints") is not None)
 
 
 def run(cfg: DictConfig) -> None:

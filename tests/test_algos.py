@@ -90,8 +90,10 @@ def _ppo_inputs():
 @pytest.mark.parametrize(
     "dual_clip, loss, grad, clipped",
     [
-        (None, [[-1.28, -0.5, 0.8, -2.0], [5.0, 2.0, 1.1, 0.0]], [[0, -0.5, 0, -2], [5, 2, 1.1, 0]], [[1, 0, 1, 0], [0, 0, 0, 0]]),
-        (3.0, [[-1.28, -0.5, 0.8, -2.0], [3.0, 2.0, 1.1, 0.0]], [[0, -0.5, 0, -2], [0, 2, 1.1, 0]], [[1, 0, 1, 0], [1, 0, 0, 0]]),
+        (None, [[-1.28, -0.5, 0.8, -2.0], [5.0, 2.0, 1.1, 0.0]], [[0, -0.5, 0, -2], [5, 2, 1.1, 0]],
+         [[1, 0, 1, 0], [0, 0, 0, 0]]),
+        (3.0, [[-1.28, -0.5, 0.8, -2.0], [3.0, 2.0, 1.1, 0.0]], [[0, -0.5, 0, -2], [0, 2, 1.1, 0]],
+         [[1, 0, 1, 0], [1, 0, 0, 0]]),
     ],
 )
 def test_ppo_clip_and_dual_clip_by_hand(dual_clip, loss, grad, clipped):
@@ -168,7 +170,8 @@ def test_gspo_rejects_dual_clip():
 #   r = 0.5, A = +2: logp = -1.6931472, w = 0.8: L = 1.6 * 1.6931472 = 2.7090355, dL/dlogp = -1.6
 def test_cispo_detached_clipped_weight_by_hand():
     old = torch.full((1, 3), -1.0, dtype=f64, requires_grad=True)
-    logp = (torch.full((1, 3), -1.0, dtype=f64) + torch.tensor([[ln(1.5), ln(0.9), ln(0.5)]], dtype=f64)).requires_grad_()
+    logp = (torch.full((1, 3), -1.0, dtype=f64)
+            + torch.tensor([[ln(1.5), ln(0.9), ln(0.5)]], dtype=f64)).requires_grad_()
     out = cispo(logp, old, torch.tensor([[1.0, -1.0, 2.0]], dtype=f64), torch.ones(1, 3, dtype=f64))
     assert close(out.per_token, [[0.7134419, -0.9948245, 2.7090355]])
     assert out.clipped.tolist() == [[True, False, True]]
@@ -334,7 +337,8 @@ def test_rl_loss_drops_negative_far_off_policy_sequences():
     # (-1 - 1) / 2 = -1 ; without the mask: (+1 +1 -1 -1) / 4 = 0.
     logp = torch.zeros(2, 2, dtype=torch.float64, requires_grad=True)
     rollout = torch.tensor([[0.5, 0.5], [0.0, 0.0]], dtype=torch.float64)
-    inputs = LossInputs(logprobs=logp, old_logprobs=logp.detach(), advantages=torch.tensor([-1.0, 1.0], dtype=torch.float64),
+    inputs = LossInputs(logprobs=logp, old_logprobs=logp.detach(),
+                        advantages=torch.tensor([-1.0, 1.0], dtype=torch.float64),
                         loss_mask=torch.ones(2, 2, dtype=torch.float64), rollout_logprobs=rollout)
     masked = rl_loss(inputs, AlgorithmConfig(off_policy_mask_kl=0.1))
     assert masked.loss.item() == pytest.approx(-1.0)

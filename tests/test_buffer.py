@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from megarl.pipeline.buffer import Group, RolloutBuffer, staleness
-from megarl.pipeline.ledger import Ledger, Outcome
-from megarl.pipeline.ledger import AccountingError
+from megarl.pipeline.ledger import AccountingError, Ledger, Outcome
 from megarl.pipeline.producer import RolloutProducer
 from megarl.sample import FinishReason, RolloutSample
 

@@ -24,11 +24,13 @@ DATA_POSITION = {"consumed_prompts": 16, "rng_seed": 7, "order": [3, 1, 2]}
 
 
 def _trainable(hf_path, layout):
-    from megarl.trainer.model_setup import build_trainable
     from megarl.config import default_config
+    from megarl.trainer.model_setup import build_trainable
     from megarl.trainer.optimizer import OptimizerSettings
 
-    return build_trainable(hf_path, layout, dataclasses.replace(OptimizerSettings.from_config(default_config()), **SETTINGS), transformer_impl="local")
+    return build_trainable(hf_path, layout,
+                           dataclasses.replace(OptimizerSettings.from_config(default_config()), **SETTINGS),
+                           transformer_impl="local")
 
 
 def _batch():
@@ -169,7 +171,8 @@ def crash_and_bad_inputs(rank, layout, hf_path, other_hf_path, root):
     errors["truncated"] = _error(lambda: load_checkpoint(root, trainable, step=1))
     errors["data_position"] = _error(lambda: save_checkpoint(root, 3, trainable, {"t": torch.zeros(1)}))
     errors["other_model"] = _error(lambda: load_checkpoint(root, _trainable(other_hf_path, layout), step=2))
-    errors["before_first_step"] = _error(lambda: save_checkpoint(root.parent / "fresh", 0, _trainable(hf_path, layout), DATA_POSITION))
+    errors["before_first_step"] = _error(lambda: save_checkpoint(root.parent / "fresh", 0, _trainable(hf_path, layout),
+                                                                 DATA_POSITION))
     out["errors"] = errors
     return out
 

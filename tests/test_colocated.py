@@ -116,16 +116,23 @@ PARAMS = SamplingParams(max_new_tokens=4, top_k=5)
 
 
 class SlowClient:
-    """Answers after ``delay`` s, or at once with finish ``aborted`` when paused with abort."""
+    """Like SGLang: a request takes ``transit`` s to reach the engine, waits there while the engine
+    is paused (where no abort reaches it), then runs ``delay`` s unless aborted (it returns at once,
+    finish ``aborted``)."""
 
-    def __init__(self, delay: float):
-        self.model, self.delay = MODEL, delay
+    def __init__(self, delay: float, transit: float = 0.0):
+        self.model, self.delay, self.transit = MODEL, delay, transit
         self.calls: list[str] = []
         self.sent: list[float] = []
         self._abort = asyncio.Event()
+        self._running = asyncio.Event()  # cleared while paused
+        self._running.set()
 
     async def generate_batch(self, prompts, params, *, group_ids, return_routed_experts, return_sampling_mask):
         self.sent.append(time.monotonic())
+        await asyncio.sleep(self.transit)
+        await self._running.wait()
+        self._abort.clear()
         try:
             await asyncio.wait_for(self._abort.wait(), self.delay)
             finish = FinishReason.ABORTED
@@ -136,14 +143,19 @@ class SlowClient:
                               routed_experts=None, sampling_mask=None, finish_reason=finish, group_id=g)
                 for p, g in zip(prompts, group_ids)]
 
+    async def abort_all_requests(self):
+        self.calls.append("abort_all")
+        self._abort.set()
+
     async def pause_generation(self, mode):
         self.calls.append(f"pause:{PauseMode(mode).value}")
+        self._running.clear()
         if PauseMode(mode) is PauseMode.ABORT:
             self._abort.set()
 
     async def continue_generation(self):
         self.calls.append("continue")
-        self._abort.clear()
+        self._running.set()
 
 
 def test_hold_lets_requests_finish_then_sends_nothing_until_unhold():
@@ -169,7 +181,7 @@ def test_hold_lets_requests_finish_then_sends_nothing_until_unhold():
     assert drained_s > 0.1  # waited for the running request
     assert first[0].finish_reason is FinishReason.STOP and second[0].finish_reason is FinishReason.STOP
     assert client.sent[1] >= t_unhold
-    assert client.calls == ["pause:abort", "continue"]  # paused only once nothing was running
+    assert client.calls == ["pause:retract", "continue"]  # paused only once nothing was running
 
 
 def test_hold_with_abort_returns_the_running_requests_at_once():
@@ -187,7 +199,30 @@ def test_hold_with_abort_returns_the_running_requests_at_once():
         return out, held_s
 
     out, held_s = asyncio.run(body())
-    assert held_s < 1.0 and out[0].finish_reason is FinishReason.ABORTED
+    assert held_s < 0.3 and out[0].finish_reason is FinishReason.ABORTED
+    assert client.calls == ["abort_all", "pause:retract", "continue"]
+
+
+def test_hold_with_abort_catches_a_request_that_reaches_the_engine_late():
+    """A request that left the pool just before the hold reaches the engine after the first abort;
+    pausing then would strand it inside the engine until the pause ends (a hold of 600 s, the
+    request timeout, before this was handled). It is aborted at the next interval instead."""
+    client = SlowClient(delay=5.0, transit=0.1)
+    pool = EnginePool([client])
+
+    async def body():
+        late = asyncio.create_task(pool.generate_batch([[1]], PARAMS, group_ids=["a"]))
+        await asyncio.sleep(0.02)  # sent, not yet at the engine
+        t0 = time.monotonic()
+        await pool.hold(abort=True, abort_interval_s=0.2)
+        held_s = time.monotonic() - t0
+        out = await late
+        await pool.unhold()
+        return out, held_s
+
+    out, held_s = asyncio.run(body())
+    assert 0.2 <= held_s < 1.0 and out[0].finish_reason is FinishReason.ABORTED
+    assert client.calls == ["abort_all", "abort_all", "pause:retract", "continue"]
 
 
 class MemoryClient(SlowClient):
@@ -239,10 +274,12 @@ def warm(tmp_path_factory):
     return paths
 
 
-def test_no_generation_request_overlaps_a_training_step(tmp_path, warm, monkeypatch):
+@pytest.mark.parametrize("partial_rollout", ["continue", "abort_resubmit"])
+def test_no_generation_request_overlaps_a_training_step(tmp_path, warm, monkeypatch, partial_rollout):
     """The recipe's mode (async) stays; every request the engines got (each ``/generate`` the
     driver's clients sent, start to answer) lies outside every training step (``rl_step``, start to
-    end), and the metrics say the release was skipped on CPU."""
+    end), whether the requests in flight run to their end (``continue``) or are aborted and
+    continued after the sync (``abort_resubmit``), and the metrics say the release was skipped on CPU."""
     from megarl.engines.client import SGLangClient
     from megarl.train import main
     from megarl.trainer.actor import TrainerGroup
@@ -272,8 +309,9 @@ def test_no_generation_request_overlaps_a_training_step(tmp_path, warm, monkeypa
     t0 = time.monotonic()
     assert main(["recipe=tiny_moe_cpu", "placement=colocated", "sync.transport=tensor", "steps=3",
                  "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "warmup.steps=30",
-                 f"logging.run_dir={run}", *warm]) == 0
-    print(f"\n[measured] colocated run of 3 steps: {time.monotonic() - t0:.1f} s, {len(requests)} requests")
+                 f"buffer.partial_rollout={partial_rollout}", f"logging.run_dir={run}", *warm]) == 0
+    print(f"\n[measured] colocated run of 3 steps ({partial_rollout}): {time.monotonic() - t0:.1f} s, "
+          f"{len(requests)} requests")
     assert len(steps) == 3 and len(requests) >= 3
     overlaps = [(r, s) for r in requests for s in steps if r[0] < s[1] and s[0] < r[1]]
     assert not overlaps, overlaps
@@ -283,9 +321,9 @@ def test_no_generation_request_overlaps_a_training_step(tmp_path, warm, monkeypa
         print(f"[measured] step {row['step']}: reward {row['reward/mean']:.3f}, "
               f"pause {row['colocate/pause_s']:.3f} s, resume {row['colocate/resume_s']:.3f} s, "
               f"release skipped {row['colocate/release_skipped']:.0f}, sync {row['sync/seconds']:.2f} s, "
-              f"staleness max {row['staleness/max']}")
+              f"staleness max {row['staleness/max']}, resubmitted {row.get('buffer/aborted_resubmitted')}")
         assert row["colocate/release_skipped"] == 1.0
-        assert row["colocate/pause_s"] >= 0 and row["colocate/resume_s"] >= 0
+        assert 0 <= row["colocate/pause_s"] < 30 and row["colocate/resume_s"] >= 0  # no request stranded
         assert row["sync/version"] == row["step"] and row["staleness/max"] <= 1
         assert 0.0 <= row["reward/mean"] <= 1.0
     assert "mode: async" in (run / "config.yaml").read_text()

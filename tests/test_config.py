@@ -30,14 +30,19 @@ BAD_INPUTS = [
     (["trainer.lr=fast"], "trainer.lr", "could not be converted"),
     (["+trainer.new_key=1"], "trainer.new_key", "not a megarl config key"),
     (["+brand_new=1"], "brand_new", "not a megarl config key"),
-    (["parallel.world_size=3", "parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.world_size", "not divisible by tp*pp*cp"),
+    (["parallel.world_size=3", "parallel.tp=2", "parallel.sequence_parallel=true"], "parallel.world_size",
+     "not divisible by tp*pp*cp"),
     (["parallel.world_size=3", "parallel.ep=3"], "parallel.ep", "8 experts are not divisible by ep=3"),
     (["parallel.world_size=2", "parallel.tp=2"], "parallel.sequence_parallel", "requires sequence_parallel"),
     (["parallel.world_size=4", "parallel.pp=4"], "parallel.pp", "2 layers do not split"),
     (["mode=fast"], "mode", "not one of"),
-    (["placement=colocated"], "sync.transport", "colocated placement needs sync.transport=tensor"),
-    (["rollout.engine_tp=2"], "rollout.engine_tp", "not passed to SGLang yet"),
-    (["algorithm.kl_coef=0.1"], "algorithm.kl_coef", "needs a reference model"),
+    (["placement=colocated", "sync.transport=distributed"], "sync.transport",
+     "colocated placement needs sync.transport=tensor"),
+    (["rollout.engine_tp=2", "sync.transport=tensor"], "sync.transport",
+     "into an engine of several ranks fails on CPU"),
+    (["rollout.engine_dp_attention=true"], "rollout.engine_dp_attention", "cannot run DP attention"),
+    (["rollout.engine_tp=3"], "rollout.engine_tp", "3"),
+    (["parallel.world_size=2", "parallel.cp=2"], "parallel.cp", "needs transformer-engine's attention"),
     (["sync.transport=carrier_pigeon"], "sync.transport", "not one of distributed, tensor, disk"),
     (["buffer.partial_rollout=later"], "buffer.partial_rollout", "'later' is not one of continue, abort_resubmit"),
     (["algorithm.advantage=ppo"], "algorithm.advantage", "'ppo' is not one of grpo, dr_grpo, rloo, reinforce_pp"),
@@ -55,7 +60,6 @@ BAD_INPUTS = [
     (["reward.type=function", "reward.path=json.no_such_fn"], "reward.path", "AttributeError"),
     (["reward.type=function", "reward.path=nope.mod.fn"], "reward.path", "No module named 'nope'"),
     (["task.name=jsonl", "task.path=/nope.jsonl"], "task.path", "/nope.jsonl does not exist"),
-    (["trainer.recompute=full"], "trainer.recompute", "not applied by the trainer yet"),
     (["task.name=jsonl"], "task.path", "needs the dataset file"),
     (["task.name=csv"], "task.name", "is not one of arithmetic, jsonl, parquet"),
     (["reward.type=remote"], "reward.url", "needs reward.url"),
@@ -87,7 +91,8 @@ def test_bad_input_exits_non_zero_from_the_command_line():
     result = subprocess.run([sys.executable, "-m", "megarl.train", "recipe=tiny_moe_cpu", "parallel.tp=two"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert result.stderr.strip() == "megarl: config error: parallel.tp: Value 'two' of type 'str' could not be converted to Integer"
+    assert result.stderr.strip() == ("megarl: config error: parallel.tp: "
+                                     "Value 'two' of type 'str' could not be converted to Integer")
 
 
 # --- names come from the registries of the code that uses them ------------------------------------
@@ -107,13 +112,21 @@ def _companions(key: str, name: str, tmp_path) -> list[str]:
     return []
 
 
+def test_transport_auto_follows_the_placement():
+    assert load_config(["recipe=tiny_moe_cpu"]).sync.transport == "distributed"
+    assert load_config(["recipe=tiny_moe_cpu", "placement=colocated"]).sync.transport == "tensor"
+    assert load_config(["recipe=tiny_moe_cpu", "sync.transport=disk"]).sync.transport == "disk"
+
+
 def test_every_registered_name_loads_and_the_defaults_are_registered(tmp_path):
     from megarl.config.load import default_config
     from megarl.config.validate import REGISTRIES
 
     defaults = default_config()
     for key, names in REGISTRIES.items():
-        assert OmegaConf.select(defaults, key) in names, key
+        default = OmegaConf.select(defaults, key)
+        # sync.transport "auto" is resolved by placement at load, before the names are checked
+        assert default in names or (key, default) == ("sync.transport", "auto"), key
         for name in names:
             load_config(["recipe=tiny_moe_cpu", f"{key}={name}", *_companions(key, name, tmp_path)])
 
@@ -170,7 +183,8 @@ def test_max_new_tokens_is_checked_against_the_checkpoint_context(tiny_checkpoin
         loaded([*base, "rollout.max_new_tokens=64"])
     loaded([*base, "rollout.max_new_tokens=64", "mode=warmup"])  # warm-up does not generate
     # no checkpoint yet (make_tiny_if_missing builds it at start-up): nothing to check against
-    loaded(["recipe=tiny_moe_cpu", f"model.hf_path={tmp_path / 'absent'}", "rollout.max_new_tokens=100000"])
+    loaded(["recipe=tiny_moe_cpu", f"model.hf_path={tmp_path / 'absent'}", f"warmup.save_hf_path={tmp_path / 'no_sft'}",
+            "rollout.max_new_tokens=100000"])
 
 
 # --- one reader of an HF config.json ---------------------------------------------------------------

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megarl.trainer import convert
 from megarl.parallel import Layout
+from megarl.trainer import convert
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARD = 300_000  # bytes; the tiny model's 1.9 MB go into several files

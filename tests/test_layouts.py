@@ -30,13 +30,14 @@ def supervised_steps(layout, hf_path):
     import torch
     from megatron.core import parallel_state
 
-    from megarl.trainer.model_setup import build_trainable
     from megarl.config import default_config
+    from megarl.trainer.model_setup import build_trainable
     from megarl.trainer.optimizer import OptimizerSettings
     from megarl.trainer.sft_step import supervised_step
     from megarl.trainer.token_batch import token_batch
 
-    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-3), transformer_impl="local")
+    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-3),
+                                transformer_impl="local")
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(5, 12, (8,), generator=gen).tolist()
     batch = token_batch([torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths], [2] * 8)
@@ -155,8 +156,8 @@ def layout_checks(rank, layout, hf_path):
     from hf_oracle import load_hf
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from megarl.trainer.model_setup import build_trainable
     from megarl.config import default_config
+    from megarl.trainer.model_setup import build_trainable
     from megarl.trainer.optimizer import OptimizerSettings
 
     sft = supervised_steps(layout, hf_path)

@@ -1,9 +1,11 @@
 """Multi-node megarl on fake nodes (tests/netns.py: network namespaces on one bridge, each with its
 own loopback): the nodes are isolated as real machines are, an engine refuses every call that lacks
 the run's API key, and one RL run spans three nodes: node 0 holds the Ray head, the driver and a
-trainer rank, node 1 the other trainer rank (DP2), node 2 the SGLang engine; the weights travel
-through the distributed (gloo) transport. Placement: Ray custom resources ``megarl_trainer`` on
-nodes 0 and 1 and ``megarl_engine`` on node 2 (megarl.parallel.network, "Placement").
+trainer rank, node 1 the other trainer rank (DP2; which of the two is rank 0 is Ray's choice),
+node 2 the SGLang engine with TP2 (both its ranks there); the weights travel through the
+distributed (gloo) transport, from the sender on one node to the two engine ranks on another.
+Placement: Ray custom resources ``megarl_trainer`` on nodes 0 and 1 and ``megarl_engine`` on
+node 2 (megarl/parallel/network.py, "Placement").
 
 On one network stack a rank meeting at 127.0.0.1 or an engine bound to it would still work; here
 the other nodes cannot reach a node's loopback, so each of those regressions fails the run."""
@@ -105,6 +107,29 @@ def test_fake_nodes_have_their_own_loopback(fake_nodes):
     assert [n.address for n in fake_nodes] == ["10.213.0.2", "10.213.0.3", "10.213.0.4"]
 
 
+CRASH = r"""
+import os, sys
+sys.path.insert(0, sys.argv[1])
+import netns
+nodes = netns.FakeNodes(2).up()
+print(" ".join([n.namespace for n in nodes] + [nodes.bridge]), flush=True)
+os._exit(9)  # no teardown: what a killed test run leaves behind
+"""
+
+
+def test_stale_nodes_of_a_crashed_run_are_removed(fake_nodes):
+    """Fake nodes whose owner died are removed by the next setup; live ones (this module's) stay."""
+    crashed = subprocess.run([PYTHON, "-c", CRASH, str(ROOT / "tests")], capture_output=True, text=True, timeout=60)
+    left = crashed.stdout.split()
+    assert crashed.returncode == 9 and len(left) == 3, crashed.stderr
+    assert set(left) <= set(netns._namespaces()) | set(netns._links())
+    removed = netns.clean_stale()
+    assert set(left) <= set(removed)
+    assert not set(left) & (set(netns._namespaces()) | set(netns._links()))
+    ours = {*(n.namespace for n in fake_nodes), fake_nodes.bridge, *fake_nodes._veths}
+    assert set(fake_nodes.leftovers()) == ours and not ours & set(removed)  # a live run's nodes stay
+
+
 ADDRESS = r"""
 import json
 from megarl.parallel import free_port, node_address, rendezvous_host
@@ -189,27 +214,31 @@ def test_client_sends_the_key_on_every_call(tiny_checkpoint):
 
     settings = EngineSettings(model_path=tiny_checkpoint, api_key="k3y")
     assert "k3y" not in repr(settings) and "k3y" not in str(settings)
-    command = SGLangEngine(settings).command()
-    assert command[command.index("--api-key") + 1] == "k3y"
-    assert "--api-key" not in SGLangEngine(EngineSettings(model_path=tiny_checkpoint)).command()
+    assert "--api-key=k3y" in SGLangEngine(settings).command()
+    assert "--api-key=-k3y" in SGLangEngine(EngineSettings(model_path=tiny_checkpoint, api_key="-k3y")).command()
+    assert not [a for a in SGLangEngine(EngineSettings(model_path=tiny_checkpoint)).command() if "api-key" in a]
     assert SGLangEngine(settings).url.startswith("http://127.0.0.1:")  # no Ray cluster: loopback
 
 
 # --- an engine refuses calls without the key --------------------------------------------------------
 
+# The engine under megarl's watchdog (EngineActor, without Ray): its liveness check must carry the
+# key too, or ensure_healthy would take the refused /model_info for a hung server and restart it.
 ENGINE = r"""
-import os, signal, sys, time
-from megarl.engines.server import EngineSettings, SGLangEngine
+import json, os, signal, sys, time
+from megarl.engines.actor import EngineActor
+from megarl.engines.server import EngineSettings
 model, host, key, url_file, log = sys.argv[1:6]
-engine = SGLangEngine(EngineSettings(model_path=model, host=host, api_key=key, dtype="float32",
-                                     max_total_tokens=4096, log_path=log))
+actor = EngineActor(EngineSettings(model_path=model, host=host, api_key=key, dtype="float32",
+                                   max_total_tokens=4096, log_path=log), unresponsive_restart_s=20)
 def stop(*_):
-    engine.stop()
+    actor.stop()
     sys.exit(0)
 signal.signal(signal.SIGTERM, stop)
-engine.start()
+actor.start()
+info = actor.ensure_healthy()
 with open(url_file + ".tmp", "w") as f:
-    f.write(engine.url)
+    json.dump({"url": info.url, "restarts": info.restarts}, f)
 os.rename(url_file + ".tmp", url_file)
 while True:
     time.sleep(1)
@@ -280,7 +309,7 @@ def test_engine_refuses_calls_without_the_key(fake_nodes, tiny_checkpoint, sharp
     """An engine in node B with an API key, called from node A: without the key (or with a wrong
     one) generation and every weight-update call are refused (401) and change nothing: the
     greedy tokens, their log-probs and the weight version are the same after; with the key the
-    same update goes through."""
+    same update goes through. The engine's watchdog answers healthy without a restart."""
     import secrets
 
     from transformers import AutoTokenizer
@@ -291,8 +320,9 @@ def test_engine_refuses_calls_without_the_key(fake_nodes, tiny_checkpoint, sharp
     engine = b.popen([PYTHON, "-c", ENGINE, tiny_checkpoint, b.address, key, str(url_file), str(log)],
                      env=node_env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        url = wait_for_file(url_file, engine, 300, log)
-        assert url.startswith(f"http://{b.address}:")
+        started = json.loads(wait_for_file(url_file, engine, 300, log))
+        url = started["url"]
+        assert url.startswith(f"http://{b.address}:") and started["restarts"] == 0, started
         prompt = AutoTokenizer.from_pretrained(tiny_checkpoint)("3+4=")["input_ids"]
         out = run_python(a, CALLS, url, tiny_checkpoint, key, sharp_checkpoint, json.dumps(prompt), timeout=300)
     finally:
@@ -363,25 +393,30 @@ def processes_in(node: netns.Node, marker: str) -> list[tuple[int, str]]:
 @pytest.fixture
 def ray_cluster(fake_nodes, tmp_path):
     """A Ray cluster over the fake nodes: the head on node 0, a worker on nodes 1 and 2, each with
-    one CPU and its role's custom resource. Yields the head's address."""
+    one CPU and its role's custom resource. Yields the head's address and Ray's temp dir.
+
+    The nodes join one after the other: they share the file system, and two raylets starting at
+    once in the one session directory can pick the same socket name (bind: address in use)."""
     temp_dir = f"/tmp/mrl_mn_{os.getpid()}"  # short: Ray's socket paths must stay under 107 bytes
     head = f"{fake_nodes[0].address}:{RAY_PORT}"
     common = ["--num-cpus=1", "--object-store-memory=100000000", "--disable-usage-stats", "--block"]
     starts = []
-    for node in fake_nodes:
-        where = (["--head", f"--port={RAY_PORT}", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
-                 if node.index == 0 else [f"--address={head}"])
-        log = open(tmp_path / f"ray-node{node.index}.log", "w")
-        argv = [RAY, "start", *where, f"--node-ip-address={node.address}",
-                f"--resources={json.dumps(ROLES[node.index])}", *common]
-        starts.append(node.popen(argv, env=node_env(RAY_raylet_start_wait_time_s="120"), stdout=log,
-                                 stderr=subprocess.STDOUT))
-        log.close()
+    logs = [tmp_path / f"ray-node{node.index}.log" for node in fake_nodes]
     try:
-        ready = fake_nodes[0].run([PYTHON, str(ROOT / "slurm" / "wait_for_ray.py"), "--address", head, "--nodes", "3",
-                                   "--timeout", "240"], env=node_env(), capture_output=True, text=True, timeout=300)
-        assert ready.returncode == 0, ready.stdout + ready.stderr + "".join(
-            (tmp_path / f"ray-node{i}.log").read_text() for i in range(3))
+        for node in fake_nodes:
+            where = (["--head", f"--port={RAY_PORT}", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
+                     if node.index == 0 else [f"--address={head}"])
+            argv = [RAY, "start", *where, f"--node-ip-address={node.address}",
+                    f"--resources={json.dumps(ROLES[node.index])}", *common]
+            with open(logs[node.index], "w") as log:
+                starts.append(node.popen(argv, env=node_env(RAY_raylet_start_wait_time_s="120"), stdout=log,
+                                         stderr=subprocess.STDOUT))
+            ready = fake_nodes[0].run(
+                [PYTHON, str(ROOT / "slurm" / "wait_for_ray.py"), "--address", head, "--nodes", str(node.index + 1),
+                 "--timeout", "180", "--watch", str(starts[-1].pid)],
+                env=node_env(), capture_output=True, text=True, timeout=240)
+            joined = "".join(p.read_text() for p in logs[:len(starts)])
+            assert ready.returncode == 0, ready.stdout + ready.stderr + joined
         yield {"address": head, "temp_dir": temp_dir}
     finally:
         for process in starts:
@@ -401,7 +436,7 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tmp_path):
     run = tmp_path / "run"
     out_path = tmp_path / "driver.log"
     args = ["recipe=tiny_moe_cpu", "mode=sync", "steps=3", "placement=disaggregated", "parallel.world_size=2",
-            "sync.transport=distributed", "sync.timeout_s=180", "rollout.prompts_per_step=4",
+            "sync.transport=distributed", "sync.timeout_s=180", "rollout.engine_tp=2", "rollout.prompts_per_step=4",
             "rollout.samples_per_prompt=4", "warmup.steps=2", "warmup.batch_size=8", f"logging.run_dir={run}",
             f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'warm'}"]
     started = time.monotonic()
@@ -423,7 +458,8 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tmp_path):
     # its address, port and key, from its command line; the probe from node 1 starts at once.
     server = until(lambda: processes_in(n2, "megarl.engines.sglang_main"))
     assert server, f"no engine started in node 2 (exit {driver.poll()}):\n{out_path.read_text()[-6000:]}"
-    flags = dict(zip(server[0][1].split(), server[0][1].split()[1:]))
+    argv = server[0][1].split()
+    flags = dict(zip(argv, argv[1:])) | dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
     key = flags.get("--api-key")
     assert key, "the engine was started without --api-key"
     probe = n1.popen([PYTHON, "-c", ENGINE_PROBE, f"http://{flags['--host']}:{flags['--port']}", key, "600"],
@@ -435,6 +471,7 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tmp_path):
     # While the run goes on: who runs where, seen from the process table.
     ranks = {node.index: processes_in(node, "TrainerRank") for node in fake_nodes}
     servers = {node.index: processes_in(node, "megarl.engines.sglang_main") for node in fake_nodes}
+    schedulers = sorted(cmd.split()[0] for _, cmd in processes_in(n2, "sglang::scheduler"))
 
     try:
         driver.wait(max(1.0, deadline - time.monotonic()))
@@ -452,6 +489,7 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tmp_path):
     assert engine_nodes == [n2.address] and urls[0].startswith(f"http://{n2.address}:"), (engine_nodes, urls)
     assert len(ranks[0]) >= 1 and len(ranks[1]) >= 1 and not ranks[2], ranks
     assert servers[2] and not servers[0] and not servers[1], servers
+    assert schedulers == ["sglang::scheduler_TP0", "sglang::scheduler_TP1"], schedulers  # the engine runs TP2
 
     # The engine, asked from node 1: it refuses a call without the key, and served a synced version.
     assert probe.returncode == 0, probe_err
@@ -466,13 +504,9 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tmp_path):
         assert row["sync/version"] == row["step"] and row["sync/engines"] == 1 and row["sync/bytes"] > 0, row
         assert row["staleness/max"] == 0, row  # sync mode: the batch came from the engine at version step - 1
 
-    # The key is in no log, metrics file or config of the run, nor in Ray's logs.
-    texts = [output, *(p.read_text(errors="replace") for p in run.rglob("*")
-                       if p.is_file() and p.stat().st_size < 20_000_000)]
-    texts += [p.read_text(errors="replace") for p in Path(ray_cluster["temp_dir"]).rglob("*.log")
-              if p.is_file()]
-    texts += [p.read_text(errors="replace") for p in Path(ray_cluster["temp_dir"]).rglob("*.out")
-              if p.is_file()]
-    texts += [p.read_text(errors="replace") for p in Path(ray_cluster["temp_dir"]).rglob("*.err")
-              if p.is_file()]
-    assert not [t for t in texts if key in t], "the engine's API key leaked into a log"
+    # The key is in no log, metrics file, checkpoint or config of the run, nor anywhere in Ray's
+    # session directory (logs, events).
+    files = [p for root in (run, Path(ray_cluster["temp_dir"])) for p in root.rglob("*")
+             if p.is_file() and p.stat().st_size < 50_000_000]
+    leaked = [str(p) for p in files if key.encode() in p.read_bytes()]
+    assert key not in output and not leaked, f"the engine's API key leaked into {leaked or 'the driver output'}"

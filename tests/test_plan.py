@@ -11,12 +11,12 @@ import torch
 from megarl.config import ConfigError, load_config, recipes_dir
 from megarl.config.validate import PlacementError
 from megarl.models.tiny_moe import make_tiny_moe
+from megarl.parallel import PipelineSplitError, stage_layers
 from megarl.plan import EXIT_DOES_NOT_FIT, main
 from megarl.planner.arch import resolve_arch
 from megarl.planner.engine_memory import kv_bytes_per_token
 from megarl.planner.layout import broken_limits, plan_layout
 from megarl.planner.params import count_params
-from megarl.parallel import PipelineSplitError, stage_layers
 from megarl.planner.trainer_memory import trainer_memory
 from megarl.planner.units import GIB
 
@@ -203,9 +203,10 @@ def test_stage_layers_equal_megatron_core_split(layers, pp, vpp, first, last):
 
     megatron_cpu.apply()
     try:
-        config = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=1, pipeline_model_parallel_size=pp,
-                                   virtual_pipeline_model_parallel_size=vpp, num_layers_in_first_pipeline_stage=first,
-                                   num_layers_in_last_pipeline_stage=last, pipeline_dtype=torch.float32)
+        config = TransformerConfig(num_layers=layers, hidden_size=8, num_attention_heads=1,
+                                   pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp,
+                                   num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last,
+                                   pipeline_dtype=torch.float32)
     except ValueError:
         with pytest.raises(PipelineSplitError):
             stage_layers(layers, pp, vpp or 1, 0, first, last)
@@ -222,7 +223,8 @@ def test_stage_layers_equal_megatron_core_split(layers, pp, vpp, first, last):
 def test_uneven_stages_are_planned_and_validated():
     """Qwen3-235B's 94 layers on PP4: refused evenly (naming the fix), planned with 22 / 24 / 24 / 24."""
     base = ["recipe=qwen3_235b_a22b", "parallel.pp=4", "parallel.world_size=256"]
-    with pytest.raises(ConfigError, match="parallel.pp: 94 layers do not split into pp.vpp = 4 stages .set parallel.first_stage_layers"):
+    with pytest.raises(ConfigError, match="parallel.pp: 94 layers do not split into pp.vpp = 4 stages "
+                                          ".set parallel.first_stage_layers"):
         load_config(base)
     with pytest.raises(ConfigError, match="parallel.first_stage_layers: 94 layers leave"):
         load_config(base + ["parallel.first_stage_layers=50", "parallel.last_stage_layers=50"])

@@ -129,14 +129,14 @@ def measure_rank(rank, layout, hf_path):
     from megatron.core import parallel_state
     from transformers import AutoConfig
 
+    from megarl.config import default_config
     from megarl.config.schema import AlgorithmConfig
     from megarl.trainer.model_setup import build_trainable
-    from megarl.config import default_config
     from megarl.trainer.optimizer import OptimizerSettings
     from megarl.trainer.rl_step import rl_step
 
-    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-4), transformer_impl="local",
-                                routing_replay=True)
+    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-4),
+                                transformer_impl="local", routing_replay=True)
     hf = AutoConfig.from_pretrained(hf_path)
     batch = synthetic_batch(hf.vocab_size, hf.num_hidden_layers, hf.num_local_experts, hf.num_experts_per_tok)
 
@@ -151,7 +151,8 @@ def measure_rank(rank, layout, hf_path):
     optimizers = getattr(trainable.optimizer, "chained_optimizers", [trainable.optimizer])
     adam_moments = sum(t.numel() * t.element_size() for o in optimizers for state in o.optimizer.state.values()
                        for name, t in state.items() if name in ("exp_avg", "exp_avg_sq"))
-    masters = sum(p.numel() * p.element_size() for o in optimizers for group in o.shard_fp32_from_float16_groups for p in group)
+    masters = sum(p.numel() * p.element_size() for o in optimizers for group in o.shard_fp32_from_float16_groups
+                  for p in group)
     exclude = {p.untyped_storage().data_ptr() for p in params}
     exclude |= {t.untyped_storage().data_ptr() for b in buffers for t in (b.grad_data, b.param_data) if t is not None}
     meter = SavedTensorMeter(exclude)
@@ -167,7 +168,8 @@ def measure_rank(rank, layout, hf_path):
     return dict(
         stage=parallel_state.get_pipeline_model_parallel_rank(),
         weights=sum(p.numel() * p.element_size() for p in params),
-        param_buffers=sum(b.param_data.numel() * b.param_data.element_size() for b in buffers if b.param_data is not None),
+        param_buffers=sum(b.param_data.numel() * b.param_data.element_size() for b in buffers
+                          if b.param_data is not None),
         grads=sum(p.main_grad.numel() * p.main_grad.element_size() for p in params),
         grad_buffers=sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
         optimizer=adam_moments + masters,
@@ -204,8 +206,8 @@ def planned_config(checkpoints, name: str, *overrides: str):
     layout, layers = LAYOUTS[name], LAYERS.get(name, 2)
     first = "null" if layout.first_stage_layers is None else layout.first_stage_layers
     cfg = load_config(["recipe=tiny_moe_cpu", f"model.hf_path={checkpoints[layers]}", f"model.arch.num_layers={layers}",
-                       f"parallel.world_size={layout.world_size}", f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}",
-                       f"parallel.ep={layout.ep}", f"parallel.first_stage_layers={first}",
+                       f"parallel.world_size={layout.world_size}", f"parallel.tp={layout.tp}",
+                       f"parallel.pp={layout.pp}", f"parallel.ep={layout.ep}", f"parallel.first_stage_layers={first}",
                        f"parallel.sequence_parallel={str(layout.sequence_parallel).lower()}",
                        f"rollout.max_prompt_tokens={PROMPT}", f"rollout.max_new_tokens={RESPONSE}", *overrides])
     assert cfg.trainer.max_tokens_per_microbatch == SAMPLES * POSITIONS // 2
@@ -223,7 +225,8 @@ def test_static_memory_equals_the_live_megatron_objects(name, measured, checkpoi
         assert m["grads"] == plan.grads, (name, rank)
         assert plan.grads <= m["grad_buffers"] <= plan.grads * (1 + STATIC), (name, rank, m["grad_buffers"])
         assert plan.weights <= m["param_buffers"] <= plan.weights * (1 + STATIC), (name, rank, m["param_buffers"])
-        assert abs(m["optimizer"] - plan.optimizer) <= STATIC * plan.optimizer, (name, rank, m["optimizer"], plan.optimizer)
+        assert abs(m["optimizer"] - plan.optimizer) <= STATIC * plan.optimizer, (name, rank, m["optimizer"],
+                                                                                   plan.optimizer)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -290,4 +293,5 @@ def test_recompute_replays_routing_and_saves_what_the_planner_predicts(name, che
             plan_none = planned(checkpoints, name)[m["stage"]].activations
             assert peak < base_peak, (name, recompute, peak, base_peak)
             measured_ratio, planned_ratio = peak / base_peak, plan / plan_none
-            assert abs(measured_ratio / planned_ratio - 1) <= ACTIVATIONS, (name, recompute, measured_ratio, planned_ratio)
+            assert abs(measured_ratio / planned_ratio - 1) <= ACTIVATIONS, (name, recompute, measured_ratio,
+                                                                            planned_ratio)

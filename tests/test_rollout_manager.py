@@ -14,9 +14,9 @@ from megarl.engines.client import PauseMode, SamplingParams, SGLangClient
 from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.rollout.env import CalculatorEnv, CalculatorError, EnvStep, calculate, run_episode
 from megarl.rollout.group import RolloutManager
+from megarl.sample import FinishReason
 from megarl.tasks.prompts import Prompt
 from megarl.tasks.rewards import RewardInput, arithmetic_reward
-from megarl.sample import FinishReason
 
 LOGPROB_TOLERANCE = 1e-3
 

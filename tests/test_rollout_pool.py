@@ -10,10 +10,10 @@ import numpy as np
 import psutil
 import pytest
 
+from megarl.engines.actor import EngineInfo
 from megarl.engines.client import EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.engines.pool import EnginePool, sglang_router_available
 from megarl.engines.server import EngineSettings
-from megarl.engines.actor import EngineInfo
 from megarl.sample import FinishReason, RolloutSample
 
 MODEL = ServedModel(vocab_size=100, num_layers=2, topk=2, num_experts=8, context_length=64)

@@ -10,12 +10,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.prompts import Prompt
 from megarl.tasks.rewards import (
-    RemoteRewardModel, RewardInput, RewardScorer, arithmetic_reward, exact_match_reward, load_user_reward,
-    make_reward, math_reward,
+    RemoteRewardModel,
+    RewardInput,
+    RewardScorer,
+    arithmetic_reward,
+    exact_match_reward,
+    load_user_reward,
+    make_reward,
+    math_reward,
 )
-from megarl.sample import FinishReason, RolloutSample
 
 
 def make_input(response: str, answer: str | None = "7", ended: bool = True, prompt: str = "3+4=") -> RewardInput:

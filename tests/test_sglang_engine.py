@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from megarl.engines.client import (
-    EngineError, PauseMode, SamplingParams, ServedModel, SGLangClient, decode_routed_experts,
+    EngineError,
+    PauseMode,
+    SamplingParams,
+    ServedModel,
+    SGLangClient,
+    decode_routed_experts,
 )
 from megarl.engines.server import EngineDiedError, EngineSettings, EngineStartError, SGLangEngine
 from megarl.sample import FinishReason, RolloutSample, SamplingMask

@@ -63,6 +63,17 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="module")
+def sharded_engine(checkpoint, tmp_path_factory):
+    """An engine of two ranks, TP2 with the experts split EP2 (megarl/platform/sglang_cpu.py)."""
+    settings = EngineSettings(model_path=checkpoint, dtype="float32", max_total_tokens=2048, tp=2, ep=2,
+                              log_path=str(tmp_path_factory.mktemp("sglang_tp2_ep2") / "server.log"))
+    eng = SGLangEngine(settings)
+    eng.start()
+    yield eng
+    eng.stop()
+
+
+@pytest.fixture(scope="module")
 def engine(checkpoint, tmp_path_factory):
     settings = EngineSettings(model_path=checkpoint, dtype="float32", max_total_tokens=2048,
                               log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"))
@@ -164,6 +175,7 @@ def read_checkpoint(path: Path) -> dict:
 
 
 def sync_and_compare(group, engine, checkpoint, prompt, tmp_path, version, transport="distributed"):
+    engine_tp = engine.settings.tp
     """Sync, compare the engine with HF built from the trainer's export, recover through disk and
     compare the checkpoint bit for bit. Returns (report, max log-prob diff)."""
     reference = asyncio.run(group.export_hf_state())
@@ -171,7 +183,7 @@ def sync_and_compare(group, engine, checkpoint, prompt, tmp_path, version, trans
 
     async def body():
         async with SGLangClient(engine.url, engine.model) as client:
-            sync = WeightSync(settings(tmp_path, transport), group, [client])
+            sync = WeightSync(settings(tmp_path, transport, engine_tp=engine_tp), group, [client])
             await sync.setup()
             report = await sync.update(version, PauseMode.ABORT)
             after = await engine_greedy(client, prompt)
@@ -212,10 +224,13 @@ def test_colocated_tensor_transport_equals_hf(single, engine, checkpoint, prompt
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_sync_equals_hf(name, ray_cluster, engine, checkpoint, prompt, tmp_path):
+def test_layout_sync_equals_hf(name, ray_cluster, engine, checkpoint, prompt, tmp_path, request):
+    """Every trainer layout into the one-rank engine; the TP2xEP2 trainer into a TP2+EP2 engine
+    (every engine rank in the distributed transport's group)."""
     group = trained_group(LAYOUTS[name], checkpoint)
+    target = request.getfixturevalue("sharded_engine") if name == "tp2_ep2" else engine
     try:
-        sync_and_compare(group, engine, checkpoint, prompt, tmp_path, version=10 + list(LAYOUTS).index(name))
+        sync_and_compare(group, target, checkpoint, prompt, tmp_path, version=10 + list(LAYOUTS).index(name))
     finally:
         group.shutdown()
 

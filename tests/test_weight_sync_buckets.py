@@ -106,7 +106,8 @@ def test_shard_is_a_valid_safetensors_file(tmp_path):
 def test_settings_and_report():
     cfg = load_config(["recipe=tiny_moe_cpu", "sync.transport=tensor", "sync.bucket_mb=64", "sync.work_dir=/tmp/x"])
     s = SyncSettings.from_config(cfg.sync, engine_tp=2)
-    assert (s.transport, s.bucket_bytes, s.work_dir, s.timeout_s, s.engine_tp) == ("tensor", 64 * 2**20, "/tmp/x", 600.0, 2)
+    assert (s.transport, s.bucket_bytes, s.work_dir, s.timeout_s, s.engine_tp) == ("tensor", 64 * 2**20, "/tmp/x",
+                                                                                   600.0, 2)
     with pytest.raises(ValueError, match="one of"):
         dataclasses.replace(s, transport="nccl")
     with pytest.raises(ValueError, match="bucket_mb"):

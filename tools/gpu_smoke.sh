@@ -132,7 +132,7 @@ async def main():
         assert await c.memory_saver_enabled(), "the engine does not report enable_memory_saver"
         before = await c.generate([1, 2, 3, 4], GREEDY, return_routed_experts=False, return_sampling_mask=False)
         f0 = free_gib()
-        await c.pause_generation(PauseMode.ABORT)
+        await c.pause_generation(PauseMode.RETRACT)  # idle, and the scheduler knows it is paused
         await c.release_memory(("kv_cache", "weights"))
         f1 = free_gib()
         await c.resume_memory(("weights",))

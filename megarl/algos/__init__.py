@@ -1,1 +1,2 @@
-"""RL algorithms as pure functions on torch tensors: advantages, policy losses, aggregation, KL, off-policy correction."""
+"""RL algorithms as pure functions on torch tensors: advantages, policy losses, aggregation, KL,
+off-policy correction."""

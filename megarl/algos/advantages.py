@@ -26,7 +26,8 @@ def group_index(group_ids: Sequence[Hashable]) -> torch.Tensor:
 
 def _check(rewards: torch.Tensor, group_ids: torch.Tensor) -> None:
     if rewards.dim() != 1 or group_ids.shape != rewards.shape:
-        raise ValueError(f"rewards and group_ids must both be [B]; got {tuple(rewards.shape)} and {tuple(group_ids.shape)}")
+        raise ValueError(f"rewards and group_ids must both be [B]; got {tuple(rewards.shape)} and "
+                         f"{tuple(group_ids.shape)}")
     if group_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype} (see group_index)")
 
@@ -103,7 +104,8 @@ def fill_advantages(samples: list[RolloutSample], estimator: str,
     scores = rewards if penalties is None else rewards - torch.tensor(list(penalties), dtype=torch.float64)
     for sample, value in zip(samples, advantage_fn(estimator)(scores, groups).tolist()):
         sample.advantage = value
-    group_min = torch.full((int(groups.max()) + 1,), float("inf"), dtype=torch.float64).scatter_reduce(0, groups, rewards, "amin")
+    group_min = torch.full((int(groups.max()) + 1,), float("inf"),
+                           dtype=torch.float64).scatter_reduce(0, groups, rewards, "amin")
     group_max = torch.full_like(group_min, float("-inf")).scatter_reduce(0, groups, rewards, "amax")
     lengths = [len(s.response_ids) for s in samples]
     return BatchStats(reward_mean=float(rewards.mean()), response_len_mean=sum(lengths) / len(lengths),

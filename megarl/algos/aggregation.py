@@ -17,7 +17,8 @@ AggregationFn = Callable[[torch.Tensor, torch.Tensor, Optional[float]], torch.Te
 
 def _masked(per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     if per_token.shape != loss_mask.shape or per_token.dim() != 2:
-        raise ValueError(f"per-token loss and loss_mask must both be [B, T]; got {tuple(per_token.shape)} and {tuple(loss_mask.shape)}")
+        raise ValueError(f"per-token loss and loss_mask must both be [B, T]; got {tuple(per_token.shape)} and "
+                         f"{tuple(loss_mask.shape)}")
     return torch.where(loss_mask > 0, per_token * loss_mask, torch.zeros_like(per_token))
 
 
@@ -32,14 +33,16 @@ def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, denominator: Op
     return _divide(_masked(per_token, loss_mask).sum(), loss_mask.sum(), denominator)
 
 
-def seq_mean_token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, denominator: Optional[float] = None) -> torch.Tensor:
+def seq_mean_token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor,
+                        denominator: Optional[float] = None) -> torch.Tensor:
     """``mean_b (sum_t m L / sum_t m)`` over sequences with ``sum_t m > 0``: every sequence weighs the same."""
     lengths = loss_mask.sum(dim=1)
     per_seq = _masked(per_token, loss_mask).sum(dim=1) / lengths.clamp(min=1e-12)
     return _divide(per_seq.sum(), (lengths > 0).sum(), denominator)
 
 
-def seq_mean_token_sum(per_token: torch.Tensor, loss_mask: torch.Tensor, denominator: Optional[float] = None) -> torch.Tensor:
+def seq_mean_token_sum(per_token: torch.Tensor, loss_mask: torch.Tensor,
+                       denominator: Optional[float] = None) -> torch.Tensor:
     """``mean_b sum_t m L`` over sequences with ``sum_t m > 0``: longer sequences weigh more (Dr.GRPO-style)."""
     lengths = loss_mask.sum(dim=1)
     return _divide(_masked(per_token, loss_mask).sum(), (lengths > 0).sum(), denominator)

@@ -45,7 +45,8 @@ def kl_penalty(
     """The estimator ``AlgorithmConfig.kl_type`` names, [B, T]; ``k3_is`` needs ``old_logprobs``."""
     estimator = choose(KL_ESTIMATORS, name, "kl_type")
     if logprobs.shape != ref_logprobs.shape:
-        raise ValueError(f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} differ in shape")
+        raise ValueError(f"logprobs {tuple(logprobs.shape)} and ref_logprobs {tuple(ref_logprobs.shape)} "
+                         "differ in shape")
     if estimator is k3_is:
         if old_logprobs is None or old_logprobs.shape != logprobs.shape:
             raise ValueError("kl_type k3_is needs old_logprobs of the same shape as logprobs")

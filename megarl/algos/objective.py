@@ -66,7 +66,8 @@ def rl_loss(batch: LossInputs, cfg, denominator: Optional[float] = None) -> Loss
     if cfg.kl_coef != 0.0 and not cfg.kl_in_reward:  # in the reward, it is in the advantages already
         if batch.ref_logprobs is None:
             raise ValueError("kl_coef != 0 needs ref_logprobs")
-        kl = agg(kl_penalty(cfg.kl_type, batch.logprobs, batch.ref_logprobs, batch.old_logprobs), batch.loss_mask, denominator)
+        kl = agg(kl_penalty(cfg.kl_type, batch.logprobs, batch.ref_logprobs, batch.old_logprobs), batch.loss_mask,
+                 denominator)
         loss = loss + cfg.kl_coef * kl
         metrics["kl"] = kl.detach()
     if cfg.entropy_coef != 0.0:

@@ -16,7 +16,8 @@ CORRECTIONS = ("none", "tis", "mis")
 LEVELS = ("token", "sequence")
 
 
-def _log_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, level: str) -> torch.Tensor:
+def _log_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor,
+                 level: str) -> torch.Tensor:
     """log w per token [B, T] (token level) or per sequence broadcast to [B, T] (sequence level)."""
     if old_logprobs.dim() != 2 or rollout_logprobs.shape != old_logprobs.shape or loss_mask.shape != old_logprobs.shape:
         raise ValueError(
@@ -33,7 +34,8 @@ def _log_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, los
 
 
 def truncated_is(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, threshold: float, level: str = "token"
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, threshold: float,
+    level: str = "token"
 ) -> torch.Tensor:
     """TIS: ``min(w, C)`` with ``C = threshold`` (token or sequence weight), [B, T], 0 where m = 0."""
     if threshold < 1.0:
@@ -43,7 +45,8 @@ def truncated_is(
 
 
 def masked_is(
-    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, threshold: float, level: str = "token"
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, threshold: float,
+    level: str = "token"
 ) -> torch.Tensor:
     """MIS: ``w * 1[1/C <= w <= C]`` with ``C = threshold``: tokens (or whole sequences) outside the band get 0."""
     if threshold < 1.0:
@@ -78,7 +81,8 @@ def is_weights(
 
 
 def off_policy_sequence_mask(
-    logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, max_kl: float
+    logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
+    max_kl: float
 ) -> torch.Tensor:
     """Drop sequences that are both negative and too far off-policy; float [B] (1 = keep).
 

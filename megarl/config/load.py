@@ -90,6 +90,8 @@ def load_config(args: list[str]) -> DictConfig:
         OmegaConf.resolve(cfg)
     except Exception as exc:
         raise ConfigError(_one_line(exc)) from exc
+    if cfg.sync.transport == "auto":  # the weights' way into the engines follows the placement
+        cfg.sync.transport = "tensor" if cfg.placement == "colocated" else "distributed"
     validate(cfg)
     return cfg
 

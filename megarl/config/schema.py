@@ -12,7 +12,6 @@ from typing import Optional
 
 from omegaconf import MISSING
 
-
 # What ``python -m megarl.train`` runs (a string: ``async`` cannot name an Enum member):
 #   warmup        supervised warm-up only (saves the HF checkpoint RL starts from)
 #   sync          RL, buffer depth one batch, sync after every step
@@ -94,8 +93,8 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     vpp: Optional[int] = None  # virtual pipeline stages per rank
-    first_stage_layers: Optional[int] = None  # decoder layers on the first PP stage (None: even split); the middle stages split the rest
-    last_stage_layers: Optional[int] = None  # decoder layers on the last PP stage (None: even split), e.g. fewer beside the output layer
+    first_stage_layers: Optional[int] = None  # first PP stage's layers (None: even split); middle stages split the rest
+    last_stage_layers: Optional[int] = None  # last PP stage's layers (None: even split), e.g. fewer by the output layer
     cp: int = 1
     ep: int = 1
     etp: Optional[int] = None  # expert tensor parallel; None = same as tp
@@ -193,20 +192,20 @@ class AlgorithmConfig:
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
     kl_coef: float = 0.0  # weight of the KL to the reference policy (the starting checkpoint)
     kl_type: str = "k3"  # k1 | k2 | k3 | k3_is
-    kl_in_reward: bool = False  # true: reward - kl_coef * sum_t KL_t before the advantages (verl's use_kl_in_reward); false: in the loss
+    kl_in_reward: bool = False  # true: reward - kl_coef * sum_t KL_t pre-advantage (verl use_kl_in_reward); false: loss
     entropy_coef: float = 0.0
     off_policy_correction: str = "none"  # none | tis | mis
     off_policy_level: str = "token"  # token | sequence
     is_threshold: float = 2.0
-    off_policy_mask_kl: Optional[float] = None  # drop negative-advantage sequences whose KL to the rollout policy exceeds this
+    off_policy_mask_kl: Optional[float] = None  # drop negative-advantage sequences with KL to the rollout policy > this
 
 
 @dataclass
 class SyncConfig:
-    transport: str = "distributed"  # distributed | tensor | disk
+    transport: str = "auto"  # auto (tensor when colocated, else distributed) | distributed | tensor | disk
     bucket_mb: int = 512  # MiB per bucket (0: one engine call per tensor)
     link_gbps: float = 400.0  # planner: trainer->engine link bandwidth, Gbit/s
-    work_dir: str = "${logging.run_dir}/weight_sync"  # disk transport and recovery checkpoints (seen by trainer and engines)
+    work_dir: str = "${logging.run_dir}/weight_sync"  # disk transport, recovery checkpoints (seen by trainer + engines)
     timeout_s: float = 600.0  # a sync running longer fails (WeightSyncError) and leaves the engines consistent
 
 

@@ -2,7 +2,8 @@
 
 :func:`validate` (every load: the driver, the planner, ``--cfg job``) checks the config itself:
 names against the registries of the code that uses them, layouts that do not divide, impossible
-MoE settings, layouts that cannot be placed on the cluster (:class:`PlacementError`). :func:`check_inputs` (the driver, before it starts anything; the planner plans for
+MoE settings, layouts that cannot be placed on the cluster (:class:`PlacementError`).
+:func:`check_inputs` (the driver, before it starts anything; the planner plans for
 machines whose files live elsewhere) checks what an RL run reads, as far as that is cheap: the
 dataset file and its fields, the reward function's import, the rollout length against the
 checkpoint's context. Each check raises :class:`ConfigError` with ``"<key>: <why>"``.
@@ -293,5 +294,10 @@ def refuse_what_is_not_built(cfg: DictConfig) -> None:
               "megatron's local attention on CPU has no context-parallel path")
     if cfg.mode == "warmup":
         return
-    if r.engine_tp != 1 or r.engine_ep != 1 or r.engine_dp_attention:
-        _fail("rollout.engine_tp", "engine TP/EP/DP-attention are planned for (megarl.plan) but not passed to SGLang yet")
+    if not torch.cuda.is_available():
+        if r.engine_dp_attention:
+            _fail("rollout.engine_dp_attention", "SGLang's CPU attention backend cannot run DP attention "
+                  "('TorchNativeAttnBackend' has no get_cpu_graph_seq_len_fill_value); it runs on GPU engines")
+        if r.engine_tp > 1 and cfg.sync.transport == "tensor":
+            _fail("sync.transport", "the tensor transport into an engine of several ranks fails on CPU (engine rank 1 "
+                  "cannot open the bucket's shared-memory file); use sync.transport=distributed or rollout.engine_tp=1")

@@ -219,7 +219,8 @@ class SGLangClient:
         return self._to_sample(list(prompt_ids), out, return_routed_experts, return_sampling_mask, group_id, episode_id)
 
     async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
-                                     return_routed_experts: bool = True, return_sampling_mask: bool = True) -> BatchResult:
+                                     return_routed_experts: bool = True,
+                                     return_sampling_mask: bool = True) -> BatchResult:
         """:meth:`generate_batch` as a :class:`BatchResult` (one engine resubmits nothing)."""
         samples = await self.generate_batch(prompts, params, group_ids=group_ids,
                                             return_routed_experts=return_routed_experts,
@@ -299,6 +300,11 @@ class SGLangClient:
     async def abort_request(self, rid: str) -> None:
         """Abort one request; its ``generate`` call returns the partial response (finish_reason aborted)."""
         await self._post("/abort_request", {"rid": rid})
+
+    async def abort_all_requests(self) -> None:
+        """Abort every request the engine's scheduler holds (each ``generate`` call returns its
+        partial response); requests still waiting in a paused engine are not reached."""
+        await self._post("/abort_request", {"abort_all": True})
 
     async def weight_version(self) -> int:
         """The version label of the engine's current weights."""

@@ -27,11 +27,10 @@ import asyncio
 import importlib.util
 import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
-from megarl.engines.client import EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel, SGLangClient
 from megarl.engines.actor import EngineInfo
+from megarl.engines.client import EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel, SGLangClient
 from megarl.engines.protocol import BatchResult
 from megarl.sample import RolloutSample
 
@@ -267,18 +266,29 @@ class EnginePool:
         async with self._idle:
             self._idle.notify_all()
 
-    async def hold(self, *, abort: bool) -> None:
+    async def hold(self, *, abort: bool, abort_interval_s: float = 0.2) -> None:
         """Send nothing more to the engines until :meth:`unhold` (new and resubmitted requests wait
         in the pool), and return once no request is in flight, every engine paused. ``abort``:
         in-flight requests are aborted (they return at once with what they generated: for callers
-        that resubmit aborted samples); else they run to their end first."""
+        that resubmit aborted samples); else they run to their end first.
+
+        The engines are paused only once nothing is in flight: a request that left the pool just
+        before the hold but reaches an engine after a pause would wait inside the engine until the
+        pause ends (SGLang holds it before its scheduler, where no abort reaches it). Aborting
+        without pausing, every ``abort_interval_s`` until none is left, catches such late ones."""
         self._open.clear()
-        if abort:
-            await self.pause(PauseMode.ABORT)
-        async with self._idle:
-            await self._idle.wait_for(lambda: sum(self.in_flight) == 0)
-        if not abort:
-            await self.pause(PauseMode.ABORT)  # nothing left to abort: paused, as a memory release needs
+        while sum(self.in_flight):
+            if abort:
+                await self._on_every_engine(lambda c: c.abort_all_requests())
+            async with self._idle:
+                try:
+                    await asyncio.wait_for(self._idle.wait_for(lambda: sum(self.in_flight) == 0),
+                                           abort_interval_s if abort else None)
+                except TimeoutError:
+                    pass
+        # Nothing is left to retract; unlike an abort pause, a retract pause reaches the scheduler
+        # (SGLang's memory release checks it) and returns at once (an abort pause polls every 1 s).
+        await self.pause(PauseMode.RETRACT)
 
     async def unhold(self) -> None:
         """Continue every engine and send the requests that waited (see :meth:`hold`)."""

@@ -192,7 +192,7 @@ class SGLangEngine:
         if s.nnodes > 1:
             cmd += ["--nnodes", str(s.nnodes), "--node-rank", str(s.node_rank), "--dist-init-addr", s.dist_init_addr]
         if s.api_key:
-            cmd += ["--api-key", s.api_key]
+            cmd.append(f"--api-key={s.api_key}")  # one word: a key may start with "-" (token_urlsafe)
         return cmd + list(s.extra_args)
 
     def environment(self) -> dict[str, str]:

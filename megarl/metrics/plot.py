@@ -5,7 +5,8 @@ from pathlib import Path
 
 from megarl.metrics.sink import read_metrics
 
-PANELS = (("reward/mean", "mean reward", "linear"), ("mismatch/logprob_abs_diff", "|trainer - rollout| log-prob", "log"),
+PANELS = (("reward/mean", "mean reward", "linear"),
+          ("mismatch/logprob_abs_diff", "|trainer - rollout| log-prob", "log"),
           ("warmup/loss", "warm-up loss", "linear"))
 
 

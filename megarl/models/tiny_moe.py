@@ -88,5 +88,6 @@ def make_tiny_moe(out_dir: str | Path, spec: TinyMoeSpec = TinyMoeSpec(), max_op
     gen = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
            "pad_token_id": tokenizer.pad_token_id}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2))
-    log.info("tiny MoE: %d parameters, %d tokens -> %s", sum(p.numel() for p in model.parameters()), len(tokenizer), out)
+    log.info("tiny MoE: %d parameters, %d tokens -> %s", sum(p.numel() for p in model.parameters()), len(tokenizer),
+             out)
     return out

@@ -6,10 +6,10 @@ before the step (:meth:`Colocation.before_training`, at the end of ``take_batch`
     1. hold the engine pool: no request reaches an engine any more, so the producer's new groups
        (and resubmissions) wait in the pool;
     2. no request in flight: with ``buffer.partial_rollout=abort_resubmit`` the running requests
-       are aborted (``pause(abort)``; their samples are continued as prompt + prefix after the
-       sync, on the new weights), with ``continue`` they run to their end first (an abort would
-       cut them short, a retract would leave them queued in the engine through the step);
-       every engine is then paused;
+       are aborted (their samples are continued as prompt + prefix after the sync, on the new
+       weights), with ``continue`` they run to their end first (an abort would cut them short, a
+       retract would leave them queued in the engine through the step); every engine is then
+       paused (:meth:`megarl.engines.pool.EnginePool.hold`);
     3. release the engines' weights and KV cache (SGLang's ``/release_memory_occupation``).
 
 after the step (:meth:`Colocation.after_training`, around the weight sync)

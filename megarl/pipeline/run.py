@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
+import torch
 from omegaconf import DictConfig
 from rich.progress import Progress
 from transformers import AutoTokenizer
@@ -222,7 +223,8 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
     """Drop the RL rows of ``path`` after ``last_step`` (what a resumed run redoes); warm-up rows stay."""
     if path.is_file():
         rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        kept = [json.dumps(row) for row in rows if row["step"] <= last_step or any(k.startswith("warmup/") for k in row)]
+        kept = [json.dumps(row) for row in rows
+                if row["step"] <= last_step or any(k.startswith("warmup/") for k in row)]
         path.write_text("".join(line + "\n" for line in kept))
 
 
@@ -260,7 +262,10 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
         if colocated:
             release = memory_saver_args(cuda=not sglang_cpu.needed())
             engines = [dataclasses.replace(e, extra_args=e.extra_args + release) for e in engines]
-        pool = EnginePool.launch(engines, num_cpus=0.5)
+        # Disaggregated GPU engines reserve their devices through Ray (CUDA_VISIBLE_DEVICES reaches the
+        # server); colocated ones share the trainer's, and CPU engines reserve half a CPU
+        own_gpus = r.engine_tp if torch.cuda.is_available() and cfg.placement == "disaggregated" else 0
+        pool = EnginePool.launch(engines, num_cpus=0.5, num_gpus=own_gpus)
         log.info("placement: trainer ranks on nodes %s, engines on nodes %s at %s", await trainer.node_addresses(),
                  [a.node for a in await asyncio.gather(*(e.info.remote() for e in pool.actors))],
                  [c.base_url for c in pool.clients])

@@ -119,4 +119,5 @@ def _check(arch: Arch) -> None:
     if not 0 <= arch.first_k_dense_layers <= arch.num_layers:
         raise ConfigError(f"model.arch.first_k_dense_layers: {arch.first_k_dense_layers} is not in [0, num_layers]")
     if arch.mla and not (arch.qk_nope_head_dim and arch.qk_rope_head_dim and arch.v_head_dim):
-        raise ConfigError("model.arch.qk_nope_head_dim: latent attention (kv_lora_rank > 0) needs qk_nope/qk_rope/v head dims")
+        raise ConfigError("model.arch.qk_nope_head_dim: latent attention (kv_lora_rank > 0) "
+                          "needs qk_nope/qk_rope/v head dims")

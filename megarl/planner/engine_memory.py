@@ -56,7 +56,8 @@ def engine_weight_params(arch: Arch, tp: int, attention_tp: int) -> float:
         kv_bias = 2 * arch.num_query_groups * arch.head_dim if arch.attention_bias else 0
         kv_per_gpu = (kv + kv_bias) * kv_heads_per_rank(arch, attention_tp) / arch.num_query_groups
         attn_per_gpu = (attn.tp_split - kv - kv_bias) / attention_tp + kv_per_gpu + attn.replicated
-    mlp = sum((m.tp_split + m.experts) / tp + m.replicated for m in (mlp_params(arch, i) for i in range(arch.num_layers)))
+    mlp = sum((m.tp_split + m.experts) / tp + m.replicated
+              for m in (mlp_params(arch, i) for i in range(arch.num_layers)))
     vocab = (embedding_params(arch) + head_params(arch)) / tp
     return arch.num_layers * attn_per_gpu + mlp + vocab + arch.hidden_size
 

@@ -68,7 +68,8 @@ def broken_limits(plan: LayoutPlan, cfg: DictConfig) -> list[str]:
     if e.weights > e.pool:
         out.append(
             f"rollout.mem_fraction_static: engine weights take {gib(e.weights):.1f} GB per GPU, over SGLang's static "
-            f"pool of {r.mem_fraction_static:g} x {limit:g} GB = {gib(e.pool):.1f} GB by {gib(e.weights - e.pool):.1f} GB"
+            f"pool of {r.mem_fraction_static:g} x {limit:g} GB = {gib(e.pool):.1f} GB "
+            f"by {gib(e.weights - e.pool):.1f} GB"
         )
     elif e.weights + e.kv_cache > e.pool:
         out.append(

@@ -38,9 +38,9 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from megarl.config.schema import Recompute, TransformerImpl
+from megarl.parallel import stage_layers
 from megarl.planner.arch import Arch
 from megarl.planner.params import embedding_params, head_params, layer_params
-from megarl.parallel import stage_layers
 from megarl.planner.units import GIB, dtype_bytes
 
 FP32 = 4

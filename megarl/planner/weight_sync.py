@@ -39,7 +39,8 @@ def weight_sync_plan(arch: Arch, cfg: DictConfig) -> WeightSyncPlan:
     nbytes = count_params(arch).total * size
     bucket = cfg.sync.bucket_mb * MIB
     if bucket <= 0 or cfg.sync.link_gbps <= 0:
-        raise ConfigError(f"sync: bucket_mb and link_gbps must be > 0, got {cfg.sync.bucket_mb} and {cfg.sync.link_gbps}")
+        raise ConfigError(f"sync: bucket_mb and link_gbps must be > 0, "
+                          f"got {cfg.sync.bucket_mb} and {cfg.sync.link_gbps}")
     return WeightSyncPlan(
         bytes_per_sync=nbytes, buckets=math.ceil(nbytes / bucket),
         largest_tensor_bytes=largest_tensor_params(arch) * size,

@@ -377,13 +377,17 @@ def _thd_rope_loops_over_sequences() -> None:
 
 
 WORKAROUNDS = (
-    Workaround("bridge_imports_transformer_engine", "No module named 'transformer_engine'", _bridge_imports_transformer_engine),
+    Workaround("bridge_imports_transformer_engine", "No module named 'transformer_engine'",
+               _bridge_imports_transformer_engine),
     Workaround("bridge_save_imports_modelopt", "No module named 'modelopt'", _bridge_save_imports_modelopt),
     Workaround("cuda_rng_tracker_needs_cuda", "Found no NVIDIA driver on your system", _cuda_rng_tracker_needs_cuda),
-    Workaround("cuda_streams_and_current_device", "CUDA driver version is insufficient", _cuda_streams_and_current_device),
+    Workaround("cuda_streams_and_current_device", "CUDA driver version is insufficient",
+               _cuda_streams_and_current_device),
     Workaround("hardcoded_cuda_devices", "Found no NVIDIA driver on your system", _hardcoded_cuda_devices),
-    Workaround("torch_norm_rejects_sequence_parallel", "sequence parallel not supported by torch LayerNorm", _torch_norm_rejects_sequence_parallel),
-    Workaround("gloo_all_to_all_needs_int_splits", "all_to_all_single(): incompatible function arguments", _gloo_all_to_all_needs_int_splits),
+    Workaround("torch_norm_rejects_sequence_parallel", "sequence parallel not supported by torch LayerNorm",
+               _torch_norm_rejects_sequence_parallel),
+    Workaround("gloo_all_to_all_needs_int_splits", "all_to_all_single(): incompatible function arguments",
+               _gloo_all_to_all_needs_int_splits),
     Workaround("gloo_uneven_all_gather", "ProcessGroupGloo::allgather: invalid tensor size", _gloo_uneven_all_gather),
     Workaround("torch_adam_step_breaks_optimizer_load", "KeyError: 'step'", _torch_adam_step_breaks_optimizer_load),
     Workaround("local_attention_rejects_packed_sequences", "Packed sequence is not supported by DotProductAttention",

@@ -26,8 +26,8 @@ import numpy as np
 
 from megarl.engines.client import SamplingParams
 from megarl.engines.protocol import Engines
-from megarl.tasks.prompts import Prompt
 from megarl.sample import FinishReason, RolloutSample, SamplingMask
+from megarl.tasks.prompts import Prompt
 
 log = logging.getLogger(__name__)
 

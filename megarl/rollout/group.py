@@ -24,10 +24,10 @@ import numpy as np
 
 from megarl.engines.client import EngineError, EngineUnreachable, SamplingParams
 from megarl.engines.protocol import Engines
-from megarl.tasks.prompts import Prompt
-from megarl.tasks.rewards import RewardFn, RewardInput, RewardScorer
 from megarl.rollout.splice import splice_continuation
 from megarl.sample import FinishReason, RolloutSample
+from megarl.tasks.prompts import Prompt
+from megarl.tasks.rewards import RewardFn, RewardInput, RewardScorer
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +62,9 @@ def _error_sample(prompt_ids: list[int], group_id: str) -> RolloutSample:
 class RolloutManager:
     """G samples per prompt with rewards; see the module docstring for the outcomes.
 
-    ``target`` is an ``EnginePool`` or one ``SGLangClient`` (``megarl.engines.protocol.Engines``); ``reward_fn`` an async reward
-    (``megarl.tasks.rewards``), awaited with ``reward_timeout_s``. Counters over the manager's
-    life: ``resubmitted``, ``rejected`` (by reason kind), ``reward_errors`` (by kind).
+    ``target`` is an ``EnginePool`` or one ``SGLangClient`` (``megarl.engines.protocol.Engines``);
+    ``reward_fn`` an async reward (``megarl.tasks.rewards``), awaited with ``reward_timeout_s``.
+    Counters over the manager's life: ``resubmitted``, ``rejected`` (by reason kind), ``reward_errors`` (by kind).
     ``EngineUnreachable`` (an engine gone for good) propagates: no later group could run either.
     """
 

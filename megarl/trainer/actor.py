@@ -153,6 +153,11 @@ class TrainerGroup:
     return every rank's result in rank order. ``import_paths`` are appended to the ranks'
     ``sys.path`` (where the functions given to :meth:`run` are imported from); the ranks and the
     placement group are removed again when the group cannot start within ``startup_timeout_s``.
+
+    The ranks meet at rank 0's node address (loopback when the cluster has one node) on a port a
+    zero-CPU task in rank 0's bundle found free there (``master``); on a cluster with nodes that
+    offer the ``megarl_trainer`` resource every bundle asks for a unit of it (docs/architecture.md,
+    "Multi-node").
     """
 
     def __init__(self, layout: Layout, backend: str = "auto", seed: int = 1234, *,

@@ -85,7 +85,8 @@ def save_checkpoint(root: str | Path, step: int, trainable, data_position: dict[
 
     _check_plain(data_position, "data_position")
     if trainable.scheduler.num_steps == 0:
-        raise CheckpointError("no optimizer step has run yet: the checkpoint to resume from is the HF one it started from")
+        raise CheckpointError("no optimizer step has run yet: the checkpoint to resume from is the HF one it "
+                              "started from")
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     rank0 = torch.distributed.get_rank() == 0
@@ -134,7 +135,8 @@ def load_checkpoint(root: str | Path, trainable, step: int | None = None) -> Res
     if rng_restored:
         state["rng_state"] = _rng_object(None)
     try:
-        loaded = dist_checkpointing.load(state, str(path), sharded_strategy=get_default_load_sharded_strategy(str(path)))
+        loaded = dist_checkpointing.load(state, str(path),
+                                         sharded_strategy=get_default_load_sharded_strategy(str(path)))
         for index, module in enumerate(_modules(trainable)):
             module.load_state_dict(loaded[_model_key(trainable, index)])
         optimizer.load(loaded["optimizer"], saved["optimizer"])

@@ -52,14 +52,16 @@ class _MaskedTargetLogprob(torch.autograd.Function):
         exp = shifted.exp()
         target_shifted = shifted.gather(1, target_local[:, None]).squeeze(1)
         stats = torch.stack(
-            [exp.sum(dim=1), torch.where(on_rank, target_shifted, torch.zeros_like(target_shifted)), on_rank.to(z.dtype)],
+            [exp.sum(dim=1), torch.where(on_rank, target_shifted, torch.zeros_like(target_shifted)),
+             on_rank.to(z.dtype)],
             dim=1,
         )
         _all_reduce(stats, dist.ReduceOp.SUM, group)
         owners = stats[:, 2]
         if (owners != 1).any():
             row = int((owners != 1).nonzero()[0])
-            raise ValueError(f"target id at position {row} is outside the vocabulary (held by {int(owners[row])} shards, expected 1)")
+            raise ValueError(f"target id at position {row} is outside the vocabulary "
+                             f"(held by {int(owners[row])} shards, expected 1)")
         sum_exp = stats[:, 0]
         ctx.save_for_backward(exp / sum_exp[:, None], target_local, on_rank)
         return stats[:, 1] - sum_exp.log()
@@ -104,10 +106,12 @@ def _kept_in_shard(mask: CsrMask, targets: torch.Tensor, vocab_start: int, shard
     n = targets.numel()
     ids, offsets = mask.ids, mask.offsets
     if ids.dim() != 1 or offsets.shape != (n + 1,) or ids.is_floating_point() or offsets.is_floating_point():
-        raise ValueError(f"sampling mask must be integer ids [nnz] and offsets [N+1] with N={n}; got {tuple(ids.shape)}, {tuple(offsets.shape)}")
+        raise ValueError(f"sampling mask must be integer ids [nnz] and offsets [N+1] with N={n}; "
+                         f"got {tuple(ids.shape)}, {tuple(offsets.shape)}")
     counts = offsets[1:] - offsets[:-1]
     if int(offsets[0]) != 0 or int(offsets[-1]) != ids.numel() or (counts < 0).any():
-        raise ValueError(f"sampling mask offsets must rise from 0 to nnz={ids.numel()}; got {offsets[0].item()}..{offsets[-1].item()}")
+        raise ValueError(f"sampling mask offsets must rise from 0 to nnz={ids.numel()}; "
+                         f"got {offsets[0].item()}..{offsets[-1].item()}")
     if ids.numel() and int(ids.min()) < 0:
         raise ValueError(f"sampling mask holds a negative vocab id {int(ids.min())}")
     rows = torch.repeat_interleave(torch.arange(n, device=ids.device), counts.long())
@@ -146,7 +150,8 @@ def vocab_parallel_logprobs(
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [N, V/tp] tensor, got {logits.dtype} {tuple(logits.shape)}")
     if targets.shape != logits.shape[:1] or targets.is_floating_point():
-        raise ValueError(f"targets must be integer [N] = {tuple(logits.shape[:1])}, got {targets.dtype} {tuple(targets.shape)}")
+        raise ValueError(f"targets must be integer [N] = {tuple(logits.shape[:1])}, "
+                         f"got {targets.dtype} {tuple(targets.shape)}")
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     targets = targets.long()

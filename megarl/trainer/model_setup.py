@@ -24,7 +24,8 @@ class ModelSettings:
     @classmethod
     def from_config(cls, cfg) -> ModelSettings:
         t = cfg.trainer
-        return cls(transformer_impl=str(cfg.model.transformer_impl.value), dispatcher=str(cfg.parallel.dispatcher.value),
+        return cls(transformer_impl=str(cfg.model.transformer_impl.value),
+                   dispatcher=str(cfg.parallel.dispatcher.value),
                    routing_replay=cfg.rollout.keep_routing, recompute=str(t.recompute.value),
                    recompute_num_layers=t.recompute_num_layers, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
                    reference=cfg.algorithm.kl_coef != 0.0)

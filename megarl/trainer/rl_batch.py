@@ -117,7 +117,8 @@ def build_rl_batch(samples: Sequence[RolloutSample], with_routing: bool = True, 
                        offsets)
     return RLBatch(
         tokens=torch.from_numpy(np.concatenate(tokens)), targets=torch.from_numpy(np.concatenate(targets)),
-        loss_mask=torch.from_numpy(np.concatenate(loss_mask)), rollout_logprobs=torch.from_numpy(np.concatenate(logprobs)),
+        loss_mask=torch.from_numpy(np.concatenate(loss_mask)),
+        rollout_logprobs=torch.from_numpy(np.concatenate(logprobs)),
         cu_seqlens=cu, advantages=torch.tensor([float(s.advantage) if with_advantages else 0.0 for s in samples],
                                                 dtype=torch.float32),
         routed_experts=torch.from_numpy(np.concatenate(routed)) if use_routing else None, sampling_mask=mask)

@@ -322,13 +322,15 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
         def loss_func(output):
             if len(mb) == 0:  # a padding-only micro-batch (a DP rank with fewer samples than micro-batches)
                 zero = output.sum() * 0
-                return zero, torch.zeros((), dtype=torch.int), {"stats": torch.zeros(7), "ratio_dev_max": torch.zeros(())}
+                return zero, torch.zeros((), dtype=torch.int), {"stats": torch.zeros(7),
+                                                                "ratio_dev_max": torch.zeros(())}
             flat_lp, flat_ent = _token_logprobs(output, mb, mi, vocab_size, temperature, pad_id)
             logprobs, entropy = to_grid(flat_lp, mb.cu_seqlens), to_grid(flat_ent, mb.cu_seqlens)
             loss_mask, rollout = to_grid(mb.loss_mask, mb.cu_seqlens), to_grid(mb.rollout_logprobs, mb.cu_seqlens)
             inputs = LossInputs(
                 logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=mb.advantages, loss_mask=loss_mask,
-                entropy=entropy, rollout_logprobs=rollout, ref_logprobs=None if ref is None else to_grid(ref, mb.cu_seqlens),
+                entropy=entropy, rollout_logprobs=rollout,
+                ref_logprobs=None if ref is None else to_grid(ref, mb.cu_seqlens),
             )
             out = rl_loss(inputs, algo, denominator)
             trained = loss_mask > 0

@@ -32,7 +32,8 @@ def loop_figures(run_dir: Path, samples_per_step: int) -> dict:
     tokens = sum(r["response/len_mean"] * samples_per_step for r in rows)
     return {"steps": len(rows), "loop_s": seconds, "response_tokens": tokens, "tokens_per_s": tokens / seconds,
             "trainer_idle_frac": waited / seconds, "reward_first": rows[0]["reward/mean"],
-            "reward_last": rows[-1]["reward/mean"], "staleness_mean": sum(r["staleness/mean"] for r in rows) / len(rows),
+            "reward_last": rows[-1]["reward/mean"],
+            "staleness_mean": sum(r["staleness/mean"] for r in rows) / len(rows),
             "response_len_mean": tokens / (len(rows) * samples_per_step)}
 
 

@@ -84,7 +84,8 @@ def run(samples: int, tail_frac: float, repeats: int, max_tokens: int) -> dict:
                         sequence_parallel=False, pack=pack)
                 if r:
                     times[pack].append(time.perf_counter() - t0)
-        result = {"samples": samples, "real_tokens": real, "tail_frac": tail_frac, "max_tokens_per_microbatch": max_tokens,
+        result = {"samples": samples, "real_tokens": real, "tail_frac": tail_frac,
+                  "max_tokens_per_microbatch": max_tokens,
                   "context": hf.max_position_embeddings, "repeats": repeats, "machine": platform.machine(),
                   "torch_threads": torch.get_num_threads()}
         for pack, name in ((True, "packed"), (False, "padded")):

@@ -49,9 +49,9 @@ async def measure(client, prompts, params, batch_size: int, metadata: bool, repe
 async def run(checkpoint: str, new_tokens: int, repeats: int, max_total_tokens: int) -> dict:
     from transformers import AutoTokenizer
 
-    from megarl.tasks import arithmetic
     from megarl.engines.client import SamplingParams, SGLangClient
     from megarl.engines.server import EngineSettings, SGLangEngine
+    from megarl.tasks import arithmetic
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     prompts = [tokenizer(p.prompt)["input_ids"] for p in arithmetic.all_problems()]
