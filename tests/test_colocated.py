@@ -274,7 +274,7 @@ def warm(tmp_path_factory):
     return paths
 
 
-@pytest.mark.parametrize("partial_rollout", ["continue", "abort_resubmit"])
+@pytest.mark.parametrize("partial_rollout", ["continue"])  # abort_resubmit's hold: the fake-engine tests above
 def test_no_generation_request_overlaps_a_training_step(tmp_path, warm, monkeypatch, partial_rollout):
     """The recipe's mode (async) stays; every request the engines got (each ``/generate`` the
     driver's clients sent, start to answer) lies outside every training step (``rl_step``, start to

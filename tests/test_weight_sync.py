@@ -21,7 +21,7 @@ import pytest
 import torch
 from hf_oracle import load_hf, make_samples
 
-from megarl.config import default_config
+from megarl.config import default_config, load_config
 from megarl.engines.client import EngineError, PauseMode, SamplingParams, SGLangClient
 from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.parallel import Layout
@@ -105,7 +105,6 @@ def rl_steps(group, layout: Layout, checkpoint: str, steps: int, seed: int) -> N
 
 def trained_group(layout: Layout, checkpoint: str, steps: int = 2):
     """A TrainerGroup under ``layout`` after ``steps`` RL steps."""
-    from megarl.config import default_config
     from megarl.trainer.actor import TrainerGroup
     from megarl.trainer.model_setup import ModelSettings
     from megarl.trainer.optimizer import OptimizerSettings
@@ -161,7 +160,7 @@ def check_engine_equals_hf(sample, hf_tokens, hf_logprobs, version):
 
 
 def settings(tmp_path, transport="distributed", **kw) -> SyncSettings:
-    base = SyncSettings.from_config(default_config().sync)
+    base = SyncSettings.from_config(load_config(["recipe=tiny_moe_cpu"]).sync)  # transport resolved
     return dataclasses.replace(base, transport=transport, bucket_mb=BUCKET_MB, work_dir=str(tmp_path / "sync"), **kw)
 
 

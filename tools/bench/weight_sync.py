@@ -157,7 +157,7 @@ def raw_broadcast_gbps(nbytes: int) -> float:
 
 
 async def run_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
-    from megarl.config import default_config
+    from megarl.config import load_config
     from megarl.engines.client import PauseMode, SGLangClient
     from megarl.sync import SyncSettings, WeightSync
 
@@ -168,7 +168,8 @@ async def run_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
         for transport, mb in cases:
             name = f"{transport}_per_tensor" if mb == 0 else (f"{transport}_{mb}mb" if transport == "distributed"
                                                               else transport)
-            settings = dataclasses.replace(SyncSettings.from_config(default_config().sync), transport=transport,
+            settings = dataclasses.replace(SyncSettings.from_config(load_config(["recipe=tiny_moe_cpu"]).sync),
+                                           transport=transport,
                                            bucket_mb=mb, work_dir=str(work_dir), timeout_s=1800)
             sync = WeightSync(settings, trainer, [client])
             await sync.setup()
