@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -78,3 +79,18 @@ def make_samples(model, n: int, top_k: int, seed: int, rotate_experts: int = 0) 
             finish_reason=FinishReason.STOP, advantage=float(torch.randn(1, generator=gen)), group_id=f"g{i // 4}",
         ))
     return samples
+
+
+def sharpened_checkpoint(src: str, dst: Path, scale: float) -> Path:
+    """A copy of the HF checkpoint ``src`` at ``dst`` with its lm_head scaled by ``scale``: greedy
+    decoding then has no near-ties, so engine and HF pick the same tokens."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for f in Path(src).iterdir():
+        shutil.copy(f, dst / f.name)
+    weights = load_file(dst / "model.safetensors")
+    weights["lm_head.weight"] = weights["lm_head.weight"] * scale
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst

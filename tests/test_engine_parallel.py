@@ -7,14 +7,12 @@ Each configuration starts one engine for the module (two ranks on this 2-core ma
 minute to start); the prompts are few and short.
 """
 import asyncio
-import shutil
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 import torch
-from hf_oracle import load_hf, router_topk
+from hf_oracle import load_hf, router_topk, sharpened_checkpoint
 
 from megarl.engines.client import SamplingParams, SGLangClient
 from megarl.engines.server import EngineSettings, SGLangEngine
@@ -99,14 +97,7 @@ def test_omp_threads_bind_splits_the_cores_evenly():
 @pytest.fixture(scope="module")
 def checkpoint(tiny_checkpoint, tmp_path_factory):
     """The tiny MoE checkpoint with its lm_head scaled by LM_HEAD_SCALE."""
-    from safetensors.torch import load_file, save_file
-
-    path = tmp_path_factory.mktemp("tiny_moe_sharp")
-    for f in Path(tiny_checkpoint).iterdir():
-        shutil.copy(f, path / f.name)
-    weights = load_file(path / "model.safetensors")
-    weights["lm_head.weight"] = weights["lm_head.weight"] * LM_HEAD_SCALE
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    path = sharpened_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("tiny_moe_sharp"), LM_HEAD_SCALE)
     return path
 
 

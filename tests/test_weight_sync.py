@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_oracle import load_hf, make_samples
+from hf_oracle import load_hf, make_samples, sharpened_checkpoint
 
 from megarl.config import default_config, load_config
 from megarl.engines.client import EngineError, PauseMode, SamplingParams, SGLangClient
@@ -41,14 +41,8 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def checkpoint(tiny_checkpoint, tmp_path_factory):
-    from safetensors.torch import load_file, save_file
-
-    path = tmp_path_factory.mktemp("tiny_moe_sync")
-    for f in Path(tiny_checkpoint).iterdir():
-        shutil.copy(f, path / f.name)
-    weights = load_file(path / "model.safetensors")
-    weights["lm_head.weight"] = weights["lm_head.weight"] * LM_HEAD_SCALE
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    """The tiny MoE checkpoint with its lm_head scaled by LM_HEAD_SCALE."""
+    path = sharpened_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("tiny_moe_sync"), LM_HEAD_SCALE)
     return str(path)
 
 
