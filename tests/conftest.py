@@ -34,7 +34,7 @@ def fake_nodes(request):
     if missing is not None:
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"multi-node tests cannot run: {missing}")
-        pytest.skip(missing)
+        pytest.skip(f"multi-node tests need root and iproute2 (CI has both and fails instead): {missing}")
     nodes = netns.FakeNodes(getattr(request.module, "FAKE_NODE_COUNT", 3))
     with nodes:
         yield nodes

@@ -111,7 +111,8 @@ def engine(request, checkpoint, tmp_path_factory):
     """One engine per configuration (float32, as megarl serves: EngineSettings.from_config)."""
     tp, ep = request.param
     if torch.cuda.is_available() and torch.cuda.device_count() < tp:
-        pytest.skip(f"TP{tp} needs {tp} GPUs, {torch.cuda.device_count()} here")
+        # on CPU (CI) every layout runs; a GPU engine needs one device per rank
+        pytest.skip(f"a TP{tp} GPU engine needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
     eng = SGLangEngine(EngineSettings(
         model_path=str(checkpoint), dtype="float32", max_total_tokens=1024, tp=tp, ep=ep,
         log_path=str(tmp_path_factory.mktemp(f"sglang_tp{tp}_ep{ep}") / "server.log"),

@@ -76,16 +76,12 @@ def packing_diffs(trainable, layout, hf):
     between packed and padded micro-batches of the same samples on the frozen model."""
     import torch
     from hf_oracle import make_samples
-    from megatron.core import parallel_state
 
     from megarl.config.schema import AlgorithmConfig
-    from megarl.trainer.packing import plan_micro_batches
     from megarl.trainer.rl_batch import build_rl_batch
-    from megarl.trainer.rl_step import micro_batches, reference_logprobs, rl_step
+    from megarl.trainer.rl_step import local_micro_batches, reference_logprobs, rl_step
 
     batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=2))
-    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    multiple = layout.tp if layout.sequence_parallel else 1
     out = {}
     for keep in (True, False):
         runs = {}
@@ -94,8 +90,8 @@ def packing_diffs(trainable, layout, hf):
                              vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=keep,
                              sequence_parallel=layout.sequence_parallel, pack=pack)
             grads = torch.cat([p.main_grad.flatten().clone() for c in trainable.chunks for p in c.parameters()])
-            plan = plan_micro_batches(batch.lengths, dp, 24, pack=pack, length_multiple=multiple)
-            micro = micro_batches(batch, plan, dp_rank, 0)
+            plan, dp_rank, micro = local_micro_batches(batch, 24, pack=pack,
+                                                       sequence_parallel=layout.sequence_parallel, pad_id=0)
             logprobs = reference_logprobs(trainable.chunks, micro, vocab_size=hf.config.vocab_size, temperature=1.0,
                                           pad_id=0, replay=keep, sequence_parallel=layout.sequence_parallel)
             per_sample = {}

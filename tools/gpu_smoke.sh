@@ -163,7 +163,7 @@ from megarl.engines.server import EngineSettings, SGLangEngine
 
 checkpoint, log_path = sys.argv[1], sys.argv[2]
 engine = SGLangEngine(EngineSettings(model_path=checkpoint, dtype="float32", device="cuda", log_path=log_path,
-                                     sampling_mask_max_tokens=20, extra_args=("--tp-size", "2")))
+                                     sampling_mask_max_tokens=20, tp=2))
 engine.start()
 
 

@@ -23,7 +23,7 @@ from megarl.algos.aggregation import denominator_share
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.config.schema import AlgorithmConfig
 from megarl.trainer.logprobs import CsrMask, vocab_parallel_logprobs
-from megarl.trainer.packing import ModelInput, model_input, plan_micro_batches, to_grid
+from megarl.trainer.packing import MicroBatchPlan, ModelInput, model_input, plan_micro_batches, to_grid
 from megarl.trainer.reference import ReferenceWeights
 from megarl.trainer.rl_batch import RLBatch, check_routing
 
@@ -175,6 +175,17 @@ def micro_batches(batch: RLBatch, plan, rank: int, pad_id: int) -> list[tuple[RL
     return out
 
 
+def local_micro_batches(batch: RLBatch, max_tokens: int, *, pack: bool, sequence_parallel: bool,
+                        pad_id: int) -> tuple[MicroBatchPlan, int, list[tuple[RLBatch, ModelInput]]]:
+    """The plan of every DP rank for ``batch``, this rank's DP index, and this rank's micro-batches."""
+    from megatron.core import parallel_state
+
+    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    plan = plan_micro_batches(batch.lengths, dp, max_tokens, pack=pack, length_multiple=tp if sequence_parallel else 1)
+    return plan, dp_rank, micro_batches(batch, plan, dp_rank, pad_id)
+
+
 def _forward_backward(chunks, micro: list, forward_step, forward_only: bool, length: int):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -230,11 +241,8 @@ def sequence_kl(chunks: list, batch: RLBatch, kl_type: str, reference: Reference
 
     from megarl.algos.kl import kl_penalty
 
-    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    plan = plan_micro_batches(batch.lengths, dp, max_tokens_per_microbatch, pack=pack,
-                              length_multiple=tp if sequence_parallel else 1)
-    micro = micro_batches(batch, plan, dp_rank, pad_id)
+    plan, dp_rank, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
+                                               sequence_parallel=sequence_parallel, pad_id=pad_id)
     kwargs = dict(vocab_size=vocab_size, temperature=temperature, pad_id=pad_id, replay=keep_routing,
                   sequence_parallel=sequence_parallel)
     current = reference_logprobs(chunks, micro, **kwargs)
@@ -248,7 +256,7 @@ def sequence_kl(chunks: list, batch: RLBatch, kl_type: str, reference: Reference
             lp, rlp = to_grid(mine, mb.cu_seqlens), to_grid(theirs, mb.cu_seqlens)
             per_token = kl_penalty(kl_type, lp, rlp, lp) * to_grid(mb.loss_mask, mb.cu_seqlens)
             local.update(zip(indices, per_token.sum(1).tolist()))
-    gathered = [None] * dp
+    gathered = [None] * len(plan.per_rank)
     torch.distributed.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
     merged = {i: value for part in gathered for i, value in part.items()}
     return [merged[i] for i in range(len(batch))]
@@ -286,12 +294,9 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
         check_routing(batch.routed_experts, config.num_layers, config.num_moe_experts)
     if algo.kl_coef != 0.0 and reference is None:
         raise ValueError("algorithm.kl_coef != 0 needs the reference policy (built with the trainer)")
-    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    plan = plan_micro_batches(batch.lengths, dp, max_tokens_per_microbatch, pack=pack,
-                              length_multiple=tp if sequence_parallel else 1)
+    plan, _, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
+                                         sequence_parallel=sequence_parallel, pad_id=pad_id)
     denominator = float(denominator_share(algo.loss_agg, to_grid(batch.loss_mask, batch.cu_seqlens)))
-    micro = micro_batches(batch, plan, dp_rank, pad_id)
     refs = [None] * len(micro)
     if reference is not None and algo.kl_coef != 0.0 and not algo.kl_in_reward:
         with reference.swapped_in():
