@@ -45,9 +45,10 @@ async def rl(cfg: DictConfig, start_checkpoint: str) -> None:
     async with open_pipeline(cfg, start_checkpoint) as pipe:
         for step in pipe.steps():
             batch = await pipe.take_batch(step)
-            penalties = await pipe.kl_penalties(batch.samples)  # KL to the reference, when in the reward
+            penalties = await pipe.kl_penalties(batch.samples, step)  # KL to the reference, when in the reward
             stats = fill_advantages(batch.samples, cfg.algorithm.advantage, penalties)
-            result = await pipe.trainer.rl_step(pipe.rl_batch(batch.samples), cfg.algorithm, **pipe.step_kwargs())
+            result = await pipe.trainer.rl_step(pipe.rl_batch(batch.samples, step), cfg.algorithm,
+                                                **pipe.step_kwargs())
             synced = await pipe.sync_weights(step)
             await pipe.end_step(step, batch, stats, result, synced)
 

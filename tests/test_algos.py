@@ -10,7 +10,7 @@ from megarl.algos.advantages import advantage_fn, dr_grpo, group_index, grpo, re
 from megarl.algos.aggregation import aggregation_fn, seq_mean_token_mean, seq_mean_token_sum, token_mean
 from megarl.algos.kl import kl_penalty
 from megarl.algos.objective import LossInputs, rl_loss
-from megarl.algos.off_policy import is_weights, masked_is, off_policy_sequence_mask, truncated_is
+from megarl.algos.off_policy import correction, masked_is, off_policy_sequence_mask, truncated_is
 from megarl.algos.policy_loss import cispo, gspo, policy_loss_fn, ppo
 from megarl.config.schema import AlgorithmConfig
 
@@ -22,7 +22,8 @@ def close(actual: torch.Tensor, expected, tol: float = 1e-6) -> bool:
     return torch.allclose(actual.detach().to(f64), torch.as_tensor(expected, dtype=f64), atol=tol, rtol=0)
 
 
-# Advantages: rewards interleave three groups: a = [1, 0, 1, 0], b = [2, 4, 9], c = [7] (alone).
+# Advantages: rewards interleave three groups: a = [1, 0, 1, 0], b = [2, 4, 9], c = [7] (alone: no baseline,
+# the raw score stays, as verl; tests/test_algos_semantics.py has the peers' formulas).
 REWARDS = torch.tensor([1.0, 2.0, 0.0, 7.0, 4.0, 1.0, 9.0, 0.0], dtype=f64)
 GROUPS = group_index(["a", "b", "a", "c", "b", "a", "b", "a"])
 
@@ -34,26 +35,27 @@ def test_group_index_numbers_groups_by_first_appearance():
 def test_grpo_by_hand():
     # a: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.5773503 -> +-0.8660254
     # b: mean 5, deviations -3, -1, 4, unbiased var 26 / 2 = 13, std 3.6055513 -> -0.8320503, -0.2773501, 1.1094004
-    # c: one sample -> 0
-    expected = [0.8660254, -0.8320503, -0.8660254, 0.0, -0.2773501, 0.8660254, 1.1094004, -0.8660254]
+    # c: one sample -> mean 0, std 1: 7 / (1 + eps)
+    expected = [0.8660254, -0.8320503, -0.8660254, 7.0, -0.2773501, 0.8660254, 1.1094004, -0.8660254]
     assert close(grpo(REWARDS, GROUPS, eps=0.0), expected)
 
 
 def test_dr_grpo_by_hand():
-    assert close(dr_grpo(REWARDS, GROUPS), [0.5, -3.0, -0.5, 0.0, -1.0, 0.5, 4.0, -0.5])
+    assert close(dr_grpo(REWARDS, GROUPS), [0.5, -3.0, -0.5, 7.0, -1.0, 0.5, 4.0, -0.5])
 
 
 def test_rloo_by_hand():
     # a: 1 - (0 + 1 + 0) / 3 = 2/3, 0 - (1 + 1 + 0) / 3 = -2/3; b: 2 - 13/2, 4 - 11/2, 9 - 6/2
-    expected = [2 / 3, -4.5, -2 / 3, 0.0, -1.5, 2 / 3, 6.0, -2 / 3]
+    expected = [2 / 3, -4.5, -2 / 3, 7.0, -1.5, 2 / 3, 6.0, -2 / 3]
     assert close(rloo(REWARDS, GROUPS), expected)
 
 
 def test_reinforce_pp_by_hand():
-    # group-centred: [0.5, -3, -0.5, 0, -1, 0.5, 4, -0.5], batch mean 0, sum of squares 27,
-    # unbiased batch std sqrt(27 / 7) = 1.9639610
-    centred = [0.5, -3.0, -0.5, 0.0, -1.0, 0.5, 4.0, -0.5]
-    assert close(reinforce_pp(REWARDS, GROUPS, eps=0.0), [c / 1.9639610 for c in centred])
+    # group-centred: [0.5, -3, -0.5, 7, -1, 0.5, 4, -0.5]; one token each: mean 7/8 = 0.875, sum of squared
+    # deviations 76 - 8 * 0.875^2 = 69.875, Bessel variance 69.875 / 7 = 9.9821429, std 3.1594529
+    centred = [0.5, -3.0, -0.5, 7.0, -1.0, 0.5, 4.0, -0.5]
+    ones = torch.ones(8, dtype=f64)
+    assert close(reinforce_pp(REWARDS, GROUPS, token_counts=ones), [(c - 0.875) / 3.1594529 for c in centred])
 
 
 def test_advantage_bad_input():
@@ -93,7 +95,7 @@ def _ppo_inputs():
         (None, [[-1.28, -0.5, 0.8, -2.0], [5.0, 2.0, 1.1, 0.0]], [[0, -0.5, 0, -2], [5, 2, 1.1, 0]],
          [[1, 0, 1, 0], [0, 0, 0, 0]]),
         (3.0, [[-1.28, -0.5, 0.8, -2.0], [3.0, 2.0, 1.1, 0.0]], [[0, -0.5, 0, -2], [0, 2, 1.1, 0]],
-         [[1, 0, 1, 0], [1, 0, 0, 0]]),
+         [[1, 0, 1, 0], [0, 0, 0, 0]]),  # token 4 is dual-clipped, not PPO-clipped (its clipped term is smaller)
     ],
 )
 def test_ppo_clip_and_dual_clip_by_hand(dual_clip, loss, grad, clipped):
@@ -103,6 +105,7 @@ def test_ppo_clip_and_dual_clip_by_hand(dual_clip, loss, grad, clipped):
     out.per_token.sum().backward()
     assert close(logp.grad, grad)
     assert out.clipped.tolist() == [[bool(c) for c in row] for row in clipped]
+    assert out.dual_clipped.tolist() == [[False] * 4, [dual_clip is not None, False, False, False]]
 
 
 def test_ppo_ratio_15_clip_02_advantage_plus_1_is_clipped_at_12():
@@ -124,7 +127,7 @@ def test_ppo_bad_input():
         ppo(logp, old, PPO_A[:, :3], PPO_MASK)
     with pytest.raises(ValueError, match=r"must all be \[B, T\]"):
         ppo(logp, old[:, :3], PPO_A, PPO_MASK)
-    with pytest.raises(ValueError, match="unknown policy_loss 'grpo'; valid: cispo, gspo, ppo"):
+    with pytest.raises(ValueError, match="unknown policy_loss 'grpo'; valid: cispo, gspo, ppo, sapo"):
         policy_loss_fn("grpo")
 
 
@@ -145,7 +148,8 @@ def test_gspo_sequence_ratio_and_shared_gradient_by_hand():
     assert out.clipped.tolist() == [[True, True, True], [False, False, False]]
     # token_mean over 5 tokens: (3 * -1.2 + 2 * 2.2103418) / 5; d/dlogp of row 1 = -A s / 5 = 0.4420684 on both
     # tokens although their own ratios differ (e^-0.1 vs e^0.3): the gradient is shared by the sequence.
-    loss = token_mean(out.per_token, mask)
+    numerator, denominator = token_mean(out.per_token, mask)
+    loss = numerator / denominator
     assert close(loss, (3 * -1.2 + 2 * 2.2103418) / 5)
     loss.backward()
     assert close(logp.grad, [[0.0, 0.0, 0.0], [0.4420684, 0.4420684, 0.0]])
@@ -154,14 +158,19 @@ def test_gspo_sequence_ratio_and_shared_gradient_by_hand():
 def test_gspo_gradient_equals_sequence_level_objective_under_seq_mean():
     # GSPO objective mean_i -A_i s_i: d/dlogp_t of row 1 = (1/2) * 2 * s / |y| = 1.1051709 / 2 = 0.5525855
     logp, old, adv, mask = _gspo_inputs()
-    seq_mean_token_mean(gspo(logp, old, adv, mask, clip_low=0.2, clip_high=0.2).per_token, mask).backward()
+    numerator, denominator = seq_mean_token_mean(gspo(logp, old, adv, mask, clip_low=0.2, clip_high=0.2).per_token,
+                                                 mask)
+    (numerator / denominator).backward()
     assert close(logp.grad, [[0.0, 0.0, 0.0], [0.5525855, 0.5525855, 0.0]])
 
 
-def test_gspo_rejects_dual_clip():
+def test_rl_loss_rejects_settings_of_another_policy_loss():
     logp, old, adv, mask = _gspo_inputs()
+    inputs = LossInputs(logprobs=logp, old_logprobs=old, advantages=adv, loss_mask=mask)
     with pytest.raises(ValueError, match="dual_clip applies to the ppo policy loss only"):
-        gspo(logp, old, adv, mask, dual_clip=3.0)
+        rl_loss(inputs, AlgorithmConfig(policy_loss="gspo", dual_clip=3.0))
+    with pytest.raises(ValueError, match="clip_absolute applies to the cispo policy loss only"):
+        rl_loss(inputs, AlgorithmConfig(policy_loss="ppo", clip_absolute=True))
 
 
 # CISPO, band [0.8, 1.2], old log-prob -1: L = -sg(clip(r)) A logp.
@@ -174,7 +183,7 @@ def test_cispo_detached_clipped_weight_by_hand():
             + torch.tensor([[ln(1.5), ln(0.9), ln(0.5)]], dtype=f64)).requires_grad_()
     out = cispo(logp, old, torch.tensor([[1.0, -1.0, 2.0]], dtype=f64), torch.ones(1, 3, dtype=f64))
     assert close(out.per_token, [[0.7134419, -0.9948245, 2.7090355]])
-    assert out.clipped.tolist() == [[True, False, True]]
+    assert out.clipped_high.tolist() == [[True, False, False]] and out.clipped_low.tolist() == [[False, False, True]]
     out.per_token.sum().backward()
     # the clipped tokens still learn (unlike PPO), and the ratio adds nothing: a ratio with gradient
     # would give -A (w + r logp) instead, e.g. 0.9 + 0.9 * -1.1053605 on the middle token
@@ -188,35 +197,37 @@ AGG_M = torch.tensor([[1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0
 
 
 @pytest.mark.parametrize(
-    "name, own, global_10",
+    "name, numerator, denominator",
     [
-        ("token_mean", (1 + 2 + 5 + 6 + 7) / 5, 21 / 10),  # 4.2
-        ("seq_mean_token_mean", (1.5 + 6.0) / 2, 7.5 / 10),  # the empty row is not a sequence
-        ("seq_mean_token_sum", (3 + 18) / 2, 21 / 10),
+        ("token_mean", 1 + 2 + 5 + 6 + 7, 5),  # 21 / 5 = 4.2
+        ("seq_mean_token_mean", 1.5 + 6.0, 2),  # the empty row is not a sequence
+        ("seq_mean_token_sum", 3 + 18, 2),
+        ("seq_mean_token_sum_norm", 3 + 18, 3 * 4),  # every row, padded length 4
     ],
 )
-def test_aggregation_by_hand(name, own, global_10):
-    fn = aggregation_fn(name)
-    assert close(fn(AGG_L, AGG_M), own)
-    assert close(fn(AGG_L, AGG_M, 10.0), global_10)
+def test_aggregation_by_hand(name, numerator, denominator):
+    num, den = aggregation_fn(name)(AGG_L, AGG_M)
+    assert close(num, numerator) and close(den, denominator)
 
 
 def test_aggregation_weights_in_gradient():
     # seq_mean_token_mean: d/dL of row 0 tokens = 1/2 * 1/2, row 1 tokens = 1/2 * 1/3
     per_token = torch.zeros(2, 3, dtype=f64, requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=f64)
-    seq_mean_token_mean(per_token, mask).backward()
+    numerator, denominator = seq_mean_token_mean(per_token, mask)
+    (numerator / denominator).backward()
     assert close(per_token.grad, [[0.25, 0.25, 0.0], [1 / 6, 1 / 6, 1 / 6]])
     per_token.grad = None
-    seq_mean_token_sum(per_token, mask).backward()
+    numerator, denominator = seq_mean_token_sum(per_token, mask)
+    (numerator / denominator).backward()
     assert close(per_token.grad, [[0.5, 0.5, 0.0], [0.5, 0.5, 0.5]])
 
 
 def test_aggregation_bad_input():
     with pytest.raises(ValueError, match="unknown loss_agg 'mean'"):
         aggregation_fn("mean")
-    with pytest.raises(ValueError, match="denominator must be > 0"):
-        token_mean(AGG_L, AGG_M, 0.0)
+    with pytest.raises(ValueError, match="needs a constant loss_scale_factor > 0"):
+        aggregation_fn("seq_mean_token_sum_norm", "${rollout.max_new_tokens}")(AGG_L, AGG_M)
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         token_mean(AGG_L, AGG_M[:, :2])
 
@@ -248,7 +259,7 @@ def test_kl_estimators_by_hand(name, value, grad):
 
 def test_kl_bad_input():
     logp = torch.zeros(1, 2, dtype=f64)
-    with pytest.raises(ValueError, match="unknown kl_type 'k4'; valid: k1, k2, k3, k3_is"):
+    with pytest.raises(ValueError, match="unknown kl_type 'k4'; valid: k1, k1_is, k2, k2_is, k3, k3_is, low_var_kl"):
         kl_penalty("k4", logp, logp)
     with pytest.raises(ValueError, match="k3_is needs old_logprobs"):
         kl_penalty("k3_is", logp, logp)
@@ -267,33 +278,39 @@ def _off_policy_inputs():
 
 
 @pytest.mark.parametrize(
-    "fn, level, expected",
+    "level, truncated, masked_keep",
     [
-        (truncated_is, "token", [[2.0, 0.4, 1.5], [0.3, 1.5, 0.0]]),
-        (masked_is, "token", [[0.0, 0.0, 1.5], [0.0, 1.5, 0.0]]),
-        (truncated_is, "sequence", [[1.8, 1.8, 1.8], [0.45, 0.45, 0.0]]),
-        (masked_is, "sequence", [[1.8, 1.8, 1.8], [0.0, 0.0, 0.0]]),
+        ("token", [[2.0, 0.4, 1.5], [0.3, 1.5, 0.0]], [[False, False, True], [False, True, False]]),
+        ("sequence", [[1.8, 1.8, 1.8], [0.45, 0.45, 0.0]], [[True, True, True], [False, False, False]]),
     ],
 )
-def test_importance_weights_by_hand(fn, level, expected):
+def test_importance_weights_by_hand(level, truncated, masked_keep):
     old, rollout = _off_policy_inputs()
-    weights = fn(old, rollout, OP_MASK, 2.0, level)
-    assert close(weights, expected)
+    weights = truncated_is(old, rollout, OP_MASK, 2.0, level)
+    assert close(weights, truncated)
     assert not weights.requires_grad
+    weights, keep = masked_is(old, rollout, OP_MASK, 2.0, level)  # rejected tokens leave the mask, kept keep w
+    assert keep.tolist() == masked_keep
+    assert close(weights, [[3.0, 0.4, 1.5], [0.3, 1.5, 0.0]] if level == "token" else [[1.8] * 3, [0.45, 0.45, 0.0]])
 
 
-def test_is_weights_selects_by_config_names():
+def test_correction_selects_by_config_names():
     old, rollout = _off_policy_inputs()
-    assert close(is_weights("tis", "token", old, rollout, OP_MASK, 2.0), [[2.0, 0.4, 1.5], [0.3, 1.5, 0.0]])
-    assert close(is_weights("none", "token", old, None, OP_MASK, 2.0), OP_MASK)
+    tis = correction("tis", "token", old, rollout, OP_MASK, 2.0)
+    assert close(tis.weights, [[2.0, 0.4, 1.5], [0.3, 1.5, 0.0]]) and tis.keep.tolist() == (OP_MASK > 0).tolist()
+    assert close(correction("none", "token", old, None, OP_MASK, 2.0).weights, OP_MASK)
     with pytest.raises(ValueError, match="unknown off_policy_correction 'pis'; valid: none, tis, mis"):
-        is_weights("pis", "token", old, rollout, OP_MASK, 2.0)
-    with pytest.raises(ValueError, match="unknown off_policy_level 'batch'; valid: token, sequence"):
-        is_weights("tis", "batch", old, rollout, OP_MASK, 2.0)
+        correction("pis", "token", old, rollout, OP_MASK, 2.0)
+    with pytest.raises(ValueError, match="unknown off_policy_level 'batch'; valid: token, sequence, geometric"):
+        correction("tis", "batch", old, rollout, OP_MASK, 2.0)
     with pytest.raises(ValueError, match="needs rollout_logprobs"):
-        is_weights("mis", "token", old, None, OP_MASK, 2.0)
+        correction("mis", "token", old, None, OP_MASK, 2.0)
+    with pytest.raises(ValueError, match="off_policy_veto_threshold needs rollout_logprobs"):
+        correction("none", "token", old, None, OP_MASK, 2.0, veto_threshold=1e-4)
     with pytest.raises(ValueError, match="is_threshold must be >= 1"):
         truncated_is(old, rollout, OP_MASK, 0.5)
+    with pytest.raises(ValueError, match=r"is_threshold_low must be in \[0, 1\]"):
+        masked_is(old, rollout, OP_MASK, 2.0, threshold_low=1.5)
 
 
 def test_off_policy_sequence_mask_by_hand():
@@ -303,7 +320,7 @@ def test_off_policy_sequence_mask_by_hand():
     rollout = torch.full((3, 3), -1.0, dtype=f64)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0], [1.0, 1.0, 0.0]], dtype=f64)
     keep = off_policy_sequence_mask(logp, rollout, torch.tensor([-1.0, 1.0, -1.0], dtype=f64), mask, max_kl=0.1)
-    assert keep.tolist() == [0.0, 1.0, 1.0]
+    assert keep.tolist() == [False, True, True]
 
 
 def test_rl_loss_combines_the_configured_terms_by_hand():
@@ -322,8 +339,9 @@ def test_rl_loss_combines_the_configured_terms_by_hand():
         rollout_logprobs=torch.tensor([[-1.0 - ln(4), -2.0]], dtype=f64),
     )
     out = rl_loss(batch, cfg)
-    assert close(out.loss, -1.495)
-    assert close(out.metrics["pg_loss"], -1.5) and close(out.metrics["is_weight_mean"], 1.5)
+    assert close(out.loss, -1.495) and close(out.denominator_share, 2) and close(out.loss_sum, -2.99)
+    assert close(out.sums["pg_loss"], -3.0) and close(out.sums["is_weight_mean"], 3.0)
+    assert close(out.sums["kl"], 0.5) and close(out.sums["entropy"], 4.0) and close(out.trained_tokens, 2)
     out.loss.backward()
     assert close(logp.grad, [[-0.95, -0.45]])
     with pytest.raises(ValueError, match="kl_coef != 0 needs ref_logprobs"):
@@ -342,5 +360,5 @@ def test_rl_loss_drops_negative_far_off_policy_sequences():
                         loss_mask=torch.ones(2, 2, dtype=torch.float64), rollout_logprobs=rollout)
     masked = rl_loss(inputs, AlgorithmConfig(off_policy_mask_kl=0.1))
     assert masked.loss.item() == pytest.approx(-1.0)
-    assert masked.metrics["off_policy_masked_sequences"].item() == 1
+    assert masked.sums["rejected_sequences"].item() == 1 and masked.sums["rejected_tokens"].item() == 2
     assert rl_loss(inputs, AlgorithmConfig()).loss.item() == pytest.approx(0.0)

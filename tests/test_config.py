@@ -48,11 +48,18 @@ BAD_INPUTS = [
     (["algorithm.advantage=ppo"], "algorithm.advantage", "'ppo' is not one of grpo, dr_grpo, rloo, reinforce_pp"),
     (["algorithm.policy_loss=ppoo"], "algorithm.policy_loss", "'ppoo' is not one of ppo, gspo, cispo"),
     (["algorithm.loss_agg=sum"], "algorithm.loss_agg", "is not one of token_mean, seq_mean_token_mean"),
-    (["algorithm.kl_type=k4"], "algorithm.kl_type", "'k4' is not one of k1, k2, k3, k3_is"),
+    (["algorithm.kl_type=k4"], "algorithm.kl_type", "'k4' is not one of k1, k2, k3, low_var_kl, k1_is, k2_is, k3_is"),
     (["algorithm.off_policy_correction=is"], "algorithm.off_policy_correction", "'is' is not one of none, tis, mis"),
     (["algorithm.off_policy_level=batch"], "algorithm.off_policy_level", "'batch' is not one of token, sequence"),
     (["algorithm.dual_clip=3", "algorithm.policy_loss=gspo"], "algorithm.dual_clip", "ppo policy loss only"),
     (["algorithm.is_threshold=0.5"], "algorithm.is_threshold", "must be >= 1"),
+    (["algorithm.is_threshold_low=1.5"], "algorithm.is_threshold_low", "must be in [0, 1]"),
+    (["algorithm.off_policy_veto_threshold=0"], "algorithm.off_policy_veto_threshold", "must be in (0, 1]"),
+    (["algorithm.sapo_tau_neg=0"], "algorithm.sapo_tau_neg", "must be > 0"),
+    (["algorithm.clip_absolute=true"], "algorithm.clip_absolute", "cispo policy loss only"),
+    (["algorithm.policy_loss=cispo", "algorithm.clip_absolute=true", "algorithm.clip_high=0.5"], "algorithm.clip_low",
+     "absolute bounds need 0 <= clip_low <= 1 <= clip_high"),
+    (["algorithm.loss_scale_factor=0"], "algorithm.loss_scale_factor", "must be >= 1"),
     (["rollout.top_p=0"], "rollout.top_p", "must be in (0, 1]"),
     (["rollout.max_new_tokens=0"], "rollout.max_new_tokens", "must be >= 1"),
     (["reward.type=bleu"], "reward.type", "'bleu' is not one of arithmetic, exact_match, math, remote, function"),
@@ -129,6 +136,17 @@ def test_every_registered_name_loads_and_the_defaults_are_registered(tmp_path):
         assert default in names or (key, default) == ("sync.transport", "auto"), key
         for name in names:
             load_config(["recipe=tiny_moe_cpu", f"{key}={name}", *_companions(key, name, tmp_path)])
+
+
+def test_every_name_valued_algorithm_key_has_a_registry():
+    """A misspelt algorithm name fails at load with the valid names only if its key is in REGISTRIES."""
+    import dataclasses
+
+    from megarl.config.schema import AlgorithmConfig
+    from megarl.config.validate import REGISTRIES
+
+    names = [f.name for f in dataclasses.fields(AlgorithmConfig) if f.type in ("str", str)]
+    assert names and all(f"algorithm.{name}" in REGISTRIES for name in names), names
 
 
 # --- inputs an RL run reads, checked by the driver before it starts anything ----------------------

@@ -37,6 +37,8 @@ def prompts_jsonl(tmp_path) -> Path:
 CASES = {
     "misspelt_policy_loss": (["algorithm.policy_loss=ppoo"], "algorithm.policy_loss",
                              ["'ppoo' is not one of ppo, gspo, cispo"]),
+    "misspelt_kl_type": (["algorithm.kl_type=low_var"], "algorithm.kl_type",
+                         ["'low_var' is not one of k1, k2, k3, low_var_kl, k1_is, k2_is, k3_is"]),
     "missing_dataset": (["task.name=jsonl", "task.path=/nope.jsonl"], "task.path", ["/nope.jsonl does not exist"]),
     "dataset_without_prompt_field": (["task.name=jsonl", "task.path={dataset}", "task.prompt_key=question"],
                                      "task.prompt_key", ["'question' is not a field of", "rows have prompt, answer"]),

@@ -77,15 +77,26 @@ def _worker(rank, port, results):
         "masked": _sharded(logits, targets, mask, w_logp, w_ent, rank * size, size, group),
         "unmasked": _sharded(logits, targets, None, w_logp, w_ent, rank * size, size, group),
     }
-    outside = _csr([[v for v in range(V) if v != int(targets[0])][:3]] + rows[1:])  # row 0 lacks its target
-    for name, args in {"outside_mask": (targets, outside), "outside_vocab": (torch.full((N,), V), None)}.items():
-        try:
-            vocab_parallel_logprobs(logits[:, rank * size : (rank + 1) * size], rank * size, args[0], args[1], group)
-            out[name] = None
-        except ValueError as err:
-            out[name] = str(err)
+    outside = _csr(_outside_rows(targets, rows))
+    out["outside_mask"] = _sharded(logits, targets, outside, w_logp, w_ent, rank * size, size, group)
+    out["outside_count"] = vocab_parallel_logprobs(logits[:, rank * size : (rank + 1) * size], rank * size, targets,
+                                                   outside, group).outside_mask.item()
+    try:
+        vocab_parallel_logprobs(logits[:, rank * size : (rank + 1) * size], rank * size, torch.full((N,), V), None,
+                                group)
+        out["outside_vocab"] = None
+    except ValueError as err:
+        out["outside_vocab"] = str(err)
     torch.save(out, f"{results}/rank{rank}.pt")
     dist.destroy_process_group()
+
+
+def _outside_rows(targets, rows):
+    """``rows`` with the target taken out of rows 0 (its mask then lies on the other shard) and 3."""
+    out = [list(r) for r in rows]
+    out[0] = [v for v in range(V) if v != int(targets[0]) and v // (V // TP) != int(targets[0]) // (V // TP)][:3]
+    out[3] = [v for v in rows[3] if v != int(targets[3])]
+    return out
 
 
 def _free_port() -> int:
@@ -128,9 +139,25 @@ def test_entropy_is_unmasked_and_no_mask_is_plain_log_softmax_under_tp2(tp2):
     assert (grad - ref_grad).abs().max() < 1e-6
 
 
-def test_bad_targets_raise_on_every_rank_under_tp2(tp2):
+def test_target_outside_its_mask_is_kept_and_counted_on_every_rank_under_tp2(tp2):
+    """The log-prob (and gradient) is that over the mask plus the target, computed densely."""
+    logits, targets, _, rows, w_logp, w_ent = _case()
+    outside = _outside_rows(targets, rows)
+    assert all(int(targets[i]) not in outside[i] and outside[i] for i in (0, 3))
+    union = [sorted(set(r) | {int(targets[i])}) if r else r for i, r in enumerate(outside)]
+    ref_logp, _, ref_grad = _dense_reference(logits, targets, union, w_logp, w_ent)
+    for i in (0, 3):  # independently: log-softmax over the union's logits, at the target's place in it
+        assert ref_logp[i].item() == pytest.approx(
+            torch.log_softmax(logits[i, union[i]], -1)[union[i].index(int(targets[i]))].item())
     for rank_out in tp2:
-        assert "not in its sampling mask" in rank_out["outside_mask"] and "position 0" in rank_out["outside_mask"]
+        assert rank_out["outside_count"] == 2
+        assert (rank_out["outside_mask"][0] - ref_logp).abs().max() < 1e-6
+    grad = torch.cat([rank_out["outside_mask"][2] for rank_out in tp2], dim=1)
+    assert (grad - ref_grad).abs().max() < 1e-6
+
+
+def test_target_outside_the_vocabulary_raises_on_every_rank_under_tp2(tp2):
+    for rank_out in tp2:
         assert "outside the vocabulary" in rank_out["outside_vocab"]
 
 
@@ -150,6 +177,8 @@ def test_float32_close_to_float64_reference():
     assert out.logprobs.dtype == torch.float32
     assert (out.logprobs.double() - ref_logp).abs().max() < 1e-5
     assert (out.entropy.double() - ref_ent).abs().max() < 1e-5
+    assert out.outside_mask.dtype == torch.long and out.outside_mask.item() == 0
+    assert vocab_parallel_logprobs(logits, 0, targets).outside_mask.item() == 0
 
 
 @pytest.mark.parametrize(

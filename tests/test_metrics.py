@@ -24,14 +24,31 @@ def test_rows_round_trip_and_non_finite_values_become_null(tmp_path):
 
 
 def test_plot_draws_the_logged_series(tmp_path):
+    """Reward in one panel; fresh-token mismatch and stale-token drift together in the other (step 1
+    had no stale tokens, so no drift row)."""
     sink = MetricsFile(tmp_path)
     for step in range(1, 6):
-        sink.log(step, {"reward/mean": step / 10, "mismatch/logprob_abs_diff": 1e-4 * step})
+        sink.log(step, {"reward/mean": step / 10, "mismatch/logprob_abs_diff": 1e-4 * step,
+                        **({"staleness/logprob_drift": 1e-2 * step} if step > 1 else {})})
     sink.close()
     path, series = plot_run(tmp_path)
     assert series == {"reward/mean": [(s, s / 10) for s in range(1, 6)],
-                      "mismatch/logprob_abs_diff": [(s, 1e-4 * s) for s in range(1, 6)]}
+                      "mismatch/logprob_abs_diff": [(s, 1e-4 * s) for s in range(1, 6)],
+                      "staleness/logprob_drift": [(s, 1e-2 * s) for s in range(2, 6)]}
     assert Image.open(path).size == (1000, 350)  # two panels of 5 x 3.5 inches at 100 dpi
+
+
+def test_plot_of_a_run_with_only_drift_or_only_warmup(tmp_path):
+    sink = MetricsFile(tmp_path)
+    sink.log(1, {"staleness/logprob_drift": 0.1})
+    sink.close()
+    path, series = plot_run(tmp_path)
+    assert series == {"staleness/logprob_drift": [(1, 0.1)]} and Image.open(path).size == (500, 350)
+    warmup = tmp_path / "warmup"
+    sink = MetricsFile(warmup)
+    sink.log(1, {"warmup/loss": 5.0})
+    sink.close()
+    assert plot_run(warmup)[1] == {"warmup/loss": [(1, 5.0)]}
 
 
 def test_tensorboard_scalars_read_back_equal_the_logged_values(tmp_path):

@@ -70,6 +70,7 @@ def synthetic_batch(vocab: int, layers: int, experts: int, topk: int, seed: int 
     mask = CsrMask(torch.tensor([i for r in rows for i in r], dtype=torch.long), offsets)
     return RLBatch(tokens=tokens.reshape(-1), targets=targets.reshape(-1), loss_mask=loss_mask.reshape(-1),
                    rollout_logprobs=(torch.full((B, S), -3.0) * loss_mask).reshape(-1),
+                   staleness=torch.zeros(B * S, dtype=torch.int32),
                    cu_seqlens=torch.arange(B + 1) * S, advantages=torch.randn(B, generator=gen),
                    routed_experts=routed.reshape(B * S, layers, topk).to(torch.int16), sampling_mask=mask)
 

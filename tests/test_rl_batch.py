@@ -8,11 +8,12 @@ from megarl.trainer.logprobs import vocab_parallel_logprobs
 from megarl.trainer.rl_batch import build_rl_batch, check_routing
 
 
-def sample(prompt, response, routed=True, mask_rows=None, advantage=1.0, L=2, k=2):
+def sample(prompt, response, routed=True, mask_rows=None, advantage=1.0, L=2, k=2, versions=None):
     T = len(prompt) + len(response)
     return RolloutSample(
         prompt_ids=prompt, response_ids=response, loss_mask=np.ones(len(response), np.uint8),
-        rollout_logprobs=np.full(len(response), -0.5, np.float32), model_version=np.zeros(len(response), np.int32),
+        rollout_logprobs=np.full(len(response), -0.5, np.float32),
+        model_version=np.zeros(len(response), np.int32) if versions is None else np.asarray(versions, np.int32),
         routed_experts=np.tile(np.array([[2, 3]], np.int16), (T - 1, L, 1)).reshape(T - 1, L, k) if routed else None,
         sampling_mask=None if mask_rows is None else SamplingMask.from_rows(mask_rows),
         finish_reason=FinishReason.STOP, advantage=advantage,
@@ -26,6 +27,7 @@ def test_response_tokens_land_on_the_positions_that_predict_them():
     assert batch.targets.tolist() == [5, 6, 7, 2, 4, 8]
     assert batch.loss_mask.tolist() == [0, 0, 1, 1, 0, 1]
     assert batch.rollout_logprobs.tolist() == [0, 0, -0.5, -0.5, 0, -0.5]
+    assert batch.staleness.dtype == torch.int32 and batch.staleness.tolist() == [0] * 6  # no trainer version: fresh
     assert batch.routed_experts.dtype == torch.int16 and batch.routed_experts[5, 0].tolist() == [2, 3]
     # CSR over the 6 positions: rows 2 and 3 of sample 0 hold its mask; all others are empty (full vocab)
     offsets = batch.sampling_mask.offsets.tolist()
@@ -40,6 +42,21 @@ def test_response_tokens_land_on_the_positions_that_predict_them():
         [[], [], [], [], [7, 9], [2]]
 
 
+def test_staleness_per_token_from_the_version_that_generated_it():
+    # sample 0 is a partial rollout: its first response token from version 3, the next two from 4
+    samples = [sample([1, 5, 6], [7, 2, 3], versions=[3, 4, 4]), sample([1, 4], [8], versions=[5])]
+    batch = build_rl_batch(samples, trainer_version=5)
+    assert batch.staleness.dtype == torch.int32
+    assert batch.staleness.tolist() == [0, 0, 2, 1, 1, 0, 0]
+    assert batch.loss_mask.tolist() == [0, 0, 1, 1, 1, 0, 1]  # prompt positions stay 0 in both
+    swapped = batch.select([1, 0])
+    assert swapped.staleness.dtype == torch.int32 and swapped.staleness.tolist() == [0, 0, 0, 0, 2, 1, 1]
+    assert swapped.select([1, 0]).staleness.tolist() == batch.staleness.tolist()
+    assert build_rl_batch(samples).staleness.tolist() == [0] * 7
+    with pytest.raises(ValueError, match="version 5, newer than the trainer's 4"):
+        build_rl_batch(samples, trainer_version=4)
+
+
 def test_masked_logprob_of_a_batch_equals_log_softmax_over_the_kept_ids():
     batch = build_rl_batch([sample([1, 5, 6], [7, 2], mask_rows=[[7, 9], [2]])])
     logits = torch.randn(4, 12, dtype=torch.float64)
@@ -47,6 +64,17 @@ def test_masked_logprob_of_a_batch_equals_log_softmax_over_the_kept_ids():
     assert out.logprobs[2].item() == pytest.approx(torch.log_softmax(logits[2, [7, 9]], -1)[0].item())
     assert out.logprobs[3].item() == pytest.approx(0.0)  # a mask that keeps only the sampled token
     assert out.logprobs[0].item() == pytest.approx(torch.log_softmax(logits[0], -1)[5].item())  # no mask
+    assert out.outside_mask.item() == 0
+
+
+def test_sampled_token_outside_its_mask_is_kept_and_counted():
+    batch = build_rl_batch([sample([1, 5], [7, 2], mask_rows=[[8, 9], [2, 3]])])  # 7 not among [8, 9]
+    logits = torch.randn(3, 12, dtype=torch.float64)
+    out = vocab_parallel_logprobs(logits, 0, batch.targets, batch.sampling_mask)
+    assert out.outside_mask.item() == 1
+    assert out.logprobs[1].item() == pytest.approx(torch.log_softmax(logits[1, [7, 8, 9]], -1)[0].item())
+    assert out.logprobs[2].item() == pytest.approx(torch.log_softmax(logits[2, [2, 3]], -1)[0].item())
+    assert batch.loss_mask.tolist() == [0, 1, 1]
 
 
 def test_bad_samples_are_rejected():
@@ -56,9 +84,6 @@ def test_bad_samples_are_rejected():
         RolloutSample(prompt_ids=[1], response_ids=[2, 3], loss_mask=np.ones(1, np.uint8),
                       rollout_logprobs=np.zeros(2, np.float32), model_version=np.zeros(2, np.int32),
                       routed_experts=None, sampling_mask=None, finish_reason=FinishReason.STOP)
-    with pytest.raises(ValueError, match="is not in its sampling mask"):
-        batch = build_rl_batch([sample([1, 5], [7], mask_rows=[[8, 9]])])
-        vocab_parallel_logprobs(torch.randn(2, 12), 0, batch.targets, batch.sampling_mask)
 
 
 def test_bad_routing_is_rejected():

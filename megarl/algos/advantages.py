@@ -1,9 +1,15 @@
 """Outcome advantages from per-sequence rewards and their prompt groups.
 
 Every estimator takes ``rewards`` float [B] and ``group_ids`` int64 [B] (equal ids = same prompt;
-:func:`group_index` turns the samples' string ``group_id`` into such a tensor) and returns float [B].
-Standard deviations are the unbiased (Bessel-corrected) ones; a group of one sample has no baseline
-and gets advantage 0, and so does every sample of a group (or batch) whose rewards are all equal.
+:func:`group_index` turns the samples' string ``group_id`` into such a tensor) and returns float [B];
+``reinforce_pp`` also takes ``token_counts`` [B], each sample's trained tokens (see
+:data:`TOKEN_WEIGHTED`). Standard deviations are the unbiased (Bessel-corrected) ones.
+
+Groups of one sample follow verl (``verl/trainer/ppo/core_algos.py``: ``compute_grpo_outcome_advantage``,
+``compute_rloo_outcome_advantage``, ``compute_reinforce_plus_plus_baseline_outcome_advantage`` set a
+single-sample group's mean to 0 and its std to 1): such a group has no baseline, so the sample keeps
+its raw score: ``r`` (dr_grpo, rloo, the reinforce_pp baseline step) or ``r / (1 + eps)`` (grpo).
+A group of several samples whose rewards are all equal gets advantage exactly 0 (verl: 0 / (0 + eps)).
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import torch
 from megarl.algos.registry import choose
 from megarl.sample import RolloutSample
 
-AdvantageFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+AdvantageFn = Callable[..., torch.Tensor]
 
 
 def group_index(group_ids: Sequence[Hashable]) -> torch.Tensor:
@@ -33,25 +39,28 @@ def _check(rewards: torch.Tensor, group_ids: torch.Tensor) -> None:
 
 
 def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-sample (group size n_g, group mean, unbiased group std; std = 0 when n_g = 1)."""
+    """Per-sample (group size n_g, baseline, unbiased group std): baseline = group mean and std as
+    computed when n_g > 1; baseline 0 and std 1 when n_g = 1 (verl's convention, module docstring)."""
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
     sums = torch.zeros(len(counts), dtype=rewards.dtype, device=rewards.device).index_add_(0, inverse, rewards)
     n = counts.to(rewards.dtype)[inverse]
     mean = (sums / counts.to(rewards.dtype))[inverse]
     sq = torch.zeros_like(sums).index_add_(0, inverse, (rewards - mean) ** 2)[inverse]
-    std = torch.where(n > 1, sq / (n - 1).clamp(min=1), torch.zeros_like(sq)).sqrt()
-    return n, mean, std
+    alone = n == 1
+    std = torch.where(alone, torch.ones_like(sq), (sq / (n - 1).clamp(min=1)).sqrt())
+    return n, torch.where(alone, torch.zeros_like(mean), mean), std
 
 
 def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """GRPO: ``A_i = (r_i - mean_g(r)) / (std_g(r) + eps)`` over the sample's group g."""
+    """GRPO: ``A_i = (r_i - mean_g(r)) / (std_g(r) + eps)`` over the sample's group g; 0 where the group's
+    rewards are all equal (std 0), ``r_i / (1 + eps)`` for a group of one."""
     _check(rewards, group_ids)
     _, mean, std = _group_stats(rewards, group_ids)
     return torch.where(std > 0, (rewards - mean) / (std + eps), torch.zeros_like(rewards))
 
 
 def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
-    """Dr.GRPO: ``A_i = r_i - mean_g(r)`` (no division by the group std)."""
+    """Dr.GRPO: ``A_i = r_i - mean_g(r)`` (no division by the group std); ``r_i`` for a group of one."""
     _check(rewards, group_ids)
     _, mean, _ = _group_stats(rewards, group_ids)
     return rewards - mean
@@ -60,26 +69,39 @@ def dr_grpo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
 def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """RLOO: ``A_i = r_i - (sum_g(r) - r_i) / (n_g - 1)``, the mean of the other samples of the group.
 
-    Equivalently ``n_g / (n_g - 1) * (r_i - mean_g(r))``; 0 for a group of one.
+    Equivalently ``n_g / (n_g - 1) * (r_i - mean_g(r))``; ``r_i`` for a group of one.
     """
     _check(rewards, group_ids)
     n, mean, _ = _group_stats(rewards, group_ids)
-    return torch.where(n > 1, n / (n - 1).clamp(min=1) * (rewards - mean), torch.zeros_like(rewards))
+    return torch.where(n > 1, n / (n - 1).clamp(min=1) * (rewards - mean), rewards)
 
 
-def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """REINFORCE++ with baseline: ``a_i = r_i - mean_g(r)``, then ``A_i = (a_i - mean(a)) / (std(a) + eps)``.
+def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor, *, token_counts: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++-baseline: ``a_i = r_i - mean_g(r)``, then whitened over the batch's trained tokens.
 
-    The second step normalises over the whole batch (all B samples), not per group.
+    As verl's ``compute_reinforce_plus_plus_baseline_outcome_advantage`` (``verl/trainer/ppo/core_algos.py``),
+    which broadcasts ``a_i`` to the sample's n_i trained tokens and applies ``verl_F.masked_whiten``
+    (``verl/utils/torch_functional.py``): with ``N = sum_i n_i``, ``mu = sum_i n_i a_i / N``,
+    ``var = sum_i n_i (a_i - mu)^2 / (N - 1)`` (Bessel over tokens), ``A_i = (a_i - mu) * rsqrt(var + 1e-8)``.
+    (verl's masked_mean divides by ``N + 1e-8``; here by N.) ``token_counts`` float or int [B] = n_i,
+    each sample's trained tokens (loss-mask sum); needs ``N >= 2``.
     """
-    centred = dr_grpo(rewards, group_ids)
-    if centred.numel() < 2:
-        raise ValueError("reinforce_pp normalises over the batch and needs at least 2 samples")
-    std = centred.std()
-    return (centred - centred.mean()) / (std + eps) if std > 0 else torch.zeros_like(centred)
+    _check(rewards, group_ids)
+    if token_counts.shape != rewards.shape:
+        raise ValueError(f"token_counts must be [B] = {tuple(rewards.shape)}, got {tuple(token_counts.shape)}")
+    _, mean, _ = _group_stats(rewards, group_ids)
+    centred = rewards - mean
+    n = token_counts.to(rewards.dtype)
+    total = n.sum()
+    if total < 2:
+        raise ValueError(f"reinforce_pp whitens over the batch's trained tokens and needs at least 2, got {total}")
+    mu = (n * centred).sum() / total
+    var = (n * (centred - mu) ** 2).sum() / (total - 1)
+    return (centred - mu) * torch.rsqrt(var + 1e-8)
 
 
 ADVANTAGES: dict[str, AdvantageFn] = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp}
+TOKEN_WEIGHTED = frozenset({"reinforce_pp"})  # estimators that also take token_counts [B]
 
 
 def advantage_fn(name: str) -> AdvantageFn:
@@ -98,11 +120,18 @@ class BatchStats:
 def fill_advantages(samples: list[RolloutSample], estimator: str,
                     penalties: Sequence[float] | None = None) -> BatchStats:
     """Set each sample's advantage with the configured estimator over its prompt group, from its
-    reward minus its penalty (e.g. the KL to the reference); the stats are of the rewards."""
+    reward minus its penalty (e.g. the KL to the reference); the stats are of the rewards. Token-weighted
+    estimators get each sample's trained tokens (``loss_mask`` sum) as ``token_counts``."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     groups = group_index([s.group_id for s in samples])
     scores = rewards if penalties is None else rewards - torch.tensor(list(penalties), dtype=torch.float64)
-    for sample, value in zip(samples, advantage_fn(estimator)(scores, groups).tolist()):
+    fn = advantage_fn(estimator)
+    if estimator in TOKEN_WEIGHTED:
+        counts = torch.tensor([int(s.loss_mask.sum()) for s in samples], dtype=torch.float64)
+        advantages = fn(scores, groups, token_counts=counts)
+    else:
+        advantages = fn(scores, groups)
+    for sample, value in zip(samples, advantages.tolist()):
         sample.advantage = value
     group_min = torch.full((int(groups.max()) + 1,), float("inf"),
                            dtype=torch.float64).scatter_reduce(0, groups, rewards, "amin")

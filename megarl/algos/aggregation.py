@@ -1,18 +1,22 @@
-"""Reduce a per-token loss [B, T] to a scalar under a float ``loss_mask`` [B, T] (m).
+"""Reduce a per-token loss [B, T] under a float ``loss_mask`` [B, T] (m) to a (numerator, denominator) pair.
 
-``denominator`` is the global normaliser when one batch is split into micro-batches or DP ranks
-whose losses are summed: the total ``sum(m)`` for token_mean, the total number of sequences with
-at least one trained token for the sequence means. None = this batch's own.
+Each aggregation returns this batch's numerator (differentiable scalar) and its share of the
+denominator (scalar, no gradient); the loss is ``numerator / denominator``. A batch split into
+micro-batches or DP ranks sums both over the parts and divides once (megatron's
+``calculate_per_token_loss``), which gives exactly the loss of the whole batch. Rejected tokens are
+already 0 in m, so they leave both (``megarl.algos.objective``). The names are verl's ``loss_agg_mode``
+(``verl/trainer/ppo/core_algos.py``, ``agg_loss``) with ``_`` for ``-``.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Optional
 
 import torch
 
 from megarl.algos.registry import choose
 
-AggregationFn = Callable[[torch.Tensor, torch.Tensor, Optional[float]], torch.Tensor]
+AggregationFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _masked(per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -22,48 +26,57 @@ def _masked(per_token: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(loss_mask > 0, per_token * loss_mask, torch.zeros_like(per_token))
 
 
-def _divide(total: torch.Tensor, own: torch.Tensor, denominator: Optional[float]) -> torch.Tensor:
-    if denominator is not None and denominator <= 0:
-        raise ValueError(f"denominator must be > 0, got {denominator}")
-    return total / (denominator if denominator is not None else own.clamp(min=1))
+def _sequences(loss_mask: torch.Tensor) -> torch.Tensor:
+    return (loss_mask.sum(dim=1) > 0).sum().to(loss_mask.dtype)
 
 
-def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor, denominator: Optional[float] = None) -> torch.Tensor:
+def token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``sum_{b,t} m L / sum_{b,t} m``: every trained token weighs the same."""
-    return _divide(_masked(per_token, loss_mask).sum(), loss_mask.sum(), denominator)
+    return _masked(per_token, loss_mask).sum(), loss_mask.sum().detach()
 
 
-def seq_mean_token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor,
-                        denominator: Optional[float] = None) -> torch.Tensor:
-    """``mean_b (sum_t m L / sum_t m)`` over sequences with ``sum_t m > 0``: every sequence weighs the same."""
+def seq_mean_token_mean(per_token: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sum_b (sum_t m L / sum_t m) / #{b: sum_t m > 0}``: every sequence with a trained token weighs the same."""
     lengths = loss_mask.sum(dim=1)
     per_seq = _masked(per_token, loss_mask).sum(dim=1) / lengths.clamp(min=1e-12)
-    return _divide(per_seq.sum(), (lengths > 0).sum(), denominator)
+    return per_seq.sum(), _sequences(loss_mask).detach()
 
 
-def seq_mean_token_sum(per_token: torch.Tensor, loss_mask: torch.Tensor,
-                       denominator: Optional[float] = None) -> torch.Tensor:
-    """``mean_b sum_t m L`` over sequences with ``sum_t m > 0``: longer sequences weigh more (Dr.GRPO-style)."""
-    lengths = loss_mask.sum(dim=1)
-    return _divide(_masked(per_token, loss_mask).sum(), (lengths > 0).sum(), denominator)
+def seq_mean_token_sum(per_token: torch.Tensor, loss_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sum_{b,t} m L / #{b: sum_t m > 0}``: longer sequences weigh more."""
+    return _masked(per_token, loss_mask).sum(), _sequences(loss_mask).detach()
+
+
+def seq_mean_token_sum_norm(per_token: torch.Tensor, loss_mask: torch.Tensor,
+                            scale: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dr.GRPO's constant normaliser: ``sum_{b,t} m L / (B * C)``, B = every row of the batch (trained or
+    not, rejected or not), C = ``scale`` (``AlgorithmConfig.loss_scale_factor``, by default the response
+    budget ``rollout.max_new_tokens``); None = T, the padded length of ``loss_mask``.
+
+    verl's ``agg_loss`` mode ``seq-mean-token-sum-norm`` takes ``sum_{b,t} m L / C`` per micro-batch with
+    C = ``loss_scale_factor`` or else ``loss_mask.shape[-1]`` (its responses are padded to the response
+    length, so that is the budget), then averages the micro-batches (``1 / gradient_accumulation`` in
+    ``verl/workers/actor/dp_actor.py``) and the DP ranks: for micro-batches of b sequences that is b times
+    this value. Dividing by the global B instead keeps the loss independent of the micro-batch split.
+    Neither the mask nor rejection changes the denominator.
+    """
+    numerator = _masked(per_token, loss_mask).sum()
+    constant = loss_mask.shape[-1] if scale is None else scale
+    if isinstance(constant, bool) or not isinstance(constant, (int, float)) or constant <= 0:
+        raise ValueError(f"seq_mean_token_sum_norm needs a constant loss_scale_factor > 0, got {constant!r}")
+    return numerator, torch.tensor(float(loss_mask.shape[0] * constant), dtype=loss_mask.dtype,
+                                   device=loss_mask.device)
 
 
 AGGREGATIONS: dict[str, AggregationFn] = {
     "token_mean": token_mean,
     "seq_mean_token_mean": seq_mean_token_mean,
     "seq_mean_token_sum": seq_mean_token_sum,
+    "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
 }
 
 
-def aggregation_fn(name: str) -> AggregationFn:
-    """The reduction ``AlgorithmConfig.loss_agg`` names."""
-    return choose(AGGREGATIONS, name, "loss_agg")
-
-
-def denominator_share(name: str, loss_mask: torch.Tensor) -> torch.Tensor:
-    """This batch's part of the global ``denominator`` of aggregation ``name``: its trained tokens
-    (token_mean) or its sequences with at least one trained token (the sequence means)."""
-    aggregation_fn(name)  # validates the name
-    if name == "token_mean":
-        return loss_mask.sum()
-    return (loss_mask.sum(dim=1) > 0).sum().to(loss_mask.dtype)
+def aggregation_fn(name: str, scale: Optional[float] = None) -> AggregationFn:
+    """The reduction ``AlgorithmConfig.loss_agg`` names; ``scale`` is seq_mean_token_sum_norm's constant."""
+    fn = choose(AGGREGATIONS, name, "loss_agg")
+    return partial(fn, scale=scale) if fn is seq_mean_token_sum_norm else fn

@@ -2,18 +2,21 @@
 
 ``loss = agg(w * L_pg) + kl_coef * agg(KL) - entropy_coef * agg(H)``, with ``L_pg`` the per-token
 policy loss, ``w`` the off-policy importance weight, KL the per-token estimator to the reference
-model, H the per-token entropy (the entropy bonus), all reduced by the same aggregation ``agg``.
+model, H the per-token entropy (the entropy bonus), all reduced by the same aggregation ``agg`` under
+the same mask: the trained tokens less the rejected ones (``off_policy_correction=mis``,
+``off_policy_veto_threshold``, ``off_policy_mask_kl``), which leave the numerators and the denominator
+(see :mod:`megarl.algos.off_policy`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from megarl.algos.aggregation import aggregation_fn
 from megarl.algos.kl import kl_penalty
-from megarl.algos.off_policy import is_weights, off_policy_sequence_mask
+from megarl.algos.off_policy import correction, off_policy_sequence_mask
 from megarl.algos.policy_loss import policy_loss_fn
 
 
@@ -27,55 +30,104 @@ class LossInputs:
     loss_mask: torch.Tensor  # float, 1 = trained token
     entropy: Optional[torch.Tensor] = None  # needed when entropy_coef != 0
     ref_logprobs: Optional[torch.Tensor] = None  # needed when kl_coef != 0
-    rollout_logprobs: Optional[torch.Tensor] = None  # needed when off_policy_correction != none
+    rollout_logprobs: Optional[torch.Tensor] = None  # needed when off_policy_correction != none or a rejection is on
 
 
 @dataclass
 class LossOutput:
-    loss: torch.Tensor  # scalar, differentiable
-    metrics: dict[str, torch.Tensor]  # detached scalars: pg_loss, clip_fraction, kl, entropy, is_weight_mean
+    """The loss of one (micro-)batch in parts that add up over micro-batches and DP ranks.
+
+    ``loss_sum``: differentiable scalar, the aggregation's numerator over this batch's kept tokens
+    (trained and not rejected). ``denominator_share``: scalar, this batch's part of the global denominator
+    after rejection: kept tokens (token_mean), sequences with at least one kept token
+    (seq_mean_token_mean, seq_mean_token_sum), rows x loss_scale_factor (seq_mean_token_sum_norm).
+    The batch loss is ``sum(loss_sum) / sum(denominator_share)`` over all parts (megatron's
+    ``calculate_per_token_loss`` divides so). ``loss``: ``loss_sum / denominator_share`` (a single batch;
+    a denominator below 1 counts as 1). ``trained_tokens`` / ``trained_sequences``: scalars, this batch's
+    tokens with ``loss_mask > 0`` and sequences with at least one, before rejection.
+
+    ``sums``: detached scalars, each this batch's part of a metric's numerator; sum each over all parts,
+    then divide:
+
+    - by ``sum(denominator_share)``: ``pg_loss`` (policy term, IS-weighted), ``kl`` (when kl_coef != 0 and
+      the KL is in the loss), ``entropy`` (when entropy_coef != 0): the aggregated terms of the loss;
+    - by ``sum(trained_tokens)``: ``clip_fraction`` (ratio clipped at either bound), ``clip_fraction_low``,
+      ``clip_fraction_high``, ``dual_clip_fraction`` (counted apart from the clip; rejected tokens count
+      as not clipped), ``is_weight_mean`` (the weight ``w`` applied, 0 for a rejected token),
+      ``rejected_tokens``;
+    - by ``sum(trained_sequences)``: ``rejected_sequences`` (sequences with trained tokens and none kept).
+    """
+
+    loss_sum: torch.Tensor
+    denominator_share: torch.Tensor
+    loss: torch.Tensor
+    sums: dict[str, torch.Tensor]
+    trained_tokens: torch.Tensor
+    trained_sequences: torch.Tensor
 
 
-def rl_loss(batch: LossInputs, cfg, denominator: Optional[float] = None) -> LossOutput:
+def _policy_kwargs(cfg) -> dict:
+    """The settings of ``cfg`` the configured policy loss takes."""
+    if cfg.dual_clip is not None and cfg.policy_loss != "ppo":
+        raise ValueError(f"dual_clip applies to the ppo policy loss only, not {cfg.policy_loss}")
+    if cfg.clip_absolute and cfg.policy_loss != "cispo":
+        raise ValueError(f"clip_absolute applies to the cispo policy loss only, not {cfg.policy_loss}")
+    if cfg.policy_loss == "sapo":
+        return {"tau_pos": cfg.sapo_tau_pos, "tau_neg": cfg.sapo_tau_neg}
+    kwargs = {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high}
+    if cfg.policy_loss == "ppo":
+        kwargs["dual_clip"] = cfg.dual_clip
+    if cfg.policy_loss == "cispo":
+        kwargs["absolute"] = cfg.clip_absolute
+    return kwargs
+
+
+def _count(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return flags.sum().to(like.dtype)
+
+
+def rl_loss(batch: LossInputs, cfg) -> LossOutput:
     """The configured loss of one (micro-)batch; ``cfg`` is the ``algorithm`` section of the config
-    (``megarl.config.schema.AlgorithmConfig``), ``denominator`` as in :mod:`megarl.algos.aggregation`."""
-    agg = aggregation_fn(cfg.loss_agg)
-    dropped = None
+    (``megarl.config.schema.AlgorithmConfig``)."""
+    trained = batch.loss_mask > 0
+    corrected = correction(cfg.off_policy_correction, cfg.off_policy_level, batch.old_logprobs,
+                           batch.rollout_logprobs, batch.loss_mask, cfg.is_threshold, cfg.is_threshold_low,
+                           cfg.off_policy_veto_threshold)
+    keep = corrected.keep
     if cfg.off_policy_mask_kl is not None:
         if batch.rollout_logprobs is None or batch.advantages.dim() != 1:
             raise ValueError("off_policy_mask_kl needs rollout_logprobs and per-sequence advantages [B]")
-        keep = off_policy_sequence_mask(batch.old_logprobs, batch.rollout_logprobs, batch.advantages,
-                                        batch.loss_mask, cfg.off_policy_mask_kl)
-        dropped = (1.0 - keep).sum()
-        batch = replace(batch, loss_mask=batch.loss_mask * keep[:, None])
-    pg = policy_loss_fn(cfg.policy_loss)(
-        batch.logprobs, batch.old_logprobs, batch.advantages, batch.loss_mask,
-        clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-    )
-    weights = is_weights(
-        cfg.off_policy_correction, cfg.off_policy_level, batch.old_logprobs, batch.rollout_logprobs,
-        batch.loss_mask, cfg.is_threshold,
-    )
-    pg_loss = agg(weights * pg.per_token, batch.loss_mask, denominator)
-    loss = pg_loss
-    metrics = {
-        "pg_loss": pg_loss.detach(),
-        "clip_fraction": aggregation_fn("token_mean")(pg.clipped.to(weights.dtype), batch.loss_mask),
-        "is_weight_mean": aggregation_fn("token_mean")(weights, batch.loss_mask),
+        keep = keep & off_policy_sequence_mask(batch.old_logprobs, batch.rollout_logprobs, batch.advantages,
+                                               batch.loss_mask, cfg.off_policy_mask_kl)[:, None]
+    mask = batch.loss_mask * keep
+    agg = aggregation_fn(cfg.loss_agg, cfg.loss_scale_factor if cfg.loss_agg == "seq_mean_token_sum_norm" else None)
+    pg = policy_loss_fn(cfg.policy_loss)(batch.logprobs, batch.old_logprobs, batch.advantages, mask,
+                                         **_policy_kwargs(cfg))
+    pg_sum, denominator = agg(corrected.weights * pg.per_token, mask)
+    loss_sum = pg_sum
+    trained_sequences = trained.any(dim=1)
+    sums = {
+        "pg_loss": pg_sum.detach(),
+        "clip_fraction": _count(pg.clipped & trained, mask),
+        "clip_fraction_low": _count(pg.clipped_low & trained, mask),
+        "clip_fraction_high": _count(pg.clipped_high & trained, mask),
+        "dual_clip_fraction": _count(pg.dual_clipped & trained, mask),
+        "is_weight_mean": (corrected.weights * mask).sum().detach(),
+        "rejected_tokens": _count(trained & ~keep, mask),
+        "rejected_sequences": _count(trained_sequences & ~(trained & keep).any(dim=1), mask),
     }
     if cfg.kl_coef != 0.0 and not cfg.kl_in_reward:  # in the reward, it is in the advantages already
         if batch.ref_logprobs is None:
             raise ValueError("kl_coef != 0 needs ref_logprobs")
-        kl = agg(kl_penalty(cfg.kl_type, batch.logprobs, batch.ref_logprobs, batch.old_logprobs), batch.loss_mask,
-                 denominator)
-        loss = loss + cfg.kl_coef * kl
-        metrics["kl"] = kl.detach()
+        kl_sum, _ = agg(kl_penalty(cfg.kl_type, batch.logprobs, batch.ref_logprobs, batch.old_logprobs), mask)
+        loss_sum = loss_sum + cfg.kl_coef * kl_sum
+        sums["kl"] = kl_sum.detach()
     if cfg.entropy_coef != 0.0:
         if batch.entropy is None:
             raise ValueError("entropy_coef != 0 needs entropy")
-        entropy = agg(batch.entropy, batch.loss_mask, denominator)
-        loss = loss - cfg.entropy_coef * entropy
-        metrics["entropy"] = entropy.detach()
-    if dropped is not None:
-        metrics["off_policy_masked_sequences"] = dropped
-    return LossOutput(loss, metrics)
+        entropy_sum, _ = agg(batch.entropy, mask)
+        loss_sum = loss_sum - cfg.entropy_coef * entropy_sum
+        sums["entropy"] = entropy_sum.detach()
+    return LossOutput(loss_sum=loss_sum, denominator_share=denominator, loss=loss_sum / denominator.clamp(min=1),
+                      sums=sums, trained_tokens=_count(trained, mask),
+                      trained_sequences=_count(trained_sequences, mask))

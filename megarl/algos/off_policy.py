@@ -1,96 +1,169 @@
-"""Off-policy correction between the rollout engine (behaviour policy mu) and the trainer.
+"""Off-policy (rollout) correction between the rollout engine (behaviour policy mu) and the trainer.
 
 ``old_logprobs`` [B, T] are the trainer's recomputed log-probs of the policy that generated the
-batch, ``rollout_logprobs`` [B, T] the engine's; float ``loss_mask`` [B, T]. The token weight is
-``w_t = exp(logp_old_t - logp_mu_t)``, the sequence weight ``w = prod_t w_t^(m_t)`` (computed in log
-space). Weights carry no gradient and multiply the per-token policy loss.
+batch, ``rollout_logprobs`` [B, T] the engine's; float ``loss_mask`` [B, T] (m, 1 = trained token).
+The weight is ``w = exp(clamp(l, -20, 20))`` with the log-ratio ``l`` at one of three levels:
+``token`` ``l_t = logp_old_t - logp_mu_t``, ``sequence`` ``l = sum_t m_t l_t`` (the product of the token
+ratios), ``geometric`` ``l = sum_t m_t l_t / sum_t m_t`` (their geometric mean), broadcast to the
+sequence's tokens. Weights carry no gradient and multiply the per-token policy loss.
+
+The corrections and the names of both peers (verl ``verl/trainer/ppo/rollout_corr_helper.py``;
+slime ``examples/train_infer_mismatch_helper/mis.py``, ``compute_mis_weights``, and
+``slime/backends/megatron_utils/loss.py``):
+
+- ``tis``: truncate, ``clamp(w, low, C)`` with ``C = is_threshold`` and ``low = is_threshold_low``
+  (default 0: verl's ``rollout_is`` truncation and slime's ``truncate`` mode); with a lower bound it is
+  slime's ``clip`` mode and its vanilla TIS ``clamp(w, tis_clip_low, tis_clip)``.
+- ``mis``: mask (reject), tokens (or whole sequences, at the sequence levels) with ``w`` outside
+  ``[low, C]`` (bounds inclusive; ``low`` default ``1 / C``, both peers' default) leave the loss mask; the
+  kept ones keep their weight ``w`` (slime's ``mask`` mode; verl's rejection sampling ``rollout_rs``;
+  IcePop with independent low and high bounds).
+- veto (any correction, ``off_policy_veto_threshold``): a sequence with a trained token whose raw ratio
+  ``exp(l_t) < threshold`` leaves the loss mask whole (slime ``rs_veto_threshold``, verl's former
+  ``rollout_token_veto_threshold``).
+
+Rejected tokens leave the loss mask and with it every aggregation's denominator, as in verl (its
+rejection rewrites ``response_mask``, from which the token counts are taken). Not every peer does so:
+slime's current reducer keeps the pre-rejection per-rollout denominators (``rollout_mask_sums``), its
+``icepop_function`` zeroes the weight only, and AReaL's ``ppo_actor_loss_fn`` divides by the original
+token count on purpose.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 CORRECTIONS = ("none", "tis", "mis")
-LEVELS = ("token", "sequence")
+LEVELS = ("token", "sequence", "geometric")
+SAFETY_BOUND = 20.0  # |log w| is clamped to this before exp (verl and slime: exp(20) ~ 4.9e8)
 
 
-def _log_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor,
-                 level: str) -> torch.Tensor:
-    """log w per token [B, T] (token level) or per sequence broadcast to [B, T] (sequence level)."""
+def _check(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> None:
     if old_logprobs.dim() != 2 or rollout_logprobs.shape != old_logprobs.shape or loss_mask.shape != old_logprobs.shape:
         raise ValueError(
             f"both log-prob tensors and loss_mask must all be [B, T]; got {tuple(old_logprobs.shape)}, "
             f"{tuple(rollout_logprobs.shape)}, {tuple(loss_mask.shape)}"
         )
+
+
+def log_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor,
+                level: str) -> torch.Tensor:
+    """Clamped ``log w`` [B, T] at ``level`` (module docstring), detached, 0 where m = 0."""
+    _check(old_logprobs, rollout_logprobs, loss_mask)
     if level not in LEVELS:
         raise ValueError(f"unknown off_policy_level {level!r}; valid: {', '.join(LEVELS)}")
-    keep = loss_mask > 0
-    log_w = torch.where(keep, old_logprobs - rollout_logprobs, torch.zeros_like(old_logprobs)).detach()
-    if level == "sequence":
-        log_w = log_w.sum(dim=1, keepdim=True).expand_as(log_w)
-    return log_w
+    trained = loss_mask > 0
+    log_w = torch.where(trained, old_logprobs - rollout_logprobs, torch.zeros_like(old_logprobs)).detach()
+    if level != "token":
+        total = log_w.sum(dim=1, keepdim=True)
+        if level == "geometric":
+            total = total / trained.sum(dim=1, keepdim=True).clamp(min=1)
+        log_w = total.expand_as(log_w)
+    return torch.where(trained, log_w.clamp(-SAFETY_BOUND, SAFETY_BOUND), torch.zeros_like(log_w))
+
+
+def _bounds(kind: str, threshold: float, threshold_low: Optional[float]) -> tuple[float, float]:
+    if threshold < 1.0:
+        raise ValueError(f"is_threshold must be >= 1, got {threshold}")
+    low = threshold_low if threshold_low is not None else (0.0 if kind == "tis" else 1.0 / threshold)
+    if not 0.0 <= low <= 1.0:
+        raise ValueError(f"is_threshold_low must be in [0, 1], got {low}")
+    return low, threshold
 
 
 def truncated_is(
     old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, threshold: float,
-    level: str = "token"
+    level: str = "token", threshold_low: Optional[float] = None,
 ) -> torch.Tensor:
-    """TIS: ``min(w, C)`` with ``C = threshold`` (token or sequence weight), [B, T], 0 where m = 0."""
-    if threshold < 1.0:
-        raise ValueError(f"is_threshold must be >= 1, got {threshold}")
-    log_w = _log_weights(old_logprobs, rollout_logprobs, loss_mask, level)
-    return log_w.clamp(max=math.log(threshold)).exp() * (loss_mask > 0)
+    """TIS: ``clamp(w, low, C)``, [B, T], 0 where m = 0; ``C = threshold``, ``low = threshold_low`` or 0."""
+    low, high = _bounds("tis", threshold, threshold_low)
+    w = log_weights(old_logprobs, rollout_logprobs, loss_mask, level).exp()
+    return w.clamp(low, high) * (loss_mask > 0)
 
 
 def masked_is(
     old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, threshold: float,
-    level: str = "token"
-) -> torch.Tensor:
-    """MIS: ``w * 1[1/C <= w <= C]`` with ``C = threshold``: tokens (or whole sequences) outside the band get 0."""
-    if threshold < 1.0:
-        raise ValueError(f"is_threshold must be >= 1, got {threshold}")
-    log_w = _log_weights(old_logprobs, rollout_logprobs, loss_mask, level)
-    inside = (log_w.abs() <= math.log(threshold)) & (loss_mask > 0)
-    return torch.where(inside, log_w.exp(), torch.zeros_like(log_w))
+    level: str = "token", threshold_low: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MIS: (weights ``w`` [B, T], 0 where m = 0; keep bool [B, T], the trained tokens with
+    ``low <= w <= C``); ``C = threshold``, ``low = threshold_low`` or ``1 / C``."""
+    low, high = _bounds("mis", threshold, threshold_low)
+    w = log_weights(old_logprobs, rollout_logprobs, loss_mask, level).exp()
+    trained = loss_mask > 0
+    return w * trained, trained & (w >= low) & (w <= high)
 
 
-def is_weights(
+def veto(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor,
+         threshold: float) -> torch.Tensor:
+    """bool [B], False for a sequence with a trained token whose raw ratio ``exp(l_t)`` is below ``threshold``
+    (compared in log space, unclamped, as both peers)."""
+    _check(old_logprobs, rollout_logprobs, loss_mask)
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"off_policy_veto_threshold must be in (0, 1], got {threshold}")
+    low = (old_logprobs - rollout_logprobs).detach() < math.log(threshold)
+    return ~(low & (loss_mask > 0)).any(dim=1)
+
+
+@dataclass
+class Correction:
+    weights: torch.Tensor  # float [B, T], no gradient, 0 where loss_mask == 0
+    keep: torch.Tensor  # bool [B, T]: trained tokens that stay in the loss (False where rejected)
+
+
+def correction(
     kind: str,
     level: str,
     old_logprobs: torch.Tensor,
     rollout_logprobs: Optional[torch.Tensor],
     loss_mask: torch.Tensor,
     threshold: float,
-) -> torch.Tensor:
-    """The correction ``AlgorithmConfig.off_policy_correction`` / ``off_policy_level`` name, [B, T].
+    threshold_low: Optional[float] = None,
+    veto_threshold: Optional[float] = None,
+) -> Correction:
+    """The correction ``AlgorithmConfig`` names: ``off_policy_correction`` (kind), ``off_policy_level``,
+    ``is_threshold``, ``is_threshold_low`` and ``off_policy_veto_threshold``.
 
-    ``none`` gives ``1[m > 0]`` and needs no ``rollout_logprobs`` (may be None).
+    ``none`` without veto gives weights ``1[m > 0]`` and needs no ``rollout_logprobs`` (may be None).
     """
     if kind not in CORRECTIONS:
         raise ValueError(f"unknown off_policy_correction {kind!r}; valid: {', '.join(CORRECTIONS)}")
     if level not in LEVELS:
         raise ValueError(f"unknown off_policy_level {level!r}; valid: {', '.join(LEVELS)}")
-    if kind == "none":
-        return (loss_mask > 0).to(old_logprobs.dtype)
+    trained = loss_mask > 0
+    if kind == "none" and veto_threshold is None:
+        return Correction(trained.to(old_logprobs.dtype), trained)
     if rollout_logprobs is None:
-        raise ValueError(f"off_policy_correction={kind} needs rollout_logprobs")
-    correction = truncated_is if kind == "tis" else masked_is
-    return correction(old_logprobs, rollout_logprobs, loss_mask, threshold, level)
+        what = f"off_policy_correction={kind}" if kind != "none" else "off_policy_veto_threshold"
+        raise ValueError(f"{what} needs rollout_logprobs")
+    if kind == "tis":
+        weights = truncated_is(old_logprobs, rollout_logprobs, loss_mask, threshold, level, threshold_low)
+        keep = trained
+    elif kind == "mis":
+        weights, keep = masked_is(old_logprobs, rollout_logprobs, loss_mask, threshold, level, threshold_low)
+    else:
+        weights, keep = trained.to(old_logprobs.dtype), trained
+    if veto_threshold is not None:
+        keep = keep & veto(old_logprobs, rollout_logprobs, loss_mask, veto_threshold)[:, None]
+    return Correction(weights, keep)
 
 
 def off_policy_sequence_mask(
     logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor,
     max_kl: float
 ) -> torch.Tensor:
-    """Drop sequences that are both negative and too far off-policy; float [B] (1 = keep).
+    """Drop sequences that are both negative and too far off-policy; bool [B] (True = keep).
 
     ``kl_i = sum_t m_t (logp_mu_t - logp_t) / sum_t m_t`` (the k1 estimate of KL(mu || pi) on mu's own
-    samples); sequence i is dropped iff ``A_i < 0`` and ``kl_i > max_kl``. ``advantages`` is [B].
+    samples); sequence i is dropped iff ``A_i < 0`` and ``kl_i > max_kl`` (slime's OPSM,
+    ``compute_opsm_mask`` in ``slime/utils/ppo_utils.py``, with ``opsm_delta = max_kl``). ``advantages`` is [B].
     """
+    _check(logprobs, rollout_logprobs, loss_mask)
     if advantages.shape != logprobs.shape[:1]:
         raise ValueError(f"advantages must be [B] = {tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}")
-    log_w = _log_weights(rollout_logprobs, logprobs, loss_mask, "token")
-    kl = log_w.sum(dim=1) / (loss_mask > 0).sum(dim=1).clamp(min=1)
-    return (~((advantages < 0) & (kl > max_kl))).to(logprobs.dtype)
+    trained = loss_mask > 0
+    diff = torch.where(trained, rollout_logprobs - logprobs, torch.zeros_like(logprobs)).detach()
+    kl = diff.sum(dim=1) / trained.sum(dim=1).clamp(min=1)
+    return ~((advantages < 0) & (kl > max_kl))

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
-from omegaconf import MISSING
+from omegaconf import II, MISSING
 
 # What ``python -m megarl.train`` runs (a string: ``async`` cannot name an Enum member):
 #   warmup        supervised warm-up only (saves the HF checkpoint RL starts from)
@@ -184,20 +184,32 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp
-    policy_loss: str = "ppo"  # ppo | gspo | cispo
-    clip_low: float = 0.2
+    """What each name means, with the peers' (verl, slime, AReaL) formula it follows: the docstrings of
+    ``megarl/algos/``. Off-policy correction: ``w`` is the trainer/rollout probability ratio at
+    ``off_policy_level``; rejected tokens (mis, veto, off_policy_mask_kl) leave the loss and its denominator."""
+
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp (REINFORCE++-baseline, whitened over tokens)
+    policy_loss: str = "ppo"  # ppo | gspo | cispo | sapo
+    clip_low: float = 0.2  # ratio band [1 - clip_low, 1 + clip_high] of ppo, gspo, cispo
     clip_high: float = 0.2
+    clip_absolute: bool = False  # cispo: the IS-weight bounds are [clip_low, clip_high] themselves (lower may be 0)
     dual_clip: Optional[float] = None  # c > 1 for PPO dual clip
-    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
+    sapo_tau_pos: float = 1.0  # sapo: gate temperature for tokens with advantage > 0 (verl tau_pos)
+    sapo_tau_neg: float = 1.05  # sapo: gate temperature for advantage <= 0 (verl tau_neg)
+    # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (Dr.GRPO: sum / (B * C))
+    loss_agg: str = "token_mean"
+    loss_scale_factor: int = II("rollout.max_new_tokens")  # C of seq_mean_token_sum_norm (verl loss_scale_factor)
     kl_coef: float = 0.0  # weight of the KL to the reference policy (the starting checkpoint)
-    kl_type: str = "k3"  # k1 | k2 | k3 | k3_is
+    kl_type: str = "k3"  # k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10]) | k1_is | k2_is | k3_is (x pi/pi_old)
     kl_in_reward: bool = False  # true: reward - kl_coef * sum_t KL_t pre-advantage (verl use_kl_in_reward); false: loss
     entropy_coef: float = 0.0
-    off_policy_correction: str = "none"  # none | tis | mis
-    off_policy_level: str = "token"  # token | sequence
-    is_threshold: float = 2.0
-    off_policy_mask_kl: Optional[float] = None  # drop negative-advantage sequences with KL to the rollout policy > this
+    # none | tis (w clamped to [is_threshold_low, is_threshold]) | mis (reject tokens/sequences with w outside it)
+    off_policy_correction: str = "none"
+    off_policy_level: str = "token"  # token | sequence (product of token ratios) | geometric (their geometric mean)
+    is_threshold: float = 2.0  # upper bound C of w (>= 1)
+    is_threshold_low: Optional[float] = None  # lower bound of w in [0, 1]; null: 0 for tis, 1 / is_threshold for mis
+    off_policy_veto_threshold: Optional[float] = None  # reject a sequence with a token ratio below this (e.g. 1e-4)
+    off_policy_mask_kl: Optional[float] = None  # reject sequences with A < 0 and KL to the rollout policy > this
 
 
 @dataclass

@@ -216,15 +216,30 @@ def _check_rollout(cfg: DictConfig) -> None:
 
 def _check_algorithm(cfg: DictConfig) -> None:
     a = cfg.algorithm
-    if not (0 <= a.clip_low < 1 and a.clip_high >= 0):
+    if a.clip_absolute:
+        if a.policy_loss != "cispo":
+            _fail("algorithm.clip_absolute", f"applies to the cispo policy loss only, not {a.policy_loss}")
+        if not 0 <= a.clip_low <= 1 <= a.clip_high:
+            _fail("algorithm.clip_low", f"absolute bounds need 0 <= clip_low <= 1 <= clip_high, got {a.clip_low}, "
+                  f"{a.clip_high}")
+    elif not (0 <= a.clip_low < 1 and a.clip_high >= 0):
         _fail("algorithm.clip_low", f"need 0 <= clip_low < 1 and clip_high >= 0, got {a.clip_low}, {a.clip_high}")
     if a.dual_clip is not None:
         if a.policy_loss != "ppo":
             _fail("algorithm.dual_clip", f"applies to the ppo policy loss only, not {a.policy_loss}")
         if a.dual_clip <= 1:
             _fail("algorithm.dual_clip", f"must be > 1, got {a.dual_clip}")
+    for key in ("sapo_tau_pos", "sapo_tau_neg"):
+        if a[key] <= 0:
+            _fail(f"algorithm.{key}", f"must be > 0, got {a[key]}")
+    if a.loss_scale_factor < 1:
+        _fail("algorithm.loss_scale_factor", f"must be >= 1, got {a.loss_scale_factor}")
     if a.off_policy_correction != "none" and a.is_threshold < 1:
         _fail("algorithm.is_threshold", f"must be >= 1, got {a.is_threshold}")
+    if a.is_threshold_low is not None and not 0 <= a.is_threshold_low <= 1:
+        _fail("algorithm.is_threshold_low", f"must be in [0, 1], got {a.is_threshold_low}")
+    if a.off_policy_veto_threshold is not None and not 0 < a.off_policy_veto_threshold <= 1:
+        _fail("algorithm.off_policy_veto_threshold", f"must be in (0, 1], got {a.off_policy_veto_threshold}")
 
 
 def _check_reward(reward: DictConfig) -> None:

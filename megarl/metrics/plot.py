@@ -1,13 +1,16 @@
-"""A PNG of a run's curves: reward and train-inference mismatch per RL step (warm-up loss when no RL ran)."""
+"""A PNG of a run's curves: reward, and train-inference mismatch (fresh tokens) beside the drift of
+stale tokens, per RL step (warm-up loss when no RL ran)."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from megarl.metrics.sink import read_metrics
 
-PANELS = (("reward/mean", "mean reward", "linear"),
-          ("mismatch/logprob_abs_diff", "|trainer - rollout| log-prob", "log"),
-          ("warmup/loss", "warm-up loss", "linear"))
+# (title, y scale, ((key, legend label), ...)): a panel is drawn when any of its keys was logged
+PANELS = (("mean reward", "linear", (("reward/mean", None),)),
+          ("|trainer - rollout| log-prob", "log", (("mismatch/logprob_abs_diff", "mismatch (fresh tokens)"),
+                                                   ("staleness/logprob_drift", "drift (stale tokens)"))),
+          ("warm-up loss", "linear", (("warmup/loss", None),)))
 
 
 def plot_run(run_dir: str | Path, out_name: str = "curves.png") -> tuple[Path, dict[str, list[tuple[int, float]]]]:
@@ -18,14 +21,19 @@ def plot_run(run_dir: str | Path, out_name: str = "curves.png") -> tuple[Path, d
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
-    series = {key: [(r["step"], r[key]) for r in rows if r.get(key) is not None] for key, _, _ in PANELS}
-    panels = [p for p in PANELS if series[p[0]]]
+    keys = [key for _, _, lines in PANELS for key, _ in lines]
+    series = {key: [(r["step"], r[key]) for r in rows if r.get(key) is not None] for key in keys}
+    panels = [p for p in PANELS if any(series[key] for key, _ in p[2])]
     if not panels:
-        raise ValueError(f"{run_dir}/metrics.jsonl has none of {[p[0] for p in PANELS]}")
+        raise ValueError(f"{run_dir}/metrics.jsonl has none of {keys}")
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
-    for ax, (key, title, scale) in zip(axes[0], panels):
-        steps, values = zip(*series[key])
-        ax.plot(steps, values, linewidth=1)
+    for ax, (title, scale, lines) in zip(axes[0], panels):
+        for key, label in lines:
+            if series[key]:
+                steps, values = zip(*series[key])
+                ax.plot(steps, values, linewidth=1, label=label)
+        if len(lines) > 1:
+            ax.legend(fontsize="small")
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.set_yscale(scale)

@@ -135,17 +135,19 @@ class Pipeline:
         self._clock["train_start"] = time.monotonic()
         return Batch(groups=taken.groups, staleness=taken.staleness, wait_s=self._clock["train_start"] - t0)
 
-    def rl_batch(self, samples: list[RolloutSample]) -> RLBatch:
-        """The trainer's tensors for ``samples`` (advantages filled)."""
-        return build_rl_batch(samples, with_sampling_mask=self.cfg.rollout.keep_sampling_mask)
+    def rl_batch(self, samples: list[RolloutSample], step: int) -> RLBatch:
+        """The trainer's tensors for ``samples`` (advantages filled) at ``step``, where the trainer
+        holds version ``step - 1`` (per-token staleness against it)."""
+        return build_rl_batch(samples, with_sampling_mask=self.cfg.rollout.keep_sampling_mask, trainer_version=step - 1)
 
-    async def kl_penalties(self, samples: list[RolloutSample]) -> list[float] | None:
-        """``kl_coef * sum_t KL_t`` to the reference per sample when ``algorithm.kl_in_reward``
+    async def kl_penalties(self, samples: list[RolloutSample], step: int) -> list[float] | None:
+        """``kl_coef * sum_t KL_t`` to the reference per sample at ``step`` when ``algorithm.kl_in_reward``
         (taken from the rewards before the advantages, as verl's ``use_kl_in_reward``), else None."""
         algo = self.cfg.algorithm
         if not (algo.kl_in_reward and algo.kl_coef != 0.0):
             return None
-        batch = build_rl_batch(samples, with_sampling_mask=self.cfg.rollout.keep_sampling_mask, with_advantages=False)
+        batch = build_rl_batch(samples, with_sampling_mask=self.cfg.rollout.keep_sampling_mask, with_advantages=False,
+                               trainer_version=step - 1)
         return [algo.kl_coef * kl for kl in await self.trainer.sequence_kl(batch, algo, **self.step_kwargs())]
 
     def step_kwargs(self) -> dict:

@@ -4,8 +4,9 @@ Each tensor-parallel rank holds a logits shard ``[N, V/tp]`` covering vocab ids
 ``[vocab_start, vocab_start + V/tp)``. No rank ever builds an ``[N, V]`` tensor: ranks combine
 per-row maxima and sums with all-reduces (as megatron-core's vocab-parallel cross-entropy does), and
 the backward pass needs no communication. Under Keep Sampling Mask the log-prob is taken over the
-ids the engine kept at that position (the others set to -inf on every shard); the entropy is always
-that of the unmasked distribution. Logits must already be divided by the sampling temperature.
+ids the engine kept at that position (the others set to -inf on every shard); a target the engine
+reported outside its own mask is added to the kept ids and counted, never an error. The entropy is
+always that of the unmasked distribution. Logits must already be divided by the sampling temperature.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ class CsrMask:
     """Kept vocab ids per position: row i keeps ``ids[offsets[i]:offsets[i + 1]]``.
 
     ``ids`` int32 [nnz], ``offsets`` int32 [N + 1]. An empty row means "no mask at this position"
-    (full vocabulary): the engine always returns at least the sampled id, so an empty row only
-    comes from samples (or prompt positions) that have no mask.
+    (full vocabulary): the engine returns at least the sampled id, so an empty row only comes from
+    samples (or prompt positions) that have no mask.
     """
 
     ids: torch.Tensor
@@ -33,6 +34,7 @@ class CsrMask:
 class TokenLogprobs:
     logprobs: torch.Tensor  # [N], log-prob of the target over its kept set (differentiable)
     entropy: torch.Tensor  # [N], entropy of the unmasked distribution (differentiable)
+    outside_mask: torch.Tensor  # int64 scalar: positions whose target was not in its non-empty mask row
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: Optional[dist.ProcessGroup]) -> None:
@@ -98,10 +100,12 @@ class _VocabParallelEntropy(torch.autograd.Function):
         return -log_probs.exp() * (log_probs + entropy[:, None]) * grad_entropy[:, None], None
 
 
-def _kept_in_shard(mask: CsrMask, targets: torch.Tensor, vocab_start: int, shard_size: int) -> torch.Tensor:
-    """Bool [N, V/tp]: which ids of this shard are kept; rows without a mask keep everything.
+def _kept_in_shard(mask: CsrMask, targets: torch.Tensor, vocab_start: int,
+                   shard_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bool [N, V/tp]: which ids of this shard are kept, int64 scalar: rows whose target is not in
+    their non-empty mask). Rows without a mask keep everything; a target outside its mask is kept too.
 
-    Raises ValueError on a malformed CSR or a target that is not inside its own (non-empty) mask.
+    Raises ValueError on a malformed CSR.
     """
     n = targets.numel()
     ids, offsets = mask.ids, mask.offsets
@@ -117,19 +121,15 @@ def _kept_in_shard(mask: CsrMask, targets: torch.Tensor, vocab_start: int, shard
     rows = torch.repeat_interleave(torch.arange(n, device=ids.device), counts.long())
     ids = ids.long()
     target_hits = torch.zeros(n, dtype=torch.long, device=ids.device).index_add_(0, rows, (ids == targets[rows]).long())
-    missing = ((target_hits == 0) & (counts > 0)).nonzero().squeeze(1)
-    if missing.numel():
-        row = int(missing[0])
-        raise ValueError(
-            f"target id {int(targets[row])} at position {row} is not in its sampling mask "
-            f"({missing.numel()} positions affected); the sampled token must always be kept"
-        )
     keep = torch.zeros(n, shard_size, dtype=torch.bool, device=ids.device)
     local = ids - vocab_start
     in_shard = (local >= 0) & (local < shard_size)
     keep[rows[in_shard], local[in_shard]] = True
     keep[counts == 0] = True
-    return keep
+    target_local = targets - vocab_start
+    owned = ((target_local >= 0) & (target_local < shard_size)).nonzero().squeeze(1)
+    keep[owned, target_local[owned]] = True  # the sampled token is always in its kept set
+    return keep, ((target_hits == 0) & (counts > 0)).sum()
 
 
 def vocab_parallel_logprobs(
@@ -144,8 +144,9 @@ def vocab_parallel_logprobs(
     ``logits`` float [N, V/tp] (bf16/fp16 are computed in float32), ``vocab_start`` the first vocab id
     of the shard, ``targets`` int [N] global vocab ids, ``sampling_mask`` replicated on all ranks (None =
     full vocabulary everywhere), ``group`` the tensor-parallel group (None = a single shard, no
-    communication; note: not the default world group). Every rank returns the same values; gradients
-    reach this rank's shard only.
+    communication; note: not the default world group). A target outside its non-empty mask row is
+    taken over that row plus the target and counted in ``outside_mask``. Every rank returns the same
+    values; gradients reach this rank's shard only.
     """
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [N, V/tp] tensor, got {logits.dtype} {tuple(logits.shape)}")
@@ -158,10 +159,12 @@ def vocab_parallel_logprobs(
     if targets.numel() and int(targets.min()) < 0:
         raise ValueError(f"target ids must be >= 0, got {int(targets.min())}")
     shard_size = logits.shape[1]
-    keep = None if sampling_mask is None else _kept_in_shard(sampling_mask, targets, vocab_start, shard_size)
+    keep, outside = None, torch.zeros((), dtype=torch.long, device=logits.device)
+    if sampling_mask is not None:
+        keep, outside = _kept_in_shard(sampling_mask, targets, vocab_start, shard_size)
     target_local = targets - vocab_start
     on_rank = (target_local >= 0) & (target_local < shard_size)
     target_local = torch.where(on_rank, target_local, torch.zeros_like(target_local))
     logprobs = _MaskedTargetLogprob.apply(logits, keep, target_local, on_rank, group)
     entropy = _VocabParallelEntropy.apply(logits, group)
-    return TokenLogprobs(logprobs, entropy)
+    return TokenLogprobs(logprobs, entropy, outside)

@@ -21,14 +21,17 @@ from megarl.trainer.logprobs import CsrMask
 class RLBatch:
     """B samples, N positions in all. Per position: ``tokens``/``targets`` int64 [N],
     ``loss_mask`` float32 [N] (1 where the policy generated the target), ``rollout_logprobs``
-    float32 [N] (0 outside the response), ``routed_experts`` int16 [N, L, k] or None, the sampling
-    mask as CSR over the N positions (empty rows = full vocabulary) or None. Per sample:
-    ``cu_seqlens`` int64 [B + 1], ``advantages`` float32 [B]."""
+    float32 [N] (0 outside the response), ``staleness`` int32 [N] (the trainer's weight version
+    minus the ``model_version`` of the target on response positions, 0 elsewhere),
+    ``routed_experts`` int16 [N, L, k] or None, the sampling mask as CSR over the N positions
+    (empty rows = full vocabulary) or None. Per sample: ``cu_seqlens`` int64 [B + 1],
+    ``advantages`` float32 [B]."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
     loss_mask: torch.Tensor
     rollout_logprobs: torch.Tensor
+    staleness: torch.Tensor
     cu_seqlens: torch.Tensor
     advantages: torch.Tensor
     routed_experts: Optional[torch.Tensor]
@@ -57,7 +60,7 @@ class RLBatch:
             torch.cumsum(counts, 0, out=new_offsets[1:])
             mask = CsrMask(self.sampling_mask.ids[_ranges(offsets[:-1][positions], counts)], new_offsets)
         return RLBatch(self.tokens[positions], self.targets[positions], self.loss_mask[positions],
-                       self.rollout_logprobs[positions], cu, self.advantages[idx],
+                       self.rollout_logprobs[positions], self.staleness[positions], cu, self.advantages[idx],
                        None if self.routed_experts is None else self.routed_experts[positions], mask)
 
 
@@ -69,12 +72,14 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 def build_rl_batch(samples: Sequence[RolloutSample], with_routing: bool = True, with_sampling_mask: bool = True,
-                   with_advantages: bool = True) -> RLBatch:
+                   with_advantages: bool = True, trainer_version: int | None = None) -> RLBatch:
     """The :class:`RLBatch` of ``samples`` (advantages filled, or 0 without ``with_advantages``).
-    Raises ValueError for a sample without advantage or with inconsistent per-token fields."""
+    ``trainer_version``: the weight version the trainer holds, for ``staleness`` (None: every token
+    counts as fresh, staleness 0). Raises ValueError for a sample without advantage, with
+    inconsistent per-token fields, or with a token newer than ``trainer_version``."""
     if not samples:
         raise ValueError("an RL batch needs at least one sample")
-    tokens, targets, loss_mask, logprobs, routed, mask_counts, mask_ids = [], [], [], [], [], [], []
+    tokens, targets, loss_mask, logprobs, staleness, routed, mask_counts, mask_ids = [], [], [], [], [], [], [], []
     use_routing = with_routing and all(s.routed_experts is not None for s in samples)
     use_mask = with_sampling_mask and any(s.sampling_mask is not None for s in samples)
     shape = None
@@ -91,6 +96,13 @@ def build_rl_batch(samples: Sequence[RolloutSample], with_routing: bool = True, 
         targets.append(seq[1:])
         loss_mask.append(np.concatenate([np.zeros(P - 1, np.float32), np.asarray(sample.loss_mask, np.float32)]))
         logprobs.append(np.concatenate([np.zeros(P - 1, np.float32), np.asarray(sample.rollout_logprobs, np.float32)]))
+        stale = np.zeros(P + R - 1, np.int32)
+        if trainer_version is not None:
+            stale[P - 1:] = trainer_version - np.asarray(sample.model_version, np.int64)
+            if stale.min() < 0:
+                raise ValueError(f"sample {b} has tokens of weight version {int(sample.model_version.max())}, "
+                                 f"newer than the trainer's {trainer_version}")
+        staleness.append(stale)
         if use_routing:
             r = np.asarray(sample.routed_experts)
             shape = shape or r.shape[1:]
@@ -119,6 +131,7 @@ def build_rl_batch(samples: Sequence[RolloutSample], with_routing: bool = True, 
         tokens=torch.from_numpy(np.concatenate(tokens)), targets=torch.from_numpy(np.concatenate(targets)),
         loss_mask=torch.from_numpy(np.concatenate(loss_mask)),
         rollout_logprobs=torch.from_numpy(np.concatenate(logprobs)),
+        staleness=torch.from_numpy(np.concatenate(staleness)),
         cu_seqlens=cu, advantages=torch.tensor([float(s.advantage) if with_advantages else 0.0 for s in samples],
                                                 dtype=torch.float32),
         routed_experts=torch.from_numpy(np.concatenate(routed)) if use_routing else None, sampling_mask=mask)

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.algos.aggregation import denominator_share
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.config.schema import AlgorithmConfig
 from megarl.trainer.logprobs import CsrMask, vocab_parallel_logprobs
+from megarl.trainer.mismatch import MAXED, SUMMED, mismatch_metrics, mismatch_sums, reduce_mismatch
 from megarl.trainer.packing import MicroBatchPlan, ModelInput, model_input, plan_micro_batches, to_grid
 from megarl.trainer.reference import ReferenceWeights
 from megarl.trainer.rl_batch import RLBatch, check_routing
@@ -108,9 +108,10 @@ class ReplayAgreement:
 
 
 def _token_logprobs(logits: torch.Tensor, mb: RLBatch, mi: ModelInput, vocab_size: int, temperature: float,
-                    pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+                    pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Masked log-probs and unmasked entropy, ragged [n], of the temperature-scaled distribution
-    (the one the engine sampled from) from this rank's logits [b, s, V/tp]."""
+    (the one the engine sampled from) from this rank's logits [b, s, V/tp], and the count of sampled
+    tokens outside their sampling mask (int scalar; they are kept, see ``vocab_parallel_logprobs``)."""
     from megatron.core import parallel_state
 
     b, s, shard = logits.shape
@@ -129,7 +130,7 @@ def _token_logprobs(logits: torch.Tensor, mb: RLBatch, mi: ModelInput, vocab_siz
     targets = mi.scatter(mb.targets, pad_id).reshape(-1)
     out = vocab_parallel_logprobs(logits.reshape(b * s, shard), vocab_start, targets, mask,
                                   parallel_state.get_tensor_model_parallel_group())
-    return mi.gather(out.logprobs), mi.gather(out.entropy)
+    return mi.gather(out.logprobs), mi.gather(out.entropy), out.outside_mask
 
 
 class _Replay:
@@ -262,6 +263,37 @@ def sequence_kl(chunks: list, batch: RLBatch, kl_type: str, reference: Reference
     return [merged[i] for i in range(len(batch))]
 
 
+_BY_DENOMINATOR = ("loss_sum", "pg_loss", "kl")
+_BY_SEQUENCES = ("rejected_sequences",)
+_BY_TOKENS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction", "is_weight_mean",
+              "rejected_tokens", "entropy_tokens")
+
+
+def step_sum_keys(algo: AlgorithmConfig) -> list[str]:
+    """The per-micro-batch sums one RL step reduces (the same on every rank for one config): the
+    loss's parts (:class:`megarl.algos.objective.LossOutput`) and the trained tokens' entropy."""
+    kl = ("kl",) if algo.kl_coef != 0.0 and not algo.kl_in_reward else ()
+    return [*_BY_DENOMINATOR[:2], *kl, *_BY_TOKENS, *_BY_SEQUENCES, "denominator", "trained_tokens",
+            "trained_sequences"]
+
+
+def step_metrics(totals: dict[str, float]) -> dict[str, float]:
+    """Batch metrics from the summed parts: ``loss``, ``pg_loss``, ``kl`` over the loss's denominator;
+    the clip and rejection fractions, ``is_weight_mean`` and ``entropy`` (mean over trained tokens)
+    over trained tokens; ``rejected_sequences`` over trained sequences."""
+    denominator = max(totals["denominator"], 1.0)
+    tokens, sequences = max(totals["trained_tokens"], 1.0), max(totals["trained_sequences"], 1.0)
+    out = {("loss" if k == "loss_sum" else k): totals[k] / denominator for k in _BY_DENOMINATOR if k in totals}
+    out |= {("entropy" if k == "entropy_tokens" else k): totals[k] / tokens for k in _BY_TOKENS}
+    out |= {k: totals[k] / sequences for k in _BY_SEQUENCES}
+    return out
+
+
+def empty_mismatch() -> dict[str, torch.Tensor]:
+    """The :func:`mismatch_sums` of no tokens (a padding-only micro-batch)."""
+    return {k: torch.zeros((), dtype=torch.float64) for k in SUMMED + MAXED}
+
+
 def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmConfig, *, vocab_size: int,
             max_tokens_per_microbatch: int, keep_routing: bool, sequence_parallel: bool,
             temperature: float = 1.0, pack: bool = True, pad_id: int = 0,
@@ -271,14 +303,12 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     ``keep_routing`` replays ``batch.routed_experts`` (the model must be built with routing replay).
     ``pack``: packed micro-batches (else padded rows). ``reference``: the frozen reference policy
     whose log-probs (same replay and mask) the KL term of ``algo`` needs when ``kl_coef != 0``.
-    Metrics: ``loss``, ``pg_loss``, ``clip_fraction``, ``kl`` (with a reference),
-    ``mismatch/logprob_abs_diff`` (mean |trainer - rollout| log-prob over trained tokens, before the
-    update), ``mismatch/kl`` (k3 estimate of KL(rollout || trainer)), ``mismatch/ratio_dev_max``
-    (max |trainer/rollout probability ratio - 1| over trained tokens: the PPO ratio's distance from
-    1 before the update), ``routing/agreement`` (share of valid token-layer pairs where the
-    trainer's own router picks the engine's expert set: recorded when routing is not replayed,
-    computed beside the replay when it is), ``perf/padding_frac`` (padding share of the model's
-    input positions) and ``perf/dp_token_imbalance`` (max / mean real tokens per DP rank).
+    Metrics: :func:`step_metrics` (loss, clip and rejection fractions, IS weight, entropy), the
+    train-inference mismatch over fresh tokens and the drift over stale ones
+    (:func:`megarl.trainer.mismatch.mismatch_metrics`, before the update), ``routing/agreement`` (share
+    of valid token-layer pairs where the trainer's own router picks the engine's expert set: recorded
+    when routing is not replayed, computed beside the replay when it is), ``perf/padding_frac``
+    (padding share of the model's input positions) and ``perf/dp_token_imbalance`` (max / mean real tokens per DP rank).
     """
     from megatron.core import parallel_state
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
@@ -296,7 +326,7 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
         raise ValueError("algorithm.kl_coef != 0 needs the reference policy (built with the trainer)")
     plan, _, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
                                          sequence_parallel=sequence_parallel, pad_id=pad_id)
-    denominator = float(denominator_share(algo.loss_agg, to_grid(batch.loss_mask, batch.cu_seqlens)))
+    sum_keys = step_sum_keys(algo)
     refs = [None] * len(micro)
     if reference is not None and algo.kl_coef != 0.0 and not algo.kl_in_reward:
         with reference.swapped_in():
@@ -327,30 +357,24 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
         def loss_func(output):
             if len(mb) == 0:  # a padding-only micro-batch (a DP rank with fewer samples than micro-batches)
                 zero = output.sum() * 0
-                return zero, torch.zeros((), dtype=torch.int), {"stats": torch.zeros(7),
-                                                                "ratio_dev_max": torch.zeros(())}
-            flat_lp, flat_ent = _token_logprobs(output, mb, mi, vocab_size, temperature, pad_id)
+                return zero, torch.zeros((), dtype=torch.int), {"sums": torch.zeros(len(sum_keys), dtype=torch.float64),
+                                                                "mismatch": empty_mismatch()}
+            flat_lp, flat_ent, outside = _token_logprobs(output, mb, mi, vocab_size, temperature, pad_id)
             logprobs, entropy = to_grid(flat_lp, mb.cu_seqlens), to_grid(flat_ent, mb.cu_seqlens)
-            loss_mask, rollout = to_grid(mb.loss_mask, mb.cu_seqlens), to_grid(mb.rollout_logprobs, mb.cu_seqlens)
+            loss_mask = to_grid(mb.loss_mask, mb.cu_seqlens)
             inputs = LossInputs(
                 logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=mb.advantages, loss_mask=loss_mask,
-                entropy=entropy, rollout_logprobs=rollout,
+                entropy=entropy, rollout_logprobs=to_grid(mb.rollout_logprobs, mb.cu_seqlens),
                 ref_logprobs=None if ref is None else to_grid(ref, mb.cu_seqlens),
             )
-            out = rl_loss(inputs, algo, denominator)
-            trained = loss_mask > 0
-            diff = (logprobs.detach() - rollout)
-            log_ratio = (rollout - logprobs.detach())
-            stats = torch.stack([
-                out.loss.detach() * denominator, out.metrics["pg_loss"] * denominator,
-                out.metrics["clip_fraction"] * trained.sum(), diff.abs()[trained].sum(),
-                (log_ratio.exp() - 1 - log_ratio)[trained].sum(), trained.sum().float(),
-                out.metrics.get("kl", torch.zeros(())) * denominator,
-            ])
-            ratio_dev = (-log_ratio).exp().sub(1).abs()[trained]
-            ratio_dev_max = ratio_dev.max() if ratio_dev.numel() else torch.zeros(())
-            return (out.loss * denominator, denominator_share(algo.loss_agg, loss_mask).to(torch.int),
-                    {"stats": stats, "ratio_dev_max": ratio_dev_max})
+            out = rl_loss(inputs, algo)
+            parts = {**out.sums, "loss_sum": out.loss_sum.detach(), "denominator": out.denominator_share,
+                     "trained_tokens": out.trained_tokens, "trained_sequences": out.trained_sequences,
+                     "entropy_tokens": flat_ent.detach()[mb.loss_mask > 0].sum()}
+            sums = torch.stack([parts[k].double() for k in sum_keys])
+            mismatch = mismatch_sums(flat_lp, mb.rollout_logprobs, mb.loss_mask, mb.staleness, outside)
+            return (out.loss_sum, out.denominator_share.round().to(torch.int),
+                    {"sums": sums, "mismatch": mismatch})
 
         return logits, loss_func
 
@@ -376,20 +400,11 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     metrics: dict[str, float] = {"perf/padding_frac": plan.padding_frac(batch.lengths),
                                  "perf/dp_token_imbalance": plan.imbalance(batch.lengths)}
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        totals = torch.stack([r["stats"] for r in reduced]).sum(0)
-        torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
-        tokens = max(float(totals[5]), 1.0)
-        metrics |= {
-            "loss": float(totals[0]) / denominator, "pg_loss": float(totals[1]) / denominator,
-            "clip_fraction": float(totals[2]) / tokens, "mismatch/logprob_abs_diff": float(totals[3]) / tokens,
-            "mismatch/kl": float(totals[4]) / tokens,
-        }
-        if algo.kl_coef != 0.0 and not algo.kl_in_reward:
-            metrics["kl"] = float(totals[6]) / denominator
-        ratio_dev_max = torch.stack([r["ratio_dev_max"] for r in reduced]).max()
-        torch.distributed.all_reduce(ratio_dev_max, op=torch.distributed.ReduceOp.MAX,
-                                     group=parallel_state.get_data_parallel_group())
-        metrics["mismatch/ratio_dev_max"] = float(ratio_dev_max)
+        dp_group = parallel_state.get_data_parallel_group()
+        totals = torch.stack([r["sums"] for r in reduced]).sum(0)
+        torch.distributed.all_reduce(totals, group=dp_group)
+        metrics |= step_metrics(dict(zip(sum_keys, totals.tolist())))
+        metrics |= mismatch_metrics(reduce_mismatch([r["mismatch"] for r in reduced], dp_group))
     if record or keep_routing:
         counts = torch.tensor(agreement)
         torch.distributed.all_reduce(counts)
