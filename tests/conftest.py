@@ -1,4 +1,4 @@
-"""Shared fixtures: the tiny demo checkpoint, built once per test session."""
+"""Shared fixtures: the tiny demo checkpoint and its warm-up, made once per test session."""
 import asyncio
 import os
 
@@ -13,6 +13,22 @@ def tiny_checkpoint(tmp_path_factory):
     from megarl.models.tiny_moe import make_tiny_moe
 
     return str(make_tiny_moe(tmp_path_factory.mktemp("tiny_moe")))
+
+
+@pytest.fixture(scope="session")
+def warmed_up(tmp_path_factory):
+    """The demo's supervised warm-up (30 steps through the real driver), run once per test session (per
+    pytest-xdist worker: with ``--dist loadfile`` the files that start RL from it share it when they land
+    on the same worker). Its ``overrides`` name the base and warmed-up checkpoints; the runs only read them."""
+    from types import SimpleNamespace
+
+    from megarl.train import main
+
+    root = tmp_path_factory.mktemp("warmed_up")
+    base, warm, run = root / "base", root / "warm", root / "warmup"
+    overrides = [f"model.hf_path={base}", f"warmup.save_hf_path={warm}"]
+    assert main(["recipe=tiny_moe_cpu", "mode=warmup", "warmup.steps=30", f"logging.run_dir={run}", *overrides]) == 0
+    return SimpleNamespace(base=base, warm=warm, run=run, overrides=overrides)
 
 
 @pytest.fixture(scope="module")

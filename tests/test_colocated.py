@@ -263,15 +263,9 @@ def test_pool_release_needs_every_engine_and_resumes_only_what_it_released():
 
 
 @pytest.fixture(scope="module")
-def warm(tmp_path_factory):
-    """The warmed-up checkpoint the run starts from (base and warm paths)."""
-    from megarl.train import main
-
-    root = tmp_path_factory.mktemp("colocated")
-    paths = [f"model.hf_path={root / 'base'}", f"warmup.save_hf_path={root / 'warm'}"]
-    assert main(["recipe=tiny_moe_cpu", "mode=warmup", "warmup.steps=30", f"logging.run_dir={root / 'warmup'}",
-                 *paths]) == 0
-    return paths
+def warm(warmed_up):
+    """The warmed-up checkpoint the run starts from (base and warm paths, tests/conftest.py)."""
+    return warmed_up.overrides
 
 
 @pytest.mark.parametrize("partial_rollout", ["continue"])  # abort_resubmit's hold: the fake-engine tests above

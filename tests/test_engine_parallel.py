@@ -55,6 +55,8 @@ def test_command_passes_the_parallelism(tiny_checkpoint):
     flags = flag_values(multi.command())
     assert (flags["--nnodes"], flags["--node-rank"], flags["--dist-init-addr"]) == ("2", "1", "10.0.0.1:25000")
     assert multi.environment()[sglang_cpu.RANKS_PER_NODE_ENV] == "1"  # 2 TP ranks over 2 nodes
+    # no CUDA crash diagnostics on CPU (they hold a stopped server up to 65 s)
+    assert multi.environment()["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
 
 
 def test_from_config_reads_the_engine_parallelism(tiny_checkpoint, tmp_path):

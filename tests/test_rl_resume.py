@@ -3,6 +3,7 @@ checkpoint), then SIGTERM (checkpoint after the step in progress, exit 0). Step 
 prompt is trained twice in the run's lineage, and the sample ledger carries over."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ STEPS = 8
 
 def command(tmp_path: Path) -> list[str]:
     return [sys.executable, "-m", "megarl.train", "recipe=tiny_moe_cpu", f"steps={STEPS}", "trainer.save_interval=2",
-            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "warmup.steps=10",
+            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "warmup.steps=30",
             f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'warm'}",
             f"logging.run_dir={tmp_path / 'run'}"]
 
@@ -56,8 +57,11 @@ def run_until(tmp_path: Path, last_step: int, sig: signal.Signals) -> subprocess
     return proc
 
 
-def test_killed_and_terminated_runs_resume_without_training_a_prompt_twice(tmp_path):
+def test_killed_and_terminated_runs_resume_without_training_a_prompt_twice(tmp_path, warmed_up):
     run = tmp_path / "run"
+    # the session's warm-up (tests/conftest.py), copied: this test's servers are those serving tmp_path / "warm"
+    shutil.copytree(warmed_up.base, tmp_path / "base")
+    shutil.copytree(warmed_up.warm, tmp_path / "warm")
     killed = run_until(tmp_path, 3, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
     assert (run / "checkpoints" / "latest").read_text().strip() == "2"  # the periodic one before the kill

@@ -198,9 +198,10 @@ class Pipeline:
                "sync/seconds": now - c["sync_start"], **synced, **self._gpu.sample()}
         self.metrics.log(step, row)
         self._progress.update(self._bar, advance=1, description=f"RL ({self.cfg.mode}) reward {stats.reward_mean:.2f}")
-        log.info("step %d: reward %.3f, mismatch %.2e, staleness %.2f, wait %.1fs train %.1fs sync %.1fs",
-                 step, stats.reward_mean, row.get("mismatch/logprob_abs_diff", float("nan")), row["staleness/mean"],
-                 row["time/wait_s"], row["time/train_s"], row["sync/seconds"])
+        log.info("step %d: reward %.3f, mismatch %s (fresh tokens), drift %s (stale), staleness %.2f, wait %.1fs "
+                 "train %.1fs sync %.1fs", step, stats.reward_mean, _figure(row.get("mismatch/logprob_abs_diff")),
+                 _figure(row.get("staleness/logprob_drift")), row["staleness/mean"], row["time/wait_s"],
+                 row["time/train_s"], row["sync/seconds"])
         if self._save_due(step):
             await self.save(step)
 
@@ -219,6 +220,11 @@ class Pipeline:
         position = self.producer.state_dict() | {"ledger": self.ledger.state_dict()}
         path = await self.trainer.save_checkpoint(self.checkpoint_dir, step, position)
         log.info("step %d: checkpoint %s", step, path)
+
+
+def _figure(value: float | None) -> str:
+    """A log-prob difference for the step's log line; ``-`` when the step had no such tokens."""
+    return "-" if value is None else f"{value:.2e}"
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:
