@@ -25,10 +25,6 @@ from megarl.platform import sglang_cpu
 log = logging.getLogger(__name__)
 
 
-# HF module names SGLang's CPU path cannot serve LoRA adapters on in an MoE model (the experts').
-CPU_LORA_UNSERVED = ("gate_proj", "up_proj", "down_proj")
-
-
 class EngineStartError(RuntimeError):
     """The server died or did not become healthy in time; the message holds its log tail."""
 
@@ -77,15 +73,9 @@ class EngineSettings:
     stop_timeout_s: float = 20.0
     log_path: str | None = None
     extra_args: tuple[str, ...] = ()  # more launch_server flags, appended as given
-    # LoRA serving (--enable-lora): the largest adapter rank and the HF module names adapters may target
-    lora_max_rank: int | None = None
-    lora_target_modules: tuple[str, ...] = ()
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
-        if self.lora_max_rank is not None and (self.lora_max_rank < 1 or not self.lora_target_modules):
-            raise ValueError(f"LoRA serving needs lora_max_rank >= 1 and target modules, got {self.lora_max_rank}, "
-                             f"{self.lora_target_modules}")
         if self.sampling_mask_max_tokens < 1:
             raise ValueError(f"sampling_mask_max_tokens must be >= 1, got {self.sampling_mask_max_tokens}")
         if not (Path(self.model_path) / "config.json").is_file():
@@ -159,15 +149,6 @@ class SGLangEngine:
         self.settings = settings
         self.model = ServedModel.from_hf_config(settings.model_path)
         self.device = settings.device or ("cpu" if sglang_cpu.needed() else "cuda")
-        if settings.lora_max_rank is not None and self.device == "cpu":
-            experts = sorted(set(settings.lora_target_modules) & set(CPU_LORA_UNSERVED))
-            if experts and self.model.num_experts:
-                raise ValueError(
-                    f"SGLang cannot serve LoRA on the MoE experts ({experts}) on CPU: its LoRA MoE layer runs the "
-                    "Triton fused-MoE runner, which fails there at start-up (AttributeError: 'NoneType' object has "
-                    "no attribute 'replace', sglang/srt/layers/moe/moe_runner/triton_utils/"
-                    "fused_moe_triton_config.py get_config_file_name); serve attention adapters only, or sync "
-                    "merged weights (lora.sync=merged)")
         if settings.dp_attention and self.device == "cpu":
             # SGLang 0.5.23 pads DP-attention batches through an attention-backend method that its
             # CPU (torch_native) backend lacks: AttributeError 'get_cpu_graph_seq_len_fill_value'.
@@ -210,11 +191,6 @@ class SGLangEngine:
             cmd += ["--attn-dp-size", str(s.tp)]
         if s.nnodes > 1:
             cmd += ["--nnodes", str(s.nnodes), "--node-rank", str(s.node_rank), "--dist-init-addr", s.dist_init_addr]
-        if s.lora_max_rank is not None:
-            cmd += ["--enable-lora", "--max-lora-rank", str(s.lora_max_rank), "--lora-target-modules",
-                    *s.lora_target_modules, "--max-loras-per-batch", "2"]
-            if self.device == "cpu":
-                cmd += ["--lora-backend", "torch_native"]  # the other backends are Triton/CUDA kernels
         if s.api_key:
             cmd.append(f"--api-key={s.api_key}")  # one word: a key may start with "-" (token_urlsafe)
         return cmd + list(s.extra_args)
