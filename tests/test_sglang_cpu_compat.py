@@ -89,12 +89,15 @@ def test_parallel_engine_fails_without_workaround(workaround, tiny_checkpoint, t
     """The engine (its log) shows the named error; the engine tests (tests/test_engine_parallel.py)
     show the same engines serving with every work-around on."""
     tp, ep = ENGINE_SCENARIOS[workaround]
-    if workaround == "omp_threads_bind" and sglang_cpu.numa_node_count() >= tp:
-        # the work-around binds cores only when ranks outnumber NUMA nodes; here SGLang gives each rank a
-        # node itself, so turning it off cannot fail and there is nothing to show
-        pytest.skip(f"{sglang_cpu.numa_node_count()} NUMA nodes >= {tp} ranks: the work-around does nothing here")
-    monkeypatch.setenv(sglang_cpu.OFF_ENV, workaround)
     monkeypatch.delenv(sglang_cpu.THREADS_BIND_ENV, raising=False)
+    if workaround == "omp_threads_bind" and sglang_cpu.numa_node_count() >= tp:
+        # SGLang gives each rank a NUMA node itself when there are enough: the work-around must leave the
+        # binding to it (turning it off cannot fail an engine here)
+        monkeypatch.setenv(sglang_cpu.RANKS_PER_NODE_ENV, str(tp))
+        sglang_cpu._bind_each_rank_its_cores()
+        assert sglang_cpu.THREADS_BIND_ENV not in os.environ
+        return
+    monkeypatch.setenv(sglang_cpu.OFF_ENV, workaround)
     engine = SGLangEngine(EngineSettings(
         model_path=tiny_checkpoint, dtype="float32", max_total_tokens=1024, tp=tp, ep=ep,
         startup_timeout_s=ENGINE_START_TIMEOUT_S, log_path=str(tmp_path / "server.log"),

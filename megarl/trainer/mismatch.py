@@ -48,6 +48,11 @@ def mismatch_sums(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor
     }
 
 
+def empty_mismatch() -> dict[str, torch.Tensor]:
+    """The :func:`mismatch_sums` of no tokens (a padding-only micro-batch)."""
+    return {k: torch.zeros((), dtype=torch.float64) for k in SUMMED + MAXED}
+
+
 def reduce_mismatch(parts: Sequence[Mapping[str, torch.Tensor]],
                     group: dist.ProcessGroup | None = None) -> dict[str, float]:
     """Totals of :func:`mismatch_sums` results (at least one): summed or maxed over ``parts`` and,

@@ -22,7 +22,7 @@ import torch
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.config.schema import AlgorithmConfig
 from megarl.trainer.logprobs import CsrMask, vocab_parallel_logprobs
-from megarl.trainer.mismatch import MAXED, SUMMED, mismatch_metrics, mismatch_sums, reduce_mismatch
+from megarl.trainer.mismatch import empty_mismatch, mismatch_metrics, mismatch_sums, reduce_mismatch
 from megarl.trainer.packing import MicroBatchPlan, ModelInput, model_input, plan_micro_batches, to_grid
 from megarl.trainer.reference import ReferenceWeights
 from megarl.trainer.rl_batch import RLBatch, check_routing
@@ -287,11 +287,6 @@ def step_metrics(totals: dict[str, float]) -> dict[str, float]:
     out |= {("entropy" if k == "entropy_tokens" else k): totals[k] / tokens for k in _BY_TOKENS}
     out |= {k: totals[k] / sequences for k in _BY_SEQUENCES}
     return out
-
-
-def empty_mismatch() -> dict[str, torch.Tensor]:
-    """The :func:`mismatch_sums` of no tokens (a padding-only micro-batch)."""
-    return {k: torch.zeros((), dtype=torch.float64) for k in SUMMED + MAXED}
 
 
 def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmConfig, *, vocab_size: int,

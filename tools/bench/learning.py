@@ -9,6 +9,10 @@ process, one after the other, so neither shares the cores with the other. From e
   seconds_to_reward    RL-loop seconds (wait + train + sync, start-up excluded) until the mean reward of
                        the trailing ``--window`` steps first reaches ``--target`` (null: never)
   curve                mean reward per ``--window`` steps
+  mismatch_max         largest per-step train-inference mismatch on fresh tokens (null: none fresh)
+
+and, from the two runs side by side, ``async_minus_sync_final_reward`` and
+``async_over_sync_seconds_to_reward``.
 
 Usage: python tools/bench/learning.py --json FILE [--recipe tiny_moe_cpu --steps 300 --target 0.6
        --set key=value ...]   (``--set`` overrides apply to both modes)
@@ -47,8 +51,8 @@ def learning_figures(run_dir: Path, last: int, window: int, target: float) -> di
                       for i in range(0, len(rewards), window)],
             "mixed_group_frac_curve": [round(sum(r["groups/mixed_frac"] for r in rows[i:i + window])
                                              / len(rows[i:i + window]), 3) for i in range(0, len(rows), window)],
-            **{key: max(r[key] for r in rows if key in r) for key in ("mismatch/logprob_abs_diff",)
-               if any(key in r for r in rows)}}
+            "mismatch_max": max((r["mismatch/logprob_abs_diff"] for r in rows if "mismatch/logprob_abs_diff" in r),
+                                default=None)}
 
 
 def train(overrides: list[str]) -> None:
@@ -87,6 +91,13 @@ def main() -> int:
               **{f"{mode}_final_reward": f["final_reward"] for mode, f in figures.items()},
               **{f"{mode}_seconds_to_reward": f["seconds_to_reward"] for mode, f in figures.items()},
               "runs": figures}
+    if {"sync", "async"} <= figures.keys():
+        sync, lag = figures["sync"], figures["async"]
+        result["async_minus_sync_final_reward"] = lag["final_reward"] - sync["final_reward"]
+        if sync["seconds_to_reward"] and lag["seconds_to_reward"]:
+            result["async_over_sync_seconds_to_reward"] = lag["seconds_to_reward"] / sync["seconds_to_reward"]
+        print(f"async - sync final reward: {result['async_minus_sync_final_reward']:+.3f}; async / sync seconds to "
+              f"reward {args.target}: {result.get('async_over_sync_seconds_to_reward', 'n/a (not reached)')}")
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
