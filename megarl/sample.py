@@ -4,7 +4,11 @@ Shapes, for P prompt tokens, R response tokens and T = P + R:
 ``loss_mask`` uint8 [R], ``rollout_logprobs`` float32 [R], ``model_version`` int32 [R],
 ``routed_experts`` int16/int32 [T-1, L, k] (L = the model's layers, k = experts per token) or None
 (not requested, or the request was aborted before the engine ran it),
-``sampling_mask`` CSR over the R response positions or None (None = full vocabulary).
+``sampling_mask`` CSR over the R response positions or None (None = full vocabulary),
+``token_advantages`` float32 [R] or None (added to ``advantage`` at each response token: on-policy
+distillation, per-turn rewards), ``teacher_logprobs`` float32 [R] or None (a teacher's log-prob of each
+response token), ``turn_ends`` the response offsets (exclusive) where each policy turn of a multi-turn
+episode ends (empty for a single turn).
 """
 from __future__ import annotations
 
@@ -84,6 +88,12 @@ class RolloutSample:
     advantage: float | None = None  # filled by the advantage estimator
     group_id: str = ""
     episode_id: str = ""
+    turn_ends: tuple[int, ...] = ()
+    turn_rewards: tuple[float, ...] = ()  # per-turn (process) rewards, one per turn_ends entry, or empty
+    episode_end: str = ""  # why a multi-turn episode ended: done | max_turns | max_tokens | length | error: ...
+    token_advantages: np.ndarray | None = None  # filled by token-level estimators (opd, per-turn rewards)
+    teacher_logprobs: np.ndarray | None = None  # filled by a teacher's scoring (on-policy distillation)
+    role: str = ""  # multi-agent episodes: the role whose turns these are ("" = the one policy)
 
     def __post_init__(self):
         r = len(self.response_ids)
@@ -98,6 +108,14 @@ class RolloutSample:
                 raise ValueError(f"routed_experts must be int16/int32 [T-1={t - 1}, L, k], got {re.dtype} {re.shape}")
         if self.sampling_mask is not None and self.sampling_mask.num_rows != r:
             raise ValueError(f"sampling_mask has {self.sampling_mask.num_rows} rows, response has {r} tokens")
+        for name in ("token_advantages", "teacher_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (value.dtype != np.float32 or value.shape != (r,)):
+                raise ValueError(f"{name} must be float32 [{r}], got {value.dtype} {value.shape}")
+        if any(b <= a for a, b in zip((0, *self.turn_ends), self.turn_ends)) or any(e > r for e in self.turn_ends):
+            raise ValueError(f"turn_ends must increase within the response of {r} tokens, got {self.turn_ends}")
+        if self.turn_rewards and len(self.turn_rewards) != len(self.turn_ends):
+            raise ValueError(f"{len(self.turn_rewards)} turn_rewards for {len(self.turn_ends)} turns")
 
     @property
     def num_tokens(self) -> int:

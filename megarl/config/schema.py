@@ -147,6 +147,29 @@ class TaskConfig:
     shuffle: bool = True  # jsonl / parquet: visit the rows in a seeded permutation per epoch
     max_operand: int = 9  # arithmetic: operands in [0, max_operand]
     seed: int = 0
+    # How a prompt becomes a sample: None = one generation (single turn); "calculator" = a multi-turn
+    # episode with the calculator tool (megarl/rollout/env.py). ``agent`` ("package.module:function")
+    # runs an agent program against megarl's OpenAI-compatible gateway instead (megarl/agents/).
+    env: Optional[str] = None
+    agent: Optional[str] = None
+    max_turns: int = 4  # policy turns per episode (env / agent)
+    max_response_tokens: Optional[int] = None  # episode response budget incl. observations; None = context - prompt
+    agent_timeout_s: float = 120.0  # an agent episode running longer ends as error (counted)
+
+
+@dataclass
+class JudgeConfig:
+    """A generative reward model: its own SGLang engine answers ``prompt_template`` (``{prompt}``,
+    ``{response}``, ``{answer}``) and ``score_pattern``'s first group, parsed as a float, is the score.
+    A timeout or an answer without a score is a reward error (counted, the sample is not trained on)."""
+
+    hf_path: Optional[str] = None  # judge checkpoint; None = no judge
+    prompt_template: str = "{prompt}{response}"
+    score_pattern: str = "(-?[0-9]+(?:\\.[0-9]+)?)"
+    max_new_tokens: int = 8
+    temperature: float = 0.0
+    weight: float = 1.0  # reward = rule_weight * rule + weight * judge
+    timeout_s: float = 30.0
 
 
 @dataclass
@@ -158,6 +181,17 @@ class RewardConfig:
     path: Optional[str] = None  # function: dotted path "package.module.function" taking a RewardInput
     url: Optional[str] = None  # remote: reward-model endpoint (POST JSON, answers {"reward": float})
     timeout_s: float = 30.0
+    rule_weight: float = 1.0  # weight of the ``type`` reward when a judge is configured
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+
+
+@dataclass
+class TeacherConfig:
+    """On-policy distillation: a teacher served by its own SGLang engine scores the student's samples
+    (one prefill request per sample: the log-prob of every response token)."""
+
+    hf_path: Optional[str] = None  # teacher checkpoint; None = no teacher
+    timeout_s: float = 60.0
 
 
 @dataclass
@@ -203,6 +237,9 @@ class AlgorithmConfig:
     kl_type: str = "k3"  # k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10]) | k1_is | k2_is | k3_is (x pi/pi_old)
     kl_in_reward: bool = False  # true: reward - kl_coef * sum_t KL_t pre-advantage (verl use_kl_in_reward); false: loss
     entropy_coef: float = 0.0
+    # on-policy distillation: per-token advantage opd_coef * (teacher_logp - student_logp) (needs teacher.hf_path);
+    # alone with advantage=opd, added to the reward advantage otherwise
+    opd_coef: float = 0.0
     # none | tis (w clamped to [is_threshold_low, is_threshold]) | mis (reject tokens/sequences with w outside it)
     off_policy_correction: str = "none"
     off_policy_level: str = "token"  # token | sequence (product of token ratios) | geometric (their geometric mean)
@@ -254,6 +291,7 @@ class MegarlConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)

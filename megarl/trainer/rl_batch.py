@@ -24,7 +24,8 @@ class RLBatch:
     float32 [N] (0 outside the response), ``staleness`` int32 [N] (the trainer's weight version
     minus the ``model_version`` of the target on response positions, 0 elsewhere),
     ``routed_experts`` int16 [N, L, k] or None, the sampling mask as CSR over the N positions
-    (empty rows = full vocabulary) or None. Per sample: ``cu_seqlens`` int64 [B + 1],
+    (empty rows = full vocabulary) or None, ``token_advantages`` float32 [N] (added to the sample's
+    advantage on response positions, 0 elsewhere) or None. Per sample: ``cu_seqlens`` int64 [B + 1],
     ``advantages`` float32 [B]."""
 
     tokens: torch.Tensor
@@ -36,6 +37,7 @@ class RLBatch:
     advantages: torch.Tensor
     routed_experts: Optional[torch.Tensor]
     sampling_mask: Optional[CsrMask]
+    token_advantages: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return len(self.advantages)
@@ -61,7 +63,13 @@ class RLBatch:
             mask = CsrMask(self.sampling_mask.ids[_ranges(offsets[:-1][positions], counts)], new_offsets)
         return RLBatch(self.tokens[positions], self.targets[positions], self.loss_mask[positions],
                        self.rollout_logprobs[positions], self.staleness[positions], cu, self.advantages[idx],
-                       None if self.routed_experts is None else self.routed_experts[positions], mask)
+                       None if self.routed_experts is None else self.routed_experts[positions], mask,
+                       None if self.token_advantages is None else self.token_advantages[positions])
+
+    def position_advantages(self) -> torch.Tensor:
+        """The advantage at every position, float32 [N]: the sample's, plus its token advantage."""
+        per_sample = torch.repeat_interleave(self.advantages, self.lengths, output_size=len(self.tokens))
+        return per_sample if self.token_advantages is None else per_sample + self.token_advantages
 
 
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -80,6 +88,8 @@ def build_rl_batch(samples: Sequence[RolloutSample], with_routing: bool = True, 
     if not samples:
         raise ValueError("an RL batch needs at least one sample")
     tokens, targets, loss_mask, logprobs, staleness, routed, mask_counts, mask_ids = [], [], [], [], [], [], [], []
+    token_advantages = []
+    use_token_advantages = with_advantages and any(s.token_advantages is not None for s in samples)
     use_routing = with_routing and all(s.routed_experts is not None for s in samples)
     use_mask = with_sampling_mask and any(s.sampling_mask is not None for s in samples)
     shape = None
@@ -103,6 +113,11 @@ def build_rl_batch(samples: Sequence[RolloutSample], with_routing: bool = True, 
                 raise ValueError(f"sample {b} has tokens of weight version {int(sample.model_version.max())}, "
                                  f"newer than the trainer's {trainer_version}")
         staleness.append(stale)
+        if use_token_advantages:
+            extra = np.zeros(P + R - 1, np.float32)
+            if sample.token_advantages is not None:
+                extra[P - 1:] = sample.token_advantages
+            token_advantages.append(extra)
         if use_routing:
             r = np.asarray(sample.routed_experts)
             shape = shape or r.shape[1:]
@@ -134,7 +149,8 @@ def build_rl_batch(samples: Sequence[RolloutSample], with_routing: bool = True, 
         staleness=torch.from_numpy(np.concatenate(staleness)),
         cu_seqlens=cu, advantages=torch.tensor([float(s.advantage) if with_advantages else 0.0 for s in samples],
                                                 dtype=torch.float32),
-        routed_experts=torch.from_numpy(np.concatenate(routed)) if use_routing else None, sampling_mask=mask)
+        routed_experts=torch.from_numpy(np.concatenate(routed)) if use_routing else None, sampling_mask=mask,
+        token_advantages=torch.from_numpy(np.concatenate(token_advantages)) if use_token_advantages else None)
 
 
 def check_routing(routed: torch.Tensor, num_layers: int, num_experts: int) -> None:

@@ -358,7 +358,9 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
             logprobs, entropy = to_grid(flat_lp, mb.cu_seqlens), to_grid(flat_ent, mb.cu_seqlens)
             loss_mask = to_grid(mb.loss_mask, mb.cu_seqlens)
             inputs = LossInputs(
-                logprobs=logprobs, old_logprobs=logprobs.detach(), advantages=mb.advantages, loss_mask=loss_mask,
+                logprobs=logprobs, old_logprobs=logprobs.detach(), loss_mask=loss_mask,
+                advantages=mb.advantages if mb.token_advantages is None else to_grid(mb.position_advantages(),
+                                                                                     mb.cu_seqlens),
                 entropy=entropy, rollout_logprobs=to_grid(mb.rollout_logprobs, mb.cu_seqlens),
                 ref_logprobs=None if ref is None else to_grid(ref, mb.cu_seqlens),
             )
