@@ -40,6 +40,8 @@ async def rl(cfg: DictConfig, start_checkpoint: str) -> None:
     trains one step on it and syncs the weights into the engines (the modes sync / one_step_off /
     async differ only in lag and buffer depth: megarl/pipeline/modes.py)."""
     from megarl.algos.advantages import fill_advantages
+    from megarl.algos.distill import fill_distill_advantages
+    from megarl.algos.process import fill_process_advantages
     from megarl.pipeline.run import open_pipeline
 
     async with open_pipeline(cfg, start_checkpoint) as pipe:
@@ -47,6 +49,9 @@ async def rl(cfg: DictConfig, start_checkpoint: str) -> None:
             batch = await pipe.take_batch(step)
             penalties = await pipe.kl_penalties(batch.samples, step)  # KL to the reference, when in the reward
             stats = fill_advantages(batch.samples, cfg.algorithm.advantage, penalties)
+            stats.metrics |= fill_process_advantages(batch.samples).metrics()  # per-turn rewards, when any
+            if pipe.teacher is not None:  # on-policy distillation: the teacher's per-token advantages on top
+                stats.metrics |= fill_distill_advantages(batch.samples, cfg.algorithm.opd_coef) | pipe.teacher.metrics()
             result = await pipe.trainer.rl_step(pipe.rl_batch(batch.samples, step), cfg.algorithm,
                                                 **pipe.step_kwargs())
             synced = await pipe.sync_weights(step)

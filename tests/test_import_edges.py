@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
     "algos": 1, "tasks": 1,
     "models": 2,
     "engines": 3,
-    "rollout": 4,
+    "rollout": 4, "agents": 4,
     "sync": 5,
     "config": 6,
     "trainer": 7,

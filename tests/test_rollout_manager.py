@@ -12,7 +12,7 @@ import torch
 
 from megarl.engines.client import PauseMode, SamplingParams, SGLangClient
 from megarl.engines.server import EngineSettings, SGLangEngine
-from megarl.rollout.env import CalculatorEnv, CalculatorError, EnvStep, calculate, run_episode
+from megarl.rollout.env import CalculatorEnv, CalculatorError, EnvEpisodes, EnvStep, EpisodeLimits, calculate
 from megarl.rollout.group import RolloutManager
 from megarl.sample import FinishReason
 from megarl.tasks.prompts import Prompt
@@ -231,8 +231,11 @@ def eos_or_seven_checkpoint(tiny_checkpoint, tokenizer, tmp_path_factory):
 
 def test_calculator_episode_is_one_sample_with_env_tokens_masked(client, tokenizer, tiny_checkpoint,
                                                                  eos_or_seven_checkpoint, loop):
-    env = CalculatorEnv(max_calls=3, call_open="", call_close="", result_format="={}\n")  # every turn is a call
-    params = SamplingParams(max_new_tokens=8, top_k=5)
+    # every turn is a call
+    episodes = EnvEpisodes(client, tokenizer, lambda: CalculatorEnv(max_calls=3, call_open="", call_close="",
+                                                                    result_format="={}\n"),
+                           SamplingParams(max_new_tokens=8, top_k=5),
+                           EpisodeLimits(max_turns=3, max_response_tokens=48))
 
     async def body():
         # sampled: a first turn may run out of tokens before its EOS (no tool call); take the first of
@@ -240,8 +243,7 @@ def test_calculator_episode_is_one_sample_with_env_tokens_masked(client, tokeniz
         await client.update_weights_from_disk(eos_or_seven_checkpoint, version=3)
         try:
             for _ in range(4):
-                episode = await run_episode(client, tokenizer, env, Prompt("3+4="), params, max_turns=3,
-                                            max_response_tokens=48, group_id="e", episode_id="ep0")
+                [episode], _ = await episodes.run_group(Prompt("3+4="), "e", 1)
                 if 0 in episode.loss_mask.tolist():
                     break
             return episode
@@ -249,7 +251,8 @@ def test_calculator_episode_is_one_sample_with_env_tokens_masked(client, tokeniz
             await client.update_weights_from_disk(tiny_checkpoint, version=0)
 
     sample = loop.run_until_complete(body())
-    assert sample.episode_id == "ep0" and sample.group_id == "e"
+    assert sample.episode_id == "e.0" and sample.group_id == "e"
+    assert sample.episode_end in ("done", "max_turns", "max_tokens", "length")
     mask = sample.loss_mask.tolist()
     # split the response into alternating policy (1) and environment (0) segments
     segments, start = [], 0
@@ -258,6 +261,8 @@ def test_calculator_episode_is_one_sample_with_env_tokens_masked(client, tokeniz
             segments.append((mask[start], sample.response_ids[start:i]))
             start = i
     kinds = [kind for kind, _ in segments]
+    ends = np.cumsum([len(t) for _, t in segments])
+    assert list(sample.turn_ends) == [int(end) for (kind, _), end in zip(segments, ends) if kind == 1]
     assert kinds[0] == 1 and kinds[-1] == 1 and kinds.count(0) >= 1, kinds  # ends with a policy turn
     for (kind, tokens), (_, following) in zip(segments, segments[1:]):
         if kind == 1:  # a policy turn that the environment answered: ended by EOS, answered by the tool
@@ -272,3 +277,104 @@ def test_calculator_episode_is_one_sample_with_env_tokens_masked(client, tokeniz
     assert_matches_hf(sample, hf_model(eos_or_seven_checkpoint))
     print(f"\n[measured] calculator episode: segments {[(k, len(t)) for k, t in segments]}, "
           f"text {tokenizer.decode(sample.response_ids)!r}")
+
+
+class _Echo:
+    """An environment that answers every turn with ``={n}`` (n = its turns so far) and never ends an
+    episode by itself, or raises at turn ``raise_at``."""
+
+    stop = ()
+
+    def __init__(self, raise_at: int | None = None):
+        self.turns, self.raise_at = 0, raise_at
+
+    async def reset(self, prompt):
+        return prompt.text
+
+    async def step(self, turn_text):
+        self.turns += 1
+        if self.turns == self.raise_at:
+            raise RuntimeError("the tool crashed")
+        return EnvStep(observation=f"={self.turns}\n", done=False)
+
+
+def test_episodes_end_with_a_reason_and_a_raising_environment_is_counted(client, tokenizer, tiny_checkpoint,
+                                                                         eos_or_seven_checkpoint, loop):
+    params = SamplingParams(max_new_tokens=8, top_k=5)
+
+    def run(make_env, limits, n=4, turn_params=params):
+        episodes = EnvEpisodes(client, tokenizer, make_env, turn_params, limits)
+        samples, _ = loop.run_until_complete(episodes.run_group(Prompt("3+4="), "g", n))
+        return episodes, samples
+
+    loop.run_until_complete(client.update_weights_from_disk(eos_or_seven_checkpoint, version=0))
+    try:
+        _, by_turns = run(_Echo, EpisodeLimits(max_turns=2, max_response_tokens=50))
+        _, by_tokens = run(_Echo, EpisodeLimits(max_turns=9, max_response_tokens=12))
+        _, by_length = run(_Echo, EpisodeLimits(max_turns=3, max_response_tokens=50),
+                           turn_params=SamplingParams(max_new_tokens=3, top_k=5, ignore_eos=True))
+        raising, crashed = run(lambda: _Echo(raise_at=2), EpisodeLimits(max_turns=3, max_response_tokens=50))
+    finally:
+        loop.run_until_complete(client.update_weights_from_disk(tiny_checkpoint, version=0))
+    stopped = [s for s in by_turns if s.finish_reason is FinishReason.STOP]
+    assert stopped and all(s.episode_end == "max_turns" and len(s.turn_ends) == 2 for s in stopped)
+    assert all(len(s.response_ids) <= 12 for s in by_tokens)
+    assert {s.episode_end for s in by_tokens} <= {"max_tokens", "length"} and any(
+        s.episode_end == "max_tokens" for s in by_tokens)
+    assert all(s.episode_end == "length" and s.finish_reason is FinishReason.LENGTH and len(s.turn_ends) == 1
+               for s in by_length)
+    errored = [s for s in crashed if s.finish_reason is FinishReason.ERROR]
+    assert errored and all(s.episode_end == "error: RuntimeError: the tool crashed" for s in errored)
+    assert raising.errors == {"RuntimeError": len(errored)} and raising.ends["error"] == len(errored)
+    for s in by_turns + by_tokens + crashed:  # the trajectory so far is kept, ending with a policy turn
+        assert s.loss_mask[-1] == 1 and s.turn_ends[-1] == len(s.response_ids)
+
+
+@pytest.mark.parametrize("partial_rollout", ["continue", "abort_resubmit"])
+def test_episodes_span_a_weight_update_and_match_hf(partial_rollout, client, tokenizer, tiny_checkpoint,
+                                                    eos_or_seven_checkpoint, loop):
+    """A weight update (version 0 -> 1, same weights) lands inside a group's episodes: tokens carry both
+    versions, turns after it the new one, aborted turns are continued (abort_resubmit), and routing,
+    masks and log-probs over the whole trajectory still equal an HF forward within 1e-4."""
+    env = lambda: CalculatorEnv(max_calls=3, call_open="", call_close="", result_format="={}\n")  # noqa: E731
+    episodes = EnvEpisodes(client, tokenizer, env, SamplingParams(max_new_tokens=8, top_k=5),
+                           EpisodeLimits(max_turns=3, max_response_tokens=48),
+                           abort_resubmit=partial_rollout == "abort_resubmit")
+    pause = PauseMode.ABORT if partial_rollout == "abort_resubmit" else PauseMode.RETRACT
+
+    async def body():
+        await client.update_weights_from_disk(eos_or_seven_checkpoint, version=0)
+        try:
+            t0 = time.monotonic()
+            await episodes.run_group(Prompt("3+4="), "warm", 6)
+            duration = time.monotonic() - t0
+            for attempt in range(4):  # the update must land inside an episode with turns on both sides
+                await client.set_weight_version(0)
+                task = asyncio.create_task(episodes.run_group(Prompt("3+4="), f"g{attempt}", 6))
+                await asyncio.sleep(duration * 0.4)
+                await client.pause_generation(pause)
+                try:
+                    await client.set_weight_version(1)
+                finally:
+                    await client.continue_generation()
+                samples, resubmitted = await asyncio.wait_for(task, timeout=120)
+                if any(set(s.model_version.tolist()) == {0, 1} and len(s.turn_ends) > 1 for s in samples):
+                    return samples, resubmitted
+            raise AssertionError("no episode spanned the update in 4 attempts")
+        finally:
+            await client.update_weights_from_disk(tiny_checkpoint, version=0)
+
+    samples, resubmitted = loop.run_until_complete(body())
+    model = hf_model(eos_or_seven_checkpoint)
+    worst = 0.0
+    for s in samples:
+        v = s.model_version
+        assert (np.diff(v) >= 0).all() and set(v.tolist()) <= {0, 1}
+        environment = np.flatnonzero(s.loss_mask == 0)
+        assert (v[environment] == v[environment - 1]).all()  # the version of the policy token before them
+        assert s.episode_end != "aborted"
+        worst = max(worst, assert_matches_hf(s, model))
+    assert worst < 1e-4
+    print(f"\n[measured] episodes across an update ({partial_rollout}): {resubmitted} turns resubmitted, "
+          f"versions per episode {[sorted(set(s.model_version.tolist())) for s in samples]}, "
+          f"max |log-prob - HF| {worst:.1e}")

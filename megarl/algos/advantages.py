@@ -13,7 +13,7 @@ A group of several samples whose rewards are all equal gets advantage exactly 0 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
 import torch
@@ -100,7 +100,15 @@ def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor, *, token_counts
     return (centred - mu) * torch.rsqrt(var + 1e-8)
 
 
-ADVANTAGES: dict[str, AdvantageFn] = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp}
+def opd(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """On-policy distillation alone: sequence advantage 0; the teacher's per-token advantages
+    (:mod:`megarl.algos.distill`) are the whole signal."""
+    _check(rewards, group_ids)
+    return torch.zeros_like(rewards)
+
+
+ADVANTAGES: dict[str, AdvantageFn] = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
+                                      "opd": opd}
 TOKEN_WEIGHTED = frozenset({"reinforce_pp"})  # estimators that also take token_counts [B]
 
 
@@ -115,6 +123,7 @@ class BatchStats:
     response_len_mean: float
     mixed_group_frac: float  # groups whose rewards are not all equal (GRPO has signal only there)
     tokens: int  # generated tokens
+    metrics: dict[str, float] = field(default_factory=dict)  # more of the step's row (e.g. distill/reverse_kl)
 
 
 def fill_advantages(samples: list[RolloutSample], estimator: str,

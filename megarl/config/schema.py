@@ -136,6 +136,7 @@ class WarmupConfig:
     lr: float = 1e-3
     log_interval: int = 10
     save_hf_path: str = "checkpoints/warmup_hf"  # where the warmed-up HF checkpoint is written
+    tool_fraction: float = 0.5  # task.env=calculator: share of warm-up examples that call the tool
 
 
 @dataclass
@@ -155,21 +156,27 @@ class TaskConfig:
     max_turns: int = 4  # policy turns per episode (env / agent)
     max_response_tokens: Optional[int] = None  # episode response budget incl. observations; None = context - prompt
     agent_timeout_s: float = 120.0  # an agent episode running longer ends as error (counted)
+    roles: Optional[list[str]] = None  # multi-agent: the roles an agent names as ``model``, all served by the policy
 
 
 @dataclass
 class JudgeConfig:
-    """A generative reward model: its own SGLang engine answers ``prompt_template`` (``{prompt}``,
-    ``{response}``, ``{answer}``) and ``score_pattern``'s first group, parsed as a float, is the score.
-    A timeout or an answer without a score is a reward error (counted, the sample is not trained on)."""
+    """A generative reward model (megarl/tasks/judge.py): its own SGLang engine answers ``prompt_template``
+    (``{prompt}``, ``{response}``, ``{answer}``) and ``score_pattern``'s first group, parsed as a float, is
+    the score. A timeout or an answer without a score is a reward error (counted, the sample is not trained on)."""
 
     hf_path: Optional[str] = None  # judge checkpoint; None = no judge
+    # tokenized as written by the judge's tokenizer: write a chat model's turn markers into the template
     prompt_template: str = "{prompt}{response}"
-    score_pattern: str = "(-?[0-9]+(?:\\.[0-9]+)?)"
+    score_pattern: str = "(-?[0-9]+(?:\\.[0-9]+)?)"  # searched in the decoded answer; group 1 = the score
     max_new_tokens: int = 8
-    temperature: float = 0.0
+    temperature: float = 0.0  # 0 = greedy
     weight: float = 1.0  # reward = rule_weight * rule + weight * judge
-    timeout_s: float = 30.0
+    timeout_s: float = 30.0  # per judge request; at most reward.timeout_s
+    # score every policy turn of a multi-turn episode instead of the whole response: weight * score of
+    # turn k -> sample.turn_rewards[k] (process rewards, megarl/algos/process.py); reward = rule_weight * rule
+    per_turn: bool = False
+    engine_tp: int = 1  # tensor-parallel ranks of the judge engine
 
 
 @dataclass
@@ -181,7 +188,7 @@ class RewardConfig:
     path: Optional[str] = None  # function: dotted path "package.module.function" taking a RewardInput
     url: Optional[str] = None  # remote: reward-model endpoint (POST JSON, answers {"reward": float})
     timeout_s: float = 30.0
-    rule_weight: float = 1.0  # weight of the ``type`` reward when a judge is configured
+    rule_weight: float = 1.0  # weight of the ``type`` reward when a judge is configured (0: not computed)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 

@@ -26,6 +26,7 @@ from megarl.models.hf_config import hf_config_if_present
 from megarl.parallel import PipelineSplitError, stage_layer_counts
 from megarl.rollout.group import PARTIAL_ROLLOUT_MODES
 from megarl.sync.transports import TRANSPORTS
+from megarl.tasks.judge import check_judge_config
 from megarl.tasks.prompts import DATASET_TASKS, TASKS, dataset_fields
 from megarl.tasks.rewards import REWARD_TYPES, check_reward_url, load_user_reward
 
@@ -75,9 +76,11 @@ def validate(cfg: DictConfig) -> None:
     _check_placement(cfg)
     _check_rollout(cfg)
     _check_algorithm(cfg)
+    _check_distillation(cfg)
     if cfg.task.name in DATASET_TASKS and not cfg.task.path:
         _fail("task.path", f"task {cfg.task.name} needs the dataset file")
     _check_reward(cfg.reward)
+    _check_judge(cfg)
     if cfg.sync.bucket_mb < 0 or cfg.sync.timeout_s <= 0:
         _fail("sync.bucket_mb",
               f"bucket_mb must be >= 0 and timeout_s > 0, got {cfg.sync.bucket_mb}, {cfg.sync.timeout_s}")
@@ -242,6 +245,27 @@ def _check_algorithm(cfg: DictConfig) -> None:
         _fail("algorithm.off_policy_veto_threshold", f"must be in (0, 1], got {a.off_policy_veto_threshold}")
 
 
+def _check_distillation(cfg: DictConfig) -> None:
+    """On-policy distillation: a teacher and a weight go together; its token advantages leave no
+    per-sequence advantage for off_policy_mask_kl."""
+    a, teacher = cfg.algorithm, cfg.teacher.hf_path
+    if a.opd_coef < 0:
+        _fail("algorithm.opd_coef", f"must be >= 0, got {a.opd_coef}")
+    if a.advantage == "opd" and not teacher:
+        _fail("teacher.hf_path", "algorithm.advantage=opd distils from a teacher: set teacher.hf_path to its HF "
+              "checkpoint")
+    if teacher and a.opd_coef == 0:
+        _fail("algorithm.opd_coef", "teacher.hf_path is set but opd_coef is 0: the teacher's scores would train "
+              "nothing; set opd_coef > 0 (e.g. 1.0) or unset teacher.hf_path")
+    if a.opd_coef > 0 and not teacher:
+        _fail("teacher.hf_path", f"algorithm.opd_coef={a.opd_coef} needs a teacher: set teacher.hf_path")
+    if teacher and a.off_policy_mask_kl is not None:
+        _fail("algorithm.off_policy_mask_kl", "needs per-sequence advantages; on-policy distillation (teacher.hf_path) "
+              "gives per-token ones")
+    if cfg.teacher.timeout_s <= 0:
+        _fail("teacher.timeout_s", f"must be > 0, got {cfg.teacher.timeout_s}")
+
+
 def _check_reward(reward: DictConfig) -> None:
     for kind, key in (("remote", "url"), ("function", "path")):
         if reward.type == kind and not reward[key]:
@@ -253,6 +277,25 @@ def _check_reward(reward: DictConfig) -> None:
             check_reward_url(reward.url)
         except ValueError as exc:  # the message names reward.url
             raise ConfigError(_one_line(str(exc))) from exc
+
+
+def _check_judge(cfg: DictConfig) -> None:
+    judge = cfg.reward.judge
+    if not judge.hf_path:
+        if judge.per_turn:
+            _fail("reward.judge.per_turn", "per-turn judging needs a judge: set reward.judge.hf_path")
+        return
+    try:
+        check_judge_config(judge)
+    except ValueError as exc:  # the message names the reward.judge key
+        raise ConfigError(_one_line(str(exc))) from exc
+    if judge.timeout_s > cfg.reward.timeout_s:
+        _fail("reward.judge.timeout_s", f"{judge.timeout_s} s exceeds reward.timeout_s ({cfg.reward.timeout_s} s), "
+              "which bounds the whole reward")
+    if judge.engine_tp < 1:
+        _fail("reward.judge.engine_tp", f"must be >= 1, got {judge.engine_tp}")
+    if judge.per_turn and not (cfg.task.env or cfg.task.agent):
+        _fail("reward.judge.per_turn", "scores the turns of multi-turn episodes; set task.env or task.agent")
 
 
 def check_inputs(cfg: DictConfig) -> None:
@@ -267,11 +310,24 @@ def check_inputs(cfg: DictConfig) -> None:
         except ValueError as exc:  # the message names reward.path
             raise ConfigError(_one_line(str(exc))) from exc
     checkpoint = _rl_start_checkpoint(cfg)
+    if cfg.teacher.hf_path:
+        _check_teacher(cfg.teacher.hf_path, checkpoint)
     if checkpoint is not None:
         context = hf_config_if_present(checkpoint).context_length
         if context is not None and cfg.rollout.max_new_tokens >= context:
             _fail("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for a prompt in the model's "
                   f"context of {context} tokens ({checkpoint})")
+
+
+def _check_teacher(teacher: str, student: str | None) -> None:
+    """The teacher is an HF checkpoint that scores the student's token ids: the same vocabulary."""
+    hf = hf_config_if_present(teacher)
+    if hf is None:
+        _fail("teacher.hf_path", f"{teacher} is not an HF checkpoint directory (no config.json)")
+    student_hf = hf_config_if_present(student) if student is not None else None
+    if student_hf is not None and hf.vocab_size != student_hf.vocab_size:
+        _fail("teacher.hf_path", f"the teacher's vocabulary ({hf.vocab_size} tokens, {teacher}) is not the student's "
+              f"({student_hf.vocab_size}, {student}): it must score the student's token ids")
 
 
 def _rl_start_checkpoint(cfg: DictConfig) -> str | None:

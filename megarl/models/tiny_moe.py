@@ -14,6 +14,15 @@ log = logging.getLogger(__name__)
 
 BOS, EOS, PAD = "<|bos|>", "<|endoftext|>", "<|pad|>"
 
+# A minimal chat template (rendered from ``messages`` alone; short role tags, for the 64-token context):
+# "<|bos|>U:hi\nA:hello<|endoftext|>T:42\nA:" -- an assistant turn ends with EOS, any other role's turn
+# with a newline; ``add_generation_prompt`` opens the assistant's turn.
+CHAT_TEMPLATE = (
+    BOS + "{% for m in messages %}{% if m['role'] == 'assistant' %}A:{{ m['content'] }}" + EOS
+    + "{% else %}{{ m['role'][:1] | upper }}:{{ m['content'] }}\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}A:{% endif %}"
+)
+
 
 @dataclass(frozen=True)
 class TinyMoeSpec:
@@ -40,7 +49,8 @@ class TinyMoeSpec:
 def train_tokenizer(texts: list[str]):
     """Byte-level BPE over ``texts``; digits are split individually so numbers tokenize per digit.
 
-    Returns a transformers ``PreTrainedTokenizerFast`` that prepends BOS to every encoded text.
+    Returns a transformers ``PreTrainedTokenizerFast`` that prepends BOS to every encoded text, with
+    :data:`CHAT_TEMPLATE` as its chat template.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -57,7 +67,8 @@ def train_tokenizer(texts: list[str]):
     tok.train_from_iterator(texts, trainer)
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, bos_id)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   chat_template=CHAT_TEMPLATE)
 
 
 def make_tiny_moe(out_dir: str | Path, spec: TinyMoeSpec = TinyMoeSpec(), max_operand: int = 9) -> Path:

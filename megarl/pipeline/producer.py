@@ -98,8 +98,11 @@ class RolloutProducer:
             self._finished(index)
             await self.buffer.release()
             return
-        if len(result.samples) != g:
+        if len(result.samples) < g:
             raise RuntimeError(f"prompt {index}: manager returned {len(result.samples)} samples for {g} attempts")
+        if len(result.samples) > g:  # multi-agent episodes: a sample per role; the extra ones start here
+            self.ledger.started(0, len(result.samples) - g)
+            g = len(result.samples)
         self.ledger.resubmitted(result.resubmitted)
         scored = [s for s in result.samples if s.finish_reason != FinishReason.ERROR]
         self.generated_tokens += sum(len(s.response_ids) for s in result.samples)
@@ -112,7 +115,7 @@ class RolloutProducer:
         if not scored:
             self._finished(index)
             await self.buffer.release()
-        elif self.dynamic_sampling and len({s.reward for s in scored}) == 1:
+        elif self.dynamic_sampling and len({(s.reward, s.turn_rewards) for s in scored}) == 1:  # no signal at all
             self.ledger.left_buffer(len(scored), Outcome.DROPPED_FILTER)  # no GRPO signal: refill
             self._finished(index)
             await self.buffer.release()

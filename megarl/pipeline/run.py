@@ -16,6 +16,7 @@ to the end of ``sync_weights`` (:mod:`megarl.pipeline.colocate`).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
@@ -33,6 +34,7 @@ from omegaconf import DictConfig
 from rich.progress import Progress
 from transformers import AutoTokenizer
 
+from megarl.agents.rollout import AgentEpisodes, load_agent
 from megarl.algos.advantages import BatchStats
 from megarl.config.schema import Placement
 from megarl.engines.client import EngineUnreachable, PauseMode, SamplingParams, ServedModel
@@ -43,12 +45,15 @@ from megarl.metrics.sink import MetricsFile
 from megarl.parallel import Layout
 from megarl.pipeline.buffer import Group, RolloutBuffer
 from megarl.pipeline.colocate import Colocation, memory_saver_args
+from megarl.pipeline.judge import judge_engine_settings, make_judge
 from megarl.pipeline.ledger import Ledger
 from megarl.pipeline.modes import PAUSE_FOR_PARTIAL_ROLLOUT, lag_and_capacity
 from megarl.pipeline.producer import RolloutProducer
 from megarl.pipeline.signals import StopRequest
 from megarl.platform import sglang_cpu
+from megarl.rollout.env import EnvEpisodes, EpisodeLimits, make_env_factory
 from megarl.rollout.group import RolloutManager
+from megarl.rollout.teacher import TeacherScorer
 from megarl.sample import RolloutSample
 from megarl.sync import SyncSettings, WeightSync, WeightSyncError
 from megarl.tasks.prompts import Prompt, make_prompt_source
@@ -92,6 +97,7 @@ class Pipeline:
     start_step: int  # the last completed step (0 for a new run)
     pause_mode: PauseMode
     colocation: Colocation | None = None  # placement=colocated: engines and trainer take turns
+    teacher: TeacherScorer | None = None  # on-policy distillation (teacher.hf_path): scores every sample
     _trained_log: object = field(default=None, repr=False)
     _gpu: GpuStats = field(default_factory=GpuStats, repr=False)
     _progress: Progress | None = field(default=None, repr=False)
@@ -195,7 +201,8 @@ class Pipeline:
                "perf/tokens_per_s": (self.producer.generated_tokens - c["produced"]) / (now - c["started"]),
                "perf/trainer_idle_frac": batch.wait_s / (now - c["train_start"] + batch.wait_s),
                "time/wait_s": batch.wait_s, "time/train_s": c["sync_start"] - c["train_start"],
-               "sync/seconds": now - c["sync_start"], **synced, **self._gpu.sample()}
+               "sync/seconds": now - c["sync_start"], **synced, **episode_metrics(batch.samples), **stats.metrics,
+               **self._gpu.sample()}
         self.metrics.log(step, row)
         self._progress.update(self._bar, advance=1, description=f"RL ({self.cfg.mode}) reward {stats.reward_mean:.2f}")
         log.info("step %d: reward %.3f, mismatch %s (fresh tokens), drift %s (stale), staleness %.2f, wait %.1fs "
@@ -220,6 +227,50 @@ class Pipeline:
         position = self.producer.state_dict() | {"ledger": self.ledger.state_dict()}
         path = await self.trainer.save_checkpoint(self.checkpoint_dir, step, position)
         log.info("step %d: checkpoint %s", step, path)
+
+
+def episode_metrics(samples: list[RolloutSample]) -> dict[str, float]:
+    """Multi-turn episodes: policy turns per episode and the share of each way they ended."""
+    episodes = [s for s in samples if s.turn_ends]
+    if not episodes:
+        return {}
+    ends = collections.Counter(s.episode_end.split(":")[0] for s in episodes)
+    return {"episode/turns_mean": sum(len(s.turn_ends) for s in episodes) / len(episodes),
+            **{f"episode/end_{end}_frac": n / len(episodes) for end, n in sorted(ends.items())}}
+
+
+def episode_runner(cfg: DictConfig, target, tokenizer, params: SamplingParams):
+    """What turns a prompt into multi-turn episodes: an environment (``task.env``), an agent program
+    behind the OpenAI gateway (``task.agent``), or None for single-turn prompts."""
+    task = cfg.task
+    if task.agent is not None:
+        roles = {role: None for role in task.roles} if task.roles else None  # None: served by the policy
+        return AgentEpisodes(target, tokenizer, load_agent(task.agent), params, max_turns=task.max_turns,
+                             max_response_tokens=task.max_response_tokens, timeout_s=task.agent_timeout_s,
+                             routing=cfg.rollout.keep_routing, sampling_mask=cfg.rollout.top_k > 0, roles=roles,
+                             partial_rollout=cfg.buffer.partial_rollout)
+    if task.env is None:
+        return None
+    budget = task.max_response_tokens or target.model.context_length  # and each episode's context
+    return EnvEpisodes(target, tokenizer, make_env_factory(task.env), params,
+                       EpisodeLimits(max_turns=task.max_turns, max_response_tokens=budget),
+                       routing=cfg.rollout.keep_routing, sampling_mask=cfg.rollout.top_k > 0,
+                       abort_resubmit=cfg.buffer.partial_rollout == "abort_resubmit")
+
+
+async def start_teacher(cfg: DictConfig, api_key: str, num_gpus: float,
+                        stack: contextlib.AsyncExitStack) -> TeacherScorer:
+    """On-policy distillation's teacher: an SGLang engine of its own serving ``teacher.hf_path`` (launched
+    like the policy engines, seed and log ``teacher.log`` its own, weights never synced) and the scorer
+    that asks it; both are stopped when ``stack`` closes."""
+    settings = dataclasses.replace(EngineSettings.from_config(cfg, cfg.teacher.hf_path, cfg.rollout.num_engines, 0),
+                                   api_key=api_key, log_path=str(Path(cfg.logging.run_dir) / "teacher.log"))
+    engine = EnginePool.launch([settings], num_cpus=0.5, num_gpus=num_gpus)
+    stack.push_async_callback(engine.aclose)
+    scorer = TeacherScorer(engine.clients[0].base_url, api_key=api_key, timeout_s=cfg.teacher.timeout_s)
+    stack.push_async_callback(scorer.aclose)
+    log.info("teacher %s served at %s", cfg.teacher.hf_path, scorer.base_url)
+    return scorer
 
 
 def _figure(value: float | None) -> str:
@@ -278,6 +329,13 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
                  [a.node for a in await asyncio.gather(*(e.info.remote() for e in pool.actors))],
                  [c.base_url for c in pool.clients])
         stack.push_async_callback(pool.aclose)
+        teacher = await start_teacher(cfg, api_key, own_gpus, stack) if cfg.teacher.hf_path else None
+        judge = None
+        if cfg.reward.judge.hf_path:  # a generative reward model on an engine of its own (weights never synced)
+            judge_pool = EnginePool.launch([judge_engine_settings(cfg, api_key)], num_cpus=0.5,
+                                           num_gpus=cfg.reward.judge.engine_tp if torch.cuda.is_available() else 0)
+            stack.push_async_callback(judge_pool.aclose)
+            judge = make_judge(cfg.reward.judge, judge_pool, tokenizer)
         sync = WeightSync(SyncSettings.from_config(cfg.sync, r.engine_tp), trainer, pool.clients, initial_version=0)
         stack.push_async_callback(sync.close)
         await sync.setup()
@@ -300,9 +358,13 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
                                 top_k=r.top_k)
         # The engine's log-probs are always those of the distribution it sampled from (renormalised
         # over its top-k mask); keep_sampling_mask decides whether the trainer applies that mask too.
-        manager = RolloutManager(pool, tokenizer, make_reward(cfg.reward), params, r.samples_per_prompt,
+        episodes = episode_runner(cfg, pool, tokenizer, params)
+        if isinstance(episodes, AgentEpisodes):
+            stack.push_async_callback(episodes.aclose)
+        manager = RolloutManager(pool, tokenizer, make_reward(cfg.reward, judge=judge), params, r.samples_per_prompt,
                                  routing=r.keep_routing, sampling_mask=r.top_k > 0,
-                                 partial_rollout=cfg.buffer.partial_rollout, reward_timeout_s=cfg.reward.timeout_s)
+                                 partial_rollout=cfg.buffer.partial_rollout, reward_timeout_s=cfg.reward.timeout_s,
+                                 episodes=episodes, teacher=teacher)
         producer = RolloutProducer(manager, source, buffer, ledger, prompts_per_step=r.prompts_per_step,
                                    samples_per_prompt=r.samples_per_prompt, lag=lag,
                                    dynamic_sampling=r.dynamic_sampling, engine_version=start_step,
@@ -315,7 +377,7 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
         trained_log = stack.enter_context((run_dir / "trained_prompts.jsonl").open("a"))
         pipe = Pipeline(cfg=cfg, trainer=trainer, pool=pool, sync=sync, buffer=buffer, producer=producer,
                         ledger=ledger, metrics=metrics, pad_id=tokenizer.pad_token_id, vocab_size=served.vocab_size,
-                        start_step=start_step, pause_mode=pause_mode, _trained_log=trained_log,
+                        start_step=start_step, pause_mode=pause_mode, _trained_log=trained_log, teacher=teacher,
                         colocation=Colocation(pool, abort=cfg.buffer.partial_rollout == "abort_resubmit")
                         if colocated else None)
         stack.callback(pipe._gpu.close)

@@ -2,31 +2,39 @@
 
 An episode is one sample (docs/architecture.md, "The sample"). The policy generates a turn; the environment reads
 the turn's text and answers with an observation, whose tokens are appended to the response with
-``loss_mask = 0``; the next turn is generated from the prompt + everything so far; and so on until
-the environment says done, a turn ends without stopping by itself (length or abort), the turn
-limit is reached, or the response budget is spent. The episode always ends with a policy turn.
+``loss_mask = 0``; the next turn is generated from the prompt + everything so far (token ids, never
+re-tokenized text); and so on until the environment says done, a turn ends without stopping by itself
+(length or abort), the turn limit is reached, or the response budget is spent
+(``RolloutSample.episode_end`` says which; ``turn_ends`` where each policy turn ends). The episode
+always ends with a policy turn.
 
 Fields of the environment's tokens (loss_mask 0, the trainer never scores them):
 ``rollout_logprobs`` 0.0, ``model_version`` the version of the policy token before them, and
 sampling-mask rows holding just the token itself (the token is inside its mask, and 0.0 is its
 log-prob renormalised over that one-token mask, so the sample's invariants hold everywhere).
-``routed_experts`` come from the final request, whose prompt held every earlier token: its rows
-cover the whole episode, environment tokens included, as the trainer's forward pass sees them.
+``routed_experts`` are kept per turn: the rows of the tokens a turn's request fed first (the previous
+turn's last token, the observation, the turn's own tokens) come from that request, as
+:func:`~megarl.rollout.splice.splice_continuation` does for an aborted request; with no weight update
+inside the episode that equals the final request's routing over the whole episode.
 """
 from __future__ import annotations
 
 import ast
+import asyncio
+import collections
 import dataclasses
 import logging
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from megarl.engines.client import SamplingParams
 from megarl.engines.protocol import Engines
+from megarl.rollout.splice import splice_continuation
 from megarl.sample import FinishReason, RolloutSample, SamplingMask
+from megarl.tasks import calculator
 from megarl.tasks.prompts import Prompt
 
 log = logging.getLogger(__name__)
@@ -124,53 +132,209 @@ class CalculatorEnv:
         return EnvStep(observation=self.result_format.format(result), done=False)
 
 
-async def run_episode(target: Engines, tokenizer, env: Environment, prompt: Prompt,
-                      params: SamplingParams, *, max_turns: int, max_response_tokens: int, routing: bool = True,
-                      sampling_mask: bool = True, group_id: str = "", episode_id: str = "") -> RolloutSample:
-    """One episode of ``env`` as one sample (see the module docstring). Each policy turn gets at
-    most ``params.max_new_tokens`` tokens, the whole response at most ``max_response_tokens``;
-    ``env.stop`` is added to the turn's stop strings. Engine errors propagate."""
-    if max_turns < 1 or max_response_tokens < 1:
-        raise ValueError(f"max_turns and max_response_tokens must be >= 1, got {max_turns}, {max_response_tokens}")
-    prompt_ids = tokenizer(await env.reset(prompt))["input_ids"]
-    response: list[int] = []
-    loss_mask, logprobs, versions, mask_rows = [], [], [], []
-    last, last_version = None, 0
-    for turn in range(max_turns):
-        budget = min(params.max_new_tokens, max_response_tokens - len(response))
-        if budget < 1:
-            break  # the last turn filled the response budget exactly
-        turn_params = dataclasses.replace(params, max_new_tokens=budget, stop=tuple(params.stop) + tuple(env.stop))
-        [last] = await target.generate_batch([prompt_ids + response], turn_params, group_ids=[group_id],
-                                             return_routed_experts=routing, return_sampling_mask=sampling_mask)
-        r = len(last.response_ids)
-        response += last.response_ids
-        loss_mask.append(last.loss_mask)
-        logprobs.append(last.rollout_logprobs)
-        versions.append(last.model_version)
-        if sampling_mask:
-            mask_rows += [last.sampling_mask.row(i).tolist() for i in range(r)]
-        if r == 0 or last.finish_reason is not FinishReason.STOP or turn == max_turns - 1:
-            break
-        last_version = int(last.model_version[-1])
-        step = await env.step(tokenizer.decode(last.response_ids, skip_special_tokens=True))
-        if step.done:
-            break
-        observation = tokenizer.encode(step.observation, add_special_tokens=False)
-        if not observation:
-            continue
-        if len(response) + len(observation) >= max_response_tokens:
-            log.info("episode %s: response budget spent after %d turns", episode_id or group_id, turn + 1)
-            break
-        response += observation
-        loss_mask.append(np.zeros(len(observation), np.uint8))
-        logprobs.append(np.zeros(len(observation), np.float32))
-        versions.append(np.full(len(observation), last_version, np.int32))
-        mask_rows += [[token] for token in observation]
-    return RolloutSample(
-        prompt_ids=prompt_ids, response_ids=response, loss_mask=np.concatenate(loss_mask),
-        rollout_logprobs=np.concatenate(logprobs), model_version=np.concatenate(versions),
-        routed_experts=last.routed_experts if routing else None,
-        sampling_mask=SamplingMask.from_rows(mask_rows) if sampling_mask else None,
-        finish_reason=last.finish_reason, group_id=group_id, episode_id=episode_id,
-    )
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """When an episode ends without the environment saying so: after ``max_turns`` policy turns, or
+    when the response (policy and environment tokens) would pass ``max_response_tokens`` or the
+    engine's context."""
+
+    max_turns: int
+    max_response_tokens: int
+
+    def __post_init__(self):
+        if self.max_turns < 1 or self.max_response_tokens < 1:
+            raise ValueError(f"max_turns and max_response_tokens must be >= 1, got {self.max_turns}, "
+                             f"{self.max_response_tokens}")
+
+
+# Why an episode ended (``RolloutSample.episode_end``); "error: <why>" when the environment raised.
+EPISODE_ENDS = ("done", "max_turns", "max_tokens", "length", "aborted")
+
+
+@dataclass
+class _Episode:
+    """One episode in progress: its environment and the sample's fields so far."""
+
+    env: Environment
+    prompt_ids: list[int]
+    budget: int  # response tokens the episode may hold
+    response: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    mask_rows: list[list[int]] = field(default_factory=list)
+    routing: np.ndarray | None = None  # rows of every token fed to the engine so far, by the turn that fed it
+    turn_ends: list[int] = field(default_factory=list)
+    observation: int = 0  # environment tokens at the end of the response, not yet followed by a policy turn
+    finish: FinishReason = FinishReason.STOP
+    end: str | None = None
+
+    def absorb(self, turn: RolloutSample) -> None:
+        """Append one policy turn generated from ``prompt_ids + response``. Routing rows of the tokens
+        fed before stay those of the turn that fed them; the turn's rows start at the first token it fed."""
+        r = len(turn.response_ids)
+        self.finish = turn.finish_reason
+        if r == 0:  # aborted before it ran: the episode ends with the policy turn before the observation
+            self._drop_observation()
+            return
+        if turn.routed_experts is not None:
+            known = 0 if self.routing is None else len(self.routing)
+            self.routing = turn.routed_experts if self.routing is None else np.concatenate(
+                [self.routing, turn.routed_experts[known:]])
+        self.response += turn.response_ids
+        self.loss_mask += turn.loss_mask.tolist()
+        self.logprobs += turn.rollout_logprobs.tolist()
+        self.versions += turn.model_version.tolist()
+        if turn.sampling_mask is not None:
+            self.mask_rows += [turn.sampling_mask.row(i).tolist() for i in range(r)]
+        self.turn_ends.append(len(self.response))
+        self.observation = 0
+
+    def observe(self, tokens: list[int]) -> None:
+        """Append environment tokens: loss mask 0, log-prob 0, the version of the token before them."""
+        self.response += tokens
+        self.loss_mask += [0] * len(tokens)
+        self.logprobs += [0.0] * len(tokens)
+        self.versions += [self.versions[-1]] * len(tokens)
+        self.mask_rows += [[t] for t in tokens]
+        self.observation = len(tokens)
+
+    def _drop_observation(self) -> None:
+        if self.observation:
+            for field_ in (self.response, self.loss_mask, self.logprobs, self.versions, self.mask_rows):
+                del field_[-self.observation:]
+            self.observation = 0
+
+    def last_turn(self) -> list[int]:
+        return self.response[(self.turn_ends[-2] if len(self.turn_ends) > 1 else 0):self.turn_ends[-1]]
+
+    def sample(self, group_id: str, episode_id: str, routing: bool, sampling_mask: bool) -> RolloutSample:
+        self._drop_observation()  # only when the episode ended on an unanswered observation (an aborted turn)
+        return RolloutSample(
+            prompt_ids=self.prompt_ids, response_ids=self.response, loss_mask=np.asarray(self.loss_mask, np.uint8),
+            rollout_logprobs=np.asarray(self.logprobs, np.float32), model_version=np.asarray(self.versions, np.int32),
+            routed_experts=self.routing if routing else None,
+            sampling_mask=SamplingMask.from_rows(self.mask_rows) if sampling_mask else None,
+            finish_reason=self.finish, group_id=group_id, episode_id=episode_id, turn_ends=tuple(self.turn_ends),
+            episode_end=self.end or "max_turns")
+
+
+class EnvEpisodes:
+    """Runs the episodes of prompt groups: one fresh environment (``make_env()``) per episode, the
+    group's episodes in lock-step (each turn of the live episodes is one batched engine request).
+
+    ``abort_resubmit``: a turn that comes back aborted (a weight update in ``abort`` mode) is sent
+    again as the episode so far + the turn's tokens, and the parts are spliced
+    (:func:`~megarl.rollout.splice.splice_continuation`); otherwise an aborted turn ends its episode.
+    Counters over the object's life: ``ends`` (by :data:`EPISODE_ENDS` or "error"), ``errors``
+    (environment exceptions, by class). Engine errors propagate (the caller rejects the group).
+    """
+
+    def __init__(self, target: Engines, tokenizer, make_env, params: SamplingParams, limits: EpisodeLimits, *,
+                 routing: bool = True, sampling_mask: bool = True, abort_resubmit: bool = False):
+        self.target, self.tokenizer, self.make_env, self.params, self.limits = target, tokenizer, make_env, params, \
+            limits
+        self.routing, self.sampling_mask, self.abort_resubmit = routing, sampling_mask, abort_resubmit
+        self.ends: collections.Counter[str] = collections.Counter()
+        self.errors: collections.Counter[str] = collections.Counter()
+
+    async def run_group(self, prompt: Prompt, group_id: str, n: int) -> tuple[list[RolloutSample], int]:
+        """``n`` episodes of ``prompt`` (episode ids ``<group_id>.<i>``) and the number of turn requests
+        sent again after an abort."""
+        episodes = []
+        for _ in range(n):
+            env = self.make_env()
+            ids = self.tokenizer(await env.reset(prompt))["input_ids"]
+            episodes.append(_Episode(env=env, prompt_ids=ids, budget=min(
+                self.limits.max_response_tokens, self.target.model.context_length - len(ids))))
+        resubmitted = 0
+        for turn in range(self.limits.max_turns):
+            by_budget: dict[int, list[_Episode]] = collections.defaultdict(list)
+            for e in episodes:
+                if e.end is None:
+                    budget = min(self.params.max_new_tokens, e.budget - len(e.response))
+                    if budget < 1:
+                        e.end = "max_tokens"
+                    else:
+                        by_budget[budget].append(e)
+            if not by_budget:
+                break
+            turns = await asyncio.gather(*(self._turn(batch, budget, group_id) for budget, batch in by_budget.items()))
+            stepping = []
+            for (budget, batch), (results, again) in zip(by_budget.items(), turns):
+                resubmitted += again
+                for e, result in zip(batch, results):
+                    e.absorb(result)
+                    if e.finish is FinishReason.ABORTED or not result.response_ids:
+                        e.end = "aborted"
+                    elif e.finish is FinishReason.LENGTH:
+                        e.end = "length" if budget == self.params.max_new_tokens else "max_tokens"
+                    else:
+                        stepping.append(e)
+            await self._step(stepping, last_turn=turn == self.limits.max_turns - 1)
+        samples = []
+        for i, e in enumerate(episodes):
+            sample = e.sample(group_id, f"{group_id}.{i}", self.routing, self.sampling_mask)
+            self.ends[sample.episode_end.split(":")[0]] += 1
+            samples.append(sample)
+        return samples, resubmitted
+
+    async def _turn(self, batch: list[_Episode], budget: int, group_id: str) -> tuple[list[RolloutSample], int]:
+        """One turn of ``batch`` with at most ``budget`` new tokens each; aborted turns continued when
+        ``abort_resubmit``. Returns the turns and how many requests were sent again."""
+        params = dataclasses.replace(self.params, max_new_tokens=budget,
+                                     stop=tuple(self.params.stop) + tuple(batch[0].env.stop))
+        contexts = [e.prompt_ids + e.response for e in batch]
+        turns = await self.target.generate_batch(contexts, params, group_ids=[group_id] * len(batch),
+                                                 return_routed_experts=self.routing,
+                                                 return_sampling_mask=self.sampling_mask)
+        resubmitted = 0
+        while self.abort_resubmit:
+            todo = [i for i, t in enumerate(turns)
+                    if t.finish_reason is FinishReason.ABORTED and len(t.response_ids) < budget]
+            if not todo:
+                break
+            for i in todo:  # one request each: their remaining budgets differ
+                rest = dataclasses.replace(params, max_new_tokens=budget - len(turns[i].response_ids))
+                [more] = await self.target.generate_batch([contexts[i] + turns[i].response_ids], rest,
+                                                          group_ids=[group_id], return_routed_experts=self.routing,
+                                                          return_sampling_mask=self.sampling_mask)
+                turns[i] = splice_continuation(turns[i], more)
+            resubmitted += len(todo)
+        return turns, resubmitted
+
+    async def _step(self, episodes: list[_Episode], last_turn: bool) -> None:
+        """The environments' answers to the turns that stopped by themselves."""
+        steps = await asyncio.gather(*(e.env.step(self.tokenizer.decode(e.last_turn(), skip_special_tokens=True))
+                                       for e in episodes), return_exceptions=True)
+        for e, step in zip(episodes, steps):
+            if isinstance(step, Exception):
+                e.end, e.finish = f"error: {type(step).__name__}: {step}", FinishReason.ERROR
+                self.errors[type(step).__name__] += 1
+                if self.errors[type(step).__name__] == 1:
+                    log.warning("environment raised %s: %s (logged once per kind, counted)", type(step).__name__,
+                                step)
+            elif step.done:
+                e.end = "done"
+            elif last_turn:
+                e.end = "max_turns"
+            else:
+                observation = self.tokenizer.encode(step.observation, add_special_tokens=False)
+                if len(e.response) + len(observation) >= e.budget:
+                    e.end = "max_tokens"
+                elif observation:
+                    e.observe(observation)
+
+
+ENVIRONMENTS = {
+    # the calculator demo's format (megarl/tasks/calculator.py): "[23+58]" calls the tool, "=81;" answers; one call
+    "calculator": lambda: CalculatorEnv(max_calls=1, call_open=calculator.CALL_OPEN, call_close=calculator.CALL_CLOSE,
+                                        result_format=calculator.RESULT_FORMAT),
+}
+
+
+def make_env_factory(name: str):
+    """The environment factory ``task.env`` names (a fresh environment per call)."""
+    if name not in ENVIRONMENTS:
+        raise ValueError(f"unknown task.env {name!r}; known: {sorted(ENVIRONMENTS)}")
+    return ENVIRONMENTS[name]

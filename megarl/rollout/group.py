@@ -7,6 +7,13 @@ Every outcome is counted, none is fatal:
 - a prompt the engine cannot take (empty, or prompt + ``max_new_tokens`` beyond the context, or
   rejected by the engine) gives G empty samples with finish_reason error and ``rejected`` saying why;
 - a reward that raises or times out gives that sample reward 0.0 and ``finish_reason`` error;
+- with ``teacher`` (on-policy distillation) every scored sample gets the teacher's log-prob of each
+  response token; a sample the teacher fails to score is an error sample (reward 0.0);
+- with ``episodes`` (anything with ``run_group(prompt, group_id, n) -> (samples, resubmitted)``: an
+  :class:`~megarl.rollout.env.EnvEpisodes` for ``task.env``, ``megarl.agents.rollout.AgentEpisodes``
+  for ``task.agent``), each sample is a multi-turn episode (several, one per role, for multi-agent
+  episodes); an episode that failed is an error sample (reward 0.0); samples an agent rewarded keep
+  their reward;
 - with ``partial_rollout="abort_resubmit"`` a sample that comes back aborted (``pause(ABORT)``,
   e.g. for a weight update) is resubmitted as prompt + its response so far and the two parts are
   spliced into one sample (:func:`splice_continuation`); with ``"continue"`` it is kept as it is
@@ -25,6 +32,7 @@ import numpy as np
 from megarl.engines.client import EngineError, EngineUnreachable, SamplingParams
 from megarl.engines.protocol import Engines
 from megarl.rollout.splice import splice_continuation
+from megarl.rollout.teacher import TeacherScorer
 from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.prompts import Prompt
 from megarl.tasks.rewards import RewardFn, RewardInput, RewardScorer
@@ -70,7 +78,8 @@ class RolloutManager:
 
     def __init__(self, target: Engines, tokenizer, reward_fn: RewardFn, params: SamplingParams,
                  samples_per_prompt: int, routing: bool = True, sampling_mask: bool = True,
-                 partial_rollout: str = "continue", reward_timeout_s: float = 30.0):
+                 partial_rollout: str = "continue", reward_timeout_s: float = 30.0, episodes=None,
+                 teacher: TeacherScorer | None = None):
         if partial_rollout not in PARTIAL_ROLLOUT_MODES:
             raise ValueError(f"partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {partial_rollout!r}")
         if samples_per_prompt < 1:
@@ -78,6 +87,7 @@ class RolloutManager:
         self.target, self.tokenizer, self.params = target, tokenizer, params
         self.samples_per_prompt, self.routing, self.sampling_mask = samples_per_prompt, routing, sampling_mask
         self.partial_rollout = partial_rollout
+        self.episodes, self.teacher = episodes, teacher
         self.scorer = RewardScorer(reward_fn, reward_timeout_s)
         self.resubmitted = 0
         self.rejected: collections.Counter[str] = collections.Counter()
@@ -123,21 +133,31 @@ class RolloutManager:
             return self._reject(prompt_ids, group_id, *refusal)
         g = self.samples_per_prompt
         try:
-            samples, resubmitted = await self._generate([prompt_ids] * g, self.params, [group_id] * g)
-            if self.partial_rollout == "abort_resubmit":
-                samples, continued = await self._continue_aborted(samples)
-                resubmitted += continued
+            if self.episodes is not None:
+                samples, resubmitted = await self.episodes.run_group(prompt, group_id, g)
+            else:
+                samples, resubmitted = await self._generate([prompt_ids] * g, self.params, [group_id] * g)
+                if self.partial_rollout == "abort_resubmit":
+                    samples, continued = await self._continue_aborted(samples)
+                    resubmitted += continued
         except EngineUnreachable:
             raise  # no engine left to generate on: the run cannot go on
         except (EngineError, ValueError) as e:
             return self._reject(prompt_ids, group_id, "engine_rejected", str(e))
         self.resubmitted += resubmitted
-        outcomes = await asyncio.gather(*(self.scorer(self._reward_input(prompt, s)) for s in samples))
-        errors = 0
-        for sample, outcome in zip(samples, outcomes):
+        # episodes may end in error, agents may have rewarded their samples already
+        scorable = [s for s in samples if s.finish_reason is not FinishReason.ERROR and s.reward is None]
+        outcomes = await asyncio.gather(*(self.scorer(self._reward_input(prompt, s)) for s in scorable))
+        for sample, outcome in zip(scorable, outcomes):
             sample.reward = outcome.value
             if outcome.error is not None:
                 sample.finish_reason = FinishReason.ERROR
+        if self.teacher is not None:  # on-policy distillation: the teacher's log-prob of every response token
+            await self.teacher.score([s for s in samples if s.finish_reason is not FinishReason.ERROR])
+        errors = 0
+        for sample in samples:
+            if sample.finish_reason is FinishReason.ERROR:
+                sample.reward = 0.0
                 errors += 1
         return GroupResult(samples=samples, resubmitted=resubmitted, errors=errors)
 
@@ -174,6 +194,9 @@ class RolloutManager:
             log.info("abort_resubmit: continued %d aborted samples", len(todo))
 
     def _reward_input(self, prompt: Prompt, sample: RolloutSample) -> RewardInput:
-        text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
+        """The reward sees the response, or a multi-turn episode's final policy turn (its answer)."""
+        environment = np.flatnonzero(sample.loss_mask == 0) if sample.turn_ends else ()
+        final = sample.response_ids[(int(environment[-1]) + 1 if len(environment) else 0):]
+        text = self.tokenizer.decode(final, skip_special_tokens=True)
         return RewardInput(prompt=prompt, response_text=text, ended=sample.finish_reason is FinishReason.STOP,
                            sample=sample)

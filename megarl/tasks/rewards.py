@@ -21,6 +21,7 @@ import httpx
 
 from megarl.sample import RolloutSample
 from megarl.tasks import arithmetic
+from megarl.tasks.judge import JudgeReward, with_judge
 from megarl.tasks.prompts import Prompt
 
 log = logging.getLogger(__name__)
@@ -144,9 +145,23 @@ BUILT_IN = {"arithmetic": arithmetic_reward, "exact_match": exact_match_reward, 
 REWARD_TYPES = (*BUILT_IN, "remote", "function")
 
 
-def make_reward(reward_cfg) -> RewardFn:
+def make_reward(reward_cfg, judge: JudgeReward | None = None) -> RewardFn:
     """The reward a ``RewardConfig`` (``cfg.reward``) names: ``type`` arithmetic | exact_match |
-    math | remote (``url``) | function (``path``)."""
+    math | remote (``url``) | function (``path``). With ``reward.judge.hf_path`` set, ``judge`` is the
+    judge on its engine (``megarl.pipeline.judge.make_judge``) and the reward is ``rule_weight *
+    rule + judge.weight * judge`` (:func:`megarl.tasks.judge.with_judge`)."""
+    rule = _rule_reward(reward_cfg)
+    if not getattr(getattr(reward_cfg, "judge", None), "hf_path", None):  # no judge section: no judge
+        if judge is not None:
+            raise ValueError("make_reward: a judge was passed but reward.judge.hf_path is not set")
+        return rule
+    if judge is None:
+        raise ValueError("reward.judge.hf_path: a judge is configured; start its engine and pass "
+                         "make_reward(cfg.reward, judge=...)")
+    return with_judge(rule, reward_cfg.rule_weight, judge)
+
+
+def _rule_reward(reward_cfg) -> RewardFn:
     kind = reward_cfg.type
     if kind in BUILT_IN:
         return BUILT_IN[kind]

@@ -41,15 +41,23 @@ def token_batch(sequences: list[list[int]], loss_starts: list[int]) -> TokenBatc
     ``seq[loss_starts[i]:]`` (e.g. the answer after a prompt)."""
     if len(sequences) != len(loss_starts):
         raise ValueError(f"{len(sequences)} sequences but {len(loss_starts)} loss starts")
-    tokens, labels, masks = [], [], []
     for row, (seq, start) in enumerate(zip(sequences, loss_starts)):
         if not 1 <= start < len(seq):
             raise ValueError(f"sequence {row}: loss start {start} outside 1..{len(seq) - 1}")
+    return masked_token_batch(sequences, [[0] * start + [1] * (len(seq) - start)
+                                          for seq, start in zip(sequences, loss_starts)])
+
+
+def masked_token_batch(sequences: list[list[int]], trained: list[list[int]]) -> TokenBatch:
+    """The :class:`TokenBatch` of ``sequences``; the loss covers the predictions of the tokens
+    ``j >= 1`` with ``trained[i][j] == 1`` (e.g. an episode's policy turns, not the tool's answers)."""
+    tokens, labels, masks = [], [], []
+    for row, (seq, mask) in enumerate(zip(sequences, trained, strict=True)):
+        if len(mask) != len(seq) or not any(mask[1:]):
+            raise ValueError(f"sequence {row}: the mask must have one entry per token and train one of 1..")
         tokens.append(torch.tensor(seq[:-1], dtype=torch.long))
         labels.append(torch.tensor(seq[1:], dtype=torch.long))
-        mask = torch.zeros(len(seq) - 1)
-        mask[start - 1:] = 1.0
-        masks.append(mask)
+        masks.append(torch.tensor(mask[1:], dtype=torch.float32))
     lengths = torch.tensor([len(t) for t in tokens])
     cu = torch.zeros(len(sequences) + 1, dtype=torch.long)
     torch.cumsum(lengths, 0, out=cu[1:])

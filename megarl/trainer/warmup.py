@@ -11,9 +11,9 @@ import random
 from dataclasses import dataclass
 
 from megarl.parallel import Layout
-from megarl.tasks import arithmetic
+from megarl.tasks import arithmetic, calculator
 from megarl.trainer.optimizer import OptimizerSettings
-from megarl.trainer.token_batch import TokenBatch, token_batch
+from megarl.trainer.token_batch import TokenBatch, masked_token_batch, token_batch
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ class WarmupJob:
     log_interval: int
     transformer_impl: str
     dispatcher: str
+    env: str | None  # calculator: examples are episodes, tool_fraction of them calling the tool
+    tool_fraction: float
 
     @classmethod
     def from_config(cls, cfg) -> WarmupJob:
@@ -45,7 +47,8 @@ class WarmupJob:
                    batch_size=w.batch_size, optimizer=OptimizerSettings.from_config(cfg, w.lr),
                    max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
                    max_operand=cfg.task.max_operand, seed=cfg.task.seed, log_interval=w.log_interval,
-                   transformer_impl=cfg.model.transformer_impl.value, dispatcher=cfg.parallel.dispatcher.value)
+                   transformer_impl=cfg.model.transformer_impl.value, dispatcher=cfg.parallel.dispatcher.value,
+                   env=cfg.task.env, tool_fraction=w.tool_fraction)
 
 
 def answer_batch(tokenizer, problems: list[arithmetic.Problem]) -> TokenBatch:
@@ -57,6 +60,22 @@ def answer_batch(tokenizer, problems: list[arithmetic.Problem]) -> TokenBatch:
         sequences.append(prompt + answer)
         starts.append(len(prompt))
     return token_batch(sequences, starts)
+
+
+def episode_batch(tokenizer, problems: list[arithmetic.Problem], use_tool: list[bool]) -> TokenBatch:
+    """The calculator task's episodes (:func:`megarl.tasks.calculator.transcript`), each piece
+    tokenized on its own as the rollout does; the loss on the policy's pieces and the final eos."""
+    sequences, trained = [], []
+    for problem, tool in zip(problems, use_tool, strict=True):
+        ids = tokenizer(problem.prompt)["input_ids"]
+        mask = [0] * len(ids)
+        for text, policy in calculator.transcript(problem, tool):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += piece
+            mask += [int(policy)] * len(piece)
+        sequences.append(ids + [tokenizer.eos_token_id])
+        trained.append(mask + [1])
+    return masked_token_batch(sequences, trained)
 
 
 def run_warmup(rank: int, layout: Layout, job: WarmupJob) -> list[float]:
@@ -83,7 +102,10 @@ def run_warmup(rank: int, layout: Layout, job: WarmupJob) -> list[float]:
         task = progress.add_task("warm-up", total=job.steps)
         for step in range(1, job.steps + 1):
             problems = arithmetic.sample_problems(job.batch_size, rng, job.max_operand)
-            batch = answer_batch(tokenizer, problems)
+            if job.env == "calculator":
+                batch = episode_batch(tokenizer, problems, [rng.random() < job.tool_fraction for _ in problems])
+            else:
+                batch = answer_batch(tokenizer, problems)
             result = supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch,
                                      job.max_tokens_per_microbatch)
             losses.append(result.loss)

@@ -1,0 +1,387 @@
+"""megarl's OpenAI-compatible agent gateway: ``/v1/chat/completions`` and ``/v1/completions`` in
+front of the engines, recording every call of an episode into its :class:`~megarl.agents.trajectory.Trajectory`.
+
+An aiohttp server inside the driver's asyncio loop, on a free port of ``host`` (loopback by
+default: the agents run in the driver). Each episode is a session with an unguessable id; its
+base URL ``http://host:port/sessions/<id>/v1`` is what an ``openai.AsyncOpenAI(base_url=...)``
+client takes unchanged. A call is generated on the engines with megarl's own client (log-probs,
+routed experts, sampling mask, versions) and recorded; the answer is an OpenAI response body.
+
+Tokens, never re-tokenized (slime's router middleware and AReaL's ``areal/experimental/openai``
+client keep the engine's tokens for the same reason: text -> tokens does not invert tokens -> text).
+A chat call's prompt is rendered by the tokenizer's own chat template
+(``tokenizer.apply_chat_template(messages, tools=..., add_generation_prompt=True)``); a completion
+call's prompt is its text. The call extends a segment of its role when the rendered text starts
+with that segment's key: the previous call's prompt text + the completion text the gateway
+returned + the text of the special token that ended the generation (EOS, which a chat template
+writes after the assistant's content; other special tokens are invisible in the text, wherever
+they are). Then the segment's token ids are reused as they are and only the rest of the text is
+tokenized (``add_special_tokens=False``). A call that extends
+no segment -- the agent rewrote or truncated its history, or changed the returned content, or
+started another conversation -- opens a new segment, tokenized from its text: every segment is a
+sample of its own (``megarl/agents/trajectory.py``), so a rewritten history is kept as a second
+sample, never spliced into the first. A segment with a call in flight is not extended by a
+concurrent call of the same role (that call opens a segment too).
+
+Completion text: the generated tokens decoded without special tokens; a stop string is kept in the
+text (SGLang's tokens hold it, and the next call's prompt must contain it to extend the segment).
+To continue after an end-of-sequence token, a completions-API agent must write its text too.
+
+Sampling, bounded by the rollout config's :class:`SamplingParams` ``params``:
+``max_tokens`` (or ``max_completion_tokens``) = min(request, ``params.max_new_tokens``, the
+response budget left in the segment, the context left); ``top_p`` = min(request, ``params.top_p``);
+``temperature`` and ``top_k`` are always the config's (the trainer scores tokens under the config's
+temperature; a request's temperature is ignored, logged once); ``stop`` (a string or a list) is the
+request's. ``n`` other than 1 and ``stream`` are refused (400).
+
+Roles (multi-agent): with ``roles`` None every call is the one policy's (role ""), whatever its
+``model``; with ``roles`` (role name -> :class:`~megarl.engines.protocol.Engines`) the request's
+``model`` names the role and its engines (several roles may share one target; targets must share
+the tokenizer); another name is a 404 ``model_not_found``.
+
+Budgets: a role's call beyond ``max_turns`` is refused (400, code ``max_turns_exceeded``) and a call
+whose segment has no response budget left (``max_response_tokens``, or the context) is refused
+(400, code ``max_tokens_exceeded``); the session remembers the first such refusal as
+``budget_end`` ("max_turns" / "max_tokens"). Errors: an unknown or closed session is 404
+(``session_not_found``), a malformed request 400 naming the field, an engine that rejects the prompt
+400, an unreachable engine 503 (kept in ``Session.engine_failure`` for the caller to raise). All
+error bodies are OpenAI's ``{"error": {"message", "type", "param", "code"}}``.
+
+With ``partial_rollout="abort_resubmit"`` a call that comes back aborted (a weight update paused
+the engines with abort) is continued at once from its prompt + partial tokens for the rest of its
+budget (as ``RolloutManager`` does); the pieces are recorded as calls of one turn.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import numbers
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from megarl.agents.trajectory import Call, Segment, Trajectory
+from megarl.engines.client import EngineError, EngineUnreachable, SamplingParams
+from megarl.engines.protocol import Engines
+from megarl.sample import FinishReason, RolloutSample
+
+log = logging.getLogger(__name__)
+
+PARTIAL_ROLLOUT_MODES = ("continue", "abort_resubmit")
+_OPENAI_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORTED: "length"}
+
+
+class GatewayError(Exception):
+    """A refused call: HTTP ``status`` with an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+
+    def response(self) -> web.Response:
+        kind = {400: "invalid_request_error", 404: "invalid_request_error"}.get(self.status, "server_error")
+        return web.json_response({"error": {"message": self.message, "type": kind, "param": self.param,
+                                            "code": self.code}}, status=self.status)
+
+
+@dataclass
+class Session:
+    """One episode's state in the gateway. ``turns``: calls per role; ``budget_end``: "max_turns" or
+    "max_tokens" once a call was refused for a budget; ``engine_failure``: an engine was unreachable."""
+
+    id: str
+    group_id: str
+    episode_id: str
+    trajectory: Trajectory = field(default_factory=Trajectory)
+    turns: collections.Counter[str] = field(default_factory=collections.Counter)
+    budget_end: str | None = None
+    engine_failure: EngineUnreachable | None = None
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class _Request:
+    """A parsed call: the prompt text, the role, and the sampling the request asks for."""
+
+    text: str
+    model: str
+    max_tokens: int | None
+    top_p: float
+    stop: tuple[str, ...]
+
+
+class AgentGateway:
+    """The gateway (module docstring). ``async with`` (or :meth:`start` / :meth:`aclose`); then per
+    episode :meth:`open_session`, :meth:`base_url`, and :meth:`close_session` (later calls: 404).
+
+    ``max_response_tokens`` None: a segment's response is bounded by the context only."""
+
+    def __init__(self, policy: Engines, tokenizer, params: SamplingParams, *, max_turns: int,
+                 max_response_tokens: int | None = None, roles: Mapping[str, Engines] | None = None,
+                 routing: bool = True, sampling_mask: bool = True, partial_rollout: str = "continue",
+                 host: str = "127.0.0.1", port: int = 0):
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if max_response_tokens is not None and max_response_tokens < 1:
+            raise ValueError(f"max_response_tokens must be >= 1 or None, got {max_response_tokens}")
+        if partial_rollout not in PARTIAL_ROLLOUT_MODES:
+            raise ValueError(f"partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {partial_rollout!r}")
+        if roles is not None and (not roles or "" in roles):
+            raise ValueError(f"roles must name at least one role, none of them empty; got {list(roles)}")
+        if getattr(tokenizer, "chat_template", None) is None:
+            log.warning("the tokenizer has no chat template: /v1/chat/completions will answer 400")
+        self.policy, self.tokenizer, self.params = policy, tokenizer, params
+        self.roles = dict(roles) if roles is not None else None
+        self.max_turns, self.max_response_tokens = max_turns, max_response_tokens
+        self.routing, self.sampling_mask, self.partial_rollout = routing, sampling_mask, partial_rollout
+        self.host, self.port = host, port
+        self.sessions: dict[str, Session] = {}
+        self._special_ids = set(tokenizer.all_special_ids)
+        self._runner: web.AppRunner | None = None
+        self._warned_temperature = False
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Listen on ``host`` (``port`` 0: a free one, then ``self.port`` is it)."""
+        app = web.Application()
+        app.router.add_post("/sessions/{session}/v1/chat/completions", self._chat)
+        app.router.add_post("/sessions/{session}/v1/completions", self._completion)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.host, self.port).start()
+        self.port = self._runner.addresses[0][1]
+        log.info("agent gateway listening on http://%s:%d", self.host, self.port)
+
+    async def aclose(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> AgentGateway:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    @property
+    def started(self) -> bool:
+        return self._runner is not None
+
+    def open_session(self, group_id: str = "", episode_id: str = "") -> Session:
+        session = Session(id=secrets.token_urlsafe(12), group_id=group_id, episode_id=episode_id)
+        self.sessions[session.id] = session
+        return session
+
+    def base_url(self, session_id: str) -> str:
+        """The OpenAI base URL of a session (ends in ``/v1``)."""
+        if not self.started:
+            raise RuntimeError("the gateway is not started")
+        return f"http://{self.host}:{self.port}/sessions/{session_id}/v1"
+
+    def close_session(self, session_id: str) -> Session:
+        """End a session: calls still in flight are not recorded, later calls get 404."""
+        session = self.sessions.pop(session_id)
+        session.closed = True
+        return session
+
+    # --- HTTP -------------------------------------------------------------------------------------
+    async def _chat(self, request: web.Request) -> web.Response:
+        return await self._serve(request, chat=True)
+
+    async def _completion(self, request: web.Request) -> web.Response:
+        return await self._serve(request, chat=False)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.Response:
+        try:
+            session = self._session(request.match_info["session"])
+            body = await _json_body(request)
+            call = self._parse(body, chat)
+            role, target = self._role(call.model)
+            text, finish, usage = await self._generate(session, role, target, call)
+        except GatewayError as e:
+            return e.response()
+        created = int(time.time())
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                      "logprobs": None}
+            return web.json_response({"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion",
+                                      "created": created, "model": call.model, "choices": [choice], "usage": usage})
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        return web.json_response({"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion",
+                                  "created": created, "model": call.model, "choices": [choice], "usage": usage})
+
+    def _session(self, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise GatewayError(404, f"unknown session {session_id!r} (never opened, or its episode has ended)",
+                               "session_not_found")
+        return session
+
+    def _role(self, model: str) -> tuple[str, Engines]:
+        if self.roles is None:
+            return "", self.policy
+        if model not in self.roles:
+            raise GatewayError(404, f"model {model!r} is not a role of this gateway; roles: {sorted(self.roles)}",
+                               "model_not_found", "model")
+        return model, self.roles[model]
+
+    def _parse(self, body: dict, chat: bool) -> _Request:
+        model = body.get("model")
+        if not isinstance(model, str):
+            raise _bad("model", f"'model' must be a string, got {type(model).__name__}")
+        if body.get("stream"):
+            raise _bad("stream", "streaming is not supported by the megarl gateway")
+        if body.get("n", 1) != 1:
+            raise _bad("n", f"'n' must be 1, got {body.get('n')!r}")
+        text = self._render(body) if chat else _completion_prompt(body)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 1):
+            raise _bad("max_tokens", f"'max_tokens' must be an integer >= 1, got {max_tokens!r}")
+        temperature = body.get("temperature")
+        if temperature is not None and (not _is_number(temperature) or temperature < 0):
+            raise _bad("temperature", f"'temperature' must be a number >= 0, got {temperature!r}")
+        if temperature is not None and temperature != self.params.temperature and not self._warned_temperature:
+            self._warned_temperature = True
+            log.warning("agent asked for temperature %s; the gateway samples at the rollout's %s (logged once)",
+                        temperature, self.params.temperature)
+        top_p = body.get("top_p")
+        if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
+            raise _bad("top_p", f"'top_p' must be a number in (0, 1], got {top_p!r}")
+        stop = body.get("stop")
+        stop = (stop,) if isinstance(stop, str) else stop if stop is not None else ()
+        if not all(isinstance(s, str) and s for s in stop):
+            raise _bad("stop", f"'stop' must be a non-empty string or a list of them, got {body.get('stop')!r}")
+        return _Request(text=text, model=model, max_tokens=max_tokens,
+                        top_p=min(self.params.top_p, top_p if top_p is not None else 1.0), stop=tuple(stop))
+
+    def _render(self, body: dict) -> str:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("messages", "'messages' must be a non-empty list of {role, content} objects")
+        rendered = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise _bad("messages", f"messages[{i}] must be an object with a string 'role'")
+            rendered.append({**m, "content": _content(m.get("content"), i)})
+        try:
+            return self.tokenizer.apply_chat_template(rendered, tools=body.get("tools"), tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 -- the template's error (jinja, missing template) goes back as a 400
+            raise _bad("messages", f"the chat template cannot render these messages: {type(e).__name__}: {e}") \
+                from e
+
+    # --- generation and recording -----------------------------------------------------------------
+    async def _generate(self, session: Session, role: str, target: Engines,
+                        call: _Request) -> tuple[str, str, dict[str, int]]:
+        """Generate one call, record it; returns (completion text, OpenAI finish reason, usage)."""
+        if session.turns[role] >= self.max_turns:
+            session.budget_end = session.budget_end or "max_turns"
+            raise GatewayError(400, f"role {role or 'policy'!r} has made its {self.max_turns} calls (max_turns)",
+                               "max_turns_exceeded")
+        segment = session.trajectory.extendable(role, call.text)
+        if segment is not None:
+            prompt_ids = segment.token_ids + self._encode(call.text[len(segment.key):])
+            done = segment.response_length + len(prompt_ids) - len(segment.token_ids)
+        else:
+            prompt_ids, done = self._encode(call.text), 0
+        budget = min(call.max_tokens or self.params.max_new_tokens, self.params.max_new_tokens,
+                     target.model.context_length - len(prompt_ids))
+        if self.max_response_tokens is not None:
+            budget = min(budget, self.max_response_tokens - done)
+        if budget < 1:
+            session.budget_end = session.budget_end or "max_tokens"
+            raise GatewayError(400, f"no tokens left for this call: {done} response tokens of at most "
+                                    f"{self.max_response_tokens}, {len(prompt_ids)} prompt tokens in a context of "
+                                    f"{target.model.context_length}", "max_tokens_exceeded")
+        if segment is None:
+            segment = Segment(role=role)
+            session.trajectory.segments.append(segment)
+        segment.pending = True
+        session.turns[role] += 1
+        params = dataclasses.replace(self.params, max_new_tokens=budget, top_p=call.top_p,
+                                     stop=tuple(self.params.stop) + call.stop)
+        try:
+            pieces = await self._engine_call(session, target, prompt_ids, params)
+        finally:
+            segment.pending = False
+        if session.closed:
+            raise GatewayError(404, f"session {session.id!r} ended while its call ran", "session_not_found")
+        generated = [t for piece in pieces for t in piece.response_ids]
+        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        stopped_by_special = pieces[-1].finish_reason is FinishReason.STOP and generated[-1:] \
+            and generated[-1] in self._special_ids
+        segment.calls += [Call(piece, turn_end=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+        segment.key = call.text + text + (self.tokenizer.decode(generated[-1:]) if stopped_by_special else "")
+        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(generated),
+                 "total_tokens": len(prompt_ids) + len(generated)}
+        return text, _OPENAI_FINISH[pieces[-1].finish_reason], usage
+
+    async def _engine_call(self, session: Session, target: Engines, prompt_ids: list[int],
+                           params: SamplingParams) -> list[RolloutSample]:
+        """The engine's sample(s) of one call: one, or with abort_resubmit the aborted parts and their
+        continuation, each fed the previous one's prompt + tokens."""
+        pieces: list[RolloutSample] = []
+        fed, left = prompt_ids, params.max_new_tokens
+        while True:
+            try:
+                [sample] = await target.generate_batch(
+                    [fed], dataclasses.replace(params, max_new_tokens=left), group_ids=[session.group_id],
+                    return_routed_experts=self.routing, return_sampling_mask=self.sampling_mask)
+            except EngineUnreachable as e:
+                session.engine_failure = e
+                raise GatewayError(503, f"engine unreachable: {e}", "engine_unreachable") from e
+            except (EngineError, ValueError) as e:
+                raise GatewayError(400, f"the engine rejected the prompt: {e}", "engine_rejected") from e
+            pieces.append(sample)
+            left -= len(sample.response_ids)
+            if (self.partial_rollout != "abort_resubmit" or sample.finish_reason is not FinishReason.ABORTED
+                    or left < 1):
+                return pieces
+            fed = fed + sample.response_ids
+            log.info("session %s: continuing an aborted call (%d tokens left)", session.id, left)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+
+async def _json_body(request: web.Request) -> dict:
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise GatewayError(400, f"the request body is not JSON: {e}", "invalid_json") from e
+    if not isinstance(body, dict):
+        raise GatewayError(400, f"the request body must be a JSON object, got {type(body).__name__}", "invalid_json")
+    return body
+
+
+def _bad(param: str, message: str) -> GatewayError:
+    return GatewayError(400, message, "invalid_request", param)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _content(content, i: int) -> str:
+    """A message's content as text: a string, a list of text parts, or None (an assistant's tool call)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise _bad("messages", f"messages[{i}].content must be a string or a list of text parts")
+
+
+def _completion_prompt(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise _bad("prompt", "'prompt' must be a non-empty string (or a list holding one)")
+    return prompt

@@ -1,0 +1,235 @@
+"""Agent programs as rollouts: ``task.agent = "package.module:function"`` runs that function once per
+episode against megarl's gateway (``megarl/agents/gateway.py``) and turns what it generated into samples.
+
+The contract of an agent function::
+
+    async def agent(client: openai.AsyncOpenAI, prompt: megarl.tasks.prompts.Prompt) -> float | dict[str, float] | None
+
+``client`` is an ordinary ``openai.AsyncOpenAI`` whose base URL is this episode's gateway session
+(no retries, ``timeout_s`` per request); the agent calls ``client.chat.completions.create`` or
+``client.completions.create`` as often as it needs, with ``model`` naming the role when there are
+roles (anything otherwise). Its return value:
+
+- a float: the episode's reward, given to every sample;
+- a dict: the reward of each role (multi-agent); it must name exactly the roles that made calls;
+- None: the rollout's reward function scores each sample's final completion (``reward_fn``; without
+  one the rewards stay None for the caller to fill).
+
+The agent must not block the event loop (it runs in the driver's loop; use ``await``).
+
+An episode gives one sample per segment of its trajectory (``megarl/agents/trajectory.py``: one
+per role, more when an agent rewrote its history), with ``role`` and ``episode_end`` set:
+
+- ``done``: the agent returned a valid result; ``finish_reason`` the last call's;
+- ``max_turns`` / ``max_tokens``: the gateway refused a call for a budget (whatever the agent did
+  then); ``finish_reason`` length, the recorded samples kept, the agent's reward if it returned one;
+- ``error: ...``: the agent raised, ran past ``timeout_s``, returned something else than the above,
+  or made no call; ``finish_reason`` error, reward 0.0 (not trained on), counted in ``errors`` by
+  kind (raised, timeout, malformed_result, no_calls) and logged once per kind. An episode without a
+  call gives one empty error sample.
+
+An engine that was unreachable during the episode raises :class:`EngineUnreachable` (no later
+episode could run either), as ``RolloutManager`` does. The design follows AReaL's
+``areal/experimental/openai`` (an OpenAI client whose calls are recorded into interactions with
+tokens and log-probs, rewards set per episode) and verl's agent loop (agents run concurrently as
+asyncio tasks in front of a server pool).
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import importlib
+import inspect
+import logging
+import math
+import numbers
+from collections.abc import Awaitable, Callable, Mapping
+
+import numpy as np
+import openai
+
+from megarl.agents.gateway import AgentGateway, Session
+from megarl.engines.client import SamplingParams
+from megarl.engines.protocol import Engines
+from megarl.sample import FinishReason, RolloutSample
+from megarl.tasks.prompts import Prompt
+from megarl.tasks.rewards import RewardFn, RewardInput, RewardScorer
+
+log = logging.getLogger(__name__)
+
+AgentResult = float | dict[str, float] | None
+AgentFn = Callable[[openai.AsyncOpenAI, Prompt], Awaitable[AgentResult]]
+
+_CANCEL_GRACE_S = 1.0  # how long a timed-out agent may take to honour its cancellation
+
+
+def load_agent(spec: str) -> AgentFn:
+    """The ``async def`` named by ``"package.module:function"``; ValueError naming what is wrong."""
+    module_name, sep, name = spec.partition(":")
+    if not sep or not module_name or not name:
+        raise ValueError(f"task.agent must be 'package.module:function', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ValueError(f"task.agent {spec!r}: cannot import {module_name!r}: {e}") from e
+    fn = getattr(module, name, None)
+    if fn is None:
+        raise ValueError(f"task.agent {spec!r}: module {module_name!r} has no {name!r}")
+    if not inspect.iscoroutinefunction(fn):
+        raise ValueError(f"task.agent {spec!r} must be an 'async def' function of (client, prompt)")
+    return fn
+
+
+class AgentEpisodes:
+    """Runs agent episodes (module docstring) through one gateway, started on the first :meth:`run`
+    in the running loop; :meth:`aclose` stops it.
+
+    ``roles``: role name -> its engines (None = ``target``, the policy); None = one role, "".
+    ``max_response_tokens`` bounds each sample's response (None: the context). ``reward_fn`` scores
+    episodes whose agent returned None, with ``reward_timeout_s`` (its failures: reward 0, error).
+    Counters over the object's life: ``errors`` (episode errors by kind), ``budget_ends`` (by
+    budget), ``reward_errors`` (by kind). ``partial_rollout`` and ``host``: the gateway's
+    (``megarl/agents/gateway.py``).
+    """
+
+    def __init__(self, target: Engines, tokenizer, agent: AgentFn, params: SamplingParams, *, max_turns: int,
+                 max_response_tokens: int | None, timeout_s: float, routing: bool = True, sampling_mask: bool = True,
+                 roles: Mapping[str, Engines | None] | None = None, reward_fn: RewardFn | None = None,
+                 reward_timeout_s: float = 30.0, partial_rollout: str = "continue", host: str = "127.0.0.1"):
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        resolved = {role: t if t is not None else target for role, t in roles.items()} if roles is not None else None
+        self.gateway = AgentGateway(target, tokenizer, params, max_turns=max_turns,
+                                    max_response_tokens=max_response_tokens, roles=resolved, routing=routing,
+                                    sampling_mask=sampling_mask, partial_rollout=partial_rollout, host=host)
+        self.tokenizer, self.agent, self.timeout_s = tokenizer, agent, timeout_s
+        self.routing, self.sampling_mask = routing, sampling_mask
+        self.scorer = RewardScorer(reward_fn, reward_timeout_s) if reward_fn is not None else None
+        self._starting = asyncio.Lock()
+        self.errors: collections.Counter[str] = collections.Counter()
+        self.budget_ends: collections.Counter[str] = collections.Counter()
+
+    @property
+    def reward_errors(self) -> collections.Counter[str]:
+        return self.scorer.errors if self.scorer is not None else collections.Counter()
+
+    async def aclose(self) -> None:
+        await self.gateway.aclose()
+
+    async def run_group(self, prompt: Prompt, group_id: str, n: int) -> tuple[list[RolloutSample], int]:
+        """``n`` episodes of ``prompt`` (episode ids ``<group_id>.<i>``) for ``RolloutManager``: their
+        samples, each role's in a group of its own (``<group_id>/<role>``: advantages compare a role
+        with itself), and 0 requests sent again (the gateway splices aborted calls itself)."""
+        episodes = await asyncio.gather(*(self.run(prompt, group_id, f"{group_id}.{i}") for i in range(n)))
+        samples = [s for episode in episodes for s in episode]
+        for sample in samples:
+            if sample.role:
+                sample.group_id = f"{group_id}/{sample.role}"
+        return samples, 0
+
+    async def run(self, prompt: Prompt, group_id: str, episode_id: str) -> list[RolloutSample]:
+        """One episode of the agent on ``prompt``: its samples (at least one), rewards filled when
+        the agent returned them (or ``reward_fn`` scored them)."""
+        async with self._starting:  # concurrent first episodes: one start, all after it
+            if not self.gateway.started:
+                await self.gateway.start()
+        session = self.gateway.open_session(group_id, episode_id)
+        client = openai.AsyncOpenAI(base_url=self.gateway.base_url(session.id), api_key="megarl-gateway",
+                                    max_retries=0, timeout=self.timeout_s)
+        try:
+            result, failure = await self._run_agent(client, prompt)
+        finally:
+            self.gateway.close_session(session.id)
+            await client.close()
+        if session.engine_failure is not None:
+            raise session.engine_failure
+        if failure is None:
+            failure = self._check_result(result, session)
+        samples = session.trajectory.samples(group_id=group_id, episode_id=episode_id, routing=self.routing,
+                                             sampling_mask=self.sampling_mask)
+        if failure is not None and (session.budget_end is None or not samples):
+            return self._error(failure, samples, prompt, group_id, episode_id)
+        end = session.budget_end or "done"
+        if session.budget_end is not None:
+            self.budget_ends[end] += 1
+        for sample in samples:
+            sample.episode_end = end
+            if session.budget_end is not None:
+                sample.finish_reason = FinishReason.LENGTH
+        if failure is None and result is not None:
+            for sample in samples:
+                sample.reward = float(result[sample.role] if isinstance(result, dict) else result)
+        elif self.scorer is not None:
+            await self._score(prompt, samples, session)
+        return samples
+
+    async def _run_agent(self, client: openai.AsyncOpenAI,
+                         prompt: Prompt) -> tuple[AgentResult, tuple[str, str] | None]:
+        """(the agent's result, None) or (None, (error kind, reason)); a cancelled run cancels the agent."""
+        try:
+            task = asyncio.ensure_future(self.agent(client, prompt))
+        except Exception as e:  # noqa: BLE001 -- a failing or non-async agent function ends the episode, counted
+            return None, ("raised", f"agent raised {type(e).__name__}: {e}")
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
+        finally:
+            if not task.done():
+                task.cancel()
+        if not done:
+            await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)  # an agent that ignores cancellation is left
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its late error is not reported
+            return None, ("timeout", f"agent ran past the timeout of {self.timeout_s:g} s")
+        if task.cancelled():
+            return None, ("raised", "agent was cancelled")
+        error = task.exception()
+        if error is not None:
+            return None, ("raised", f"agent raised {type(error).__name__}: {error}")
+        return task.result(), None
+
+    @staticmethod
+    def _check_result(result, session: Session) -> tuple[str, str] | None:
+        roles = session.trajectory.roles
+        if not roles:
+            return "no_calls", "agent made no call to the gateway"
+        if result is None:
+            return None
+        if isinstance(result, dict):
+            if set(result) != set(roles):
+                return "malformed_result", (f"agent returned rewards for roles {sorted(map(str, result))}, "
+                                            f"its calls were of roles {sorted(roles)}")
+            values = list(result.values())
+        else:
+            values = [result]
+        if not all(isinstance(v, numbers.Real) and math.isfinite(v) for v in values):
+            return "malformed_result", (f"agent returned {result!r:.80}; expected a finite float, a dict of them "
+                                        "per role, or None")
+        return None
+
+    def _error(self, failure: tuple[str, str], samples: list[RolloutSample], prompt: Prompt, group_id: str,
+               episode_id: str) -> list[RolloutSample]:
+        kind, reason = failure
+        self.errors[kind] += 1
+        if self.errors[kind] == 1:
+            log.warning("agent episode %s: %s (logged once per kind, counted in errors)", episode_id, reason)
+        if not samples:
+            prompt_ids = self.tokenizer(prompt.text)["input_ids"] if prompt.text else []
+            empty = np.zeros(0, np.float32)
+            samples = [RolloutSample(prompt_ids=list(prompt_ids), response_ids=[], loss_mask=np.zeros(0, np.uint8),
+                                     rollout_logprobs=empty, model_version=np.zeros(0, np.int32),
+                                     routed_experts=None, sampling_mask=None, finish_reason=FinishReason.ERROR,
+                                     group_id=group_id, episode_id=episode_id)]
+        for sample in samples:
+            sample.finish_reason, sample.reward, sample.episode_end = FinishReason.ERROR, 0.0, f"error: {reason}"
+        return samples
+
+    async def _score(self, prompt: Prompt, samples: list[RolloutSample], session: Session) -> None:
+        """Each sample's reward from ``reward_fn`` on its final completion."""
+        segments = [s for s in session.trajectory.segments if s.calls]
+        inputs = [RewardInput(prompt=prompt, response_text=self.tokenizer.decode(seg.final_turn_ids,
+                                                                                  skip_special_tokens=True),
+                              ended=seg.calls[-1].sample.finish_reason is FinishReason.STOP, sample=sample)
+                  for sample, seg in zip(samples, segments)]
+        for sample, outcome in zip(samples, await asyncio.gather(*(self.scorer(i) for i in inputs))):
+            sample.reward = outcome.value
+            if outcome.error is not None:
+                sample.finish_reason = FinishReason.ERROR

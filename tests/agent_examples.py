@@ -1,0 +1,71 @@
+"""Agent functions for tests/test_agent_gateway.py, loaded by dotted path (``agent_examples:three_turns``).
+
+Each follows megarl's agent contract (``megarl/agents/rollout.py``). ``prompt.metadata["log"]``, when
+a test passes a list there, receives the messages of every chat call the agent made."""
+import asyncio
+
+
+def _log(prompt, messages):
+    if "log" in prompt.metadata:
+        prompt.metadata["log"].append([dict(m) for m in messages])
+
+
+async def three_turns(client, prompt):
+    """Three chat turns, each answered by a one-line tool result; reward 1.0."""
+    messages = [{"role": "user", "content": prompt.text}]
+    for turn in range(3):
+        _log(prompt, messages)
+        answer = await client.chat.completions.create(model="policy", messages=messages, max_tokens=4,
+                                                      temperature=0.7)
+        messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                     {"role": "tool", "content": str(turn)}]
+    return 1.0
+
+
+async def solver_and_verifier(client, prompt):
+    """The solver answers, the verifier (its own conversation) checks the answer; a reward per role."""
+    solution = await client.chat.completions.create(
+        model="solver", messages=[{"role": "user", "content": prompt.text}], max_tokens=4)
+    answer = solution.choices[0].message.content
+    await client.chat.completions.create(
+        model="verifier", messages=[{"role": "user", "content": f"{prompt.text}{answer}?"}], max_tokens=2)
+    return {"solver": 1.0, "verifier": -0.5}
+
+
+async def _one_call(client, prompt):
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt.text}],
+                                         max_tokens=2)
+
+
+async def raises(client, prompt):
+    await _one_call(client, prompt)
+    raise ValueError("the agent lost its way")
+
+
+async def hangs(client, prompt):
+    await asyncio.sleep(3600)
+
+
+async def returns_string(client, prompt):
+    await _one_call(client, prompt)
+    return "a good episode"
+
+
+async def wrong_roles(client, prompt):
+    await _one_call(client, prompt)
+    return {"critic": 1.0}
+
+
+async def silent(client, prompt):
+    return 1.0
+
+
+async def rewrites_history(client, prompt):
+    """Two turns, the second with the first user message edited: the gateway opens a second segment."""
+    messages = [{"role": "user", "content": prompt.text}]
+    first = await client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+    messages = [{"role": "user", "content": prompt.text + " "},
+                {"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "?"}]
+    _log(prompt, messages)
+    await client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+    return 0.5

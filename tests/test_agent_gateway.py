@@ -1,0 +1,283 @@
+"""The OpenAI-compatible agent gateway against one real SGLang server (CPU here), driven by the real
+``openai`` client: a three-turn agent's trajectory is exactly the engine's tokens (checked against
+the raw engine outputs and an HF forward pass over the whole trajectory), failing agents end as
+counted error episodes, budgets end episodes with their reason, a rewritten history opens a second
+sample, two roles give two samples with their own rewards, and an aborted call is continued into
+one turn."""
+import dataclasses
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from megarl.agents.gateway import AgentGateway
+from megarl.agents.rollout import AgentEpisodes, load_agent
+from megarl.engines.client import SamplingParams, SGLangClient
+from megarl.engines.server import EngineSettings, SGLangEngine
+from megarl.sample import FinishReason
+from megarl.tasks.prompts import Prompt
+
+LOGPROB_TOLERANCE = 1e-4
+PARAMS = SamplingParams(max_new_tokens=4, top_k=5)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint, tmp_path_factory):
+    settings = EngineSettings(model_path=tiny_checkpoint, dtype="float32", max_total_tokens=4096,
+                              log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"))
+    with SGLangEngine(settings) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def client(engine, loop):
+    client = SGLangClient(engine.url, engine.model)
+    yield client
+    loop.run_until_complete(client.aclose())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_checkpoint):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_checkpoint, dtype=torch.float32).eval()
+
+
+class Recording:
+    """An ``Engines`` that records each request's prompt ids and the engine's raw sample; with
+    ``abort_first`` its first request stops after 2 tokens and comes back aborted (as a pause with
+    abort would leave it)."""
+
+    def __init__(self, target, abort_first=False):
+        self.target, self.model, self.abort_first = target, target.model, abort_first
+        self.calls = []
+
+    async def generate_batch(self, prompts, params, **kwargs):
+        if self.abort_first and not self.calls:
+            [sample] = await self.target.generate_batch(prompts, dataclasses.replace(params, max_new_tokens=2),
+                                                        **kwargs)
+            samples = [dataclasses.replace(sample, finish_reason=FinishReason.ABORTED)]
+        else:
+            samples = await self.target.generate_batch(prompts, params, **kwargs)
+        self.calls += [(list(p), s) for p, s in zip(prompts, samples)]
+        return samples
+
+
+def episodes(target, tokenizer, agent, **kwargs):
+    options = dict(max_turns=3, max_response_tokens=40, timeout_s=60.0)
+    return AgentEpisodes(target, tokenizer, load_agent(f"agent_examples:{agent}"), PARAMS, **{**options, **kwargs})
+
+
+def run(loop, agents, prompt, episode_id="ep"):
+    async def body():
+        try:
+            return await agents.run(prompt, "g", episode_id)
+        finally:
+            await agents.aclose()
+
+    return loop.run_until_complete(body())
+
+
+def assert_matches_hf(sample, model):
+    """Routing equals HF's top-k for every fed token; each generated token lies in its mask with HF's
+    log-prob renormalised over the mask; tokens between calls have log-prob 0 and a mask of themselves."""
+    ids = sample.prompt_ids + sample.response_ids
+    p = len(sample.prompt_ids)
+    with torch.no_grad():
+        out = model(torch.tensor([ids[:-1]]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    hf_topk = np.stack([torch.topk(r.float(), k, dim=-1).indices.numpy() for r in out.router_logits], axis=1)
+    assert sample.routed_experts.shape == (len(ids) - 1, model.config.num_hidden_layers, k)
+    np.testing.assert_array_equal(np.sort(sample.routed_experts, -1), np.sort(hf_topk, -1))
+    log_probs = torch.log_softmax(out.logits[0, p - 1:].float(), dim=-1)
+    worst = 0.0
+    for i, token in enumerate(sample.response_ids):
+        kept = sample.sampling_mask.row(i).tolist()
+        assert token in kept, f"token {token} at {i} outside its mask"
+        if sample.loss_mask[i] == 0:
+            assert kept == [token] and sample.rollout_logprobs[i] == 0.0
+            continue
+        expected = (log_probs[i, token] - torch.logsumexp(log_probs[i, torch.tensor(kept)], dim=0)).item()
+        worst = max(worst, abs(expected - float(sample.rollout_logprobs[i])))
+    assert worst < LOGPROB_TOLERANCE, f"log-prob difference {worst}"
+    return worst
+
+
+def test_three_turn_agent_records_the_engine_tokens(client, tokenizer, hf, loop):
+    target = Recording(client)
+    agents = episodes(target, tokenizer, "three_turns")
+    sent = []
+    [sample] = run(loop, agents, Prompt("3+4=", metadata={"log": sent}))
+    assert (sample.role, sample.episode_end, sample.reward, sample.group_id, sample.episode_id) == ("", "done", 1.0,
+                                                                                                     "g", "ep")
+    assert len(target.calls) == 3 and len(sent) == 3
+    ids = sample.prompt_ids + sample.response_ids
+    p, start, ends = len(sample.prompt_ids), 0, []
+    for n, (fed, raw) in enumerate(target.calls):
+        # the engine was fed the trajectory so far, token for token, and its tokens are the trajectory's
+        assert fed == raw.prompt_ids == ids[:len(fed)]
+        gen = slice(len(fed) - p, len(fed) - p + len(raw.response_ids))
+        assert sample.response_ids[gen] == raw.response_ids and (sample.loss_mask[gen] == 1).all()
+        np.testing.assert_array_equal(sample.rollout_logprobs[gen], raw.rollout_logprobs)
+        np.testing.assert_array_equal(sample.model_version[gen], raw.model_version)
+        between = sample.response_ids[start:gen.start]
+        assert (sample.loss_mask[start:gen.start] == 0).all()
+        if n == 0:
+            assert fed == tokenizer.encode(tokenizer.apply_chat_template(sent[0], tokenize=False,
+                                                                         add_generation_prompt=True),
+                                           add_special_tokens=False)
+        else:
+            # only the text after the previous call's prompt + its completion was tokenized
+            previous = tokenizer.apply_chat_template(sent[n - 1], tokenize=False, add_generation_prompt=True)
+            content = sent[n][-2]["content"]
+            assert content == tokenizer.decode(target.calls[n - 1][1].response_ids, skip_special_tokens=True)
+            rendered = tokenizer.apply_chat_template(sent[n], tokenize=False, add_generation_prompt=True)
+            ended = target.calls[n - 1][1].finish_reason is FinishReason.STOP  # by EOS: no stop strings here
+            suffix = rendered[len(previous) + len(content) + (len(tokenizer.eos_token) if ended else 0):]
+            assert between == tokenizer.encode(suffix, add_special_tokens=False) and between
+        start = gen.stop
+        ends.append(gen.stop)
+    assert start == len(sample.response_ids) and sample.turn_ends == tuple(ends)
+    np.testing.assert_array_equal(sample.routed_experts, target.calls[-1][1].routed_experts)
+    assert sample.finish_reason is target.calls[-1][1].finish_reason
+    worst = assert_matches_hf(sample, hf)
+    print(f"\n[measured] three turns: {len(sample.prompt_ids)} prompt + {len(sample.response_ids)} response tokens "
+          f"({int(sample.loss_mask.sum())} generated), max |log-prob - HF| {worst:.1e}")
+
+
+def test_gateway_http_contract(client, tokenizer, loop):
+    async def body():
+        async with AgentGateway(client, tokenizer, PARAMS, max_turns=3) as gateway:
+            session = gateway.open_session("g", "e")
+            agent = openai.AsyncOpenAI(base_url=gateway.base_url(session.id), api_key="x", max_retries=0)
+            lost = openai.AsyncOpenAI(base_url=gateway.base_url("no-such-session"), api_key="x", max_retries=0)
+            try:
+                with pytest.raises(openai.NotFoundError, match="unknown session 'no-such-session'"):
+                    await lost.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}])
+                with pytest.raises(openai.BadRequestError, match="'messages' must be a non-empty list"):
+                    await agent.chat.completions.create(model="m", messages=[])
+                with pytest.raises(openai.BadRequestError, match="'max_tokens' must be an integer >= 1"):
+                    await agent.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}],
+                                                        max_tokens=0)
+                first = await agent.completions.create(model="m", prompt="1+2=", max_tokens=3)
+                text = first.choices[0].text
+                # continuing the text (an end-of-sequence token written out) reuses the recorded tokens
+                special = tokenizer.eos_token if first.choices[0].finish_reason == "stop" else ""
+                second = await agent.completions.create(model="m", prompt=f"1+2={text}{special}\n", max_tokens=3)
+                gateway.close_session(session.id)
+                with pytest.raises(openai.NotFoundError):  # a closed session is gone
+                    await agent.completions.create(model="m", prompt="1", max_tokens=1)
+            finally:
+                await agent.close()
+                await lost.close()
+            return session, first, second
+
+    session, first, second = loop.run_until_complete(body())
+    [segment] = session.trajectory.segments
+    a, b = (c.sample for c in segment.calls)
+    assert b.prompt_ids == a.prompt_ids + a.response_ids + tokenizer.encode("\n", add_special_tokens=False)
+    assert first.usage.completion_tokens == len(a.response_ids) and second.usage.prompt_tokens == len(b.prompt_ids)
+    assert first.choices[0].text == tokenizer.decode(a.response_ids, skip_special_tokens=True)
+
+
+def test_failing_agents_end_as_counted_errors(client, tokenizer, loop):
+    async def body():
+        agents = {name: episodes(client, tokenizer, name, timeout_s=1.0 if name == "hangs" else 60.0)
+                  for name in ("raises", "hangs", "returns_string", "wrong_roles", "silent")}
+        try:
+            return agents, {name: await a.run(Prompt("2+2="), "g", name) for name, a in agents.items()}
+        finally:
+            for a in agents.values():
+                await a.aclose()
+
+    agents, results = loop.run_until_complete(body())
+    expected = {"raises": ("raised", "error: agent raised ValueError: the agent lost its way"),
+                "hangs": ("timeout", "error: agent ran past the timeout of 1 s"),
+                "returns_string": ("malformed_result", "error: agent returned 'a good episode'"),
+                "wrong_roles": ("malformed_result", "error: agent returned rewards for roles ['critic']"),
+                "silent": ("no_calls", "error: agent made no call to the gateway")}
+    for name, (kind, end) in expected.items():
+        [sample] = results[name]
+        assert agents[name].errors == {kind: 1}, (name, agents[name].errors)
+        assert sample.episode_end.startswith(end), (name, sample.episode_end)
+        assert sample.finish_reason is FinishReason.ERROR and sample.reward == 0.0
+        assert sample.response_ids == [] if name in ("hangs", "silent") else len(sample.response_ids) >= 1
+
+
+def test_budgets_end_the_episode_with_their_reason(client, tokenizer, loop):
+    scored = []
+
+    async def reward(inp):
+        scored.append(inp)
+        return 0.25
+
+    target = Recording(client)
+    agents = episodes(target, tokenizer, "three_turns", max_turns=2, reward_fn=reward)
+    [sample] = run(loop, agents, Prompt("5+1="))
+    assert len(target.calls) == 2 and len(sample.turn_ends) == 2
+    assert sample.episode_end == "max_turns" and sample.finish_reason is FinishReason.LENGTH
+    assert agents.budget_ends == {"max_turns": 1} and not agents.errors
+    # the agent raised on the refused call, so the reward function scored the final completion
+    [inp] = scored
+    assert sample.reward == 0.25 and inp.sample is sample
+    assert inp.response_text == tokenizer.decode(target.calls[-1][1].response_ids, skip_special_tokens=True)
+
+    target = Recording(client)
+    agents = episodes(target, tokenizer, "three_turns", max_response_tokens=PARAMS.max_new_tokens + 1)
+    [sample] = run(loop, agents, Prompt("5+1="))
+    assert len(target.calls) == 1 and sample.episode_end == "max_tokens" and sample.reward is None
+    assert agents.budget_ends == {"max_tokens": 1}
+
+
+def test_a_rewritten_history_opens_a_second_sample(client, tokenizer, loop):
+    target = Recording(client)
+    agents = episodes(target, tokenizer, "rewrites_history")
+    sent = []
+    first, second = run(loop, agents, Prompt("7+1=", metadata={"log": sent}))
+    assert [(s.reward, s.episode_end, s.role) for s in (first, second)] == [(0.5, "done", ""), (0.5, "done", "")]
+    for sample, (fed, raw) in zip((first, second), target.calls):
+        assert sample.prompt_ids == fed and sample.response_ids == raw.response_ids
+    # the second conversation is tokenized from its own text (its history is not the engine's tokens)
+    assert second.prompt_ids == tokenizer.encode(
+        tokenizer.apply_chat_template(sent[0], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+
+
+def test_two_roles_give_two_samples_with_their_rewards(client, tokenizer, hf, loop):
+    target = Recording(client)
+    agents = episodes(target, tokenizer, "solver_and_verifier", roles={"solver": None, "verifier": target})
+    samples = run(loop, agents, Prompt("4+4="))
+    assert [(s.role, s.reward, s.episode_end) for s in samples] == [("solver", 1.0, "done"),
+                                                                   ("verifier", -0.5, "done")]
+    for sample, (fed, raw) in zip(samples, target.calls):
+        assert sample.prompt_ids == fed and sample.response_ids == raw.response_ids
+        assert_matches_hf(sample, hf)
+
+    async def unknown_role():
+        gateway = AgentGateway(client, tokenizer, PARAMS, max_turns=1, roles={"solver": client})
+        async with gateway:
+            async with openai.AsyncOpenAI(base_url=gateway.base_url(gateway.open_session().id), api_key="x",
+                                          max_retries=0) as agent:
+                with pytest.raises(openai.NotFoundError, match="model 'critic' is not a role"):
+                    await agent.chat.completions.create(model="critic", messages=[{"role": "user", "content": "1"}])
+
+    loop.run_until_complete(unknown_role())
+
+
+def test_an_aborted_call_is_continued_into_one_turn(client, tokenizer, hf, loop):
+    target = Recording(client, abort_first=True)
+    agents = episodes(target, tokenizer, "three_turns", partial_rollout="abort_resubmit")
+    [sample] = run(loop, agents, Prompt("6+2="))
+    (fed0, cut), (fed1, rest) = target.calls[:2]
+    assert cut.finish_reason is FinishReason.ABORTED and fed1 == fed0 + cut.response_ids
+    assert len(target.calls) == 4 and len(sample.turn_ends) == 3
+    assert sample.response_ids[:sample.turn_ends[0]] == cut.response_ids + rest.response_ids
+    assert len(cut.response_ids + rest.response_ids) <= PARAMS.max_new_tokens
+    assert_matches_hf(sample, hf)

@@ -1,0 +1,131 @@
+"""On-policy distillation vs GRPO alone: the same warmed-up student, the same steps, in one invocation.
+
+Both runs start from one warmed-up checkpoint (made first, kept when ``--work-dir`` has one) and
+train ``--steps`` steps of the recipe (``tiny_moe_opd_cpu``: the demo's task, ``mode=sync`` so each
+run is reproducible), each as its own ``python -m megarl.train`` process, one after the other:
+
+  opd   the recipe: ``algorithm.advantage=opd`` (sequence advantage 0), the teacher's per-token
+        reverse-KL advantages alone (``algorithm.opd_coef``)
+  grpo  ``algorithm.advantage=grpo``, no teacher: the reward alone
+
+The teacher is ``--teacher`` (an HF checkpoint with the student's tokenizer), or, without it, made
+here as the recipe's comment says: the demo's RL (``recipe=tiny_moe_cpu``, ``--teacher-steps`` steps)
+from the same warm-up, its final trainer checkpoint converted to HF by ``tools/convert_checkpoint.py``.
+From each run's ``metrics.jsonl``:
+
+  reward_curve      mean reward per ``--window`` steps
+  reward_at         mean reward over the ``--window`` steps ending at each of ``--at`` (e.g. 10, 20, 40)
+  final_reward      mean reward of the last ``--last`` steps
+  reverse_kl_curve  opd only: ``distill/reverse_kl`` (student - teacher log-prob, nats/token) per window
+
+and side by side ``opd_reward_curve``, ``grpo_reward_curve``, ``opd_minus_grpo_final_reward``.
+
+Usage: python tools/bench/distillation.py --json FILE [--teacher PATH] [--steps 40 --window 5 --last 10
+       --set key=value ...]   (``--set`` overrides apply to both runs)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+
+def windows(values: list[float], window: int) -> list[float]:
+    return [round(sum(values[i:i + window]) / len(values[i:i + window]), 3) for i in range(0, len(values), window)]
+
+
+def figures(run_dir: Path, window: int, last: int, at: list[int]) -> dict:
+    """The figures above from ``run_dir/metrics.jsonl``."""
+    from megarl.metrics.sink import read_metrics
+
+    rows = [r for r in read_metrics(run_dir) if "reward/mean" in r]
+    if not rows:
+        raise SystemExit(f"{run_dir}/metrics.jsonl has no RL rows")
+    rewards = [r["reward/mean"] for r in rows]
+    tail = rewards[-last:]
+    out = {"steps": len(rows), "final_reward": round(sum(tail) / len(tail), 4),
+           "reward_curve": windows(rewards, window),
+           "reward_at": {str(s): round(sum(rewards[max(0, s - window):s]) / len(rewards[max(0, s - window):s]), 3)
+                         for s in at if s <= len(rewards)},
+           "seconds_per_step": sum(r["time/wait_s"] + r["time/train_s"] + r["sync/seconds"] for r in rows) / len(rows)}
+    kl = [r["distill/reverse_kl"] for r in rows if "distill/reverse_kl" in r]
+    if kl:
+        out["reverse_kl_curve"] = windows(kl, window)
+        out["teacher_errors"] = rows[-1]["distill/teacher_errors"]
+    return out
+
+
+def run(command: list[str]) -> float:
+    """Run ``command`` in the repository; raises on failure; returns its wall seconds."""
+    t0 = time.monotonic()
+    if subprocess.run(command, cwd=REPO).returncode != 0:
+        raise SystemExit(f"failed: {' '.join(command)}")
+    return time.monotonic() - t0
+
+
+def train(overrides: list[str]) -> float:
+    return run([sys.executable, "-m", "megarl.train", *overrides])
+
+
+def make_teacher(work: Path, common: list[str], steps: int) -> Path:
+    """The demo's RL from the shared warm-up (``work/warm``) for ``steps`` steps, converted to HF."""
+    run_dir, out = work / "teacher_rl", work / "teacher"
+    train([*common, "recipe=tiny_moe_cpu", f"steps={steps}", f"logging.run_dir={run_dir}"])
+    run([sys.executable, "tools/convert_checkpoint.py", "to-hf", "--megatron", str(run_dir / "checkpoints"),
+         "--hf", str(work / "warm"), "--out", str(out)])
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", required=True, help="write the figures here")
+    parser.add_argument("--recipe", default="tiny_moe_opd_cpu")
+    parser.add_argument("--teacher", default=None, help="teacher HF checkpoint (default: made here, see above)")
+    parser.add_argument("--teacher-steps", type=int, default=300, help="RL steps of a teacher made here")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--window", type=int, default=5, help="steps per point of the curves")
+    parser.add_argument("--last", type=int, default=10, help="steps averaged into final_reward")
+    parser.add_argument("--at", default="10,20,30,40", help="steps at which the windowed reward is reported")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for both runs")
+    parser.add_argument("--work-dir", default=None, help="default: a temporary directory")
+    args = parser.parse_args()
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="megarl-distillation-"))
+    common = [f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={work / 'warm'}", "trainer.resume=false"]
+    warmup_s = 0.0
+    if not (work / "warm" / "config.json").is_file():  # a work dir given again keeps its warm-up
+        warmup_s = train([f"recipe={args.recipe}", *common, "mode=warmup", f"logging.run_dir={work / 'warmup'}",
+                          *args.set])
+    teacher = Path(args.teacher) if args.teacher else make_teacher(work, common, args.teacher_steps)
+    at = [int(s) for s in args.at.split(",")]
+    variants = {"opd": [f"teacher.hf_path={teacher.resolve()}"],
+                "grpo": ["algorithm.advantage=grpo", "teacher.hf_path=null", "algorithm.opd_coef=0"]}
+    result = {"recipe": args.recipe, "steps": args.steps, "window": args.window, "teacher": str(teacher),
+              "overrides": args.set, "warmup_s": round(warmup_s, 1), "runs": {}}
+    for name, overrides in variants.items():
+        run_dir = work / name
+        wall = train([f"recipe={args.recipe}", *common, f"steps={args.steps}", f"logging.run_dir={run_dir}",
+                      *overrides, *args.set])
+        f = figures(run_dir, args.window, args.last, at) | {"wall_s": round(wall, 1)}
+        result["runs"][name] = f
+        result[f"{name}_reward_curve"] = f["reward_curve"]
+        result[f"{name}_reward_at"] = f["reward_at"]
+        result[f"{name}_final_reward"] = f["final_reward"]
+        print(f"{name:>5}: reward per {args.window} steps {f['reward_curve']}; last-{args.last} {f['final_reward']:.3f}"
+              f"{'; reverse KL ' + str(f['reverse_kl_curve']) if 'reverse_kl_curve' in f else ''}", flush=True)
+    result["opd_minus_grpo_final_reward"] = round(result["opd_final_reward"] - result["grpo_final_reward"], 4)
+    print(f"opd - grpo final reward: {result['opd_minus_grpo_final_reward']:+.3f}; reward at steps {at}: "
+          f"opd {result['opd_reward_at']}, grpo {result['grpo_reward_at']}")
+    Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
