@@ -59,7 +59,7 @@ def test_reinforce_pp_by_hand():
 
 
 def test_advantage_bad_input():
-    with pytest.raises(ValueError, match="unknown advantage 'ppo'.*dr_grpo, grpo, reinforce_pp, rloo"):
+    with pytest.raises(ValueError, match="unknown advantage 'ppo'.*dr_grpo, grpo, opd, reinforce_pp, rloo"):
         advantage_fn("ppo")
     with pytest.raises(ValueError, match=r"\[B\]"):
         grpo(REWARDS, GROUPS[:3])

@@ -116,6 +116,8 @@ def _companions(key: str, name: str, tmp_path) -> list[str]:
     if key == "reward.type":
         return {"remote": ["reward.url=http://localhost:8000/reward"],
                 "function": ["reward.path=megarl.tasks.rewards.exact_match_reward"]}.get(name, [])
+    if (key, name) == ("algorithm.advantage", "opd"):  # distils from a teacher (checked at load, not read)
+        return [f"teacher.hf_path={tmp_path / 'teacher'}", "algorithm.opd_coef=1.0"]
     return []
 
 

@@ -44,6 +44,9 @@ CASES = {
                                      "task.prompt_key", ["'question' is not a field of", "rows have prompt, answer"]),
     "reward_function_does_not_import": (["reward.type=function", "reward.path=nope.mod.fn"], "reward.path",
                                         ["'nope.mod.fn' does not import", "No module named 'nope'"]),
+    "unknown_environment": (["task.env=calculatr"], "task.env", ["'calculatr' is not one of calculator"]),
+    "agent_does_not_import": (["task.agent=nope_agents:solve"], "task.agent",
+                              ["cannot import 'nope_agents'", "No module named 'nope_agents'"]),
 }
 
 

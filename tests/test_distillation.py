@@ -75,7 +75,7 @@ def student_samples(client, tokenizer, teacher_checkpoint, loop) -> list[Rollout
 @pytest.fixture(scope="module")
 def teacher(engine, student_samples, loop):
     """The scorer of the engine once it serves the teacher."""
-    scorer = TeacherScorer(engine.url, timeout_s=30.0)
+    scorer = TeacherScorer(engine.url, engine.model.vocab_size, timeout_s=30.0)
     yield scorer
     loop.run_until_complete(scorer.aclose())
 
@@ -105,6 +105,18 @@ def test_teacher_logprobs_of_the_students_samples_equal_an_hf_forward_of_the_tea
         apart = max(apart, float(np.abs(sample.teacher_logprobs - hf_response_logprobs(student_hf, sample)).max()))
     assert worst < TOLERANCE, f"teacher log-prob vs HF: {worst}"
     assert apart > 100 * TOLERANCE, "the scores are the student's, not the teacher's"
+
+
+def test_the_last_vocabulary_id_is_scored_too(student_samples, teacher, teacher_checkpoint, loop):
+    """SGLang reports the id vocab_size - 1 as 0 beside its input log-prob: still that token's log-prob."""
+    base, last = student_samples[0], teacher.vocab_size - 1
+    sample = RolloutSample(prompt_ids=base.prompt_ids, response_ids=[last, base.response_ids[0]],
+                           loss_mask=np.ones(2, np.uint8), rollout_logprobs=np.zeros(2, np.float32),
+                           model_version=np.zeros(2, np.int32), routed_experts=None, sampling_mask=None,
+                           finish_reason=FinishReason.STOP)
+    assert loop.run_until_complete(teacher.score([sample])) == 0
+    expected = hf_response_logprobs(load_hf(teacher_checkpoint), sample)
+    np.testing.assert_allclose(sample.teacher_logprobs, expected, rtol=0, atol=TOLERANCE)
 
 
 def test_the_manager_scores_each_group_with_the_teacher(client, tokenizer, teacher, teacher_checkpoint, loop):
@@ -264,7 +276,7 @@ def test_a_teacher_failure_is_counted_not_fatal(kind, answer, client, tokenizer,
     else:
         fake = FakeTeacher(answer)
         url = loop.run_until_complete(fake.start())
-    scorer = TeacherScorer(url, timeout_s=1.0)
+    scorer = TeacherScorer(url, client.model.vocab_size, timeout_s=1.0)
     try:
         results = loop.run_until_complete(manager(client, tokenizer, scorer).generate_groups(PROMPTS[:2], ["x", "y"]))
     finally:
@@ -279,15 +291,16 @@ def test_a_teacher_failure_is_counted_not_fatal(kind, answer, client, tokenizer,
     assert scorer.metrics() == {"distill/teacher_errors": 2.0 * G}
 
 
-def test_an_answer_that_does_not_match_the_response_is_refused(student_samples):
-    sample = student_samples[0]
+def test_an_answer_that_does_not_match_the_response_is_refused(student_samples, client):
+    sample, vocab = student_samples[0], client.model.vocab_size
     entries = [[None, sample.prompt_ids[-1], None]] + [[-1.0, t, None] for t in sample.response_ids]
-    np.testing.assert_array_equal(teacher_logprobs_from({"meta_info": {"input_token_logprobs": entries}}, sample),
-                                  np.full(len(sample.response_ids), -1.0, np.float32))
+    np.testing.assert_array_equal(
+        teacher_logprobs_from({"meta_info": {"input_token_logprobs": entries}}, sample, vocab),
+        np.full(len(sample.response_ids), -1.0, np.float32))
     with pytest.raises(TeacherAnswerError, match="not the .* response tokens"):
-        teacher_logprobs_from({"meta_info": {"input_token_logprobs": entries[1:]}}, sample)
+        teacher_logprobs_from({"meta_info": {"input_token_logprobs": entries[1:]}}, sample, vocab)
     unscored = entries[:1] + [[None, *e[1:]] for e in entries[1:]]
     with pytest.raises(TeacherAnswerError, match="non-finite"):
-        teacher_logprobs_from({"meta_info": {"input_token_logprobs": unscored}}, sample)
+        teacher_logprobs_from({"meta_info": {"input_token_logprobs": unscored}}, sample, vocab)
     with pytest.raises(TeacherAnswerError, match="no meta_info"):
-        teacher_logprobs_from({}, sample)
+        teacher_logprobs_from({}, sample, vocab)

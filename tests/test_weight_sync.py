@@ -5,9 +5,9 @@ the ``distributed`` transport (gloo, flattened buckets), and the engine's greedy
 log-probs for a fixed prompt must equal those of an HF model built from the trainer's own export
 (megatron-bridge's full gather); the recovery path then writes the same weights as a disk
 checkpoint, whose tensors must equal that export bit for bit. The colocated ``tensor`` transport,
-a failed transfer (engine held paused, then recovered) and an engine killed mid-sync (reported,
-restarted, recovered) run on the single-process trainer. The engine is shared by the module; the
-kill test, which restarts it, runs last.
+a failed transfer (engine held paused, then recovered), an engine killed mid-sync (reported,
+restarted, recovered) and the control round trips of a sync run on the single-process trainer.
+The engine is shared by the module; the kill test, which restarts it, runs last.
 """
 import asyncio
 import dataclasses
@@ -216,6 +216,85 @@ def test_colocated_tensor_transport_equals_hf(single, engine, checkpoint, prompt
     sync_and_compare(single, engine, checkpoint, prompt, tmp_path, version=3, transport="tensor")
 
 
+LOADS = ("/update_weights_from_distributed", "/update_weights_from_tensor", "/update_weights_from_disk")
+
+
+def record_calls(client: SGLangClient) -> list:
+    """Record every HTTP call of ``client`` as (path, JSON body) from now on."""
+    calls, real = [], client._request
+
+    async def recorded(method, path, payload=None):
+        calls.append((path, payload))
+        return await real(method, path, payload)
+
+    client._request = recorded
+    return calls
+
+
+def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path):
+    """A sync costs each engine four control calls (pause, begin, end, continue) around the bucket
+    loads; the version and the cache flush ride on the last load, in flight as well as idle; the
+    disk transport and recovery through disk take the same four around their one load. Tokens generated afterwards
+    carry the new version; a request running across the sync resumes on it (RETRACT)."""
+    control = ["/pause_generation", "/begin_weight_update", "/end_weight_update", "/continue_generation"]
+    long = SamplingParams(max_new_tokens=56, temperature=1.0, ignore_eos=True)
+
+    async def body():
+        async with SGLangClient(engine.url, engine.model) as client, \
+                SGLangClient(engine.url, engine.model) as load:
+            sync = WeightSync(settings(tmp_path), single, [client])
+            await sync.setup()
+            calls = record_calls(client)
+            seen = {}
+            for version, mode, in_flight in ((4, PauseMode.ABORT, False), (5, PauseMode.RETRACT, True),
+                                             (6, PauseMode.IN_PLACE, False)):
+                running = (asyncio.ensure_future(load.generate_batch([prompt] * 64, long, group_ids=[""] * 64,
+                                                                     return_routed_experts=False,
+                                                                     return_sampling_mask=False))
+                           if in_flight else None)
+                if running is not None:
+                    await asyncio.sleep(0.1)  # prefilled and decoding when the pause comes
+                calls.clear()
+                report = await sync.update(version, mode)
+                seen[version] = (list(calls), report, await running if running is not None else None,
+                                 await client.weight_version(), await engine_greedy(client, prompt))
+            calls.clear()
+            await sync.recover(client)
+            recovered = list(calls)
+            await sync.close()
+            disk = WeightSync(settings(tmp_path, "disk"), single, [client], initial_version=6)
+            await disk.setup()
+            calls.clear()
+            await disk.update(7, PauseMode.RETRACT)
+            through_disk = (list(calls), await client.weight_version(), await engine_greedy(client, prompt))
+            await disk.close()
+            return seen, recovered, through_disk
+
+    seen, recovered, (disk_calls, disk_version, disk_after) = asyncio.run(body())
+    for version, (calls, report, running, engine_version, after) in seen.items():
+        loads = [body for path, body in calls if path in LOADS]
+        assert [path for path, _ in calls if path not in LOADS] == control, calls
+        assert len(loads) == report.buckets > 1
+        assert all("weight_version" not in body and body["flush_cache"] is False for body in loads[:-1])
+        assert loads[-1]["weight_version"] == str(version)
+        assert loads[-1]["flush_cache"] is (version != 6)  # IN_PLACE: the frozen requests keep their cache
+        assert engine_version == version and after.model_version.tolist() == [version] * NEW_TOKENS
+        if running is not None:  # retracted and resumed: old version, then the new one, never mixed back
+            spans = [sample.model_version.tolist() for sample in running]
+            assert all(len(v) == long.max_new_tokens and v == sorted(v) and set(v) <= {4, version} for v in spans)
+            across = sum(v[0] == 4 and v[-1] == version for v in spans)
+            assert across, "no request was in flight across the sync"
+            print(f"\n[measured] {across} of {len(spans)} requests ran across the RETRACT sync "
+                  f"({report.total_s * 1e3:.0f} ms in flight)")
+    link = ("/destroy_weights_update_group",)  # recover() also drops the link: it forms again at the next sync
+    assert [path for path, _ in recovered if path not in LOADS + link] == control, recovered
+    [disk_load] = [body for path, body in recovered if path in LOADS]
+    assert disk_load["weight_version"] == "6" and disk_load["flush_cache"] is True
+    assert [path for path, _ in disk_calls] == control[:2] + ["/update_weights_from_disk"] + control[2:], disk_calls
+    assert disk_calls[2][1]["weight_version"] == "7" and disk_calls[2][1]["flush_cache"] is True
+    assert disk_version == 7 and disk_after.model_version.tolist() == [7] * NEW_TOKENS
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_sync_equals_hf(name, ray_cluster, engine, checkpoint, prompt, tmp_path, request):
     """Every trainer layout into the one-rank engine; the TP2xEP2 trainer into a TP2+EP2 engine
@@ -241,11 +320,11 @@ def test_failed_transfer_holds_the_engine_until_recovered(single, engine, checkp
             real = client.update_weights_from_distributed
             calls = []
 
-            async def second_bucket_rejected(names, dtypes, shapes, group_name, load_format=None):
+            async def second_bucket_rejected(names, dtypes, shapes, group_name, load_format=None, **finish):
                 calls.append(names)
                 if len(calls) == 2:
                     raise EngineError("injected: engine rejected the bucket")
-                await real(names, dtypes, shapes, group_name, load_format)
+                await real(names, dtypes, shapes, group_name, load_format, **finish)
 
             monkeypatch.setattr(client, "update_weights_from_distributed", second_bucket_rejected)
             sync = WeightSync(settings(tmp_path, timeout_s=20.0), single, [client])
@@ -288,11 +367,11 @@ def test_engine_killed_during_sync_is_reported_and_recovered(single, engine, che
             real = client.update_weights_from_distributed
             calls = []
 
-            async def die_after_first_bucket(names, dtypes, shapes, group_name, load_format=None):
+            async def die_after_first_bucket(names, dtypes, shapes, group_name, load_format=None, **finish):
                 calls.append(names)
                 if len(calls) == 2:
                     os.killpg(engine.pid, signal.SIGKILL)
-                await real(names, dtypes, shapes, group_name, load_format)
+                await real(names, dtypes, shapes, group_name, load_format, **finish)
 
             monkeypatch.setattr(client, "update_weights_from_distributed", die_after_first_bucket)
             sync = WeightSync(settings(tmp_path, timeout_s=20.0), single, [client])

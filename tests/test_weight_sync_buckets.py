@@ -34,6 +34,7 @@ def test_packer_round_trip_is_bit_exact_and_respects_capacity():
     while (bucket := packer.next_bucket()) is not None:
         buckets.append(bucket)
     assert [[e.name for e in b.index.entries] for b in buckets] == [["a", "b"], ["c"], ["d", "e"], ["f"], ["g"]]
+    assert [b.index.last for b in buckets] == [False] * 4 + [True]  # the driver's last load carries the version
     for seq, bucket in enumerate(buckets):
         assert bucket.index.seq == seq and len({e.dtype for e in bucket.index.entries}) == 1
         assert bucket.buffer.numel() == bucket.index.nbytes
@@ -67,10 +68,26 @@ def test_a_tensor_larger_than_a_bucket_can_travel_without_a_copy():
 
 def test_capacity_zero_is_one_tensor_per_bucket():
     packer = BucketPacker(stream(), capacity=0)
-    sizes = []
+    sizes, last = [], []
     while (bucket := packer.next_bucket()) is not None:
         sizes.append(len(bucket.index.entries))
+        last.append(bucket.index.last)
     assert sizes == [1] * len(stream())
+    assert last == [False] * (len(stream()) - 1) + [True]
+
+
+def test_only_the_final_bucket_is_marked_last():
+    """Also when the final bucket ends full or is a tensor sent in place (the packer looks ahead)."""
+    full, large = [("a", torch.ones(1024))], [("a", torch.ones(8)), ("b", torch.ones(2000))]
+    for tensors in (full, large, stream()):
+        for adopt in (lambda t: None, lambda t: t.reshape(-1).view(torch.uint8)):
+            for keep in (True, False):
+                packer = BucketPacker(tensors, capacity=4096, adopt=adopt, keep=keep)
+                last = []
+                while (item := packer.next_bucket()) is not None:
+                    last.append((item.index if keep else item).last)
+                assert last and last == [False] * (len(last) - 1) + [True]
+    assert BucketPacker([], capacity=4096).next_bucket() is None
 
 
 def test_pack_and_unpack_reject_bad_input():

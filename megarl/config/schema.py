@@ -229,7 +229,8 @@ class AlgorithmConfig:
     ``megarl/algos/``. Off-policy correction: ``w`` is the trainer/rollout probability ratio at
     ``off_policy_level``; rejected tokens (mis, veto, off_policy_mask_kl) leave the loss and its denominator."""
 
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp (REINFORCE++-baseline, whitened over tokens)
+    # grpo | dr_grpo | rloo | reinforce_pp (REINFORCE++-baseline, whitened over tokens) | opd (0: the teacher's alone)
+    advantage: str = "grpo"
     policy_loss: str = "ppo"  # ppo | gspo | cispo | sapo
     clip_low: float = 0.2  # ratio band [1 - clip_low, 1 + clip_high] of ppo, gspo, cispo
     clip_high: float = 0.2

@@ -6,7 +6,7 @@ MoE settings, layouts that cannot be placed on the cluster (:class:`PlacementErr
 :func:`check_inputs` (the driver, before it starts anything; the planner plans for
 machines whose files live elsewhere) checks what an RL run reads, as far as that is cheap: the
 dataset file and its fields, the reward function's import, the rollout length against the
-checkpoint's context. Each check raises :class:`ConfigError` with ``"<key>: <why>"``.
+checkpoint's context, the agent program's import. Each check raises :class:`ConfigError` with ``"<key>: <why>"``.
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from megarl.agents.rollout import load_agent
 from megarl.algos.advantages import ADVANTAGES
 from megarl.algos.aggregation import AGGREGATIONS
 from megarl.algos.kl import KL_ESTIMATORS
@@ -24,6 +25,7 @@ from megarl.config.errors import ConfigError
 from megarl.config.schema import MODES
 from megarl.models.hf_config import hf_config_if_present
 from megarl.parallel import PipelineSplitError, stage_layer_counts
+from megarl.rollout.env import ENVIRONMENTS
 from megarl.rollout.group import PARTIAL_ROLLOUT_MODES
 from megarl.sync.transports import TRANSPORTS
 from megarl.tasks.judge import check_judge_config
@@ -81,6 +83,7 @@ def validate(cfg: DictConfig) -> None:
         _fail("task.path", f"task {cfg.task.name} needs the dataset file")
     _check_reward(cfg.reward)
     _check_judge(cfg)
+    _check_episodes(cfg.task)
     if cfg.sync.bucket_mb < 0 or cfg.sync.timeout_s <= 0:
         _fail("sync.bucket_mb",
               f"bucket_mb must be >= 0 and timeout_s > 0, got {cfg.sync.bucket_mb}, {cfg.sync.timeout_s}")
@@ -298,6 +301,24 @@ def _check_judge(cfg: DictConfig) -> None:
         _fail("reward.judge.per_turn", "scores the turns of multi-turn episodes; set task.env or task.agent")
 
 
+def _check_episodes(task: DictConfig) -> None:
+    """Multi-turn settings: one episode kind, budgets that allow a turn, roles only for agents."""
+    if task.env is not None and task.env not in ENVIRONMENTS:
+        _fail("task.env", f"{task.env!r} is not one of {', '.join(ENVIRONMENTS)}")
+    if task.env is not None and task.agent is not None:
+        _fail("task.agent", f"an episode is an environment's (task.env={task.env}) or an agent's, not both")
+    if task.roles is not None and task.agent is None:
+        _fail("task.roles", "roles are named by an agent program: set task.agent")
+    if task.roles is not None and (not task.roles or len(set(task.roles)) != len(task.roles)):
+        _fail("task.roles", f"must be distinct role names, got {list(task.roles)}")
+    if task.max_turns < 1:
+        _fail("task.max_turns", f"must be >= 1, got {task.max_turns}")
+    if task.max_response_tokens is not None and task.max_response_tokens < 1:
+        _fail("task.max_response_tokens", f"must be >= 1 or null, got {task.max_response_tokens}")
+    if task.agent_timeout_s <= 0:
+        _fail("task.agent_timeout_s", f"must be > 0, got {task.agent_timeout_s}")
+
+
 def check_inputs(cfg: DictConfig) -> None:
     """What an RL run reads, checked before it starts anything (a warm-up reads none of it)."""
     if cfg.mode == "warmup":
@@ -308,6 +329,11 @@ def check_inputs(cfg: DictConfig) -> None:
         try:
             load_user_reward(cfg.reward.path)  # imports the module: the run imports it again from the cache
         except ValueError as exc:  # the message names reward.path
+            raise ConfigError(_one_line(str(exc))) from exc
+    if cfg.task.agent is not None:
+        try:
+            load_agent(cfg.task.agent)  # imports the agent's module, as the run will
+        except ValueError as exc:  # the message names task.agent
             raise ConfigError(_one_line(str(exc))) from exc
     checkpoint = _rl_start_checkpoint(cfg)
     if cfg.teacher.hf_path:

@@ -289,7 +289,10 @@ class SGLangClient:
         )
 
     async def pause_generation(self, mode: PauseMode = PauseMode.ABORT) -> None:
-        """Pause the engine. Every open generate response must be read, or this never returns."""
+        """Pause the engine. Every open generate response must be read, or this never returns.
+        With requests in flight an ABORT pause takes about a second (SGLang 0.5.23 aborts them and
+        polls its request lock once a second until they have returned); RETRACT and IN_PLACE
+        return once the scheduler has paused."""
         await self._post("/pause_generation", {"mode": PauseMode(mode).value})
         log.info("%s: generation paused (%s)", self.base_url, PauseMode(mode).value)
 
@@ -355,24 +358,33 @@ class SGLangClient:
     async def destroy_weights_update_group(self, group_name: str) -> None:
         await self._post("/destroy_weights_update_group", {"group_name": group_name})
 
+    # The three loads below run inside an open weight-update session. ``weight_version`` (None: the
+    # label stays) and ``flush_cache`` ride on the call: the engine records the version and flushes
+    # the cache right after loading, in the same round trip. The flush skips SGLang's
+    # ``torch_empty_cache`` (off by default in update requests; /flush_cache runs it, which on CPU
+    # is a gc.collect() of the scheduler's heap).
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, load_format: str | None = None) -> None:
+                                              group_name: str, load_format: str | None = None,
+                                              weight_version: int | None = None, flush_cache: bool = False) -> None:
         """Receive tensors (``load_format="flattened_bucket"``: one flat buffer) broadcast by rank 0
-        of ``group_name`` and load them; inside a weight-update session, without a cache flush."""
+        of ``group_name`` and load them."""
         await self._post("/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-            "load_format": load_format, "flush_cache": False})
+            "load_format": load_format, **_update_fields(weight_version, flush_cache)})
 
-    async def update_weights_from_tensor(self, serialized: list[str], load_format: str | None = None) -> None:
+    async def update_weights_from_tensor(self, serialized: list[str], load_format: str | None = None,
+                                         weight_version: int | None = None, flush_cache: bool = False) -> None:
         """Load tensors another process on this machine shares (``serialized``: one base64
-        ``MultiprocessingSerializer`` payload per engine TP rank); inside a session, no cache flush."""
+        ``MultiprocessingSerializer`` payload per engine TP rank)."""
         await self._post("/update_weights_from_tensor", {
-            "serialized_named_tensors": serialized, "load_format": load_format, "flush_cache": False})
+            "serialized_named_tensors": serialized, "load_format": load_format,
+            **_update_fields(weight_version, flush_cache)})
 
-    async def load_weights_from_disk(self, model_path: str | Path) -> None:
-        """Load an HF checkpoint directory inside an open weight-update session (no cache flush,
-        the version label unchanged)."""
-        await self._post("/update_weights_from_disk", {"model_path": str(model_path), "flush_cache": False})
+    async def load_weights_from_disk(self, model_path: str | Path, weight_version: int | None = None,
+                                     flush_cache: bool = False) -> None:
+        """Load an HF checkpoint directory."""
+        await self._post("/update_weights_from_disk", {"model_path": str(model_path),
+                                                       **_update_fields(weight_version, flush_cache)})
 
     # --- memory release (colocated placement; megarl.pipeline.colocate drives it) ----------------
     async def memory_saver_enabled(self) -> bool:
@@ -395,6 +407,14 @@ class SGLangClient:
         that was not released)."""
         await self._post("/resume_memory_occupation", {"tags": _memory_tags(tags)})
         log.info("%s: memory resumed (%s)", self.base_url, ", ".join(tags))
+
+
+def _update_fields(weight_version: int | None, flush_cache: bool) -> dict:
+    """The version and flush fields of an SGLang weight-update request."""
+    fields = {"flush_cache": bool(flush_cache)}
+    if weight_version is not None:
+        fields["weight_version"] = str(int(weight_version))
+    return fields
 
 
 def _memory_tags(tags: Sequence[str]) -> list[str]:

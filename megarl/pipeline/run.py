@@ -267,7 +267,8 @@ async def start_teacher(cfg: DictConfig, api_key: str, num_gpus: float,
                                    api_key=api_key, log_path=str(Path(cfg.logging.run_dir) / "teacher.log"))
     engine = EnginePool.launch([settings], num_cpus=0.5, num_gpus=num_gpus)
     stack.push_async_callback(engine.aclose)
-    scorer = TeacherScorer(engine.clients[0].base_url, api_key=api_key, timeout_s=cfg.teacher.timeout_s)
+    scorer = TeacherScorer(engine.clients[0].base_url, engine.model.vocab_size, api_key=api_key,
+                           timeout_s=cfg.teacher.timeout_s)
     stack.push_async_callback(scorer.aclose)
     log.info("teacher %s served at %s", cfg.teacher.hf_path, scorer.base_url)
     return scorer

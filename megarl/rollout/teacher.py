@@ -6,10 +6,10 @@ Each sample is one prefill request: ``input_ids`` = prompt + response (T = P + R
 ``meta_info.input_token_logprobs`` for the tokens from that position on, ``[log-prob, token id,
 None]`` each, where the first one has log-prob None (SGLang scores no token at the start position,
 as at position 0), so starting one token before the response gives the R + 1 entries whose last R
-are ``log p_teacher(token P+i | tokens before it)``, i = 0..R-1. The samples of a group go to the
-engine as one HTTP request (SGLang schedules their prefills together), as slime's scorer does one
-request per sample (``slime/rollout/on_policy_distillation.py``: ``input_token_logprobs`` trimmed to
-the response).
+are ``log p_teacher(token P+i | tokens before it)``, i = 0..R-1 (slime's scorer,
+``slime/rollout/on_policy_distillation.py``, asks from position 0 and trims ``input_token_logprobs``
+to the response). The samples of a group go to the engine as one HTTP request, which SGLang splits
+into one prefill per sample and schedules together.
 
 Temperature: none is applied, and none should be. SGLang computes input log-probs as the
 log-softmax of the raw logits over the whole vocabulary (``sglang/srt/layers/logprob_processor.py``,
@@ -44,15 +44,23 @@ class TeacherAnswerError(ValueError):
     """The teacher's answer for a sample does not hold one log-prob per response token."""
 
 
-def teacher_logprobs_from(out: dict, sample: RolloutSample) -> np.ndarray:
+def reported_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The ids SGLang 0.5.23 reports beside input log-probs: the last vocabulary id ``vocab_size - 1``
+    comes back as 0 (``scheduler_components/logprob_result_processor.py`` clips ids ``>= vocab_size - 1``,
+    meant for image-token hashes); its log-prob is that of the real token."""
+    return [t if t < vocab_size - 1 else 0 for t in token_ids]
+
+
+def teacher_logprobs_from(out: dict, sample: RolloutSample, vocab_size: int) -> np.ndarray:
     """float32 [R]: the response tokens' log-probs in one ``/generate`` answer of a prefill request
-    with ``logprob_start_len`` = P - 1; raises :class:`TeacherAnswerError` when they do not line up."""
+    with ``logprob_start_len`` = P - 1 to an engine of ``vocab_size`` ids; raises
+    :class:`TeacherAnswerError` when they do not line up with the response."""
     try:
         entries = out["meta_info"]["input_token_logprobs"][1:]  # the first: the last prompt token, unscored
     except (KeyError, TypeError):
         raise TeacherAnswerError("the answer has no meta_info.input_token_logprobs") from None
     ids = [e[1] for e in entries]
-    if ids != list(sample.response_ids):
+    if ids != reported_ids(sample.response_ids, vocab_size):
         raise TeacherAnswerError(f"input_token_logprobs cover tokens {ids[:8]}, not the {len(sample.response_ids)} "
                                  f"response tokens {list(sample.response_ids[:8])}")
     values = np.asarray([np.nan if e[0] is None else e[0] for e in entries], dtype=np.float32)
@@ -62,17 +70,18 @@ def teacher_logprobs_from(out: dict, sample: RolloutSample) -> np.ndarray:
 
 
 class TeacherScorer:
-    """Fills ``teacher_logprobs`` float32 [R] from the teacher engine at ``base_url``.
+    """Fills ``teacher_logprobs`` float32 [R] from the teacher engine at ``base_url``, which serves a
+    checkpoint of ``vocab_size`` ids (the student's).
 
     ``api_key``: the engine's ``--api-key`` (None: none). ``timeout_s``: the most one scoring
     request may take, connection included. ``errors``: samples marked error, by kind (unreachable,
     timeout, http_<status>, malformed), over the scorer's life. Use from one event loop.
     """
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout_s: float = 60.0):
+    def __init__(self, base_url: str, vocab_size: int, *, api_key: str | None = None, timeout_s: float = 60.0):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.base_url, self.timeout_s = base_url, timeout_s
+        self.base_url, self.vocab_size, self.timeout_s = base_url, vocab_size, timeout_s
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=auth_headers(api_key))
         self.errors: collections.Counter[str] = collections.Counter()
@@ -112,7 +121,7 @@ class TeacherScorer:
         failed = 0
         for sample, out in zip(todo, outs):
             try:
-                sample.teacher_logprobs = teacher_logprobs_from(out, sample)
+                sample.teacher_logprobs = teacher_logprobs_from(out, sample, self.vocab_size)
             except TeacherAnswerError as exc:
                 failed += self._fail([sample], "malformed", str(exc))
         return failed

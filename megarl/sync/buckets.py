@@ -46,13 +46,16 @@ class TensorEntry:
 class BucketIndex:
     """What a receiver needs to rebuild a bucket: its entries and total size in bytes.
 
-    ``stage`` is the pipeline stage that sent it, ``seq`` its position in that stage's stream.
+    ``stage`` is the pipeline stage that sent it, ``seq`` its position in that stage's stream,
+    ``last`` whether it is that stream's final bucket (the driver's last engine call carries the
+    new weight version).
     """
 
     stage: int
     seq: int
     entries: tuple[TensorEntry, ...]
     nbytes: int
+    last: bool = False
 
     @property
     def dtype(self) -> str:
@@ -138,7 +141,9 @@ class BucketPacker:
     ``adopt(tensor)`` returns a byte view of it, as its own buffer (no second copy of the largest
     tensors). With ``keep=False`` the packer only plans (same boundaries and indices, no
     buffers): ranks that take part in the gather collectives but do not send use it that way.
-    The packer holds at most one stream tensor between buckets (the one that did not fit).
+    The packer holds at most one stream tensor between buckets: it pulls the tensor after a
+    bucket before returning it (the one that did not fit, or a look-ahead), so every bucket
+    knows whether it is the last.
     """
 
     stream: Iterable[tuple[str, torch.Tensor]]
@@ -211,6 +216,9 @@ class BucketPacker:
 
     def _finish(self, entries: list[TensorEntry], buffer: torch.Tensor | None, held: int,
                 allocation: torch.Tensor | None) -> Bucket | BucketIndex:
-        index = BucketIndex(self.stage, self._seq, tuple(entries), sum(e.nbytes for e in entries))
+        if self._pending is None:
+            self._pending = self._pull()  # look ahead: is this the stream's last bucket?
+        index = BucketIndex(self.stage, self._seq, tuple(entries), sum(e.nbytes for e in entries),
+                            last=self._pending is None)
         self._seq += 1
         return index if buffer is None else Bucket(index, buffer, held, allocation)

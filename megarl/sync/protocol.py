@@ -1,11 +1,14 @@
 """The weight-sync protocol between the trainer and the engines, driven from the async driver.
 
-One sync to version ``v``:
+One sync to version ``v``, four control round trips per engine around the buckets:
 pause generation on every engine (mode given by the caller) -> ``begin_weight_update`` -> the
 buckets (every trainer stage gathers and packs its next bucket while the engines load the previous
-one) -> ``end_weight_update`` -> flush the KV/radix cache (not for ``in_place`` pauses, whose frozen
-requests still hold their cache) -> the engines' ``weight_version`` becomes ``v`` ->
-continue generation.
+one; the sync's last load call, the final bucket's or the disk transport's checkpoint load, also
+sets the engines' ``weight_version`` to ``v`` and flushes the KV/radix cache the old weights
+computed, except for ``in_place`` pauses, whose frozen requests still hold their cache) ->
+``end_weight_update`` -> continue generation. Nothing runs on an engine between its pause and its
+continue, so the version and the flush riding on the last load are the same as separate calls
+after ``end_weight_update``.
 
 Failure (an engine error, a dead engine, a trainer error, or the sync running past
 ``timeout_s``): the trainer drops its buckets and links; engines that received no bucket end their
@@ -30,7 +33,7 @@ from megarl.sync.report import SyncReport
 from megarl.sync.settings import SyncSettings
 from megarl.sync.trainer_side import WeightSyncTrainer
 from megarl.sync.transports import make_engine_side
-from megarl.sync.transports.base import EngineSide
+from megarl.sync.transports.base import EngineSide, Finish
 from megarl.sync.transports.disk import DiskEngineSide
 
 log = logging.getLogger(__name__)
@@ -112,7 +115,7 @@ class WeightSync:
             if path is None:
                 try:
                     await self._connect(self._disk, [])
-                    indices, payloads, _, _ = await self._stream(self._disk, [], self.version, set())
+                    indices, payloads, _, _ = await self._stream(self._disk, [], self.version, set(), None)
                 except BaseException:
                     await _quietly(self.trainer.weight_sync_abort())
                     self._linked.clear()
@@ -121,11 +124,9 @@ class WeightSync:
             await client.pause_generation(PauseMode.RETRACT)
             await client.begin_weight_update()
             try:
-                await client.load_weights_from_disk(path)
+                await client.load_weights_from_disk(path, weight_version=self.version, flush_cache=True)
             finally:
                 await client.end_weight_update()
-            await client.flush_cache()
-            await client.set_weight_version(self.version)
             await client.continue_generation()
             self.engines = [c for c in self.engines if c.base_url != client.base_url] + [client]
             if self._transport.name in self._linked:  # formed again, with this engine, at the next sync
@@ -160,15 +161,15 @@ class WeightSync:
             progress.began.add(i)
 
         await asyncio.gather(*(begin(i, c) for i, c in enumerate(engines)))
-        indices, payloads, stats, load_s = await self._stream(self._transport, engines, version, progress.touched)
+        finish = Finish(weight_version=version, flush_cache=mode is not PauseMode.IN_PLACE)
+        per_bucket = self._transport.loads_per_bucket
+        indices, payloads, stats, load_s = await self._stream(self._transport, engines, version, progress.touched,
+                                                              finish if per_bucket else None)
         t_commit = time.perf_counter()
         progress.touched.update(range(len(engines)))
-        await self._transport.commit(engines, version, indices, payloads)
+        await self._transport.commit(engines, version, indices, payloads, None if per_bucket else finish)
         load_s += time.perf_counter() - t_commit
         await _each(engines, lambda c: c.end_weight_update())
-        if mode is not PauseMode.IN_PLACE:
-            await _each(engines, lambda c: c.flush_cache())
-        await _each(engines, lambda c: c.set_weight_version(version))
         await _each(engines, lambda c: c.continue_generation())
         report = SyncReport(
             version=version, transport=self._transport.name, engines=len(engines),
@@ -183,21 +184,26 @@ class WeightSync:
                  report.gbps)
         return report
 
-    async def _stream(self, side: EngineSide, engines: list, version: int, touched: set[int]):
+    async def _stream(self, side: EngineSide, engines: list, version: int, touched: set[int],
+                      finish: Finish | None):
         """Every stage's buckets, loaded by ``engines`` as they come; the next bucket is gathered
-        while the engines load the previous one. Returns (indices, payloads, sender stats, load seconds)."""
+        while the engines load the previous one. ``finish`` rides on the last load (the batch in
+        which every stage sends its last bucket). Returns (indices, payloads, sender stats, load seconds)."""
         side.before_sync(version)
         await self.trainer.weight_sync_begin(side.name, version, self.settings.bucket_bytes)
         indices: list[BucketIndex] = []
         payloads: list[Any] = []
         load_s = 0.0
+        finished = finish is None
         ready = await self._next()
         while ready:
             sent = await self.trainer.weight_sync_send()
             batch = [(index, sent[rank]) for rank, index in ready]
+            final = all(index.last for index, _ in batch)
+            finished = finished or final
             if side.loads_per_bucket:
                 touched.update(range(len(engines)))
-            loading = asyncio.ensure_future(self._load(side, engines, batch))
+            loading = asyncio.ensure_future(self._load(side, engines, batch, finish if final else None))
             try:
                 upcoming = await self._next()
             finally:
@@ -206,6 +212,8 @@ class WeightSync:
             payloads += [payload for _, payload in batch]
             ready = upcoming
         stats = [s for s in await self.trainer.weight_sync_finish() if s is not None]
+        if not finished:
+            raise RuntimeError("the trainer sent no last bucket: the engines' weight version was not set")
         return indices, payloads, stats, load_s
 
     async def _next(self) -> list[tuple[int, BucketIndex]]:
@@ -215,10 +223,11 @@ class WeightSync:
                       key=lambda item: item[1].stage)
 
     @staticmethod
-    async def _load(side: EngineSide, engines: list, batch: list) -> float:
+    async def _load(side: EngineSide, engines: list, batch: list, finish: Finish | None) -> float:
+        """Load ``batch`` one engine call at a time (stages take turns); ``finish`` rides on its last call."""
         t0 = time.perf_counter()
-        for index, payload in batch:  # one engine call at a time: stages take turns
-            await side.load(engines, index, payload)
+        for i, (index, payload) in enumerate(batch):
+            await side.load(engines, index, payload, finish if i == len(batch) - 1 else None)
         return time.perf_counter() - t0
 
     # --- failure ------------------------------------------------------------------------------------

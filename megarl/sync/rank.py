@@ -8,10 +8,11 @@ stage's HF stream (the gathers are collectives); only the stage's sending rank p
 owns a transport :class:`~megarl.sync.transports.base.Sender`.
 
 Memory bound on a sending rank: at most two buckets are alive (the one in transfer on the send
-thread and the one being packed), plus at most one gathered tensor that did not fit in the bucket
-being packed; ``peak_bucket_bytes`` in the stats reports the largest sum of live bucket buffers.
-The buffer of a sent bucket is reused by the next bucket packed (no fresh allocation and page
-faults per bucket) or freed right after it; nothing is kept between syncs.
+thread and the one being packed), plus at most one gathered tensor outside them (the one that did
+not fit in the last bucket, or the look-ahead that tells whether it was the last);
+``peak_bucket_bytes`` in the stats reports the largest sum of live bucket buffers. The buffer of a
+sent bucket is reused by the next bucket packed (no fresh allocation and page faults per bucket)
+or freed right after it; nothing is kept between syncs.
 """
 from __future__ import annotations
 

@@ -1,12 +1,15 @@
 """On-policy distillation vs GRPO alone: the same warmed-up student, the same steps, in one invocation.
 
 Both runs start from one warmed-up checkpoint (made first, kept when ``--work-dir`` has one) and
-train ``--steps`` steps of the recipe (``tiny_moe_opd_cpu``: the demo's task, ``mode=sync`` so each
-run is reproducible), each as its own ``python -m megarl.train`` process, one after the other:
+train ``--steps`` steps of the recipe (``tiny_moe_opd_cpu``: the demo's task, ``mode=sync``: no stale
+samples; runs still vary, the engine's sampling depends on how requests batch: the step-1 reward of
+three identical runs was 0.10 to 0.12), each as its own ``python -m megarl.train`` process, in turn:
 
   opd   the recipe: ``algorithm.advantage=opd`` (sequence advantage 0), the teacher's per-token
         reverse-KL advantages alone (``algorithm.opd_coef``)
   grpo  ``algorithm.advantage=grpo``, no teacher: the reward alone
+  grpo_opd  (with ``--variants``) the reward's GRPO advantage plus the teacher's token advantages at
+        weight ``--combined-coef``
 
 The teacher is ``--teacher`` (an HF checkpoint with the student's tokenizer), or, without it, made
 here as the recipe's comment says: the demo's RL (``recipe=tiny_moe_cpu``, ``--teacher-steps`` steps)
@@ -16,12 +19,15 @@ From each run's ``metrics.jsonl``:
   reward_curve      mean reward per ``--window`` steps
   reward_at         mean reward over the ``--window`` steps ending at each of ``--at`` (e.g. 10, 20, 40)
   final_reward      mean reward of the last ``--last`` steps
-  reverse_kl_curve  opd only: ``distill/reverse_kl`` (student - teacher log-prob, nats/token) per window
+  reverse_kl_curve  runs with a teacher: ``distill/reverse_kl`` (student - teacher log-prob, nats/token)
+                    per window
 
-and side by side ``opd_reward_curve``, ``grpo_reward_curve``, ``opd_minus_grpo_final_reward``.
+and side by side ``<variant>_reward_curve``, ``<variant>_final_reward``, ``opd_minus_grpo_final_reward``
+(and ``grpo_opd_minus_grpo_final_reward``).
 
 Usage: python tools/bench/distillation.py --json FILE [--teacher PATH] [--steps 40 --window 5 --last 10
-       --set key=value ...]   (``--set`` overrides apply to both runs)
+       --variants opd,grpo_opd,grpo --set key=value ...]
+       (``--set`` overrides apply to the warm-up and the compared runs, not to a teacher made here)
 """
 from __future__ import annotations
 
@@ -93,6 +99,8 @@ def main() -> int:
     parser.add_argument("--window", type=int, default=5, help="steps per point of the curves")
     parser.add_argument("--last", type=int, default=10, help="steps averaged into final_reward")
     parser.add_argument("--at", default="10,20,30,40", help="steps at which the windowed reward is reported")
+    parser.add_argument("--variants", default="opd,grpo", help="comma-separated, in run order: opd, grpo, grpo_opd")
+    parser.add_argument("--combined-coef", type=float, default=0.2, help="opd_coef of the grpo_opd variant")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for both runs")
     parser.add_argument("--work-dir", default=None, help="default: a temporary directory")
     args = parser.parse_args()
@@ -105,8 +113,14 @@ def main() -> int:
                           *args.set])
     teacher = Path(args.teacher) if args.teacher else make_teacher(work, common, args.teacher_steps)
     at = [int(s) for s in args.at.split(",")]
-    variants = {"opd": [f"teacher.hf_path={teacher.resolve()}"],
-                "grpo": ["algorithm.advantage=grpo", "teacher.hf_path=null", "algorithm.opd_coef=0"]}
+    known = {"opd": [f"teacher.hf_path={teacher.resolve()}"],
+             "grpo": ["algorithm.advantage=grpo", "teacher.hf_path=null", "algorithm.opd_coef=0"],
+             "grpo_opd": ["algorithm.advantage=grpo", f"teacher.hf_path={teacher.resolve()}",
+                          f"algorithm.opd_coef={args.combined_coef}"]}
+    names = args.variants.split(",")
+    if not set(names) <= known.keys() or {"opd", "grpo"} - set(names):
+        raise SystemExit(f"--variants: {args.variants!r} must include opd and grpo, from {', '.join(known)}")
+    variants = {name: known[name] for name in names}
     result = {"recipe": args.recipe, "steps": args.steps, "window": args.window, "teacher": str(teacher),
               "overrides": args.set, "warmup_s": round(warmup_s, 1), "runs": {}}
     for name, overrides in variants.items():
@@ -118,11 +132,13 @@ def main() -> int:
         result[f"{name}_reward_curve"] = f["reward_curve"]
         result[f"{name}_reward_at"] = f["reward_at"]
         result[f"{name}_final_reward"] = f["final_reward"]
-        print(f"{name:>5}: reward per {args.window} steps {f['reward_curve']}; last-{args.last} {f['final_reward']:.3f}"
+        print(f"{name:>8}: reward per {args.window} steps {f['reward_curve']}; last-{args.last} {f['final_reward']:.3f}"
               f"{'; reverse KL ' + str(f['reverse_kl_curve']) if 'reverse_kl_curve' in f else ''}", flush=True)
-    result["opd_minus_grpo_final_reward"] = round(result["opd_final_reward"] - result["grpo_final_reward"], 4)
+    for name in variants.keys() - {"grpo"}:
+        result[f"{name}_minus_grpo_final_reward"] = round(result[f"{name}_final_reward"] - result["grpo_final_reward"],
+                                                          4)
     print(f"opd - grpo final reward: {result['opd_minus_grpo_final_reward']:+.3f}; reward at steps {at}: "
-          f"opd {result['opd_reward_at']}, grpo {result['grpo_reward_at']}")
+          + ", ".join(f"{name} {result[name + '_reward_at']}" for name in variants))
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 

@@ -11,16 +11,21 @@ uses. Measured, each as GB/s of model bytes:
   distributed_<N>mb    end-to-end sync (pause -> buckets -> load -> continue) with N MiB buckets
   distributed_per_tensor   the naive way: one engine update call (and broadcast) per tensor
   tensor               the colocated transport (shared memory), 256 MiB buckets
+  idle / in_flight     distributed 256 MiB syncs, alternating: on an idle engine, and with a
+                       generation load running on it (requests in flight at the pause, resumed
+                       after the sync), in ``--pause-mode`` (retract: the async driver's default)
 
 The machine may be shared: every sync runs ``--repeats`` times (the best counts) and the two
 limits are measured before and after the syncs (the better counts), so a burst of foreign load
 does not decide a ratio.
 
 Top level: ``speedup_vs_per_tensor`` (best bucketed distributed / per-tensor),
-``fraction_of_transport_limit`` (best bucketed distributed / raw broadcast) and
-``fraction_of_memcpy_colocated`` (tensor / memcpy).
+``fraction_of_transport_limit`` (best bucketed distributed / raw broadcast),
+``fraction_of_memcpy_colocated`` (tensor / memcpy), and ``sync_seconds_idle``,
+``sync_seconds_in_flight`` (best of ``--repeats`` each) and their ratio ``in_flight_over_idle``.
 
-Usage: python tools/bench/weight_sync.py --json FILE [--layers 4 --experts 64 --hidden 1024 --moe-ffn 768 --repeats 2]
+Usage: python tools/bench/weight_sync.py --json FILE [--layers 4 --experts 64 --hidden 1024 --moe-ffn 768
+       --repeats 2 --pause-mode retract]
 """
 from __future__ import annotations
 
@@ -156,10 +161,17 @@ def raw_broadcast_gbps(nbytes: int) -> float:
     return nbytes / seconds / 1e9
 
 
-async def run_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
+def _settings(transport: str, mb: float, work_dir: Path):
     from megarl.config import load_config
+    from megarl.sync import SyncSettings
+
+    return dataclasses.replace(SyncSettings.from_config(load_config(["recipe=tiny_moe_cpu"]).sync),
+                               transport=transport, bucket_mb=mb, work_dir=str(work_dir), timeout_s=1800)
+
+
+async def run_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
     from megarl.engines.client import PauseMode, SGLangClient
-    from megarl.sync import SyncSettings, WeightSync
+    from megarl.sync import WeightSync
 
     cases = [("distributed", mb) for mb in BUCKETS_MB] + [("distributed", 0), ("tensor", 256)]
     out = {}
@@ -168,10 +180,7 @@ async def run_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
         for transport, mb in cases:
             name = f"{transport}_per_tensor" if mb == 0 else (f"{transport}_{mb}mb" if transport == "distributed"
                                                               else transport)
-            settings = dataclasses.replace(SyncSettings.from_config(load_config(["recipe=tiny_moe_cpu"]).sync),
-                                           transport=transport,
-                                           bucket_mb=mb, work_dir=str(work_dir), timeout_s=1800)
-            sync = WeightSync(settings, trainer, [client])
+            sync = WeightSync(_settings(transport, mb, work_dir), trainer, [client])
             await sync.setup()
             reports = []
             for _ in range(repeats):
@@ -189,6 +198,48 @@ async def run_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
     return out
 
 
+async def _generation_load(client, stop: asyncio.Event, versions: list) -> None:
+    """Batches of long answers, one after another until ``stop``; the versions of their tokens go to ``versions``."""
+    from megarl.engines.client import SamplingParams
+
+    params = SamplingParams(max_new_tokens=96, temperature=1.0, ignore_eos=True)
+    while not stop.is_set():
+        samples = await client.generate_batch([[5, 6, 7, 8]] * 4, params, group_ids=[""] * 4,
+                                              return_routed_experts=False, return_sampling_mask=False)
+        versions += [sample.model_version.tolist() for sample in samples]
+
+
+async def run_in_flight(trainer, engine, work_dir: Path, repeats: int, mode: str, version: int) -> dict:
+    """Distributed 256 MiB syncs in ``mode``, alternately on the idle engine and with requests in flight."""
+    from megarl.engines.client import PauseMode, SGLangClient
+    from megarl.sync import WeightSync
+
+    seconds = {"idle": [], "in_flight": []}
+    across = 0
+    async with SGLangClient(engine.url, engine.model, request_timeout_s=1800) as client, \
+            SGLangClient(engine.url, engine.model, request_timeout_s=1800) as generator:
+        sync = WeightSync(_settings("distributed", 256, work_dir), trainer, [client])
+        await sync.setup()
+        for _ in range(repeats):
+            for case in seconds:
+                stop, versions, load = asyncio.Event(), [], None
+                if case == "in_flight":
+                    load = asyncio.ensure_future(_generation_load(generator, stop, versions))
+                    await asyncio.sleep(2.0)  # decoding when the pause comes
+                version += 1
+                report = await sync.update(version, PauseMode(mode))
+                assert await client.weight_version() == version
+                if load is not None:
+                    stop.set()
+                    await load
+                    across += sum(v[0] == version - 1 and v[-1] == version for v in versions)
+                seconds[case].append(report.total_s)
+                log.info("sync %s (%s): %.2f s", case, mode, report.total_s)
+        await sync.close()
+    return {"pause_mode": mode, "seconds_idle": seconds["idle"], "seconds_in_flight": seconds["in_flight"],
+            "requests_across_syncs": across}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", required=True)
@@ -197,6 +248,8 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--moe-ffn", type=int, default=768)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--pause-mode", default="retract", choices=("abort", "retract", "in_place"),
+                        help="pause of the idle / in-flight syncs")
     args = parser.parse_args(argv)
 
     from megarl.log import setup_logging
@@ -227,6 +280,8 @@ def main(argv=None) -> int:
         engine.start()
         try:
             results["syncs"] = asyncio.run(run_syncs(trainer, engine, tmp / "sync", args.repeats))
+            results["in_flight"] = asyncio.run(run_in_flight(trainer, engine, tmp / "sync", args.repeats,
+                                                             args.pause_mode, version=100))
         finally:
             engine.stop()
         results["memcpy_gbps_runs"].append(memcpy_gbps(nbytes))
@@ -240,8 +295,11 @@ def main(argv=None) -> int:
     results["speedup_vs_per_tensor"] = best / syncs["distributed_per_tensor"]["gbps"]
     results["fraction_of_transport_limit"] = best / results["raw_broadcast_gbps"]
     results["fraction_of_memcpy_colocated"] = syncs["tensor"]["gbps"] / results["memcpy_gbps"]
+    results["sync_seconds_idle"] = min(results["in_flight"]["seconds_idle"])
+    results["sync_seconds_in_flight"] = min(results["in_flight"]["seconds_in_flight"])
+    results["in_flight_over_idle"] = results["sync_seconds_in_flight"] / results["sync_seconds_idle"]
     Path(args.json).write_text(json.dumps(results, indent=2))
-    print(json.dumps({k: v for k, v in results.items() if k != "syncs"}, indent=2))
+    print(json.dumps({k: v for k, v in results.items() if k not in ("syncs", "in_flight")}, indent=2))
     return 0
 
 

@@ -7,8 +7,10 @@
   ``allocate`` gives bucket buffers where the transport wants them (device, shared memory).
 - :class:`EngineSide` lives in the driver: it joins the engines to the link (``connect``), makes
   each engine load each bucket (``load``, concurrent with the sender's ``transfer``) and finishes
-  a sync (``commit``). The protocol around it (pause, begin/end weight update, versions,
-  failures) is :class:`megarl.sync.protocol.WeightSync`'s, not the transport's.
+  a sync (``commit``). The sync's last weight-load call to each engine also carries a
+  :class:`Finish` (the new weight version, and the cache flush): the last bucket's ``load`` when
+  engines load per bucket, else ``commit``. The protocol around it (pause, begin/end weight
+  update, failures) is :class:`megarl.sync.protocol.WeightSync`'s, not the transport's.
 """
 from __future__ import annotations
 
@@ -37,6 +39,25 @@ class SenderSpec:
     timeout_s: float = 600.0
     engine_tp: int = 1
     work_dir: str = ""
+
+
+@dataclass(frozen=True)
+class Finish:
+    """What the last weight-load call of a sync carries to SGLang: ``weight_version`` becomes the
+    engine's version label, and with ``flush_cache`` the engine drops the KV/radix cache computed
+    by the old weights in the same call (SGLang's ``weight_version`` and ``flush_cache`` fields of
+    its update requests)."""
+
+    weight_version: int
+    flush_cache: bool
+
+
+def finish_fields(finish: Finish | None) -> dict:
+    """The client keyword arguments of a load call carrying ``finish``; without one (every
+    earlier load) the version label stays and nothing is flushed."""
+    if finish is None:
+        return {"weight_version": None, "flush_cache": False}
+    return {"weight_version": finish.weight_version, "flush_cache": finish.flush_cache}
 
 
 class Sender(abc.ABC):
@@ -92,8 +113,11 @@ class EngineSide(abc.ABC):
         """Called in the driver before the senders begin a sync to ``version``."""
 
     @abc.abstractmethod
-    async def load(self, engines: list, index: BucketIndex, payload: Any) -> None:
-        """Make every engine load one bucket (the sender's transfer runs meanwhile)."""
+    async def load(self, engines: list, index: BucketIndex, payload: Any, finish: Finish | None = None) -> None:
+        """Make every engine load one bucket (the sender's transfer runs meanwhile); ``finish``
+        rides on the sync's last bucket when ``loads_per_bucket``."""
 
-    async def commit(self, engines: list, version: int, indices: list[BucketIndex], payloads: list) -> None:
-        """After the last bucket: what the transport still needs to do before the session ends."""
+    async def commit(self, engines: list, version: int, indices: list[BucketIndex], payloads: list,
+                     finish: Finish | None = None) -> None:
+        """After the last bucket: what the transport still needs to do before the session ends;
+        ``finish`` rides on this call's load when not ``loads_per_bucket``."""

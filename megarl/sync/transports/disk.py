@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from megarl.sync.buckets import Bucket, BucketIndex
-from megarl.sync.transports.base import EngineSide, Sender, SenderSpec
+from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, finish_fields
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class DiskEngineSide(EngineSide):
         path = version_dir(self.work_dir, version)
         return path if (path / INDEX_NAME).is_file() else None
 
-    async def load(self, engines: list, index: BucketIndex, payload: Any) -> None:
+    async def load(self, engines: list, index: BucketIndex, payload: Any, finish: Finish | None = None) -> None:
         """Nothing per bucket: the shards are loaded as one checkpoint in :meth:`commit`."""
 
     def finalize(self, version: int, indices: list[BucketIndex], payloads: list) -> Path:
@@ -126,6 +126,7 @@ class DiskEngineSide(EngineSide):
         log.info("weights of version %d written to %s (%d shards, %.1f MB)", version, final, len(indices), total / 1e6)
         return final
 
-    async def commit(self, engines: list, version: int, indices: list[BucketIndex], payloads: list) -> None:
+    async def commit(self, engines: list, version: int, indices: list[BucketIndex], payloads: list,
+                     finish: Finish | None = None) -> None:
         path = self.finalize(version, indices, payloads)
-        await asyncio.gather(*(client.load_weights_from_disk(path) for client in engines))
+        await asyncio.gather(*(client.load_weights_from_disk(path, **finish_fields(finish)) for client in engines))

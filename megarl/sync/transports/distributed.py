@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from megarl.sync.buckets import Bucket, BucketIndex
-from megarl.sync.transports.base import EngineSide, Sender, SenderSpec
+from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, finish_fields
 
 log = logging.getLogger(__name__)
 
@@ -111,11 +111,11 @@ class DistributedEngineSide(EngineSide):
                 except Exception as e:  # a dead or stuck engine keeps nothing we could free
                     log.warning("%s: destroying group %s failed: %s", client.base_url, name, e)
 
-    async def load(self, engines: list, index: BucketIndex, payload: Any) -> None:
+    async def load(self, engines: list, index: BucketIndex, payload: Any, finish: Finish | None = None) -> None:
         names = [e.name for e in index.entries]
         dtypes = [e.dtype for e in index.entries]
         shapes = [list(e.shape) for e in index.entries]
         name = group_name(self._prefix, index.stage)
         await asyncio.gather(*(client.update_weights_from_distributed(names, dtypes, shapes, group_name=name,
-                                                                      load_format=LOAD_FORMAT)
+                                                                      load_format=LOAD_FORMAT, **finish_fields(finish))
                                for client in engines))

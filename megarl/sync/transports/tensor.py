@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from megarl.sync.buckets import DTYPES, Bucket, BucketIndex
-from megarl.sync.transports.base import EngineSide, Sender, SenderSpec
+from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, finish_fields
 
 LOAD_FORMAT = "flattened_bucket"
 
@@ -70,6 +70,7 @@ class TensorEngineSide(EngineSide):
     def sender_spec(self, num_engines: int) -> SenderSpec:
         return SenderSpec(kind=self.name, engine_tp=self.engine_tp)
 
-    async def load(self, engines: list, index: BucketIndex, payload: Any) -> None:
-        await asyncio.gather(*(client.update_weights_from_tensor(payload, load_format=LOAD_FORMAT)
+    async def load(self, engines: list, index: BucketIndex, payload: Any, finish: Finish | None = None) -> None:
+        await asyncio.gather(*(client.update_weights_from_tensor(payload, load_format=LOAD_FORMAT,
+                                                                 **finish_fields(finish))
                                for client in engines))
