@@ -31,6 +31,37 @@ def warmed_up(tmp_path_factory):
     return SimpleNamespace(base=base, warm=warm, run=run, overrides=overrides)
 
 
+@pytest.fixture(scope="session")
+def tokenizer(tiny_checkpoint):
+    """The tiny checkpoint's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_checkpoint, tmp_path_factory):
+    """One SGLang CPU engine serving the tiny checkpoint (4096 KV tokens), shared by the modules of a
+    session (per pytest-xdist worker). A module that loads other weights into it puts the tiny
+    checkpoint back, as version 0, when it is done."""
+    from megarl.engines.server import EngineSettings, SGLangEngine
+
+    settings = EngineSettings(model_path=tiny_checkpoint, dtype="float32", max_total_tokens=4096,
+                              log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"))
+    with SGLangEngine(settings) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def client(tiny_engine, loop):
+    """A client of :func:`tiny_engine` on the module's event loop."""
+    from megarl.engines.client import SGLangClient
+
+    client = SGLangClient(tiny_engine.url, tiny_engine.model)
+    yield client
+    loop.run_until_complete(client.aclose())
+
+
 @pytest.fixture(scope="module")
 def loop():
     """One event loop per module: an HTTP client's connections belong to the loop that made them."""

@@ -94,3 +94,22 @@ def sharpened_checkpoint(src: str, dst: Path, scale: float) -> Path:
     weights["lm_head.weight"] = weights["lm_head.weight"] * scale
     save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
+
+
+def eos_or_seven_checkpoint(src: str, dst: Path, tokenizer) -> Path:
+    """A copy of ``src`` at ``dst`` whose lm_head gives logits +-5 * sum(h) for end-of-sequence and '7', 0
+    elsewhere: the model writes sevens and ends with EOS wherever sum(h) > 0 (real contexts reach it
+    within a few tokens), so its answers are short and predictable."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    for f in Path(src).iterdir():
+        shutil.copy(f, dst / f.name)
+    weights = load_file(dst / "model.safetensors")
+    head = torch.zeros_like(weights["lm_head.weight"])
+    head[tokenizer.eos_token_id] = 5.0
+    head[tokenizer.encode("7", add_special_tokens=False)[0]] = -5.0
+    weights["lm_head.weight"] = head
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst

@@ -13,35 +13,12 @@ import torch
 
 from megarl.agents.gateway import AgentGateway
 from megarl.agents.rollout import AgentEpisodes, load_agent
-from megarl.engines.client import SamplingParams, SGLangClient
-from megarl.engines.server import EngineSettings, SGLangEngine
+from megarl.engines.client import SamplingParams
 from megarl.sample import FinishReason
 from megarl.tasks.prompts import Prompt
 
 LOGPROB_TOLERANCE = 1e-4
 PARAMS = SamplingParams(max_new_tokens=4, top_k=5)
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_checkpoint, tmp_path_factory):
-    settings = EngineSettings(model_path=tiny_checkpoint, dtype="float32", max_total_tokens=4096,
-                              log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"))
-    with SGLangEngine(settings) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def client(engine, loop):
-    client = SGLangClient(engine.url, engine.model)
-    yield client
-    loop.run_until_complete(client.aclose())
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_checkpoint):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_checkpoint)
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,7 @@ from megarl.algos.advantages import fill_advantages
 from megarl.algos.distill import fill_distill_advantages, opd_token_advantages
 from megarl.config import ConfigError, load_config
 from megarl.config.validate import check_inputs
-from megarl.engines.client import SamplingParams, SGLangClient
-from megarl.engines.server import EngineSettings, SGLangEngine
+from megarl.engines.client import SamplingParams
 from megarl.parallel import free_port
 from megarl.rollout.group import RolloutManager
 from megarl.rollout.teacher import TeacherAnswerError, TeacherScorer, teacher_logprobs_from
@@ -37,45 +36,25 @@ def teacher_checkpoint(tiny_checkpoint, tmp_path_factory):
     return str(sharpened_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("teacher"), scale=3.0))
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_checkpoint, tmp_path_factory):
-    settings = EngineSettings(model_path=tiny_checkpoint, dtype="float32", max_total_tokens=4096,
-                              log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"))
-    with SGLangEngine(settings) as eng:
-        yield eng
-
-
-@pytest.fixture(scope="module")
-def client(engine, loop):
-    client = SGLangClient(engine.url, engine.model)
-    yield client
-    loop.run_until_complete(client.aclose())
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_checkpoint):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_checkpoint)
-
-
 def manager(client, tokenizer, teacher=None) -> RolloutManager:
     return RolloutManager(client, tokenizer, arithmetic_reward, SamplingParams(max_new_tokens=6, top_k=10), G,
                           teacher=teacher)
 
 
 @pytest.fixture(scope="module")
-def student_samples(client, tokenizer, teacher_checkpoint, loop) -> list[RolloutSample]:
-    """The student's first batch, generated on the student's weights; afterwards the engine serves the teacher."""
+def student_samples(client, tokenizer, tiny_checkpoint, teacher_checkpoint, loop) -> list[RolloutSample]:
+    """The student's first batch, generated on the student's weights; afterwards, for the module, the
+    shared engine serves the teacher (the student's weights come back at the end)."""
     results = loop.run_until_complete(manager(client, tokenizer).generate_groups(PROMPTS, ["0", "1", "2"]))
     loop.run_until_complete(client.update_weights_from_disk(teacher_checkpoint, version=1))
-    return [s for r in results for s in r.samples]
+    yield [s for r in results for s in r.samples]
+    loop.run_until_complete(client.update_weights_from_disk(tiny_checkpoint, version=0))
 
 
 @pytest.fixture(scope="module")
-def teacher(engine, student_samples, loop):
+def teacher(tiny_engine, student_samples, loop):
     """The scorer of the engine once it serves the teacher."""
-    scorer = TeacherScorer(engine.url, engine.model.vocab_size, timeout_s=30.0)
+    scorer = TeacherScorer(tiny_engine.url, tiny_engine.model.vocab_size, timeout_s=30.0)
     yield scorer
     loop.run_until_complete(scorer.aclose())
 

@@ -10,9 +10,9 @@ import asyncio
 import collections
 import dataclasses
 import re
-import shutil
 from pathlib import Path
 
+import hf_oracle
 import numpy as np
 import pytest
 import torch
@@ -41,21 +41,9 @@ def expected_score(answer_text: str) -> float | None:
 
 
 @pytest.fixture(scope="module")
-def judge_checkpoint(tiny_checkpoint, tmp_path_factory):
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    path = tmp_path_factory.mktemp("judge_sevens")
-    for f in Path(tiny_checkpoint).iterdir():
-        shutil.copy(f, path / f.name)
-    weights = load_file(path / "model.safetensors")
-    head = torch.zeros_like(weights["lm_head.weight"])
-    head[tokenizer.eos_token_id] = 5.0
-    head[tokenizer.encode("7", add_special_tokens=False)[0]] = -5.0
-    weights["lm_head.weight"] = head
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return str(path)
+def judge_checkpoint(tiny_checkpoint, tokenizer, tmp_path_factory):
+    """The tiny model writing only '7' or end-of-sequence (tests/hf_oracle.py)."""
+    return str(hf_oracle.eos_or_seven_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("judge_sevens"), tokenizer))
 
 
 @pytest.fixture(scope="module")
@@ -76,13 +64,6 @@ def client(engine, loop):
     client = SGLangClient(engine.url, engine.model, api_key="judge-key")
     yield client
     loop.run_until_complete(client.aclose())
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_checkpoint):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_checkpoint)
 
 
 @pytest.fixture(scope="module")

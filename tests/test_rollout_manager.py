@@ -2,10 +2,9 @@
 outcomes for bad prompts and failing rewards, abort_resubmit splicing checked against an HF forward
 pass, and a calculator episode whose environment tokens carry loss_mask 0."""
 import asyncio
-import shutil
 import time
-from pathlib import Path
 
+import hf_oracle
 import numpy as np
 import pytest
 import torch
@@ -36,13 +35,6 @@ def client(engine, loop):
     client = SGLangClient(engine.url, engine.model)
     yield client
     loop.run_until_complete(client.aclose())
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_checkpoint):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_checkpoint)
 
 
 def hf_model(path):
@@ -213,20 +205,7 @@ def test_calculator_env_calls_and_final_answer(loop):
 
 @pytest.fixture(scope="module")
 def eos_or_seven_checkpoint(tiny_checkpoint, tokenizer, tmp_path_factory):
-    """lm_head with logits +-5 * sum(h) for end-of-sequence and '7', 0 elsewhere: the policy writes
-    sevens and ends its turn with EOS wherever sum(h) > 0, which real contexts reach within a few tokens."""
-    from safetensors.torch import load_file, save_file
-
-    path = tmp_path_factory.mktemp("tiny_moe_eos7")
-    for f in Path(tiny_checkpoint).iterdir():
-        shutil.copy(f, path / f.name)
-    weights = load_file(path / "model.safetensors")
-    head = torch.zeros_like(weights["lm_head.weight"])
-    head[tokenizer.eos_token_id] = 5.0
-    head[tokenizer.encode("7", add_special_tokens=False)[0]] = -5.0
-    weights["lm_head.weight"] = head
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+    return hf_oracle.eos_or_seven_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("tiny_moe_eos7"), tokenizer)
 
 
 def test_calculator_episode_is_one_sample_with_env_tokens_masked(client, tokenizer, tiny_checkpoint,
@@ -300,9 +279,9 @@ class _Echo:
 
 def test_episodes_end_with_a_reason_and_a_raising_environment_is_counted(client, tokenizer, tiny_checkpoint,
                                                                          eos_or_seven_checkpoint, loop):
-    params = SamplingParams(max_new_tokens=8, top_k=5)
+    params = SamplingParams(max_new_tokens=8, top_k=1)  # greedy: the same turns every run
 
-    def run(make_env, limits, n=4, turn_params=params):
+    def run(make_env, limits, n=2, turn_params=params):
         episodes = EnvEpisodes(client, tokenizer, make_env, turn_params, limits)
         samples, _ = loop.run_until_complete(episodes.run_group(Prompt("3+4="), "g", n))
         return episodes, samples
@@ -312,7 +291,7 @@ def test_episodes_end_with_a_reason_and_a_raising_environment_is_counted(client,
         _, by_turns = run(_Echo, EpisodeLimits(max_turns=2, max_response_tokens=50))
         _, by_tokens = run(_Echo, EpisodeLimits(max_turns=9, max_response_tokens=12))
         _, by_length = run(_Echo, EpisodeLimits(max_turns=3, max_response_tokens=50),
-                           turn_params=SamplingParams(max_new_tokens=3, top_k=5, ignore_eos=True))
+                           turn_params=SamplingParams(max_new_tokens=3, top_k=1, ignore_eos=True))
         raising, crashed = run(lambda: _Echo(raise_at=2), EpisodeLimits(max_turns=3, max_response_tokens=50))
     finally:
         loop.run_until_complete(client.update_weights_from_disk(tiny_checkpoint, version=0))

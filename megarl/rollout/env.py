@@ -165,6 +165,7 @@ class _Episode:
     mask_rows: list[list[int]] = field(default_factory=list)
     routing: np.ndarray | None = None  # rows of every token fed to the engine so far, by the turn that fed it
     turn_ends: list[int] = field(default_factory=list)
+    turn_start: int = 0  # where the latest policy turn begins in the response
     observation: int = 0  # environment tokens at the end of the response, not yet followed by a policy turn
     finish: FinishReason = FinishReason.STOP
     end: str | None = None
@@ -181,6 +182,7 @@ class _Episode:
             known = 0 if self.routing is None else len(self.routing)
             self.routing = turn.routed_experts if self.routing is None else np.concatenate(
                 [self.routing, turn.routed_experts[known:]])
+        self.turn_start = len(self.response)
         self.response += turn.response_ids
         self.loss_mask += turn.loss_mask.tolist()
         self.logprobs += turn.rollout_logprobs.tolist()
@@ -206,7 +208,8 @@ class _Episode:
             self.observation = 0
 
     def last_turn(self) -> list[int]:
-        return self.response[(self.turn_ends[-2] if len(self.turn_ends) > 1 else 0):self.turn_ends[-1]]
+        """The tokens of the latest policy turn (not the observation before it)."""
+        return self.response[self.turn_start:self.turn_ends[-1]]
 
     def sample(self, group_id: str, episode_id: str, routing: bool, sampling_mask: bool) -> RolloutSample:
         self._drop_observation()  # only when the episode ended on an unanswered observation (an aborted turn)
@@ -301,6 +304,9 @@ class EnvEpisodes:
                                                           return_sampling_mask=self.sampling_mask)
                 turns[i] = splice_continuation(turns[i], more)
             resubmitted += len(todo)
+        for turn in turns:  # aborted exactly at the budget: the turn is complete
+            if turn.finish_reason is FinishReason.ABORTED and len(turn.response_ids) == budget:
+                turn.finish_reason = FinishReason.LENGTH
         return turns, resubmitted
 
     async def _step(self, episodes: list[_Episode], last_turn: bool) -> None:
