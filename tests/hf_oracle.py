@@ -113,3 +113,31 @@ def eos_or_seven_checkpoint(src: str, dst: Path, tokenizer) -> Path:
     weights["lm_head.weight"] = head
     save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
+
+
+def assert_sample_matches_hf(sample: RolloutSample, model, tolerance: float, temperature: float = 1.0) -> float:
+    """Routing rows equal HF's top-k for every fed token; every policy token is inside its mask and its
+    log-prob equals HF's (at ``temperature``) renormalised over the mask within ``tolerance``; tokens the
+    policy did not write (loss mask 0: tool results, user turns) have log-prob 0 and a mask of just
+    themselves. Returns the largest log-prob difference."""
+    ids = sample.prompt_ids + sample.response_ids
+    p = len(sample.prompt_ids)
+    with torch.no_grad():
+        out = model(torch.tensor([ids[:-1]]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    hf_topk = np.stack([torch.topk(r.float(), k, dim=-1).indices.numpy() for r in out.router_logits], axis=1)
+    assert sample.routed_experts.shape == (len(ids) - 1, model.config.num_hidden_layers, k)
+    np.testing.assert_array_equal(np.sort(sample.routed_experts, -1), np.sort(hf_topk, -1))
+    log_probs = torch.log_softmax(out.logits[0, p - 1:].float() / temperature, dim=-1)
+    worst = 0.0
+    for i, token in enumerate(sample.response_ids):
+        kept = sample.sampling_mask.row(i)
+        assert token in kept.tolist(), f"token {token} at {i} outside its mask"
+        if sample.loss_mask[i] == 0:
+            assert kept.tolist() == [token] and sample.rollout_logprobs[i] == 0.0
+            continue
+        kept_t = torch.from_numpy(kept.astype(np.int64))
+        expected = (log_probs[i, token] - torch.logsumexp(log_probs[i, kept_t], dim=0)).item()
+        worst = max(worst, abs(expected - float(sample.rollout_logprobs[i])))
+    assert worst < tolerance, f"log-prob difference {worst}"
+    return worst

@@ -10,6 +10,7 @@ import numpy as np
 import openai
 import pytest
 import torch
+from hf_oracle import assert_sample_matches_hf
 
 from megarl.agents.gateway import AgentGateway
 from megarl.agents.rollout import AgentEpisodes, load_agent
@@ -63,31 +64,6 @@ def run(loop, agents, prompt, episode_id="ep"):
     return loop.run_until_complete(body())
 
 
-def assert_matches_hf(sample, model):
-    """Routing equals HF's top-k for every fed token; each generated token lies in its mask with HF's
-    log-prob renormalised over the mask; tokens between calls have log-prob 0 and a mask of themselves."""
-    ids = sample.prompt_ids + sample.response_ids
-    p = len(sample.prompt_ids)
-    with torch.no_grad():
-        out = model(torch.tensor([ids[:-1]]), output_router_logits=True)
-    k = model.config.num_experts_per_tok
-    hf_topk = np.stack([torch.topk(r.float(), k, dim=-1).indices.numpy() for r in out.router_logits], axis=1)
-    assert sample.routed_experts.shape == (len(ids) - 1, model.config.num_hidden_layers, k)
-    np.testing.assert_array_equal(np.sort(sample.routed_experts, -1), np.sort(hf_topk, -1))
-    log_probs = torch.log_softmax(out.logits[0, p - 1:].float(), dim=-1)
-    worst = 0.0
-    for i, token in enumerate(sample.response_ids):
-        kept = sample.sampling_mask.row(i).tolist()
-        assert token in kept, f"token {token} at {i} outside its mask"
-        if sample.loss_mask[i] == 0:
-            assert kept == [token] and sample.rollout_logprobs[i] == 0.0
-            continue
-        expected = (log_probs[i, token] - torch.logsumexp(log_probs[i, torch.tensor(kept)], dim=0)).item()
-        worst = max(worst, abs(expected - float(sample.rollout_logprobs[i])))
-    assert worst < LOGPROB_TOLERANCE, f"log-prob difference {worst}"
-    return worst
-
-
 def test_three_turn_agent_records_the_engine_tokens(client, tokenizer, hf, loop):
     target = Recording(client)
     agents = episodes(target, tokenizer, "three_turns")
@@ -125,7 +101,7 @@ def test_three_turn_agent_records_the_engine_tokens(client, tokenizer, hf, loop)
     assert start == len(sample.response_ids) and sample.turn_ends == tuple(ends)
     np.testing.assert_array_equal(sample.routed_experts, target.calls[-1][1].routed_experts)
     assert sample.finish_reason is target.calls[-1][1].finish_reason
-    worst = assert_matches_hf(sample, hf)
+    worst = assert_sample_matches_hf(sample, hf, LOGPROB_TOLERANCE)
     print(f"\n[measured] three turns: {len(sample.prompt_ids)} prompt + {len(sample.response_ids)} response tokens "
           f"({int(sample.loss_mask.sum())} generated), max |log-prob - HF| {worst:.1e}")
 
@@ -235,7 +211,7 @@ def test_two_roles_give_two_samples_with_their_rewards(client, tokenizer, hf, lo
                                                                    ("verifier", -0.5, "done")]
     for sample, (fed, raw) in zip(samples, target.calls):
         assert sample.prompt_ids == fed and sample.response_ids == raw.response_ids
-        assert_matches_hf(sample, hf)
+        assert_sample_matches_hf(sample, hf, LOGPROB_TOLERANCE)
 
     async def unknown_role():
         gateway = AgentGateway(client, tokenizer, PARAMS, max_turns=1, roles={"solver": client})
@@ -257,4 +233,4 @@ def test_an_aborted_call_is_continued_into_one_turn(client, tokenizer, hf, loop)
     assert len(target.calls) == 4 and len(sample.turn_ends) == 3
     assert sample.response_ids[:sample.turn_ends[0]] == cut.response_ids + rest.response_ids
     assert len(cut.response_ids + rest.response_ids) <= PARAMS.max_new_tokens
-    assert_matches_hf(sample, hf)
+    assert_sample_matches_hf(sample, hf, LOGPROB_TOLERANCE)

@@ -43,33 +43,6 @@ def hf_model(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def assert_matches_hf(sample, model, temperature=1.0):
-    """Routing rows equal HF's top-k for every fed token; every policy token is inside its mask and
-    its log-prob equals HF's renormalised over the mask; environment tokens (loss_mask 0) have
-    log-prob 0 and a mask of just themselves. Returns the largest log-prob difference."""
-    ids = sample.prompt_ids + sample.response_ids
-    p = len(sample.prompt_ids)
-    with torch.no_grad():
-        out = model(torch.tensor([ids[:-1]]), output_router_logits=True)
-    k = model.config.num_experts_per_tok
-    hf_topk = np.stack([torch.topk(r.float(), k, dim=-1).indices.numpy() for r in out.router_logits], axis=1)
-    assert sample.routed_experts.shape == (len(ids) - 1, model.config.num_hidden_layers, k)
-    np.testing.assert_array_equal(np.sort(sample.routed_experts, -1), np.sort(hf_topk, -1))
-    log_probs = torch.log_softmax(out.logits[0, p - 1:].float() / temperature, dim=-1)
-    worst = 0.0
-    for i, token in enumerate(sample.response_ids):
-        kept = sample.sampling_mask.row(i)
-        assert token in kept.tolist(), f"token {token} at {i} outside its mask"
-        if sample.loss_mask[i] == 0:
-            assert kept.tolist() == [token] and sample.rollout_logprobs[i] == 0.0
-            continue
-        kept_t = torch.from_numpy(kept.astype(np.int64))
-        expected = (log_probs[i, token] - torch.logsumexp(log_probs[i, kept_t], dim=0)).item()
-        worst = max(worst, abs(expected - float(sample.rollout_logprobs[i])))
-    assert worst < LOGPROB_TOLERANCE, f"log-prob difference {worst}"
-    return worst
-
-
 # --- counted outcomes -----------------------------------------------------------------------------
 
 def test_bad_prompts_and_a_raising_reward_are_counted_and_the_batch_completes(client, tokenizer, loop):
@@ -174,7 +147,7 @@ def test_abort_resubmit_splices_prefix_and_continuation(client, tokenizer, tiny_
         assert sample.finish_reason is FinishReason.LENGTH and len(sample.response_ids) == NEW
         assert (np.diff(v) >= 0).all() and set(v.tolist()) <= {0, 1}
         assert (sample.loss_mask == 1).all() and sample.sampling_mask.num_rows == NEW
-        worst = max(worst, assert_matches_hf(sample, model))
+        worst = max(worst, hf_oracle.assert_sample_matches_hf(sample, model, LOGPROB_TOLERANCE))
     counts = sorted(int((v == 0).sum()) for v in versions)
     print(f"\n[measured] abort_resubmit: {result.resubmitted} resubmitted; version-0 tokens per sample {counts}; "
           f"max |log-prob - HF| {worst:.1e}")
@@ -253,7 +226,7 @@ def test_calculator_episode_is_one_sample_with_env_tokens_masked(client, tokeniz
                 expected = f"=error: {e}\n"
             assert following == tokenizer.encode(expected, add_special_tokens=False)
     assert (sample.model_version == 3).all()  # env tokens carry the version of the policy token before them
-    assert_matches_hf(sample, hf_model(eos_or_seven_checkpoint))
+    hf_oracle.assert_sample_matches_hf(sample, hf_model(eos_or_seven_checkpoint), LOGPROB_TOLERANCE)
     print(f"\n[measured] calculator episode: segments {[(k, len(t)) for k, t in segments]}, "
           f"text {tokenizer.decode(sample.response_ids)!r}")
 
@@ -352,8 +325,7 @@ def test_episodes_span_a_weight_update_and_match_hf(partial_rollout, client, tok
         environment = np.flatnonzero(s.loss_mask == 0)
         assert (v[environment] == v[environment - 1]).all()  # the version of the policy token before them
         assert s.episode_end != "aborted"
-        worst = max(worst, assert_matches_hf(s, model))
-    assert worst < 1e-4
+        worst = max(worst, hf_oracle.assert_sample_matches_hf(s, model, 1e-4))
     print(f"\n[measured] episodes across an update ({partial_rollout}): {resubmitted} turns resubmitted, "
           f"versions per episode {[sorted(set(s.model_version.tolist())) for s in samples]}, "
           f"max |log-prob - HF| {worst:.1e}")
