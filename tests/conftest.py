@@ -53,11 +53,17 @@ def tiny_engine(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(tiny_engine, loop):
-    """A client of :func:`tiny_engine` on the module's event loop."""
+def engine(tiny_engine):
+    """The engine a module's ``client`` talks to: the shared tiny one, unless the module brings its own."""
+    return tiny_engine
+
+
+@pytest.fixture(scope="module")
+def client(engine, loop):
+    """A client of the module's ``engine`` on the module's event loop."""
     from megarl.engines.client import SGLangClient
 
-    client = SGLangClient(tiny_engine.url, tiny_engine.model)
+    client = SGLangClient(engine.url, engine.model)
     yield client
     loop.run_until_complete(client.aclose())
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megarl.engines.client import PauseMode, SamplingParams, SGLangClient
+from megarl.engines.client import PauseMode, SamplingParams
 from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.rollout.env import CalculatorEnv, CalculatorError, EnvEpisodes, EnvStep, EpisodeLimits, calculate
 from megarl.rollout.group import RolloutManager
@@ -28,13 +28,6 @@ def engine(tiny_checkpoint, tmp_path_factory):
                               max_running_requests=2, log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"))
     with SGLangEngine(settings) as eng:
         yield eng
-
-
-@pytest.fixture(scope="module")
-def client(engine, loop):
-    client = SGLangClient(engine.url, engine.model)
-    yield client
-    loop.run_until_complete(client.aclose())
 
 
 def hf_model(path):
