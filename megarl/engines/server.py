@@ -178,7 +178,10 @@ class SGLangEngine:
             "--skip-server-warmup", "--log-level", "warning",
         ]
         if self.device == "cpu":
-            cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph"]
+            # --sleep-on-idle: an idle scheduler otherwise polls its sockets in a busy loop, a whole core
+            # taken from the trainer and the other engines; it now waits on them (a request wakes it at once)
+            cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
+                    "--sleep-on-idle"]
         if s.max_total_tokens is not None:
             cmd += ["--max-total-tokens", str(s.max_total_tokens)]
         if s.max_running_requests is not None:
