@@ -5,13 +5,12 @@ loop over the CSR rows, ``torch.log_softmax`` and autograd. The TP=2 run uses tw
 """
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megarl.parallel import free_port
 from megarl.trainer.logprobs import CsrMask, vocab_parallel_logprobs
 
 N, V, TP = 12, 10, 2
@@ -99,16 +98,10 @@ def _outside_rows(targets, rows):
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     results = tmp_path_factory.mktemp("tp2")
-    mp.spawn(_worker, args=(_free_port(), str(results)), nprocs=TP, join=True)
+    mp.spawn(_worker, args=(free_port(), str(results)), nprocs=TP, join=True)
     return [torch.load(results / f"rank{r}.pt") for r in range(TP)]
 
 

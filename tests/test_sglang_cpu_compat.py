@@ -1,21 +1,23 @@
 """Each SGLang CPU work-around is needed: turned off alone, its scenario fails with the error it names.
 
 Every scenario runs in a fresh interpreter (the work-arounds change sys.modules and the
-environment, and SGLang reads both at import time): a few lines of SGLang for the import-time
-work-arounds, a 2-rank engine (TP2, or TP2 + EP2) for the parallel ones, which fail while the
-engine starts.
+environment, and SGLang reads both at import time) and is a few lines of SGLang: what its CPU path
+does at import, a rank of an EP2 engine's MoE forward, or, in TP (2) processes at once, what each
+scheduler of a TP2 engine does first (``bootstrap.init_parallel_runtime``: binds its threads, then
+builds its process groups), where a TP2 engine fails while it starts.
 """
 import os
+import socket
 import subprocess
 import sys
 
 import pytest
 
-from megarl.engines.server import EngineSettings, EngineStartError, SGLangEngine
 from megarl.platform import sglang_cpu
 
 pytestmark = pytest.mark.skipif(not sglang_cpu.needed(), reason="the work-arounds are inactive on GPU machines")
 
+TP = 2  # the ranks of the parallel scenarios; one NUMA node here
 # work-around -> the smallest thing SGLang does on CPU that fails without it
 SCENARIOS = {
     "cpu_engine": (
@@ -29,35 +31,101 @@ SCENARIOS = {
         "cache = BaseHostCache(num_tokens=16, num_layers=2, topk_size=2, name='routed_experts', device='cpu')\n"
         "assert tuple(cache.buffer.shape) == (16, 2, 2)\n"
     ),
+    # The CPU MoE forward of each EP2 rank, given the local expert ids its StandardDispatcher makes
+    # (-1 for the other rank's experts): the ranks' outputs sum to the EP1 output.
+    "ep_non_local_experts": (
+        "import torch\n"
+        "from types import SimpleNamespace\n"
+        "from sglang.srt.layers.moe.moe_runner import MoeRunnerConfig\n"
+        "from sglang.srt.layers.moe.token_dispatcher.standard import (StandardDispatchOutput,\n"
+        "                                                             _map_topk_ids_to_local_experts)\n"
+        "from sglang.srt.layers.moe.topk import StandardTopKOutput\n"
+        "from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod\n"
+        "torch.manual_seed(0)\n"
+        "w13, w2, x = torch.randn(4, 32, 8), torch.randn(4, 8, 16), torch.randn(5, 8)\n"
+        "ids, weights = torch.tensor([[0, 1], [2, 3], [0, 2], [3, 1], [1, 2]]), torch.rand(5, 2)\n"
+        "method = UnquantizedFusedMoEMethod()\n"
+        "method.moe_runner_config = MoeRunnerConfig(num_experts=4, top_k=2)\n"
+        "def moe(w13, w2, ids):\n"
+        "    layer = SimpleNamespace(num_experts=4, w13_weight=w13, w2_weight=w2)\n"
+        "    dispatched = StandardDispatchOutput(x, None, StandardTopKOutput(weights, ids, None))\n"
+        "    return method.forward_cpu(layer, dispatched).hidden_states\n"
+        "ep_outputs = []\n"
+        "for rank in range(2):\n"
+        "    mapping = torch.full((4,), -1, dtype=torch.int32)\n"
+        "    mapping[2 * rank:2 * rank + 2] = torch.arange(2, dtype=torch.int32)\n"
+        "    local = slice(2 * rank, 2 * rank + 2)\n"
+        "    ep_outputs.append(moe(w13[local], w2[local], _map_topk_ids_to_local_experts(ids, mapping)))\n"
+        "torch.testing.assert_close(sum(ep_outputs), moe(w13, w2, ids))\n"
+    ),
 }
-# work-around -> the engine parallelism (tp, ep) whose start-up fails without it
-ENGINE_SCENARIOS = {
-    "omp_threads_bind": (2, 1),  # two ranks, one NUMA node here
-    "tp_group_pynccl": (2, 1),
-    "ep_non_local_experts": (2, 2),
-}
+# A TP scheduler's parallel start-up on CPU, as run_scheduler_process and Scheduler.__init__ do it for the
+# rank in $SCENARIO_RANK; then the TP group all-reduces.
+TP_SCHEDULER_START = (
+    "import os\n"
+    "import torch\n"
+    "from sglang.srt.distributed import bootstrap\n"
+    "from sglang.srt.distributed.parallel_state import get_tp_group\n"
+    "from sglang.srt.runtime_context import SpawnRanks, publish\n"
+    "from sglang.srt.server_args import ServerArgs\n"
+    "rank = int(os.environ['SCENARIO_RANK'])\n"
+    f"args = ServerArgs(model_path=os.environ['SCENARIO_MODEL'], device='cpu', tp_size={TP})\n"
+    "publish(args, role='scheduler', ranks=SpawnRanks(world_rank=rank, gpu_id=rank))\n"
+    "bootstrap.init_parallel_runtime(server_args=args, device='cpu', dist_port=int(os.environ['SCENARIO_PORT']))\n"
+    f"assert get_tp_group().all_reduce(torch.ones(1)).item() == {TP}\n"
+)
+# work-around -> the scenario its TP ranks run
+RANK_SCENARIOS = {"omp_threads_bind": TP_SCHEDULER_START, "tp_group_pynccl": TP_SCHEDULER_START}
 PREVENTS = {w.name: w.prevents for w in sglang_cpu.WORKAROUNDS}
 # These work-arounds patch sglang modules that themselves import sgl_kernel.
 ALSO_OFF = {"sgl_kernel": ["routed_experts_host_buffer", "tp_group_pynccl", "ep_non_local_experts"]}
-# Each failure ends the start-up: 1-4 min on this loaded 2-core machine (4 processes importing SGLang).
-# The limit only matters if the engine neither fails nor becomes healthy; a healthy start fails at once.
-ENGINE_START_TIMEOUT_S = 600.0
+SCENARIO_TIMEOUT_S = 300
+
+
+def scenario(code: str, off: list[str], **env) -> tuple[list[str], dict[str, str]]:
+    """The command running ``code`` after the work-arounds not in ``off``, and its environment."""
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("SGLANG_USE_CPU_ENGINE", sglang_cpu.THREADS_BIND_ENV)}
+    environment.update(env, **{sglang_cpu.OFF_ENV: ",".join(off)})
+    prelude = "from megarl.platform import sglang_cpu\nsglang_cpu.apply()\n"
+    return [sys.executable, "-c", prelude + code + "print('SCENARIO_OK')\n"], environment
 
 
 def run_with_workarounds(code: str, off: list[str]) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "SGLANG_USE_CPU_ENGINE"}
-    env[sglang_cpu.OFF_ENV] = ",".join(off)
-    prelude = "from megarl.platform import sglang_cpu\nsglang_cpu.apply()\n"
-    return subprocess.run([sys.executable, "-c", prelude + code + "print('SCENARIO_OK')\n"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    command, env = scenario(code, off)
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S)
+
+
+def run_ranks(code: str, off: list[str], model_path: str, log_dir) -> list[subprocess.CompletedProcess]:
+    """``code`` in TP processes at once (a TP engine's ranks on this node, as SGLangEngine states them);
+    each one's stdout and stderr together, in ``stderr``."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(TP):
+        command, env = scenario(code, off, SCENARIO_RANK=str(rank), SCENARIO_PORT=str(port),
+                                SCENARIO_MODEL=model_path, **{sglang_cpu.RANKS_PER_NODE_ENV: str(TP)})
+        with open(log_dir / f"rank{rank}.log", "w") as log:  # files, not pipes: a rank blocked on a full pipe
+            procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+    results = []
+    for rank, proc in enumerate(procs):
+        try:
+            proc.wait(timeout=SCENARIO_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, "",
+                                                   (log_dir / f"rank{rank}.log").read_text(errors="replace")))
+    return results
 
 
 def test_every_workaround_has_a_scenario():
-    assert not set(SCENARIOS) & set(ENGINE_SCENARIOS)
-    assert set(SCENARIOS) | set(ENGINE_SCENARIOS) == set(PREVENTS)
+    assert not set(SCENARIOS) & set(RANK_SCENARIOS)
+    assert set(SCENARIOS) | set(RANK_SCENARIOS) == set(PREVENTS)
 
 
-def test_all_scenarios_run_with_every_workaround():
+def test_all_scenarios_run_with_every_workaround(tiny_checkpoint, tmp_path):
     stand_in_check = (
         "import sgl_kernel\n"
         "try:\n"
@@ -69,6 +137,9 @@ def test_all_scenarios_run_with_every_workaround():
     )
     result = run_with_workarounds("".join(SCENARIOS.values()) + stand_in_check, off=[])
     assert result.returncode == 0 and "SCENARIO_OK" in result.stdout, result.stderr[-3000:]
+    for code in set(RANK_SCENARIOS.values()):
+        for rank, result in enumerate(run_ranks(code, [], tiny_checkpoint, tmp_path)):
+            assert result.returncode == 0 and "SCENARIO_OK" in result.stderr, f"rank {rank}: {result.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("workaround", sorted(SCENARIOS))
@@ -84,25 +155,19 @@ def test_unknown_workaround_name_is_rejected(monkeypatch):
         sglang_cpu.apply()
 
 
-@pytest.mark.parametrize("workaround", sorted(ENGINE_SCENARIOS))
-def test_parallel_engine_fails_without_workaround(workaround, tiny_checkpoint, tmp_path, monkeypatch):
-    """The engine (its log) shows the named error; the engine tests (tests/test_engine_parallel.py)
-    show the same engines serving with every work-around on."""
-    tp, ep = ENGINE_SCENARIOS[workaround]
-    monkeypatch.delenv(sglang_cpu.THREADS_BIND_ENV, raising=False)
-    if workaround == "omp_threads_bind" and sglang_cpu.numa_node_count() >= tp:
+@pytest.mark.parametrize("workaround", sorted(RANK_SCENARIOS))
+def test_rank_scenario_fails_without_workaround(workaround, tiny_checkpoint, tmp_path, monkeypatch):
+    """Every rank fails, one with the named error; tests/test_engine_parallel.py shows the TP2 and
+    TP2 + EP2 engines serving with every work-around on."""
+    if workaround == "omp_threads_bind" and sglang_cpu.numa_node_count() >= TP:
         # SGLang gives each rank a NUMA node itself when there are enough: the work-around must leave the
-        # binding to it (turning it off cannot fail an engine here)
-        monkeypatch.setenv(sglang_cpu.RANKS_PER_NODE_ENV, str(tp))
+        # binding to it (turning it off cannot fail a rank here)
+        monkeypatch.delenv(sglang_cpu.THREADS_BIND_ENV, raising=False)
+        monkeypatch.setenv(sglang_cpu.RANKS_PER_NODE_ENV, str(TP))
         sglang_cpu._bind_each_rank_its_cores()
         assert sglang_cpu.THREADS_BIND_ENV not in os.environ
         return
-    monkeypatch.setenv(sglang_cpu.OFF_ENV, workaround)
-    engine = SGLangEngine(EngineSettings(
-        model_path=tiny_checkpoint, dtype="float32", max_total_tokens=1024, tp=tp, ep=ep,
-        startup_timeout_s=ENGINE_START_TIMEOUT_S, log_path=str(tmp_path / "server.log"),
-    ))
-    with pytest.raises(EngineStartError, match="exited with code"):
-        engine.start()
-    log = engine.log_path.read_text(errors="replace")
-    assert PREVENTS[workaround] in log, engine.log_tail(80)
+    results = run_ranks(RANK_SCENARIOS[workaround], [workaround], tiny_checkpoint, tmp_path)
+    assert all(r.returncode != 0 for r in results), f"{workaround} off, yet a rank passed"
+    logs = "".join(r.stderr for r in results)
+    assert PREVENTS[workaround] in logs, logs[-3000:]

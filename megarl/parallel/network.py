@@ -107,8 +107,38 @@ def rendezvous_host() -> str:
     return node_address() if cluster_nodes() > 1 else LOOPBACK
 
 
+LISTEN_PORTS_FLOOR = 20000  # above Ray's worker ports (10002-19999), below the kernel's ephemeral range
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for the local ports of outgoing connections (Linux; 32768-60999 elsewhere)."""
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return low, high
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port on ``host`` that was free a moment ago."""
+    """A TCP port on ``host`` that was free a moment ago, for a listener that starts a little later.
+
+    Drawn at random between Ray's worker ports and the kernel's ephemeral range: a port the kernel
+    hands out (``bind(0)``) is also the local port of the next outgoing connection, and a busy
+    machine makes many (Ray, HTTP), so between this call and the listener's ``bind`` such a port is
+    sometimes taken (``EADDRINUSE``, seen in the test suite). Falls back to the kernel's choice when
+    that range is too small or full."""
+    import random
+
+    low, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(64 if low - LISTEN_PORTS_FLOOR >= 1024 else 0):
+        port = rng.randrange(LISTEN_PORTS_FLOOR, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
