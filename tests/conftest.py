@@ -77,6 +77,17 @@ def loop():
 
 
 @pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray cluster (4 CPUs: the largest layout's ranks) for a module's ``run_ranks`` calls,
+    which otherwise start and stop a cluster each. The ranks' environment is this process's now."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
 def fake_nodes(request):
     """Fake nodes (tests/netns.py): ``FAKE_NODE_COUNT`` (a module global, default 3) network
     namespaces on one bridge, shared by the module and removed after it, failed tests included.

@@ -2,7 +2,9 @@
 
 usage: python tests/platform_scenarios.py SCENARIO HF_PATH
 Run by tests/test_platform_cpu.py with MEGARL_CPU_WORKAROUNDS_OFF naming one work-around; exits
-non-zero with megatron's error when that work-around is needed by the scenario.
+non-zero with megatron's error when that work-around is needed by the scenario. A one-rank scenario
+runs in this process (what a trainer rank does: ``init_rank``, then the function); several ranks run
+as Ray actors (``run_ranks``).
 """
 import sys
 
@@ -51,5 +53,16 @@ if __name__ == "__main__":
         megatron_cpu.apply()
         import megatron.bridge  # noqa: F401
         print("imported")
+    elif LAYOUTS[name].world_size == 1:  # this process is the rank (as a TrainerRank), no Ray cluster to start
+        import torch
+
+        from megarl.log import setup_logging
+        from megarl.parallel import free_port
+        from megarl.trainer.distributed import init_rank
+
+        setup_logging()
+        torch.set_num_threads(1)
+        init_rank(0, LAYOUTS[name], "127.0.0.1", free_port())
+        print([scenario(0, LAYOUTS[name], name, hf_path, out_dir)])
     else:
         print(run_ranks(scenario, LAYOUTS[name], name, hf_path, out_dir, timeout_s=300))

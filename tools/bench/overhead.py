@@ -51,7 +51,7 @@ def bare_loop(checkpoint: Path, steps: int, prompts: int, samples: int, max_new_
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tok = AutoTokenizer.from_pretrained(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.5, 0.99))
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     seconds, rewards = [], []
