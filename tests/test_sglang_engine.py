@@ -311,6 +311,21 @@ def test_engine_generates_after_pause_and_continue(engine, tokenizer):
     assert run_client(engine, body).finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
 
 
+def test_an_idle_engine_leaves_the_cores_alone(engine, tokenizer):
+    """After a request, an idle engine's processes (server, scheduler, detokenizer) use almost no CPU:
+    without ``--sleep-on-idle`` the scheduler polls in a busy loop, a whole core (~1 s of CPU a second)."""
+    async def body(client):
+        return await client.generate(tokenizer.encode("2+2="), SamplingParams(max_new_tokens=2, top_k=5))
+
+    run_client(engine, body)
+    processes = [psutil.Process(engine.pid), *psutil.Process(engine.pid).children(recursive=True)]
+    time.sleep(1.0)  # the request's tail (detokenizing, the idle-time bookkeeping) is done
+    before = sum(sum(p.cpu_times()[:2]) for p in processes)
+    time.sleep(3.0)
+    used = sum(sum(p.cpu_times()[:2]) for p in processes) - before
+    assert used < 0.6, f"the idle engine's {len(processes)} processes used {used:.2f} s of CPU in 3 s"
+
+
 def test_empty_prompt_is_a_clear_error(engine):
     async def body(client):
         return await asyncio.wait_for(client.generate([], SamplingParams(max_new_tokens=4, top_k=5)), 30)
