@@ -1,23 +1,23 @@
 """Each SGLang CPU work-around is needed: turned off alone, its scenario fails with the error it names.
 
-Every scenario runs in a fresh interpreter (the work-arounds change sys.modules and the
-environment, and SGLang reads both at import time) and is a few lines of SGLang: what its CPU path
-does at import, a rank of an EP2 engine's MoE forward, or, in TP (2) processes at once, what each
-scheduler of a TP2 engine does first (``bootstrap.init_parallel_runtime``: binds its threads, then
-builds its process groups), where a TP2 engine fails while it starts.
+Every scenario is a few lines of SGLang in a fresh interpreter (the work-arounds change sys.modules
+and the environment, and SGLang reads both at import time): what its CPU path does at import, the
+CPU MoE forward of each rank of an EP2 engine, or, in TP processes at once, what each scheduler of a
+TP engine does first (``bootstrap.init_parallel_runtime``: bind its threads, build its process groups),
+where the TP engines fail while they start.
 """
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from megarl.parallel import free_port
 from megarl.platform import sglang_cpu
 
 pytestmark = pytest.mark.skipif(not sglang_cpu.needed(), reason="the work-arounds are inactive on GPU machines")
 
-TP = 2  # the ranks of the parallel scenarios; one NUMA node here
+TP = 2  # the ranks of the parallel scenarios: more than the one NUMA node of this machine
 # work-around -> the smallest thing SGLang does on CPU that fails without it
 SCENARIOS = {
     "cpu_engine": (
@@ -49,7 +49,7 @@ SCENARIOS = {
         "def moe(w13, w2, ids):\n"
         "    layer = SimpleNamespace(num_experts=4, w13_weight=w13, w2_weight=w2)\n"
         "    dispatched = StandardDispatchOutput(x, None, StandardTopKOutput(weights, ids, None))\n"
-        "    return method.forward_cpu(layer, dispatched).hidden_states\n"
+        "    return method.apply(layer, dispatched).hidden_states\n"
         "ep_outputs = []\n"
         "for rank in range(2):\n"
         "    mapping = torch.full((4,), -1, dtype=torch.int32)\n"
@@ -99,14 +99,13 @@ def run_with_workarounds(code: str, off: list[str]) -> subprocess.CompletedProce
 def run_ranks(code: str, off: list[str], model_path: str, log_dir) -> list[subprocess.CompletedProcess]:
     """``code`` in TP processes at once (a TP engine's ranks on this node, as SGLangEngine states them);
     each one's stdout and stderr together, in ``stderr``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # rank 0's TCP store (SGLang's dist port), on the loopback interface
     procs = []
     for rank in range(TP):
         command, env = scenario(code, off, SCENARIO_RANK=str(rank), SCENARIO_PORT=str(port),
                                 SCENARIO_MODEL=model_path, **{sglang_cpu.RANKS_PER_NODE_ENV: str(TP)})
-        with open(log_dir / f"rank{rank}.log", "w") as log:  # files, not pipes: a rank blocked on a full pipe
+        # a file: a pipe left unread while the other rank is awaited could fill up and stall this one
+        with open(log_dir / f"rank{rank}.log", "w") as log:
             procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
     results = []
     for rank, proc in enumerate(procs):
