@@ -19,6 +19,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from demo_workload import add_workload_arguments, workload_overrides
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
@@ -39,14 +41,8 @@ def loop_figures(run_dir: Path, samples_per_step: int) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", required=True, help="write the figures here")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
-    parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="the tiny model's context is 64 tokens")
+    add_workload_arguments(parser, steps=8, prompts=32, max_new_tokens=48)
     parser.add_argument("--temperature", type=float, default=1.3)
-    parser.add_argument("--warmup-steps", type=int, default=60)
-    parser.add_argument("--work-dir", default=None, help="default: a temporary directory")
     args = parser.parse_args()
 
     from megarl.log import setup_logging
@@ -54,10 +50,7 @@ def main() -> int:
 
     setup_logging()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="megarl-bench-"))
-    common = [f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={work / 'warm'}", f"steps={args.steps}",
-              f"warmup.steps={args.warmup_steps}", f"rollout.prompts_per_step={args.prompts}",
-              f"rollout.samples_per_prompt={args.samples}", f"rollout.max_new_tokens={args.max_new_tokens}",
-              f"rollout.temperature={args.temperature}", "trainer.resume=false"]
+    common = [*workload_overrides(work, args), f"rollout.temperature={args.temperature}"]
     if train(["recipe=tiny_moe_cpu", "mode=warmup", f"logging.run_dir={work / 'warmup'}", *common]) != 0:
         return 1
     figures = {}

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from demo_workload import add_workload_arguments, workload_overrides
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
@@ -92,14 +94,8 @@ def bare_loop(checkpoint: Path, steps: int, prompts: int, samples: int, max_new_
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", required=True, help="write the figures here")
-    parser.add_argument("--steps", type=int, default=20)
+    add_workload_arguments(parser, steps=20, prompts=64, max_new_tokens=3)
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the medians")
-    parser.add_argument("--prompts", type=int, default=64, help="prompts per step")
-    parser.add_argument("--samples", type=int, default=8, help="samples per prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=3)
-    parser.add_argument("--warmup-steps", type=int, default=60)
-    parser.add_argument("--work-dir", default=None, help="default: a temporary directory")
     args = parser.parse_args()
 
     from megarl.config import load_config
@@ -108,10 +104,7 @@ def main() -> int:
 
     setup_logging()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="megarl-bench-"))
-    common = [f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={work / 'warm'}", f"steps={args.steps}",
-              f"warmup.steps={args.warmup_steps}", f"rollout.prompts_per_step={args.prompts}",
-              f"rollout.samples_per_prompt={args.samples}", f"rollout.max_new_tokens={args.max_new_tokens}",
-              "trainer.resume=false"]
+    common = workload_overrides(work, args)
     if train(["recipe=tiny_moe_cpu", "mode=warmup", f"logging.run_dir={work / 'warmup'}", *common]) != 0:
         return 1
     if train(["recipe=tiny_moe_cpu", "mode=sync", f"logging.run_dir={work / 'sync'}", *common]) != 0:
