@@ -3,6 +3,7 @@ checkpoint), then SIGTERM (checkpoint after the step in progress, exit 0). Step 
 prompt is trained twice in the run's lineage, and the sample ledger carries over."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -64,7 +65,9 @@ def test_killed_and_terminated_runs_resume_without_training_a_prompt_twice(tmp_p
     shutil.copytree(warmed_up.warm, tmp_path / "warm")
     killed = run_until(tmp_path, 3, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
-    assert (run / "checkpoints" / "latest").read_text().strip() == "2"  # the periodic one before the kill
+    # the periodic checkpoint before the kill (2), or the next one (4): the trainer rank is a Ray actor,
+    # which can finish writing a checkpoint it had begun after its driver died
+    assert (run / "checkpoints" / "latest").read_text().strip() in ("2", "4")
     # the killed driver's SGLang server (its own process group) notices and ends itself
     deadline = time.monotonic() + 30
     while engine_processes(tmp_path) and time.monotonic() < deadline:
@@ -75,7 +78,7 @@ def test_killed_and_terminated_runs_resume_without_training_a_prompt_twice(tmp_p
     assert terminated.returncode == 0, (tmp_path / "driver.log").read_text()[-3000:]
     stopped_at = int((run / "checkpoints" / "latest").read_text())
     assert 4 <= stopped_at <= STEPS
-    assert rl_steps(run) == list(range(1, stopped_at + 1))  # the killed run's step 3 was replaced
+    assert rl_steps(run) == list(range(1, stopped_at + 1))  # the killed run's steps after its checkpoint were replaced
     log = [json.loads(line) for line in (run / "trained_prompts.jsonl").read_text().splitlines()]
     assert [row["step"] for row in log] == list(range(1, stopped_at + 1))
     trained = [i for row in log for i in row["prompts"]]
@@ -84,4 +87,6 @@ def test_killed_and_terminated_runs_resume_without_training_a_prompt_twice(tmp_p
     assert last["buffer/prompts_trained"] == 4 * stopped_at  # the ledger carried over the restart
     assert last["buffer/trained"] + last["buffer/error"] <= last["buffer/samples_started"]
     driver_log = (tmp_path / "driver.log").read_text()
-    assert "resuming at step 2" in driver_log and f"stopped by SIGTERM after step {stopped_at}" in driver_log
+    resumed = re.search(r"resuming at step (\d+)", driver_log)
+    assert resumed and int(resumed.group(1)) in (2, 4), driver_log[-3000:]
+    assert f"stopped by SIGTERM after step {stopped_at}" in driver_log
