@@ -16,6 +16,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
 ROLES = ("trainer", "engine")
@@ -110,13 +111,12 @@ def rendezvous_host() -> str:
 LISTEN_PORTS_FLOOR = 20000  # above Ray's worker ports (10002-19999), below the kernel's ephemeral range
 
 
-def _ephemeral_range() -> tuple[int, int]:
-    """The kernel's range for the local ports of outgoing connections (Linux; 32768-60999 elsewhere)."""
+def _ephemeral_floor() -> int:
+    """The lowest local port the kernel gives outgoing connections (Linux; 32768 elsewhere)."""
     try:
-        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
-    except (OSError, ValueError):
-        low, high = 32768, 60999
-    return low, high
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port(host: str = LOOPBACK) -> int:
@@ -129,7 +129,7 @@ def free_port(host: str = LOOPBACK) -> int:
     that range is too small or full."""
     import random
 
-    low, _ = _ephemeral_range()
+    low = _ephemeral_floor()
     rng = random.SystemRandom()
     for _ in range(64 if low - LISTEN_PORTS_FLOOR >= 1024 else 0):
         port = rng.randrange(LISTEN_PORTS_FLOOR, low)
