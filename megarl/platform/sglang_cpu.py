@@ -32,6 +32,10 @@ tests use to show that each one is needed:
   native MoE forward (``moe_forward_native``) uses as an index. On CPU it runs SGLang's forward on
   the local (token, expert) pairs only and sums them per token, so each rank's MoE output is its
   local experts' share, which the all-reduce after the MoE block sums over the ranks.
+- ``per_request_attention``: not an error but the rollout's time: SGLang's torch-native attention
+  backend (the CPU path's) calls SDPA once per request and layer in a Python loop; the demo's 512
+  short requests spend most of a rollout there. :mod:`megarl.platform.sglang_cpu_attention` does the
+  batch in one call per layer (the same outputs: ``tests/test_sglang_cpu_attention.py``).
 """
 from __future__ import annotations
 
@@ -199,6 +203,12 @@ def _skip_non_local_experts() -> None:
     fused_moe_native.moe_forward_native = moe_forward_native
 
 
+def _batch_attention() -> None:
+    from megarl.platform import sglang_cpu_attention
+
+    sglang_cpu_attention.install()
+
+
 WORKAROUNDS = (
     Workaround("cpu_engine", "ModuleNotFoundError: No module named 'vllm'", _use_cpu_engine),
     Workaround("sgl_kernel", "ModuleNotFoundError: No module named 'sgl_kernel'", _add_sgl_kernel_stand_in),
@@ -208,4 +218,6 @@ WORKAROUNDS = (
     Workaround("tp_group_pynccl", "ValueError: Expected a cuda device, but got: cpu", _create_groups_without_pynccl),
     Workaround("ep_non_local_experts", "RuntimeError: index -1 is out of bounds for dimension 1",
                _skip_non_local_experts),
+    Workaround("per_request_attention", "one SDPA call per request and layer (SGLang's torch-native loop)",
+               _batch_attention),
 )
