@@ -51,7 +51,8 @@ async def rl(cfg: DictConfig, start_checkpoint: str) -> None:
             stats = fill_advantages(batch.samples, cfg.algorithm.advantage, penalties)
             stats.metrics |= fill_process_advantages(batch.samples).metrics()  # per-turn rewards, when any
             if pipe.teacher is not None:  # on-policy distillation: the teacher's per-token advantages on top
-                stats.metrics |= fill_distill_advantages(batch.samples, cfg.algorithm.opd_coef)
+                stats.metrics |= fill_distill_advantages(batch.samples, cfg.algorithm.opd_coef,
+                                                          cfg.algorithm.opd_baseline)
                 stats.metrics |= pipe.teacher.metrics()
             result = await pipe.trainer.rl_step(pipe.rl_batch(batch.samples, step), cfg.algorithm,
                                                 **pipe.step_kwargs())

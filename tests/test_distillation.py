@@ -160,6 +160,32 @@ def test_the_token_advantage_is_slimes_formula(estimator):
     assert metrics["distill/reverse_kl"] == pytest.approx(float((student - teacher).mean()), rel=1e-9)
 
 
+def tinker_incorporate_kl_penalty(sampled: list[torch.Tensor], base: list[torch.Tensor], masks: list[torch.Tensor],
+                                  coef: float) -> list[torch.Tensor]:
+    """tinker-cookbook's ``tinker_cookbook/rl/metrics.py`` ``incorporate_kl_penalty`` (discount 0), with the
+    teacher as its base model: the KL advantage of every datum, centred by the batch's token mean."""
+    diffs = [(s - b) * m for s, b, m in zip(sampled, base, masks)]
+    avg = sum(d.sum() for d in diffs) / sum(m.sum() for m in masks)
+    return [coef * m * (avg - d) for d, m in zip(diffs, masks)]
+
+
+def test_the_batch_mean_baseline_is_tinker_cookbooks_formula():
+    samples, coef = synthetic_samples(seed=5), 0.7
+    fill_advantages(samples, "opd")
+    metrics = fill_distill_advantages(samples, coef, "batch_mean")
+    expected = tinker_incorporate_kl_penalty([torch.from_numpy(s.rollout_logprobs).double() for s in samples],
+                                             [torch.from_numpy(s.teacher_logprobs).double() for s in samples],
+                                             [torch.from_numpy(s.loss_mask).double() for s in samples], coef)
+    for sample, tinker in zip(samples, expected):
+        np.testing.assert_allclose(sample.token_advantages, tinker.numpy(), rtol=1e-6, atol=1e-6)
+    trained = np.concatenate([s.token_advantages[s.loss_mask > 0] for s in samples])
+    assert abs(trained.mean()) < 1e-6 and trained.std() > 0.1  # centred, not flattened
+    raw = synthetic_samples(seed=5)
+    assert fill_distill_advantages(raw, coef) == metrics  # the baseline changes the advantages, not the KL
+    with pytest.raises(ValueError, match="unknown OPD baseline 'median'"):
+        fill_distill_advantages(synthetic_samples(seed=5), coef, "median")
+
+
 def test_the_advantage_refuses_unscored_samples_and_bad_shapes():
     samples = synthetic_samples(seed=4)
     samples[2].teacher_logprobs = None
@@ -183,6 +209,8 @@ def config(tmp_path, *overrides):
      "algorithm.off_policy_mask_kl", "needs per-sequence advantages"),
     (["teacher.hf_path=/t"], "algorithm.opd_coef", "the teacher's scores would train nothing"),
     (["algorithm.opd_coef=0.5"], "teacher.hf_path", "opd_coef=0.5 needs a teacher"),
+    (["teacher.hf_path=/t", "algorithm.opd_coef=1.0", "algorithm.opd_baseline=group"], "algorithm.opd_baseline",
+     "must be one of none, batch_mean, got 'group'"),
     (["algorithm.advantage=opdd"], "algorithm.advantage",
      "'opdd' is not one of grpo, dr_grpo, rloo, reinforce_pp, opd"),
 ])

@@ -248,6 +248,9 @@ class AlgorithmConfig:
     # on-policy distillation: per-token advantage opd_coef * (teacher_logp - student_logp) (needs teacher.hf_path);
     # alone with advantage=opd, added to the reward advantage otherwise
     opd_coef: float = 0.0
+    # none (slime, miles: teacher_logp - student_logp as it is) | batch_mean (tinker-cookbook: minus its mean over
+    # the batch's trained tokens, a baseline that keeps the gradient's expectation and cuts its variance)
+    opd_baseline: str = "none"
     # none | tis (w clamped to [is_threshold_low, is_threshold]) | mis (reject tokens/sequences with w outside it)
     off_policy_correction: str = "none"
     off_policy_level: str = "token"  # token | sequence (product of token ratios) | geometric (their geometric mean)

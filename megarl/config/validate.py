@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from megarl.agents.rollout import load_agent
 from megarl.algos.advantages import ADVANTAGES
 from megarl.algos.aggregation import AGGREGATIONS
+from megarl.algos.distill import OPD_BASELINES
 from megarl.algos.kl import KL_ESTIMATORS
 from megarl.algos.off_policy import CORRECTIONS, LEVELS
 from megarl.algos.policy_loss import POLICY_LOSSES
@@ -254,6 +255,8 @@ def _check_distillation(cfg: DictConfig) -> None:
     a, teacher = cfg.algorithm, cfg.teacher.hf_path
     if a.opd_coef < 0:
         _fail("algorithm.opd_coef", f"must be >= 0, got {a.opd_coef}")
+    if a.opd_baseline not in OPD_BASELINES:
+        _fail("algorithm.opd_baseline", f"must be one of {', '.join(OPD_BASELINES)}, got {a.opd_baseline!r}")
     if a.advantage == "opd" and not teacher:
         _fail("teacher.hf_path", "algorithm.advantage=opd distils from a teacher: set teacher.hf_path to its HF "
               "checkpoint")
