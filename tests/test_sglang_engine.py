@@ -9,6 +9,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import psutil
 import pybase64
@@ -48,9 +49,10 @@ def checkpoint(tiny_checkpoint, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint, tmp_path_factory):
-    # One request at a time makes "mid-generation" observable for the pause tests (until_mid_generation).
+    # One request at a time makes "mid-generation" observable for the pause tests (until_mid_generation);
+    # no prefix cache (the session's shared engine keeps SGLang's default), so both paths serve the tests.
     settings = EngineSettings(
-        model_path=str(checkpoint), dtype="float32", max_total_tokens=4096, max_running_requests=1,
+        model_path=str(checkpoint), dtype="float32", max_total_tokens=4096, max_running_requests=1, prefix_cache=False,
         log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"),
     )
     eng = SGLangEngine(settings)
@@ -326,6 +328,21 @@ def test_an_idle_engine_leaves_the_cores_alone(engine, tokenizer):
     time.sleep(3.0)
     used = sum(sum(p.cpu_times()[:2]) for p in processes) - before
     assert used < 0.6, f"the idle engine's {len(processes)} processes used {used:.2f} s of CPU in 3 s"
+
+
+def cached_tokens_of_a_repeat(url: str, prompt_ids: list[int]) -> int:
+    """SGLang's ``meta_info["cached_tokens"]`` of ``prompt_ids`` sent a second time, after the first finished."""
+    for _ in range(2):
+        body = {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": 1}}
+        response = httpx.post(f"{url}/generate", json=body, timeout=60)
+        response.raise_for_status()
+    return response.json()["meta_info"]["cached_tokens"]
+
+
+def test_the_prefix_cache_is_the_settings_choice(engine, tiny_engine):
+    prompt = [5, 9, 13, 17, 21, 25, 29, 33]
+    assert cached_tokens_of_a_repeat(engine.url, prompt) == 0  # prefix_cache=False: --disable-radix-cache
+    assert cached_tokens_of_a_repeat(tiny_engine.url, prompt) >= len(prompt) - 1  # SGLang's default: cached
 
 
 def test_empty_prompt_is_a_clear_error(engine):

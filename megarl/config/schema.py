@@ -210,6 +210,7 @@ class RolloutConfig:
     engine_dp_attention: bool = False
     mem_fraction_static: float = 0.8
     max_total_tokens: Optional[int] = None  # engine KV-cache capacity in tokens; None = SGLang sizes it from memory
+    prefix_cache: bool = True  # SGLang's radix prefix cache (false: --disable-radix-cache)
     prompts_per_step: int = 64
     samples_per_prompt: int = 8  # G, the GRPO group size
     max_new_tokens: int = 3

@@ -62,6 +62,7 @@ class EngineSettings:
     sampling_mask_max_tokens: int = 64  # the largest top_k a request may ask a sampling mask for
     max_total_tokens: int | None = None  # KV-cache capacity in tokens; None lets SGLang size it
     max_running_requests: int | None = None
+    prefix_cache: bool = True  # SGLang's radix cache of computed prefixes; False: --disable-radix-cache
     random_seed: int = 0
     tp: int = 1
     ep: int = 1
@@ -135,7 +136,7 @@ class EngineSettings:
         engine's and the trainer's log-probs. Each engine gets its own seed and a log in the run dir."""
         r = cfg.rollout
         return cls(model_path=model_path, dtype=cfg.model.dtype, sampling_mask_max_tokens=max(r.top_k, 1),
-                   max_total_tokens=r.max_total_tokens, random_seed=cfg.task.seed + index,
+                   max_total_tokens=r.max_total_tokens, prefix_cache=r.prefix_cache, random_seed=cfg.task.seed + index,
                    tp=r.engine_tp, ep=r.engine_ep, dp_attention=r.engine_dp_attention,
                    weight_version=weight_version, log_path=str(Path(cfg.logging.run_dir) / f"engine-{index}.log"))
 
@@ -186,6 +187,8 @@ class SGLangEngine:
             cmd += ["--max-total-tokens", str(s.max_total_tokens)]
         if s.max_running_requests is not None:
             cmd += ["--max-running-requests", str(s.max_running_requests)]
+        if not s.prefix_cache:
+            cmd.append("--disable-radix-cache")
         if s.tp > 1:
             cmd += ["--tp-size", str(s.tp)]
         if s.ep > 1:
