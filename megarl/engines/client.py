@@ -18,6 +18,7 @@ import httpx
 import numpy as np
 import pybase64
 
+from megarl.engines.coalesce import BatchCoalescer
 from megarl.engines.protocol import BatchResult
 from megarl.models.hf_config import read_hf_config
 from megarl.sample import FinishReason, RolloutSample, SamplingMask
@@ -105,6 +106,11 @@ class SamplingParams:
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
 
 
+def _rejected_by_the_engine(error: BaseException) -> bool:
+    """An answer of the engine (an HTTP error, bad metadata), not a failure to reach it."""
+    return isinstance(error, EngineError) and not isinstance(error, EngineUnreachable)
+
+
 def auth_headers(api_key: str | None) -> dict[str, str]:
     """The header that authenticates a request to an engine started with ``api_key`` (none without)."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -156,6 +162,8 @@ class SGLangClient:
         self.model = model
         self._http = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(request_timeout_s, connect=10.0),
                                        headers=auth_headers(api_key))
+        # concurrent generate_batch calls go out as one request; a rejection is retried call by call
+        self._batches = BatchCoalescer(self._generate_batch_now, isolate=_rejected_by_the_engine)
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -164,6 +172,7 @@ class SGLangClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        await self._batches.aclose()
         await self._http.aclose()
 
     async def _post(self, path: str, payload: dict) -> httpx.Response:
@@ -237,13 +246,22 @@ class SGLangClient:
         return_sampling_mask: bool = True,
     ) -> list[RolloutSample]:
         """One response per prompt, sent as one request (SGLang batches it; on CPU about 5x faster
-        than one request per prompt for the demo's 512 short samples). Same contract as :meth:`generate`."""
+        than one request per prompt for the demo's 512 short samples), joined with the other calls of
+        this event-loop turn that share ``params`` and the flags (:mod:`megarl.engines.coalesce`).
+        Same contract as :meth:`generate`."""
         if len(group_ids) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(group_ids)} group ids")
         for prompt_ids in prompts:
             self._validate_prompt(prompt_ids)
         if return_sampling_mask and params.top_k <= 0:
             raise ValueError("return_sampling_mask needs a finite top_k (<= the engine's --sampling-mask-max-tokens)")
+        return await self._batches.submit([list(p) for p in prompts], list(group_ids),
+                                          (params, return_routed_experts, return_sampling_mask))
+
+    async def _generate_batch_now(self, prompts: list[list[int]], group_ids: list[str],
+                                  key: tuple) -> list[RolloutSample]:
+        """One ``/generate`` request for ``prompts`` (validated); ``key`` = (params, routing, mask flags)."""
+        params, return_routed_experts, return_sampling_mask = key
         payload = {
             "input_ids": [list(p) for p in prompts], "sampling_params": params.to_json(), "return_logprob": True,
             "return_routed_experts": return_routed_experts, "return_sampling_mask": return_sampling_mask,
@@ -251,7 +269,7 @@ class SGLangClient:
         if return_sampling_mask:
             payload["sampling_logprobs_mode"] = "selected"
         outs = (await self._post("/generate", payload)).json()
-        return [self._to_sample(list(p), out, return_routed_experts, return_sampling_mask, g, "")
+        return [self._to_sample(p, out, return_routed_experts, return_sampling_mask, g, "")
                 for p, out, g in zip(prompts, outs, group_ids)]
 
     def _to_sample(self, prompt_ids, out, with_routing, with_mask, group_id, episode_id) -> RolloutSample:
