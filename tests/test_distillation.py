@@ -210,7 +210,7 @@ def config(tmp_path, *overrides):
     (["teacher.hf_path=/t"], "algorithm.opd_coef", "the teacher's scores would train nothing"),
     (["algorithm.opd_coef=0.5"], "teacher.hf_path", "opd_coef=0.5 needs a teacher"),
     (["teacher.hf_path=/t", "algorithm.opd_coef=1.0", "algorithm.opd_baseline=group"], "algorithm.opd_baseline",
-     "must be one of none, batch_mean, got 'group'"),
+     "'group' is not one of none, batch_mean"),
     (["algorithm.advantage=opdd"], "algorithm.advantage",
      "'opdd' is not one of grpo, dr_grpo, rloo, reinforce_pp, opd"),
 ])

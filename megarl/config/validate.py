@@ -42,6 +42,7 @@ REGISTRIES = {
     "algorithm.policy_loss": POLICY_LOSSES,
     "algorithm.loss_agg": AGGREGATIONS,
     "algorithm.kl_type": KL_ESTIMATORS,
+    "algorithm.opd_baseline": OPD_BASELINES,
     "algorithm.off_policy_correction": CORRECTIONS,
     "algorithm.off_policy_level": LEVELS,
     "sync.transport": TRANSPORTS,
@@ -255,8 +256,6 @@ def _check_distillation(cfg: DictConfig) -> None:
     a, teacher = cfg.algorithm, cfg.teacher.hf_path
     if a.opd_coef < 0:
         _fail("algorithm.opd_coef", f"must be >= 0, got {a.opd_coef}")
-    if a.opd_baseline not in OPD_BASELINES:
-        _fail("algorithm.opd_baseline", f"must be one of {', '.join(OPD_BASELINES)}, got {a.opd_baseline!r}")
     if a.advantage == "opd" and not teacher:
         _fail("teacher.hf_path", "algorithm.advantage=opd distils from a teacher: set teacher.hf_path to its HF "
               "checkpoint")
