@@ -62,10 +62,11 @@ def test_command_passes_the_parallelism(tiny_checkpoint):
 def test_from_config_reads_the_engine_parallelism(tiny_checkpoint, tmp_path):
     from types import SimpleNamespace as NS
 
-    cfg = NS(rollout=NS(top_k=20, max_total_tokens=512, engine_tp=2, engine_ep=2, engine_dp_attention=True),
+    cfg = NS(rollout=NS(top_k=20, max_total_tokens=512, engine_tp=2, engine_ep=2, engine_dp_attention=True,
+                        prefix_cache=False),
              model=NS(dtype="float32"), task=NS(seed=3), logging=NS(run_dir=str(tmp_path)))
     s = EngineSettings.from_config(cfg, tiny_checkpoint, index=1, weight_version=0)
-    assert (s.tp, s.ep, s.dp_attention, s.random_seed) == (2, 2, True, 4)
+    assert (s.tp, s.ep, s.dp_attention, s.random_seed, s.prefix_cache) == (2, 2, True, 4, False)
 
 
 @pytest.mark.parametrize("kwargs, message", [
