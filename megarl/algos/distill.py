@@ -14,9 +14,10 @@ this advantage lowers it. With ``algorithm.opd_baseline=batch_mean`` the batch's
 ``teacher_logp - student_logp`` over its trained tokens is subtracted first, as tinker-cookbook's
 ``tinker_cookbook/rl/metrics.py`` ``incorporate_kl_penalty`` does (``kl_advantages = kl_penalty_coef * mask *
 (avg_logp_diff - logprob_diffs)``, with ``avg_logp_diff`` the token mean of ``sampled - base`` log-probs): a
-constant baseline, so the gradient's expectation is unchanged and its variance smaller — on the tiny task every
-token's raw advantage is about -4 nats. It is added to the sequence advantage (0 under ``algorithm.advantage=opd``,
-the reward's otherwise): :attr:`megarl.trainer.rl_batch.RLBatch.position_advantages`.
+constant baseline, so the gradient's expectation is unchanged and its variance smaller (on the demo's task the
+raw advantage averages about -2 nats a token for the warmed-up student, -4 for weaker ones). It is added
+to the sequence advantage (0 under ``algorithm.advantage=opd``, the reward's otherwise):
+:attr:`megarl.trainer.rl_batch.RLBatch.position_advantages`.
 
 The student's log-prob: slime and miles take ``rollout_data["log_probs"]``, the trainer's forward of
 the batch at the weights before the update, unless ``--use-rollout-logprobs`` makes it
