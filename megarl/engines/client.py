@@ -260,10 +260,10 @@ class SGLangClient:
 
     async def _generate_batch_now(self, prompts: list[list[int]], group_ids: list[str],
                                   key: tuple) -> list[RolloutSample]:
-        """One ``/generate`` request for ``prompts`` (validated); ``key`` = (params, routing, mask flags)."""
+        """One ``/generate`` request for ``prompts`` (validated lists); ``key`` = (params, routing, mask flags)."""
         params, return_routed_experts, return_sampling_mask = key
         payload = {
-            "input_ids": [list(p) for p in prompts], "sampling_params": params.to_json(), "return_logprob": True,
+            "input_ids": prompts, "sampling_params": params.to_json(), "return_logprob": True,
             "return_routed_experts": return_routed_experts, "return_sampling_mask": return_sampling_mask,
         }
         if return_sampling_mask:

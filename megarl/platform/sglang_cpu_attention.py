@@ -89,6 +89,11 @@ def extend(query: torch.Tensor, output: torch.Tensor, k_cache: torch.Tensor, v_c
     return output
 
 
+def _loop_only(encoder_lens, is_cross_attn: bool, sliding_window_size) -> bool:
+    """What the batched form does not cover: encoder / cross attention and sliding windows."""
+    return encoder_lens is not None or is_cross_attn or (sliding_window_size is not None and sliding_window_size > -1)
+
+
 def install() -> None:
     """Make ``TorchNativeAttnBackend`` use :func:`extend` and :func:`decode` where they apply."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -101,7 +106,7 @@ def install() -> None:
     def _run_sdpa_forward_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                  extend_prefix_lens, extend_seq_lens, encoder_lens=None, scaling=None,
                                  enable_gqa=False, causal=False, is_cross_attn=False, sliding_window_size=None):
-        if encoder_lens is not None or is_cross_attn or (sliding_window_size is not None and sliding_window_size > -1):
+        if _loop_only(encoder_lens, is_cross_attn, sliding_window_size):
             return loop_extend(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal,
                                is_cross_attn, sliding_window_size)
@@ -111,7 +116,7 @@ def install() -> None:
     def _run_sdpa_forward_decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                  encoder_lens=None, scaling=None, enable_gqa=False, causal=False, is_cross_attn=False,
                                  sliding_window_size=None):
-        if encoder_lens is not None or is_cross_attn or (sliding_window_size is not None and sliding_window_size > -1):
+        if _loop_only(encoder_lens, is_cross_attn, sliding_window_size):
             return loop_decode(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                encoder_lens, scaling, enable_gqa, causal, is_cross_attn, sliding_window_size)
         return decode(query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, scaling, enable_gqa)
