@@ -14,6 +14,7 @@ SCENARIOS = Path(__file__).with_name("platform_scenarios.py")
 NEEDED_BY = {
     "bridge_imports_transformer_engine": "import_bridge",
     "bridge_save_imports_modelopt": "save_hf",
+    "lora_takes_mocked_te_for_present": "train_lora",
     "cuda_rng_tracker_needs_cuda": "train",
     "cuda_streams_and_current_device": "train",
     "hardcoded_cuda_devices": "train",

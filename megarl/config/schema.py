@@ -271,6 +271,20 @@ class SyncConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA: train low-rank adapters on a frozen base (megatron-bridge PEFT) and sync only them."""
+
+    enabled: bool = False  # false: full fine-tuning (every weight trains and syncs)
+    rank: int = 16  # adapter rank, > 0
+    alpha: int = 32  # output scale alpha / rank
+    dropout: float = 0.0  # on the adapter input, in training
+    # Megatron linear names (or fnmatch patterns over full module names); the router is left out by default
+    target_modules: list[str] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    sync: str = "adapter"  # adapter (engines load each version as an adapter) | merged (full weights, sync.transport)
+
+
+@dataclass
 class BufferConfig:
     max_staleness: int = 1
     max_buffer_batches: int = 2
@@ -307,6 +321,7 @@ class MegarlConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

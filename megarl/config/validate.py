@@ -25,6 +25,8 @@ from megarl.algos.policy_loss import POLICY_LOSSES
 from megarl.config.errors import ConfigError
 from megarl.config.schema import MODES
 from megarl.models.hf_config import hf_config_if_present
+from megarl.models.lora import SYNC_MODES as LORA_SYNC_MODES
+from megarl.models.lora import LoraSettings
 from megarl.parallel import PipelineSplitError, stage_layer_counts
 from megarl.rollout.env import ENVIRONMENTS
 from megarl.rollout.group import PARTIAL_ROLLOUT_MODES
@@ -47,6 +49,7 @@ REGISTRIES = {
     "algorithm.off_policy_level": LEVELS,
     "sync.transport": TRANSPORTS,
     "buffer.partial_rollout": PARTIAL_ROLLOUT_MODES,
+    "lora.sync": LORA_SYNC_MODES,
 }
 
 
@@ -86,11 +89,24 @@ def validate(cfg: DictConfig) -> None:
     _check_reward(cfg.reward)
     _check_judge(cfg)
     _check_episodes(cfg.task)
+    _check_lora(cfg)
     if cfg.sync.bucket_mb < 0 or cfg.sync.timeout_s <= 0:
         _fail("sync.bucket_mb",
               f"bucket_mb must be >= 0 and timeout_s > 0, got {cfg.sync.bucket_mb}, {cfg.sync.timeout_s}")
     if cfg.mode == "async" and (cfg.buffer.max_staleness < 0 or cfg.buffer.max_buffer_batches < 1):
         _fail("buffer.max_staleness", "async mode needs max_staleness >= 0 and max_buffer_batches >= 1")
+
+
+def _check_lora(cfg: DictConfig) -> None:
+    """Settings an adapter can have; adapters an engine can serve."""
+    try:
+        lora = LoraSettings.from_config(cfg.lora)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    if lora is None or lora.sync != "adapter":
+        return
+    if "router" in {t.rsplit(".", 1)[-1] for t in lora.target_modules}:
+        _fail("lora.target_modules", "SGLang serves no adapter on the MoE router (gate); use lora.sync=merged")
 
 
 def _check_names(cfg: DictConfig) -> None:
@@ -397,6 +413,13 @@ def refuse_what_is_not_built(cfg: DictConfig) -> None:
         if r.engine_dp_attention:
             _fail("rollout.engine_dp_attention", "SGLang's CPU attention backend cannot run DP attention "
                   "('TorchNativeAttnBackend' has no get_cpu_graph_seq_len_fill_value); it runs on GPU engines")
+        lora = LoraSettings.from_config(cfg.lora)
+        if lora is not None and lora.sync == "adapter" and lora.targets_experts:
+            _fail("lora.target_modules", "SGLang's CPU path cannot serve LoRA on the MoE layers' "
+                  "linear_fc1/linear_fc2: "
+                  "its LoRA MoE runs on the Triton fused-MoE kernels, whose config lookup fails without a GPU "
+                  "(AttributeError: 'NoneType' object has no attribute 'replace', in fused_moe_triton_config.py); "
+                  "target attention only (linear_qkv, linear_proj) or set lora.sync=merged")
         if r.engine_tp > 1 and cfg.sync.transport == "tensor":
             _fail("sync.transport", "the tensor transport into an engine of several ranks fails on CPU (engine rank 1 "
                   "cannot open the bucket's shared-memory file); use sync.transport=distributed or rollout.engine_tp=1")

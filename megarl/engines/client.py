@@ -138,6 +138,15 @@ def decode_routed_experts(b64: str, num_tokens: int, model: ServedModel) -> np.n
     return flat.reshape(shape).astype(model.routing_dtype)
 
 
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A LoRA adapter loaded into the engine: the ``name`` requests give as ``lora_path``, and the
+    weight ``version`` its tokens carry."""
+
+    name: str
+    version: int
+
+
 def _model_versions(meta: dict, num_response: int) -> np.ndarray:
     """Per-token int32 versions from the engine's spans [{"version", "start", "end"}, ...]."""
     versions = np.zeros(num_response, dtype=np.int32)
@@ -162,6 +171,8 @@ class SGLangClient:
         self.model = model
         self._http = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(request_timeout_s, connect=10.0),
                                        headers=auth_headers(api_key))
+        # the LoRA adapter requests name (None: the base weights), set by megarl.sync.adapter
+        self.adapter: LoraAdapter | None = None
         # concurrent generate_batch calls go out as one request; a rejection is retried call by call
         self._batches = BatchCoalescer(self._generate_batch_now, isolate=_rejected_by_the_engine)
 
@@ -224,8 +235,10 @@ class SGLangClient:
             payload["sampling_logprobs_mode"] = "selected"
         if rid is not None:
             payload["rid"] = rid
+        adapter = self._name_adapter(payload)
         out = (await self._post("/generate", payload)).json()
-        return self._to_sample(list(prompt_ids), out, return_routed_experts, return_sampling_mask, group_id, episode_id)
+        return self._to_sample(list(prompt_ids), out, return_routed_experts, return_sampling_mask, group_id, episode_id,
+                               adapter)
 
     async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
                                      return_routed_experts: bool = True,
@@ -268,11 +281,20 @@ class SGLangClient:
         }
         if return_sampling_mask:
             payload["sampling_logprobs_mode"] = "selected"
+        adapter = self._name_adapter(payload)
         outs = (await self._post("/generate", payload)).json()
-        return [self._to_sample(p, out, return_routed_experts, return_sampling_mask, g, "")
+        return [self._to_sample(p, out, return_routed_experts, return_sampling_mask, g, "", adapter)
                 for p, out, g in zip(prompts, outs, group_ids)]
 
-    def _to_sample(self, prompt_ids, out, with_routing, with_mask, group_id, episode_id) -> RolloutSample:
+    def _name_adapter(self, payload: dict) -> LoraAdapter | None:
+        """Name the current adapter in a generate ``payload``; returns it (None: the base weights)."""
+        adapter = self.adapter
+        if adapter is not None:
+            payload["lora_path"] = adapter.name
+        return adapter
+
+    def _to_sample(self, prompt_ids, out, with_routing, with_mask, group_id, episode_id,
+                   adapter: LoraAdapter | None = None) -> RolloutSample:
         meta = out["meta_info"]
         response_ids = list(out["output_ids"])
         r = len(response_ids)
@@ -301,7 +323,10 @@ class SGLangClient:
             routing = decode_routed_experts(meta["routed_experts"], len(prompt_ids) + r, self.model)
         return RolloutSample(
             prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=np.ones(r, dtype=np.uint8),
-            rollout_logprobs=np.asarray(logprobs, dtype=np.float32), model_version=_model_versions(meta, r),
+            rollout_logprobs=np.asarray(logprobs, dtype=np.float32),
+            # a request keeps the adapter it named to its end: every token is that adapter's version
+            model_version=(_model_versions(meta, r) if adapter is None
+                           else np.full(r, adapter.version, dtype=np.int32)),
             routed_experts=routing, sampling_mask=mask, finish_reason=_FINISH_REASONS[finish["type"]],
             group_id=group_id, episode_id=episode_id,
         )
@@ -403,6 +428,14 @@ class SGLangClient:
         """Load an HF checkpoint directory."""
         await self._post("/update_weights_from_disk", {"model_path": str(model_path),
                                                        **_update_fields(weight_version, flush_cache)})
+
+    # --- LoRA adapters (engines started with --enable-lora; megarl.sync.adapter drives them) -------
+    async def load_lora_adapter(self, name: str, path: str | Path) -> None:
+        """Load the HF PEFT directory ``path`` as adapter ``name`` (requests then name it to use it)."""
+        await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._post("/unload_lora_adapter", {"lora_name": name})
 
     # --- memory release (colocated placement; megarl.pipeline.colocate drives it) ----------------
     async def memory_saver_enabled(self) -> bool:

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 
 from megarl.engines.client import ServedModel
+from megarl.models.lora import LoraSettings
 from megarl.parallel import free_port, rendezvous_host
 from megarl.platform import sglang_cpu
 
@@ -73,6 +74,8 @@ class EngineSettings:
     startup_timeout_s: float = 300.0
     stop_timeout_s: float = 20.0
     log_path: str | None = None
+    lora_max_rank: int = 0  # > 0: serve LoRA adapters up to this rank (SGLang --enable-lora)
+    lora_target_modules: tuple[str, ...] = ()  # the HF module names adapters may target (--lora-target-modules)
     extra_args: tuple[str, ...] = ()  # more launch_server flags, appended as given
     api_key: str | None = field(default=None, repr=False)
 
@@ -82,6 +85,9 @@ class EngineSettings:
         if not (Path(self.model_path) / "config.json").is_file():
             raise ValueError(f"model_path {self.model_path!r} has no config.json")
         self._check_parallelism()
+        if self.lora_max_rank < 0 or bool(self.lora_max_rank) != bool(self.lora_target_modules):
+            raise ValueError("LoRA serving needs lora_max_rank > 0 and lora_target_modules together, got "
+                             f"{self.lora_max_rank} and {self.lora_target_modules}")
 
     @property
     def attention_tp(self) -> int:
@@ -138,7 +144,15 @@ class EngineSettings:
         return cls(model_path=model_path, dtype=cfg.model.dtype, sampling_mask_max_tokens=max(r.top_k, 1),
                    max_total_tokens=r.max_total_tokens, prefix_cache=r.prefix_cache, random_seed=cfg.task.seed + index,
                    tp=r.engine_tp, ep=r.engine_ep, dp_attention=r.engine_dp_attention,
-                   weight_version=weight_version, log_path=str(Path(cfg.logging.run_dir) / f"engine-{index}.log"))
+                   weight_version=weight_version, log_path=str(Path(cfg.logging.run_dir) / f"engine-{index}.log"),
+                   **lora_serving(LoraSettings.from_config(cfg.lora)))
+
+
+def lora_serving(lora: LoraSettings | None) -> dict:
+    """The EngineSettings fields that serve ``lora``'s adapters: none for full weights or a merged sync."""
+    if lora is None or lora.sync != "adapter":
+        return {}
+    return {"lora_max_rank": lora.rank, "lora_target_modules": tuple(lora.hf_target_modules)}
 
 
 class SGLangEngine:
@@ -183,6 +197,11 @@ class SGLangEngine:
             # taken from the trainer and the other engines; it now waits on them (a request wakes it at once)
             cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
                     "--sleep-on-idle"]
+        if s.lora_max_rank:
+            cmd += ["--enable-lora", "--max-lora-rank", str(s.lora_max_rank),
+                    "--lora-target-modules", *s.lora_target_modules]
+            if self.device == "cpu":  # SGLang's default LoRA kernels are Triton's
+                cmd += ["--lora-backend", "torch_native"]
         if s.max_total_tokens is not None:
             cmd += ["--max-total-tokens", str(s.max_total_tokens)]
         if s.max_running_requests is not None:

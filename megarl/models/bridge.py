@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from megarl.models.lora import LoraSettings, apply_lora
 from megarl.parallel import Layout
 
 log = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
                          transformer_impl: str = "auto", dispatcher: str = "alltoall",
                          ddp_config=None, routing_replay: bool = False,
                          moe_aux_loss_coeff: float = 0.0, load_weights: bool = True, recompute: str = "none",
-                         recompute_num_layers: int | None = None) -> MegatronModel:
+                         recompute_num_layers: int | None = None, lora: LoraSettings | None = None) -> MegatronModel:
     """Build this rank's Megatron chunks for ``layout`` and load the HF weights into them.
 
     ``recompute``: megatron's activation recompute, ``none`` | ``selective`` (see
@@ -73,6 +74,8 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
     Call after :func:`megarl.trainer.distributed.init_rank`. With ``ddp_config`` the chunks are
     wrapped in megatron's DistributedDataParallel (for training); without, they are bare modules.
     ``load_weights=False`` builds the architecture only (for weights loaded from a Megatron checkpoint).
+    ``lora``: freeze the base and add LoRA adapters (:func:`megarl.models.lora.apply_lora`) after
+    the weights are loaded and before the DDP wrap, so DDP and the optimizer see the adapters only.
     """
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
@@ -106,6 +109,8 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
     for key, value in settings.items():
         setattr(provider, key, value)
     provider.finalize()
+    if lora is not None:
+        provider.register_pre_wrap_hook(lambda chunks: apply_lora(chunks, lora))  # after the bridge's weight load
     chunks = provider.provide_distributed_model(
         ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None,
         use_cpu_initialization=not torch.cuda.is_available(),
@@ -140,6 +145,22 @@ def export_hf_state(model: MegatronModel) -> dict[str, torch.Tensor]:
     """Full HF-named tensors gathered from every TP/PP/EP shard (every rank receives all)."""
     return {name: tensor.detach().cpu().clone()
             for name, tensor in model.bridge.export_hf_weights(model.chunks, cpu=True, show_progress=False)}
+
+
+def export_adapter_state(model: MegatronModel) -> dict[str, torch.Tensor]:
+    """The LoRA adapters in HF PEFT names (``...q_proj.lora_A.weight``), gathered from every shard
+    (collective; every rank receives all)."""
+    return {w.param_name: w.weight.detach().cpu().clone()
+            for w in model.bridge.export_adapter_weights(model.chunks, cpu=True, show_progress=False)}
+
+
+def save_hf_adapter(model: MegatronModel, lora: LoraSettings, out_dir: str | Path) -> Path:
+    """Write the LoRA adapters as an HF PEFT directory (``adapter_config.json`` +
+    ``adapter_model.safetensors``), what ``peft.PeftModel.from_pretrained`` and SGLang's
+    ``/load_lora_adapter`` read. Collective; rank 0 writes."""
+    out = Path(out_dir)
+    model.bridge.save_hf_adapter(model.chunks, str(out), peft_config=lora.peft(), show_progress=False)
+    return out
 
 
 def save_hf_checkpoint(model: MegatronModel, out_dir: str | Path) -> Path:

@@ -42,6 +42,7 @@ from megarl.engines.pool import EnginePool
 from megarl.engines.server import EngineSettings
 from megarl.metrics.gpu import GpuStats
 from megarl.metrics.sink import MetricsFile
+from megarl.models.lora import LoraSettings
 from megarl.parallel import Layout
 from megarl.pipeline.buffer import Group, RolloutBuffer
 from megarl.pipeline.colocate import Colocation, memory_saver_args
@@ -55,7 +56,7 @@ from megarl.rollout.env import EnvEpisodes, EpisodeLimits, make_env_factory
 from megarl.rollout.group import RolloutManager
 from megarl.rollout.teacher import TeacherScorer
 from megarl.sample import RolloutSample
-from megarl.sync import SyncSettings, WeightSync, WeightSyncError
+from megarl.sync import AdapterSync, SyncSettings, WeightSync, WeightSyncError
 from megarl.tasks.prompts import Prompt, make_prompt_source
 from megarl.tasks.rewards import make_reward
 from megarl.trainer.actor import TrainerGroup
@@ -87,7 +88,7 @@ class Pipeline:
     cfg: DictConfig
     trainer: TrainerGroup
     pool: EnginePool
-    sync: WeightSync
+    sync: WeightSync | AdapterSync
     buffer: RolloutBuffer
     producer: RolloutProducer
     ledger: Ledger
@@ -337,7 +338,9 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
                                            num_gpus=cfg.reward.judge.engine_tp if torch.cuda.is_available() else 0)
             stack.push_async_callback(judge_pool.aclose)
             judge = make_judge(cfg.reward.judge, judge_pool, tokenizer)
-        sync = WeightSync(SyncSettings.from_config(cfg.sync, r.engine_tp), trainer, pool.clients, initial_version=0)
+        lora = LoraSettings.from_config(cfg.lora)
+        sync_kind = AdapterSync if lora is not None and lora.sync == "adapter" else WeightSync
+        sync = sync_kind(SyncSettings.from_config(cfg.sync, r.engine_tp), trainer, pool.clients, initial_version=0)
         stack.push_async_callback(sync.close)
         await sync.setup()
         pause_mode = PAUSE_FOR_PARTIAL_ROLLOUT[cfg.buffer.partial_rollout]

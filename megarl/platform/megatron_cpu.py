@@ -296,6 +296,19 @@ def _bridge_imports_transformer_engine() -> None:
     )
 
 
+def _lora_takes_mocked_te_for_present() -> None:
+    """megatron-core's TE extension imports without TE and defines its classes over ``MagicMock``s
+    (its own ``HAVE_TE`` is then False); megatron-bridge's PEFT utilities ask only whether those
+    names imported, conclude that TE is present and test modules against the mocks (``TypeError:
+    isinstance() arg 2 must be a type, a tuple of types, or a union`` as a LoRA is applied). They
+    take megatron-core's answer instead."""
+    _install_source_patch(
+        "megatron.bridge.peft.utils",
+        "HAVE_TE = all(\n",
+        "HAVE_TE = __import__('megatron.core.extensions.transformer_engine', fromlist=['HAVE_TE']).HAVE_TE and all(\n",
+    )
+
+
 def _bridge_save_imports_modelopt() -> None:
     """``AutoBridge.save_hf_pretrained`` imports nvidia-modelopt unconditionally to ask whether the
     model is quantized (``ModuleNotFoundError: No module named 'modelopt'``); without modelopt it is not."""
@@ -379,6 +392,8 @@ def _thd_rope_loops_over_sequences() -> None:
 WORKAROUNDS = (
     Workaround("bridge_imports_transformer_engine", "No module named 'transformer_engine'",
                _bridge_imports_transformer_engine),
+    Workaround("lora_takes_mocked_te_for_present", "isinstance() arg 2 must be a type, a tuple of types, or a union",
+               _lora_takes_mocked_te_for_present),
     Workaround("bridge_save_imports_modelopt", "No module named 'modelopt'", _bridge_save_imports_modelopt),
     Workaround("cuda_rng_tracker_needs_cuda", "Found no NVIDIA driver on your system", _cuda_rng_tracker_needs_cuda),
     Workaround("cuda_streams_and_current_device", "CUDA driver version is insufficient",

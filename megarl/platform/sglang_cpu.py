@@ -32,6 +32,11 @@ tests use to show that each one is needed:
   native MoE forward (``moe_forward_native``) uses as an index. On CPU it runs SGLang's forward on
   the local (token, expert) pairs only and sums them per token, so each rank's MoE output is its
   local experts' share, which the all-reduce after the MoE block sums over the ranks.
+- ``lora_pinned_host_memory``: ``RuntimeError: Found no NVIDIA driver on your system`` (from
+  ``sglang/srt/lora/layers.py`` as ``--enable-lora`` builds its layers). SGLang's LoRA code pins its
+  host-side index and weight tensors (``pin_memory=True``, ``Tensor.pin_memory()``) unconditionally;
+  pinning needs a CUDA driver. Without one, pinned host memory is plain host memory: torch's
+  factories that SGLang calls with ``pin_memory`` ignore it and ``Tensor.pin_memory`` returns the tensor.
 - ``per_request_attention``: not an error but the rollout's time: SGLang's torch-native attention
   backend (the CPU path's) calls SDPA once per request and layer in a Python loop; the demo's 512
   short requests spend most of a rollout there. :mod:`megarl.platform.sglang_cpu_attention` does the
@@ -203,6 +208,25 @@ def _skip_non_local_experts() -> None:
     fused_moe_native.moe_forward_native = moe_forward_native
 
 
+_PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "full", "arange")
+
+
+def _pin_host_memory_as_plain_memory() -> None:
+    import functools
+
+    import torch
+
+    def unpinned(factory):
+        @functools.wraps(factory)
+        def create(*args, pin_memory=False, **kwargs):
+            return factory(*args, **kwargs)
+        return create
+
+    for name in _PINNING_FACTORIES:
+        setattr(torch, name, unpinned(getattr(torch, name)))
+    torch.Tensor.pin_memory = lambda self, device=None: self
+
+
 def _batch_attention() -> None:
     from megarl.platform import sglang_cpu_attention
 
@@ -218,6 +242,8 @@ WORKAROUNDS = (
     Workaround("tp_group_pynccl", "ValueError: Expected a cuda device, but got: cpu", _create_groups_without_pynccl),
     Workaround("ep_non_local_experts", "RuntimeError: index -1 is out of bounds for dimension 1",
                _skip_non_local_experts),
+    Workaround("lora_pinned_host_memory", "RuntimeError: Found no NVIDIA driver on your system",
+               _pin_host_memory_as_plain_memory),
     Workaround("per_request_attention", "one SDPA call per request and layer (SGLang's torch-native loop)",
                _batch_attention),
 )

@@ -46,7 +46,7 @@ class TrainerRank:
         self.trainable = build_trainable(hf_path, self.layout, optimizer, transformer_impl=model.transformer_impl,
                                          dispatcher=model.dispatcher, routing_replay=model.routing_replay,
                                          moe_aux_loss_coeff=model.moe_aux_loss_coeff, recompute=model.recompute,
-                                         recompute_num_layers=model.recompute_num_layers)
+                                         recompute_num_layers=model.recompute_num_layers, lora=model.lora)
         self.reference = ReferenceWeights(self.trainable.chunks) if model.reference else None
         return sum(p.numel() for chunk in self.trainable.chunks for p in chunk.parameters())
 
@@ -85,6 +85,14 @@ class TrainerRank:
         from megarl.models.bridge import save_hf_checkpoint
 
         return str(save_hf_checkpoint(self.trainable.model, out_dir))
+
+    def save_hf_adapter(self, out_dir: str) -> str:
+        """Write the LoRA adapters as an HF PEFT directory at ``out_dir`` (all ranks take part)."""
+        from megarl.models.bridge import save_hf_adapter
+
+        if self.trainable.lora is None:
+            raise ValueError("the model has no LoRA adapters (lora.enabled is false)")
+        return str(save_hf_adapter(self.trainable.model, self.trainable.lora, out_dir))
 
     def save_checkpoint(self, root: str, step: int, data_position: dict) -> str:
         """Save model, optimizer, scheduler and RNG at ``step`` with the driver's data position (collective)."""
@@ -217,6 +225,10 @@ class TrainerGroup:
     async def save_hf(self, out_dir: str) -> str:
         """The model as an HF checkpoint at ``out_dir``; its path."""
         return await self._call("save_hf", out_dir)
+
+    async def save_hf_adapter(self, out_dir: str) -> str:
+        """The LoRA adapters as an HF PEFT directory at ``out_dir``; its path."""
+        return await self._call("save_hf_adapter", out_dir)
 
     # --- weight sync (megarl.sync.trainer_side.WeightSyncTrainer): every rank's result, rank order ---
     async def weight_sync_address(self) -> list[dict | None]:

@@ -3,7 +3,9 @@
 A checkpoint holds the model chunks, the DistributedOptimizer state (sharded per parameter, so
 it reshards across TP/PP/EP/DP layouts), the LR schedule, every RNG (python, numpy, torch CPU,
 CUDA when present, megatron's RNG tracker), the step and the caller's data position (a small
-dict of ints, floats, strings, e.g. ``{"consumed_prompts": 512, "rng_seed": 7}``).
+dict of ints, floats, strings, e.g. ``{"consumed_prompts": 512, "rng_seed": 7}``). A LoRA model's
+checkpoint holds its adapters (and their optimizer state) only; the base is rebuilt from its HF
+checkpoint.
 
 Layout on disk, under a root directory::
 
@@ -29,6 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
+
+from megarl.models.lora import is_adapter_key
 
 log = logging.getLogger(__name__)
 
@@ -137,8 +141,8 @@ def load_checkpoint(root: str | Path, trainable, step: int | None = None) -> Res
     try:
         loaded = dist_checkpointing.load(state, str(path),
                                          sharded_strategy=get_default_load_sharded_strategy(str(path)))
-        for index, module in enumerate(_modules(trainable)):
-            module.load_state_dict(loaded[_model_key(trainable, index)])
+        for index, module in enumerate(_modules(trainable)):  # a LoRA model's base stays as built
+            module.load_state_dict(loaded[_model_key(trainable, index)], strict=trainable.lora is None)
         optimizer.load(loaded["optimizer"], saved["optimizer"])
         trainable.scheduler.load_state_dict(loaded["scheduler"])
     except _READ_ERRORS as exc:
@@ -203,8 +207,12 @@ def _modules(trainable) -> list:
 
 
 def _model_state(trainable) -> dict:
-    """The model chunks' sharded state dicts ("model", or "model0", "model1", ... with virtual stages)."""
-    return {_model_key(trainable, i): module.sharded_state_dict() for i, module in enumerate(_modules(trainable))}
+    """The model chunks' sharded state dicts ("model", or "model0", "model1", ... with virtual stages);
+    with LoRA only the adapters' (the frozen base is the HF checkpoint the run started from)."""
+    states = {_model_key(trainable, i): module.sharded_state_dict() for i, module in enumerate(_modules(trainable))}
+    if trainable.lora is not None:
+        states = {key: {k: v for k, v in state.items() if is_adapter_key(k)} for key, state in states.items()}
+    return states
 
 
 class _OptimizerState:
@@ -274,6 +282,8 @@ def _model_signature(trainable) -> dict:
     config = get_model_config(trainable.chunks[0])
     signature = {name: getattr(config, name, None) for name in MODEL_FIELDS}
     signature["vocab_size"] = _modules(trainable)[0].vocab_size
+    lora = trainable.lora
+    signature["lora"] = None if lora is None else f"rank {lora.rank}, alpha {lora.alpha}, {list(lora.target_modules)}"
     return signature
 
 

@@ -1,0 +1,114 @@
+"""LoRA adapters on the Megatron model through megatron-bridge's PEFT (``megatron.bridge.peft.lora.LoRA``).
+
+The base weights are frozen (``requires_grad=False``: the DDP grad buffers and the optimizer hold
+the adapters only); each targeted linear gets ``W x + (alpha / rank) * B(A(x))`` with ``A``
+xavier-initialised and ``B`` zero, so a fresh adapter leaves the model's outputs unchanged.
+Adapters export in HF PEFT names (``...q_proj.lora_A.weight``; the bridge splits ``linear_qkv``'s
+``B`` into q/k/v and repeats its ``A``), which is what SGLang's ``--enable-lora`` serves.
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Iterable
+
+# Megatron GPT linear names a LoRA can target -> the HF module names of the same weights (what
+# SGLang's --lora-target-modules and a PEFT adapter_config.json name). The router is targetable but
+# left out of the defaults (its LoRA changes routing; SGLang serves no adapter on the gate).
+MEGATRON_TO_HF = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+    "linear_q_proj": ("q_proj",),
+    "linear_q_down_proj": ("q_a_proj",),
+    "linear_q_up_proj": ("q_b_proj",),
+    "linear_kv_down_proj": ("kv_a_proj_with_mqa",),
+    "linear_kv_up_proj": ("kv_b_proj",),
+    "router": ("gate",),
+}
+EXPERT_TARGETS = ("linear_fc1", "linear_fc2")  # in an MoE layer these are the routed (and shared) experts'
+SYNC_MODES = ("adapter", "merged")
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """rank: the adapters' rank (> 0). alpha: the scale numerator (output scale alpha / rank).
+    dropout: on the adapter's input, in training. target_modules: Megatron linear names
+    (:data:`MEGATRON_TO_HF`), optionally as fnmatch patterns over the full module name
+    (``*.layers.0.*.linear_qkv``). sync: ``adapter`` (engines load each version as a new adapter)
+    | ``merged`` (the base with the adapters merged, through ``sync.transport``). Built from the
+    config's ``lora`` section (:meth:`from_config`; the schema holds the defaults)."""
+
+    rank: int
+    alpha: int
+    dropout: float
+    target_modules: tuple[str, ...]
+    sync: str
+
+    def __post_init__(self):
+        if self.rank <= 0:
+            raise ValueError(f"lora.rank must be > 0, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ValueError("lora.target_modules is empty: name at least one of " + ", ".join(MEGATRON_TO_HF))
+        unknown = [t for t in self.target_modules if _leaf(t) not in MEGATRON_TO_HF]
+        if unknown:
+            raise ValueError(f"lora.target_modules: {unknown} are not Megatron linear names; known: "
+                             + ", ".join(MEGATRON_TO_HF))
+        if self.sync not in SYNC_MODES:
+            raise ValueError(f"lora.sync={self.sync!r}: one of {', '.join(SYNC_MODES)}")
+
+    @classmethod
+    def from_config(cls, lora) -> LoraSettings | None:
+        """The settings of a config's ``lora`` section (``cfg.lora``), None when it is not enabled."""
+        if not lora.enabled:
+            return None
+        return cls(rank=int(lora.rank), alpha=int(lora.alpha), dropout=float(lora.dropout),
+                   target_modules=tuple(lora.target_modules), sync=str(lora.sync))
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    @property
+    def hf_target_modules(self) -> list[str]:
+        """The HF module names of the targets (SGLang's ``--lora-target-modules``), sorted."""
+        return sorted({hf for t in self.target_modules for hf in MEGATRON_TO_HF[_leaf(t)]})
+
+    @property
+    def targets_experts(self) -> bool:
+        return any(_leaf(t) in EXPERT_TARGETS for t in self.target_modules)
+
+    def peft(self):
+        """megatron-bridge's ``LoRA`` for these settings (one adapter per expert on local experts)."""
+        from megatron.bridge.peft.lora import LoRA
+
+        return LoRA(target_modules=list(self.target_modules), dim=self.rank, alpha=self.alpha, dropout=self.dropout)
+
+
+def _leaf(target: str) -> str:
+    return target.rsplit(".", 1)[-1]
+
+
+def unmatched_targets(targets: Iterable[str], module_names: Iterable[str]) -> list[str]:
+    """The targets that name no module of ``module_names`` (full dotted names), as megatron-bridge's
+    matcher matches them: the leaf name equal, or the pattern matching the full name."""
+    names = list(module_names)
+    return [t for t in targets
+            if not any(n.rsplit(".", 1)[-1] == t or fnmatch.fnmatch(n, t) for n in names)]
+
+
+def apply_lora(chunks: list, settings: LoraSettings) -> list:
+    """Freeze ``chunks`` (bare Megatron modules, before DDP) and add adapters to the targets.
+    Raises ValueError naming targets that match no module of the model."""
+    missing = unmatched_targets(settings.target_modules, (n for c in chunks for n, _ in c.named_modules()))
+    if missing:
+        raise ValueError(f"lora.target_modules: {missing} match no module of this model")
+    return settings.peft()(chunks, training=True)
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a parameter / state-dict key belongs to an adapter (megatron-bridge names them ``*.adapter.*``)."""
+    return ".adapter." in key or key.startswith("adapter.")
