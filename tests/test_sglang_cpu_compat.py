@@ -32,6 +32,14 @@ SCENARIOS = {
         "cache = BaseHostCache(num_tokens=16, num_layers=2, topk_size=2, name='routed_experts', device='cpu')\n"
         "assert tuple(cache.buffer.shape) == (16, 2, 2)\n"
     ),
+    # What --enable-lora does to each column-parallel layer it wraps (its host-side offsets are pinned)
+    "lora_pinned_host_memory": (
+        "import torch\n"
+        "from sglang.srt.lora.layers import ColumnParallelLinearWithLoRA\n"
+        "base = torch.nn.Linear(8, 8)\n"
+        "base.output_partition_sizes = [8]\n"
+        "assert ColumnParallelLinearWithLoRA(base, None).output_offset_cpu.tolist() == [0, 8]\n"
+    ),
     # The CPU MoE forward of each EP2 rank, given the local expert ids its StandardDispatcher makes
     # (-1 for the other rank's experts): the ranks' outputs sum to the EP1 output.
     "ep_non_local_experts": (
