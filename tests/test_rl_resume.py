@@ -1,6 +1,8 @@
 """The async driver killed and resumed: SIGKILL mid-run (the rerun resumes from the last periodic
 checkpoint), then SIGTERM (checkpoint after the step in progress, exit 0). Step numbers continue, no
-prompt is trained twice in the run's lineage, and the sample ledger carries over."""
+prompt is trained twice in the run's lineage, and the sample ledger carries over. Once with full
+weights (the demo), once with LoRA adapters synced alone (tiny_moe_lora_cpu): its checkpoints hold
+adapters only, and the resumed engine gets the checkpoint's adapter before it generates."""
 import json
 import os
 import re
@@ -12,14 +14,15 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from megarl.metrics.sink import read_metrics
 
 STEPS = 8
 
 
-def command(tmp_path: Path) -> list[str]:
-    return [sys.executable, "-m", "megarl.train", "recipe=tiny_moe_cpu", f"steps={STEPS}", "trainer.save_interval=2",
+def command(tmp_path: Path, recipe: str) -> list[str]:
+    return [sys.executable, "-m", "megarl.train", f"recipe={recipe}", f"steps={STEPS}", "trainer.save_interval=2",
             "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "warmup.steps=30",
             f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'warm'}",
             f"logging.run_dir={tmp_path / 'run'}"]
@@ -42,12 +45,12 @@ def engine_processes(tmp_path: Path) -> list[psutil.Process]:
     return found
 
 
-def run_until(tmp_path: Path, last_step: int, sig: signal.Signals) -> subprocess.CompletedProcess:
+def run_until(tmp_path: Path, recipe: str, last_step: int, sig: signal.Signals) -> subprocess.CompletedProcess:
     """Start the driver, send ``sig`` once step ``last_step`` is in metrics.jsonl, wait for it."""
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     started = time.time()
     with open(tmp_path / "driver.log", "ab") as out:
-        proc = subprocess.Popen(command(tmp_path), stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(command(tmp_path, recipe), stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 400
         while (max(rl_steps(tmp_path / "run", started), default=0) < last_step and proc.poll() is None
                and time.monotonic() < deadline):
@@ -58,12 +61,13 @@ def run_until(tmp_path: Path, last_step: int, sig: signal.Signals) -> subprocess
     return proc
 
 
-def test_killed_and_terminated_runs_resume_without_training_a_prompt_twice(tmp_path, warmed_up):
+@pytest.mark.parametrize("recipe", ["tiny_moe_cpu", "tiny_moe_lora_cpu"])
+def test_killed_and_terminated_runs_resume_without_training_a_prompt_twice(recipe, tmp_path, warmed_up):
     run = tmp_path / "run"
     # the session's warm-up (tests/conftest.py), copied: this test's servers are those serving tmp_path / "warm"
     shutil.copytree(warmed_up.base, tmp_path / "base")
     shutil.copytree(warmed_up.warm, tmp_path / "warm")
-    killed = run_until(tmp_path, 3, signal.SIGKILL)
+    killed = run_until(tmp_path, recipe, 3, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
     # the periodic checkpoint before the kill (2), or the next one (4): the trainer rank is a Ray actor,
     # which can finish writing a checkpoint it had begun after its driver died
@@ -74,7 +78,7 @@ def test_killed_and_terminated_runs_resume_without_training_a_prompt_twice(tmp_p
         time.sleep(0.5)
     assert not engine_processes(tmp_path), "the SGLang server outlived its killed driver"
 
-    terminated = run_until(tmp_path, 4, signal.SIGTERM)  # resumes at 3, then SIGTERM: checkpoint and exit
+    terminated = run_until(tmp_path, recipe, 4, signal.SIGTERM)  # resumes at 3, then SIGTERM: checkpoint and exit
     assert terminated.returncode == 0, (tmp_path / "driver.log").read_text()[-3000:]
     stopped_at = int((run / "checkpoints" / "latest").read_text())
     assert 4 <= stopped_at <= STEPS
@@ -90,3 +94,12 @@ def test_killed_and_terminated_runs_resume_without_training_a_prompt_twice(tmp_p
     resumed = re.search(r"resuming at step (\d+)", driver_log)
     assert resumed and int(resumed.group(1)) in (2, 4), driver_log[-3000:]
     assert f"stopped by SIGTERM after step {stopped_at}" in driver_log
+    if recipe == "tiny_moe_lora_cpu":
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from megarl.trainer.checkpoint import step_dir
+
+        keys = FileSystemReader(str(step_dir(run / "checkpoints", stopped_at))).read_metadata().state_dict_metadata
+        weights = [k for k in keys if not k.startswith(("optimizer.", "rng_state", "common_state"))]
+        assert weights and all(".adapter." in k for k in weights), weights[:5]
+        assert f"adapters of version {resumed.group(1)} synced" in driver_log  # before the resumed run generates

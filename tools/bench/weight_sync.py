@@ -14,6 +14,9 @@ uses. Measured, each as GB/s of model bytes:
   idle / in_flight     distributed 256 MiB syncs, alternating: on an idle engine, and with a
                        generation load running on it (requests in flight at the pause, resumed
                        after the sync), in ``--pause-mode`` (retract: the async driver's default)
+  lora                 adapter-only syncs (megarl.sync.AdapterSync) of a rank ``--lora-rank`` LoRA
+                       on the attention projections of the same model, into an engine started with
+                       LoRA serving (SGLang's CPU path serves no expert adapters)
 
 The machine may be shared: every sync runs ``--repeats`` times (the best counts) and the two
 limits are measured before and after the syncs (the better counts), so a burst of foreign load
@@ -22,10 +25,12 @@ does not decide a ratio.
 Top level: ``speedup_vs_per_tensor`` (best bucketed distributed / per-tensor),
 ``fraction_of_transport_limit`` (best bucketed distributed / raw broadcast),
 ``fraction_of_memcpy_colocated`` (tensor / memcpy), and ``sync_seconds_idle``,
-``sync_seconds_in_flight`` (best of ``--repeats`` each) and their ratio ``in_flight_over_idle``.
+``sync_seconds_in_flight`` (best of ``--repeats`` each) and their ratio ``in_flight_over_idle``;
+``lora_sync_seconds`` beside ``full_sync_seconds`` (the best bucketed distributed sync), their ratio
+``lora_over_full_seconds`` and ``lora_bytes_fraction`` (adapter bytes / model bytes).
 
 Usage: python tools/bench/weight_sync.py --json FILE [--layers 4 --experts 64 --hidden 1024 --moe-ffn 768
-       --repeats 2 --pause-mode retract]
+       --repeats 2 --pause-mode retract --lora-rank 16]
 """
 from __future__ import annotations
 
@@ -113,6 +118,21 @@ class LocalTrainer:
 
     async def weight_sync_abort(self) -> list:
         return await self._run(self.rank_sync.abort)
+
+
+class LocalAdapterTrainer:
+    """What megarl.sync.AdapterSync needs from a trainer, over one in-process LoRA model."""
+
+    def __init__(self, model, lora):
+        self.model, self.lora = model, lora
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+
+    async def save_hf_adapter(self, out_dir: str) -> str:
+        from megarl.models.bridge import save_hf_adapter
+
+        path = await asyncio.get_running_loop().run_in_executor(self.pool, save_hf_adapter, self.model, self.lora,
+                                                                 out_dir)
+        return str(path)
 
 
 def memcpy_gbps(nbytes: int) -> float:
@@ -240,6 +260,24 @@ async def run_in_flight(trainer, engine, work_dir: Path, repeats: int, mode: str
             "requests_across_syncs": across}
 
 
+async def run_lora_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
+    from megarl.engines.client import PauseMode, SGLangClient
+    from megarl.sync import AdapterSync
+
+    async with SGLangClient(engine.url, engine.model, request_timeout_s=1800) as client:
+        sync = AdapterSync(_settings("disk", 0, work_dir), trainer, [client])
+        reports = []
+        for version in range(1, repeats + 1):
+            reports.append(await sync.update(version, PauseMode.ABORT))
+            assert await client.weight_version() == version
+        await sync.close()
+    best = min(reports, key=lambda r: r.total_s)
+    log.info("lora: %.3f s for %.2f MB (best of %s)", best.total_s, best.bytes / 1e6,
+             [round(r.total_s, 3) for r in reports])
+    return {"seconds": best.total_s, "bytes": best.bytes, "export_s": best.gather_s, "load_s": best.load_s,
+            "all_seconds": [r.total_s for r in reports]}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", required=True)
@@ -250,6 +288,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--pause-mode", default="retract", choices=("abort", "retract", "in_place"),
                         help="pause of the idle / in-flight syncs")
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of the adapter-only syncs' LoRA")
     args = parser.parse_args(argv)
 
     from megarl.log import setup_logging
@@ -258,8 +297,9 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from megarl.engines.server import EngineSettings, SGLangEngine
+    from megarl.engines.server import EngineSettings, SGLangEngine, lora_serving
     from megarl.models.bridge import build_megatron_model
+    from megarl.models.lora import LoraSettings
     from megarl.parallel import Layout, free_port
     from megarl.sync.rank import RankSync
     from megarl.trainer.distributed import init_rank
@@ -284,6 +324,20 @@ def main(argv=None) -> int:
                                                              args.pause_mode, version=100))
         finally:
             engine.stop()
+        del model, trainer
+        lora = LoraSettings(rank=args.lora_rank, alpha=2 * args.lora_rank, dropout=0.0,
+                            target_modules=("linear_qkv", "linear_proj"), sync="adapter")
+        lora_model = build_megatron_model(tmp / "model", Layout(), dtype="bfloat16", transformer_impl="local",
+                                          lora=lora)
+        engine = SGLangEngine(EngineSettings(model_path=str(tmp / "model"), dtype="bfloat16", max_total_tokens=512,
+                                             startup_timeout_s=900, log_path=str(tmp / "server_lora.log"),
+                                             **lora_serving(lora)))
+        engine.start()
+        try:
+            results["lora"] = asyncio.run(run_lora_syncs(LocalAdapterTrainer(lora_model, lora), engine, tmp / "lora",
+                                                         args.repeats))
+        finally:
+            engine.stop()
         results["memcpy_gbps_runs"].append(memcpy_gbps(nbytes))
         results["raw_broadcast_gbps_runs"].append(raw_broadcast_gbps(nbytes))
     results["memcpy_gbps"] = max(results["memcpy_gbps_runs"])
@@ -298,8 +352,12 @@ def main(argv=None) -> int:
     results["sync_seconds_idle"] = min(results["in_flight"]["seconds_idle"])
     results["sync_seconds_in_flight"] = min(results["in_flight"]["seconds_in_flight"])
     results["in_flight_over_idle"] = results["sync_seconds_in_flight"] / results["sync_seconds_idle"]
+    results["full_sync_seconds"] = min(v["seconds"] for k, v in syncs.items() if k.endswith("mb"))
+    results["lora_sync_seconds"] = results["lora"]["seconds"]
+    results["lora_over_full_seconds"] = results["lora_sync_seconds"] / results["full_sync_seconds"]
+    results["lora_bytes_fraction"] = results["lora"]["bytes"] / nbytes
     Path(args.json).write_text(json.dumps(results, indent=2))
-    print(json.dumps({k: v for k, v in results.items() if k not in ("syncs", "in_flight")}, indent=2))
+    print(json.dumps({k: v for k, v in results.items() if k not in ("syncs", "in_flight", "lora")}, indent=2))
     return 0
 
 
