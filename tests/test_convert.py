@@ -2,8 +2,12 @@
 
 HF -> torch_dist under TP2 x EP2 (2 processes) -> HF in one process is bit-exact and written in
 size-bounded shards; --verify matches HF transformers' logits and fails on a checkpoint whose
-experts are swapped; bad inputs fail with one line naming them.
+experts are swapped; bad inputs fail with one line naming them. A LoRA run's trainer checkpoint
+(adapters only) converts to a PEFT directory equal to the one the trainer writes, and with --merge
+to the base with the adapters merged, as computed by hand from that PEFT directory.
 """
+import asyncio
+import importlib.util
 import json
 import os
 import shutil
@@ -15,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from megarl.models.lora import LoraSettings
 from megarl.parallel import Layout
 from megarl.trainer import convert
 
@@ -26,6 +31,14 @@ def cli(*args) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "tools/convert_checkpoint.py", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
+
+
+def main(argv: list[str]) -> int:
+    """tools/convert_checkpoint.py's main in this process (its ranks join the module's Ray cluster)."""
+    spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "tools" / "convert_checkpoint.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
 
 
 def printed(result: subprocess.CompletedProcess, key: str) -> dict:
@@ -128,3 +141,102 @@ def test_checkpoint_of_another_model(megatron_checkpoint, tmp_path):
     with pytest.raises(convert.ConversionError, match="num_layers: checkpoint 2 vs HF 3") as error:
         convert.verify(megatron_checkpoint[0], three_layers, Layout())
     assert "\n" not in str(error.value)
+
+
+# ---------------------------------------------------------------- LoRA: a trainer checkpoint holding adapters only
+
+@pytest.fixture(scope="module")
+def lora_run(ray_local, tiny_checkpoint, tmp_path_factory) -> Path:
+    """A LoRA run's directory: its trainer checkpoint (``checkpoints``, after an RL step at lr 2e-2 that
+    moves rank-8 adapters on the attention projections), its ``config.yaml`` (the tiny LoRA recipe's, as
+    megarl.train writes it) and, the reference, the PEFT directory the trainer itself wrote (``adapter``)."""
+    from lora_runs import ATTENTION, trained_group
+    from omegaconf import OmegaConf
+
+    from megarl.config import load_config
+
+    root = tmp_path_factory.mktemp("lora_run")
+    group = trained_group(Layout(), tiny_checkpoint, ATTENTION, steps=1)
+    try:
+        asyncio.run(group.save_checkpoint(str(root / "checkpoints"), 1, {}))
+        asyncio.run(group.save_hf_adapter(str(root / "adapter")))
+    finally:
+        group.shutdown()
+    cfg = load_config(["recipe=tiny_moe_lora_cpu", f"model.hf_path={tiny_checkpoint}"])
+    assert LoraSettings.from_config(cfg.lora) == ATTENTION
+    (root / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    return root
+
+
+def test_lora_checkpoint_to_peft_equals_the_trainers_adapter(lora_run, tiny_checkpoint, tmp_path, capsys):
+    from lora_runs import read_adapter
+
+    out = tmp_path / "peft"
+    assert main(["to-hf", "--megatron", str(lora_run / "checkpoints"), "--hf", tiny_checkpoint, "--out", str(out),
+                 "--config", str(lora_run / "config.yaml")]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    config, written = read_adapter(out)
+    reference_config, reference = read_adapter(lora_run / "adapter")
+    assert config == reference_config and sorted(written) == sorted(reference)
+    assert all(torch.equal(written[k], reference[k]) for k in reference)
+    assert any(reference[k].abs().sum() > 0 for k in reference if ".lora_B." in k), "the adapters never moved"
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["shards"]
+    assert report["files"] == ["adapter_model.safetensors"] and report["tensors"] == len(reference)
+
+
+def test_lora_checkpoint_merged_equals_base_plus_scaled_adapter(lora_run, tiny_checkpoint, tmp_path, capsys):
+    from lora_runs import merged_by_hand
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "merged"
+    assert main(["to-hf", "--megatron", str(lora_run / "checkpoints"), "--hf", tiny_checkpoint, "--out", str(out),
+                 "--lora-rank", "8", "--lora-alpha", "16", "--lora-targets", "linear_qkv,linear_proj",
+                 "--merge", "--verify"]) == 0
+    expected, base = merged_by_hand(tiny_checkpoint, lora_run / "adapter"), hf_tensors(Path(tiny_checkpoint))
+    written = hf_tensors(out)
+    assert sorted(written) == sorted(expected)
+    for key, tensor in expected.items():
+        torch.testing.assert_close(written[key], tensor, atol=1e-6, rtol=0, msg=key)
+    assert not torch.equal(written["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"]), "nothing was merged"
+    assert all(torch.equal(written[k], base[k]) for k in base if "self_attn" not in k or "norm" in k)
+    verified = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["verify"]
+    assert verified["passed"] and verified["max_abs_diff"] < 1e-4  # transformers' logits = the Megatron model's
+    _, loading = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not any(loading.values()), loading  # every tensor used, none missing
+
+
+@pytest.mark.parametrize("settings, message", [
+    ([], "holds LoRA adapters only (rank 8, alpha 16, ['linear_qkv', 'linear_proj']): give their settings, "
+         "--config RUN_DIR/config.yaml or --lora-rank/--lora-alpha/--lora-targets, and as --hf the base model "
+         "they were trained on"),
+    (["--merge"], "holds LoRA adapters only (rank 8, alpha 16"),
+    (["--lora-rank", "8"], "--lora-alpha, --lora-targets missing: the LoRA settings need all of --lora-rank, "
+                           "--lora-alpha, --lora-targets"),
+    (["--lora-rank", "8", "--lora-alpha", "32", "--lora-targets", "linear_qkv,linear_proj"],
+     "holds adapters of rank 8, alpha 16, ['linear_qkv', 'linear_proj'], the LoRA settings given are rank 8, "
+     "alpha 32, ['linear_qkv', 'linear_proj']"),
+    (["--lora-rank", "8", "--lora-alpha", "16", "--lora-targets", "linear_q"], "not Megatron linear names"),
+    (["--config", "RUN/config.yaml", "--verify"], "verify the adapters with --merge"),
+])
+def test_lora_checkpoint_with_missing_or_wrong_settings_fails_before_any_rank_starts(
+        lora_run, tiny_checkpoint, tmp_path, capsys, settings, message):
+    settings = [a.replace("RUN", str(lora_run)) for a in settings]
+    out = tmp_path / "out"
+    assert main(["to-hf", "--megatron", str(lora_run / "checkpoints"), "--hf", tiny_checkpoint, "--out", str(out),
+                 *settings]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: ") and message in line, line
+    assert not out.exists()
+
+
+def test_lora_options_on_a_full_checkpoint_and_verify_of_adapters_are_refused(megatron_checkpoint, lora_run,
+                                                                               tiny_checkpoint, tmp_path):
+    from lora_runs import ATTENTION
+
+    with pytest.raises(convert.ConversionError, match="holds a full model, no LoRA adapters to merge"):
+        convert.to_hf(megatron_checkpoint[0], tiny_checkpoint, tmp_path / "out", Layout(), merge=True)
+    with pytest.raises(convert.ConversionError, match="holds a full model, not LoRA adapters: drop the LoRA settings"):
+        convert.to_hf(megatron_checkpoint[0], tiny_checkpoint, tmp_path / "out", Layout(), lora=ATTENTION)
+    with pytest.raises(convert.ConversionError, match="holds LoRA adapters only: verify them with to-hf --merge"):
+        convert.verify(lora_run / "checkpoints", tiny_checkpoint, Layout())

@@ -6,6 +6,7 @@ bytes per sync are the adapter's, checkpoints hold adapters only and restore the
 settings fail before anything starts.
 """
 import asyncio
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -13,9 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_oracle import load_hf, make_samples, router_topk, sharpened_checkpoint
+from hf_oracle import load_hf, router_topk, sharpened_checkpoint
+from lora_runs import ATTENTION, merged_by_hand, read_adapter, trained_group
 
-from megarl.config import ConfigError, default_config, load_config
+from megarl.config import ConfigError, load_config
 from megarl.config.validate import refuse_what_is_not_built
 from megarl.engines.client import PauseMode, SamplingParams, SGLangClient
 from megarl.engines.server import EngineSettings, SGLangEngine, lora_serving
@@ -26,7 +28,6 @@ from megarl.sync import AdapterSync, SyncSettings, WeightSyncError
 LM_HEAD_SCALE = 25.0  # no near-ties in greedy decoding
 NEW_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-4
-ATTENTION = LoraSettings(rank=8, alpha=16, dropout=0.0, target_modules=("linear_qkv", "linear_proj"), sync="adapter")
 LAYOUTS = {
     "single": Layout(),
     "tp2_sp": Layout(world_size=2, tp=2, sequence_parallel=True),
@@ -68,44 +69,10 @@ def prompt(checkpoint):
     return AutoTokenizer.from_pretrained(checkpoint).encode("3+4=")
 
 
-def trained_group(layout: Layout, checkpoint: str, lora: LoraSettings = ATTENTION, steps: int = 2):
-    """A LoRA TrainerGroup under ``layout`` after ``steps`` RL steps at lr 2e-2 (the adapters move visibly)."""
-    from megarl.config.schema import AlgorithmConfig
-    from megarl.trainer.actor import TrainerGroup
-    from megarl.trainer.model_setup import ModelSettings
-    from megarl.trainer.optimizer import OptimizerSettings
-    from megarl.trainer.rl_batch import build_rl_batch
-
-    group = TrainerGroup(layout)
-    model = ModelSettings("local", "alltoall", routing_replay=False, recompute="none", recompute_num_layers=None,
-                          moe_aux_loss_coeff=0.0, reference=False, lora=lora)
-    asyncio.run(group.build(checkpoint, OptimizerSettings.from_config(default_config(), lr=2e-2), model))
-    hf = load_hf(checkpoint)
-    for step in range(steps):
-        batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=step))
-        asyncio.run(group.rl_step(batch, AlgorithmConfig(), vocab_size=hf.config.vocab_size,
-                                  max_tokens_per_microbatch=32, keep_routing=False,
-                                  sequence_parallel=layout.sequence_parallel))
-    return group
 
 
-def read_adapter(path: Path) -> tuple[dict, dict]:
-    from safetensors.torch import load_file
-
-    return json.loads((path / "adapter_config.json").read_text()), load_file(path / "adapter_model.safetensors")
 
 
-def merged_by_hand(checkpoint: str, adapter_dir: Path) -> dict:
-    """The base checkpoint's tensors with each PEFT pair merged: W + alpha / r * B @ A."""
-    from safetensors.torch import load_file
-
-    config, tensors = read_adapter(adapter_dir)
-    weights = load_file(Path(checkpoint) / "model.safetensors")
-    scale = config["lora_alpha"] / config["r"]
-    for name in [n for n in tensors if ".lora_A." in n]:
-        target = name.removeprefix("base_model.model.").replace(".lora_A.weight", ".weight")
-        weights[target] = weights[target] + scale * tensors[name.replace("lora_A", "lora_B")] @ tensors[name]
-    return weights
 
 
 def hf_with(checkpoint: str, weights: dict, tmp_path: Path):
@@ -193,6 +160,46 @@ def test_synced_adapter_equals_hf_with_the_adapter_merged(name, ray_cluster, eng
     assert report.transport == "adapter" and report.bytes < model_bytes / 20
     print(f"\n[measured] {name}: adapter sync {report.bytes / 1e3:.1f} kB ({report.bytes / model_bytes:.4f} of the "
           f"{model_bytes / 1e6:.2f} MB model) in {report.total_s:.2f} s; max |engine - HF| log-prob {diff:.1e}")
+
+
+def test_merged_sync_of_expert_adapters_equals_hf_with_them_merged(ray_cluster, engine, checkpoint, prompt, tmp_path):
+    """``lora.sync=merged``, the fallback where an engine cannot serve the adapters (experts on CPU):
+    the base with every adapter merged goes through the distributed transport into the engine (no
+    adapter named), which then equals HF with the PEFT export merged by hand; the engine's base is
+    put back from disk afterwards."""
+    from megarl.sync import WeightSync
+
+    everything = LoraSettings(rank=4, alpha=8, dropout=0.0,
+                              target_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), sync="merged")
+    group = trained_group(Layout(), checkpoint, lora=everything)
+    try:
+        asyncio.run(group.save_hf_adapter(str(tmp_path / "adapter")))
+
+        async def body():
+            async with SGLangClient(engine.url, engine.model) as client:
+                sync = WeightSync(dataclasses.replace(sync_settings(tmp_path), transport="distributed"), group,
+                                  [client])
+                await sync.setup()
+                report = await sync.update(50, PauseMode.ABORT)
+                merged = await engine_greedy(client, prompt)
+                await sync.close()
+                await client.update_weights_from_disk(checkpoint, 51)  # the module's other tests serve the base
+                return report, merged
+
+        report, merged = asyncio.run(body())
+    finally:
+        group.shutdown()
+    config, tensors = read_adapter(tmp_path / "adapter")
+    assert {"gate_proj", "up_proj", "down_proj"} <= set(config["target_modules"])
+    assert any(".experts." in name for name in tensors)
+    hf_tokens, hf_logprobs = hf_greedy(hf_with(checkpoint, merged_by_hand(checkpoint, tmp_path / "adapter"), tmp_path),
+                                       prompt, NEW_TOKENS)
+    assert merged.response_ids == hf_tokens and merged.model_version.tolist() == [50] * NEW_TOKENS
+    assert max(abs(a - b) for a, b in zip(merged.rollout_logprobs.tolist(), hf_logprobs)) < LOGPROB_TOLERANCE
+    from safetensors.torch import load_file
+
+    base = load_file(Path(checkpoint) / "model.safetensors")
+    assert report.bytes == sum(t.numel() * t.element_size() for t in base.values())  # the whole model moves
 
 
 def test_checkpoint_holds_adapters_only_and_restores_them(ray_cluster, checkpoint, tmp_path):

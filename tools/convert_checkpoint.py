@@ -4,11 +4,16 @@ usage:
   python tools/convert_checkpoint.py to-megatron --hf HF_DIR --out CKPT_DIR [--tp 2 --ep 2 --etp 1 ...] [--verify]
   python tools/convert_checkpoint.py to-hf --megatron CKPT --hf HF_DIR --out HF_OUT [layout]
       [--max-shard-size 5GB] [--verify]
+      [--config RUN_DIR/config.yaml | --lora-rank R --lora-alpha A --lora-targets linear_qkv,...] [--merge]
   python tools/convert_checkpoint.py verify --megatron CKPT --hf HF_DIR [layout] [--tolerance 1e-4]
 
 CKPT is a torch_dist directory, or a trainer checkpoint root (its ``latest`` step is used). The
 layout (--tp --pp --vpp --ep --etp --world-size) is the one the ranks shard the model under; one
-process (a Ray actor) is started per rank. Exit status: 0 done (and verified), 1 verification above tolerance,
+process (a Ray actor) is started per rank. A LoRA run's trainer checkpoint holds its adapters only:
+to-hf then needs their settings (the run's config.yaml, or --lora-rank/--lora-alpha/--lora-targets)
+and, as --hf, the base model they were trained on, and writes an HF PEFT directory
+(adapter_config.json + adapter_model.safetensors), or with --merge the base with the adapters
+merged as an HF checkpoint. Exit status: 0 done (and verified), 1 verification above tolerance,
 2 bad input. See docs/recipes.md ("Bringing checkpoints in and out") and docs/troubleshooting.md.
 """
 import argparse
@@ -29,6 +34,10 @@ def size_bytes(text: str) -> int:
     return int(float(match.group(1)) * UNITS[match.group(2).upper()])
 
 
+def target_list(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -38,7 +47,8 @@ def parse_args(argv):
         "verify": sub.add_parser("verify", help="Megatron logits vs HF transformers logits"),
     }
     for name, p in commands.items():
-        p.add_argument("--hf", required=True, help="HF checkpoint directory (for to-hf/verify: the model's source)")
+        p.add_argument("--hf", required=True, help="HF checkpoint directory (for to-hf/verify: the model's source; "
+                       "for a LoRA checkpoint, the base model)")
         if name != "to-megatron":
             p.add_argument("--megatron", required=True, help="torch_dist checkpoint or trainer checkpoint root")
         if name != "verify":
@@ -56,6 +66,15 @@ def parse_args(argv):
         if name == "to-hf":
             p.add_argument("--max-shard-size", type=size_bytes, default=size_bytes("5GB"),
                            help="largest safetensors file (default 5GB); bounds rank 0's memory")
+            p.add_argument("--merge", action="store_true",
+                           help="a LoRA checkpoint: write the base with the adapters merged (an HF checkpoint) "
+                                "instead of a PEFT directory")
+            lora = p.add_argument_group("LoRA settings of an adapter checkpoint (a LoRA run's): --config or all three")
+            lora.add_argument("--config", default=None, help="the run's config.yaml (its lora section)")
+            lora.add_argument("--lora-rank", type=int, default=None)
+            lora.add_argument("--lora-alpha", type=int, default=None)
+            lora.add_argument("--lora-targets", type=target_list, default=None,
+                              help="Megatron linear names, comma-separated (e.g. linear_qkv,linear_proj)")
     return parser.parse_args(argv)
 
 
@@ -71,9 +90,11 @@ def main(argv=None) -> int:
             verified = convert.to_megatron(args.hf, args.out, layout, dtype=args.dtype,
                                            prompts=prompts if checked else None, tolerance=args.tolerance)
         elif args.command == "to-hf":
+            lora = convert.lora_settings(args.config, args.lora_rank, args.lora_alpha, args.lora_targets)
             shards, verified = convert.to_hf(args.megatron, args.hf, args.out, layout, dtype=args.dtype,
                                              max_shard_bytes=args.max_shard_size,
-                                             prompts=prompts if checked else None, tolerance=args.tolerance)
+                                             prompts=prompts if checked else None, tolerance=args.tolerance,
+                                             lora=lora, merge=args.merge)
             print(json.dumps({"shards": convert.report_dict(shards)}))
         else:
             verified = convert.verify(args.megatron, args.hf, layout, dtype=args.dtype, prompts=prompts,

@@ -68,6 +68,10 @@ class LoraSettings:
         return cls(rank=int(lora.rank), alpha=int(lora.alpha), dropout=float(lora.dropout),
                    target_modules=tuple(lora.target_modules), sync=str(lora.sync))
 
+    def describe(self) -> str:
+        """What a trainer checkpoint records of its adapters (and conversion checks settings against)."""
+        return f"rank {self.rank}, alpha {self.alpha}, {list(self.target_modules)}"
+
     @property
     def scale(self) -> float:
         return self.alpha / self.rank

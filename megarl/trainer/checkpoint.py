@@ -283,7 +283,7 @@ def _model_signature(trainable) -> dict:
     signature = {name: getattr(config, name, None) for name in MODEL_FIELDS}
     signature["vocab_size"] = _modules(trainable)[0].vocab_size
     lora = trainable.lora
-    signature["lora"] = None if lora is None else f"rank {lora.rank}, alpha {lora.alpha}, {list(lora.target_modules)}"
+    signature["lora"] = None if lora is None else lora.describe()
     return signature
 
 

@@ -20,6 +20,14 @@ model converts under a layout whose shards fit the hosts (e.g. the training layo
 The checkpoint layout on disk is the trainer's (:mod:`megarl.trainer.checkpoint`): the model under
 ``model`` (``model0``, ``model1``, ... with virtual stages), its hyper-parameters under
 ``megarl.model``, so a trainer checkpoint (its optimizer state is ignored) converts to HF as well.
+
+A LoRA run's trainer checkpoint holds the adapters only (its ``megarl.model.lora`` describes them).
+:func:`to_hf` then needs their :class:`~megarl.models.lora.LoraSettings` (:func:`lora_settings`:
+from the run's ``config.yaml`` or given one by one) and, as ``hf_path``, the base model they were
+trained on: the ranks build the base from it, add the adapters and load them from the checkpoint,
+and write either the adapters as an HF PEFT directory (megatron-bridge's ``save_hf_adapter``) or,
+with ``merge``, the base with the adapters merged (``export_hf_weights`` merges them) as an HF
+checkpoint through :func:`write_hf_shards`.
 """
 from __future__ import annotations
 
@@ -27,12 +35,14 @@ import json
 import logging
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
 
+from megarl.models.lora import LoraSettings, is_adapter_key
 from megarl.parallel import Layout
 
 log = logging.getLogger(__name__)
@@ -48,7 +58,8 @@ class ConversionError(ValueError):
 
 @dataclass(frozen=True)
 class ShardReport:
-    """What :func:`write_hf_shards` wrote, and the most bytes it held in memory at once."""
+    """The safetensors files written (by :func:`write_hf_shards`, or a PEFT adapter's one file), and
+    the most bytes held in memory at once."""
 
     files: list[str]
     tensors: int
@@ -157,6 +168,75 @@ def check_checkpoint_matches(ckpt: Path, hf_path: str | Path, architecture: str,
         raise ConversionError(f"{ckpt} holds a different model than {hf_path}/config.json: " + "; ".join(differ))
 
 
+def saved_lora(ckpt: Path) -> str | None:
+    """The adapters a trainer checkpoint holds instead of a full model, as the trainer described them
+    (``"rank 8, alpha 16, ['linear_qkv', 'linear_proj']"``); None for a full model."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        with warnings.catch_warnings():  # read here, outside the ranks, on purpose
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            common = dist_checkpointing.load_common_state_dict(str(ckpt))
+    except (Exception, CheckpointException) as exc:  # torch's CheckpointException is a BaseException
+        raise ConversionError(f"{ckpt}: unreadable checkpoint ({type(exc).__name__}: {exc})") from exc
+    return common.get("megarl", {}).get("model", {}).get("lora")
+
+
+def lora_settings(config: str | Path | None = None, rank: int | None = None, alpha: int | None = None,
+                  targets: Sequence[str] | None = None) -> LoraSettings | None:
+    """The LoRA settings of a run: the ``lora`` section of its ``config.yaml`` (``config``), or
+    ``rank``, ``alpha`` and ``targets`` (Megatron linear names; dropout 0, which only the PEFT
+    config records). None when none is given; :class:`ConversionError` when both kinds, only some
+    of the three, or invalid settings are given, or ``config`` is no LoRA run's config."""
+    flags = {"--lora-rank": rank, "--lora-alpha": alpha, "--lora-targets": targets}
+    given = [name for name, value in flags.items() if value is not None]
+    if config is not None and given:
+        raise ConversionError(f"give the LoRA settings by --config or by {'/'.join(flags)}, not both")
+    if config is None and not given:
+        return None
+    if config is None and len(given) < len(flags):
+        missing = [name for name in flags if name not in given]
+        raise ConversionError(f"{', '.join(missing)} missing: the LoRA settings need all of {', '.join(flags)}")
+    try:
+        if config is not None:
+            return _config_lora(Path(config))
+        return LoraSettings(rank=rank, alpha=alpha, dropout=0.0, target_modules=tuple(targets), sync="adapter")
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise ConversionError(str(exc).splitlines()[0]) from exc
+
+
+def _config_lora(path: Path) -> LoraSettings:
+    from omegaconf import OmegaConf
+
+    if not path.is_file():
+        raise ConversionError(f"--config {path}: no such file (a run's config.yaml, in its logging.run_dir)")
+    try:
+        cfg = OmegaConf.load(path)
+    except Exception as exc:
+        raise ConversionError(f"{path}: not a YAML config ({type(exc).__name__})") from exc
+    lora = cfg.get("lora") if OmegaConf.is_dict(cfg) else None
+    if lora is None or not lora.get("enabled"):
+        raise ConversionError(f"{path}: lora.enabled is not true, not the config of a LoRA run")
+    return LoraSettings.from_config(lora)
+
+
+def check_lora(ckpt: Path, lora: LoraSettings | None, merge: bool) -> None:
+    """Raise :class:`ConversionError` unless ``lora`` is given exactly for an adapter checkpoint and
+    describes its adapters, and ``merge`` is asked only of one."""
+    saved = saved_lora(ckpt)
+    if saved is None and lora is not None:
+        raise ConversionError(f"{ckpt} holds a full model, not LoRA adapters: drop the LoRA settings")
+    if saved is None and merge:
+        raise ConversionError(f"--merge: {ckpt} holds a full model, no LoRA adapters to merge")
+    if saved is not None and lora is None:
+        raise ConversionError(
+            f"{ckpt} holds LoRA adapters only ({saved}): give their settings, --config RUN_DIR/config.yaml or "
+            "--lora-rank/--lora-alpha/--lora-targets, and as --hf the base model they were trained on")
+    if saved is not None and saved != lora.describe():
+        raise ConversionError(f"{ckpt} holds adapters of {saved}, the LoRA settings given are {lora.describe()}")
+
+
 # ---------------------------------------------------------------- HF safetensors, streamed
 
 def write_hf_shards(tensors: Iterable[tuple[str, torch.Tensor]], out_dir: str | Path,
@@ -224,26 +304,31 @@ def _model_signature(chunks) -> dict:
     return {name: getattr(config, name, None) for name in MODEL_FIELDS}
 
 
-def _load(chunks, ckpt: str) -> None:
-    """Overwrite ``chunks`` with the model in the ``torch_dist`` checkpoint ``ckpt`` (any layout)."""
+def _load(chunks, ckpt: str, adapters_only: bool = False) -> None:
+    """Overwrite ``chunks`` with the model in the ``torch_dist`` checkpoint ``ckpt`` (any layout);
+    ``adapters_only``: only their LoRA adapters, the checkpoint of a LoRA run."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.utils import unwrap_model
 
     state = _megatron_state(chunks)
+    if adapters_only:
+        state = {key: {k: v for k, v in shards.items() if is_adapter_key(k)} for key, shards in state.items()}
     loaded = dist_checkpointing.load(state, ckpt, sharded_strategy=get_default_load_sharded_strategy(ckpt))
     for key, module in zip(state, unwrap_model(chunks)):
-        module.load_state_dict(loaded[key])
+        module.load_state_dict(loaded[key], strict=not adapters_only)
 
 
-def _loaded_model(hf_path: str, ckpt: str, layout: Layout, dtype: str):
-    """The model of ``hf_path``'s architecture with the weights of the checkpoint ``ckpt``."""
+def _loaded_model(hf_path: str, ckpt: str, layout: Layout, dtype: str, lora: LoraSettings | None = None):
+    """The model of ``hf_path``'s architecture with the weights of the checkpoint ``ckpt``; with
+    ``lora``, ``hf_path``'s weights with the checkpoint's adapters on them."""
     from megarl.models.bridge import build_megatron_model
 
     architecture = hf_architecture(hf_path)
-    model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local", load_weights=False)
+    model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local",
+                                 load_weights=lora is not None, lora=lora)
     check_checkpoint_matches(Path(ckpt), hf_path, architecture, _model_signature(model.chunks))
-    _load(model.chunks, ckpt)
+    _load(model.chunks, ckpt, adapters_only=lora is not None)
     return model
 
 
@@ -268,9 +353,15 @@ def to_megatron_rank(rank: int, layout: Layout, hf_path: str, out_dir: str, dtyp
 
 
 def to_hf_rank(rank: int, layout: Layout, ckpt: str, hf_path: str, out_dir: str, dtype: str, max_shard_bytes: int,
-               prompts: list[str] | None, tolerance: float | None) -> tuple[ShardReport | None, VerifyReport | None]:
+               prompts: list[str] | None, tolerance: float | None, lora: LoraSettings | None,
+               merge: bool) -> tuple[ShardReport | None, VerifyReport | None]:
     """Rank body of :func:`to_hf`; rank 0 writes the files and returns the reports."""
-    model = _loaded_model(hf_path, ckpt, layout, dtype)
+    from megarl.models.bridge import save_hf_adapter
+
+    model = _loaded_model(hf_path, ckpt, layout, dtype, lora)
+    if lora is not None and not merge:
+        save_hf_adapter(model, lora, out_dir)  # collective; rank 0 writes
+        return (_adapter_report(Path(out_dir)) if rank == 0 else None), None
     tensors = model.bridge.export_hf_weights(model.chunks, cpu=True, show_progress=False)
     shards = None
     if rank == 0:
@@ -281,6 +372,16 @@ def to_hf_rank(rank: int, layout: Layout, ckpt: str, hf_path: str, out_dir: str,
             pass
     torch.distributed.barrier()
     return shards, None if prompts is None else _verify_model(model, out_dir, dtype, prompts, tolerance)
+
+
+def _adapter_report(out_dir: Path) -> ShardReport:
+    """What ``save_hf_adapter`` wrote: one file, its tensors gathered whole before the write."""
+    from safetensors.torch import load_file
+
+    name = "adapter_model.safetensors"
+    tensors = load_file(out_dir / name)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    return ShardReport(files=[name], tensors=len(tensors), total_bytes=total, peak_buffered_bytes=total)
 
 
 def verify_rank(rank: int, layout: Layout, ckpt: str, hf_path: str, dtype: str, prompts: list[str],
@@ -422,18 +523,27 @@ def to_megatron(hf_path: str | Path, out_dir: str | Path, layout: Layout, *, dty
 
 
 def to_hf(ckpt: str | Path, hf_path: str | Path, out_dir: str | Path, layout: Layout, *, dtype: str = "auto",
-          max_shard_bytes: int = 5 * 10**9, prompts: Sequence[str] | None = None,
-          tolerance: float | None = None) -> tuple[ShardReport, VerifyReport | None]:
+          max_shard_bytes: int = 5 * 10**9, prompts: Sequence[str] | None = None, tolerance: float | None = None,
+          lora: LoraSettings | None = None, merge: bool = False) -> tuple[ShardReport, VerifyReport | None]:
     """Convert the ``torch_dist`` checkpoint ``ckpt`` (any layout) to an HF checkpoint at ``out_dir``.
 
     ``hf_path`` is the HF checkpoint the model came from: it gives the architecture (which must
     be the checkpoint's), the config and the tokenizer. The ranks load ``ckpt`` under ``layout``.
+
+    A LoRA run's checkpoint (adapters only) needs ``lora``, its settings, and ``hf_path`` is then
+    the base model (its weights too). It converts to an HF PEFT directory (``adapter_config.json``
+    + ``adapter_model.safetensors``) or, with ``merge``, to an HF checkpoint of the base with the
+    adapters merged (W + alpha / rank * B A); ``prompts`` (verification) need ``merge``.
     """
     path = checkpoint_dir(ckpt)
     check_layout(hf_path, layout)
+    check_lora(path, lora, merge)
+    if lora is not None and not merge and prompts is not None:
+        raise ConversionError("verification compares the logits of an HF checkpoint, which a PEFT adapter is not: "
+                              "verify the adapters with --merge")
     dtype, out = _resolve_dtype(hf_path, dtype), _empty_output(out_dir)
     shards, verified = _run(to_hf_rank, layout, str(path), str(hf_path), out, dtype, max_shard_bytes,
-                            _list(prompts), tolerance)
+                            _list(prompts), tolerance, lora, merge)
     log.info("%s -> %s: %d tensors in %d files, %.1f MB", path, out, shards.tensors, len(shards.files),
              shards.total_bytes / 2**20)
     return shards, verified
@@ -444,6 +554,9 @@ def verify(ckpt: str | Path, hf_path: str | Path, layout: Layout, *, dtype: str 
     """Logits of the ``torch_dist`` checkpoint ``ckpt`` (loaded under ``layout``) against HF's at ``hf_path``."""
     path = checkpoint_dir(ckpt)
     check_layout(hf_path, layout)
+    if saved_lora(path) is not None:
+        raise ConversionError(f"{path} holds LoRA adapters only: verify them with to-hf --merge --verify "
+                              "(their settings and, as --hf, the base model they were trained on)")
     return _run(verify_rank, layout, str(path), str(hf_path), _resolve_dtype(hf_path, dtype), list(prompts), tolerance)
 
 
