@@ -1,10 +1,11 @@
 """Parallelism and memory planner: ``python -m megarl.plan recipe=NAME [overrides] [--json FILE]``.
 
-Prints the parameter counts, each trainer pipeline stage's per-GPU memory, one engine GPU's
-weights and KV cache, the weight sync's bytes and time, and the placement (the node and device of
-every trainer and engine rank, the weight-sync groups) as rich tables, and writes the same as
-JSON. Exit status: 0 when the layout fits, 2 with one line per broken limit on stderr when it does
-not or cannot be placed (one line naming the key), 1 for a recipe that does not load.
+Prints the parameter counts, the LoRA adapters' sizes (with ``lora.enabled``), each trainer
+pipeline stage's per-GPU memory, one engine GPU's weights and KV cache, the weight sync's bytes and
+time, and the placement (the node and device of every trainer and engine rank, the weight-sync
+groups) as rich tables, and writes the same as JSON. Exit status: 0 when the layout fits, 2 with one
+line per broken limit on stderr when it does not or cannot be placed (one line naming the key), 1
+for a recipe that does not load.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from rich.table import Table
 from megarl.config import ConfigError, load_config
 from megarl.config.validate import PlacementError
 from megarl.planner.layout import LayoutPlan, broken_limits, gib_dict, plan_layout
+from megarl.planner.lora import LoraPlan
 from megarl.planner.placement import PlacementPlan, ranges, span
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,8 @@ def render(plan: LayoutPlan, console: Console) -> None:
         counts.add_column(col, justify="right")
     counts.add_row(*(_billions(v) for v in (p.total, p.active, p.embedding, p.head, p.routed_experts, p.mtp)))
     console.print(counts)
+    if plan.lora is not None:
+        render_lora(plan.lora, console)
 
     trainer = Table(title=f"trainer: per-GPU memory (GB), {plan.trainer_gpus} GPUs")
     for col in ("stage", "layers", "weights", "grads", "optimizer", "activations", "reserved", "total", "host optim."):
@@ -51,20 +55,46 @@ def render(plan: LayoutPlan, console: Console) -> None:
     e = plan.engine
     engine = Table(title=f"engine: per-GPU memory, {plan.engine_gpus // e.gpus_per_engine} engines "
                          f"x {e.gpus_per_engine} GPUs")
-    for col in ("attention TP", "weights GB", "KV cache GB", "KV bytes/token", "KV tokens/engine", "pool GB"):
+    columns = ["attention TP", "weights GB", "KV cache GB", "KV bytes/token", "KV tokens/engine", "pool GB"]
+    values = [str(e.attention_tp), f"{e.weights / 2**30:.1f}", f"{e.kv_cache / 2**30:.1f}",
+              f"{e.kv_bytes_per_token:,}", f"{e.kv_tokens_per_engine:,}", f"{e.pool / 2**30:.1f}"]
+    if e.lora_slots:
+        columns.insert(2, f"LoRA buffers GB ({e.lora_slots} slots)")
+        values.insert(2, f"{e.lora_buffers / 2**30:.1f}")
+    for col in columns:
         engine.add_column(col, justify="right")
-    engine.add_row(str(e.attention_tp), f"{e.weights / 2**30:.1f}", f"{e.kv_cache / 2**30:.1f}",
-                   f"{e.kv_bytes_per_token:,}", f"{e.kv_tokens_per_engine:,}", f"{e.pool / 2**30:.1f}")
+    engine.add_row(*values)
     console.print(engine)
 
     w = plan.sync
-    sync = Table(title=f"weight sync per engine; GPUs in all: {plan.total_gpus}")
-    for col in ("GB", "buckets", "largest tensor MB", "seconds"):
+    payload = {"model": "", "adapter": " (LoRA adapters alone)", "merged": " (the model, LoRA merged)"}[w.payload]
+    sync = Table(title=f"weight sync per engine{payload}; GPUs in all: {plan.total_gpus}")
+    for col in ("bytes", "buckets", "largest tensor", "seconds"):
         sync.add_column(col, justify="right")
-    sync.add_row(f"{w.bytes_per_sync / 2**30:.1f}", str(w.buckets), f"{w.largest_tensor_bytes / 2**20:.0f}",
-                 f"{w.seconds:.2f}")
+    sync.add_row(_bytes(w.bytes_per_sync), str(w.buckets), _bytes(w.largest_tensor_bytes), f"{w.seconds:.3g}")
     console.print(sync)
     render_placement(plan.placement, console)
+
+
+def render_lora(lora: LoraPlan, console: Console) -> None:
+    """The adapters: what the trainer trains and what an adapter sync moves, against the full model."""
+    table = Table(title=f"LoRA adapters: rank {lora.rank}, alpha {lora.alpha}, on {', '.join(lora.target_modules)}; "
+                        f"sync: {lora.sync}")
+    for col in ("adapted linears", "trained params", "of the model", "synced params (PEFT)", "bytes per sync",
+                "model bytes", "ratio"):
+        table.add_column(col, justify="right")
+    table.add_row(f"{lora.adapted_linears:,}", _billions(lora.trainer_params), f"{lora.trainable_fraction:.2%}",
+                  _billions(lora.synced_params), _bytes(lora.synced_bytes), _bytes(lora.model_bytes),
+                  f"{lora.ratio:.4f} (1/{1 / lora.ratio:.0f})")
+    console.print(table)
+
+
+def _bytes(n: int) -> str:
+    """GiB above 1 GiB, else MiB or kiB (the tiny model's adapters are kilobytes)."""
+    for unit, scale in (("GB", 2**30), ("MB", 2**20), ("kB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:,} B"
 
 
 def render_placement(placement: PlacementPlan, console: Console) -> None:
@@ -112,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plan: {exc}", file=sys.stderr)
         return 1
     render(plan, Console(width=None if sys.stdout.isatty() else 130))
-    if plan.sync.largest_tensor_bytes > cfg.sync.bucket_mb * 2**20:
+    if plan.sync.payload != "adapter" and plan.sync.largest_tensor_bytes > cfg.sync.bucket_mb * 2**20:
         log.warning("the largest tensor (%.0f MB) exceeds sync.bucket_mb=%d and travels in a bucket of its own",
                     plan.sync.largest_tensor_bytes / 2**20, cfg.sync.bucket_mb)
     broken = broken_limits(plan, cfg)

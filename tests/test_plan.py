@@ -21,6 +21,7 @@ from megarl.planner.trainer_memory import trainer_memory
 from megarl.planner.units import GIB
 
 BIG_RECIPES = ["qwen3_30b_a3b", "qwen3_235b_a22b", "glm45_355b_a32b", "deepseek_v3_671b"]
+FULL_SIZE = BIG_RECIPES + ["qwen3_30b_a3b_lora"]  # recipes that state every architecture number
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +32,7 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 def _args(recipe: str, tiny_ckpt: Path) -> list[str]:
     """A recipe plus, for the recipes whose numbers come from a checkpoint, the tiny one."""
     args = [f"recipe={recipe}"]
-    if recipe not in BIG_RECIPES:
+    if recipe not in FULL_SIZE:
         args.append(f"model.hf_path={tiny_ckpt}")
     return args
 

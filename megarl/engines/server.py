@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from megarl.engines.client import ServedModel
-from megarl.models.lora import LoraSettings
+from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraSettings
 from megarl.parallel import free_port, rendezvous_host
 from megarl.platform import sglang_cpu
 
@@ -199,7 +199,8 @@ class SGLangEngine:
                     "--sleep-on-idle"]
         if s.lora_max_rank:
             cmd += ["--enable-lora", "--max-lora-rank", str(s.lora_max_rank),
-                    "--lora-target-modules", *s.lora_target_modules]
+                    "--lora-target-modules", *s.lora_target_modules,
+                    "--max-loras-per-batch", str(ENGINE_ADAPTER_SLOTS)]
             if self.device == "cpu":  # SGLang's default LoRA kernels are Triton's
                 cmd += ["--lora-backend", "torch_native"]
         if s.max_total_tokens is not None:

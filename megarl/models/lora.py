@@ -29,6 +29,9 @@ MEGATRON_TO_HF = {
 }
 EXPERT_TARGETS = ("linear_fc1", "linear_fc2")  # in an MoE layer these are the routed (and shared) experts'
 SYNC_MODES = ("adapter", "merged")
+# Adapters an engine batches at once (SGLang's --max-loras-per-batch; its LoRA buffers hold this many
+# slots): the base (no adapter), the adapter being replaced (requests in flight) and the new one.
+ENGINE_ADAPTER_SLOTS = 3
 
 
 @dataclass(frozen=True)
@@ -86,10 +89,12 @@ class LoraSettings:
         return any(_leaf(t) in EXPERT_TARGETS for t in self.target_modules)
 
     def peft(self):
-        """megatron-bridge's ``LoRA`` for these settings (one adapter per expert on local experts)."""
+        """megatron-bridge's ``LoRA`` for these settings: one adapter per expert (also for grouped
+        experts on GPU, where the bridge's default shares one among a layer's experts)."""
         from megatron.bridge.peft.lora import LoRA
 
-        return LoRA(target_modules=list(self.target_modules), dim=self.rank, alpha=self.alpha, dropout=self.dropout)
+        return LoRA(target_modules=list(self.target_modules), dim=self.rank, alpha=self.alpha, dropout=self.dropout,
+                    share_expert_adapters=False)
 
 
 def _leaf(target: str) -> str:

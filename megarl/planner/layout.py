@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 from megarl.config.schema import Placement
 from megarl.planner.arch import Arch, resolve_arch
 from megarl.planner.engine_memory import EngineMemory, engine_memory
+from megarl.planner.lora import LoraPlan, lora_plan
 from megarl.planner.params import ParamCounts, count_params
 from megarl.planner.placement import PlacementPlan, place
 from megarl.planner.trainer_memory import StageMemory, trainer_memory
@@ -27,6 +28,7 @@ class LayoutPlan:
     engine_gpus: int  # all engines together
     total_gpus: int  # engines share the trainer's GPUs when colocated
     placement: PlacementPlan  # the node and device of every rank, the weight-sync groups
+    lora: LoraPlan | None = None  # the LoRA adapters (lora.enabled)
 
     @property
     def peak_stage(self) -> StageMemory:
@@ -37,6 +39,8 @@ class LayoutPlan:
         out["placement"] = self.placement.to_dict()
         out["trainer"] = [dict(asdict(s), total=s.total) for s in self.trainer]
         out["params"]["mtp_excluded_from_total"] = True
+        if self.lora is not None:
+            out["lora"].update(ratio=self.lora.ratio, trainable_fraction=self.lora.trainable_fraction)
         return out
 
 
@@ -46,11 +50,12 @@ def plan_layout(cfg: DictConfig) -> LayoutPlan:
     r = cfg.rollout
     engine_gpus = r.num_engines * r.engine_tp
     colocated = Placement(cfg.placement) == Placement.colocated
+    lora = lora_plan(arch, cfg)
     return LayoutPlan(
         arch=arch, params=count_params(arch), trainer=trainer_memory(arch, cfg), engine=engine_memory(arch, cfg),
-        sync=weight_sync_plan(arch, cfg), trainer_gpus=cfg.parallel.world_size, engine_gpus=engine_gpus,
+        sync=weight_sync_plan(arch, cfg, lora), trainer_gpus=cfg.parallel.world_size, engine_gpus=engine_gpus,
         total_gpus=max(cfg.parallel.world_size, engine_gpus) if colocated else cfg.parallel.world_size + engine_gpus,
-        placement=place(cfg),
+        placement=place(cfg), lora=lora,
     )
 
 
@@ -65,16 +70,18 @@ def broken_limits(plan: LayoutPlan, cfg: DictConfig) -> list[str]:
             f"over the {limit:g} GB limit by {gib(peak.total) - limit:.1f} GB"
         )
     e, r = plan.engine, cfg.rollout
-    if e.weights > e.pool:
+    held = e.weights + e.lora_buffers
+    with_lora = f" + LoRA buffers {gib(e.lora_buffers):.1f} GB" if e.lora_buffers else ""
+    if held > e.pool:
         out.append(
-            f"rollout.mem_fraction_static: engine weights take {gib(e.weights):.1f} GB per GPU, over SGLang's static "
-            f"pool of {r.mem_fraction_static:g} x {limit:g} GB = {gib(e.pool):.1f} GB "
-            f"by {gib(e.weights - e.pool):.1f} GB"
+            f"rollout.mem_fraction_static: engine weights take {gib(e.weights):.1f} GB{with_lora} per GPU, over "
+            f"SGLang's static pool of {r.mem_fraction_static:g} x {limit:g} GB = {gib(e.pool):.1f} GB "
+            f"by {gib(held - e.pool):.1f} GB"
         )
-    elif e.weights + e.kv_cache > e.pool:
+    elif held + e.kv_cache > e.pool:
         out.append(
-            f"rollout.kv_cache_gb: weights {gib(e.weights):.1f} GB + KV cache {gib(e.kv_cache):.1f} GB per GPU exceed "
-            f"the static pool of {gib(e.pool):.1f} GB by {gib(e.weights + e.kv_cache - e.pool):.1f} GB"
+            f"rollout.kv_cache_gb: weights {gib(e.weights):.1f} GB{with_lora} + KV cache {gib(e.kv_cache):.1f} GB "
+            f"per GPU exceed the static pool of {gib(e.pool):.1f} GB by {gib(held + e.kv_cache - e.pool):.1f} GB"
         )
     elif e.kv_tokens_per_replica < e.max_sequence_tokens:
         out.append(
