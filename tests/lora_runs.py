@@ -13,8 +13,10 @@ from megarl.parallel import Layout
 ATTENTION = LoraSettings(rank=8, alpha=16, dropout=0.0, target_modules=("linear_qkv", "linear_proj"), sync="adapter")
 
 
-def trained_group(layout: Layout, checkpoint: str, lora: LoraSettings = ATTENTION, steps: int = 2):
-    """A LoRA TrainerGroup under ``layout`` after ``steps`` RL steps at lr 2e-2 (the adapters move visibly)."""
+def trained_group(layout: Layout, checkpoint: str, lora: LoraSettings = ATTENTION, steps: int = 2,
+                  reference: bool = False):
+    """A LoRA TrainerGroup under ``layout`` after ``steps`` RL steps at lr 2e-2 (the adapters move
+    visibly); ``reference``: with the KL reference (the starting weights)."""
     from megarl.config.schema import AlgorithmConfig
     from megarl.trainer.actor import TrainerGroup
     from megarl.trainer.model_setup import ModelSettings
@@ -23,7 +25,7 @@ def trained_group(layout: Layout, checkpoint: str, lora: LoraSettings = ATTENTIO
 
     group = TrainerGroup(layout)
     model = ModelSettings("local", "alltoall", routing_replay=False, recompute="none", recompute_num_layers=None,
-                          moe_aux_loss_coeff=0.0, reference=False, lora=lora)
+                          moe_aux_loss_coeff=0.0, reference=reference, lora=lora)
     asyncio.run(group.build(checkpoint, OptimizerSettings.from_config(default_config(), lr=2e-2), model))
     hf = load_hf(checkpoint)
     for step in range(steps):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_oracle import load_hf, router_topk, sharpened_checkpoint
+from hf_oracle import load_hf, make_samples, router_topk, sharpened_checkpoint
 from lora_runs import ATTENTION, merged_by_hand, read_adapter, trained_group
 
 from megarl.config import ConfigError, load_config
@@ -202,7 +202,20 @@ def test_merged_sync_of_expert_adapters_equals_hf_with_them_merged(ray_cluster, 
     assert report.bytes == sum(t.numel() * t.element_size() for t in base.values())  # the whole model moves
 
 
+def kl_to_reference(group, checkpoint: str) -> list[float]:
+    """Per sample, the summed low-variance KL of the group's policy to its reference on HF samples."""
+    from megarl.config.schema import AlgorithmConfig
+    from megarl.trainer.rl_batch import build_rl_batch
+
+    hf = load_hf(checkpoint)
+    batch = build_rl_batch(make_samples(hf, 4, top_k=5, seed=7))
+    return asyncio.run(group.sequence_kl(batch, AlgorithmConfig(kl_type="low_var_kl"), vocab_size=hf.config.vocab_size,
+                                         max_tokens_per_microbatch=32, keep_routing=False, sequence_parallel=False))
+
+
 def test_checkpoint_holds_adapters_only_and_restores_them(ray_cluster, checkpoint, tmp_path):
+    """Adapters and their optimizer state alone in the checkpoint; restored bit for bit into a fresh
+    LoRA model, whose KL reference stays the base."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from megarl.trainer.checkpoint import step_dir
@@ -219,12 +232,16 @@ def test_checkpoint_holds_adapters_only_and_restores_them(ray_cluster, checkpoin
     optimizer_keys = [k for k in keys if k.startswith("optimizer.")]
     assert optimizer_keys and all(".adapter." in k for k in optimizer_keys), optimizer_keys[:5]
 
-    fresh = trained_group(Layout(), checkpoint, steps=0)
+    fresh = trained_group(Layout(), checkpoint, steps=0, reference=True)
     try:
+        kl_before = kl_to_reference(fresh, checkpoint)
         resumed = asyncio.run(fresh.load_checkpoint(str(tmp_path / "ckpt")))
         asyncio.run(fresh.save_hf_adapter(str(tmp_path / "after")))
+        kl_after = kl_to_reference(fresh, checkpoint)
     finally:
         fresh.shutdown()
+    # the KL reference is the base (the adapters at zero), held by swapping the adapters alone
+    assert all(abs(kl) < 1e-9 for kl in kl_before) and sum(kl_after) > 1e-4, (kl_before, kl_after)
     assert resumed.step == 2 and resumed.data_position == {"consumed_prompts": 16}
     _, before = read_adapter(tmp_path / "before")
     _, after = read_adapter(tmp_path / "after")

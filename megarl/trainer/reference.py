@@ -20,10 +20,12 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class ReferenceWeights:
-    """This rank's shard of the reference weights (``chunks``' parameters when it was made)."""
+    """This rank's shard of the reference weights (``chunks``' trained parameters when it was made;
+    frozen ones, such as a LoRA run's base, never leave their starting values: with LoRA only the
+    adapters are held and swapped)."""
 
     def __init__(self, chunks: list):
-        self.params = [p for chunk in chunks for p in chunk.parameters()]
+        self.params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
         self.weights = [_host_copy(p) for p in self.params]
 
     @contextlib.contextmanager
