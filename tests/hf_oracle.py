@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -141,3 +142,25 @@ def assert_sample_matches_hf(sample: RolloutSample, model, tolerance: float, tem
         worst = max(worst, abs(expected - float(sample.rollout_logprobs[i])))
     assert worst < tolerance, f"log-prob difference {worst}"
     return worst
+
+
+def hf_from_state(checkpoint: str, state: dict, tmp_path: Path):
+    """The HF model loaded (through transformers' own checkpoint conversion) from ``state``."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "hf_reference"
+    path.mkdir(exist_ok=True)
+    shutil.copy(Path(checkpoint) / "config.json", path / "config.json")
+    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors", metadata={"format": "pt"})
+    return load_hf(str(path))
+
+
+def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and their log-probs (full vocabulary, temperature 1) from an HF model."""
+    ids, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
+            ids.append(int(logp.argmax()))
+            logprobs.append(float(logp[ids[-1]]))
+    return ids[len(prompt):], logprobs

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hf_oracle import load_hf, make_samples, router_topk, sharpened_checkpoint
+from hf_oracle import hf_from_state, hf_greedy, load_hf, make_samples, router_topk, sharpened_checkpoint
 from lora_runs import ATTENTION, merged_by_hand, read_adapter, trained_group
 
 from megarl.config import ConfigError, load_config
@@ -69,34 +69,6 @@ def prompt(checkpoint):
     return AutoTokenizer.from_pretrained(checkpoint).encode("3+4=")
 
 
-
-
-
-
-
-
-def hf_with(checkpoint: str, weights: dict, tmp_path: Path):
-    import shutil
-
-    from safetensors.torch import save_file
-
-    path = tmp_path / "hf_merged"
-    path.mkdir(exist_ok=True)
-    shutil.copy(Path(checkpoint) / "config.json", path / "config.json")
-    save_file({k: v.contiguous() for k, v in weights.items()}, path / "model.safetensors", metadata={"format": "pt"})
-    return load_hf(str(path))
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    ids, logprobs = list(prompt), []
-    with torch.no_grad():
-        for _ in range(n):
-            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-            ids.append(int(logp.argmax()))
-            logprobs.append(float(logp[ids[-1]]))
-    return ids[len(prompt):], logprobs
-
-
 async def engine_greedy(client: SGLangClient, prompt: list[int]):
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     return await client.generate(prompt, params, return_routed_experts=True, return_sampling_mask=False)
@@ -138,7 +110,7 @@ def test_synced_adapter_equals_hf_with_the_adapter_merged(name, ray_cluster, eng
     weights = merged_by_hand(checkpoint, adapter_dir)
     for key, tensor in bridge_merged.items():  # the bridge's merge = base + the exported adapter: the base is frozen
         torch.testing.assert_close(tensor, weights[key], atol=1e-6, rtol=0, msg=key)
-    hf = hf_with(checkpoint, weights, tmp_path)
+    hf = hf_from_state(checkpoint, weights, tmp_path)
     hf_tokens, hf_logprobs = hf_greedy(hf, prompt, NEW_TOKENS)
     assert synced.response_ids == hf_tokens
     diff = max(abs(a - b) for a, b in zip(synced.rollout_logprobs.tolist(), hf_logprobs))
@@ -192,8 +164,8 @@ def test_merged_sync_of_expert_adapters_equals_hf_with_them_merged(ray_cluster, 
     config, tensors = read_adapter(tmp_path / "adapter")
     assert {"gate_proj", "up_proj", "down_proj"} <= set(config["target_modules"])
     assert any(".experts." in name for name in tensors)
-    hf_tokens, hf_logprobs = hf_greedy(hf_with(checkpoint, merged_by_hand(checkpoint, tmp_path / "adapter"), tmp_path),
-                                       prompt, NEW_TOKENS)
+    merged_hf = hf_from_state(checkpoint, merged_by_hand(checkpoint, tmp_path / "adapter"), tmp_path)
+    hf_tokens, hf_logprobs = hf_greedy(merged_hf, prompt, NEW_TOKENS)
     assert merged.response_ids == hf_tokens and merged.model_version.tolist() == [50] * NEW_TOKENS
     assert max(abs(a - b) for a, b in zip(merged.rollout_logprobs.tolist(), hf_logprobs)) < LOGPROB_TOLERANCE
     from safetensors.torch import load_file

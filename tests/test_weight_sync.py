@@ -12,14 +12,13 @@ The engine is shared by the module; the kill test, which restarts it, runs last.
 import asyncio
 import dataclasses
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from hf_oracle import load_hf, make_samples, sharpened_checkpoint
+from hf_oracle import hf_from_state, hf_greedy, load_hf, make_samples, sharpened_checkpoint
 
 from megarl.config import default_config, load_config
 from megarl.engines.client import EngineError, PauseMode, SamplingParams, SGLangClient
@@ -116,28 +115,6 @@ def single(ray_cluster, checkpoint):
     group = trained_group(Layout(), checkpoint)
     yield group
     group.shutdown()
-
-
-def hf_from_state(checkpoint: str, state: dict, tmp_path: Path):
-    """The HF model loaded (through transformers' own checkpoint conversion) from ``state``."""
-    from safetensors.torch import save_file
-
-    path = tmp_path / "hf_reference"
-    path.mkdir(exist_ok=True)
-    shutil.copy(Path(checkpoint) / "config.json", path / "config.json")
-    save_file({k: v.contiguous() for k, v in state.items()}, path / "model.safetensors", metadata={"format": "pt"})
-    return load_hf(str(path))
-
-
-def hf_greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens and their log-probs (full vocabulary, temperature 1) from an HF model."""
-    ids, logprobs = list(prompt), []
-    with torch.no_grad():
-        for _ in range(n):
-            logp = torch.log_softmax(model(torch.tensor([ids])).logits[0, -1].float(), -1)
-            ids.append(int(logp.argmax()))
-            logprobs.append(float(logp[ids[-1]]))
-    return ids[len(prompt):], logprobs
 
 
 async def engine_greedy(client: SGLangClient, prompt: list[int]):
