@@ -1,13 +1,34 @@
-"""Async vs sync RL on the same workload, side by side in one run.
+"""Async vs sync RL on the same long-tailed workload, side by side in one run, with the engine and
+the trainer pinned to different cores: the disaggregated case async models (generation and
+training on hardware of their own), so that the comparison shows overlap and not core sharing.
 
-The workload has long-tailed response lengths: the warmed-up tiny model usually ends its answer
-after 2-3 tokens, but sampled at a raised temperature a few responses miss the end-of-sequence
-token and run to ``--max-new-tokens``. Both modes train the same number of steps on the same
-number of samples from the same starting checkpoint; the figures come from each run's
-``metrics.jsonl`` and cover the RL loop only (start-up of Ray, trainer and engine excluded):
+Pinning (the same in both modes): the SGLang server (its HTTP/tokenizer process, scheduler and
+detokenizer) runs on ``--engine-cpus``, the trainer rank (``ray::TrainerRank``) on
+``--trainer-cpus``; the driver and Ray's own processes stay unpinned. The bench asks SGLang for the
+binding (``SGLANG_CPU_OMP_THREADS_BIND`` = the engine's cores, honoured where SGLang's CPU
+binding is available: the sgl-kernel AMX backend or arm64) and, since it is not available on
+megarl's CPU path, also sets the CPU affinity of every thread of those processes itself
+(``sched_setaffinity``, re-applied every ``PIN_INTERVAL_S`` so late threads and restarted processes
+are caught). Each process gets one torch/OpenMP thread per core it is given (``OMP_NUM_THREADS``;
+the trainer rank sets 1 itself).
 
-  tokens/s            generated response tokens of the trained samples / loop seconds
-  trainer idle frac   seconds the trainer waited for data / loop seconds
+The workload is long-tailed: the warmed-up tiny model ends most answers after 2-3 tokens (at
+temperature 1.0 to 3.0 none of 512 samples reached 48 tokens), and every ``--long-every``-th
+request the driver sends (a tenth by default) asks SGLang to ignore the end-of-sequence token, so
+it runs to ``--max-new-tokens``: the few long answers that hold a synchronous rollout up. The
+per-sample length distribution (p50, p90, max, the fraction at the maximum) is recorded from the
+trained batches of each mode.
+
+Both modes train the same number of steps on the same number of samples from the same starting
+checkpoint. The figures cover the steady state: the first ``--skip-steps`` steps of each mode
+(engine and trainer warming up, the async pipeline filling) are left out, and the rest are timed by
+the wall clock between the metrics rows of the last skipped and the last step:
+
+  tokens/s            generated response tokens of the counted steps' trained samples / their seconds
+  trainer idle frac   seconds the trainer waited for data in the counted steps / their seconds
+
+Defaults: 60 steps of 64 prompts x 8 samples, at most 32 new tokens, the first 5 steps skipped;
+about 4 minutes on 2 cores with the warm-up.
 
 Usage: python tools/bench/async_vs_sync.py --json FILE [--steps N --prompts P --samples G ...]
 """
@@ -15,8 +36,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from demo_workload import add_workload_arguments, workload_overrides
@@ -24,54 +48,230 @@ from demo_workload import add_workload_arguments, workload_overrides
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+PIN_INTERVAL_S = 0.25
+THROUGHPUT_TARGET, IDLE_TARGET = 1.5, 0.2  # issue #17's acceptance
 
-def loop_figures(run_dir: Path, samples_per_step: int) -> dict:
+
+def cpu_list(text: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]``."""
+    cpus = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        cpus += range(int(a), int(b or a) + 1)
+    return cpus
+
+
+class CorePinner(threading.Thread):
+    """Pins the descendants of this process by role, every thread of each, until stopped; keeps the
+    CPU seconds each role used (the last value seen of every process)."""
+
+    def __init__(self, roles: dict[str, list[int]]):
+        super().__init__(name="core-pinner", daemon=True)
+        self.roles = {role: set(cpus) for role, cpus in roles.items()}
+        self._halt = threading.Event()
+        self.pids: dict[str, set[int]] = {role: set() for role in roles}
+        self._cpu_s: dict[int, float] = {}
+
+    def run(self) -> None:
+        while not self._halt.wait(PIN_INTERVAL_S):
+            self.pin_once()
+
+    def stop(self) -> dict:
+        self._halt.set()
+        self.join()
+        return {role: {"cpus": sorted(self.roles[role]), "processes": len(pids),
+                       "cpu_s": round(sum(self._cpu_s.get(p, 0.0) for p in pids), 1)}
+                for role, pids in self.pids.items()}
+
+    def _members(self) -> dict[str, list]:
+        import psutil
+
+        members = {role: [] for role in self.roles}
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                cmdline = " ".join(proc.cmdline())
+                if "engine" in members and "megarl.engines.sglang_main" in cmdline:
+                    members["engine"] += [proc, *proc.children(recursive=True)]
+                elif "trainer" in members and "TrainerRank" in cmdline:
+                    members["trainer"].append(proc)
+            except psutil.Error:
+                continue
+        return members
+
+    def pin_once(self) -> None:
+        import psutil
+
+        for role, procs in self._members().items():
+            cpus = self.roles[role]
+            for proc in procs:
+                try:
+                    for tid in os.listdir(f"/proc/{proc.pid}/task"):
+                        if os.sched_getaffinity(int(tid)) != cpus:
+                            os.sched_setaffinity(int(tid), cpus)
+                    times = proc.cpu_times()
+                    self._cpu_s[proc.pid] = times.user + times.system
+                    self.pids[role].add(proc.pid)
+                except (OSError, psutil.Error):
+                    continue  # the thread or process ended meanwhile
+
+
+class LengthRecorder:
+    """Every trained sample's response length, per step (wraps ``fill_advantages``, called once a step)."""
+
+    def __init__(self):
+        from megarl.algos import advantages
+
+        self.steps: list[list[int]] = []
+        self._module, self._fill = advantages, advantages.fill_advantages
+
+        def fill_advantages(samples, *args, **kwargs):
+            self.steps.append([len(s.response_ids) for s in samples])
+            return self._fill(samples, *args, **kwargs)
+
+        advantages.fill_advantages = fill_advantages
+
+    def close(self) -> None:
+        self._module.fill_advantages = self._fill
+
+
+class LongTail:
+    """Every ``every``-th sample the driver asks an engine for is sent with ``ignore_eos`` and so runs
+    to ``max_new_tokens`` (wraps ``SGLangClient._post``: a batch's ``sampling_params`` become one
+    dict per prompt); the others end when the model ends them."""
+
+    def __init__(self, every: int):
+        from megarl.engines.client import SGLangClient
+
+        self.every, self.requests = every, 0
+        self._post = SGLangClient._post
+        post = self._post
+
+        async def _post(client, path, payload):
+            ids = payload.get("input_ids") if path == "/generate" else None
+            if every > 0 and ids:
+                batched = isinstance(ids[0], list)
+                params = [self._params(payload["sampling_params"]) for _ in (ids if batched else [ids])]
+                payload = {**payload, "sampling_params": params if batched else params[0]}
+            return await post(client, path, payload)
+
+        SGLangClient._post = _post
+
+    def _params(self, params: dict) -> dict:
+        self.requests += 1
+        return {**params, "ignore_eos": True} if self.requests % self.every == 0 else params
+
+    def close(self) -> None:
+        from megarl.engines.client import SGLangClient
+
+        SGLangClient._post = self._post
+
+
+def length_figures(lengths: list[int], max_new_tokens: int) -> dict:
+    ordered = sorted(lengths)
+    return {"samples": len(ordered), "mean": statistics.fmean(ordered), "p50": ordered[len(ordered) // 2],
+            "p90": ordered[int(0.9 * (len(ordered) - 1))], "max": ordered[-1],
+            "frac_at_max": sum(n >= max_new_tokens for n in ordered) / len(ordered)}
+
+
+def loop_figures(run_dir: Path, skip: int, lengths: list[list[int]], max_new_tokens: int) -> dict:
+    """The steady state of one run: the steps after the first ``skip``, timed by the wall clock."""
     from megarl.metrics.sink import read_metrics
 
     rows = [r for r in read_metrics(run_dir) if "reward/mean" in r]
-    seconds = sum(r["time/wait_s"] + r["time/train_s"] + r["sync/seconds"] for r in rows)
-    waited = sum(r["time/wait_s"] for r in rows)
-    tokens = sum(r["response/len_mean"] * samples_per_step for r in rows)
-    return {"steps": len(rows), "loop_s": seconds, "response_tokens": tokens, "tokens_per_s": tokens / seconds,
-            "trainer_idle_frac": waited / seconds, "reward_first": rows[0]["reward/mean"],
-            "reward_last": rows[-1]["reward/mean"],
-            "staleness_mean": sum(r["staleness/mean"] for r in rows) / len(rows),
-            "response_len_mean": tokens / (len(rows) * samples_per_step)}
+    if len(rows) != len(lengths) or len(rows) <= skip + 1:
+        raise RuntimeError(f"{run_dir}: {len(rows)} RL rows, {len(lengths)} recorded batches, {skip} to skip")
+    counted, counted_lengths = rows[skip:], [n for step in lengths[skip:] for n in step]
+    seconds = counted[-1]["time"] - rows[skip - 1]["time"] if skip else counted[-1]["time"] - counted[0]["time"]
+    if not skip:  # no earlier row to time the first step from: count it as its own parts
+        seconds += counted[0]["time/wait_s"] + counted[0]["time/train_s"] + counted[0]["sync/seconds"]
+    waited = sum(r["time/wait_s"] for r in counted)
+    tokens = sum(counted_lengths)
+    mean = {k: statistics.fmean(r[key] for r in counted)
+            for k, key in (("wait_s", "time/wait_s"), ("train_s", "time/train_s"), ("sync_s", "sync/seconds"))}
+    return {"steps_run": len(rows), "steps_counted": len(counted), "seconds": seconds,
+            "response_tokens": tokens, "tokens_per_s": tokens / seconds, "trainer_idle_frac": waited / seconds,
+            "step_s_mean": seconds / len(counted), **{f"{k}_mean": v for k, v in mean.items()},
+            "reward_first": rows[0]["reward/mean"], "reward_last": rows[-1]["reward/mean"],
+            "staleness_mean": statistics.fmean(r["staleness/mean"] for r in counted),
+            "lengths": length_figures(counted_lengths, max_new_tokens),
+            "lengths_all_steps": length_figures([n for step in lengths for n in step], max_new_tokens)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_workload_arguments(parser, steps=8, prompts=32, max_new_tokens=48)
-    parser.add_argument("--temperature", type=float, default=1.3)
+    add_workload_arguments(parser, steps=60, prompts=64, max_new_tokens=32)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--long-every", type=int, default=10,
+                        help="every N-th sample ignores end-of-sequence (runs to --max-new-tokens); 0: none")
+    parser.add_argument("--skip-steps", type=int, default=5, help="steps left out of the figures (start-up)")
+    parser.add_argument("--trainer-cpus", default="0", help="cpulist of the trainer rank; '' leaves it unpinned")
+    parser.add_argument("--engine-cpus", default="1", help="cpulist of the SGLang server; '' leaves it unpinned")
+    parser.add_argument("--modes", default="sync,async")
+    parser.add_argument("--override", action="append", default=[], help="more config overrides (repeatable)")
     args = parser.parse_args()
+
+    roles = {role: cpu_list(text) for role, text in (("trainer", args.trainer_cpus), ("engine", args.engine_cpus))
+             if text}
+    if "engine" in roles:  # set before Ray starts: the Ray workers, and so the server, inherit them
+        os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = args.engine_cpus
+        os.environ["OMP_NUM_THREADS"] = str(len(roles["engine"]))
+
+    import psutil
 
     from megarl.log import setup_logging
     from megarl.train import main as train
 
     setup_logging()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="megarl-bench-"))
-    common = [*workload_overrides(work, args), f"rollout.temperature={args.temperature}"]
-    if train(["recipe=tiny_moe_cpu", "mode=warmup", f"logging.run_dir={work / 'warmup'}", *common]) != 0:
-        return 1
-    figures = {}
-    for mode in ("sync", "async"):
-        run_dir = work / mode
-        if train(["recipe=tiny_moe_cpu", f"mode={mode}", f"logging.run_dir={run_dir}", *common]) != 0:
+    common = [*workload_overrides(work, args), f"rollout.temperature={args.temperature}", *args.override]
+    if not (work / "warm" / "config.json").is_file():
+        if train(["recipe=tiny_moe_cpu", "mode=warmup", f"logging.run_dir={work / 'warmup'}", *common]) != 0:
             return 1
-        figures[mode] = loop_figures(run_dir, args.prompts * args.samples)
+    figures, pinning = {}, {}
+    modes = args.modes.split(",")
+    for mode in modes:
+        run_dir = work / mode
+        pinner, recorder, tail = CorePinner(roles), LengthRecorder(), LongTail(args.long_every)
+        pinner.start()
+        driver_cpu = sum(psutil.Process().cpu_times()[:2])
+        try:
+            code = train(["recipe=tiny_moe_cpu", f"mode={mode}", f"logging.run_dir={run_dir}", *common])
+        finally:
+            recorder.close()
+            tail.close()
+            pinning[mode] = pinner.stop()
+            pinning[mode]["driver"] = {"cpus": "unpinned", "processes": 1,
+                                       "cpu_s": round(sum(psutil.Process().cpu_times()[:2]) - driver_cpu, 1)}
+        if code != 0:
+            return 1
+        figures[mode] = loop_figures(run_dir, args.skip_steps, recorder.steps, args.max_new_tokens)
+        figures[mode]["cpu_by_role"] = pinning[mode]
     result = {
-        "async_over_sync_throughput": figures["async"]["tokens_per_s"] / figures["sync"]["tokens_per_s"],
-        "trainer_idle_frac_async": figures["async"]["trainer_idle_frac"],
-        "trainer_idle_frac_sync": figures["sync"]["trainer_idle_frac"],
-        "workload": {"steps": args.steps, "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
-                     "max_new_tokens": args.max_new_tokens, "temperature": args.temperature},
+        "workload": {"steps": args.steps, "skipped_steps": args.skip_steps, "prompts_per_step": args.prompts,
+                     "samples_per_prompt": args.samples, "max_new_tokens": args.max_new_tokens,
+                     "temperature": args.temperature, "ignore_eos_every": args.long_every,
+                     "overrides": args.override},
+        "pinning": {"trainer_cpus": roles.get("trainer"), "engine_cpus": roles.get("engine"),
+                    "others": "unpinned (driver, Ray)", "SGLANG_CPU_OMP_THREADS_BIND":
+                    os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                    "host_cpus": sorted(os.sched_getaffinity(0)), "load_avg_at_end": os.getloadavg()},
         **figures,
     }
-    for mode in ("sync", "async"):
-        f = figures[mode]
+    if {"sync", "async"} <= set(figures):
+        ratio = figures["async"]["tokens_per_s"] / figures["sync"]["tokens_per_s"]
+        idle = figures["async"]["trainer_idle_frac"]
+        result = {"async_over_sync_throughput": ratio, "trainer_idle_frac_async": idle,
+                  "trainer_idle_frac_sync": figures["sync"]["trainer_idle_frac"],
+                  "acceptance": {"throughput_at_least": THROUGHPUT_TARGET, "async_idle_below": IDLE_TARGET,
+                                 "holds": ratio >= THROUGHPUT_TARGET and idle < IDLE_TARGET}, **result}
+    for mode in modes:
+        f, n = figures[mode], figures[mode]["lengths"]
         print(f"{mode:>5}: {f['tokens_per_s']:8.1f} tokens/s, trainer idle {f['trainer_idle_frac']:.2f}, "
-              f"{f['loop_s']:.1f} s for {f['steps']} steps, mean response {f['response_len_mean']:.1f} tokens")
-    print(f"async / sync throughput: {result['async_over_sync_throughput']:.2f}x")
+              f"{f['seconds']:.1f} s for {f['steps_counted']} steps (wait {f['wait_s_mean']:.2f} train "
+              f"{f['train_s_mean']:.2f} sync {f['sync_s_mean']:.2f} s/step); lengths p50 {n['p50']} p90 {n['p90']} "
+              f"max {n['max']}, {n['frac_at_max']:.1%} at max")
+    if "async_over_sync_throughput" in result:
+        print(f"async / sync throughput: {result['async_over_sync_throughput']:.2f}x")
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
