@@ -54,8 +54,7 @@ async def rl(cfg: DictConfig, start_checkpoint: str) -> None:
                 stats.metrics |= fill_distill_advantages(batch.samples, cfg.algorithm.opd_coef,
                                                           cfg.algorithm.opd_baseline)
                 stats.metrics |= pipe.teacher.metrics()
-            result = await pipe.trainer.rl_step(pipe.rl_batch(batch.samples, step), cfg.algorithm,
-                                                **pipe.step_kwargs())
+            result = await pipe.train(batch, step)  # trainer.updates_per_step optimizer steps
             synced = await pipe.sync_weights(step)
             await pipe.end_step(step, batch, stats, result, synced)
 

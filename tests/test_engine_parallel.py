@@ -14,6 +14,7 @@ import pytest
 import torch
 from hf_oracle import load_hf, router_topk, sharpened_checkpoint
 
+from megarl.config import load_config
 from megarl.engines.client import SamplingParams, SGLangClient
 from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.platform import sglang_cpu
@@ -64,9 +65,13 @@ def test_from_config_reads_the_engine_parallelism(tiny_checkpoint, tmp_path):
 
     cfg = NS(rollout=NS(top_k=20, max_total_tokens=512, engine_tp=2, engine_ep=2, engine_dp_attention=True,
                         prefix_cache=False),
-             model=NS(dtype="float32"), task=NS(seed=3), logging=NS(run_dir=str(tmp_path)))
+             model=NS(dtype="float32"), task=NS(seed=3), logging=NS(run_dir=str(tmp_path)), lora=NS(enabled=False))
     s = EngineSettings.from_config(cfg, tiny_checkpoint, index=1, weight_version=0)
     assert (s.tp, s.ep, s.dp_attention, s.random_seed, s.prefix_cache) == (2, 2, True, 4, False)
+    assert (s.lora_max_rank, s.lora_target_modules) == (0, ())
+    lora = EngineSettings.from_config(load_config(["recipe=tiny_moe_lora_cpu"]), tiny_checkpoint, 0, weight_version=0)
+    assert (lora.lora_max_rank, lora.lora_target_modules) == (8, ("k_proj", "o_proj", "q_proj", "v_proj"))
+    assert "--max-loras-per-batch" in SGLangEngine(lora).command()
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -50,3 +50,33 @@ def test_sync_rl_steps_reproduce_the_engine_logprobs(tmp_path, warm):
     assert (run / "checkpoints" / "latest").read_text().strip() == "2"
     assert (run / "curves.png").is_file()
 
+
+
+def test_updates_per_step_split_the_batch_into_mini_batches(tmp_path, warm):
+    """``trainer.updates_per_step=2``: every RL step is two optimizer steps (the LR schedule's count
+    in the checkpoint), on the batch's two halves."""
+    from megatron.core import dist_checkpointing
+
+    run = sync_run(tmp_path, warm, "steps=2", "trainer.updates_per_step=2")
+    rows = rl_rows(run)
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(row["staleness/max"] == 0 and row["sync/version"] == row["step"] for row in rows)
+    common = dist_checkpointing.load_common_state_dict(str(run / "checkpoints" / "iter_0000002"))
+    assert common["scheduler"]["num_steps"] == 4
+
+
+def test_split_evenly_and_combine_updates():
+    from megarl.pipeline.run import combine_updates, split_evenly
+    from megarl.trainer.rl_step import RLStepResult
+
+    assert split_evenly(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert split_evenly(list(range(4)), 4) == [[0], [1], [2], [3]]
+    first = RLStepResult(grad_norm=1.0, applied=True, metrics={"loss": 2.0, "mismatch/tokens_outside_mask": 10.0,
+                                                                "mismatch/ratio_dev_max": 0.5})
+    second = RLStepResult(grad_norm=3.0, applied=False, metrics={"loss": 4.0, "mismatch/tokens_outside_mask": 6.0,
+                                                                 "mismatch/ratio_dev_max": 0.2, "kl": 0.1})
+    both = combine_updates([first, second])
+    assert both.grad_norm == 2.0 and not both.applied
+    assert both.metrics == {"loss": 3.0, "mismatch/tokens_outside_mask": 16.0, "mismatch/ratio_dev_max": 0.5,
+                            "kl": 0.1}
+    assert combine_updates([first]) is first

@@ -69,6 +69,8 @@ def type_name(annotation) -> str:
 
 def default_text(field: dataclasses.Field) -> str:
     value = field.default
+    if value is dataclasses.MISSING and field.default_factory is not dataclasses.MISSING:
+        value = field.default_factory()
     if value is MISSING:
         return "`???`"
     if value is None:

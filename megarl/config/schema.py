@@ -115,6 +115,9 @@ class TrainerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = True
+    # optimizer steps per RL step: the batch's prompt groups split into this many mini-batches, one update
+    # each (slime's --num-steps-per-rollout; verl's ppo_mini_batch_size = batch / this)
+    updates_per_step: int = 1
     max_tokens_per_microbatch: int = 4096  # token budget of one micro-batch (packed: about this many real tokens)
     pack_sequences: bool = True  # packed (THD) micro-batches, DP ranks balanced by tokens; false: right-padded rows
     recompute: Recompute = Recompute.none

@@ -90,6 +90,10 @@ def validate(cfg: DictConfig) -> None:
     _check_judge(cfg)
     _check_episodes(cfg.task)
     _check_lora(cfg)
+    if not 1 <= cfg.trainer.updates_per_step <= cfg.rollout.prompts_per_step:
+        _fail("trainer.updates_per_step", f"must be between 1 and rollout.prompts_per_step "
+              f"({cfg.rollout.prompts_per_step}): each update trains at least one prompt group, got "
+              f"{cfg.trainer.updates_per_step}")
     if cfg.sync.bucket_mb < 0 or cfg.sync.timeout_s <= 0:
         _fail("sync.bucket_mb",
               f"bucket_mb must be >= 0 and timeout_s > 0, got {cfg.sync.bucket_mb}, {cfg.sync.timeout_s}")

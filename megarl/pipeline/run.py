@@ -64,6 +64,7 @@ from megarl.trainer.checkpoint import latest_step
 from megarl.trainer.model_setup import ModelSettings
 from megarl.trainer.optimizer import OptimizerSettings
 from megarl.trainer.rl_batch import RLBatch, build_rl_batch
+from megarl.trainer.rl_step import RLStepResult
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,35 @@ class Batch:
     @property
     def samples(self) -> list[RolloutSample]:
         return [s for g in self.groups for s in g.samples]
+
+
+def split_evenly(items: list, parts: int) -> list[list]:
+    """``items`` in order as ``parts`` consecutive runs whose sizes differ by at most one."""
+    size, extra = divmod(len(items), parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+SUMMED_METRICS = ("mismatch/tokens_outside_mask",)  # the rl_step metrics that are counts
+
+
+def combine_updates(results: list[RLStepResult]) -> RLStepResult:
+    """One RL step's result from its updates': grad norms and metrics averaged, except counts
+    (:data:`SUMMED_METRICS`: summed) and maxima (``*_max``: the largest); applied when every update
+    was. A metric an update left out (over an empty token set) comes from the others."""
+    if len(results) == 1:
+        return results[0]
+    metrics = {}
+    for key in dict.fromkeys(k for r in results for k in r.metrics):
+        values = [r.metrics[key] for r in results if key in r.metrics]
+        if key.endswith("_max"):
+            metrics[key] = max(values)
+        elif key in SUMMED_METRICS:
+            metrics[key] = sum(values)
+        else:
+            metrics[key] = sum(values) / len(values)
+    return RLStepResult(grad_norm=sum(r.grad_norm for r in results) / len(results),
+                        applied=all(r.applied for r in results), metrics=metrics)
 
 
 @dataclass
@@ -141,6 +171,18 @@ class Pipeline:
             await self.colocation.before_training()
         self._clock["train_start"] = time.monotonic()
         return Batch(groups=taken.groups, staleness=taken.staleness, wait_s=self._clock["train_start"] - t0)
+
+    async def train(self, batch: Batch, step: int) -> RLStepResult:
+        """``trainer.updates_per_step`` optimizer steps on ``batch`` (advantages filled): its prompt
+        groups split, in order, into as many mini-batches of near-equal size, one ``rl_step`` each
+        (:func:`combine_updates` joins their results)."""
+        parts = split_evenly(batch.groups, self.cfg.trainer.updates_per_step)
+        results = []
+        for groups in parts:
+            samples = [s for g in groups for s in g.samples]
+            results.append(await self.trainer.rl_step(self.rl_batch(samples, step), self.cfg.algorithm,
+                                                      **self.step_kwargs()))
+        return combine_updates(results)
 
     def rl_batch(self, samples: list[RolloutSample], step: int) -> RLBatch:
         """The trainer's tensors for ``samples`` (advantages filled) at ``step``, where the trainer
@@ -309,7 +351,8 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
         stack.callback(ray.shutdown)
         trainer = TrainerGroup(layout, backend=p.backend, seed=t.seed)
         stack.callback(trainer.shutdown)
-        await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg), ModelSettings.from_config(cfg))
+        await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg, updates_per_step=t.updates_per_step),
+                            ModelSettings.from_config(cfg))
         position, ledger, start_step = None, Ledger(), 0
         if resume_step is not None:
             resumed = await trainer.load_checkpoint(str(checkpoints))

@@ -25,12 +25,14 @@ class OptimizerSettings:
     dtype: str  # float32 | bfloat16 | float16
 
     @classmethod
-    def from_config(cls, cfg, lr: float | None = None) -> OptimizerSettings:
+    def from_config(cls, cfg, lr: float | None = None, updates_per_step: int = 1) -> OptimizerSettings:
         """From a run config (``trainer``, ``model.dtype``, ``steps``); ``lr`` overrides
-        ``trainer.lr`` (the warm-up has its own)."""
+        ``trainer.lr`` (the warm-up has its own); the LR decays over ``steps * updates_per_step``
+        optimizer steps (RL: ``trainer.updates_per_step``)."""
         t = cfg.trainer
         return cls(lr=t.lr if lr is None else lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_steps,
-                   lr_decay_steps=max(cfg.steps, 1), lr_decay_style=t.lr_decay_style, weight_decay=t.weight_decay,
+                   lr_decay_steps=max(cfg.steps * updates_per_step, 1), lr_decay_style=t.lr_decay_style,
+                   weight_decay=t.weight_decay,
                    adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
                    use_distributed_optimizer=t.use_distributed_optimizer, dtype=cfg.model.dtype)
 

@@ -27,8 +27,11 @@ the wall clock between the metrics rows of the last skipped and the last step:
   tokens/s            generated response tokens of the counted steps' trained samples / their seconds
   trainer idle frac   seconds the trainer waited for data in the counted steps / their seconds
 
-Defaults: 60 steps of 64 prompts x 8 samples, at most 32 new tokens, the first 5 steps skipped;
-about 4 minutes on 2 cores with the warm-up.
+Defaults: 60 steps of 64 prompts x 8 samples, at most 32 new tokens, three optimizer steps per RL
+step (``trainer.updates_per_step=3``, PPO mini-batches as slime's ``--num-steps-per-rollout``: on
+these two cores one update takes about a third of a rollout, three make training and generation
+comparable, the balance async is built for), the first 5 steps skipped; about 5 minutes on 2 cores
+with the warm-up.
 
 Usage: python tools/bench/async_vs_sync.py --json FILE [--steps N --prompts P --samples G ...]
 """
@@ -207,6 +210,8 @@ def main() -> int:
     parser.add_argument("--trainer-cpus", default="0", help="cpulist of the trainer rank; '' leaves it unpinned")
     parser.add_argument("--engine-cpus", default="1", help="cpulist of the SGLang server; '' leaves it unpinned")
     parser.add_argument("--modes", default="sync,async")
+    parser.add_argument("--updates-per-step", type=int, default=3,
+                        help="optimizer steps per RL step (trainer.updates_per_step)")
     parser.add_argument("--override", action="append", default=[], help="more config overrides (repeatable)")
     args = parser.parse_args()
 
@@ -223,7 +228,8 @@ def main() -> int:
 
     setup_logging()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="megarl-bench-"))
-    common = [*workload_overrides(work, args), f"rollout.temperature={args.temperature}", *args.override]
+    common = [*workload_overrides(work, args), f"rollout.temperature={args.temperature}",
+              f"trainer.updates_per_step={args.updates_per_step}", *args.override]
     if not (work / "warm" / "config.json").is_file():
         if train(["recipe=tiny_moe_cpu", "mode=warmup", f"logging.run_dir={work / 'warmup'}", *common]) != 0:
             return 1
@@ -250,6 +256,7 @@ def main() -> int:
         "workload": {"steps": args.steps, "skipped_steps": args.skip_steps, "prompts_per_step": args.prompts,
                      "samples_per_prompt": args.samples, "max_new_tokens": args.max_new_tokens,
                      "temperature": args.temperature, "ignore_eos_every": args.long_every,
+                     "updates_per_step": args.updates_per_step,
                      "overrides": args.override},
         "pinning": {"trainer_cpus": roles.get("trainer"), "engine_cpus": roles.get("engine"),
                     "others": "unpinned (driver, Ray)", "SGLANG_CPU_OMP_THREADS_BIND":
