@@ -1,0 +1,104 @@
+"""The async driver killed and resumed, the check shared by tests/test_rl_resume.py (full weights,
+the demo) and tests/test_rl_resume_lora.py (LoRA adapters synced alone; two files so that the two
+runs can go to different test workers): SIGKILL mid-run (the rerun resumes from the last periodic
+checkpoint), then SIGTERM (checkpoint after the step in progress, exit 0). Step numbers continue, no
+prompt is trained twice in the run's lineage, and the sample ledger carries over. With LoRA the
+checkpoints hold adapters only, and the resumed engine gets the checkpoint's adapter before it generates."""
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from megarl.metrics.sink import read_metrics
+
+STEPS = 8
+
+
+def command(tmp_path: Path, recipe: str) -> list[str]:
+    return [sys.executable, "-m", "megarl.train", f"recipe={recipe}", f"steps={STEPS}", "trainer.save_interval=2",
+            "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "warmup.steps=30",
+            f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'warm'}",
+            f"logging.run_dir={tmp_path / 'run'}"]
+
+
+def rl_steps(run: Path, since: float = 0.0) -> list[int]:
+    """The RL steps in metrics.jsonl (those logged after unix time ``since``)."""
+    if not (run / "metrics.jsonl").is_file():
+        return []
+    return [row["step"] for row in read_metrics(run) if "reward/mean" in row and row["time"] > since]
+
+
+def engine_processes(tmp_path: Path) -> list[psutil.Process]:
+    """SGLang server processes serving this test's checkpoint."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if "megarl.engines.sglang_main" in cmdline and str(tmp_path / "warm") in cmdline:
+            found.append(proc)
+    return found
+
+
+def run_until(tmp_path: Path, recipe: str, last_step: int, sig: signal.Signals) -> subprocess.CompletedProcess:
+    """Start the driver, send ``sig`` once step ``last_step`` is in metrics.jsonl, wait for it."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    started = time.time()
+    with open(tmp_path / "driver.log", "ab") as out:
+        proc = subprocess.Popen(command(tmp_path, recipe), stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 400
+        while (max(rl_steps(tmp_path / "run", started), default=0) < last_step and proc.poll() is None
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
+        assert proc.poll() is None, f"driver ended early (rc {proc.returncode}); see {tmp_path / 'driver.log'}"
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+    return proc
+
+
+def check_kill_and_resume(recipe, tmp_path, warmed_up):
+    run = tmp_path / "run"
+    # the session's warm-up (tests/conftest.py), copied: this test's servers are those serving tmp_path / "warm"
+    shutil.copytree(warmed_up.base, tmp_path / "base")
+    shutil.copytree(warmed_up.warm, tmp_path / "warm")
+    killed = run_until(tmp_path, recipe, 3, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    # the periodic checkpoint before the kill (2), or the next one (4): the trainer rank is a Ray actor,
+    # which can finish writing a checkpoint it had begun after its driver died
+    assert (run / "checkpoints" / "latest").read_text().strip() in ("2", "4")
+    # the killed driver's SGLang server (its own process group) notices and ends itself
+    deadline = time.monotonic() + 30
+    while engine_processes(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not engine_processes(tmp_path), "the SGLang server outlived its killed driver"
+
+    terminated = run_until(tmp_path, recipe, 4, signal.SIGTERM)  # resumes at 3, then SIGTERM: checkpoint and exit
+    assert terminated.returncode == 0, (tmp_path / "driver.log").read_text()[-3000:]
+    stopped_at = int((run / "checkpoints" / "latest").read_text())
+    assert 4 <= stopped_at <= STEPS
+    assert rl_steps(run) == list(range(1, stopped_at + 1))  # the killed run's steps after its checkpoint were replaced
+    log = [json.loads(line) for line in (run / "trained_prompts.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in log] == list(range(1, stopped_at + 1))
+    trained = [i for row in log for i in row["prompts"]]
+    assert all(len(row["prompts"]) == 4 for row in log) and len(set(trained)) == len(trained)
+    last = [row for row in read_metrics(run) if "reward/mean" in row][-1]
+    assert last["buffer/prompts_trained"] == 4 * stopped_at  # the ledger carried over the restart
+    assert last["buffer/trained"] + last["buffer/error"] <= last["buffer/samples_started"]
+    driver_log = (tmp_path / "driver.log").read_text()
+    resumed = re.search(r"resuming at step (\d+)", driver_log)
+    assert resumed and int(resumed.group(1)) in (2, 4), driver_log[-3000:]
+    assert f"stopped by SIGTERM after step {stopped_at}" in driver_log
+    if recipe == "tiny_moe_lora_cpu":
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from megarl.trainer.checkpoint import step_dir
+
+        keys = FileSystemReader(str(step_dir(run / "checkpoints", stopped_at))).read_metadata().state_dict_metadata
+        weights = [k for k in keys if not k.startswith(("optimizer.", "rng_state", "common_state"))]
+        assert weights and all(".adapter." in k for k in weights), weights[:5]
+        assert f"adapters of version {resumed.group(1)} synced" in driver_log  # before the resumed run generates
