@@ -175,7 +175,9 @@ class Pipeline:
     async def train(self, batch: Batch, step: int) -> RLStepResult:
         """``trainer.updates_per_step`` optimizer steps on ``batch`` (advantages filled): its prompt
         groups split, in order, into as many mini-batches of near-equal size, one ``rl_step`` each
-        (:func:`combine_updates` joins their results)."""
+        (:func:`combine_updates` joins their results). Every update's PPO ratio is against the
+        rollout's log-probs, so from the second update on it (and ``mismatch/*``) also carries the
+        earlier updates' change of the policy."""
         parts = split_evenly(batch.groups, self.cfg.trainer.updates_per_step)
         results = []
         for groups in parts:
