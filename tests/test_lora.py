@@ -8,7 +8,6 @@ settings fail before anything starts.
 import asyncio
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -38,16 +37,6 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def checkpoint(tiny_checkpoint, tmp_path_factory):
     return str(sharpened_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("tiny_moe_lora"), LM_HEAD_SCALE))
-
-
-@pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +70,7 @@ def sync_settings(tmp_path: Path) -> SyncSettings:
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_synced_adapter_equals_hf_with_the_adapter_merged(name, ray_cluster, engine, checkpoint, prompt, tmp_path):
+def test_synced_adapter_equals_hf_with_the_adapter_merged(name, ray_local, engine, checkpoint, prompt, tmp_path):
     group = trained_group(LAYOUTS[name], checkpoint)
     version = 3 + list(LAYOUTS).index(name)
     try:
@@ -134,7 +123,7 @@ def test_synced_adapter_equals_hf_with_the_adapter_merged(name, ray_cluster, eng
           f"{model_bytes / 1e6:.2f} MB model) in {report.total_s:.2f} s; max |engine - HF| log-prob {diff:.1e}")
 
 
-def test_merged_sync_of_expert_adapters_equals_hf_with_them_merged(ray_cluster, engine, checkpoint, prompt, tmp_path):
+def test_merged_sync_of_expert_adapters_equals_hf_with_them_merged(ray_local, engine, checkpoint, prompt, tmp_path):
     """``lora.sync=merged``, the fallback where an engine cannot serve the adapters (experts on CPU):
     the base with every adapter merged goes through the distributed transport into the engine (no
     adapter named), which then equals HF with the PEFT export merged by hand; the engine's base is
@@ -185,7 +174,7 @@ def kl_to_reference(group, checkpoint: str) -> list[float]:
                                          max_tokens_per_microbatch=32, keep_routing=False, sequence_parallel=False))
 
 
-def test_checkpoint_holds_adapters_only_and_restores_them(ray_cluster, checkpoint, tmp_path):
+def test_checkpoint_holds_adapters_only_and_restores_them(ray_local, checkpoint, tmp_path):
     """Adapters and their optimizer state alone in the checkpoint; restored bit for bit into a fresh
     LoRA model, whose KL reference stays the base."""
     from torch.distributed.checkpoint import FileSystemReader
