@@ -168,7 +168,7 @@ def test_pool_generates_and_controls_the_engine(pool, loop):
 
 
 def test_killing_the_server_mid_batch_restarts_it_and_loses_no_sample(pool, loop):
-    n, params = 24, SamplingParams(max_new_tokens=56, top_k=10, ignore_eos=True)
+    n, params = 64, SamplingParams(max_new_tokens=56, top_k=10, ignore_eos=True)  # 3.8k of the 4k KV tokens
     before = engine_info(pool)
     old_group = [p.pid for p in psutil.process_iter() if _pgid(p) == before.pid]
 
@@ -177,7 +177,7 @@ def test_killing_the_server_mid_batch_restarts_it_and_loses_no_sample(pool, loop
             [[1, 2 + i % 9, 3] for i in range(n)], params, group_ids=[f"p{i}" for i in range(n)]))
         while pool.in_flight != [n] and not task.done():
             await asyncio.sleep(0.01)
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(0.05)  # in the engine (a kill before it is as good: every prompt is resubmitted)
         assert not task.done(), "the batch finished before the kill: the test would prove nothing"
         os.kill(before.pid, signal.SIGKILL)
         t0 = time.monotonic()

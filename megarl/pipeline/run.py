@@ -309,7 +309,8 @@ async def start_teacher(cfg: DictConfig, api_key: str, num_gpus: float,
     like the policy engines, seed and log ``teacher.log`` its own, weights never synced) and the scorer
     that asks it; both are stopped when ``stack`` closes."""
     settings = dataclasses.replace(EngineSettings.from_config(cfg, cfg.teacher.hf_path, cfg.rollout.num_engines, 0),
-                                   api_key=api_key, log_path=str(Path(cfg.logging.run_dir) / "teacher.log"))
+                                   api_key=api_key, log_path=str(Path(cfg.logging.run_dir) / "teacher.log"),
+                                   lora_max_rank=0, lora_target_modules=())  # the policy's adapters are not its
     engine = EnginePool.launch([settings], num_cpus=0.5, num_gpus=num_gpus)
     stack.push_async_callback(engine.aclose)
     scorer = TeacherScorer(engine.clients[0].base_url, engine.model.vocab_size, api_key=api_key,
