@@ -45,10 +45,8 @@ def engine(checkpoint, tmp_path_factory):
     settings = EngineSettings(model_path=checkpoint, dtype="float32", max_total_tokens=2048,
                               log_path=str(tmp_path_factory.mktemp("sglang_lora") / "server.log"),
                               **lora_serving(ATTENTION))
-    eng = SGLangEngine(settings)
-    eng.start()
-    yield eng
-    eng.stop()
+    with SGLangEngine(settings) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")

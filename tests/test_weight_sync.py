@@ -60,20 +60,16 @@ def sharded_engine(checkpoint, tmp_path_factory):
     """An engine of two ranks, TP2 with the experts split EP2 (megarl/platform/sglang_cpu.py)."""
     settings = EngineSettings(model_path=checkpoint, dtype="float32", max_total_tokens=2048, tp=2, ep=2,
                               log_path=str(tmp_path_factory.mktemp("sglang_tp2_ep2") / "server.log"))
-    eng = SGLangEngine(settings)
-    eng.start()
-    yield eng
-    eng.stop()
+    with SGLangEngine(settings) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
 def engine(checkpoint, tmp_path_factory):
     settings = EngineSettings(model_path=checkpoint, dtype="float32", max_total_tokens=2048,
                               log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"))
-    eng = SGLangEngine(settings)
-    eng.start()
-    yield eng
-    eng.stop()
+    with SGLangEngine(settings) as eng:
+        yield eng
 
 
 @pytest.fixture(scope="module")
