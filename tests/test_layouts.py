@@ -95,7 +95,7 @@ def packing_diffs(trainable, layout, hf):
             plan, dp_rank, micro = local_micro_batches(batch, 24, pack=pack,
                                                        sequence_parallel=layout.sequence_parallel, pad_id=0)
             logprobs = reference_logprobs(trainable.chunks, micro, vocab_size=hf.config.vocab_size, temperature=1.0,
-                                          pad_id=0, replay=keep, sequence_parallel=layout.sequence_parallel)
+                                          replay=keep, sequence_parallel=layout.sequence_parallel)
             per_sample = {}
             for indices, (mb, _), lp in zip(plan.per_rank[dp_rank], micro, logprobs):
                 if lp is not None:

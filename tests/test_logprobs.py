@@ -186,3 +186,17 @@ def test_malformed_mask_raises(ids, offsets, match):
     mask = CsrMask(torch.tensor(ids, dtype=torch.int32), torch.tensor(offsets, dtype=torch.int32))
     with pytest.raises(ValueError, match=match):
         vocab_parallel_logprobs(torch.zeros(2, 4, dtype=torch.float64), 0, torch.tensor([1, 2]), mask)
+
+
+def test_csr_rows_takes_the_chosen_rows_in_their_order():
+    from megarl.trainer.logprobs import csr_rows
+
+    rows_as_lists = [[3, 1], [], [7], [2, 5, 9], []]
+    offsets = torch.tensor([0, *torch.tensor([len(r) for r in rows_as_lists]).cumsum(0).tolist()], dtype=torch.int32)
+    mask = CsrMask(torch.tensor([i for r in rows_as_lists for i in r], dtype=torch.int32), offsets)
+    chosen = torch.tensor([3, 0, 1, 2, 3])
+    sub = csr_rows(mask, chosen)
+    got = [sub.ids[int(a):int(b)].tolist() for a, b in zip(sub.offsets[:-1], sub.offsets[1:])]
+    assert got == [rows_as_lists[i] for i in chosen.tolist()]
+    empty = csr_rows(mask, torch.tensor([1, 4], dtype=torch.long))
+    assert empty.ids.numel() == 0 and empty.offsets.tolist() == [0, 0, 0]

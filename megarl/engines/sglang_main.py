@@ -1,7 +1,8 @@
 """Entry point of an SGLang server process: ``python -m megarl.engines.sglang_main <launch_server args>``.
 
-Applies megarl's SGLang CPU work-arounds (only when no GPU is present) and then runs SGLang's own
-``sglang.launch_server`` main with the same arguments. The work-arounds are applied at import time on
+Applies megarl's SGLang CPU work-arounds (only when no GPU is present) and keeps SGLang's
+inter-process tensors on torch's own unpickler (:mod:`megarl.platform.sglang_ipc`, every platform),
+then runs SGLang's own ``sglang.launch_server`` main with the same arguments. Both are applied at import time on
 purpose: SGLang starts its scheduler and detokenizer with the "spawn" start method, and a spawned
 child re-imports this module (as ``__mp_main__``) before it imports any of sglang.
 
@@ -17,9 +18,10 @@ import signal
 import threading
 import time
 
-from megarl.platform import sglang_cpu
+from megarl.platform import sglang_cpu, sglang_ipc
 
 sglang_cpu.apply()
+sglang_ipc.install()
 
 OWNER_POLL_S = 1.0
 

@@ -6,7 +6,7 @@ The bridge's own mappings convert weights both ways; megarl only picks the layer
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ class MegatronModel:
     bridge: Any  # megatron.bridge.AutoBridge
     provider: Any  # megatron.bridge GPTModelProvider
     chunks: list  # list[MegatronModule], DDP-wrapped when built for training
+    export_tasks: list | None = field(default=None, repr=False)  # this stage's conversion tasks, built once
 
 
 def use_transformer_engine(impl: str) -> bool:

@@ -51,17 +51,25 @@ def _single_stage_groups():
     return types.SimpleNamespace(pp=group)
 
 
+def stage_export_tasks(model) -> list:
+    """The bridge's conversion tasks of this rank's pipeline stage, built on the first call and kept
+    in ``model.export_tasks`` (they hold the parameters themselves, whose values change in place)."""
+    if model.export_tasks is None:
+        tasks = model.bridge.get_conversion_tasks(model.chunks)
+        local = [t for t in tasks if t is not None and t.param_weight is not None]
+        if pipeline_stages() > 1:
+            groups = _single_stage_groups()
+            for task in local:
+                task.mapping.set_process_groups_from_pg_collection(groups)
+        log.debug("stage %d exports %d of %d conversion tasks", pipeline_stage(), len(local), len(tasks))
+        model.export_tasks = local
+    return model.export_tasks
+
+
 def stage_hf_stream(model) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every HF weight of this rank's pipeline stage, in the bridge's
     export order; tensors stay on the parameters' device. ``model`` is a
     :class:`megarl.models.bridge.MegatronModel`. Collective over the stage's TP/EP groups."""
-    tasks = model.bridge.get_conversion_tasks(model.chunks)
-    local = [t for t in tasks if t is not None and t.param_weight is not None]
-    if pipeline_stages() > 1:
-        groups = _single_stage_groups()
-        for task in local:
-            task.mapping.set_process_groups_from_pg_collection(groups)
-    log.debug("stage %d exports %d of %d conversion tasks", pipeline_stage(), len(local), len(tasks))
     for name, tensor in model.bridge.export_hf_weights(model.chunks, cpu=False, show_progress=False,
-                                                       conversion_tasks=local):
+                                                       conversion_tasks=stage_export_tasks(model)):
         yield name, tensor

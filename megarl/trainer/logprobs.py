@@ -30,6 +30,16 @@ class CsrMask:
     offsets: torch.Tensor
 
 
+def csr_rows(mask: CsrMask, rows: torch.Tensor) -> CsrMask:
+    """The rows ``rows`` (int64 [M], any order) of ``mask`` as a mask of M rows, in that order."""
+    counts = (mask.offsets[1:] - mask.offsets[:-1]).long()[rows]
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    starts = mask.offsets[:-1].long()[rows]
+    within = torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(counts)
+    return CsrMask(mask.ids[starts.repeat_interleave(counts) + within], offsets)
+
+
 @dataclass
 class TokenLogprobs:
     logprobs: torch.Tensor  # [N], log-prob of the target over its kept set (differentiable)

@@ -21,7 +21,7 @@ import torch
 
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.config.schema import AlgorithmConfig
-from megarl.trainer.logprobs import CsrMask, vocab_parallel_logprobs
+from megarl.trainer.logprobs import csr_rows, vocab_parallel_logprobs
 from megarl.trainer.mismatch import empty_mismatch, mismatch_metrics, mismatch_sums, reduce_mismatch
 from megarl.trainer.packing import MicroBatchPlan, ModelInput, model_input, plan_micro_batches, to_grid
 from megarl.trainer.reference import ReferenceWeights
@@ -108,29 +108,32 @@ class ReplayAgreement:
 
 
 def _token_logprobs(logits: torch.Tensor, mb: RLBatch, mi: ModelInput, vocab_size: int, temperature: float,
-                    pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Masked log-probs and unmasked entropy, ragged [n], of the temperature-scaled distribution
     (the one the engine sampled from) from this rank's logits [b, s, V/tp], and the count of sampled
-    tokens outside their sampling mask (int scalar; they are kept, see ``vocab_parallel_logprobs``)."""
+    tokens outside their sampling mask (int scalar; they are kept, see ``vocab_parallel_logprobs``).
+    ``rows`` (int64 [m] ragged positions): compute only there and leave 0 elsewhere (the loss needs
+    its trained tokens only); None: every position."""
     from megatron.core import parallel_state
 
     b, s, shard = logits.shape
     vocab_start = parallel_state.get_tensor_model_parallel_rank() * shard
+    index = mi.flat_index if rows is None else mi.flat_index[rows]
+    picked = logits.reshape(b * s, shard)[index].float() / temperature
     padded = torch.arange(vocab_start, vocab_start + shard) >= vocab_size
-    logits = logits.float() / temperature
     if padded.any():  # megatron's vocabulary padding is not part of the policy
-        logits = logits.masked_fill(padded, torch.finfo(torch.float32).min)
-    mask = None
-    if mb.sampling_mask is not None:  # the ragged CSR rows moved to their places in [b * s]
-        counts = torch.zeros(b * s, dtype=torch.long)
-        counts[mi.flat_index] = mb.sampling_mask.offsets[1:] - mb.sampling_mask.offsets[:-1]
-        offsets = torch.zeros(b * s + 1, dtype=torch.long)
-        torch.cumsum(counts, 0, out=offsets[1:])
-        mask = CsrMask(mb.sampling_mask.ids, offsets)
-    targets = mi.scatter(mb.targets, pad_id).reshape(-1)
-    out = vocab_parallel_logprobs(logits.reshape(b * s, shard), vocab_start, targets, mask,
-                                  parallel_state.get_tensor_model_parallel_group())
-    return mi.gather(out.logprobs), mi.gather(out.entropy), out.outside_mask
+        picked = picked.masked_fill(padded, torch.finfo(torch.float32).min)
+    mask = mb.sampling_mask
+    targets = mb.targets
+    if rows is not None:
+        mask = None if mask is None else csr_rows(mask, rows)
+        targets = targets[rows]
+    out = vocab_parallel_logprobs(picked, vocab_start, targets, mask, parallel_state.get_tensor_model_parallel_group())
+    if rows is None:
+        return out.logprobs, out.entropy, out.outside_mask
+    n = len(mb.tokens)
+    return (out.logprobs.new_zeros(n).index_put((rows,), out.logprobs),
+            out.entropy.new_zeros(n).index_put((rows,), out.entropy), out.outside_mask)
 
 
 class _Replay:
@@ -197,7 +200,7 @@ def _forward_backward(chunks, micro: list, forward_step, forward_only: bool, len
         num_microbatches=len(micro), seq_length=length, micro_batch_size=b, forward_only=forward_only)
 
 
-def reference_logprobs(chunks: list, micro: list, *, vocab_size: int, temperature: float, pad_id: int,
+def reference_logprobs(chunks: list, micro: list, *, vocab_size: int, temperature: float,
                        replay: bool, sequence_parallel: bool) -> list[torch.Tensor | None]:
     """Forward-only log-probs (ragged [n] per micro-batch, last PP stage; None elsewhere) of the
     weights the model holds now, with the same routing replay and sampling mask as the step."""
@@ -216,7 +219,7 @@ def reference_logprobs(chunks: list, micro: list, *, vocab_size: int, temperatur
             replayer.after_forward()
 
         def keep(output):
-            collected.append(_token_logprobs(output, mb, mi, vocab_size, temperature, pad_id)[0].detach())
+            collected.append(_token_logprobs(output, mb, mi, vocab_size, temperature)[0].detach())
             return output.sum() * 0, {}
 
         return logits, keep
@@ -244,7 +247,7 @@ def sequence_kl(chunks: list, batch: RLBatch, kl_type: str, reference: Reference
 
     plan, dp_rank, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
                                                sequence_parallel=sequence_parallel, pad_id=pad_id)
-    kwargs = dict(vocab_size=vocab_size, temperature=temperature, pad_id=pad_id, replay=keep_routing,
+    kwargs = dict(vocab_size=vocab_size, temperature=temperature, replay=keep_routing,
                   sequence_parallel=sequence_parallel)
     current = reference_logprobs(chunks, micro, **kwargs)
     with reference.swapped_in():
@@ -325,7 +328,7 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     refs = [None] * len(micro)
     if reference is not None and algo.kl_coef != 0.0 and not algo.kl_in_reward:
         with reference.swapped_in():
-            refs = reference_logprobs(chunks, micro, vocab_size=vocab_size, temperature=temperature, pad_id=pad_id,
+            refs = reference_logprobs(chunks, micro, vocab_size=vocab_size, temperature=temperature,
                                       replay=keep_routing, sequence_parallel=sequence_parallel)
     micro = [(mb, mi, ref) for (mb, mi), ref in zip(micro, refs)]
     record = not keep_routing and batch.routed_experts is not None and bool(routers)
@@ -354,7 +357,8 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
                 zero = output.sum() * 0
                 return zero, torch.zeros((), dtype=torch.int), {"sums": torch.zeros(len(sum_keys), dtype=torch.float64),
                                                                 "mismatch": empty_mismatch()}
-            flat_lp, flat_ent, outside = _token_logprobs(output, mb, mi, vocab_size, temperature, pad_id)
+            flat_lp, flat_ent, outside = _token_logprobs(output, mb, mi, vocab_size, temperature,
+                                                        rows=(mb.loss_mask > 0).nonzero().squeeze(1))
             logprobs, entropy = to_grid(flat_lp, mb.cu_seqlens), to_grid(flat_ent, mb.cu_seqlens)
             loss_mask = to_grid(mb.loss_mask, mb.cu_seqlens)
             inputs = LossInputs(
