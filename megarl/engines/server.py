@@ -247,6 +247,7 @@ class SGLangEngine:
         log.info("SGLang server pid %d starting at %s (log %s)", self._process.pid, self.url, self.log_path)
         try:
             self._wait_healthy(t0 + self.settings.startup_timeout_s)
+            self._freeze_gc()
         except BaseException:
             self.stop()
             raise
@@ -272,6 +273,17 @@ class SGLangEngine:
                         f"log tail ({self.log_path}):\n{self.log_tail()}"
                     )
                 time.sleep(0.5)
+
+    def _freeze_gc(self) -> None:
+        """Take what the server's processes hold after start-up (imported modules, the model) out of
+        Python's garbage collection (SGLang's ``/freeze_gc``, in the tokenizer, scheduler and
+        detokenizer). Without it a full collection over that graph stalls them for ~0.3 s every few
+        steps of the demo's rollout: a third of the steps took twice as long."""
+        headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+        response = httpx.post(self.url + "/freeze_gc", headers=headers, timeout=30.0)
+        if response.status_code != 200:
+            raise EngineStartError(f"SGLang server at {self.url} refused /freeze_gc ({response.status_code}): "
+                                   f"{response.text[:200]}")
 
     def is_alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
