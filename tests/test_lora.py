@@ -243,7 +243,8 @@ class RandomAdapterTrainer:
 @pytest.mark.parametrize("mode", [PauseMode.IN_PLACE, PauseMode.ABORT])
 def test_requests_in_flight_keep_their_adapter_and_its_version(mode, engine, checkpoint, prompt, tmp_path):
     """``continue`` (IN_PLACE): requests in flight across a sync finish on the adapter they named, every
-    token labelled with its version; ``abort_resubmit`` (ABORT): they come back aborted, labelled so too."""
+    token labelled with its version; ``abort_resubmit`` (ABORT): they come back aborted, labelled so too
+    (a request that finished before the abort reached the engine comes back whole)."""
     params = SamplingParams(max_new_tokens=56, temperature=0.0, ignore_eos=True)
 
     async def body():
@@ -274,7 +275,9 @@ def test_requests_in_flight_keep_their_adapter_and_its_version(mode, engine, che
         assert sample.model_version.tolist() == [1] * len(sample.response_ids)
         assert sample.response_ids == alone.response_ids[:len(sample.response_ids)]
     if mode is PauseMode.ABORT:
-        assert all(s.finish_reason.value == "aborted" and len(s.response_ids) < 56 for s in samples)
+        aborted = [s.finish_reason.value == "aborted" for s in samples]
+        assert any(aborted), "every request ended before the sync: nothing was in flight"
+        assert all(len(s.response_ids) < 56 if cut else len(s.response_ids) == 56 for s, cut in zip(samples, aborted))
     else:
         assert all(len(s.response_ids) == 56 for s in samples)
         assert max(finished.values()) > synced_at, "every request ended before the sync: nothing was in flight"
