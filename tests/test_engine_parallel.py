@@ -58,6 +58,7 @@ def test_command_passes_the_parallelism(tiny_checkpoint):
     assert multi.environment()[sglang_cpu.RANKS_PER_NODE_ENV] == "1"  # 2 TP ranks over 2 nodes
     # no CUDA crash diagnostics on CPU (they hold a stopped server up to 65 s)
     assert multi.environment()["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+    assert multi.environment()["CUDA_VISIBLE_DEVICES"] == ""  # a CPU engine never sees a GPU
 
 
 def test_from_config_reads_the_engine_parallelism(tiny_checkpoint, tmp_path):
@@ -118,11 +119,10 @@ def hf_model(checkpoint):
 def engine(request, checkpoint, tmp_path_factory):
     """One engine per configuration (float32, as megarl serves: EngineSettings.from_config)."""
     tp, ep = request.param
-    if torch.cuda.is_available() and torch.cuda.device_count() < tp:
-        # on CPU (CI) every layout runs; a GPU engine needs one device per rank
-        pytest.skip(f"a TP{tp} GPU engine needs {tp} GPUs, this machine has {torch.cuda.device_count()}")
+    # a GPU engine needs one device per rank; with fewer GPUs the layout runs on the CPU path (CI's case)
+    device = "cuda" if torch.cuda.device_count() >= tp else "cpu"
     eng = SGLangEngine(EngineSettings(
-        model_path=str(checkpoint), dtype="float32", max_total_tokens=1024, tp=tp, ep=ep,
+        model_path=str(checkpoint), device=device, dtype="float32", max_total_tokens=1024, tp=tp, ep=ep,
         log_path=str(tmp_path_factory.mktemp(f"sglang_tp{tp}_ep{ep}") / "server.log"),
     ))
     eng.start()

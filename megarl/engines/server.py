@@ -226,6 +226,9 @@ class SGLangEngine:
         (megarl's SGLang CPU layer binds each its cores, see ``sglang_cpu``)."""
         env = dict(os.environ)
         if self.device == "cpu":
+            # A CPU engine on a machine with GPUs: SGLang's processes must not see them, or they take
+            # their CUDA paths and megarl's CPU layer stays off (it acts only where no GPU is usable).
+            env["CUDA_VISIBLE_DEVICES"] = ""
             env[sglang_cpu.RANKS_PER_NODE_ENV] = str(self.settings.ranks_per_node)
             # A server whose scheduler ends (a crash, or stop()'s SIGTERM) otherwise sleeps 5 s, tries
             # py-spy and a CUDA core dump of the schedulers still alive and waits up to 60 s for the dump
