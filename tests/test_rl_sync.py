@@ -51,7 +51,6 @@ def test_sync_rl_steps_reproduce_the_engine_logprobs(tmp_path, warm):
     assert (run / "curves.png").is_file()
 
 
-
 def test_updates_per_step_split_the_batch_into_mini_batches(tmp_path, warm):
     """``trainer.updates_per_step=2``: every RL step is two optimizer steps (the LR schedule's count
     in the checkpoint), on the batch's two halves."""
