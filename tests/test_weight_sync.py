@@ -268,6 +268,40 @@ def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path):
     assert disk_version == 7 and disk_after.model_version.tolist() == [7] * NEW_TOKENS
 
 
+def test_bucket_waiting_at_session_end_is_loaded(single, engine, checkpoint, prompt, tmp_path, monkeypatch):
+    """The engine loads each bucket during the next one's receive (megarl.engines.pipelined_load);
+    when no load call carries the version (a caller other than megarl's driver), the bucket
+    received last is loaded by end_weight_update: every new weight is served, the label unchanged."""
+    rl_steps(single, Layout(), checkpoint, 1, seed=40)
+    reference = asyncio.run(single.export_hf_state())
+    hf_tokens, hf_logprobs = hf_greedy(hf_from_state(checkpoint, reference, tmp_path), prompt, NEW_TOKENS)
+
+    async def body():
+        async with SGLangClient(engine.url, engine.model) as client:
+            before = await client.weight_version()
+            real, loads = client.update_weights_from_distributed, []
+
+            async def without_finish(names, dtypes, shapes, group_name, load_format=None, **finish):
+                loads.append(names)
+                await real(names, dtypes, shapes, group_name, load_format)  # no version, no flush
+
+            monkeypatch.setattr(client, "update_weights_from_distributed", without_finish)
+            two_buckets = dataclasses.replace(settings(tmp_path), bucket_mb=1.0)  # the second: half the model
+            sync = WeightSync(two_buckets, single, [client], initial_version=before)
+            await sync.setup()
+            report = await sync.update(before + 1, PauseMode.ABORT)
+            await sync.close()
+            await client.flush_cache()
+            return before, loads, report, await client.weight_version(), await engine_greedy(client, prompt)
+
+    before, loads, report, version, after = asyncio.run(body())
+    assert len(loads) == report.buckets == 2 and any(".self_attn." in name for name in loads[-1])
+    assert version == before and after.model_version.tolist() == [before] * NEW_TOKENS
+    assert after.response_ids == hf_tokens
+    diff = max(abs(a - b) for a, b in zip(after.rollout_logprobs.tolist(), hf_logprobs))
+    assert diff < LOGPROB_TOLERANCE, f"engine vs HF log-probs differ by {diff}: a bucket was not loaded"
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_sync_equals_hf(name, ray_cluster, engine, checkpoint, prompt, tmp_path, request):
     """Every trainer layout into the one-rank engine; the TP2xEP2 trainer into a TP2+EP2 engine

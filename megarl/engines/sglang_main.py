@@ -1,10 +1,11 @@
 """Entry point of an SGLang server process: ``python -m megarl.engines.sglang_main <launch_server args>``.
 
-Applies megarl's SGLang CPU work-arounds (only when no GPU is present) and keeps SGLang's
-inter-process tensors on torch's own unpickler (:mod:`megarl.platform.sglang_ipc`, every platform),
-then runs SGLang's own ``sglang.launch_server`` main with the same arguments. Both are applied at import time on
-purpose: SGLang starts its scheduler and detokenizer with the "spawn" start method, and a spawned
-child re-imports this module (as ``__mp_main__``) before it imports any of sglang.
+Applies megarl's SGLang CPU work-arounds (only when no GPU is present), keeps SGLang's
+inter-process tensors on torch's own unpickler (:mod:`megarl.platform.sglang_ipc`, every platform)
+and overlaps the receive and the load of weight-sync buckets (:mod:`megarl.engines.pipelined_load`),
+then runs SGLang's own ``sglang.launch_server`` main with the same arguments. All three are applied at
+import time on purpose: SGLang starts its scheduler and detokenizer with the "spawn" start method,
+and a spawned child re-imports this module (as ``__mp_main__``) before it runs any of SGLang's code.
 
 The server leads its own process group (see ``SGLangEngine``), so nothing reaches it when its owner
 is killed with SIGKILL; a watcher thread ends the group when the owner's process goes away, and a
@@ -18,10 +19,12 @@ import signal
 import threading
 import time
 
+from megarl.engines import pipelined_load
 from megarl.platform import sglang_cpu, sglang_ipc
 
 sglang_cpu.apply()
 sglang_ipc.install()
+pipelined_load.install()
 
 OWNER_POLL_S = 1.0
 

@@ -1,0 +1,194 @@
+"""Engine-side loading of weight-sync buckets that overlaps the link (runs in SGLang's scheduler).
+
+SGLang 0.5.23 serves each ``/update_weights_from_distributed`` call in the ``flattened_bucket``
+format in three serial steps: allocate a fresh flat buffer (new pages, faulted in by the receive),
+receive the broadcast into it, load its views into the model. The link idles while the engine
+loads, and the sender idles with it.
+
+:func:`install` (run by :mod:`megarl.engines.sglang_main` in every SGLang process) changes such a
+call inside a weight-update session (``begin_weight_update`` .. ``end_weight_update``) to:
+
+1. start receiving the call's bucket (an asynchronous broadcast) into one of the buffers kept for
+   the session (two while buckets fit; a larger one replaces a smaller one),
+2. load the bucket the previous call received, while this one arrives,
+3. wait for the receive and answer; the received bucket waits for the next call.
+
+A call that sets the weight version or flushes the cache (megarl sends both on a sync's last load)
+loads its own bucket too, before the version is recorded and the cache flushed, and
+``end_weight_update`` loads a bucket still waiting (a caller that set no version) and frees the
+buffers. Nothing runs on the engine between the driver's pause and continue, so when inside the
+session a bucket lands is not visible outside it. Any other format, or a call outside a session,
+goes to SGLang unchanged.
+
+A load that fails fails the call that ran it (the received bucket is dropped with it); the driver
+then holds the engine, which may hold part of the new weights (:mod:`megarl.sync.protocol`). On a
+GPU the receive runs on NCCL's stream, which waits for the loads queued before it (torch orders a
+collective after the current stream's work), so a buffer is never overwritten while a load still
+reads it. Memory: up to two bucket buffers per engine rank during a session (SGLang: one per call).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT = "flattened_bucket"
+
+
+@dataclass
+class _Received:
+    """A bucket received into ``buffer`` and not loaded yet: its (name, view) pairs and the
+    runners (SGLang's selector) it is for."""
+
+    weights: list[tuple[str, torch.Tensor]]
+    buffer: torch.Tensor
+    selector: str
+
+
+@dataclass
+class _Session:
+    """One engine rank's buffers and waiting bucket, from the first bucket to ``end_weight_update``."""
+
+    free: list[torch.Tensor] = field(default_factory=list)
+    waiting: _Received | None = None
+
+    def buffer(self, nbytes: int, device) -> torch.Tensor:
+        """A free buffer of at least ``nbytes`` (1-D uint8), else a new one of exactly ``nbytes``."""
+        for i, buffer in enumerate(self.free):
+            if buffer.numel() >= nbytes:
+                return self.free.pop(i)
+        if self.free:
+            self.free.pop(0)  # too small for this bucket: replaced, at most two buffers live
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+_sessions: dict[int, _Session] = {}  # by id() of SGLang's per-rank weight-update manager (slots: no attributes)
+
+
+def bucket_views(buffer: torch.Tensor, names, dtypes, shapes) -> list[tuple[str, torch.Tensor]]:
+    """(name, view) of each tensor laid out back to back in ``buffer`` (1-D uint8), row-major, in
+    the given order: the layout of SGLang's ``FlattenedTensorBucket`` and megarl's buckets."""
+    views, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+        shape = torch.Size(shape)
+        if offset % dtype.itemsize:
+            raise ValueError(f"{name}: byte offset {offset} is not aligned to {dtype}")
+        nbytes = shape.numel() * dtype.itemsize
+        views.append((name, buffer[offset: offset + nbytes].view(dtype).view(shape)))
+        offset += nbytes
+    return views
+
+
+def bucket_nbytes(dtypes, shapes) -> int:
+    """Bytes of a flattened bucket of tensors of these dtypes and shapes."""
+    total = 0
+    for dtype, shape in zip(dtypes, shapes, strict=True):
+        dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
+        total += torch.Size(shape).numel() * dtype.itemsize
+    return total
+
+
+def _load(manager, received: _Received) -> tuple[bool, str]:
+    """Load ``received`` into every runner its selector names (SGLang's own per-runner load)."""
+    import msgspec
+
+    success, message = True, "Succeeded to update parameter online."
+    for _, runner in manager._select_runners(received.selector):
+        success, message = runner.weight_updater.load_weights_from_distributed(received.weights)
+        if not success:
+            return success, message
+    manager._session = msgspec.structs.replace(manager._session, loaded_weights=True)
+    return success, message
+
+
+def _load_waiting(manager, session: _Session) -> tuple[bool, str]:
+    """Load the bucket waiting in ``session`` (if any) and free its buffer for reuse."""
+    received, session.waiting = session.waiting, None
+    if received is None:
+        return True, "nothing waiting"
+    try:
+        return _load(manager, received)
+    finally:
+        session.free.append(received.buffer)
+
+
+def update_weights_from_distributed(manager, recv_req, original):
+    """SGLang's ``update_weights_from_distributed`` with the receive of this bucket overlapping the
+    load of the previous one (see the module docstring); ``original`` serves every other call."""
+    if recv_req.load_format != FORMAT or manager._session is None:
+        return original(manager, recv_req)
+    from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqOutput
+
+    with manager._observe_weight_load("distributed"):
+        target = manager.tp_worker.model_runner.weight_updater
+        group = target._model_update_group.get(recv_req.group_name)
+        if group is None:
+            return UpdateWeightsFromDistributedReqOutput(
+                success=False, message=f"no weight-update group {recv_req.group_name!r}: "
+                                       "call init_weights_update_group first")
+        session = _sessions.setdefault(id(manager), _Session())
+        buffer = None
+        try:
+            nbytes = bucket_nbytes(recv_req.dtypes, recv_req.shapes)
+            buffer = session.buffer(nbytes, target.device)
+            arriving = torch.distributed.broadcast(buffer[:nbytes], src=0, group=group, async_op=True)
+        except Exception as e:  # the waiting bucket stays for end_weight_update
+            if buffer is not None:
+                session.free.append(buffer)
+            return UpdateWeightsFromDistributedReqOutput(success=False, message=f"Failed to receive weights: {e}")
+        try:
+            success, message = _load_waiting(manager, session)
+        finally:
+            try:
+                arriving.wait()
+            except Exception as e:
+                success, message = False, f"Failed to receive weights: {e}"
+        if not success:
+            session.free.append(buffer)
+            log.error(message)
+            return UpdateWeightsFromDistributedReqOutput(success=False, message=message)
+        session.waiting = _Received(bucket_views(buffer, recv_req.names, recv_req.dtypes, recv_req.shapes), buffer,
+                                    recv_req.selector)
+        if recv_req.weight_version is not None or recv_req.flush_cache:
+            success, message = _load_waiting(manager, session)
+            if success:
+                manager.record_weight_version_after_update(recv_req.weight_version)
+                success, message = manager.flush_cache_after_weight_update(recv_req, success, message)
+        if not success:
+            log.error(message)
+        return UpdateWeightsFromDistributedReqOutput(success=success, message=message)
+
+
+def end_weight_update(manager, recv_req, original):
+    """SGLang's ``end_weight_update`` after loading a bucket still waiting; frees the buffers."""
+    session = _sessions.pop(id(manager), None)
+    if session is not None and manager._session is not None:
+        success, message = _load_waiting(manager, session)
+        if not success:
+            from sglang.srt.managers.io_struct import EndWeightUpdateReqOutput
+
+            log.error(message)
+            original(manager, recv_req)  # the session still closes, on every rank (its barrier)
+            return EndWeightUpdateReqOutput(success=False, message=message)
+    return original(manager, recv_req)
+
+
+def install() -> None:
+    """Route SGLang's distributed bucket loads in this process through this module (idempotent)."""
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager as manager
+
+    if getattr(manager.update_weights_from_distributed, "_megarl_pipelined", False):
+        return
+    for name, replacement in (("update_weights_from_distributed", update_weights_from_distributed),
+                              ("end_weight_update", end_weight_update)):
+        original = getattr(manager, name)
+
+        def patched(self, recv_req, _replacement=replacement, _original=original):
+            return _replacement(self, recv_req, _original)
+
+        patched._megarl_pipelined = True
+        setattr(manager, name, patched)
