@@ -189,6 +189,36 @@ def test_colocated_tensor_transport_equals_hf(single, engine, checkpoint, prompt
     sync_and_compare(single, engine, checkpoint, prompt, tmp_path, version=3, transport="tensor")
 
 
+@pytest.mark.parametrize("transport", ["distributed", "tensor"])
+def test_consecutive_syncs_through_one_link_equal_hf(transport, single, engine, checkpoint, prompt, tmp_path):
+    """Two syncs through one link with a training step between them: on CPU the sender keeps its
+    two bucket buffers from the first sync for the second and the engine keeps its receive buffers
+    (distributed) or its mappings of the sender's shared memory (tensor); the engine must serve
+    exactly the new weights after each sync."""
+    versions = {"distributed": (30, 31), "tensor": (32, 33)}[transport]
+
+    async def sync_to(sync, client, version):
+        report = await sync.update(version, PauseMode.ABORT)
+        return report, await engine_greedy(client, prompt)
+
+    async def body():
+        async with SGLangClient(engine.url, engine.model) as client:
+            sync = WeightSync(settings(tmp_path, transport), single, [client], initial_version=versions[0] - 1)
+            await sync.setup()
+            results = []
+            for seed, version in enumerate(versions):
+                await asyncio.to_thread(rl_steps, single, Layout(), checkpoint, 1, 50 + seed)
+                reference = await single.export_hf_state()
+                expected = hf_greedy(hf_from_state(checkpoint, reference, tmp_path), prompt, NEW_TOKENS)
+                results.append((expected, *await sync_to(sync, client, version)))
+            await sync.close()
+            return results
+
+    for ((hf_tokens, hf_logprobs), report, after), version in zip(asyncio.run(body()), versions):
+        assert report.buckets > 2  # the two buffers take turns
+        check_engine_equals_hf(after, hf_tokens, hf_logprobs, version)
+
+
 LOADS = ("/update_weights_from_distributed", "/update_weights_from_tensor", "/update_weights_from_disk")
 
 

@@ -8,15 +8,14 @@ loads, and the sender idles with it.
 :func:`install` (run by :mod:`megarl.engines.sglang_main` in every SGLang process) changes such a
 call inside a weight-update session (``begin_weight_update`` .. ``end_weight_update``) to:
 
-1. start receiving the call's bucket (an asynchronous broadcast) into one of the buffers kept for
-   the session (two while buckets fit; a larger one replaces a smaller one),
+1. start receiving the call's bucket (an asynchronous broadcast) into one of two reused buffers
+   (a larger bucket replaces the smaller buffer),
 2. load the bucket the previous call received, while this one arrives,
 3. wait for the receive and answer; the received bucket waits for the next call.
 
 A call that sets the weight version or flushes the cache (megarl sends both on a sync's last load)
 loads its own bucket too, before the version is recorded and the cache flushed, and
-``end_weight_update`` loads a bucket still waiting (a caller that set no version) and frees the
-buffers. Nothing runs on the engine between the driver's pause and continue, so when inside the
+``end_weight_update`` loads a bucket still waiting (a caller that set no version). Nothing runs on the engine between the driver's pause and continue, so when inside the
 session a bucket lands is not visible outside it. Any other format, or a call outside a session,
 goes to SGLang unchanged.
 
@@ -24,7 +23,12 @@ A load that fails fails the call that ran it (the received bucket is dropped wit
 then holds the engine, which may hold part of the new weights (:mod:`megarl.sync.protocol`). On a
 GPU the receive runs on NCCL's stream, which waits for the loads queued before it (torch orders a
 collective after the current stream's work), so a buffer is never overwritten while a load still
-reads it. Memory: up to two bucket buffers per engine rank during a session (SGLang: one per call).
+reads it. Memory: two bucket buffers per engine rank during a session (SGLang: one per call);
+device buffers are freed at its end, host buffers stay for the next session (new host pages cost a
+fault per 4 KiB, ~50 ms per 256 MiB here).
+
+Colocated buckets (``/update_weights_from_tensor`` from host shared memory) keep their mapping: see
+:func:`load_flattened_bucket`.
 """
 from __future__ import annotations
 
@@ -66,6 +70,8 @@ class _Session:
 
 
 _sessions: dict[int, _Session] = {}  # by id() of SGLang's per-rank weight-update manager (slots: no attributes)
+_mapped: list[torch.Tensor] = []  # the colocated sender's last shared buckets, mapped in this process
+MAPPED_KEPT = 2  # the sender alternates between two bucket buffers, and keeps them between syncs
 
 
 def bucket_views(buffer: torch.Tensor, names, dtypes, shapes) -> list[tuple[str, torch.Tensor]]:
@@ -163,9 +169,26 @@ def update_weights_from_distributed(manager, recv_req, original):
         return UpdateWeightsFromDistributedReqOutput(success=success, message=message)
 
 
+def load_flattened_bucket(updater, bucket: dict, original):
+    """SGLang's load of a colocated (``tensor`` transport) bucket from host shared memory, keeping
+    the mappings of the last two such buckets alive: the CPU sender packs all its buckets, in this
+    sync and the next, into the same two buffers (:mod:`megarl.sync.transports.tensor`), and torch
+    maps a handle it still holds a tensor of only once (its ``shared_cache``), so they are read
+    without mapping and faulting their pages again. Costs: two buckets of shared memory stay
+    mapped after the last colocated sync. CUDA IPC buckets are not kept (the trainer's memory)."""
+    tensor = bucket["flattened_tensor"]
+    if tensor.device.type == "cpu":
+        _mapped.append(tensor)
+        del _mapped[:-MAPPED_KEPT]
+    return original(updater, bucket)
+
+
 def end_weight_update(manager, recv_req, original):
-    """SGLang's ``end_weight_update`` after loading a bucket still waiting; frees the buffers."""
-    session = _sessions.pop(id(manager), None)
+    """SGLang's ``end_weight_update`` after loading a bucket still waiting; frees the receive
+    buffers, except host buffers, which the next session reuses (no new pages to fault in)."""
+    session = _sessions.get(id(manager))
+    if session is not None and any(buffer.device.type != "cpu" for buffer in session.free):
+        del _sessions[id(manager)]
     if session is not None and manager._session is not None:
         success, message = _load_waiting(manager, session)
         if not success:
@@ -179,16 +202,25 @@ def end_weight_update(manager, recv_req, original):
 
 def install() -> None:
     """Route SGLang's distributed bucket loads in this process through this module (idempotent)."""
-    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager as manager
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
 
-    if getattr(manager.update_weights_from_distributed, "_megarl_pipelined", False):
+    if getattr(SchedulerWeightUpdaterManager.end_weight_update, "_megarl_pipelined", False):
         return
-    for name, replacement in (("update_weights_from_distributed", update_weights_from_distributed),
-                              ("end_weight_update", end_weight_update)):
-        original = getattr(manager, name)
+    for cls, name, replacement in (
+            (SchedulerWeightUpdaterManager, "update_weights_from_distributed", update_weights_from_distributed),
+            (SchedulerWeightUpdaterManager, "end_weight_update", end_weight_update),
+            (WeightUpdater, "_update_weights_from_flattened_bucket", load_flattened_bucket)):
+        setattr(cls, name, _patched(replacement, getattr(cls, name)))
 
-        def patched(self, recv_req, _replacement=replacement, _original=original):
-            return _replacement(self, recv_req, _original)
 
-        patched._megarl_pipelined = True
-        setattr(manager, name, patched)
+def _patched(replacement, original):
+    """SGLang's method ``original`` (one argument, positional or by keyword) served by
+    ``replacement(self, argument, original)``."""
+
+    def patched(self, *args, **kwargs):
+        (argument,) = (*args, *kwargs.values())
+        return replacement(self, argument, original)
+
+    patched._megarl_pipelined = True
+    return patched

@@ -12,7 +12,8 @@ thread and the one being packed), plus at most one gathered tensor outside them 
 not fit in the last bucket, or the look-ahead that tells whether it was the last);
 ``peak_bucket_bytes`` in the stats reports the largest sum of live bucket buffers. The buffer of a
 sent bucket is reused by the next bucket packed (no fresh allocation and page faults per bucket)
-or freed right after it; nothing is kept between syncs.
+or freed right after it; at the end of a sync the transport's sender gets the buffers back
+(:meth:`~megarl.sync.transports.base.Sender.release`: kept by the colocated sender on CPU, else freed).
 """
 from __future__ import annotations
 
@@ -117,8 +118,10 @@ class RankSync:
         if self._ready is not None:
             raise RuntimeError(f"bucket {self._ready.index.seq} was packed but never sent")
         item = self._packer.next_bucket()
-        self._spare.clear()  # a sent bucket's buffer that this bucket did not reuse is freed now
+        unused, self._spare = self._spare, []  # a sent bucket's buffer that this bucket did not reuse
         if self._sender is None or item is None:
+            if self._sender is not None:
+                self._sender.release(unused)
             return None
         self._ready = item
         alive = item.held_bytes + (self._inflight[1].held_bytes if self._inflight else 0)
@@ -170,6 +173,8 @@ class RankSync:
             self._join()
             if self._ready is not None or (self._packer is not None and self._packer.next_bucket() is not None):
                 raise RuntimeError("weight sync finished before every bucket was sent")
+            if self._sender is not None:
+                self._sender.release(self._spare)
             stats = self._stats
             if stats is not None:
                 stats.tensors = self._packer.stats.tensors

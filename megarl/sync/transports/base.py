@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,6 +60,26 @@ def finish_fields(finish: Finish | None) -> dict:
     return {"weight_version": finish.weight_version, "flush_cache": finish.flush_cache}
 
 
+@dataclass
+class KeptBuffers:
+    """Host bucket buffers a sender keeps from one sync to the next (at most ``limit``, the two a
+    sync has alive): a new host buffer costs a page fault per 4 KiB when first written, ~50 ms per
+    256 MiB here. Device buffers are not kept: the training step needs that memory."""
+
+    limit: int = 2
+    buffers: list[torch.Tensor] = field(default_factory=list)
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """A kept buffer of exactly ``nbytes``, removed from the kept ones, or None."""
+        for i, buffer in enumerate(self.buffers):
+            if buffer.numel() == nbytes:
+                return self.buffers.pop(i)
+        return None
+
+    def keep(self, buffers: list[torch.Tensor]) -> None:
+        self.buffers = (self.buffers + [b for b in buffers if b.device.type == "cpu"])[-self.limit:]
+
+
 class Sender(abc.ABC):
     """Trainer-rank half of a transport (see the module docstring)."""
 
@@ -76,6 +96,10 @@ class Sender(abc.ABC):
         if not tensor.is_contiguous():
             return None
         return tensor.detach().reshape(-1).view(torch.uint8)
+
+    def release(self, buffers: list[torch.Tensor]) -> None:
+        """Buffers from :meth:`allocate` that the sync no longer uses (at its end): dropped here;
+        a transport whose buffers are costly to create keeps them for the next sync."""
 
     @abc.abstractmethod
     def prepare(self, bucket: Bucket) -> Any:
