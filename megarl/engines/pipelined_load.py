@@ -15,9 +15,9 @@ call inside a weight-update session (``begin_weight_update`` .. ``end_weight_upd
 
 A call that sets the weight version or flushes the cache (megarl sends both on a sync's last load)
 loads its own bucket too, before the version is recorded and the cache flushed, and
-``end_weight_update`` loads a bucket still waiting (a caller that set no version). Nothing runs on the engine between the driver's pause and continue, so when inside the
-session a bucket lands is not visible outside it. Any other format, or a call outside a session,
-goes to SGLang unchanged.
+``end_weight_update`` loads a bucket still waiting (a caller that set no version). Nothing runs on
+the engine between the driver's pause and continue, so when inside the session a bucket lands is
+not visible outside it. Any other format, or a call outside a session, goes to SGLang unchanged.
 
 A load that fails fails the call that ran it (the received bucket is dropped with it); the driver
 then holds the engine, which may hold part of the new weights (:mod:`megarl.sync.protocol`). On a
