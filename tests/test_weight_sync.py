@@ -7,7 +7,8 @@ log-probs for a fixed prompt must equal those of an HF model built from the trai
 checkpoint, whose tensors must equal that export bit for bit. The colocated ``tensor`` transport,
 a failed transfer (engine held paused, then recovered), an engine killed mid-sync (reported,
 restarted, recovered) and the control round trips of a sync run on the single-process trainer.
-The engine is shared by the module; the kill test, which restarts it, runs last.
+The engine is the session's shared one (tests/conftest.py), serving this module's checkpoint; the
+kill test, which restarts it, runs last.
 """
 import asyncio
 import dataclasses
@@ -65,11 +66,17 @@ def sharded_engine(checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint, tmp_path_factory):
-    settings = EngineSettings(model_path=checkpoint, dtype="float32", max_total_tokens=2048,
-                              log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"))
-    with SGLangEngine(settings) as eng:
-        yield eng
+def engine(tiny_engine, checkpoint, tiny_checkpoint):
+    """The session's shared engine serving this module's checkpoint (version 0); the tiny
+    checkpoint goes back in, as version 0, after the module."""
+
+    async def serve(path):
+        async with SGLangClient(tiny_engine.url, tiny_engine.model) as client:
+            await client.update_weights_from_disk(path, version=0)
+
+    asyncio.run(serve(checkpoint))
+    yield tiny_engine
+    asyncio.run(serve(tiny_checkpoint))
 
 
 @pytest.fixture(scope="module")
