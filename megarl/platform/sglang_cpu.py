@@ -41,6 +41,10 @@ tests use to show that each one is needed:
   backend (the CPU path's) calls SDPA once per request and layer in a Python loop; the demo's 512
   short requests spend most of a rollout there. :mod:`megarl.platform.sglang_cpu_attention` does the
   batch in one call per layer (the same outputs: ``tests/test_sglang_cpu_attention.py``).
+- ``sampling_mask_full_sort``: not an error but the rollout's time: with sampling masks requested,
+  SGLang's pytorch sampler sorts the whole vocabulary on every decode step instead of the top-k
+  columns it keeps otherwise. :mod:`megarl.platform.sglang_cpu_sampling` samples from the top-k
+  columns in both cases (the same support, weights and distribution: ``tests/test_sglang_cpu_sampling.py``).
 """
 from __future__ import annotations
 
@@ -233,6 +237,12 @@ def _batch_attention() -> None:
     sglang_cpu_attention.install()
 
 
+def _sample_masks_from_top_k() -> None:
+    from megarl.platform import sglang_cpu_sampling
+
+    sglang_cpu_sampling.install()
+
+
 WORKAROUNDS = (
     Workaround("cpu_engine", "ModuleNotFoundError: No module named 'vllm'", _use_cpu_engine),
     Workaround("sgl_kernel", "ModuleNotFoundError: No module named 'sgl_kernel'", _add_sgl_kernel_stand_in),
@@ -246,4 +256,6 @@ WORKAROUNDS = (
                _pin_host_memory_as_plain_memory),
     Workaround("per_request_attention", "one SDPA call per request and layer (SGLang's torch-native loop)",
                _batch_attention),
+    Workaround("sampling_mask_full_sort", "a full-vocabulary sort per decode step with sampling masks on",
+               _sample_masks_from_top_k),
 )
