@@ -54,7 +54,8 @@ class _Received:
 
 @dataclass
 class _Session:
-    """One engine rank's buffers and waiting bucket, from the first bucket to ``end_weight_update``."""
+    """One engine rank's receive buffers and the bucket waiting to be loaded (none between
+    sessions; host buffers stay from one session to the next)."""
 
     free: list[torch.Tensor] = field(default_factory=list)
     waiting: _Received | None = None
@@ -187,16 +188,17 @@ def end_weight_update(manager, recv_req, original):
     """SGLang's ``end_weight_update`` after loading a bucket still waiting; frees the receive
     buffers, except host buffers, which the next session reuses (no new pages to fault in)."""
     session = _sessions.get(id(manager))
-    if session is not None and any(buffer.device.type != "cpu" for buffer in session.free):
+    if session is None:
+        return original(manager, recv_req)
+    success, message = _load_waiting(manager, session) if manager._session is not None else (True, "")
+    if any(buffer.device.type != "cpu" for buffer in session.free):
         del _sessions[id(manager)]
-    if session is not None and manager._session is not None:
-        success, message = _load_waiting(manager, session)
-        if not success:
-            from sglang.srt.managers.io_struct import EndWeightUpdateReqOutput
+    if not success:
+        from sglang.srt.managers.io_struct import EndWeightUpdateReqOutput
 
-            log.error(message)
-            original(manager, recv_req)  # the session still closes, on every rank (its barrier)
-            return EndWeightUpdateReqOutput(success=False, message=message)
+        log.error(message)
+        original(manager, recv_req)  # the session still closes, on every rank (its barrier)
+        return EndWeightUpdateReqOutput(success=False, message=message)
     return original(manager, recv_req)
 
 
