@@ -13,7 +13,8 @@ not fit in the last bucket, or the look-ahead that tells whether it was the last
 ``peak_bucket_bytes`` in the stats reports the largest sum of live bucket buffers. The buffer of a
 sent bucket is reused by the next bucket packed (no fresh allocation and page faults per bucket)
 or freed right after it; at the end of a sync the transport's sender gets the buffers back
-(:meth:`~megarl.sync.transports.base.Sender.release`: kept by the colocated sender on CPU, else freed).
+(:meth:`~megarl.sync.transports.base.Sender.release`: host buffers are kept for the next sync of
+the same link, device buffers freed).
 """
 from __future__ import annotations
 
