@@ -6,19 +6,6 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The slowest modules, slowest first (100-230 s each in a full run on 2 cores, 2026-12-01). The suite's
-# workers take one file at a time in collection order; run first, these leave the short files to fill
-# the end, instead of one worker idling while the other finishes a slow file collected last.
-SLOW_MODULES = ("test_weight_sync.py", "test_platform_cpu.py", "test_layouts.py", "test_multinode.py",
-                "test_convert.py", "test_rl_episodes.py", "test_lora.py", "test_rl_resume.py", "test_rl_sync.py",
-                "test_colocated.py", "test_rl_resume_lora.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    """Slow modules first (:data:`SLOW_MODULES`); every other module, and the tests within each, keep their order."""
-    rank = {name: i for i, name in enumerate(SLOW_MODULES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_MODULES)))
-
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
