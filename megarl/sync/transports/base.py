@@ -81,14 +81,24 @@ class KeptBuffers:
 
 
 class Sender(abc.ABC):
-    """Trainer-rank half of a transport (see the module docstring)."""
+    """Trainer-rank half of a transport (see the module docstring). Subclasses call
+    ``super().__init__()`` and ``super().close()``."""
+
+    def __init__(self) -> None:
+        self._kept = KeptBuffers()  # host bucket buffers of earlier syncs
 
     def begin(self, version: int) -> None:
         """A sync to ``version`` starts (before its first bucket)."""
 
-    @abc.abstractmethod
     def allocate(self, nbytes: int) -> torch.Tensor:
-        """A 1-D uint8 buffer of ``nbytes`` for one bucket."""
+        """A 1-D uint8 buffer of ``nbytes`` for one bucket: one kept from an earlier sync when its
+        size fits, else :meth:`new_buffer`."""
+        kept = self._kept.take(nbytes)
+        return kept if kept is not None else self.new_buffer(nbytes)
+
+    @abc.abstractmethod
+    def new_buffer(self, nbytes: int) -> torch.Tensor:
+        """A new 1-D uint8 buffer of ``nbytes`` where the transport wants it (device, shared memory)."""
 
     def adopt(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """A uint8 view of ``tensor`` to send as a bucket buffer without copying it (used for
@@ -98,8 +108,9 @@ class Sender(abc.ABC):
         return tensor.detach().reshape(-1).view(torch.uint8)
 
     def release(self, buffers: list[torch.Tensor]) -> None:
-        """Buffers from :meth:`allocate` that the sync no longer uses (at its end): dropped here;
-        a transport whose buffers are costly to create keeps them for the next sync."""
+        """Buffers from :meth:`allocate` that the sync no longer uses (at its end): host ones are
+        kept for the next sync (:class:`KeptBuffers`), device ones dropped."""
+        self._kept.keep(buffers)
 
     @abc.abstractmethod
     def prepare(self, bucket: Bucket) -> Any:
@@ -110,7 +121,8 @@ class Sender(abc.ABC):
         """Move the bucket's bytes (blocking; runs on the send thread)."""
 
     def close(self) -> None:
-        """Release the link (idempotent)."""
+        """Release the link and the kept buffers (idempotent)."""
+        self._kept = KeptBuffers()
 
 
 class EngineSide(abc.ABC):

@@ -62,6 +62,7 @@ class DiskSender(Sender):
     """Writes this stage's shards; the stage-0 sender also writes the HF ``config.json``."""
 
     def __init__(self, spec: SenderSpec, stage: int, hf_config):
+        super().__init__()
         self.work_dir = Path(spec.work_dir)
         self.stage = stage
         self.hf_config = hf_config
@@ -73,7 +74,7 @@ class DiskSender(Sender):
         if self.stage == 0:
             self.hf_config.to_json_file(str(self.dir / "config.json"))
 
-    def allocate(self, nbytes: int) -> torch.Tensor:
+    def new_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def adopt(self, tensor: torch.Tensor) -> torch.Tensor | None:

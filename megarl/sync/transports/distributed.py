@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from megarl.sync.buckets import Bucket, BucketIndex
-from megarl.sync.transports.base import EngineSide, Finish, KeptBuffers, Sender, SenderSpec, finish_fields
+from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, finish_fields
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,7 @@ class DistributedSender(Sender):
     def __init__(self, spec: SenderSpec, stage: int, host: str, port: int):
         from sglang.srt.utils.common import init_custom_process_group
 
+        super().__init__()
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.name = group_name(spec.group_prefix, stage)
@@ -50,14 +51,9 @@ class DistributedSender(Sender):
             group_name=self.name, timeout=datetime.timedelta(seconds=spec.timeout_s),
         )
         log.info("weight-sync group %s joined (%d engine ranks, %s)", self.name, spec.engine_ranks, link_backend())
-        self._kept = KeptBuffers()  # host buffers of earlier syncs (none on GPU)
 
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        kept = self._kept.take(nbytes)
-        return kept if kept is not None else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def release(self, buffers: list[torch.Tensor]) -> None:
-        self._kept.keep(buffers)
+    def new_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def adopt(self, tensor: torch.Tensor) -> torch.Tensor | None:
         return super().adopt(tensor) if tensor.device == self.device else None
@@ -71,7 +67,7 @@ class DistributedSender(Sender):
         torch.distributed.broadcast(bucket.buffer, group=self.group, group_src=0)
 
     def close(self) -> None:
-        self._kept = KeptBuffers()
+        super().close()
         group, self.group = self.group, None
         if group is not None:
             torch.distributed.destroy_process_group(group)

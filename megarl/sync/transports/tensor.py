@@ -22,13 +22,14 @@ from typing import Any
 import torch
 
 from megarl.sync.buckets import DTYPES, Bucket, BucketIndex
-from megarl.sync.transports.base import EngineSide, Finish, KeptBuffers, Sender, SenderSpec, finish_fields
+from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, finish_fields
 
 LOAD_FORMAT = "flattened_bucket"
 
 
 class TensorSender(Sender):
     def __init__(self, spec: SenderSpec):
+        super().__init__()
         self.engine_tp = spec.engine_tp
         self.cuda = torch.cuda.is_available()
         if self.cuda:
@@ -37,12 +38,8 @@ class TensorSender(Sender):
             monkey_patch_torch_reductions()  # IPC handles name the device by UUID, not by local index
         else:
             torch.multiprocessing.set_sharing_strategy("file_system")
-        self._kept = KeptBuffers()  # shared-memory buffers of earlier syncs (CPU only)
 
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        kept = self._kept.take(nbytes)
-        if kept is not None:
-            return kept
+    def new_buffer(self, nbytes: int) -> torch.Tensor:
         if self.cuda:
             return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
         # Allocated in shared memory from the start: sharing a plain tensor would copy it there.
@@ -51,12 +48,6 @@ class TensorSender(Sender):
 
     def adopt(self, tensor: torch.Tensor) -> None:
         return None  # the engine can map only buffers allocated for sharing
-
-    def release(self, buffers: list[torch.Tensor]) -> None:
-        self._kept.keep(buffers)
-
-    def close(self) -> None:
-        self._kept = KeptBuffers()
 
     def prepare(self, bucket: Bucket) -> list[str]:
         """One base64 payload per engine TP rank (each rank maps the same buffer)."""
