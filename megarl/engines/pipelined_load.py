@@ -75,30 +75,6 @@ _mapped: list[torch.Tensor] = []  # the colocated sender's last shared buckets, 
 MAPPED_KEPT = 2  # the sender alternates between two bucket buffers, and keeps them between syncs
 
 
-def bucket_views(buffer: torch.Tensor, names, dtypes, shapes) -> list[tuple[str, torch.Tensor]]:
-    """(name, view) of each tensor laid out back to back in ``buffer`` (1-D uint8), row-major, in
-    the given order: the layout of SGLang's ``FlattenedTensorBucket`` and megarl's buckets."""
-    views, offset = [], 0
-    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
-        shape = torch.Size(shape)
-        if offset % dtype.itemsize:
-            raise ValueError(f"{name}: byte offset {offset} is not aligned to {dtype}")
-        nbytes = shape.numel() * dtype.itemsize
-        views.append((name, buffer[offset: offset + nbytes].view(dtype).view(shape)))
-        offset += nbytes
-    return views
-
-
-def bucket_nbytes(dtypes, shapes) -> int:
-    """Bytes of a flattened bucket of tensors of these dtypes and shapes."""
-    total = 0
-    for dtype, shape in zip(dtypes, shapes, strict=True):
-        dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, dtype)
-        total += torch.Size(shape).numel() * dtype.itemsize
-    return total
-
-
 def _load(manager, received: _Received) -> tuple[bool, str]:
     """Load ``received`` into every runner its selector names (SGLang's own per-runner load)."""
     import msgspec
@@ -129,6 +105,7 @@ def update_weights_from_distributed(manager, recv_req, original):
     if recv_req.load_format != FORMAT or manager._session is None:
         return original(manager, recv_req)
     from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqOutput
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     with manager._observe_weight_load("distributed"):
         target = manager.tp_worker.model_runner.weight_updater
@@ -140,7 +117,9 @@ def update_weights_from_distributed(manager, recv_req, original):
         session = _sessions.setdefault(id(manager), _Session())
         buffer = None
         try:
-            nbytes = bucket_nbytes(recv_req.dtypes, recv_req.shapes)
+            # SGLang's layout of the bucket (offsets, alignment checks), without allocating it
+            layout = FlattenedTensorBucket.empty(recv_req.names, recv_req.dtypes, recv_req.shapes, device="meta")
+            nbytes = layout.flattened_tensor.numel()
             buffer = session.buffer(nbytes, target.device)
             arriving = torch.distributed.broadcast(buffer[:nbytes], src=0, group=group, async_op=True)
         except Exception as e:  # the waiting bucket stays for end_weight_update
@@ -158,8 +137,8 @@ def update_weights_from_distributed(manager, recv_req, original):
             session.free.append(buffer)
             log.error(message)
             return UpdateWeightsFromDistributedReqOutput(success=False, message=message)
-        session.waiting = _Received(bucket_views(buffer, recv_req.names, recv_req.dtypes, recv_req.shapes), buffer,
-                                    recv_req.selector)
+        received = FlattenedTensorBucket(flattened_tensor=buffer[:nbytes], metadata=layout.metadata)
+        session.waiting = _Received(received.reconstruct_tensors(), buffer, recv_req.selector)
         if recv_req.weight_version is not None or recv_req.flush_cache:
             success, message = _load_waiting(manager, session)
             if success:
