@@ -23,10 +23,14 @@ From each run's ``metrics.jsonl``:
                     per window
 
 and side by side ``<variant>_reward_curve``, ``<variant>_final_reward``, ``opd_minus_grpo_final_reward``
-(and ``grpo_opd_minus_grpo_final_reward``).
+(and ``grpo_opd_minus_grpo_final_reward``). With ``--seeds`` (e.g. ``0,1,2``: ``task.seed`` and
+``trainer.seed`` of every run, the warm-up and teacher shared) each variant runs once per seed, in
+turn; the side-by-side keys then hold the mean over the seeds, ``runs`` holds each seed's figures,
+and ``opd_ahead_at`` counts, at each of ``--at``, the seeds whose windowed reward is higher under
+``opd`` than under ``grpo``.
 
 Usage: python tools/bench/distillation.py --json FILE [--teacher PATH] [--steps 40 --window 5 --last 10
-       --variants opd,grpo_opd,grpo --set key=value ...]
+       --variants opd,grpo_opd,grpo --seeds 0,1,2 --set key=value ...]
        (``--set`` overrides apply to the warm-up and the compared runs, not to a teacher made here)
 """
 from __future__ import annotations
@@ -45,6 +49,15 @@ sys.path.insert(0, str(REPO))
 
 def windows(values: list[float], window: int) -> list[float]:
     return [round(sum(values[i:i + window]) / len(values[i:i + window]), 3) for i in range(0, len(values), window)]
+
+
+def mean_of(values: list) -> float | list | dict:
+    """Element-wise mean of numbers, of equal-length lists, or of dicts with the same keys (per seed -> one)."""
+    if isinstance(values[0], dict):
+        return {k: mean_of([v[k] for v in values]) for k in values[0]}
+    if isinstance(values[0], list):
+        return [round(sum(column) / len(column), 3) for column in zip(*values, strict=True)]
+    return round(sum(values) / len(values), 4)
 
 
 def figures(run_dir: Path, window: int, last: int, at: list[int]) -> dict:
@@ -101,6 +114,7 @@ def main() -> int:
     parser.add_argument("--at", default="10,20,30,40", help="steps at which the windowed reward is reported")
     parser.add_argument("--variants", default="opd,grpo", help="comma-separated, in run order: opd, grpo, grpo_opd")
     parser.add_argument("--combined-coef", type=float, default=0.2, help="opd_coef of the grpo_opd variant")
+    parser.add_argument("--seeds", default=None, help="comma-separated task/trainer seeds, one run per variant each")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for both runs")
     parser.add_argument("--work-dir", default=None, help="default: a temporary directory")
     args = parser.parse_args()
@@ -121,24 +135,33 @@ def main() -> int:
     if not set(names) <= known.keys() or {"opd", "grpo"} - set(names):
         raise SystemExit(f"--variants: {args.variants!r} must include opd and grpo, from {', '.join(known)}")
     variants = {name: known[name] for name in names}
+    seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
     result = {"recipe": args.recipe, "steps": args.steps, "window": args.window, "teacher": str(teacher),
-              "overrides": args.set, "warmup_s": round(warmup_s, 1), "runs": {}}
-    for name, overrides in variants.items():
-        run_dir = work / name
-        wall = train([f"recipe={args.recipe}", *common, f"steps={args.steps}", f"logging.run_dir={run_dir}",
-                      *overrides, *args.set])
-        f = figures(run_dir, args.window, args.last, at) | {"wall_s": round(wall, 1)}
-        result["runs"][name] = f
-        result[f"{name}_reward_curve"] = f["reward_curve"]
-        result[f"{name}_reward_at"] = f["reward_at"]
-        result[f"{name}_final_reward"] = f["final_reward"]
-        print(f"{name:>8}: reward per {args.window} steps {f['reward_curve']}; last-{args.last} {f['final_reward']:.3f}"
-              f"{'; reverse KL ' + str(f['reverse_kl_curve']) if 'reverse_kl_curve' in f else ''}", flush=True)
+              "overrides": args.set, "seeds": seeds, "warmup_s": round(warmup_s, 1), "runs": {}}
+    for seed in seeds:
+        seeded = [] if seed is None else [f"task.seed={seed}", f"trainer.seed={1234 + seed}"]
+        for name, overrides in variants.items():
+            run_dir = work / (name if seed is None else f"{name}_seed{seed}")
+            wall = train([f"recipe={args.recipe}", *common, f"steps={args.steps}", f"logging.run_dir={run_dir}",
+                          *overrides, *seeded, *args.set])
+            f = figures(run_dir, args.window, args.last, at) | {"wall_s": round(wall, 1)}
+            result["runs"].setdefault(name, {})[str(seed)] = f
+            print(f"{name:>8} (seed {seed}): reward per {args.window} steps {f['reward_curve']}; "
+                  f"last-{args.last} {f['final_reward']:.3f}"
+                  f"{'; reverse KL ' + str(f['reverse_kl_curve']) if 'reverse_kl_curve' in f else ''}", flush=True)
+    for name in variants:
+        per_seed = list(result["runs"][name].values())
+        for key in ("reward_curve", "reward_at", "final_reward"):
+            result[f"{name}_{key}"] = mean_of([f[key] for f in per_seed])
     for name in variants.keys() - {"grpo"}:
         result[f"{name}_minus_grpo_final_reward"] = round(result[f"{name}_final_reward"] - result["grpo_final_reward"],
                                                           4)
-    print(f"opd - grpo final reward: {result['opd_minus_grpo_final_reward']:+.3f}; reward at steps {at}: "
-          + ", ".join(f"{name} {result[name + '_reward_at']}" for name in variants))
+    opd, grpo = result["runs"]["opd"], result["runs"]["grpo"]
+    result["opd_ahead_at"] = {step: sum(opd[s]["reward_at"][step] > grpo[s]["reward_at"][step] for s in opd)
+                              for step in result["opd_reward_at"]}
+    print(f"opd - grpo final reward: {result['opd_minus_grpo_final_reward']:+.3f}; reward at steps {at} "
+          f"(mean of {len(seeds)} seed(s)): " + ", ".join(f"{name} {result[name + '_reward_at']}" for name in variants)
+          + f"; seeds with opd ahead: {result['opd_ahead_at']}")
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
