@@ -32,11 +32,12 @@ the wall clock between the metrics rows of the last skipped and the last step:
   tokens/s            generated response tokens of the counted steps' trained samples / their seconds
   trainer idle frac   seconds the trainer waited for data in the counted steps / their seconds
 
-Defaults: 60 steps of 64 prompts x 8 samples, at most 32 new tokens, three optimizer steps per RL
-step (``trainer.updates_per_step=3``, PPO mini-batches as slime's ``--num-steps-per-rollout``: on
-these two cores one update takes about a third of a rollout, three make training and generation
-comparable, the balance async is built for), the first 5 steps skipped; about 5 minutes on 2 cores
-with the warm-up.
+Defaults: 60 steps of 64 prompts x 8 samples, at most 32 new tokens, six optimizer steps per RL
+step (``trainer.updates_per_step=6``, PPO mini-batches as slime's ``--num-steps-per-rollout``): with
+the engine on one core and the trainer on the other, six updates take about as long as the rollout
+(sync mode, 2026-12-01: rollout 0.49 s, training 0.44 s a step; three updates 0.29 s), the balance
+between generation and training hardware that a disaggregated deployment is sized for and async is
+built for. The first 5 steps are skipped; about 3.5 minutes on 2 cores with the warm-up.
 
 Usage: python tools/bench/async_vs_sync.py --json FILE [--steps N --prompts P --samples G ...]
 """
@@ -215,7 +216,7 @@ def main() -> int:
     parser.add_argument("--trainer-cpus", default="0", help="cpulist of the trainer rank; '' leaves it unpinned")
     parser.add_argument("--engine-cpus", default="1", help="cpulist of the SGLang server; '' leaves it unpinned")
     parser.add_argument("--modes", default="sync,async")
-    parser.add_argument("--updates-per-step", type=int, default=3,
+    parser.add_argument("--updates-per-step", type=int, default=6,
                         help="optimizer steps per RL step (trainer.updates_per_step)")
     parser.add_argument("--lr", type=float, default=1e-7,
                         help="RL learning rate (trainer.lr); the default holds the workload fixed (see above)")
