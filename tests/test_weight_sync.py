@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_oracle import hf_from_state, hf_greedy, load_hf, make_samples, sharpened_checkpoint
+from in_flight import until_decoding
 
 from megarl.config import default_config, load_config
 from megarl.engines.client import EngineError, PauseMode, SamplingParams, SGLangClient
@@ -263,7 +264,7 @@ def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path):
                                                                      return_sampling_mask=False))
                            if in_flight else None)
                 if running is not None:
-                    await asyncio.sleep(0.1)  # prefilled and decoding when the pause comes
+                    await until_decoding(engine.url, engine.settings.api_key)  # decoding when the pause comes
                 calls.clear()
                 report = await sync.update(version, mode)
                 seen[version] = (list(calls), report, await running if running is not None else None,
