@@ -1,23 +1,32 @@
 """Requests in flight at a pause, whatever the machine's load: tests that sync or abort across
-running requests start them, then await :func:`until_decoding` before the sync (a fixed sleep was
-too short on a loaded machine: the requests were not running yet, or had already ended)."""
+running requests start them, then await :func:`until_decoding` (or their own condition on
+:func:`engine_loads`) before the pause: a fixed sleep was too short on a loaded machine (the requests
+were not running yet) or too long (they had already ended)."""
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import httpx
 
 
-async def until_decoding(url: str, api_key: str | None = None, timeout_s: float = 120.0) -> int:
-    """Poll SGLang's ``/v1/loads`` until its schedulers run at least one request; returns how many."""
+async def engine_loads(url: str, api_key: str | None = None, timeout_s: float = 120.0,
+                       interval_s: float = 0.005) -> AsyncIterator[tuple[int, int]]:
+    """(running, waiting) requests of the engine's schedulers (SGLang's ``/v1/loads``), every
+    ``interval_s``; raises TimeoutError once ``timeout_s`` have passed without the caller stopping."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout_s
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30.0) as http:
-        while True:
+        while time.monotonic() < deadline:
             response = await http.get("/v1/loads", params={"include": "core"})
             response.raise_for_status()
-            running = sum(load["num_running_reqs"] for load in response.json()["loads"])
-            if running:
-                return running
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{url}: no request running within {timeout_s:.0f} s")
-            await asyncio.sleep(0.005)
+            loads = response.json()["loads"]
+            yield sum(load["num_running_reqs"] for load in loads), sum(load["num_waiting_reqs"] for load in loads)
+            await asyncio.sleep(interval_s)
+    raise TimeoutError(f"{url}: the expected load did not come within {timeout_s:.0f} s")
+
+
+async def until_decoding(url: str, api_key: str | None = None, timeout_s: float = 120.0) -> int:
+    """Wait until the engine's schedulers run at least one request; returns how many."""
+    async for running, _ in engine_loads(url, api_key, timeout_s):
+        if running:
+            return running

@@ -8,6 +8,7 @@ import hf_oracle
 import numpy as np
 import pytest
 import torch
+from in_flight import engine_loads
 
 from megarl.engines.client import PauseMode, SamplingParams
 from megarl.engines.server import EngineSettings, SGLangEngine
@@ -105,7 +106,7 @@ def test_splice_keeps_the_prefix_rows_and_appends_the_continuation():
 NEW = 48
 
 
-def test_abort_resubmit_splices_prefix_and_continuation(client, tokenizer, tiny_checkpoint, loop):
+def test_abort_resubmit_splices_prefix_and_continuation(engine, client, tokenizer, tiny_checkpoint, loop):
     # 48 new tokens: a continuation's input (prompt + prefix) stays under SGLang's input limit of the
     # 64-token context even when the abort lands late (at 56, a late abort was refused: 60 > 58 tokens)
     params = SamplingParams(max_new_tokens=NEW, top_k=10, ignore_eos=True)
@@ -118,7 +119,12 @@ def test_abort_resubmit_splices_prefix_and_continuation(client, tokenizer, tiny_
         undisturbed = await manager.generate_group(prompt, "warm")
         duration = time.monotonic() - t0
         task = asyncio.create_task(manager.generate_group(prompt, "g"))
-        await asyncio.sleep(duration * 0.45)  # in the second of three waves
+        queued = False  # in the second of three waves: all six requests seen, then the first two done
+        async for running, waiting in engine_loads(engine.url):
+            queued = queued or running + waiting == 6
+            if queued and running and waiting <= 2:
+                break
+        await asyncio.sleep(duration / 3 * 0.3)  # and a third of the way into it
         await client.pause_generation(PauseMode.ABORT)
         try:
             await client.set_weight_version(1)  # the continuations run under "new weights"
