@@ -4,7 +4,8 @@
   it gets ``prepare`` (quick, on the calling thread: returns the JSON-able payload the driver
   forwards to the engines, e.g. a shared-memory handle or a file name) and then ``transfer``
   (the bulk move, on the rank's send thread, overlapping the gather of the next bucket).
-  ``allocate`` gives bucket buffers where the transport wants them (device, shared memory).
+  ``allocate`` gives bucket buffers: one kept from the last sync, else the transport's ``new_buffer``
+  (device, shared memory).
 - :class:`EngineSide` lives in the driver: it joins the engines to the link (``connect``), makes
   each engine load each bucket (``load``, concurrent with the sender's ``transfer``) and finishes
   a sync (``commit``). The sync's last weight-load call to each engine also carries a
