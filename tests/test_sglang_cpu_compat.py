@@ -87,7 +87,8 @@ TP_SCHEDULER_START = (
 RANK_SCENARIOS = {"omp_threads_bind": TP_SCHEDULER_START, "tp_group_pynccl": TP_SCHEDULER_START}
 # work-arounds for time, not for an error: the test file that shows each one's effect and its outputs
 FOR_TIME = {"per_request_attention": "tests/test_sglang_cpu_attention.py",
-            "sampling_mask_full_sort": "tests/test_sglang_cpu_sampling.py"}
+            "sampling_mask_full_sort": "tests/test_sglang_cpu_sampling.py",
+            "spawn_reimports_sglang": "tests/test_sglang_cpu_fork.py"}
 PREVENTS = {w.name: w.prevents for w in sglang_cpu.WORKAROUNDS}
 # These work-arounds patch sglang modules that themselves import sgl_kernel.
 ALSO_OFF = {"sgl_kernel": ["routed_experts_host_buffer", "tp_group_pynccl", "ep_non_local_experts"]}

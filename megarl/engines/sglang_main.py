@@ -4,8 +4,10 @@ Applies megarl's SGLang CPU work-arounds (only when no GPU is present), keeps SG
 inter-process tensors on torch's own unpickler (:mod:`megarl.platform.sglang_ipc`, every platform)
 and overlaps the receive and the load of weight-sync buckets (:mod:`megarl.engines.pipelined_load`),
 then runs SGLang's own ``sglang.launch_server`` main with the same arguments. All three are applied at
-import time on purpose: SGLang starts its scheduler and detokenizer with the "spawn" start method,
-and a spawned child re-imports this module (as ``__mp_main__``) before it runs any of SGLang's code.
+import time on purpose: on GPU SGLang starts its scheduler and detokenizer with the "spawn" start
+method, and a spawned child re-imports this module (as ``__mp_main__``) before it runs any of SGLang's
+code; on CPU they are forked from this process (``sglang_cpu``'s ``spawn_reimports_sglang``) and
+inherit all three.
 
 The server leads its own process group (see ``SGLangEngine``), so nothing reaches it when its owner
 is killed with SIGKILL; a watcher thread ends the group when the owner's process goes away, and a

@@ -1,8 +1,8 @@
 """What SGLang 0.5.23 needs to serve on a machine without a GPU; inactive when CUDA is available.
 
-``apply()`` must run before anything imports sglang, in every SGLang process (the server spawns
-its scheduler and detokenizer with the "spawn" start method; ``megarl.engines.sglang_main``
-calls it at import time, which the spawned children repeat). Each work-around is named after the
+``apply()`` must run before anything imports sglang, in every SGLang process
+(``megarl.engines.sglang_main`` calls it at import time; on CPU the scheduler and detokenizer are
+forked from that process and inherit it, see ``spawn_reimports_sglang``). Each work-around is named after the
 failure it prevents; ``MEGARL_SGLANG_WORKAROUNDS_OFF=name,name`` turns single ones off, which the
 tests use to show that each one is needed:
 
@@ -45,11 +45,18 @@ tests use to show that each one is needed:
   SGLang's pytorch sampler sorts the whole vocabulary on every decode step instead of the top-k
   columns it keeps otherwise. :mod:`megarl.platform.sglang_cpu_sampling` samples from the top-k
   columns in both cases (the same support, weights and distribution: ``tests/test_sglang_cpu_sampling.py``).
+- ``spawn_reimports_sglang``: not an error but every engine's start: SGLang starts its scheduler(s)
+  and detokenizer with the "spawn" start method (CUDA cannot be forked), so each child re-imports
+  SGLang and torch, about 15 CPU-seconds per engine on top of the server process's own import. With
+  no CUDA to protect, the children are forked from the server process, which has imported all of it
+  and applied these work-arounds (the same outputs, a fraction of the children's start-up CPU:
+  ``tests/test_sglang_cpu_fork.py``).
 """
 from __future__ import annotations
 
 import glob
 import importlib.machinery
+import multiprocessing
 import os
 import sys
 import types
@@ -243,6 +250,21 @@ def _sample_masks_from_top_k() -> None:
     sglang_cpu_sampling.install()
 
 
+def _fork_engine_children() -> None:
+    from sglang.srt.entrypoints import engine
+
+    configure = engine._set_envs_and_config
+    if getattr(configure, "_megarl_cpu", False):
+        return
+
+    def set_envs_and_config(server_args):
+        configure(server_args)  # ends with mp.set_start_method("spawn", force=True)
+        multiprocessing.set_start_method("fork", force=True)
+
+    set_envs_and_config._megarl_cpu = True
+    engine._set_envs_and_config = set_envs_and_config
+
+
 WORKAROUNDS = (
     Workaround("cpu_engine", "ModuleNotFoundError: No module named 'vllm'", _use_cpu_engine),
     Workaround("sgl_kernel", "ModuleNotFoundError: No module named 'sgl_kernel'", _add_sgl_kernel_stand_in),
@@ -258,4 +280,6 @@ WORKAROUNDS = (
                _batch_attention),
     Workaround("sampling_mask_full_sort", "a full-vocabulary sort per decode step with sampling masks on",
                _sample_masks_from_top_k),
+    Workaround("spawn_reimports_sglang", "each spawned engine child re-imports SGLang (~15 CPU-seconds a start)",
+               _fork_engine_children),
 )
