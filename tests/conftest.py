@@ -16,18 +16,27 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def warmed_up(tmp_path_factory):
-    """The demo's supervised warm-up (30 steps through the real driver), run once per test session (per
-    pytest-xdist worker: with ``--dist loadfile`` the files that start RL from it share it when they land
-    on the same worker). Its ``overrides`` name the base and warmed-up checkpoints; the runs only read them."""
+def warmed_up(tmp_path_factory, worker_id):
+    """The demo's supervised warm-up (30 steps through the real driver), run once per test run: the first
+    pytest-xdist worker to ask makes it (under a file lock in the run's temporary directory), the others
+    wait for it and read it. Its ``overrides`` name the base and warmed-up checkpoints; the runs only read
+    them."""
     from types import SimpleNamespace
+
+    from filelock import FileLock
 
     from megarl.train import main
 
-    root = tmp_path_factory.mktemp("warmed_up")
+    # a directory of this run that every worker sees: the workers' base directories' parent
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
+    root = shared / "warmed_up"
     base, warm, run = root / "base", root / "warm", root / "warmup"
     overrides = [f"model.hf_path={base}", f"warmup.save_hf_path={warm}"]
-    assert main(["recipe=tiny_moe_cpu", "mode=warmup", "warmup.steps=30", f"logging.run_dir={run}", *overrides]) == 0
+    with FileLock(str(shared / "warmed_up.lock")):
+        if not (root / "done").is_file():
+            assert main(["recipe=tiny_moe_cpu", "mode=warmup", "warmup.steps=30", f"logging.run_dir={run}",
+                         *overrides]) == 0
+            (root / "done").touch()
     return SimpleNamespace(base=base, warm=warm, run=run, overrides=overrides)
 
 

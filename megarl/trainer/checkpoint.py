@@ -33,6 +33,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megarl.models.lora import is_adapter_key
+from megarl.trainer import save_results_queue
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,7 @@ def save_checkpoint(root: str | Path, step: int, trainable, data_position: dict[
     state["megarl"] = {"step": step, "data_position": data_position, "model": _model_signature(trainable),
                        "layout": _layout_signature(), "optimizer": optimizer.common()}
     state["scheduler"] = trainable.scheduler.state_dict()
+    save_results_queue.install()  # megatron's own would outlive a killed rank
     dist_checkpointing.save(state, str(tmp), sharded_strategy=get_default_save_sharded_strategy(FORMAT))
     torch.distributed.barrier()
     if rank0:
