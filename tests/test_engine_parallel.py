@@ -3,10 +3,11 @@ the tiny MoE served by one engine of 2 ranks with TP2 and with TP2 + EP2 (SGLang
 ranks are tensor-parallel ranks, so EP2 needs TP >= 2), checked against HF transformers: greedy
 tokens, log-probs and the routed experts of every token.
 
-Each configuration starts one engine for the module (two ranks on this 2-core machine take about a
-minute to start); the prompts are few and short.
+Each configuration starts one engine for the module (two ranks on this 2-core machine take 15-25 s
+to start); the prompts are few and short.
 """
 import asyncio
+import tempfile
 
 import httpx
 import numpy as np
@@ -59,6 +60,15 @@ def test_command_passes_the_parallelism(tiny_checkpoint):
     # no CUDA crash diagnostics on CPU (they hold a stopped server up to 65 s)
     assert multi.environment()["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
     assert multi.environment()["CUDA_VISIBLE_DEVICES"] == ""  # a CPU engine never sees a GPU
+
+
+def test_an_engine_never_started_leaves_no_log_file(tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a default log goes
+    engine = SGLangEngine(settings(tiny_checkpoint))
+    engine.command(), engine.environment()
+    assert list(tmp_path.iterdir()) == []
+    assert engine.log_path.parent == tmp_path and engine.log_path.is_file()  # made on first use
+    assert engine.log_path == engine.log_path
 
 
 def test_from_config_reads_the_engine_parallelism(tiny_checkpoint, tmp_path):

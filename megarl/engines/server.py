@@ -169,9 +169,17 @@ class SGLangEngine:
             # CPU (torch_native) backend lacks: AttributeError 'get_cpu_graph_seq_len_fill_value'.
             raise ValueError("dp_attention does not run on SGLang's CPU path; use tp/ep without it on CPU")
         self.port = settings.port or free_port(settings.host)
-        self.log_path = Path(settings.log_path or _temporary_log_path())
+        self._log_path = Path(settings.log_path) if settings.log_path else None
         self._process: subprocess.Popen | None = None
         self.startup_s: float | None = None  # seconds from spawn to healthy, set by start()
+
+    @property
+    def log_path(self) -> Path:
+        """The server's log: ``settings.log_path``, else a temporary file made on first use (an engine
+        that is never started leaves none behind)."""
+        if self._log_path is None:
+            self._log_path = Path(_temporary_log_path())
+        return self._log_path
 
     @property
     def pid(self) -> int | None:
