@@ -9,5 +9,7 @@ bash tools/setup_venv.sh
 .venv/bin/ruff check .
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" RAY_AUTH_MODE=disabled
 # Two workers, one test file each at a time: much of the suite waits on process start-up (Ray,
-# SGLang servers, gloo ranks), which overlaps well even on 2 cores.
-exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=15 -n 2 --dist loadfile "$@"
+# SGLang servers, gloo ranks), which overlaps well even on 2 cores. Files are handed out in collection
+# order, the longest first (tests/conftest.py, LONGEST_FIRST), not pytest-xdist's most-tests-first.
+exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=15 -n 2 --dist loadfile \
+  --no-loadscope-reorder "$@"
