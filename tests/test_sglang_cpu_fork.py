@@ -27,7 +27,7 @@ def greedy(engine: SGLangEngine) -> list[dict]:
 def start_up_cpu(engine: SGLangEngine) -> tuple[float, float]:
     """CPU seconds (user + system) of the server process and of its engine children (scheduler,
     detokenizer), read right after the engine turned healthy."""
-    server = psutil.Process(engine._process.pid)
+    server = psutil.Process(engine.pid)
     children = [p for p in server.children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
     assert len(children) == 2, [p.cmdline() for p in children]
     seconds = [sum(p.cpu_times()[:2]) for p in (server, *children)]

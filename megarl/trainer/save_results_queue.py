@@ -16,6 +16,7 @@ import time
 from multiprocessing.managers import SyncManager
 
 PARENT_POLL_S = 1.0
+_ours: tuple[SyncManager, object] | None = None  # the Manager made here and its queue (a proxy)
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -29,14 +30,15 @@ def _exit_when_orphaned(parent: int) -> None:
 
 
 def install() -> SyncManager:
-    """Give megatron-core's checkpoint writers (this process's) a results queue whose Manager ends with
-    this process; idempotent. Returns that Manager (its server's pid is ``manager._process.pid``)."""
+    """Make megatron-core's checkpoint writers (this process's) report through a queue whose Manager ends
+    with this process, in place of megatron's own (made by an earlier save, if any); idempotent. Returns
+    that Manager (its server's pid is ``manager._process.pid``)."""
+    global _ours
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    queue = filesystem_async._results_queue
-    if queue is not None:
-        return queue._manager
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # megatron's start method
-    manager.start(initializer=_exit_when_orphaned, initargs=(os.getpid(),))
-    filesystem_async._results_queue = manager.Queue()  # the proxy holds the manager: one life
-    return manager
+    if _ours is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # megatron's start method
+        manager.start(initializer=_exit_when_orphaned, initargs=(os.getpid(),))
+        _ours = (manager, manager.Queue())
+    filesystem_async._results_queue = _ours[1]
+    return _ours[0]
