@@ -67,8 +67,9 @@ def test_an_engine_never_started_leaves_no_log_file(tiny_checkpoint, tmp_path, m
     engine = SGLangEngine(settings(tiny_checkpoint))
     engine.command(), engine.environment()
     assert list(tmp_path.iterdir()) == []
-    assert engine.log_path.parent == tmp_path and engine.log_path.is_file()  # made on first use
-    assert engine.log_path == engine.log_path
+    first = engine.log_path
+    assert first.parent == tmp_path and first.is_file()  # made on first use
+    assert engine.log_path == first and list(tmp_path.iterdir()) == [first]  # once
 
 
 def test_from_config_reads_the_engine_parallelism(tiny_checkpoint, tmp_path):

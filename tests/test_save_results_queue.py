@@ -10,8 +10,10 @@ import pytest
 OWNER = """
 import sys, time
 from megatron.core.dist_checkpointing.strategies import filesystem_async
-if sys.argv[1] == "megarl":
+if sys.argv[1].startswith("megarl"):
     from megarl.trainer import save_results_queue
+    if sys.argv[1] == "megarl_after_a_save":
+        filesystem_async.get_write_results_queue()  # megatron's own, made by an earlier save
     save_results_queue.install()
 queue = filesystem_async.get_write_results_queue()  # what a save calls
 queue.put("written")
@@ -29,8 +31,8 @@ def running(pid: int) -> bool:
 
 
 def server_after_owner_killed(which: str, wait_s: float) -> bool:
-    """Start an owner that makes the queue (``which``: "megarl" or megatron's own), SIGKILL it, and say
-    whether the queue's Manager server still runs ``wait_s`` later (it is killed then either way)."""
+    """Start an owner that makes the queue (``which``: "megarl", "megarl_after_a_save" or megatron's own),
+    SIGKILL it, and say whether the queue's Manager server still runs ``wait_s`` later (killed then either way)."""
     owner = subprocess.Popen([sys.executable, "-c", OWNER, which], stdout=subprocess.PIPE, text=True)
     try:
         server = int(owner.stdout.readline())
@@ -46,6 +48,6 @@ def server_after_owner_killed(which: str, wait_s: float) -> bool:
     return alive
 
 
-@pytest.mark.parametrize("which, outlives", [("megatron", True), ("megarl", False)])
+@pytest.mark.parametrize("which, outlives", [("megatron", True), ("megarl", False), ("megarl_after_a_save", False)])
 def test_the_queues_server_ends_with_a_killed_owner(which, outlives):
     assert server_after_owner_killed(which, wait_s=3.0) is outlives

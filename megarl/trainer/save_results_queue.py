@@ -16,7 +16,7 @@ import time
 from multiprocessing.managers import SyncManager
 
 PARENT_POLL_S = 1.0
-_ours: tuple[SyncManager, object] | None = None  # the Manager made here and its queue (a proxy)
+_queue = None  # the queue made here (a proxy; it holds its Manager, whose server is ``_queue._manager._process``)
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -29,16 +29,14 @@ def _exit_when_orphaned(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="exit-when-orphaned").start()
 
 
-def install() -> SyncManager:
+def install() -> None:
     """Make megatron-core's checkpoint writers (this process's) report through a queue whose Manager ends
-    with this process, in place of megatron's own (made by an earlier save, if any); idempotent. Returns
-    that Manager (its server's pid is ``manager._process.pid``)."""
-    global _ours
+    with this process, in place of megatron's own (made by an earlier save, if any); idempotent."""
+    global _queue
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if _ours is None:
+    if _queue is None:
         manager = SyncManager(ctx=multiprocessing.get_context("spawn"))  # megatron's start method
         manager.start(initializer=_exit_when_orphaned, initargs=(os.getpid(),))
-        _ours = (manager, manager.Queue())
-    filesystem_async._results_queue = _ours[1]
-    return _ours[0]
+        _queue = manager.Queue()
+    filesystem_async._results_queue = _queue
