@@ -260,3 +260,13 @@ def test_engine_and_sync_settings_from_the_config(tiny_checkpoint):
     sync = SyncSettings.from_config(cfg.sync)
     assert (sync.transport, sync.bucket_mb, sync.work_dir, sync.timeout_s, sync.engine_tp) == \
         ("distributed", 64, "/tmp/r/weight_sync", 600.0, 1)
+
+
+def test_checking_a_config_loads_no_agent_runtime():
+    """megarl.config checks ``task.agent`` through megarl.agents.spec: a process that only loads configs
+    (every driver, tool and scenario) does not import openai or the gateway's aiohttp (~0.7 s)."""
+    code = ("import sys\nimport megarl.config\n"
+            "print(sorted(m for m in ('openai', 'aiohttp', 'megarl.agents.rollout') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

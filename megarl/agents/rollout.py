@@ -38,17 +38,16 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import importlib
-import inspect
 import logging
 import math
 import numbers
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 import openai
 
 from megarl.agents.gateway import AgentGateway, Session
+from megarl.agents.spec import AgentFn, AgentResult
 from megarl.engines.client import SamplingParams
 from megarl.engines.protocol import Engines
 from megarl.sample import FinishReason, RolloutSample
@@ -57,27 +56,7 @@ from megarl.tasks.rewards import RewardFn, RewardInput, RewardScorer
 
 log = logging.getLogger(__name__)
 
-AgentResult = float | dict[str, float] | None
-AgentFn = Callable[[openai.AsyncOpenAI, Prompt], Awaitable[AgentResult]]
-
 _CANCEL_GRACE_S = 1.0  # how long a timed-out agent may take to honour its cancellation
-
-
-def load_agent(spec: str) -> AgentFn:
-    """The ``async def`` named by ``"package.module:function"``; ValueError naming what is wrong."""
-    module_name, sep, name = spec.partition(":")
-    if not sep or not module_name or not name:
-        raise ValueError(f"task.agent: must be 'package.module:function', got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"task.agent: {spec!r}: cannot import {module_name!r}: {e}") from e
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise ValueError(f"task.agent: {spec!r}: module {module_name!r} has no {name!r}")
-    if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"task.agent: {spec!r} must be an 'async def' function of (client, prompt)")
-    return fn
 
 
 class AgentEpisodes:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from megarl.agents.rollout import load_agent
+from megarl.agents.spec import load_agent
 from megarl.algos.advantages import ADVANTAGES
 from megarl.algos.aggregation import AGGREGATIONS
 from megarl.algos.distill import OPD_BASELINES

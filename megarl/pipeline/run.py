@@ -35,7 +35,8 @@ from omegaconf import DictConfig
 from rich.progress import Progress
 from transformers import AutoTokenizer
 
-from megarl.agents.rollout import AgentEpisodes, load_agent
+from megarl.agents.rollout import AgentEpisodes
+from megarl.agents.spec import load_agent
 from megarl.algos.advantages import BatchStats
 from megarl.config.schema import Placement
 from megarl.engines.client import EngineUnreachable, PauseMode, SamplingParams, ServedModel
