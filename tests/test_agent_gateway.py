@@ -225,6 +225,26 @@ def test_two_roles_give_two_samples_with_their_rewards(client, tokenizer, hf, lo
     loop.run_until_complete(unknown_role())
 
 
+def test_role_engines_send_each_roles_calls_to_its_engines(client, tokenizer, loop):
+    """``task.role_engines`` through the driver's ``episode_runner``: the verifier's calls go to
+    engine 1 only, the solver (not placed) is served by the least-loaded of all."""
+    from megarl.config import load_config
+    from megarl.engines.pool import EnginePool
+    from megarl.pipeline.run import episode_runner
+
+    cfg = load_config(["recipe=tiny_moe_cpu", "task.agent=agent_examples:solver_and_verifier",
+                       "task.roles=[solver,verifier]", "rollout.num_engines=2",
+                       "task.role_engines=[{role:verifier,engines:[1]}]"])
+    engines = [Recording(client), Recording(client)]
+    agents = episode_runner(cfg, EnginePool(engines), tokenizer, PARAMS)
+    samples = [s for i in range(2) for s in run(loop, agents, Prompt(f"{i}+4="), episode_id=f"ep{i}")]
+    assert [(s.role, s.episode_end) for s in samples] == [("solver", "done"), ("verifier", "done")] * 2
+    solver_prompts = [s.prompt_ids for s in samples if s.role == "solver"]
+    verifier_prompts = [s.prompt_ids for s in samples if s.role == "verifier"]
+    assert [fed for fed, _ in engines[1].calls] == verifier_prompts  # both verifier calls, only they
+    assert [fed for fed, _ in engines[0].calls] == solver_prompts  # idle engines: ties go to engine 0
+
+
 def test_an_aborted_call_is_continued_into_one_turn(client, tokenizer, hf, loop):
     target = Recording(client, abort_first=True)
     agents = episodes(target, tokenizer, "three_turns", partial_rollout="abort_resubmit")

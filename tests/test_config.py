@@ -25,6 +25,7 @@ def test_cfg_job_prints_the_resolved_config():
     assert printed.warmup.steps == 7 and printed.model.arch.num_experts == 8
 
 
+AGENT, ROLES = "task.agent=agent_examples:solver_and_verifier", "task.roles=[solver,verifier]"
 BAD_INPUTS = [
     (["trainer.lrr=1"], "trainer.lrr", "not in"),
     (["trainer.lr=fast"], "trainer.lr", "could not be converted"),
@@ -71,6 +72,17 @@ BAD_INPUTS = [
     (["task.name=csv"], "task.name", "is not one of arithmetic, jsonl, parquet"),
     (["reward.type=remote"], "reward.url", "needs reward.url"),
     (["rollout.top_k=0"], "rollout.top_k", "finite top_k"),
+    ([AGENT, "task.role_engines=[{role:solver,engines:[0]}]"], "task.role_engines",
+     "places the roles of task.roles on engines: set task.roles"),
+    ([AGENT, ROLES, "task.role_engines=[{role:critic,engines:[0]}]"], "task.role_engines[0].role",
+     "'critic' is not one of task.roles ['solver', 'verifier']"),
+    ([AGENT, ROLES, "task.role_engines=[{role:solver,engines:[0]},{role:solver,engines:[0]}]"],
+     "task.role_engines[0].role", "'solver' is placed more than once"),
+    ([AGENT, ROLES, "rollout.num_engines=2", "task.role_engines=[{role:verifier,engines:[2]}]"],
+     "task.role_engines[0].engines", "must be distinct engine indices in [0, 2) (rollout.num_engines=2), "
+                                     "at least one; got [2]"),
+    ([AGENT, ROLES, "task.role_engines=[{role:verifier}]"], "task.role_engines[0].engines", "at least one; got []"),
+    ([AGENT, ROLES, "task.role_engines=[{engines:[0]}]"], "task.role_engines[0].role", "missing: name the role"),
 ]
 
 

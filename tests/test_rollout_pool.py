@@ -124,6 +124,32 @@ def test_an_engine_that_always_loses_the_request_is_an_error():
         asyncio.run(EnginePool([FakeClient(fail_times=1)]).generate_batch([[1]], PARAMS, group_ids=["a"]))
 
 
+def test_a_subset_places_and_resubmits_among_its_engines_only():
+    clients = [FakeClient(), FakeClient(fail_times=1), FakeClient()]
+    pool = EnginePool(clients, [FakeSupervisor() for _ in clients])
+    subset = pool.subset([1, 2])
+    assert subset.indices == [1, 2] and subset.model == pool.model
+
+    result = asyncio.run(subset.generate_batch_counted([[i] for i in range(4)], PARAMS,
+                                                       group_ids=[str(i) for i in range(4)]))
+    assert [s.group_id for s in result.samples] == [str(i) for i in range(4)]
+    assert [s.response_ids for s in result.samples] == [[i] for i in range(4)]
+    # engine 1 lost its first request (prompts 0, 2) while engine 2 still held two; the idle engine 0
+    # (the pool's least loaded, and the lowest index) got neither the batch nor the resubmission
+    assert clients[0].requests == []
+    assert clients[1].requests == [["0", "2"], ["0", "2"]] and clients[2].requests == [["1", "3"]]
+    assert result.resubmitted == 2 and pool.resubmitted == 2
+    assert pool.in_flight == [0, 0, 0]
+    assert asyncio.run(pool.generate_batch([[7]], PARAMS, group_ids=["all"]))[0].response_ids == [7]
+    assert clients[0].requests == [["all"]]  # the pool itself still places on every engine
+
+
+@pytest.mark.parametrize("indices", [[], [0, 0], [3], [-1]])
+def test_a_subset_of_engines_the_pool_does_not_have_is_refused(indices):
+    with pytest.raises(ValueError, match=r"distinct, at least one, each in \[0, 3\)"):
+        EnginePool([FakeClient() for _ in range(3)]).subset(indices)
+
+
 # --- one real engine under a Ray actor ------------------------------------------------------------
 
 @pytest.fixture(scope="module")

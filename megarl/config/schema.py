@@ -143,6 +143,14 @@ class WarmupConfig:
 
 
 @dataclass
+class RoleEngines:
+    """Where one multi-agent role's calls go (``task.role_engines``)."""
+
+    role: str = MISSING  # one of task.roles
+    engines: list[int] = field(default_factory=list)  # indices of the policy's engines, < rollout.num_engines
+
+
+@dataclass
 class TaskConfig:
     name: str = "arithmetic"  # arithmetic (synthetic, built in) | jsonl | parquet
     path: Optional[str] = None  # dataset file for jsonl / parquet
@@ -160,6 +168,9 @@ class TaskConfig:
     max_response_tokens: Optional[int] = None  # episode response budget incl. observations; None = context - prompt
     agent_timeout_s: float = 120.0  # an agent episode running longer ends as error (counted)
     roles: Optional[list[str]] = None  # multi-agent: the roles an agent names as ``model``, all served by the policy
+    # multi-agent: the policy engines that serve a role's calls, e.g. [{role: verifier, engines: [1]}];
+    # a role not placed here is served by every engine. All are the policy's (synced, trained on).
+    role_engines: list[RoleEngines] = field(default_factory=list)
 
 
 @dataclass

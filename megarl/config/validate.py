@@ -88,7 +88,7 @@ def validate(cfg: DictConfig) -> None:
         _fail("task.path", f"task {cfg.task.name} needs the dataset file")
     _check_reward(cfg.reward)
     _check_judge(cfg)
-    _check_episodes(cfg.task)
+    _check_episodes(cfg.task, cfg.rollout.num_engines)
     _check_lora(cfg)
     if not 1 <= cfg.trainer.updates_per_step <= cfg.rollout.prompts_per_step:
         _fail("trainer.updates_per_step", f"must be between 1 and rollout.prompts_per_step "
@@ -323,8 +323,30 @@ def _check_judge(cfg: DictConfig) -> None:
         _fail("reward.judge.per_turn", "scores the turns of multi-turn episodes; set task.env or task.agent")
 
 
-def _check_episodes(task: DictConfig) -> None:
-    """Multi-turn settings: one episode kind, budgets that allow a turn, roles only for agents."""
+def _check_role_engines(task: DictConfig, num_engines: int) -> None:
+    """``task.role_engines``: roles of ``task.roles``, each placed once, on distinct engine indices of
+    the policy's ``num_engines``."""
+    if task.roles is None:
+        _fail("task.role_engines", "places the roles of task.roles on engines: set task.roles")
+    for i, entry in enumerate(task.role_engines):
+        if OmegaConf.is_missing(entry, "role"):
+            _fail(f"task.role_engines[{i}].role", "missing: name the role its engines serve")
+    placed = [entry.role for entry in task.role_engines]
+    for i, entry in enumerate(task.role_engines):
+        if entry.role not in task.roles:
+            _fail(f"task.role_engines[{i}].role", f"{entry.role!r} is not one of task.roles {list(task.roles)}")
+        if placed.count(entry.role) > 1:
+            _fail(f"task.role_engines[{i}].role", f"{entry.role!r} is placed more than once")
+        engines = list(entry.engines)
+        if not engines or len(set(engines)) != len(engines) or not all(0 <= e < num_engines for e in engines):
+            _fail(f"task.role_engines[{i}].engines",
+                  f"must be distinct engine indices in [0, {num_engines}) (rollout.num_engines={num_engines}), "
+                  f"at least one; got {engines}")
+
+
+def _check_episodes(task: DictConfig, num_engines: int) -> None:
+    """Multi-turn settings: one episode kind, budgets that allow a turn, roles only for agents, their
+    engines among the policy's ``num_engines``."""
     if task.env is not None and task.env not in ENVIRONMENTS:
         _fail("task.env", f"{task.env!r} is not one of {', '.join(ENVIRONMENTS)}")
     if task.env is not None and task.agent is not None:
@@ -333,6 +355,8 @@ def _check_episodes(task: DictConfig) -> None:
         _fail("task.roles", "roles are named by an agent program: set task.agent")
     if task.roles is not None and (not task.roles or len(set(task.roles)) != len(task.roles)):
         _fail("task.roles", f"must be distinct role names, got {list(task.roles)}")
+    if task.role_engines:
+        _check_role_engines(task, num_engines)
     if task.max_turns < 1:
         _fail("task.max_turns", f"must be >= 1, got {task.max_turns}")
     if task.max_response_tokens is not None and task.max_response_tokens < 1:

@@ -17,6 +17,10 @@ sample, whatever engines died. ``resubmitted`` counts the resubmitted prompts. A
 than ``max_attempts`` times raises EngineError (an engine that crashes on a request every time);
 an engine that cannot come back (no supervisor, or its actor gave up) raises EngineUnreachable.
 
+Subsets: :meth:`EnginePool.subset` gives some of the pool's engines as engines of their own
+(:class:`PoolSubset`: placement, and resubmission after a death, among those engines only; the
+pool's hold and recovery apply), e.g. one multi-agent role per group of engines.
+
 Hold (colocated placement, :mod:`megarl.pipeline.colocate`): while the pool is held no request
 reaches an engine (new and resubmitted ones wait in the pool), and :meth:`EnginePool.hold` returns
 once none is in flight; the engines' weights and KV cache can then be released and resumed.
@@ -74,6 +78,18 @@ class _Engine:
         self.in_flight = 0
         self.incarnation: int | None = None  # last seen EngineInfo.incarnation
         self.recovery = asyncio.Lock()  # one recovery at a time; the others wait for its on_restart
+
+
+def _place(engines: list[_Engine], indices: list[int]) -> list[tuple[_Engine, list[int]]]:
+    """Least-loaded placement of prompt ``indices`` on ``engines``: [(engine, its indices)], engines
+    with none omitted."""
+    load = [e.in_flight for e in engines]
+    parts: list[list[int]] = [[] for _ in engines]
+    for i in indices:
+        best = min(range(len(load)), key=load.__getitem__)
+        parts[best].append(i)
+        load[best] += 1
+    return [(engines[k], part) for k, part in enumerate(parts) if part]
 
 
 class EnginePool:
@@ -170,6 +186,22 @@ class EnginePool:
                                      return_routed_experts: bool = True,
                                      return_sampling_mask: bool = True) -> BatchResult:
         """:meth:`generate_batch` that also says how many prompts were resubmitted."""
+        return await self._generate(self._engines, prompts, params, group_ids, return_routed_experts,
+                                    return_sampling_mask)
+
+    def subset(self, indices: Sequence[int]) -> PoolSubset:
+        """Engines ``indices`` of this pool as engines of their own (see the module docstring);
+        ValueError unless they are distinct indices of this pool's engines, at least one."""
+        indices = list(indices)
+        if not indices or len(set(indices)) != len(indices) or not all(
+                isinstance(i, int) and 0 <= i < len(self._engines) for i in indices):
+            raise ValueError(f"engine indices must be distinct, at least one, each in [0, {len(self._engines)}); "
+                             f"got {indices}")
+        return PoolSubset(self, [self._engines[i] for i in indices])
+
+    async def _generate(self, engines: list[_Engine], prompts: list[list[int]], params: SamplingParams,
+                        group_ids: list[str], return_routed_experts: bool, return_sampling_mask: bool) -> BatchResult:
+        """:meth:`generate_batch_counted` placed among ``engines`` (all of the pool's, or a subset's)."""
         if len(group_ids) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(group_ids)} group ids")
         samples: list[RolloutSample | None] = [None] * len(prompts)
@@ -201,21 +233,11 @@ class EnginePool:
             await self._recover(engine)
             resubmitted += len(indices)
             self.resubmitted += len(indices)
-            await asyncio.gather(*(run(e, part, attempt + 1) for e, part in self._place(indices)))
+            await asyncio.gather(*(run(e, part, attempt + 1) for e, part in _place(engines, indices)))
 
-        await asyncio.gather(*(run(e, part, 1) for e, part in self._place(list(range(len(prompts))))))
+        await asyncio.gather(*(run(e, part, 1) for e, part in _place(engines, list(range(len(prompts))))))
         assert all(s is not None for s in samples)
         return BatchResult(samples=samples, resubmitted=resubmitted)
-
-    def _place(self, indices: list[int]) -> list[tuple[_Engine, list[int]]]:
-        """Least-loaded placement of prompt ``indices``: [(engine, its indices)], engines with none omitted."""
-        load = [e.in_flight for e in self._engines]
-        parts: list[list[int]] = [[] for _ in self._engines]
-        for i in indices:
-            best = min(range(len(load)), key=load.__getitem__)
-            parts[best].append(i)
-            load[best] += 1
-        return [(self._engines[k], part) for k, part in enumerate(parts) if part]
 
     async def _recover(self, engine: _Engine) -> None:
         """Wait until ``engine`` runs again; after a restart, re-pause it and run ``on_restart``
@@ -328,3 +350,38 @@ class EnginePool:
     async def weight_version(self) -> int:
         """The oldest weight version any engine serves (all equal outside a weight sync)."""
         return min(await self.weight_versions())
+
+
+class PoolSubset:
+    """Some engines of an :class:`EnginePool` behind the generate calls of
+    :class:`~megarl.engines.protocol.Engines` (made by :meth:`EnginePool.subset`): prompts are placed
+    least-loaded among them, and a prompt lost with its engine is resubmitted among them; holds,
+    pauses, weight sync and recovery stay the pool's."""
+
+    def __init__(self, pool: EnginePool, engines: list[_Engine]):
+        self.pool, self._engines = pool, engines
+
+    @property
+    def indices(self) -> list[int]:
+        """The pool's indices of these engines."""
+        return [e.index for e in self._engines]
+
+    @property
+    def model(self) -> ServedModel:
+        return self.pool.model
+
+    async def generate_batch(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
+                             return_routed_experts: bool = True,
+                             return_sampling_mask: bool = True) -> list[RolloutSample]:
+        """:meth:`EnginePool.generate_batch` on these engines only."""
+        result = await self.generate_batch_counted(prompts, params, group_ids=group_ids,
+                                                   return_routed_experts=return_routed_experts,
+                                                   return_sampling_mask=return_sampling_mask)
+        return result.samples
+
+    async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
+                                     return_routed_experts: bool = True,
+                                     return_sampling_mask: bool = True) -> BatchResult:
+        """:meth:`EnginePool.generate_batch_counted` on these engines only."""
+        return await self.pool._generate(self._engines, prompts, params, group_ids, return_routed_experts,
+                                         return_sampling_mask)

@@ -286,12 +286,15 @@ def episode_metrics(samples: list[RolloutSample]) -> dict[str, float]:
             **{f"episode/end_{end}_frac": n / len(episodes) for end, n in sorted(ends.items())}}
 
 
-def episode_runner(cfg: DictConfig, target, tokenizer, params: SamplingParams):
+def episode_runner(cfg: DictConfig, target: EnginePool, tokenizer, params: SamplingParams):
     """What turns a prompt into multi-turn episodes: an environment (``task.env``), an agent program
-    behind the OpenAI gateway (``task.agent``), or None for single-turn prompts."""
+    behind the OpenAI gateway (``task.agent``; its roles on the engines ``task.role_engines`` names),
+    or None for single-turn prompts."""
     task = cfg.task
     if task.agent is not None:
-        roles = {role: None for role in task.roles} if task.roles else None  # None: served by the policy
+        # a role task.role_engines does not place is served by all the policy's engines (None)
+        placed = {entry.role: target.subset(entry.engines) for entry in task.role_engines}
+        roles = {role: placed.get(role) for role in task.roles} if task.roles else None
         return AgentEpisodes(target, tokenizer, load_agent(task.agent), params, max_turns=task.max_turns,
                              max_response_tokens=task.max_response_tokens, timeout_s=task.agent_timeout_s,
                              routing=cfg.rollout.keep_routing, sampling_mask=cfg.rollout.top_k > 0, roles=roles,
