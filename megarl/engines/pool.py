@@ -370,14 +370,7 @@ class PoolSubset:
     def model(self) -> ServedModel:
         return self.pool.model
 
-    async def generate_batch(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
-                             return_routed_experts: bool = True,
-                             return_sampling_mask: bool = True) -> list[RolloutSample]:
-        """:meth:`EnginePool.generate_batch` on these engines only."""
-        result = await self.generate_batch_counted(prompts, params, group_ids=group_ids,
-                                                   return_routed_experts=return_routed_experts,
-                                                   return_sampling_mask=return_sampling_mask)
-        return result.samples
+    generate_batch = EnginePool.generate_batch  # the samples of this class's generate_batch_counted
 
     async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
                                      return_routed_experts: bool = True,
