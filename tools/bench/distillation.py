@@ -22,15 +22,23 @@ From each run's ``metrics.jsonl``:
   reverse_kl_curve  runs with a teacher: ``distill/reverse_kl`` (student - teacher log-prob, nats/token)
                     per window
 
+From the run's trainer checkpoints (every ``--eval-every`` steps, converted to HF), and from the
+warm-up for step 0:
+
+  answer_prob_at    the policy's probability of sampling exactly the answer's tokens and then EOS
+                    (the recipe's temperature and top-k), averaged over every problem of the task: the
+                    expected reward without sampling noise (a lower bound: it misses other spellings
+                    of the answer, e.g. with a space before it, which the reward also accepts)
+
 and side by side ``<variant>_reward_curve``, ``<variant>_final_reward``, ``opd_minus_grpo_final_reward``
 (and ``grpo_opd_minus_grpo_final_reward``). With ``--seeds`` (e.g. ``0,1,2``: ``task.seed`` and
 ``trainer.seed`` of every run, the warm-up and teacher shared) each variant runs once per seed, in
 turn; the side-by-side keys then hold the mean over the seeds, ``runs`` holds each seed's figures,
-and ``opd_ahead_at`` counts, at each of ``--at``, the seeds whose windowed reward is higher under
-``opd`` than under ``grpo``.
+and ``opd_ahead_at`` (``opd_ahead_answer_prob_at``) counts, at each of ``--at`` (each evaluated step),
+the seeds whose windowed reward (answer probability) is higher under ``opd`` than under ``grpo``.
 
 Usage: python tools/bench/distillation.py --json FILE [--teacher PATH] [--steps 40 --window 5 --last 10
-       --variants opd,grpo_opd,grpo --seeds 0,1,2 --set key=value ...]
+       --variants opd,grpo_opd,grpo --seeds 0,1,2 --eval-every 10 --set key=value ...]
        (``--set`` overrides apply to the warm-up and the compared runs, not to a teacher made here)
 """
 from __future__ import annotations
@@ -81,6 +89,42 @@ def figures(run_dir: Path, window: int, last: int, at: list[int]) -> dict:
     return out
 
 
+def answer_prob(hf_dir: Path, max_operand: int, temperature: float, top_k: int) -> float:
+    """Mean over the task's problems of the probability that one sample of the HF policy at ``hf_dir``
+    (logits / ``temperature``, renormalised over the ``top_k`` most likely tokens, as the engine samples)
+    is exactly the answer's tokens followed by EOS."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megarl.tasks.arithmetic import all_problems
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    total, problems = 0.0, all_problems(max_operand)
+    with torch.no_grad():
+        for problem in problems:
+            prompt = tokenizer.encode(problem.prompt)  # as the rollout encodes it (BOS first)
+            answer = tokenizer.encode(problem.answer, add_special_tokens=False) + [tokenizer.eos_token_id]
+            logits = model(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1:-1] / temperature
+            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+            logp = torch.log_softmax(logits.masked_fill(logits < kth, float("-inf")), dim=-1)
+            total += logp.gather(-1, torch.tensor(answer)[:, None]).sum().exp().item()
+    return round(total / len(problems), 4)
+
+
+def answer_prob_at(run_dir: Path, work: Path, every: int, steps: int, sampling: tuple[int, float, int]) -> dict:
+    """{step: answer_prob} at step 0 (the warm-up, ``work/warm``) and at every ``every``-th step of the run
+    (its trainer checkpoint, converted to HF next to the run)."""
+    out = {"0": answer_prob(work / "warm", *sampling)}
+    for step in range(every, steps + 1, every):
+        hf_dir = run_dir / f"hf_step{step}"
+        if not (hf_dir / "config.json").is_file():
+            run([sys.executable, "tools/convert_checkpoint.py", "to-hf", "--megatron",
+                 str(run_dir / "checkpoints" / f"iter_{step:07d}"), "--hf", str(work / "warm"), "--out", str(hf_dir)])
+        out[str(step)] = answer_prob(hf_dir, *sampling)
+    return out
+
+
 def run(command: list[str]) -> float:
     """Run ``command`` in the repository; raises on failure; returns its wall seconds."""
     t0 = time.monotonic()
@@ -115,6 +159,8 @@ def main() -> int:
     parser.add_argument("--variants", default="opd,grpo", help="comma-separated, in run order: opd, grpo, grpo_opd")
     parser.add_argument("--combined-coef", type=float, default=0.2, help="opd_coef of the grpo_opd variant")
     parser.add_argument("--seeds", default=None, help="comma-separated task/trainer seeds, one run per variant each")
+    parser.add_argument("--eval-every", type=int, default=10,
+                        help="steps between the checkpoints whose answer probability is computed (0: none)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for both runs")
     parser.add_argument("--work-dir", default=None, help="default: a temporary directory")
     args = parser.parse_args()
@@ -136,6 +182,11 @@ def main() -> int:
         raise SystemExit(f"--variants: {args.variants!r} must include opd and grpo, from {', '.join(known)}")
     variants = {name: known[name] for name in names}
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
+    from megarl.config import load_config
+
+    cfg = load_config([f"recipe={args.recipe}", *common, *args.set])
+    sampling = (cfg.task.max_operand, cfg.rollout.temperature, cfg.rollout.top_k)
+    evaluated = [f"trainer.save_interval={args.eval_every}"] if args.eval_every else []
     result = {"recipe": args.recipe, "steps": args.steps, "window": args.window, "teacher": str(teacher),
               "overrides": args.set, "seeds": seeds, "warmup_s": round(warmup_s, 1), "runs": {}}
     for seed in seeds:
@@ -143,25 +194,36 @@ def main() -> int:
         for name, overrides in variants.items():
             run_dir = work / (name if seed is None else f"{name}_seed{seed}")
             wall = train([f"recipe={args.recipe}", *common, f"steps={args.steps}", f"logging.run_dir={run_dir}",
-                          *overrides, *seeded, *args.set])
+                          *overrides, *seeded, *evaluated, *args.set])
             f = figures(run_dir, args.window, args.last, at) | {"wall_s": round(wall, 1)}
+            if args.eval_every:
+                f["answer_prob_at"] = answer_prob_at(run_dir, work, args.eval_every, args.steps, sampling)
             result["runs"].setdefault(name, {})[str(seed)] = f
             print(f"{name:>8} (seed {seed}): reward per {args.window} steps {f['reward_curve']}; "
                   f"last-{args.last} {f['final_reward']:.3f}"
-                  f"{'; reverse KL ' + str(f['reverse_kl_curve']) if 'reverse_kl_curve' in f else ''}", flush=True)
+                  f"{'; reverse KL ' + str(f['reverse_kl_curve']) if 'reverse_kl_curve' in f else ''}"
+                  f"{'; answer probability ' + str(f['answer_prob_at']) if 'answer_prob_at' in f else ''}", flush=True)
     for name in variants:
         per_seed = list(result["runs"][name].values())
-        for key in ("reward_curve", "reward_at", "final_reward"):
-            result[f"{name}_{key}"] = mean_of([f[key] for f in per_seed])
+        for key in ("reward_curve", "reward_at", "final_reward", "answer_prob_at"):
+            if key in per_seed[0]:
+                result[f"{name}_{key}"] = mean_of([f[key] for f in per_seed])
     for name in variants.keys() - {"grpo"}:
         result[f"{name}_minus_grpo_final_reward"] = round(result[f"{name}_final_reward"] - result["grpo_final_reward"],
                                                           4)
     opd, grpo = result["runs"]["opd"], result["runs"]["grpo"]
     result["opd_ahead_at"] = {step: sum(opd[s]["reward_at"][step] > grpo[s]["reward_at"][step] for s in opd)
                               for step in result["opd_reward_at"]}
+    if args.eval_every:
+        result["opd_ahead_answer_prob_at"] = {step: sum(opd[s]["answer_prob_at"][step] > grpo[s]["answer_prob_at"][step]
+                                                        for s in opd) for step in result["opd_answer_prob_at"]}
     print(f"opd - grpo final reward: {result['opd_minus_grpo_final_reward']:+.3f}; reward at steps {at} "
           f"(mean of {len(seeds)} seed(s)): " + ", ".join(f"{name} {result[name + '_reward_at']}" for name in variants)
           + f"; seeds with opd ahead: {result['opd_ahead_at']}")
+    if args.eval_every:
+        print("answer probability (mean of the seeds): " + ", ".join(
+            f"{name} {result[name + '_answer_prob_at']}" for name in variants)
+            + f"; seeds with opd ahead: {result['opd_ahead_answer_prob_at']}")
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
