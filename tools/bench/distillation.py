@@ -112,10 +112,11 @@ def answer_prob(hf_dir: Path, max_operand: int, temperature: float, top_k: int) 
     return round(total / len(problems), 4)
 
 
-def answer_prob_at(run_dir: Path, work: Path, every: int, steps: int, sampling: tuple[int, float, int]) -> dict:
-    """{step: answer_prob} at step 0 (the warm-up, ``work/warm``) and at every ``every``-th step of the run
-    (its trainer checkpoint, converted to HF next to the run)."""
-    out = {"0": answer_prob(work / "warm", *sampling)}
+def answer_prob_at(run_dir: Path, work: Path, every: int, steps: int, sampling: tuple[int, float, int],
+                   at_start: float) -> dict:
+    """{step: answer_prob}: ``at_start`` (the warm-up's, ``work/warm``) at step 0, then at every ``every``-th
+    step of the run (its trainer checkpoint, converted to HF next to the run)."""
+    out = {"0": at_start}
     for step in range(every, steps + 1, every):
         hf_dir = run_dir / f"hf_step{step}"
         if not (hf_dir / "config.json").is_file():
@@ -123,6 +124,12 @@ def answer_prob_at(run_dir: Path, work: Path, every: int, steps: int, sampling: 
                  str(run_dir / "checkpoints" / f"iter_{step:07d}"), "--hf", str(work / "warm"), "--out", str(hf_dir)])
         out[str(step)] = answer_prob(hf_dir, *sampling)
     return out
+
+
+def seeds_ahead(opd: dict, grpo: dict, key: str) -> dict:
+    """At each step of the runs' ``key`` curve: how many seeds have opd above grpo."""
+    steps = next(iter(opd.values()))[key]
+    return {step: sum(opd[s][key][step] > grpo[s][key][step] for s in opd) for step in steps}
 
 
 def run(command: list[str]) -> float:
@@ -164,9 +171,19 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for both runs")
     parser.add_argument("--work-dir", default=None, help="default: a temporary directory")
     args = parser.parse_args()
+    if args.eval_every < 0:
+        parser.error(f"--eval-every: must be >= 0, got {args.eval_every}")
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="megarl-distillation-"))
     common = [f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={work / 'warm'}", "trainer.resume=false"]
+    from megarl.config import load_config
+
+    cfg = load_config([f"recipe={args.recipe}", *common, *args.set])
+    if args.eval_every and cfg.task.name != "arithmetic":
+        raise SystemExit(f"--eval-every: the answer probability is computed for task.name=arithmetic, the recipe's "
+                         f"task is {cfg.task.name}; pass --eval-every 0")
+    sampling = (cfg.task.max_operand, cfg.rollout.temperature, cfg.rollout.top_k)
+    evaluated = [f"trainer.save_interval={args.eval_every}"] if args.eval_every else []
     warmup_s = 0.0
     if not (work / "warm" / "config.json").is_file():  # a work dir given again keeps its warm-up
         warmup_s = train([f"recipe={args.recipe}", *common, "mode=warmup", f"logging.run_dir={work / 'warmup'}",
@@ -182,11 +199,7 @@ def main() -> int:
         raise SystemExit(f"--variants: {args.variants!r} must include opd and grpo, from {', '.join(known)}")
     variants = {name: known[name] for name in names}
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
-    from megarl.config import load_config
-
-    cfg = load_config([f"recipe={args.recipe}", *common, *args.set])
-    sampling = (cfg.task.max_operand, cfg.rollout.temperature, cfg.rollout.top_k)
-    evaluated = [f"trainer.save_interval={args.eval_every}"] if args.eval_every else []
+    at_start = answer_prob(work / "warm", *sampling) if args.eval_every else None
     result = {"recipe": args.recipe, "steps": args.steps, "window": args.window, "teacher": str(teacher),
               "overrides": args.set, "seeds": seeds, "warmup_s": round(warmup_s, 1), "runs": {}}
     for seed in seeds:
@@ -197,7 +210,7 @@ def main() -> int:
                           *overrides, *seeded, *evaluated, *args.set])
             f = figures(run_dir, args.window, args.last, at) | {"wall_s": round(wall, 1)}
             if args.eval_every:
-                f["answer_prob_at"] = answer_prob_at(run_dir, work, args.eval_every, args.steps, sampling)
+                f["answer_prob_at"] = answer_prob_at(run_dir, work, args.eval_every, args.steps, sampling, at_start)
             result["runs"].setdefault(name, {})[str(seed)] = f
             print(f"{name:>8} (seed {seed}): reward per {args.window} steps {f['reward_curve']}; "
                   f"last-{args.last} {f['final_reward']:.3f}"
@@ -212,11 +225,9 @@ def main() -> int:
         result[f"{name}_minus_grpo_final_reward"] = round(result[f"{name}_final_reward"] - result["grpo_final_reward"],
                                                           4)
     opd, grpo = result["runs"]["opd"], result["runs"]["grpo"]
-    result["opd_ahead_at"] = {step: sum(opd[s]["reward_at"][step] > grpo[s]["reward_at"][step] for s in opd)
-                              for step in result["opd_reward_at"]}
+    result["opd_ahead_at"] = seeds_ahead(opd, grpo, "reward_at")
     if args.eval_every:
-        result["opd_ahead_answer_prob_at"] = {step: sum(opd[s]["answer_prob_at"][step] > grpo[s]["answer_prob_at"][step]
-                                                        for s in opd) for step in result["opd_answer_prob_at"]}
+        result["opd_ahead_answer_prob_at"] = seeds_ahead(opd, grpo, "answer_prob_at")
     print(f"opd - grpo final reward: {result['opd_minus_grpo_final_reward']:+.3f}; reward at steps {at} "
           f"(mean of {len(seeds)} seed(s)): " + ", ".join(f"{name} {result[name + '_reward_at']}" for name in variants)
           + f"; seeds with opd ahead: {result['opd_ahead_at']}")
