@@ -7,14 +7,24 @@ its top-level names from its ``RECORD``, checking that each listed file exists: 
 0.6 s of every such import on this machine. Writing exactly the inferred names into the file
 (Python's own ``_top_level_inferred``) leaves the mapping unchanged and makes the lookup a file read.
 A distribution whose inferred list is empty is left as it is (an empty file would be read as absent).
+Ray puts its vendored packages' directory (``ray/thirdparty_files``) on ``sys.path`` when it is
+imported, so every Ray process's mapping sees those too: they are declared as well.
 
 Usage: python tools/declare_top_level.py   (the running interpreter's site-packages)
 """
 from __future__ import annotations
 
 import importlib.metadata as metadata
+import site
 from collections.abc import Iterable
 from pathlib import Path
+
+
+def search_paths() -> list[str]:
+    """The interpreter's site-packages and, as Ray adds it to ``sys.path`` on import, each one's
+    ``ray/thirdparty_files``."""
+    sites = site.getsitepackages()
+    return [*sites, *(p for p in (str(Path(s) / "ray" / "thirdparty_files") for s in sites) if Path(p).is_dir())]
 
 
 def declare_top_level(distributions: Iterable[metadata.Distribution]) -> list[str]:
@@ -34,5 +44,5 @@ def declare_top_level(distributions: Iterable[metadata.Distribution]) -> list[st
 
 
 if __name__ == "__main__":
-    print(f"declare_top_level: top_level.txt written for {len(declare_top_level(metadata.distributions()))} "
-          "distributions")
+    written = declare_top_level(metadata.distributions(path=search_paths()))
+    print(f"declare_top_level: top_level.txt written for {len(written)} distributions")
