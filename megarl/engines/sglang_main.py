@@ -21,12 +21,15 @@ import signal
 import threading
 import time
 
-from megarl.engines import pipelined_load
-from megarl.platform import sglang_cpu, sglang_ipc
+from megarl.gc_pause import gc_paused
 
-sglang_cpu.apply()
-sglang_ipc.install()
-pipelined_load.install()
+with gc_paused():  # most of SGLang is imported here
+    from megarl.engines import pipelined_load
+    from megarl.platform import sglang_cpu, sglang_ipc
+
+    sglang_cpu.apply()
+    sglang_ipc.install()
+    pipelined_load.install()
 
 OWNER_POLL_S = 1.0
 

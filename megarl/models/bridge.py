@@ -47,10 +47,12 @@ def use_transformer_engine(impl: str) -> bool:
 
 def load_bridge(hf_path: str | Path, dtype: str = "float32"):
     """``AutoBridge`` over an HF checkpoint directory, with a clear error for a bad checkpoint."""
+    from megarl.gc_pause import gc_paused
     from megarl.platform import megatron_cpu
 
-    megatron_cpu.apply()
-    from megatron.bridge import AutoBridge
+    with gc_paused():
+        megatron_cpu.apply()
+        from megatron.bridge import AutoBridge
 
     path = Path(hf_path)
     if not (path / "config.json").is_file():

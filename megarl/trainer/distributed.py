@@ -21,11 +21,13 @@ def init_rank(rank: int, layout: Layout, master_addr: str, master_port: int, bac
     """Join the process group (rank 0's TCP store listens at ``master_addr:master_port``, which
     every rank must reach: rank 0's node address on several nodes) and build megatron's
     TP/PP/CP/EP/DP groups for ``layout``."""
+    from megarl.gc_pause import gc_paused
     from megarl.platform import megatron_cpu
 
-    megatron_cpu.apply()
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    with gc_paused():
+        megatron_cpu.apply()
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
