@@ -44,4 +44,5 @@ def test_the_project_venv_declares_every_inferable_top_level():
     left to infer from RECORD."""
     undeclared = [d.metadata["Name"] for d in metadata.distributions(path=search_paths())
                   if not metadata._top_level_declared(d) and list(metadata._top_level_inferred(d))]
-    assert undeclared == []
+    assert undeclared == [], (f"{undeclared}: installed after tools/setup_venv.sh? run .venv/bin/python "
+                              "tools/declare_top_level.py")
