@@ -8,8 +8,9 @@ cd "$ROOT"
 bash tools/setup_venv.sh
 .venv/bin/ruff check .
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" RAY_AUTH_MODE=disabled
-# Two workers, one test file each at a time: much of the suite waits on process start-up (Ray,
-# SGLang servers, gloo ranks), which overlaps well even on 2 cores. Files are handed out in collection
-# order, the longest first (tests/conftest.py, LONGEST_FIRST), not pytest-xdist's most-tests-first.
+# Two workers, one test file each at a time: most of the suite is process start-up (Ray, SGLang
+# servers, gloo ranks), which is CPU work: on 2 cores two workers kept them 91% busy and three were
+# slower (2026-12-02). Files are handed out in collection order, the longest first
+# (tests/conftest.py, LONGEST_FIRST), not pytest-xdist's most-tests-first.
 exec .venv/bin/python -m pytest tests -q -p no:cacheprovider --durations=15 -n 2 --dist loadfile \
   --no-loadscope-reorder "$@"
