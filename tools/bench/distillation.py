@@ -37,6 +37,9 @@ turn; the side-by-side keys then hold the mean over the seeds, ``runs`` holds ea
 and ``opd_ahead_at`` (``opd_ahead_answer_prob_at``) counts, at each of ``--at`` (each evaluated step),
 the seeds whose windowed reward (answer probability) is higher under ``opd`` than under ``grpo``.
 
+Every run's config (warm-up, teacher, each variant and seed) is loaded and validated before anything
+trains: a bad one exits at once, naming the run and the key.
+
 Usage: python tools/bench/distillation.py --json FILE [--teacher PATH] [--steps 40 --window 5 --last 10
        --variants opd,grpo_opd,grpo --seeds 0,1,2 --eval-every 10 --set key=value ...]
        (``--set`` overrides apply to the warm-up and the compared runs, not to a teacher made here)
@@ -144,13 +147,28 @@ def train(overrides: list[str]) -> float:
     return run([sys.executable, "-m", "megarl.train", *overrides])
 
 
-def make_teacher(work: Path, common: list[str], steps: int) -> Path:
-    """The demo's RL from the shared warm-up (``work/warm``) for ``steps`` steps, converted to HF."""
-    run_dir, out = work / "teacher_rl", work / "teacher"
-    train([*common, "recipe=tiny_moe_cpu", f"steps={steps}", f"logging.run_dir={run_dir}"])
-    run([sys.executable, "tools/convert_checkpoint.py", "to-hf", "--megatron", str(run_dir / "checkpoints"),
-         "--hf", str(work / "warm"), "--out", str(out)])
-    return out
+def teacher_overrides(common: list[str], steps: int, work: Path) -> list[str]:
+    """The teacher's RL run: the demo's recipe from the shared warm-up, ``steps`` steps."""
+    return [*common, "recipe=tiny_moe_cpu", f"steps={steps}", f"logging.run_dir={work / 'teacher_rl'}"]
+
+
+def make_teacher(work: Path, common: list[str], steps: int) -> None:
+    """``work/teacher``: the teacher's RL run's final trainer checkpoint, converted to HF."""
+    train(teacher_overrides(common, steps, work))
+    run([sys.executable, "tools/convert_checkpoint.py", "to-hf", "--megatron", str(work / "teacher_rl" / "checkpoints"),
+         "--hf", str(work / "warm"), "--out", str(work / "teacher")])
+
+
+def check_configs(runs: dict[str, list[str]]) -> None:
+    """Load (and so validate) every run's config before anything trains: exits naming the first bad run
+    (in run order) and the key."""
+    from megarl.config import ConfigError, load_config
+
+    for name, overrides in runs.items():
+        try:
+            load_config(overrides)
+        except ConfigError as exc:
+            raise SystemExit(f"the {name} run's config: {exc}") from exc
 
 
 def main() -> int:
@@ -179,17 +197,12 @@ def main() -> int:
     from megarl.config import load_config
 
     cfg = load_config([f"recipe={args.recipe}", *common, *args.set])
-    if args.eval_every and cfg.task.name != "arithmetic":
-        raise SystemExit(f"--eval-every: the answer probability is computed for task.name=arithmetic, the recipe's "
-                         f"task is {cfg.task.name}; pass --eval-every 0")
+    if args.eval_every and (cfg.task.name != "arithmetic" or cfg.task.env is not None):
+        raise SystemExit(f"--eval-every: the answer probability is computed for single-turn task.name=arithmetic, "
+                         f"the recipe's task is {cfg.task.name} (env {cfg.task.env}); pass --eval-every 0")
     sampling = (cfg.task.max_operand, cfg.rollout.temperature, cfg.rollout.top_k)
     evaluated = [f"trainer.save_interval={args.eval_every}"] if args.eval_every else []
-    warmup_s = 0.0
-    if not (work / "warm" / "config.json").is_file():  # a work dir given again keeps its warm-up
-        warmup_s = train([f"recipe={args.recipe}", *common, "mode=warmup", f"logging.run_dir={work / 'warmup'}",
-                          *args.set])
-    teacher = Path(args.teacher) if args.teacher else make_teacher(work, common, args.teacher_steps)
-    at = [int(s) for s in args.at.split(",")]
+    teacher = Path(args.teacher) if args.teacher else work / "teacher"
     known = {"opd": [f"teacher.hf_path={teacher.resolve()}"],
              "grpo": ["algorithm.advantage=grpo", "teacher.hf_path=null", "algorithm.opd_coef=0"],
              "grpo_opd": ["algorithm.advantage=grpo", f"teacher.hf_path={teacher.resolve()}",
@@ -199,15 +212,29 @@ def main() -> int:
         raise SystemExit(f"--variants: {args.variants!r} must include opd and grpo, from {', '.join(known)}")
     variants = {name: known[name] for name in names}
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
+    runs = {(name, seed): [f"recipe={args.recipe}", *common, f"steps={args.steps}", *overrides,
+                           *([] if seed is None else [f"task.seed={seed}", f"trainer.seed={1234 + seed}"]),
+                           *evaluated, *args.set]
+            for seed in seeds for name, overrides in variants.items()}
+    warmup = [f"recipe={args.recipe}", *common, "mode=warmup", f"logging.run_dir={work / 'warmup'}", *args.set]
+    checked = {"warm-up": warmup} | {name + ("" if seed is None else f" (seed {seed})"): overrides
+                                     for (name, seed), overrides in runs.items()}
+    if not args.teacher:
+        checked["teacher"] = teacher_overrides(common, args.teacher_steps, work)
+    check_configs(checked)
+    warmup_s = 0.0
+    if not (work / "warm" / "config.json").is_file():  # a work dir given again keeps its warm-up
+        warmup_s = train(warmup)
+    if not args.teacher:
+        make_teacher(work, common, args.teacher_steps)
+    at = [int(s) for s in args.at.split(",")]
     at_start = answer_prob(work / "warm", *sampling) if args.eval_every else None
     result = {"recipe": args.recipe, "steps": args.steps, "window": args.window, "teacher": str(teacher),
               "overrides": args.set, "seeds": seeds, "warmup_s": round(warmup_s, 1), "runs": {}}
     for seed in seeds:
-        seeded = [] if seed is None else [f"task.seed={seed}", f"trainer.seed={1234 + seed}"]
-        for name, overrides in variants.items():
+        for name in variants:
             run_dir = work / (name if seed is None else f"{name}_seed{seed}")
-            wall = train([f"recipe={args.recipe}", *common, f"steps={args.steps}", f"logging.run_dir={run_dir}",
-                          *overrides, *seeded, *evaluated, *args.set])
+            wall = train([*runs[name, seed], f"logging.run_dir={run_dir}"])
             f = figures(run_dir, args.window, args.last, at) | {"wall_s": round(wall, 1)}
             if args.eval_every:
                 f["answer_prob_at"] = answer_prob_at(run_dir, work, args.eval_every, args.steps, sampling, at_start)

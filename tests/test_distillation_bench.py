@@ -1,0 +1,36 @@
+"""tools/bench/distillation.py checks every run's config before it trains anything."""
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _bench(tmp_path, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "tools/bench/distillation.py", "--json", str(tmp_path / "out.json"),
+                           "--work-dir", str(tmp_path / "work"), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_a_recipe_without_a_distillation_weight_fails_before_the_warm_up(tmp_path):
+    # tiny_moe_calculator has opd_coef 0: its opd run (the recipe plus a teacher) is not a valid config
+    done = _bench(tmp_path, "--recipe", "tiny_moe_calculator", "--eval-every", "0")
+    assert done.returncode != 0
+    assert "the opd run's config: algorithm.opd_coef" in done.stderr
+    assert not (tmp_path / "work").exists()  # nothing was trained
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_the_first_bad_run_is_named_after_the_good_ones_loaded(tmp_path):
+    # the default recipe's warm-up, opd and grpo runs load; the combined run's negative weight does not
+    done = _bench(tmp_path, "--variants", "opd,grpo,grpo_opd", "--combined-coef", "-1", "--seeds", "0,1")
+    assert done.returncode != 0
+    assert "the grpo_opd (seed 0) run's config: algorithm.opd_coef: must be >= 0, got -1.0" in done.stderr
+    assert not (tmp_path / "work").exists()
+
+
+def test_the_answer_probability_is_refused_for_a_multi_turn_task(tmp_path):
+    done = _bench(tmp_path, "--recipe", "tiny_moe_calculator")
+    assert done.returncode != 0
+    assert "--eval-every" in done.stderr and "env calculator" in done.stderr
+    assert not (tmp_path / "work").exists()
