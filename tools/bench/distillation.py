@@ -35,7 +35,8 @@ and side by side ``<variant>_reward_curve``, ``<variant>_final_reward``, ``opd_m
 ``trainer.seed`` of every run, the warm-up and teacher shared) each variant runs once per seed, in
 turn; the side-by-side keys then hold the mean over the seeds, ``runs`` holds each seed's figures,
 and ``opd_ahead_at`` (``opd_ahead_answer_prob_at``) counts, at each of ``--at`` (each evaluated step),
-the seeds whose windowed reward (answer probability) is higher under ``opd`` than under ``grpo``.
+the seeds whose windowed reward (answer probability) is higher under ``opd`` than under ``grpo``
+(``grpo_opd_ahead_at`` and ``grpo_opd_ahead_answer_prob_at`` the same for ``grpo_opd``).
 
 Every run's config (warm-up, teacher, each variant and seed) is loaded and validated before anything
 trains: a bad one exits at once, naming the run and the key.
@@ -129,10 +130,10 @@ def answer_prob_at(run_dir: Path, work: Path, every: int, steps: int, sampling: 
     return out
 
 
-def seeds_ahead(opd: dict, grpo: dict, key: str) -> dict:
-    """At each step of the runs' ``key`` curve: how many seeds have opd above grpo."""
-    steps = next(iter(opd.values()))[key]
-    return {step: sum(opd[s][key][step] > grpo[s][key][step] for s in opd) for step in steps}
+def seeds_ahead(variant: dict, grpo: dict, key: str) -> dict:
+    """At each step of the runs' ``key`` curve: how many seeds have the variant above grpo."""
+    steps = next(iter(variant.values()))[key]
+    return {step: sum(variant[s][key][step] > grpo[s][key][step] for s in variant) for step in steps}
 
 
 def run(command: list[str]) -> float:
@@ -248,20 +249,23 @@ def main() -> int:
         for key in ("reward_curve", "reward_at", "final_reward", "answer_prob_at"):
             if key in per_seed[0]:
                 result[f"{name}_{key}"] = mean_of([f[key] for f in per_seed])
-    for name in variants.keys() - {"grpo"}:
+    grpo = result["runs"]["grpo"]
+    others = [name for name in variants if name != "grpo"]
+    for name in others:
         result[f"{name}_minus_grpo_final_reward"] = round(result[f"{name}_final_reward"] - result["grpo_final_reward"],
                                                           4)
-    opd, grpo = result["runs"]["opd"], result["runs"]["grpo"]
-    result["opd_ahead_at"] = seeds_ahead(opd, grpo, "reward_at")
-    if args.eval_every:
-        result["opd_ahead_answer_prob_at"] = seeds_ahead(opd, grpo, "answer_prob_at")
+        result[f"{name}_ahead_at"] = seeds_ahead(result["runs"][name], grpo, "reward_at")
+        if args.eval_every:
+            result[f"{name}_ahead_answer_prob_at"] = seeds_ahead(result["runs"][name], grpo, "answer_prob_at")
+    ahead = "; ".join(f"seeds with {name} ahead of grpo: {result[name + '_ahead_at']}" for name in others)
     print(f"opd - grpo final reward: {result['opd_minus_grpo_final_reward']:+.3f}; reward at steps {at} "
           f"(mean of {len(seeds)} seed(s)): " + ", ".join(f"{name} {result[name + '_reward_at']}" for name in variants)
-          + f"; seeds with opd ahead: {result['opd_ahead_at']}")
+          + f"; {ahead}")
     if args.eval_every:
+        ahead = "; ".join(f"seeds with {name} ahead of grpo: {result[name + '_ahead_answer_prob_at']}"
+                          for name in others)
         print("answer probability (mean of the seeds): " + ", ".join(
-            f"{name} {result[name + '_answer_prob_at']}" for name in variants)
-            + f"; seeds with opd ahead: {result['opd_ahead_answer_prob_at']}")
+            f"{name} {result[name + '_answer_prob_at']}" for name in variants) + f"; {ahead}")
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
