@@ -14,7 +14,7 @@ def _bench(tmp_path, *args) -> subprocess.CompletedProcess:
 
 def test_a_recipe_without_a_distillation_weight_fails_before_the_warm_up(tmp_path):
     # tiny_moe_calculator has opd_coef 0: its opd run (the recipe plus a teacher) is not a valid config
-    done = _bench(tmp_path, "--recipe", "tiny_moe_calculator", "--eval-every", "0")
+    done = _bench(tmp_path, "--recipe", "tiny_moe_calculator", "--eval-every", "0", "--teacher", str(tmp_path))
     assert done.returncode != 0
     assert "the opd run's config: algorithm.opd_coef" in done.stderr
     assert not (tmp_path / "work").exists()  # nothing was trained
@@ -30,7 +30,14 @@ def test_the_first_bad_run_is_named_after_the_good_ones_loaded(tmp_path):
 
 
 def test_the_answer_probability_is_refused_for_a_multi_turn_task(tmp_path):
-    done = _bench(tmp_path, "--recipe", "tiny_moe_calculator")
+    done = _bench(tmp_path, "--recipe", "tiny_moe_calculator", "--teacher", str(tmp_path))
     assert done.returncode != 0
     assert "--eval-every" in done.stderr and "env calculator" in done.stderr
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_teacher_is_made_only_for_the_recipe_whose_teacher_is_the_demo(tmp_path):
+    done = _bench(tmp_path, "--recipe", "tiny_moe_opd_two_digit_cpu")
+    assert done.returncode != 0
+    assert "--teacher: a teacher is made here for tiny_moe_opd_cpu only" in done.stderr
     assert not (tmp_path / "work").exists()

@@ -11,9 +11,10 @@ three identical runs was 0.10 to 0.12), each as its own ``python -m megarl.train
   grpo_opd  (with ``--variants``) the reward's GRPO advantage plus the teacher's token advantages at
         weight ``--combined-coef``
 
-The teacher is ``--teacher`` (an HF checkpoint with the student's tokenizer), or, without it, made
-here as the recipe's comment says: the demo's RL (``recipe=tiny_moe_cpu``, ``--teacher-steps`` steps)
-from the same warm-up, its final trainer checkpoint converted to HF by ``tools/convert_checkpoint.py``.
+The teacher is ``--teacher`` (an HF checkpoint with the student's tokenizer), or, without it and for
+``tiny_moe_opd_cpu`` only, made here as that recipe's comment says: the demo's RL (``recipe=tiny_moe_cpu``,
+``--teacher-steps`` steps) from the same warm-up, its final trainer checkpoint converted to HF by
+``tools/convert_checkpoint.py``.
 From each run's ``metrics.jsonl``:
 
   reward_curve      mean reward per ``--window`` steps
@@ -203,6 +204,9 @@ def main() -> int:
                          f"the recipe's task is {cfg.task.name} (env {cfg.task.env}); pass --eval-every 0")
     sampling = (cfg.task.max_operand, cfg.rollout.temperature, cfg.rollout.top_k)
     evaluated = [f"trainer.save_interval={args.eval_every}"] if args.eval_every else []
+    if not args.teacher and args.recipe != "tiny_moe_opd_cpu":
+        raise SystemExit(f"--teacher: a teacher is made here for tiny_moe_opd_cpu only (the demo's RL); make "
+                         f"{args.recipe}'s as its recipe file says and pass its path")
     teacher = Path(args.teacher) if args.teacher else work / "teacher"
     known = {"opd": [f"teacher.hf_path={teacher.resolve()}"],
              "grpo": ["algorithm.advantage=grpo", "teacher.hf_path=null", "algorithm.opd_coef=0"],
