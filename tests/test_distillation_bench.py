@@ -14,7 +14,10 @@ def _bench(tmp_path, *args) -> subprocess.CompletedProcess:
 
 def test_a_recipe_without_a_distillation_weight_fails_before_the_warm_up(tmp_path):
     # tiny_moe_calculator has opd_coef 0: its opd run (the recipe plus a teacher) is not a valid config
-    done = _bench(tmp_path, "--recipe", "tiny_moe_calculator", "--eval-every", "0", "--teacher", str(tmp_path))
+    (tmp_path / "teacher").mkdir()
+    (tmp_path / "teacher" / "config.json").write_text("{}")  # the bench checks no more than that it is one
+    done = _bench(tmp_path, "--recipe", "tiny_moe_calculator", "--eval-every", "0",
+                  "--teacher", str(tmp_path / "teacher"))
     assert done.returncode != 0
     assert "the opd run's config: algorithm.opd_coef" in done.stderr
     assert not (tmp_path / "work").exists()  # nothing was trained
@@ -40,4 +43,11 @@ def test_a_teacher_is_made_only_for_the_recipe_whose_teacher_is_the_demo(tmp_pat
     done = _bench(tmp_path, "--recipe", "tiny_moe_opd_two_digit_cpu")
     assert done.returncode != 0
     assert "--teacher: a teacher is made here for tiny_moe_opd_cpu only" in done.stderr
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_teacher_that_is_not_a_checkpoint_is_refused_at_once(tmp_path):
+    done = _bench(tmp_path, "--teacher", str(tmp_path / "missing"))
+    assert done.returncode != 0
+    assert f"--teacher: {tmp_path / 'missing'} is not an HF checkpoint directory" in done.stderr
     assert not (tmp_path / "work").exists()

@@ -207,6 +207,8 @@ def main() -> int:
     if not args.teacher and args.recipe != "tiny_moe_opd_cpu":
         raise SystemExit(f"--teacher: a teacher is made here for tiny_moe_opd_cpu only (the demo's RL); make "
                          f"{args.recipe}'s as its recipe file says and pass its path")
+    if args.teacher and not (Path(args.teacher) / "config.json").is_file():
+        raise SystemExit(f"--teacher: {args.teacher} is not an HF checkpoint directory (no config.json)")
     teacher = Path(args.teacher) if args.teacher else work / "teacher"
     known = {"opd": [f"teacher.hf_path={teacher.resolve()}"],
              "grpo": ["algorithm.advantage=grpo", "teacher.hf_path=null", "algorithm.opd_coef=0"],
