@@ -154,9 +154,10 @@ def teacher_overrides(common: list[str], steps: int, work: Path) -> list[str]:
     return [*common, "recipe=tiny_moe_cpu", f"steps={steps}", f"logging.run_dir={work / 'teacher_rl'}"]
 
 
-def make_teacher(work: Path, common: list[str], steps: int) -> None:
-    """``work/teacher``: the teacher's RL run's final trainer checkpoint, converted to HF."""
-    train(teacher_overrides(common, steps, work))
+def make_teacher(work: Path, overrides: list[str]) -> None:
+    """``work/teacher``: the teacher's RL run (``overrides``: :func:`teacher_overrides`), its final trainer
+    checkpoint converted to HF."""
+    train(overrides)
     run([sys.executable, "tools/convert_checkpoint.py", "to-hf", "--megatron", str(work / "teacher_rl" / "checkpoints"),
          "--hf", str(work / "warm"), "--out", str(work / "teacher")])
 
@@ -226,14 +227,14 @@ def main() -> int:
     warmup = [f"recipe={args.recipe}", *common, "mode=warmup", f"logging.run_dir={work / 'warmup'}", *args.set]
     checked = {"warm-up": warmup} | {name + ("" if seed is None else f" (seed {seed})"): overrides
                                      for (name, seed), overrides in runs.items()}
-    if not args.teacher:
+    if not args.teacher:  # the teacher's run is checked and then run with these very overrides
         checked["teacher"] = teacher_overrides(common, args.teacher_steps, work)
     check_configs(checked)
     warmup_s = 0.0
     if not (work / "warm" / "config.json").is_file():  # a work dir given again keeps its warm-up
         warmup_s = train(warmup)
     if not args.teacher:
-        make_teacher(work, common, args.teacher_steps)
+        make_teacher(work, checked["teacher"])
     at = [int(s) for s in args.at.split(",")]
     at_start = answer_prob(work / "warm", *sampling) if args.eval_every else None
     result = {"recipe": args.recipe, "steps": args.steps, "window": args.window, "teacher": str(teacher),
