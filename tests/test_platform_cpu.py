@@ -46,6 +46,18 @@ def test_scenario_fails_without_workaround(workaround, tiny_checkpoint, tmp_path
     assert PREVENTS[workaround] in result.stderr + result.stdout, result.stderr[-3000:]
 
 
+def test_compiling_at_first_call_keeps_the_loss_and_inductor_out(tiny_checkpoint, tmp_path):
+    """The speed-up ``torch_compile_imports_inductor``: the same training step, bit for bit, without
+    TorchInductor imported; with it off, megatron's import brings TorchInductor in."""
+    runs = {off: run_scenario("train", tiny_checkpoint, tmp_path / (off or "on"), off=off)
+            for off in ("", "torch_compile_imports_inductor")}
+    for result in runs.values():
+        assert result.returncode == 0, result.stderr[-3000:]
+    loss, inductor = zip(*(result.stdout.splitlines()[-2:] for result in runs.values()))
+    assert loss[0] == loss[1]
+    assert inductor == ("inductor imported: False", "inductor imported: True")
+
+
 def test_unknown_workaround_name_is_rejected(monkeypatch):
     monkeypatch.setenv(megatron_cpu.OFF_ENV, "no_such_workaround")
     monkeypatch.setattr(megatron_cpu, "_applied", [])

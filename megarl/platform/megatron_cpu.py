@@ -17,6 +17,7 @@ import types
 
 import torch
 
+from megarl.platform.torch_compile import compile_at_first_call
 from megarl.platform.workarounds import Workaround, apply_enabled, turned_off
 
 OFF_ENV = "MEGARL_CPU_WORKAROUNDS_OFF"
@@ -413,8 +414,27 @@ _applied: list[str] = []
 OPTIMIZER_TYPE_SCOPE = "optimizer_requires_cuda_tensor_type"  # the name of cuda_tensor_type_scope
 
 
-# Not failures but slow paths of megatron's pure-torch fallbacks on CPU; tested for equal results.
+def _torch_compile_imports_inductor() -> None:
+    """``torch.compile`` imports TorchInductor as it decorates (about 0.7 s of CPU and 45 MB), and megatron
+    decorates at import: megatron-core's ``jit_fuser`` kernels, its MoE inference router, megatron-bridge's
+    diffusion attention. On CPU none of them needs compiling: the ``jit_fuser`` kernels either do not run
+    or trace to nothing (dynamo compiles no op of the MoE router's ``_apply_expert_bias``), so
+    ``jit_fuser`` becomes megatron's own ``noop_decorator`` (its choice where torch.compile is missing;
+    the kernels run eagerly), and other functions are compiled at their first call
+    (:mod:`megarl.platform.torch_compile`). When megatron-core was imported before :func:`apply`, only
+    the modules imported after it decorate with the no-op."""
+    compile_at_first_call()
+    if "megatron.core.jit" in sys.modules:
+        sys.modules["megatron.core.jit"].disable_jit_fuser()
+    else:
+        _install_source_patch("megatron.core.jit", "\nenable_jit_fuser()\n", "\ndisable_jit_fuser()\n")
+
+
+# Not failures but slow paths of megatron's pure-torch fallbacks on CPU; tested for equal results. Applied
+# first: the jit one must come before anything imports megatron-core.
 SPEEDUPS = (
+    Workaround("torch_compile_imports_inductor", "TorchInductor imported by every process that imports megatron",
+               _torch_compile_imports_inductor),
     Workaround("thd_rope_loops_over_sequences", "a Python loop over the sequences of a packed batch",
                _thd_rope_loops_over_sequences),
 )
@@ -423,7 +443,7 @@ SPEEDUPS = (
 def apply() -> list[str]:
     """Apply every enabled work-around once (a no-op when CUDA is available); returns their names."""
     if not torch.cuda.is_available() and not _applied:
-        _applied.extend(apply_enabled(WORKAROUNDS + SPEEDUPS, OFF_ENV, also_known=[OPTIMIZER_TYPE_SCOPE]))
+        _applied.extend(apply_enabled(SPEEDUPS + WORKAROUNDS, OFF_ENV, also_known=[OPTIMIZER_TYPE_SCOPE]))
     return list(_applied)
 
 

@@ -45,6 +45,10 @@ tests use to show that each one is needed:
   SGLang's pytorch sampler sorts the whole vocabulary on every decode step instead of the top-k
   columns it keeps otherwise. :mod:`megarl.platform.sglang_cpu_sampling` samples from the top-k
   columns in both cases (the same support, weights and distribution: ``tests/test_sglang_cpu_sampling.py``).
+- ``torch_compile_imports_inductor``: not an error but every engine's start: SGLang decorates kernels
+  with ``torch.compile`` at import, which imports TorchInductor (about 0.8 CPU-seconds and 45 MB); its
+  CPU path runs none of them. They are compiled at their first call instead
+  (:mod:`megarl.platform.torch_compile`; ``tests/test_torch_compile.py``).
 - ``spawn_reimports_sglang``: not an error but every engine's start: SGLang starts its scheduler(s)
   and detokenizer with the "spawn" start method (CUDA cannot be forked), so each child re-imports
   SGLang and torch, about 15 CPU-seconds per engine on top of the server process's own import. With
@@ -62,6 +66,7 @@ import sys
 import types
 from pathlib import Path
 
+from megarl.platform.torch_compile import compile_at_first_call
 from megarl.platform.workarounds import Workaround, apply_enabled
 
 OFF_ENV = "MEGARL_SGLANG_WORKAROUNDS_OFF"
@@ -265,7 +270,9 @@ def _fork_engine_children() -> None:
     engine._set_envs_and_config = set_envs_and_config
 
 
-WORKAROUNDS = (
+WORKAROUNDS = (  # torch_compile_imports_inductor first: the others import SGLang modules
+    Workaround("torch_compile_imports_inductor", "TorchInductor imported by every engine process at start",
+               compile_at_first_call),
     Workaround("cpu_engine", "ModuleNotFoundError: No module named 'vllm'", _use_cpu_engine),
     Workaround("sgl_kernel", "ModuleNotFoundError: No module named 'sgl_kernel'", _add_sgl_kernel_stand_in),
     Workaround("routed_experts_host_buffer", "RuntimeError: Found no NVIDIA driver on your system",

@@ -1,0 +1,52 @@
+"""The CPU speed-up ``torch_compile_imports_inductor`` (megarl/platform/torch_compile.py): a function
+given to ``torch.compile`` is compiled at its first call, with its options, to the same result; SGLang's
+import then leaves TorchInductor out. megatron's side: tests/test_platform_cpu.py (the same training
+step, bit for bit, without TorchInductor)."""
+import os
+import subprocess
+import sys
+
+from megarl.platform import sglang_cpu
+
+FIRST_CALL = """
+import sys
+import torch
+from megarl.platform.torch_compile import compile_at_first_call
+compile_at_first_call()
+from torch._dynamo.utils import counters
+
+def gelu(x):
+    return 0.5 * x * (1.0 + torch.tanh(0.79788456 * (x + 0.044715 * x ** 3)))
+
+def double(x):
+    return 2 * x + 1
+
+compiled = torch.compile(gelu, backend="eager", fullgraph=True)
+decorated = torch.compile(backend="eager")(double)
+module = torch.compile(torch.nn.Linear(2, 2), backend="eager")
+assert counters["stats"]["unique_graphs"] == 0, "compiled before the first call"
+assert "torch._inductor.compile_fx" not in sys.modules
+x = torch.randn(5)
+assert torch.equal(compiled(x), gelu(x)) and counters["stats"]["unique_graphs"] == 1
+assert torch.equal(decorated(x), double(x)) and counters["stats"]["unique_graphs"] == 2
+assert compiled.__name__ == "gelu" and type(module).__name__ == "OptimizedModule"
+print("OK")
+"""
+
+
+def test_a_function_is_compiled_at_its_first_call_to_the_same_result():
+    result = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "OK", result.stderr[-3000:]
+
+
+def test_sglang_imports_without_inductor_only_with_the_speed_up():
+    code = ("from megarl.platform import sglang_cpu\nsglang_cpu.apply()\n"
+            "import sys, sglang.srt.mem_cache.memory_pool, sglang.srt.models.qwen3_moe\n"
+            "print('torch._inductor.compile_fx' in sys.modules)\n")
+    imported = {}
+    for off in ("", "torch_compile_imports_inductor"):
+        env = {**os.environ, sglang_cpu.OFF_ENV: off}
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        imported[off] = result.stdout.split()[-1]
+    assert imported == {"": "False", "torch_compile_imports_inductor": "True"}
