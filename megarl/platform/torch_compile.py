@@ -2,9 +2,9 @@
 
 ``torch.compile`` imports TorchInductor as it decorates (about 0.7 s of CPU and 45 MB a process), and
 megatron and SGLang decorate dozens of kernels at import, most of which never run on their CPU paths.
-:func:`compile_at_first_call` makes ``torch.compile(fn, **options)`` return a wrapper that compiles
-``fn`` with the same options when it is first called (what the caller gets from then on is the
-compiled function's result, as before); modules and other callables are compiled at once, as before.
+:func:`compile_at_first_call` makes ``torch.compile(fn, **options)`` (and ``@torch.compile(**options)``)
+return a wrapper that compiles ``fn`` with those options at its first call and calls the compiled
+function from then on; modules and other callables are compiled at once, as before.
 Used by the CPU work-arounds of :mod:`megarl.platform.megatron_cpu` and :mod:`megarl.platform.sglang_cpu`.
 """
 from __future__ import annotations
