@@ -46,7 +46,7 @@ async def measure(client, prompts, params, batch_size: int, metadata: bool, repe
             "repeats": repeats}
 
 
-async def run(checkpoint: str, new_tokens: int, repeats: int, max_total_tokens: int) -> dict:
+async def run(checkpoint: str, new_tokens: int, repeats: int, max_total_tokens: int, log_path: str) -> dict:
     from transformers import AutoTokenizer
 
     from megarl.engines.client import SamplingParams, SGLangClient
@@ -57,7 +57,7 @@ async def run(checkpoint: str, new_tokens: int, repeats: int, max_total_tokens: 
     prompts = [tokenizer(p.prompt)["input_ids"] for p in arithmetic.all_problems()]
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, top_k=20, ignore_eos=True)
     settings = EngineSettings(model_path=checkpoint, dtype="float32", sampling_mask_max_tokens=20,
-                              max_total_tokens=max_total_tokens)
+                              max_total_tokens=max_total_tokens, log_path=log_path)
     rows = []
     with SGLangEngine(settings) as engine:
         async with SGLangClient(engine.url, engine.model) as client:
@@ -95,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
             from megarl.models.tiny_moe import make_tiny_moe
 
             checkpoint = str(make_tiny_moe(Path(tmp) / "tiny_moe"))
-        result = asyncio.run(run(checkpoint, args.new_tokens, args.repeats, args.max_total_tokens))
+        # the server log lives and goes with the run's temporary directory (a failed start quotes its tail)
+        result = asyncio.run(run(checkpoint, args.new_tokens, args.repeats, args.max_total_tokens,
+                                 str(Path(tmp) / "server.log")))
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
