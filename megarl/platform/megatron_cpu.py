@@ -415,14 +415,14 @@ OPTIMIZER_TYPE_SCOPE = "optimizer_requires_cuda_tensor_type"  # the name of cuda
 
 
 def _torch_compile_imports_inductor() -> None:
-    """``torch.compile`` imports TorchInductor as it decorates (about 0.7 s of CPU and 45 MB), and megatron
-    decorates at import: megatron-core's ``jit_fuser`` kernels, its MoE inference router, megatron-bridge's
-    diffusion attention. On CPU none of them needs compiling: the ``jit_fuser`` kernels either do not run
-    or trace to nothing (dynamo compiles no op of the MoE router's ``_apply_expert_bias``), so
-    ``jit_fuser`` becomes megatron's own ``noop_decorator`` (its choice where torch.compile is missing;
-    the kernels run eagerly), and other functions are compiled at their first call
-    (:mod:`megarl.platform.torch_compile`). When megatron-core was imported before :func:`apply`, only
-    the modules imported after it decorate with the no-op."""
+    """megatron decorates with ``torch.compile`` at import (megatron-core's ``jit_fuser`` kernels, its MoE
+    inference router, megatron-bridge's diffusion attention), which imports TorchInductor
+    (:mod:`megarl.platform.torch_compile`). On CPU none of them needs compiling: the ``jit_fuser`` kernels
+    either do not run or trace to nothing (dynamo compiles no op of the MoE router's ``_apply_expert_bias``),
+    so ``jit_fuser`` becomes megatron's own ``noop_decorator`` (its choice where torch.compile is missing; the
+    kernels run eagerly), and other functions are compiled at their first call
+    (:mod:`megarl.platform.torch_compile`). When megatron-core was imported before :func:`apply`, only the
+    modules imported after it decorate with the no-op."""
     compile_at_first_call()
     if "megatron.core.jit" in sys.modules:
         sys.modules["megatron.core.jit"].disable_jit_fuser()

@@ -45,10 +45,9 @@ tests use to show that each one is needed:
   SGLang's pytorch sampler sorts the whole vocabulary on every decode step instead of the top-k
   columns it keeps otherwise. :mod:`megarl.platform.sglang_cpu_sampling` samples from the top-k
   columns in both cases (the same support, weights and distribution: ``tests/test_sglang_cpu_sampling.py``).
-- ``torch_compile_imports_inductor``: not an error but every engine's start: SGLang decorates kernels
-  with ``torch.compile`` at import, which imports TorchInductor (about 0.8 CPU-seconds and 45 MB); its
-  CPU path runs none of them. They are compiled at their first call instead
-  (:mod:`megarl.platform.torch_compile`; ``tests/test_torch_compile.py``).
+- ``torch_compile_imports_inductor``: not an error but every engine's start: SGLang decorates kernels with
+  ``torch.compile`` at import, which imports TorchInductor; its CPU path runs none of them. They are compiled
+  at their first call instead (:mod:`megarl.platform.torch_compile`; ``tests/test_torch_compile.py``).
 - ``spawn_reimports_sglang``: not an error but every engine's start: SGLang starts its scheduler(s)
   and detokenizer with the "spawn" start method (CUDA cannot be forked), so each child re-imports
   SGLang and torch, about 15 CPU-seconds per engine on top of the server process's own import. With
