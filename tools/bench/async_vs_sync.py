@@ -48,11 +48,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 from demo_workload import add_workload_arguments, workload_overrides
+from work_dir import work_directory
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -235,7 +235,7 @@ def main() -> int:
     from megarl.train import main as train
 
     setup_logging()
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="megarl-bench-"))
+    work = work_directory(args.work_dir, "megarl-bench-")
     common = [*workload_overrides(work, args), f"rollout.temperature={args.temperature}",
               f"trainer.updates_per_step={args.updates_per_step}", f"trainer.lr={args.lr}", *args.override]
     if not (work / "warm" / "config.json").is_file():

@@ -52,9 +52,10 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from work_dir import work_directory
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -195,7 +196,7 @@ def main() -> int:
     if args.eval_every < 0:
         parser.error(f"--eval-every: must be >= 0, got {args.eval_every}")
 
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="megarl-distillation-"))
+    work = work_directory(args.work_dir, "megarl-distillation-")
     common = [f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={work / 'warm'}", "trainer.resume=false"]
     from megarl.config import load_config
 

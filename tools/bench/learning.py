@@ -23,8 +23,9 @@ import argparse
 import json
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from work_dir import work_directory
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -75,7 +76,7 @@ def main() -> int:
     parser.add_argument("--work-dir", default=None, help="default: a temporary directory")
     args = parser.parse_args()
 
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="megarl-learning-"))
+    work = work_directory(args.work_dir, "megarl-learning-")
     common = [f"recipe={args.recipe}", f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={work / 'warm'}",
               f"steps={args.steps}", "trainer.resume=false", *args.set]
     train([*common, "mode=warmup", f"logging.run_dir={work / 'warmup'}"])

@@ -27,11 +27,11 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 from demo_workload import add_workload_arguments, workload_overrides
+from work_dir import work_directory
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -107,7 +107,7 @@ def main() -> int:
     from megarl.train import main as train
 
     setup_logging()
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="megarl-bench-"))
+    work = work_directory(args.work_dir, "megarl-bench-")
     common = workload_overrides(work, args)
     if train(["recipe=tiny_moe_cpu", "mode=warmup", f"logging.run_dir={work / 'warmup'}", *common]) != 0:
         return 1
