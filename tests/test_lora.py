@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from hf_oracle import hf_from_state, hf_greedy, load_hf, make_samples, router_topk, sharpened_checkpoint
-from in_flight import until_decoding
+from in_flight import start_decoding
 from lora_runs import ATTENTION, merged_by_hand, read_adapter, trained_group
 
 from megarl.config import ConfigError, load_config
@@ -261,8 +261,8 @@ def test_requests_in_flight_keep_their_adapter_and_its_version(mode, engine, che
                 return sample
 
             # 32 requests (within the engine's KV): on a loaded machine 16 could all end before the pause
-            in_flight = [asyncio.ensure_future(one(i)) for i in range(32)]
-            await until_decoding(engine.url, engine.settings.api_key)
+            in_flight = await start_decoding(lambda: [asyncio.ensure_future(one(i)) for i in range(32)],
+                                             engine.url, engine.settings.api_key)
             await sync.update(2, mode)
             synced_at = asyncio.get_running_loop().time()
             samples = await asyncio.gather(*in_flight)

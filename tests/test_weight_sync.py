@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from hf_oracle import hf_from_state, hf_greedy, load_hf, make_samples, sharpened_checkpoint
-from in_flight import until_decoding
+from in_flight import start_decoding
 
 from megarl.config import default_config, load_config
 from megarl.engines.client import EngineError, PauseMode, SamplingParams, SGLangClient
@@ -259,12 +259,12 @@ def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path):
             seen = {}
             for version, mode, in_flight in ((4, PauseMode.ABORT, False), (5, PauseMode.RETRACT, True),
                                              (6, PauseMode.IN_PLACE, False)):
-                running = (asyncio.ensure_future(load.generate_batch([prompt] * 64, long, group_ids=[""] * 64,
-                                                                     return_routed_experts=False,
-                                                                     return_sampling_mask=False))
-                           if in_flight else None)
-                if running is not None:
-                    await until_decoding(engine.url, engine.settings.api_key)  # decoding when the pause comes
+                running = None
+                if in_flight:  # decoding when the pause comes
+                    running, = await start_decoding(
+                        lambda: [asyncio.ensure_future(load.generate_batch(
+                            [prompt] * 64, long, group_ids=[""] * 64, return_routed_experts=False,
+                            return_sampling_mask=False))], engine.url, engine.settings.api_key)
                 calls.clear()
                 report = await sync.update(version, mode)
                 seen[version] = (list(calls), report, await running if running is not None else None,
