@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from startup_order import record_startup
 
 from megarl.engines.client import PauseMode, SamplingParams, ServedModel
 from megarl.engines.pool import EnginePool
@@ -273,7 +274,8 @@ def test_no_generation_request_overlaps_a_training_step(tmp_path, warm, monkeypa
     """The recipe's mode (async) stays; every request the engines got (each ``/generate`` the
     driver's clients sent, start to answer) lies outside every training step (``rl_step``, start to
     end), whether the requests in flight run to their end (``continue``) or are aborted and
-    continued after the sync (``abort_resubmit``), and the metrics say the release was skipped on CPU."""
+    continued after the sync (``abort_resubmit``), and the metrics say the release was skipped on CPU.
+    The engines start once the trainer rank is built (they size their memory by what it left)."""
     from megarl.engines.client import SGLangClient
     from megarl.train import main
     from megarl.trainer.actor import TrainerGroup
@@ -299,6 +301,7 @@ def test_no_generation_request_overlaps_a_training_step(tmp_path, warm, monkeypa
 
     monkeypatch.setattr(SGLangClient, "_post", timed_post)
     monkeypatch.setattr(TrainerGroup, "rl_step", timed_rl_step)
+    startup = record_startup(monkeypatch)
     run = tmp_path / "run"
     t0 = time.monotonic()
     assert main(["recipe=tiny_moe_cpu", "placement=colocated", "sync.transport=tensor", "steps=3",
@@ -307,6 +310,7 @@ def test_no_generation_request_overlaps_a_training_step(tmp_path, warm, monkeypa
     print(f"\n[measured] colocated run of 3 steps ({partial_rollout}): {time.monotonic() - t0:.1f} s, "
           f"{len(requests)} requests")
     assert len(steps) == 3 and len(requests) >= 3
+    assert len(startup["launch"]) == 1 and startup["launch"][0] > startup["built"][0], startup
     overlaps = [(r, s) for r in requests for s in steps if r[0] < s[1] and s[0] < r[1]]
     assert not overlaps, overlaps
     rows = [row for row in read_metrics(run) if "reward/mean" in row]

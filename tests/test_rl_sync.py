@@ -2,6 +2,7 @@
 SGLang server (CPU), RL steps with Keep Routing and Keep Sampling Mask on Megatron (a Ray actor),
 weights synced back into the engine after every step."""
 import pytest
+from startup_order import record_startup
 
 from megarl.metrics.sink import read_metrics
 from megarl.train import main
@@ -25,10 +26,13 @@ def sync_run(tmp_path, warm, *overrides):
     return run
 
 
-def test_sync_rl_steps_reproduce_the_engine_logprobs(tmp_path, warm):
+def test_sync_rl_steps_reproduce_the_engine_logprobs(tmp_path, warm, monkeypatch):
     """Also with a KL term to the reference (the starting checkpoint) and full activation recompute:
-    the KL is 0 at the first step (the policy is the reference) and positive once it has moved."""
+    the KL is 0 at the first step (the policy is the reference) and positive once it has moved. The
+    (disaggregated) engine loads while the trainer rank builds."""
+    startup = record_startup(monkeypatch)
     run = sync_run(tmp_path, warm, "steps=2", "algorithm.kl_coef=0.05", "trainer.recompute=full")
+    assert len(startup["launch"]) == 1 and startup["launch"][0] < startup["built"][0], startup
     rows = rl_rows(run)
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:

@@ -130,11 +130,12 @@ class EnginePool:
         return [e.in_flight for e in self._engines]
 
     @classmethod
-    def launch(cls, settings: Sequence, *, num_cpus: float = 0.5, num_gpus: float = 0, poll_interval_s: float = 0.5,
-               max_restarts: int = 3, unresponsive_restart_s: float = 60.0, request_timeout_s: float = 600.0,
-               **pool_kwargs) -> EnginePool:
+    async def launch(cls, settings: Sequence, *, num_cpus: float = 0.5, num_gpus: float = 0,
+                     poll_interval_s: float = 0.5, max_restarts: int = 3, unresponsive_restart_s: float = 60.0,
+                     request_timeout_s: float = 600.0, **pool_kwargs) -> EnginePool:
         """Start one :class:`EngineActor` per ``EngineSettings`` (in parallel; Ray must be
-        initialised), wait until all are healthy, and return the pool over them."""
+        initialised), wait until all are healthy, and return the pool over them. On failure or
+        cancellation the engines started are stopped before the error propagates."""
         import ray
 
         from megarl.engines.actor import launch_engine_actor
@@ -143,9 +144,9 @@ class EnginePool:
                                       max_restarts=max_restarts, unresponsive_restart_s=unresponsive_restart_s)
                   for s in settings]
         try:
-            infos = ray.get([a.start.remote() for a in actors])
+            infos = await asyncio.gather(*(a.start.remote() for a in actors))
         except BaseException:
-            ray.get([a.stop.remote() for a in actors])
+            ray.get([a.stop.remote() for a in actors])  # blocking: a cancelled task must not leave servers behind
             raise
         # info.url: where the engine's node serves it (its node address on a multi-node cluster)
         clients = [SGLangClient(info.url, ServedModel.from_hf_config(s.model_path), request_timeout_s,

@@ -308,21 +308,29 @@ def episode_runner(cfg: DictConfig, target: EnginePool, tokenizer, params: Sampl
                        abort_resubmit=cfg.buffer.partial_rollout == "abort_resubmit")
 
 
-async def start_teacher(cfg: DictConfig, api_key: str, num_gpus: float,
-                        stack: contextlib.AsyncExitStack) -> TeacherScorer:
-    """On-policy distillation's teacher: an SGLang engine of its own serving ``teacher.hf_path`` (launched
-    like the policy engines, seed and log ``teacher.log`` its own, weights never synced) and the scorer
-    that asks it; both are stopped when ``stack`` closes."""
-    settings = dataclasses.replace(EngineSettings.from_config(cfg, cfg.teacher.hf_path, cfg.rollout.num_engines, 0),
-                                   api_key=api_key, log_path=str(Path(cfg.logging.run_dir) / "teacher.log"),
-                                   lora_max_rank=0, lora_target_modules=())  # the policy's adapters are not its
-    engine = EnginePool.launch([settings], num_cpus=0.5, num_gpus=num_gpus)
-    stack.push_async_callback(engine.aclose)
-    scorer = TeacherScorer(engine.clients[0].base_url, engine.model.vocab_size, api_key=api_key,
-                           timeout_s=cfg.teacher.timeout_s)
-    stack.push_async_callback(scorer.aclose)
-    log.info("teacher %s served at %s", cfg.teacher.hf_path, scorer.base_url)
-    return scorer
+def teacher_engine_settings(cfg: DictConfig, api_key: str) -> EngineSettings:
+    """On-policy distillation's teacher engine: ``teacher.hf_path`` served like the policy engines, its
+    seed and log ``teacher.log`` its own, without the policy's adapters (its weights are never synced)."""
+    return dataclasses.replace(EngineSettings.from_config(cfg, cfg.teacher.hf_path, cfg.rollout.num_engines, 0),
+                               api_key=api_key, log_path=str(Path(cfg.logging.run_dir) / "teacher.log"),
+                               lora_max_rank=0, lora_target_modules=())
+
+
+def _launch(stack: contextlib.AsyncExitStack, settings: list[EngineSettings], num_gpus: float) -> asyncio.Task:
+    """``EnginePool.launch(settings)`` as a task; when ``stack`` closes, the launch is cancelled if still
+    under way (which stops what it started) and the pool is closed otherwise."""
+    launch = asyncio.ensure_future(EnginePool.launch(settings, num_cpus=0.5, num_gpus=num_gpus))
+
+    async def stop() -> None:
+        launch.cancel()
+        try:
+            pool = await launch
+        except (asyncio.CancelledError, Exception):  # stopped by the launch; an error of it was raised where awaited
+            return
+        await pool.aclose()
+
+    stack.push_async_callback(stop)
+    return launch
 
 
 def _figure(value: float | None) -> str:
@@ -341,7 +349,8 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
 
 @contextlib.asynccontextmanager
 async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator[Pipeline]:
-    """Build (or resume) the run's pipeline; everything is stopped when the block exits."""
+    """Build (or resume) the run's pipeline; everything is stopped when the block exits. Engines
+    start with the trainer ranks and load while the ranks build (colocated ones once they are built)."""
     r, p, t = cfg.rollout, cfg.parallel, cfg.trainer
     run_dir = Path(cfg.logging.run_dir)
     layout = Layout.from_config(p)
@@ -357,16 +366,9 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
     stack = contextlib.AsyncExitStack()
     try:
         stack.callback(ray.shutdown)
+        started = time.monotonic()
         trainer = TrainerGroup(layout, backend=p.backend, seed=t.seed)
         stack.callback(trainer.shutdown)
-        await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg, updates_per_step=t.updates_per_step),
-                            ModelSettings.from_config(cfg))
-        position, ledger, start_step = None, Ledger(), 0
-        if resume_step is not None:
-            resumed = await trainer.load_checkpoint(str(checkpoints))
-            start_step, position = resumed.step, resumed.data_position
-            ledger = Ledger.from_state_dict(position["ledger"])
-            log.info("resuming at step %d from %s", start_step, resumed.path)
         api_key = secrets.token_urlsafe(32)  # this run's engines answer only megarl's clients (never logged)
         engines = [dataclasses.replace(EngineSettings.from_config(cfg, start_checkpoint, i, 0), api_key=api_key)
                    for i in range(r.num_engines)]
@@ -377,18 +379,42 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
         # Disaggregated GPU engines reserve their devices through Ray (CUDA_VISIBLE_DEVICES reaches the
         # server); colocated ones share the trainer's, and CPU engines reserve half a CPU
         own_gpus = r.engine_tp if torch.cuda.is_available() and cfg.placement == "disaggregated" else 0
-        pool = EnginePool.launch(engines, num_cpus=0.5, num_gpus=own_gpus)
+        pooled = {"policy": engines}  # the policy's engines, the teacher's and the judge's: a pool each
+        if cfg.teacher.hf_path:
+            pooled["teacher"] = [teacher_engine_settings(cfg, api_key)]
+        if cfg.reward.judge.hf_path:  # a generative reward model on an engine of its own (weights never synced)
+            pooled["judge"] = [judge_engine_settings(cfg, api_key)]
+        gpus = {"policy": own_gpus, "teacher": own_gpus,
+                "judge": cfg.reward.judge.engine_tp if torch.cuda.is_available() else 0}
+        # Disaggregated engines load while the trainer ranks build and load their checkpoint (on a cluster
+        # both take minutes); colocated ones start after, as they size their memory by what the trainer left.
+        launches = {} if colocated else {name: _launch(stack, s, gpus[name]) for name, s in pooled.items()}
+        launched_s = time.monotonic() - started
+        await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg, updates_per_step=t.updates_per_step),
+                            ModelSettings.from_config(cfg))
+        position, ledger, start_step = None, Ledger(), 0
+        if resume_step is not None:
+            resumed = await trainer.load_checkpoint(str(checkpoints))
+            start_step, position = resumed.step, resumed.data_position
+            ledger = Ledger.from_state_dict(position["ledger"])
+            log.info("resuming at step %d from %s", start_step, resumed.path)
+        trainer_s = time.monotonic() - started
+        if colocated:
+            launches, launched_s = {name: _launch(stack, s, gpus[name]) for name, s in pooled.items()}, trainer_s
+        pools = dict(zip(launches, await asyncio.gather(*launches.values())))
+        pool = pools["policy"]
+        log.info("start-up: engines (%s) launched at %.1f s, trainer ranks built at %.1f s, engines healthy at %.1f s",
+                 ", ".join(pools), launched_s, trainer_s, time.monotonic() - started)
         log.info("placement: trainer ranks on nodes %s, engines on nodes %s at %s", await trainer.node_addresses(),
                  [a.node for a in await asyncio.gather(*(e.info.remote() for e in pool.actors))],
                  [c.base_url for c in pool.clients])
-        stack.push_async_callback(pool.aclose)
-        teacher = await start_teacher(cfg, api_key, own_gpus, stack) if cfg.teacher.hf_path else None
-        judge = None
-        if cfg.reward.judge.hf_path:  # a generative reward model on an engine of its own (weights never synced)
-            judge_pool = EnginePool.launch([judge_engine_settings(cfg, api_key)], num_cpus=0.5,
-                                           num_gpus=cfg.reward.judge.engine_tp if torch.cuda.is_available() else 0)
-            stack.push_async_callback(judge_pool.aclose)
-            judge = make_judge(cfg.reward.judge, judge_pool, tokenizer)
+        teacher = None
+        if "teacher" in pools:
+            teacher = TeacherScorer(pools["teacher"].clients[0].base_url, pools["teacher"].model.vocab_size,
+                                    api_key=api_key, timeout_s=cfg.teacher.timeout_s)
+            stack.push_async_callback(teacher.aclose)
+            log.info("teacher %s served at %s", cfg.teacher.hf_path, teacher.base_url)
+        judge = make_judge(cfg.reward.judge, pools["judge"], tokenizer) if "judge" in pools else None
         lora = LoraSettings.from_config(cfg.lora)
         sync_kind = AdapterSync if lora is not None and lora.sync == "adapter" else WeightSync
         sync = sync_kind(SyncSettings.from_config(cfg.sync, r.engine_tp), trainer, pool.clients, initial_version=0)
