@@ -106,8 +106,9 @@ def save_checkpoint(root: str | Path, step: int, trainable, data_position: dict[
     state["megarl"] = {"step": step, "data_position": data_position, "model": _model_signature(trainable),
                        "layout": _layout_signature(), "optimizer": optimizer.common()}
     state["scheduler"] = trainable.scheduler.state_dict()
-    save_results_queue.install()  # megatron's own would outlive a killed rank
-    dist_checkpointing.save(state, str(tmp), sharded_strategy=get_default_save_sharded_strategy(FORMAT))
+    save_results_queue.install()  # the save is synchronous: an in-process queue, not megatron's Manager process
+    dist_checkpointing.save(state, str(tmp), sharded_strategy=get_default_save_sharded_strategy(FORMAT),
+                            async_sharded_save=False)
     torch.distributed.barrier()
     if rank0:
         _publish(tmp, final, step)
