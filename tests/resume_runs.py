@@ -45,8 +45,10 @@ def engine_processes(tmp_path: Path) -> list[psutil.Process]:
     return found
 
 
-def run_until(tmp_path: Path, recipe: str, last_step: int, sig: signal.Signals) -> subprocess.CompletedProcess:
-    """Start the driver, send ``sig`` once step ``last_step`` is in metrics.jsonl, wait for it."""
+def run_until(tmp_path: Path, recipe: str, last_step: int,
+              sig: signal.Signals) -> tuple[subprocess.CompletedProcess, list[Path]]:
+    """Start the driver, send ``sig`` once step ``last_step`` is in metrics.jsonl, wait for it; returns it
+    and the temporary directories (``TMPDIR``) its SGLang servers had when the signal went."""
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
     started = time.time()
     with open(tmp_path / "driver.log", "ab") as out:
@@ -56,9 +58,10 @@ def run_until(tmp_path: Path, recipe: str, last_step: int, sig: signal.Signals) 
                and time.monotonic() < deadline):
             time.sleep(0.2)
         assert proc.poll() is None, f"driver ended early (rc {proc.returncode}); see {tmp_path / 'driver.log'}"
+        scratch = [Path(p.environ()["TMPDIR"]) for p in engine_processes(tmp_path)]
         proc.send_signal(sig)
         proc.wait(timeout=120)
-    return proc
+    return proc, scratch
 
 
 def check_kill_and_resume(recipe, tmp_path, warmed_up):
@@ -66,8 +69,9 @@ def check_kill_and_resume(recipe, tmp_path, warmed_up):
     # the session's warm-up (tests/conftest.py), copied: this test's servers are those serving tmp_path / "warm"
     shutil.copytree(warmed_up.base, tmp_path / "base")
     shutil.copytree(warmed_up.warm, tmp_path / "warm")
-    killed = run_until(tmp_path, recipe, 3, signal.SIGKILL)
+    killed, scratch = run_until(tmp_path, recipe, 3, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
+    assert scratch and all(any(path.iterdir()) for path in scratch)  # SGLang's sockets, in the server's TMPDIR
     # the periodic checkpoint before the kill (2), or the next one (4): the trainer rank is a Ray actor,
     # which can finish writing a checkpoint it had begun after its driver died
     assert (run / "checkpoints" / "latest").read_text().strip() in ("2", "4")
@@ -77,8 +81,11 @@ def check_kill_and_resume(recipe, tmp_path, warmed_up):
         time.sleep(0.5)
     assert not engine_processes(tmp_path), "the SGLang server outlived its killed driver"
 
-    terminated = run_until(tmp_path, recipe, 4, signal.SIGTERM)  # resumes at 3, then SIGTERM: checkpoint and exit
+    # resumes at 3, then SIGTERM: checkpoint and exit
+    terminated, left = run_until(tmp_path, recipe, 4, signal.SIGTERM)
     assert terminated.returncode == 0, (tmp_path / "driver.log").read_text()[-3000:]
+    # the killed server's TMPDIR went when the next server started, the stopped one's with its stop()
+    assert left and not any(path.exists() for path in scratch + left), "a server's TMPDIR is left"
     stopped_at = int((run / "checkpoints" / "latest").read_text())
     assert 4 <= stopped_at <= STEPS
     assert rl_steps(run) == list(range(1, stopped_at + 1))  # the killed run's steps after its checkpoint were replaced

@@ -6,6 +6,7 @@ import asyncio
 import os
 import shutil
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -497,6 +498,8 @@ def test_death_is_detected_and_stop_leaves_no_process(engine):
     pgid = os.getpgid(pid)
     group = [p for p in psutil.process_iter(["pid"]) if _pgid(p) == pgid]
     assert len(group) >= 2, "expected the server and its scheduler/detokenizer children"
+    scratch = Path(psutil.Process(pid).environ()["TMPDIR"])
+    assert any(scratch.iterdir()), "SGLang's socket files belong in the server's own TMPDIR"
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while engine.is_alive() and time.monotonic() < deadline:
@@ -507,6 +510,7 @@ def test_death_is_detected_and_stop_leaves_no_process(engine):
     engine.stop()
     psutil.wait_procs(group, timeout=30)
     assert [p.pid for p in psutil.process_iter(["pid"]) if _pgid(p) == pgid] == []
+    assert not scratch.exists()
 
 
 def servers_on_port(port):
@@ -524,3 +528,23 @@ def _pgid(process):
         return os.getpgid(process.pid)
     except (ProcessLookupError, psutil.NoSuchProcess):
         return None
+
+
+def test_orphaned_scratch_is_removed_and_a_live_or_starting_servers_is_kept(tmp_path, monkeypatch):
+    import tempfile
+
+    from megarl.engines.server import SCRATCH_PREFIX, remove_orphaned_scratch
+
+    # a server killed with its owner left its TMPDIR; a running one's, and one not yet started, stay
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    dirs = {name: tmp_path / (SCRATCH_PREFIX + name) for name in ("dead", "live", "starting")}
+    for path in dirs.values():
+        path.mkdir()
+        (path / "tmpsocket").touch()
+    (dirs["dead"] / "server.pid").write_text(str(dead.pid))
+    (dirs["live"] / "server.pid").write_text(str(os.getpid()))
+    (tmp_path / "other").mkdir()
+    remove_orphaned_scratch()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["other", dirs["live"].name, dirs["starting"].name])

@@ -6,8 +6,10 @@ scheduler and detokenizer children too and leaves no orphans.
 """
 from __future__ import annotations
 
+import getpass
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
+import psutil
 
 from megarl.engines.client import ServedModel
 from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraSettings
@@ -24,6 +27,7 @@ from megarl.parallel import free_port, rendezvous_host
 from megarl.platform import sglang_cpu
 
 log = logging.getLogger(__name__)
+SCRATCH_PREFIX = "megarl-sglang-"  # a running server's TMPDIR, under the system's temporary directory
 
 
 class EngineStartError(RuntimeError):
@@ -171,6 +175,7 @@ class SGLangEngine:
         self.port = settings.port or free_port(settings.host)
         self._log_path = Path(settings.log_path) if settings.log_path else None
         self._process: subprocess.Popen | None = None
+        self._scratch: str | None = None  # the server's TMPDIR while it runs (see environment())
         self.startup_s: float | None = None  # seconds from spawn to healthy, set by start()
 
     @property
@@ -230,9 +235,18 @@ class SGLangEngine:
         return cmd + list(s.extra_args)
 
     def environment(self) -> dict[str, str]:
-        """The server's environment: this process's, plus on CPU the ranks it starts on this node
-        (megarl's SGLang CPU layer binds each its cores, see ``sglang_cpu``)."""
+        """The server's environment: this process's, with ``TMPDIR`` a directory of the server's own
+        once started, plus on CPU the ranks it starts on this node (megarl's SGLang CPU layer binds
+        each its cores, see ``sglang_cpu``)."""
         env = dict(os.environ)
+        if self._scratch is not None:
+            # SGLang names its ZMQ sockets with NamedTemporaryFile(delete=False) and never removes them
+            # (five or more files a start); multiprocessing leaves pymp-* directories: all go in a
+            # directory of this server's, removed by stop() (or, after a SIGKILL, by the next start on
+            # this machine: remove_orphaned_scratch). TorchInductor's cache stays where it was.
+            inductor_cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
+            env["TMPDIR"] = self._scratch
         if self.device == "cpu":
             # A CPU engine on a machine with GPUs: SGLang's processes must not see them, or they take
             # their CUDA paths and megarl's CPU layer stays off (it acts only where no GPU is usable).
@@ -250,11 +264,14 @@ class SGLangEngine:
         if self._process is not None:
             raise RuntimeError(f"engine at {self.url} already started")
         t0 = time.monotonic()
+        remove_orphaned_scratch()
+        self._scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
         with open(self.log_path, "ab") as log_file:
             self._process = subprocess.Popen(
                 self.command(), env=self.environment(), stdout=log_file, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        (Path(self._scratch) / "server.pid").write_text(str(self._process.pid))
         log.info("SGLang server pid %d starting at %s (log %s)", self._process.pid, self.url, self.log_path)
         try:
             self._wait_healthy(t0 + self.settings.startup_timeout_s)
@@ -322,6 +339,9 @@ class SGLangEngine:
             log.warning("SGLang server pid %d ignored SIGTERM for %.0f s; killing", pgid, self.settings.stop_timeout_s)
         _signal_group(pgid, signal.SIGKILL)  # children that outlived the leader
         process.wait()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
         log.info("SGLang server pid %d stopped", pgid)
 
     def log_tail(self, num_lines: int = 40) -> str:
@@ -337,6 +357,19 @@ class SGLangEngine:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def remove_orphaned_scratch() -> None:
+    """Remove the temporary directories of this machine's servers that are gone without their stop()
+    (killed with their owner: Ray SIGKILLs a dead actor's children); a directory whose server still
+    runs, or whose server is being started (no pid written yet), stays."""
+    for path in Path(tempfile.gettempdir()).glob(SCRATCH_PREFIX + "*"):
+        try:
+            pid = int((path / "server.pid").read_text())
+        except (OSError, ValueError):
+            continue
+        if not psutil.pid_exists(pid):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _temporary_log_path() -> str:
