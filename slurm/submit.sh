@@ -17,4 +17,5 @@ trap 'rm -f "$plan_json"' EXIT
 gpus="$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["total_gpus"])' "$plan_json")"
 nodes=$(((gpus + GPUS_PER_NODE - 1) / GPUS_PER_NODE))
 echo "submit: $gpus GPUs -> $nodes nodes x $GPUS_PER_NODE GPUs"
-exec sbatch --nodes="$nodes" --gpus-per-node="$GPUS_PER_NODE" "${EXTRA[@]}" "$ROOT/slurm/megarl.sbatch" "$@"
+# not exec: the EXIT trap removes the plan file once sbatch has returned
+sbatch --nodes="$nodes" --gpus-per-node="$GPUS_PER_NODE" "${EXTRA[@]}" "$ROOT/slurm/megarl.sbatch" "$@"

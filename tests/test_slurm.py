@@ -166,8 +166,9 @@ def _recording_sbatch(tmp_path: Path) -> dict:
     record = bin_dir / "sbatch"
     record.write_text(f'#!/bin/bash\necho "$@" > {tmp_path / "sbatch_args"}\n')
     record.chmod(0o755)
+    (tmp_path / "tmp").mkdir()  # submit.sh's temporary files go here, and must go again
     return dict(os.environ, PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
-                MEGARL_PYTHON=sys.executable, OMP_NUM_THREADS="1")
+                MEGARL_PYTHON=sys.executable, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path / "tmp"))
 
 
 def test_submit_asks_the_planner_for_the_node_count(tmp_path):
@@ -181,10 +182,11 @@ def test_submit_asks_the_planner_for_the_node_count(tmp_path):
     gpus = plan_layout(load_config(args)).total_gpus  # 128 trainer + 2 x 16 engine GPUs
     assert (tmp_path / "sbatch_args").read_text().split() == [
         f"--nodes={-(-gpus // 8)}", "--gpus-per-node=8", str(SBATCH), *args]
+    assert list((tmp_path / "tmp").iterdir()) == []  # the plan's JSON is removed after sbatch
 
 
 def test_submit_refuses_a_layout_that_does_not_fit(tmp_path):
     result = subprocess.run([str(ROOT / "slurm" / "submit.sh"), "recipe=qwen3_30b_a3b", "trainer.gpu_memory_gb=1"],
                             env=_recording_sbatch(tmp_path), capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "trainer.gpu_memory_gb" in result.stderr
-    assert not (tmp_path / "sbatch_args").exists()
+    assert not (tmp_path / "sbatch_args").exists() and list((tmp_path / "tmp").iterdir()) == []
