@@ -1,6 +1,7 @@
 """megatron-core's checkpoint-save results queue (megarl/trainer/save_results_queue.py): megarl's synchronous
 saves report through an in-process queue and start no process, where megatron's own queue starts a
 Manager server (~750 MB, orphaned when the rank is SIGKILLed)."""
+import os
 import subprocess
 import sys
 
@@ -32,11 +33,12 @@ print(len(children), bool(torch.equal(loaded["w"], weight)), flush=True)
 
 
 @pytest.mark.parametrize("which, starts_processes", [("megatron", True), ("megarl", False)])
-def test_a_save_round_trips_and_only_megatrons_queue_starts_a_process(which, starts_processes):
+def test_a_save_round_trips_and_only_megatrons_queue_starts_a_process(which, starts_processes, tmp_path):
     from megarl.parallel.network import free_port
 
+    # TMPDIR: megatron's Manager server is terminated at exit and leaves its pymp-* directory behind
     done = subprocess.run([sys.executable, "-c", SAVE, which, str(free_port("127.0.0.1"))], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
     started, equal = done.stdout.split()
     # megatron's: its Manager server (and the spawn context's resource tracker); megarl's: none
