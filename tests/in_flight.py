@@ -4,7 +4,7 @@ running requests start them with :func:`start_decoding` (or their own condition 
 were not running yet) or too long (they had already ended)."""
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import httpx
 
@@ -29,7 +29,7 @@ class RequestsEnded(RuntimeError):
     """Every request started for a pause ended before the engine was seen running one."""
 
 
-async def until_decoding(url: str, api_key: str | None = None, requests: list[asyncio.Future] = (),
+async def until_decoding(url: str, api_key: str | None = None, requests: Sequence[asyncio.Future] = (),
                          timeout_s: float = 120.0) -> int:
     """Wait until the engine's schedulers run at least one request; returns how many. Raises
     :class:`RequestsEnded` as soon as all of ``requests`` (the futures of the requests started for

@@ -388,7 +388,10 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
                 "judge": cfg.reward.judge.engine_tp if torch.cuda.is_available() else 0}
         # Disaggregated engines load while the trainer ranks build and load their checkpoint (on a cluster
         # both take minutes); colocated ones start after, as they size their memory by what the trainer left.
-        launches = {} if colocated else {name: _launch(stack, s, gpus[name]) for name, s in pooled.items()}
+        def launch_engines() -> dict[str, asyncio.Task]:
+            return {name: _launch(stack, settings, gpus[name]) for name, settings in pooled.items()}
+
+        launches = {} if colocated else launch_engines()
         launched_s = time.monotonic() - started
         await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg, updates_per_step=t.updates_per_step),
                             ModelSettings.from_config(cfg))
@@ -400,7 +403,7 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
             log.info("resuming at step %d from %s", start_step, resumed.path)
         trainer_s = time.monotonic() - started
         if colocated:
-            launches, launched_s = {name: _launch(stack, s, gpus[name]) for name, s in pooled.items()}, trainer_s
+            launches, launched_s = launch_engines(), trainer_s
         pools = dict(zip(launches, await asyncio.gather(*launches.values())))
         pool = pools["policy"]
         log.info("start-up: engines (%s) launched at %.1f s, trainer ranks built at %.1f s, engines healthy at %.1f s",
