@@ -1,6 +1,7 @@
 """Shared fixtures: the tiny demo checkpoint and its warm-up, made once per test session."""
 import asyncio
 import os
+import time
 
 import pytest
 
@@ -104,15 +105,37 @@ def loop():
     loop.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def ray_local():
-    """One local Ray cluster (4 CPUs: the largest layout's ranks) for a module's ``run_ranks`` calls,
-    which otherwise start and stop a cluster each. The ranks' environment is this process's now."""
+    """One local Ray cluster per test process (each pytest-xdist worker) for every run made in it
+    (``run_ranks``, ``megarl.train.main``): they use a connected Ray and leave it connected
+    (:func:`megarl.trainer.launch.ray_for_run`) where each would start and stop a cluster (~4 CPU-s).
+    8 logical CPUs: the largest layout's ranks and a run's engines. The ranks' environment is this
+    process's at the first test (``run_ranks(env=...)`` for more)."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_left_as_found(ray_local):
+    """A module's runs and fixtures release what they reserved on the shared Ray by the module's end: a
+    leaked actor or placement group would starve the next module's runs."""
+    import ray
+
+    yield
+    deadline = time.monotonic() + 30  # an actor's resources come back a moment after it is killed
+    while True:
+        free = ray.available_resources()
+        held = {k: v - free.get(k, 0) for k, v in ray.cluster_resources().items()
+                if free.get(k, 0) != v and not k.startswith(("memory", "object_store"))}
+        if not held:
+            break
+        if time.monotonic() > deadline:
+            pytest.fail(f"the module left resources reserved on the shared Ray: {held}")
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,6 @@ import torch
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
 
-pytestmark = pytest.mark.usefixtures("ray_local")  # one Ray cluster for the module's run_ranks calls
-
 TP2 = Layout(world_size=2, tp=2, sequence_parallel=True)
 EP2 = Layout(world_size=2, ep=2)
 SETTINGS = dict(lr=1e-3, adam_beta2=0.99, lr_warmup_steps=4, lr_decay_steps=10, lr_decay_style="linear")

@@ -16,8 +16,6 @@ import pytest
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
 
-pytestmark = pytest.mark.usefixtures("ray_local")  # one Ray cluster for the module's run_ranks calls
-
 LAYOUTS = {
     "tp2_sp": Layout(world_size=2, tp=2, sequence_parallel=True),
     "ep2": Layout(world_size=2, ep=2),

@@ -22,8 +22,6 @@ import pytest
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
 
-pytestmark = pytest.mark.usefixtures("ray_local")  # one Ray cluster for the module's run_ranks calls
-
 SAMPLES, PROMPT, RESPONSE, TOP_K = 512, 13, 4, 20  # the tiny recipe: 64 prompts x 8, 3 + eos new tokens
 POSITIONS = PROMPT + RESPONSE - 1  # 16 positions a row: 256 rows fill a 4096-token micro-batch
 

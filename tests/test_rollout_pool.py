@@ -153,16 +153,7 @@ def test_a_subset_of_engines_the_pool_does_not_have_is_refused(indices):
 # --- one real engine under a Ray actor ------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def pool(ray_session, tiny_checkpoint, tmp_path_factory, loop):
+def pool(ray_local, tiny_checkpoint, tmp_path_factory, loop):
     settings = EngineSettings(model_path=tiny_checkpoint, dtype="float32", max_total_tokens=4096,
                               log_path=str(tmp_path_factory.mktemp("sglang_pool") / "server.log"))
     t0 = time.monotonic()

@@ -48,16 +48,6 @@ def checkpoint(tiny_checkpoint, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=5, include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def sharded_engine(checkpoint, tmp_path_factory):
     """An engine of two ranks, TP2 with the experts split EP2 (megarl/platform/sglang_cpu.py)."""
     settings = EngineSettings(model_path=checkpoint, dtype="float32", max_total_tokens=2048, tp=2, ep=2,
@@ -115,7 +105,7 @@ def trained_group(layout: Layout, checkpoint: str, steps: int = 2):
 
 
 @pytest.fixture(scope="module")
-def single(ray_cluster, checkpoint):
+def single(ray_local, checkpoint):
     group = trained_group(Layout(), checkpoint)
     yield group
     group.shutdown()
@@ -341,7 +331,7 @@ def test_bucket_waiting_at_session_end_is_loaded(single, engine, checkpoint, pro
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_sync_equals_hf(name, ray_cluster, engine, checkpoint, prompt, tmp_path, request):
+def test_layout_sync_equals_hf(name, ray_local, engine, checkpoint, prompt, tmp_path, request):
     """Every trainer layout into the one-rank engine; the TP2xEP2 trainer into a TP2+EP2 engine
     (every engine rank in the distributed transport's group)."""
     group = trained_group(LAYOUTS[name], checkpoint)

@@ -140,7 +140,11 @@ def test_settings_and_report():
 def measure_sync_memory(rank, layout, hf_path, out_dir, capacity):
     """Two disk syncs of the model through RankSync (one process: it is the sender); RSS sampled
     during the second. Returns (baseline RSS, peak RSS, sender stats)."""
+    import os
+
     import psutil
+
+    assert os.environ.get("MALLOC_MMAP_THRESHOLD_") == "65536", "the rank started without the malloc tunable"
 
     from megarl.models.bridge import build_megatron_model
     from megarl.sync.rank import RankSync
@@ -174,18 +178,19 @@ def measure_sync_memory(rank, layout, hf_path, out_dir, capacity):
     return baseline, peak[0], stats
 
 
-def test_sending_rank_peak_memory_is_two_buckets_plus_the_largest_tensor(tmp_path, monkeypatch):
+def test_sending_rank_peak_memory_is_two_buckets_plus_the_largest_tensor(tmp_path):
     from megarl.models.tiny_moe import TinyMoeSpec, make_tiny_moe
     from megarl.parallel import Layout
     from megarl.trainer.launch import run_ranks
 
     # glibc returns every allocation above 64 KiB to the system when freed (no dynamic threshold
     # that would park freed buckets in the heap), so RSS follows live memory.
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    malloc = {"MALLOC_MMAP_THRESHOLD_": "65536"}
     spec = TinyMoeSpec(hidden_size=256, num_layers=2, num_experts=16, moe_ffn_hidden_size=512, vocab_size=4096)
     hf_path = make_tiny_moe(tmp_path / "model", spec)
     capacity = 2 * 2**20
-    [(baseline, peak, stats)] = run_ranks(measure_sync_memory, Layout(), str(hf_path), str(tmp_path / "out"), capacity)
+    [(baseline, peak, stats)] = run_ranks(measure_sync_memory, Layout(), str(hf_path), str(tmp_path / "out"), capacity,
+                                           env=malloc)
     bound = 2 * capacity + stats["largest_tensor_bytes"]
     extra = peak - baseline
     assert stats["bytes"] > 20 * capacity  # the model is much larger than the bound

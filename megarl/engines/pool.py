@@ -110,7 +110,7 @@ class EnginePool:
         self.on_restart, self.max_attempts = on_restart, max_attempts
         self.resubmitted = 0  # prompts resubmitted after an engine died, over the pool's life
         self._paused: PauseMode | None = None
-        self._actors: list = []  # Ray actors this pool launched (stopped by shutdown)
+        self._actors: list = []  # Ray actors this pool launched (removed by aclose)
         self._open = asyncio.Event()  # cleared while held: requests wait in the pool (see hold())
         self._open.set()
         self._idle = asyncio.Condition()  # notified when a request ends (hold() waits for none in flight)
@@ -146,7 +146,11 @@ class EnginePool:
         try:
             infos = await asyncio.gather(*(a.start.remote() for a in actors))
         except BaseException:
-            ray.get([a.stop.remote() for a in actors])  # blocking: a cancelled task must not leave servers behind
+            try:
+                ray.get([a.stop.remote() for a in actors])  # blocking: a cancelled task must not leave servers behind
+            finally:
+                for actor in actors:
+                    ray.kill(actor)
             raise
         # info.url: where the engine's node serves it (its node address on a multi-node cluster)
         clients = [SGLangClient(info.url, ServedModel.from_hf_config(s.model_path), request_timeout_s,
@@ -165,11 +169,19 @@ class EnginePool:
         return list(self._actors)
 
     async def aclose(self) -> None:
-        """Close the clients and stop the engines this pool launched."""
+        """Close the clients, stop the engines this pool launched and remove their actors (a Ray the
+        caller keeps connected gets its resources back). Closing again does nothing more."""
+        import ray
+
         for engine in self._engines:
             await engine.client.aclose()
         if self._actors:
-            await asyncio.gather(*(a.stop.remote() for a in self._actors))
+            try:
+                await asyncio.gather(*(a.stop.remote() for a in self._actors))
+            finally:
+                for actor in self._actors:
+                    ray.kill(actor)
+                self._actors = []
 
     # --- generation ---------------------------------------------------------------------------
 

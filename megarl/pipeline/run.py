@@ -22,14 +22,12 @@ import dataclasses
 import gc
 import json
 import logging
-import os
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import ray
 import torch
 from omegaconf import DictConfig
 from rich.progress import Progress
@@ -63,6 +61,7 @@ from megarl.tasks.prompts import Prompt, make_prompt_source
 from megarl.tasks.rewards import make_reward
 from megarl.trainer.actor import TrainerGroup
 from megarl.trainer.checkpoint import latest_step
+from megarl.trainer.launch import ray_for_run
 from megarl.trainer.model_setup import ModelSettings
 from megarl.trainer.optimizer import OptimizerSettings
 from megarl.trainer.rl_batch import RLBatch, build_rl_batch
@@ -358,14 +357,10 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
     served = ServedModel.from_hf_config(start_checkpoint)
     checkpoints = run_dir / "checkpoints"
     resume_step = latest_step(checkpoints) if t.resume else None
-    if os.environ.get("RAY_ADDRESS"):  # a cluster started for us (slurm/megarl.sbatch exports it)
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
-    else:
-        ray.init(num_cpus=max(2, layout.world_size + r.num_engines), include_dashboard=False, log_to_driver=False)
-    StopRequest.install()  # again: ray.init replaced the handlers with its own (which just die)
     stack = contextlib.AsyncExitStack()
     try:
-        stack.callback(ray.shutdown)
+        stack.enter_context(ray_for_run(max(2, layout.world_size + r.num_engines)))
+        StopRequest.install()  # again: ray.init replaced the handlers with its own (which just die)
         started = time.monotonic()
         trainer = TrainerGroup(layout, backend=p.backend, seed=t.seed)
         stack.callback(trainer.shutdown)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import ray
 import torch
@@ -159,8 +159,9 @@ class TrainerGroup:
     Every call runs on every rank with the same arguments. The trainer calls return the reporting
     rank's result; the weight-sync calls (:class:`megarl.sync.trainer_side.WeightSyncTrainer`)
     return every rank's result in rank order. ``import_paths`` are appended to the ranks'
-    ``sys.path`` (where the functions given to :meth:`run` are imported from); the ranks and the
-    placement group are removed again when the group cannot start within ``startup_timeout_s``.
+    ``sys.path`` (where the functions given to :meth:`run` are imported from); ``env`` is set in the
+    ranks' processes before they start (e.g. glibc's ``MALLOC_*`` tunables, read at exec); the ranks
+    and the placement group are removed again when the group cannot start within ``startup_timeout_s``.
 
     The ranks meet at rank 0's node address (loopback when the cluster has one node) on a port a
     zero-CPU task in rank 0's bundle found free there (``master``); on a cluster with nodes that
@@ -169,7 +170,8 @@ class TrainerGroup:
     """
 
     def __init__(self, layout: Layout, backend: str = "auto", seed: int = 1234, *,
-                 import_paths: Sequence[str] = (), startup_timeout_s: float = 600.0):
+                 import_paths: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 startup_timeout_s: float = 600.0):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -188,7 +190,8 @@ class TrainerGroup:
             remote = ray.remote(num_cpus=1, num_gpus=gpus)(TrainerRank)
             self.ranks = [
                 remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement, placement_group_bundle_index=r)).remote(
+                    placement_group=self.placement, placement_group_bundle_index=r),
+                    runtime_env={"env_vars": dict(env)} if env else None).remote(
                         r, layout, host, port, backend, seed, list(import_paths))
                 for r in range(layout.world_size)
             ]

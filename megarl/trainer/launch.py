@@ -7,19 +7,21 @@ one process each. ``fn(rank, layout, *args)`` runs on every rank after
 
 ``fn`` (and every argument) travels pickled, so it must be a module-level function of a module
 the ranks can import: the directory that module was imported from is added to their
-``sys.path`` (e.g. ``tests/`` for a test module's function). When Ray is not initialised,
-:func:`run_ranks` starts a local Ray for the call and shuts it down after; otherwise it uses the
-running one and removes only its own actors and placement group. The ranks' environment is the
-Ray workers': the driver's at ``ray.init``.
+``sys.path`` (e.g. ``tests/`` for a test module's function). Ray comes from :func:`ray_for_run`:
+the caller's connection when Ray is initialised (only the call's own actors and placement group are
+removed), else a cluster joined or started for the call. The ranks' environment is the Ray workers':
+the driver's at ``ray.init``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,22 +54,37 @@ def _import_root(obj) -> str | None:
     return str(root)
 
 
-def _start_ray(world_size: int) -> None:
-    """Ray for this call: the cluster at ``RAY_ADDRESS`` when set, else a local one; the process's
-    SIGTERM handler stays what it was (ray.init sets its own)."""
+@contextlib.contextmanager
+def ray_for_run(num_cpus: int) -> Iterator[None]:
+    """Ray for a run (a :func:`run_ranks` call, an RL pipeline) inside the block.
+
+    When this process is already connected (a notebook's or a test session's ``ray.init``), the run
+    uses that connection and leaves it connected: it must remove what it created itself. Otherwise
+    it joins the cluster at ``RAY_ADDRESS`` (slurm/megarl.sbatch exports it) or starts a local one of
+    ``num_cpus`` logical CPUs, and disconnects (stopping a local cluster) when the block ends. The
+    process's SIGTERM handler stays what it was (``ray.init`` sets its own).
+    """
+    if ray.is_initialized():
+        yield
+        return
     main = threading.current_thread() is threading.main_thread()
     sigterm = signal.getsignal(signal.SIGTERM) if main else None
-    if os.environ.get("RAY_ADDRESS"):  # a cluster started for us (slurm/megarl.sbatch exports it): join it
+    if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     else:
-        ray.init(num_cpus=max(2, world_size), include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     if main and sigterm is not None:
         signal.signal(signal.SIGTERM, sigterm)
+    try:
+        yield
+    finally:
+        ray.shutdown()
 
 
 def run_ranks(fn: Callable[..., Any], layout: Layout, *args, backend: str = "auto", seed: int = 1234,
-              timeout_s: float = 600.0) -> list[Any]:
-    """Run ``fn`` on ``layout.world_size`` trainer ranks; return their results by rank.
+              env: Mapping[str, str] | None = None, timeout_s: float = 600.0) -> list[Any]:
+    """Run ``fn`` on ``layout.world_size`` trainer ranks; return their results by rank. ``env``: variables
+    set in the ranks' processes before they start (over the Ray workers' environment).
 
     Raises :class:`RankFailed` with the first failing rank's traceback (the other ranks are then
     stopped), or when the ranks neither return nor fail within ``timeout_s`` seconds (start-up
@@ -76,35 +93,32 @@ def run_ranks(fn: Callable[..., Any], layout: Layout, *args, backend: str = "aut
     from megarl.trainer.actor import TrainerGroup
 
     deadline = time.monotonic() + timeout_s
-    started = not ray.is_initialized()
-    if started:
-        _start_ray(layout.world_size)
-    group = None
-    try:
-        paths = sorted({root for obj in (fn, *args) if callable(obj) for root in [_import_root(obj)] if root})
+    with ray_for_run(max(2, layout.world_size)):
+        group = None
         try:
-            group = TrainerGroup(layout, backend=backend, seed=seed, import_paths=paths, startup_timeout_s=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            raise RankFailed(f"the ranks of {layout} did not start within {timeout_s:.0f} s") from None
-        except ray.exceptions.RayError as e:
-            raise RankFailed(f"the ranks of {layout} failed to start:\n{_plain(e)}") from None
-        refs = group.run(fn, *args)
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        values: dict[int, Any] = {}
-        pending = list(refs)
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise RankFailed(f"ranks {sorted(rank_of[ref] for ref in pending)} gave no result within "
-                                 f"{timeout_s:.0f} s")
-            rank = rank_of[ready[0]]
+            paths = sorted({root for obj in (fn, *args) if callable(obj) for root in [_import_root(obj)] if root})
             try:
-                values[rank] = ray.get(ready[0])
+                group = TrainerGroup(layout, backend=backend, seed=seed, import_paths=paths, env=env,
+                                     startup_timeout_s=timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise RankFailed(f"the ranks of {layout} did not start within {timeout_s:.0f} s") from None
             except ray.exceptions.RayError as e:
-                raise RankFailed(f"rank {rank} of {layout} failed:\n{_plain(e)}") from None  # its traceback
-        return [values[r] for r in range(layout.world_size)]
-    finally:
-        if group is not None:
-            group.shutdown()
-        if started:
-            ray.shutdown()
+                raise RankFailed(f"the ranks of {layout} failed to start:\n{_plain(e)}") from None
+            refs = group.run(fn, *args)
+            rank_of = {ref: rank for rank, ref in enumerate(refs)}
+            values: dict[int, Any] = {}
+            pending = list(refs)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    raise RankFailed(f"ranks {sorted(rank_of[ref] for ref in pending)} gave no result within "
+                                     f"{timeout_s:.0f} s")
+                rank = rank_of[ready[0]]
+                try:
+                    values[rank] = ray.get(ready[0])
+                except ray.exceptions.RayError as e:
+                    raise RankFailed(f"rank {rank} of {layout} failed:\n{_plain(e)}") from None  # its traceback
+            return [values[r] for r in range(layout.world_size)]
+        finally:
+            if group is not None:
+                group.shutdown()
