@@ -36,7 +36,7 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def warmed_up(tmp_path_factory, worker_id):
+def warmed_up(tmp_path_factory, worker_id, ray_session):
     """The demo's supervised warm-up (30 steps through the real driver), run once per test run: the first
     pytest-xdist worker to ask makes it (under a file lock in the run's temporary directory), the others
     wait for it and read it. Its ``overrides`` name the base and warmed-up checkpoints; the runs only read
@@ -105,13 +105,12 @@ def loop():
     loop.close()
 
 
-@pytest.fixture(scope="session", autouse=True)
-def ray_local():
-    """One local Ray cluster per test process (each pytest-xdist worker) for every run made in it
-    (``run_ranks``, ``megarl.train.main``): they use a connected Ray and leave it connected
-    (:func:`megarl.trainer.launch.ray_for_run`) where each would start and stop a cluster (~4 CPU-s).
-    8 logical CPUs: the largest layout's ranks and a run's engines. The ranks' environment is this
-    process's at the first test (``run_ranks(env=...)`` for more)."""
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray cluster per test process (each pytest-xdist worker), started by the first module
+    that asks for it (:func:`ray_local`) and kept to the end. 8 logical CPUs: the largest layout's
+    ranks and a run's engines. The ranks' environment is this process's when it starts
+    (``run_ranks(env=...)`` for more)."""
     import ray
 
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
@@ -119,10 +118,12 @@ def ray_local():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_left_as_found(ray_local):
-    """A module's runs and fixtures release what they reserved on the shared Ray by the module's end: a
-    leaked actor or placement group would starve the next module's runs."""
+@pytest.fixture(scope="module")
+def ray_local(ray_session):
+    """The test process's Ray for a module's runs (``run_ranks``, ``megarl.train.main``): they use a
+    connected Ray and leave it connected (:func:`megarl.trainer.launch.ray_for_run`) where each would
+    start and stop a cluster (~4 CPU-s). By the module's end its runs and fixtures must have released
+    what they reserved: a leaked actor or placement group would starve the next module's runs."""
     import ray
 
     yield

@@ -6,6 +6,8 @@ from safetensors.torch import load_file
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
 
+pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
+
 
 def roundtrip(rank, layout, hf_path, out_dir):
     """(export equal to the checkpoint, max |Megatron - HF| logits, saved file equal) on this rank."""

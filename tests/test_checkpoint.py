@@ -17,6 +17,8 @@ import torch
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
 
+pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
+
 TP2 = Layout(world_size=2, tp=2, sequence_parallel=True)
 EP2 = Layout(world_size=2, ep=2)
 SETTINGS = dict(lr=1e-3, adam_beta2=0.99, lr_warmup_steps=4, lr_decay_steps=10, lr_decay_style="linear")

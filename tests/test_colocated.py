@@ -18,6 +18,8 @@ from megarl.metrics.sink import read_metrics
 from megarl.pipeline.colocate import Colocation, memory_saver_args
 from megarl.sample import FinishReason, RolloutSample
 
+pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
+
 # --- the protocol, with a stand-in pool ------------------------------------------------------------
 
 

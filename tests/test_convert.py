@@ -23,6 +23,8 @@ from megarl.models.lora import LoraSettings
 from megarl.parallel import Layout
 from megarl.trainer import convert
 
+pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARD = 300_000  # bytes; the tiny model's 1.9 MB go into several files
 

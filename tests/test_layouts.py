@@ -16,6 +16,8 @@ import pytest
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
 
+pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
+
 LAYOUTS = {
     "tp2_sp": Layout(world_size=2, tp=2, sequence_parallel=True),
     "ep2": Layout(world_size=2, ep=2),

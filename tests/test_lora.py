@@ -25,6 +25,8 @@ from megarl.models.lora import LoraSettings, unmatched_targets
 from megarl.parallel import Layout
 from megarl.sync import AdapterSync, SyncSettings, WeightSyncError
 
+pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
+
 LM_HEAD_SCALE = 25.0  # no near-ties in greedy decoding
 NEW_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-4

@@ -69,8 +69,9 @@ def test_served_architectures_reads_the_override_then_the_checkpoint(tiny_checkp
     assert served_architectures([f"--model-path={tiny_checkpoint}", "--json-model-override-args",
                                  '{"architectures": ["DeepseekV3ForCausalLM"]}']) == ["DeepseekV3ForCausalLM"]
     assert served_architectures(["--model-path", "Qwen/Qwen3-30B-A3B"]) == []
-    with pytest.raises(json.JSONDecodeError):
-        served_architectures(["--model-path", tiny_checkpoint, "--json-model-override-args", "{not json"])
+    for bad in ("{not json", "[1, 2]"):
+        with pytest.raises(ValueError, match="--json-model-override-args is not a JSON object"):
+            served_architectures(["--model-path", tiny_checkpoint, "--json-model-override-args", bad])
 
 
 def test_a_hub_id_or_a_users_own_model_package_leaves_sglang_as_it_is(tiny_checkpoint, monkeypatch):

@@ -22,6 +22,8 @@ import pytest
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
 
+pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
+
 SAMPLES, PROMPT, RESPONSE, TOP_K = 512, 13, 4, 20  # the tiny recipe: 64 prompts x 8, 3 + eos new tokens
 POSITIONS = PROMPT + RESPONSE - 1  # 16 positions a row: 256 rows fill a 4096-token micro-batch
 

@@ -4,8 +4,12 @@ Sampling Mask on Megatron: the trainer's forward over whole episodes (policy tur
 tokens) reproduces the engine's per-turn log-probs and replays its routing."""
 import json
 
+import pytest
+
 from megarl.metrics.sink import read_metrics
 from megarl.train import main
+
+pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 
 
 def test_calculator_episodes_train_on_whole_trajectories(tmp_path):

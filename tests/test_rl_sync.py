@@ -7,6 +7,8 @@ from startup_order import record_startup
 from megarl.metrics.sink import read_metrics
 from megarl.train import main
 
+pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
+
 
 @pytest.fixture(scope="module")
 def warm(warmed_up):

@@ -16,6 +16,8 @@ from megarl.engines.pool import EnginePool, sglang_router_available
 from megarl.engines.server import EngineSettings
 from megarl.sample import FinishReason, RolloutSample
 
+pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
+
 MODEL = ServedModel(vocab_size=100, num_layers=2, topk=2, num_experts=8, context_length=64)
 
 

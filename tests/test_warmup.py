@@ -1,5 +1,6 @@
 """The demo's warm-up: Megatron training through the real driver lowers the answer loss, and the
 HF checkpoint it saves is better at the task than the one it started from (checked in HF)."""
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -8,6 +9,8 @@ from megarl.tasks import arithmetic
 from megarl.train import main
 from megarl.trainer.packing import model_input
 from megarl.trainer.warmup import answer_batch
+
+pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 
 
 def hf_answer_loss(path: str) -> float:

@@ -28,6 +28,8 @@ from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.parallel import Layout
 from megarl.sync import SyncReport, SyncSettings, WeightSync, WeightSyncError
 
+pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
+
 LM_HEAD_SCALE = 25.0  # sharpen the random-init head: greedy choices are not near-ties
 BUCKET_MB = 0.25  # the tiny model (1.9 MB) travels in ~8 buckets
 NEW_TOKENS = 8

@@ -12,6 +12,8 @@ from megarl.sync import SyncReport, SyncSettings
 from megarl.sync.buckets import BucketPacker, pack, unpack
 from megarl.sync.transports.disk import write_safetensors
 
+pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
+
 
 def stream():
     """Mixed sizes and dtypes, including one tensor larger than a 4 KiB bucket."""

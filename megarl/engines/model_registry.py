@@ -30,12 +30,17 @@ DEFINED_CLASS = re.compile(r"^class (\w+)", re.MULTILINE)
 def served_architectures(server_args: list[str]) -> list[str]:
     """The architectures SGLang resolves for these ``launch_server`` arguments: those of
     ``--json-model-override-args`` if it has any, else the ``config.json`` of a local
-    ``--model-path``; [] when neither says (e.g. a hub id)."""
+    ``--model-path``; [] when neither says (e.g. a hub id). Raises ValueError naming the flag when
+    its value is not a JSON object."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     parser.add_argument("--model-path")
     parser.add_argument("--json-model-override-args", default="{}")
     known, _ = parser.parse_known_args(server_args)
-    override = json.loads(known.json_model_override_args or "{}").get("architectures")
+    try:
+        override = json.loads(known.json_model_override_args or "{}").get("architectures")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise ValueError(f"--json-model-override-args is not a JSON object: "
+                         f"{known.json_model_override_args!r} ({exc})") from exc
     if override:
         return list(override)
     config = Path(known.model_path or "") / "config.json"
