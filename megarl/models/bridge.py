@@ -5,6 +5,7 @@ The bridge's own mappings convert weights both ways; megarl only picks the layer
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,17 +47,22 @@ def use_transformer_engine(impl: str) -> bool:
 
 
 def load_bridge(hf_path: str | Path, dtype: str = "float32"):
-    """``AutoBridge`` over an HF checkpoint directory, with a clear error for a bad checkpoint."""
+    """``AutoBridge`` over an HF checkpoint directory, with a clear error for a bad checkpoint. Only the
+    bridge of the checkpoint's architecture is imported (:mod:`megarl.models.bridge_registry`)."""
     from megarl.gc_pause import gc_paused
+    from megarl.models.bridge_registry import auto_bridge_for
     from megarl.platform import megatron_cpu
-
-    with gc_paused():
-        megatron_cpu.apply()
-        from megatron.bridge import AutoBridge
 
     path = Path(hf_path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.hf_path={hf_path}: not an HF checkpoint (no config.json)")
+    try:
+        architectures = json.loads((path / "config.json").read_text()).get("architectures") or []
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"model.hf_path={hf_path}: config.json is not JSON: {exc}") from exc
+    with gc_paused():
+        megatron_cpu.apply()
+        AutoBridge = auto_bridge_for(architectures)
     try:
         return AutoBridge.from_hf_pretrained(str(path), torch_dtype=DTYPES[dtype])
     except ValueError as exc:

@@ -85,17 +85,17 @@ class VerifyReport:
 
 def hf_architecture(hf_path: str | Path) -> str:
     """The architecture named in ``hf_path/config.json``, if megatron-bridge has a bridge for it."""
+    from megarl.models.bridge_registry import auto_bridge_for
     from megarl.platform import megatron_cpu
 
     megatron_cpu.apply()
-    from megatron.bridge import AutoBridge
-
     config_file = Path(hf_path) / "config.json"
     if not config_file.is_file():
         raise ConversionError(f"{hf_path}: not an HF checkpoint (no config.json)")
     architectures = json.loads(config_file.read_text()).get("architectures") or []
     if not architectures:
         raise ConversionError(f"{config_file}: names no architecture ('architectures' is empty)")
+    AutoBridge = auto_bridge_for(architectures[:1])
     if not AutoBridge.can_handle(str(hf_path)):
         raise ConversionError(
             f"{config_file}: megatron-bridge has no bridge for architecture {architectures[0]} "
