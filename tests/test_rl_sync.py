@@ -1,6 +1,8 @@
 """Synchronous RL end to end through the pipeline driver: warm-up on Megatron, rollouts on a real
 SGLang server (CPU), RL steps with Keep Routing and Keep Sampling Mask on Megatron (a Ray actor),
 weights synced back into the engine after every step."""
+import time
+
 import pytest
 from startup_order import record_startup
 
@@ -32,9 +34,18 @@ def test_sync_rl_steps_reproduce_the_engine_logprobs(tmp_path, warm, monkeypatch
     """Also with a KL term to the reference (the starting checkpoint) and full activation recompute:
     the KL is 0 at the first step (the policy is the reference) and positive once it has moved. The
     (disaggregated) engine loads while the trainer rank builds."""
+    import ray
+
     startup = record_startup(monkeypatch)
     run = sync_run(tmp_path, warm, "steps=2", "algorithm.kl_coef=0.05", "trainer.recompute=full")
     assert len(startup["launch"]) == 1 and startup["launch"][0] < startup["built"][0], startup
+    # the run used this process's Ray and left it connected, every CPU free again (ranks, engines gone)
+    assert ray.is_initialized()
+    for _ in range(100):  # an actor's CPU comes back a moment after it is killed
+        if ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]:
+            break
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"], ray.available_resources()
     rows = rl_rows(run)
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
