@@ -504,6 +504,9 @@ def test_death_is_detected_and_stop_leaves_no_process(engine):
     assert len(group) >= 2, "expected the server and its scheduler/detokenizer children"
     scratch = Path(psutil.Process(pid).environ()["TMPDIR"])
     assert any(scratch.iterdir()), "SGLang's socket files belong in the server's own TMPDIR"
+    segments = (scratch / "segments").read_text().split()  # its /dev/shm files, noted once healthy
+    loads = [name for name in segments if name.startswith("sglang_loads_")]  # SGLang's load-report slots
+    assert loads and all((Path("/dev/shm") / name).exists() for name in loads), segments
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
     while engine.is_alive() and time.monotonic() < deadline:
@@ -515,6 +518,7 @@ def test_death_is_detected_and_stop_leaves_no_process(engine):
     psutil.wait_procs(group, timeout=30)
     assert [p.pid for p in psutil.process_iter(["pid"]) if _pgid(p) == pgid] == []
     assert not scratch.exists()
+    assert not any((Path("/dev/shm") / name).exists() for name in segments)  # SGLang's unlink was SIGKILLed
 
 
 def servers_on_port(port):
@@ -550,5 +554,42 @@ def test_orphaned_scratch_is_removed_and_a_live_or_starting_servers_is_kept(tmp_
     (dirs["dead"] / "server.pid").write_text(str(dead.pid))
     (dirs["live"] / "server.pid").write_text(str(os.getpid()))
     (tmp_path / "other").mkdir()
-    remove_orphaned_scratch()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["other", dirs["live"].name, dirs["starting"].name])
+    # the /dev/shm files each server noted when healthy: the dead one's go with its directory
+    noted = {name: f"megarl-test-{name}-{os.getpid()}-{dead.pid}" for name in ("dead", "live")}
+    for name, segment in noted.items():
+        Path("/dev/shm", segment).write_bytes(b"\0" * 64)
+        (dirs[name] / "segments").write_text(segment + "\n")
+    try:
+        remove_orphaned_scratch()
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["other", dirs["live"].name,
+                                                                     dirs["starting"].name])
+        assert not Path("/dev/shm", noted["dead"]).exists() and Path("/dev/shm", noted["live"]).exists()
+    finally:
+        for segment in noted.values():
+            Path("/dev/shm", segment).unlink(missing_ok=True)
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
+def test_sglangs_segments_of_a_gone_process_go_but_mapped_or_live_ones_stay():
+    import mmap
+    import uuid
+
+    from megarl.engines.server import remove_orphaned_scratch
+    from megarl.engines.shared_memory import SHARED_MEMORY
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    tag = uuid.uuid4().hex[:8]
+    names = {"dead": f"sgl_shm_mq_{dead.pid}_{tag}", "mapped": f"sgl_shm_mq_{dead.pid}_{tag}m",
+             "live": f"sgl_shm_mq_{os.getpid()}_{tag}"}  # SGLang's pid-stamped names
+    for name in names.values():
+        (SHARED_MEMORY / name).write_bytes(b"\0" * 4096)
+    try:
+        with open(SHARED_MEMORY / names["mapped"], "r+b") as f, mmap.mmap(f.fileno(), 0):
+            remove_orphaned_scratch()
+            assert {k for k, n in names.items() if (SHARED_MEMORY / n).exists()} == {"mapped", "live"}
+        remove_orphaned_scratch()
+        assert {k for k, n in names.items() if (SHARED_MEMORY / n).exists()} == {"live"}
+    finally:
+        for name in names.values():
+            (SHARED_MEMORY / name).unlink(missing_ok=True)

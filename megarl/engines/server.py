@@ -22,6 +22,7 @@ import httpx
 import psutil
 
 from megarl.engines.client import ServedModel
+from megarl.engines.shared_memory import SHARED_MEMORY, alive, mapped_segments, unlink_unmapped
 from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraSettings
 from megarl.parallel import free_port, rendezvous_host
 from megarl.platform import sglang_cpu
@@ -276,6 +277,7 @@ class SGLangEngine:
         try:
             self._wait_healthy(t0 + self.settings.startup_timeout_s)
             self._freeze_gc()
+            _record_segments(self._process.pid, Path(self._scratch))
         except BaseException:
             self.stop()
             raise
@@ -340,7 +342,7 @@ class SGLangEngine:
         _signal_group(pgid, signal.SIGKILL)  # children that outlived the leader
         process.wait()
         if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
+            _remove_scratch(Path(self._scratch))
             self._scratch = None
         log.info("SGLang server pid %d stopped", pgid)
 
@@ -360,16 +362,49 @@ class SGLangEngine:
 
 
 def remove_orphaned_scratch() -> None:
-    """Remove the temporary directories of this machine's servers that are gone without their stop()
-    (killed with their owner: Ray SIGKILLs a dead actor's children); a directory whose server still
-    runs, or whose server is being started (no pid written yet), stays."""
+    """Remove what this machine's servers that are gone without their stop() (killed with their owner:
+    Ray SIGKILLs a dead actor's children) left: their temporary directories, and the shared-memory
+    segments SGLang names after their creating process (``sgl_shm_<kind>_<pid>_<random>``, 24 MiB for
+    each message queue of a TP engine; the naming of SGLang's ``stale_shm_cleanup``) once that process
+    is gone and nothing maps them. A directory whose server still runs, or whose server is being
+    started (no pid written yet), stays."""
     for path in Path(tempfile.gettempdir()).glob(SCRATCH_PREFIX + "*"):
         try:
             pid = int((path / "server.pid").read_text())
         except (OSError, ValueError):
             continue
         if not psutil.pid_exists(pid):
-            shutil.rmtree(path, ignore_errors=True)
+            _remove_scratch(path)
+    if SHARED_MEMORY.is_dir():
+        stamped = {p.name: p.name.split("_")[-2] for p in SHARED_MEMORY.glob("sgl_shm_*_*_*")}
+        orphans = [name for name, pid in stamped.items() if pid.isdigit() and not alive(int(pid))]
+        if orphans:
+            unlink_unmapped(orphans, mapped_segments())
+
+
+SEGMENTS_FILE = "segments"  # in a server's scratch directory: the /dev/shm names its processes mapped when healthy
+
+
+def _record_segments(pgid: int, scratch: Path) -> None:
+    """Note the ``/dev/shm`` files the server's processes (its process group) map once it is healthy
+    (SGLang's ``sglang_loads_*`` slot file, its message queues): a SIGKILL skips SGLang's unlink."""
+    names = set()
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid:
+                names.update(Path(m.path).name for m in proc.memory_maps(grouped=True)
+                             if m.path.startswith(str(SHARED_MEMORY) + "/"))
+        except (psutil.Error, ProcessLookupError):
+            continue
+    (scratch / SEGMENTS_FILE).write_text("".join(f"{name}\n" for name in sorted(names)))
+
+
+def _remove_scratch(scratch: Path) -> None:
+    """Remove a stopped (or gone) server's scratch directory and the segments it noted that nothing maps."""
+    segments = scratch / SEGMENTS_FILE
+    if segments.is_file():
+        unlink_unmapped(segments.read_text().split(), mapped_segments())
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _temporary_log_path() -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import re
 import sys
@@ -25,7 +26,7 @@ PACKAGES = ("megatron.bridge", "megatron.bridge.models")  # parent first
 # a class decorator at the start of a line (not an example in a docstring): source=Class, "Name" or CONSTANT
 REGISTRATION = re.compile(r"^@[\w.]*register_bridge\(\s*source\s*=\s*(?:[\"'](\w+)[\"']|(\w+))", re.MULTILINE)
 CONSTANT = r"^{}\s*(?::\s*\w+\s*)?=\s*[\"'](\w+)[\"']"  # NAME = "Architecture" (NAME: str = ... too)
-_skipped: dict[str, object] = {}  # package -> its spec, while its __init__ has not run
+_skipped: dict[str, importlib.machinery.ModuleSpec] = {}  # package -> its spec while its __init__ has not run
 
 
 def registering_module(architecture: str) -> str | None:
