@@ -22,7 +22,7 @@ import httpx
 import psutil
 
 from megarl.engines.client import ServedModel
-from megarl.engines.shared_memory import SHARED_MEMORY, alive, mapped_segments, unlink_unmapped
+from megarl.engines.shared_memory import SHARED_MEMORY, mapped_segments, unlink_unmapped
 from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraSettings
 from megarl.parallel import free_port, rendezvous_host
 from megarl.platform import sglang_cpu
@@ -377,7 +377,7 @@ def remove_orphaned_scratch() -> None:
             _remove_scratch(path)
     if SHARED_MEMORY.is_dir():
         stamped = {p.name: p.name.split("_")[-2] for p in SHARED_MEMORY.glob("sgl_shm_*_*_*")}
-        orphans = [name for name, pid in stamped.items() if pid.isdigit() and not alive(int(pid))]
+        orphans = [name for name, pid in stamped.items() if pid.isdigit() and not psutil.pid_exists(int(pid))]
         if orphans:
             unlink_unmapped(orphans, mapped_segments())
 
@@ -388,15 +388,15 @@ SEGMENTS_FILE = "segments"  # in a server's scratch directory: the /dev/shm name
 def _record_segments(pgid: int, scratch: Path) -> None:
     """Note the ``/dev/shm`` files the server's processes (its process group) map once it is healthy
     (SGLang's ``sglang_loads_*`` slot file, its message queues): a SIGKILL skips SGLang's unlink."""
-    names = set()
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) == pgid:
-                names.update(Path(m.path).name for m in proc.memory_maps(grouped=True)
-                             if m.path.startswith(str(SHARED_MEMORY) + "/"))
-        except (psutil.Error, ProcessLookupError):
-            continue
-    (scratch / SEGMENTS_FILE).write_text("".join(f"{name}\n" for name in sorted(names)))
+    group = [pid for pid in psutil.pids() if _group_of(pid) == pgid]
+    (scratch / SEGMENTS_FILE).write_text("".join(f"{name}\n" for name in sorted(mapped_segments(group))))
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def _remove_scratch(scratch: Path) -> None:

@@ -9,31 +9,21 @@ the others; the owners of the names decide which are theirs
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
 SHARED_MEMORY = Path("/dev/shm")
 
 
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (another user's counts)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def mapped_segments() -> set[str]:
-    """Names of the ``/dev/shm`` files some process of this machine maps (from ``/proc/*/maps``)."""
+def mapped_segments(pids: Iterable[int] | None = None) -> set[str]:
+    """Names of the ``/dev/shm`` files mapped by ``pids`` (every process of this machine when None),
+    from ``/proc/<pid>/maps``; a process that is gone or unreadable counts as mapping none."""
+    maps = [Path(f"/proc/{pid}/maps") for pid in pids] if pids is not None else Path("/proc").glob("[0-9]*/maps")
     mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
+    for path in maps:
         try:
-            text = maps.read_text()
-        except OSError:  # gone, or not readable
+            text = path.read_text()
+        except OSError:
             continue
         mapped.update(line.rsplit("/dev/shm/", 1)[1].split()[0] for line in text.splitlines() if "/dev/shm/" in line)
     return mapped

@@ -359,7 +359,7 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
     resume_step = latest_step(checkpoints) if t.resume else None
     stack = contextlib.AsyncExitStack()
     try:
-        stack.enter_context(ray_for_run(max(2, layout.world_size + r.num_engines)))
+        stack.enter_context(ray_for_run(layout.world_size + r.num_engines))
         StopRequest.install()  # again: ray.init replaced the handlers with its own (which just die)
         started = time.monotonic()
         trainer = TrainerGroup(layout, backend=p.backend, seed=t.seed)

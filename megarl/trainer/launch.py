@@ -61,8 +61,9 @@ def ray_for_run(num_cpus: int) -> Iterator[None]:
     When this process is already connected (a notebook's or a test session's ``ray.init``), the run
     uses that connection and leaves it connected: it must remove what it created itself. Otherwise
     it joins the cluster at ``RAY_ADDRESS`` (slurm/megarl.sbatch exports it) or starts a local one of
-    ``num_cpus`` logical CPUs, and disconnects (stopping a local cluster) when the block ends. The
-    process's SIGTERM handler stays what it was (``ray.init`` sets its own).
+    ``num_cpus`` logical CPUs (the run's actors; at least 2), and disconnects (stopping a local
+    cluster) when the block ends. The process's SIGTERM handler stays what it was (``ray.init`` sets
+    its own).
     """
     if ray.is_initialized():
         yield
@@ -72,7 +73,7 @@ def ray_for_run(num_cpus: int) -> Iterator[None]:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=max(2, num_cpus), include_dashboard=False, log_to_driver=False)
     if main and sigterm is not None:
         signal.signal(signal.SIGTERM, sigterm)
     try:
@@ -93,7 +94,7 @@ def run_ranks(fn: Callable[..., Any], layout: Layout, *args, backend: str = "aut
     from megarl.trainer.actor import TrainerGroup
 
     deadline = time.monotonic() + timeout_s
-    with ray_for_run(max(2, layout.world_size)):
+    with ray_for_run(layout.world_size):
         group = None
         try:
             paths = sorted({root for obj in (fn, *args) if callable(obj) for root in [_import_root(obj)] if root})

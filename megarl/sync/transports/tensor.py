@@ -27,9 +27,10 @@ import asyncio
 import os
 from typing import Any
 
+import psutil
 import torch
 
-from megarl.engines.shared_memory import SHARED_MEMORY, alive, mapped_segments, unlink_unmapped
+from megarl.engines.shared_memory import SHARED_MEMORY, mapped_segments, unlink_unmapped
 from megarl.sync.buckets import DTYPES, Bucket, BucketIndex
 from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, finish_fields
 
@@ -89,7 +90,7 @@ def remove_orphaned_segments() -> list[str]:
         return []
     manifests = [m for m in SHARED_MEMORY.glob(MANIFEST_PREFIX + "*")
                  if m.name.removeprefix(MANIFEST_PREFIX).isdigit()
-                 and not alive(int(m.name.removeprefix(MANIFEST_PREFIX)))]
+                 and not psutil.pid_exists(int(m.name.removeprefix(MANIFEST_PREFIX)))]
     if not manifests:
         return []
     mapped = mapped_segments()
