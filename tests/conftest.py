@@ -1,7 +1,6 @@
 """Shared fixtures: the tiny demo checkpoint and its warm-up, made once per test session."""
 import asyncio
 import os
-import time
 
 import pytest
 
@@ -124,19 +123,12 @@ def ray_local(ray_session):
     connected Ray and leave it connected (:func:`megarl.trainer.launch.ray_for_run`) where each would
     start and stop a cluster (~4 CPU-s). By the module's end its runs and fixtures must have released
     what they reserved: a leaked actor or placement group would starve the next module's runs."""
-    import ray
+    from ray_held import held_resources
 
     yield
-    deadline = time.monotonic() + 30  # an actor's resources come back a moment after it is killed
-    while True:
-        free = ray.available_resources()
-        held = {k: v - free.get(k, 0) for k, v in ray.cluster_resources().items()
-                if free.get(k, 0) != v and not k.startswith(("memory", "object_store"))}
-        if not held:
-            break
-        if time.monotonic() > deadline:
-            pytest.fail(f"the module left resources reserved on the shared Ray: {held}")
-        time.sleep(0.2)
+    held = held_resources()
+    if held:
+        pytest.fail(f"the module left resources reserved on the shared Ray: {held}")
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,8 @@
 """Synchronous RL end to end through the pipeline driver: warm-up on Megatron, rollouts on a real
 SGLang server (CPU), RL steps with Keep Routing and Keep Sampling Mask on Megatron (a Ray actor),
 weights synced back into the engine after every step."""
-import time
-
 import pytest
+from ray_held import held_resources
 from startup_order import record_startup
 
 from megarl.metrics.sink import read_metrics
@@ -41,11 +40,7 @@ def test_sync_rl_steps_reproduce_the_engine_logprobs(tmp_path, warm, monkeypatch
     assert len(startup["launch"]) == 1 and startup["launch"][0] < startup["built"][0], startup
     # the run used this process's Ray and left it connected, every CPU free again (ranks, engines gone)
     assert ray.is_initialized()
-    for _ in range(100):  # an actor's CPU comes back a moment after it is killed
-        if ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]:
-            break
-        time.sleep(0.1)
-    assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"], ray.available_resources()
+    assert held_resources(timeout_s=10) == {}
     rows = rl_rows(run)
     assert [row["step"] for row in rows] == [1, 2]
     for row in rows:
