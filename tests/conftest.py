@@ -109,11 +109,15 @@ def ray_session():
     """One local Ray cluster per test process (each pytest-xdist worker), started by the first module
     that asks for it (:func:`ray_local`) and kept to the end. 8 logical CPUs: the largest layout's
     ranks and a run's engines. The ranks' environment is this process's when it starts
-    (``run_ranks(env=...)`` for more)."""
+    (``run_ranks(env=...)`` for more, in processes of their own). Trainer-rank processes are kept
+    between the runs (:func:`megarl.trainer.rank_pool.keep_ranks`; ~4-5 CPU-s of imports each)."""
     import ray
 
+    from megarl.trainer.rank_pool import keep_ranks
+
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    yield
+    with keep_ranks():
+        yield
     ray.shutdown()
 
 

@@ -7,7 +7,9 @@ experts are swapped; bad inputs fail with one line naming them. A LoRA run's tra
 to the base with the adapters merged, as computed by hand from that PEFT directory.
 """
 import asyncio
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -30,6 +32,7 @@ SHARD = 300_000  # bytes; the tiny model's 1.9 MB go into several files
 
 
 def cli(*args) -> subprocess.CompletedProcess:
+    """tools/convert_checkpoint.py as a command (its own process and Ray)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "tools/convert_checkpoint.py", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
@@ -41,6 +44,14 @@ def main(argv: list[str]) -> int:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main(argv)
+
+
+def run_main(*args) -> subprocess.CompletedProcess:
+    """:func:`main` with what it prints captured, as :func:`cli` returns it."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(map(str, args)))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def printed(result: subprocess.CompletedProcess, key: str) -> dict:
@@ -68,10 +79,11 @@ def swapped_experts(tiny_checkpoint, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def megatron_checkpoint(tiny_checkpoint, tmp_path_factory):
+def megatron_checkpoint(ray_local, tiny_checkpoint, tmp_path_factory):
     """(torch_dist directory written under TP2 x EP2 with ETP1 on 2 ranks, its --verify report)."""
     out = tmp_path_factory.mktemp("megatron") / "tp2_ep2"
-    result = cli("to-megatron", "--hf", tiny_checkpoint, "--out", out, "--tp", 2, "--ep", 2, "--etp", 1, "--verify")
+    result = run_main("to-megatron", "--hf", tiny_checkpoint, "--out", out, "--tp", 2, "--ep", 2, "--etp", 1,
+                      "--verify")
     assert result.returncode == 0, result.stderr[-4000:]
     return out, printed(result, "verify")
 
@@ -88,7 +100,7 @@ def test_back_to_hf_in_one_process_is_bit_exact_in_bounded_shards(megatron_check
     # The reference HF directory is the swapped copy: the output can only equal the original if
     # every weight came from the torch_dist checkpoint (resharded from TP2 x EP2 to one rank).
     out = tmp_path / "hf"
-    result = cli("to-hf", "--megatron", megatron_checkpoint[0], "--hf", swapped_experts, "--out", out,
+    result = run_main("to-hf", "--megatron", megatron_checkpoint[0], "--hf", swapped_experts, "--out", out,
                  "--max-shard-size", f"{SHARD}B", "--verify")
     assert result.returncode == 0, result.stderr[-4000:]
     original, written = load_file(Path(tiny_checkpoint) / "model.safetensors"), hf_tensors(out)
@@ -108,7 +120,7 @@ def test_back_to_hf_in_one_process_is_bit_exact_in_bounded_shards(megatron_check
 
 
 def test_verify_fails_on_swapped_experts(megatron_checkpoint, swapped_experts):
-    result = cli("verify", "--megatron", megatron_checkpoint[0], "--hf", swapped_experts)
+    result = run_main("verify", "--megatron", megatron_checkpoint[0], "--hf", swapped_experts)
     assert result.returncode == 1, result.stderr[-4000:]
     report = printed(result, "verify")
     assert not report["passed"] and report["max_abs_diff"] > 100 * report["tolerance"]

@@ -363,7 +363,7 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
         StopRequest.install()  # again: ray.init replaced the handlers with its own (which just die)
         started = time.monotonic()
         trainer = TrainerGroup(layout, backend=p.backend, seed=t.seed)
-        stack.callback(trainer.shutdown)
+        stack.push(lambda failure, *_: trainer.shutdown(keep=failure is None))  # ranks may be stuck after one
         api_key = secrets.token_urlsafe(32)  # this run's engines answer only megarl's clients (never logged)
         engines = [dataclasses.replace(EngineSettings.from_config(cfg, start_checkpoint, i, 0), api_key=api_key)
                    for i in range(r.num_engines)]
@@ -469,6 +469,6 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
         stack.callback(producer_task.cancel)
         async with stack:
             yield pipe
-    except BaseException:
-        await stack.aclose()
+    except BaseException as e:
+        await stack.__aexit__(type(e), e, e.__traceback__)  # a no-op when `async with` closed it
         raise

@@ -42,6 +42,11 @@ def is_stage_sender() -> bool:
             and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
 
 
+def forget_groups() -> None:
+    """Drop the groups made here for this process's process group (before it is destroyed)."""
+    _single_stage_groups.cache_clear()
+
+
 @functools.cache
 def _single_stage_groups():
     """A process-group collection whose pipeline group is this rank alone: the bridge's mappings

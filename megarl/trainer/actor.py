@@ -21,20 +21,48 @@ log = logging.getLogger(__name__)
 
 
 class TrainerRank:
-    """One Megatron rank: its process groups, model, optimizer and schedule."""
+    """One Megatron rank: its process groups, model, optimizer and schedule.
 
-    def __init__(self, rank: int, layout: Layout, master_addr: str, master_port: int, backend: str, seed: int,
-                 import_paths: Sequence[str] = ()):
+    The process is set up at creation; :meth:`join` makes it a rank of a group and :meth:`leave`
+    undoes that, so that a kept process (:mod:`megarl.trainer.rank_pool`) can join another group."""
+
+    def __init__(self):
         from megarl.log import setup_logging
+
+        setup_logging()
+        torch.set_num_threads(1)
+        self.rank: int | None = None
+        self.layout: Layout | None = None
+        self.trainable = None
+        self.reference = None
+        self._weight_sync = None
+
+    def join(self, rank: int, layout: Layout, master_addr: str, master_port: int, backend: str, seed: int,
+             import_paths: Sequence[str] = ()) -> bool:
+        """Join ``layout``'s group as ``rank`` (:func:`megarl.trainer.distributed.init_rank`); whether this
+        rank reports the group's results (:meth:`is_reporter`)."""
         from megarl.trainer.distributed import init_rank
 
         sys.path.extend(p for p in import_paths if p not in sys.path)  # where run()'s functions live
-        setup_logging()
-        torch.set_num_threads(1)
-        self.rank, self.layout = rank, layout
         init_rank(rank, layout, master_addr, master_port, backend=backend, seed=seed)
-        self.trainable = None
-        self.reference = None
+        self.rank, self.layout = rank, layout
+        return self.is_reporter()
+
+    def leave(self) -> None:
+        """Drop the weight-sync links, model, optimizer and reference, then megatron's groups and the
+        process group: the process is as it was before :meth:`join` but for what it imported."""
+        import gc
+
+        from megarl.sync.gather import forget_groups
+        from megarl.trainer.distributed import shutdown_rank
+
+        if self._weight_sync is not None:
+            self._weight_sync.abort()  # closes its links
+        self._weight_sync = self.trainable = self.reference = None
+        self.rank = self.layout = None
+        forget_groups()
+        shutdown_rank()
+        gc.collect()
 
     def build(self, hf_path: str, optimizer, model) -> int:
         """Build model, DDP and optimizer from the HF checkpoint (``optimizer``: OptimizerSettings,
@@ -110,7 +138,7 @@ class TrainerRank:
     def _rank_sync(self):
         from megarl.sync.rank import RankSync
 
-        if getattr(self, "_weight_sync", None) is None:
+        if self._weight_sync is None:
             self._weight_sync = RankSync(self.trainable.model)
         return self._weight_sync
 
@@ -166,38 +194,53 @@ class TrainerGroup:
     The ranks meet at rank 0's node address (loopback when the cluster has one node) on a port a
     zero-CPU task in rank 0's bundle found free there (``master``); on a cluster with nodes that
     offer the ``megarl_trainer`` resource every bundle asks for a unit of it (docs/architecture.md,
-    "Multi-node").
+    "Multi-node"). Inside :func:`megarl.trainer.rank_pool.keep_ranks` a group without ``env`` or
+    trainer nodes takes kept processes on this node instead (no placement group) and
+    :meth:`shutdown` hands them back.
     """
 
     def __init__(self, layout: Layout, backend: str = "auto", seed: int = 1234, *,
                  import_paths: Sequence[str] = (), env: Mapping[str, str] | None = None,
                  startup_timeout_s: float = 600.0):
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+        from megarl.trainer import rank_pool
 
         self.layout = layout
         self.ranks: list = []
+        self.placement = None
         gpus = 1 if torch.cuda.is_available() else 0
         resources = role_resources("trainer")  # nodes set aside for trainer ranks, when the cluster has any
-        bundle = {"GPU": 1, "CPU": 1, **resources} if gpus else {"CPU": 1, **resources}
-        self.placement = placement_group([bundle] * layout.world_size, strategy="PACK")
+        self._pool = rank_pool.current() if env is None and not resources else None
         try:
-            ray.get(self.placement.ready(), timeout=startup_timeout_s)
-            # Rank 0's TCP store listens on its node: its address and a free port there, asked on that node.
-            host, port = ray.get(_rendezvous_point.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self.placement, placement_group_bundle_index=0)).remote(), timeout=startup_timeout_s)
-            self.master = (host, port)
-            remote = ray.remote(num_cpus=1, num_gpus=gpus)(TrainerRank)
-            self.ranks = [
-                remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement, placement_group_bundle_index=r),
-                    runtime_env={"env_vars": dict(env)} if env else None).remote(
-                        r, layout, host, port, backend, seed, list(import_paths))
-                for r in range(layout.world_size)
-            ]
-            self.reporter = ray.get([r.is_reporter.remote() for r in self.ranks], timeout=startup_timeout_s).index(True)
+            if self._pool is not None:
+                host = rendezvous_host()  # the kept ranks run on this node
+                self.master = (host, free_port(host))
+                here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+                kept = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerRank).options(scheduling_strategy=here)
+                self.ranks = self._pool.take(layout.world_size, kept.remote)
+            else:
+                bundle = {"GPU": 1, "CPU": 1, **resources} if gpus else {"CPU": 1, **resources}
+                self.placement = placement_group([bundle] * layout.world_size, strategy="PACK")
+                ray.get(self.placement.ready(), timeout=startup_timeout_s)
+                # Rank 0's TCP store listens on its node: its address and a free port there, asked on that node.
+                self.master = ray.get(_rendezvous_point.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self.placement, placement_group_bundle_index=0)).remote(),
+                    timeout=startup_timeout_s)
+                remote = ray.remote(num_cpus=1, num_gpus=gpus)(TrainerRank)
+                self.ranks = [
+                    remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.placement, placement_group_bundle_index=r),
+                        runtime_env={"env_vars": dict(env)} if env else None).remote()
+                    for r in range(layout.world_size)
+                ]
+            host, port = self.master
+            reports = ray.get([rank.join.remote(r, layout, host, port, backend, seed, list(import_paths))
+                               for r, rank in enumerate(self.ranks)], timeout=startup_timeout_s)
+            self.reporter = reports.index(True)
         except BaseException:
-            self.shutdown()
+            self.shutdown(keep=False)
             raise
 
     # --- trainer calls: each runs on every rank and returns the reporting rank's result ---------
@@ -278,9 +321,17 @@ class TrainerGroup:
         args = [ray.put(a) if not isinstance(a, (int, float, str, bool, type(None))) else a for a in args]
         return [getattr(r, method).remote(*args, **kwargs) for r in self.ranks]
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep: bool = True) -> None:
+        """Remove the ranks (and the placement group); kept processes go back to the pool after leaving
+        the group, unless ``keep`` is false (after a failure a rank may be stuck in a collective)."""
         from ray.util.placement_group import remove_placement_group
 
-        for rank in self.ranks:
-            ray.kill(rank)
-        remove_placement_group(self.placement)
+        if self._pool is not None and keep:
+            self._pool.give_back(self.ranks, lambda rank: rank.leave.remote())
+        else:
+            for rank in self.ranks:
+                ray.kill(rank)
+        self.ranks = []
+        if self.placement is not None:
+            remove_placement_group(self.placement)
+            self.placement = None

@@ -46,8 +46,14 @@ def init_rank(rank: int, layout: Layout, master_addr: str, master_port: int, bac
 
 
 def shutdown_rank() -> None:
+    """Undo :func:`init_rank` and what megatron's models registered process-wide (the routers'
+    replay instances, the MoE loss tracker), so that the process can join another layout."""
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.moe.router_replay import RouterReplay
 
+    RouterReplay.clear_global_router_replay_instances()
+    get_moe_layer_wise_logging_tracker().clear()
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -95,7 +95,7 @@ def run_ranks(fn: Callable[..., Any], layout: Layout, *args, backend: str = "aut
 
     deadline = time.monotonic() + timeout_s
     with ray_for_run(layout.world_size):
-        group = None
+        group, done = None, False
         try:
             paths = sorted({root for obj in (fn, *args) if callable(obj) for root in [_import_root(obj)] if root})
             try:
@@ -119,7 +119,8 @@ def run_ranks(fn: Callable[..., Any], layout: Layout, *args, backend: str = "aut
                     values[rank] = ray.get(ready[0])
                 except ray.exceptions.RayError as e:
                     raise RankFailed(f"rank {rank} of {layout} failed:\n{_plain(e)}") from None  # its traceback
+            done = True
             return [values[r] for r in range(layout.world_size)]
         finally:
             if group is not None:
-                group.shutdown()
+                group.shutdown(keep=done)  # after a failure a rank may be stuck in a collective
