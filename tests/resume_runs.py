@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import psutil
+import ray
 
 from megarl.metrics.sink import read_metrics
 
@@ -49,7 +50,8 @@ def run_until(tmp_path: Path, recipe: str, last_step: int,
               sig: signal.Signals) -> tuple[subprocess.CompletedProcess, list[Path]]:
     """Start the driver, send ``sig`` once step ``last_step`` is in metrics.jsonl, wait for it; returns it
     and the temporary directories (``TMPDIR``) its SGLang servers had when the signal went."""
-    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    # the driver joins the test process's Ray (tests/conftest.py, ray_local) rather than starting one
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ADDRESS=ray.get_runtime_context().gcs_address)
     started = time.time()
     with open(tmp_path / "driver.log", "ab") as out:
         proc = subprocess.Popen(command(tmp_path, recipe), stdout=out, stderr=subprocess.STDOUT, env=env)

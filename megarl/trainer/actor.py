@@ -61,6 +61,16 @@ class TrainerRank:
         self._weight_sync = self.trainable = self.reference = None
         self.rank = self.layout = None
         forget_groups()
+        # Tensors of the last forward that megatron keeps on its modules (the MoE token dispatcher's) hold
+        # an autograd graph whose grad accumulators' hooks hold the DDP: a cycle through autograd's C++
+        # nodes that Python's collector cannot see, keeping the model and the process groups it used
+        # (with their gloo threads, which poll). No graph outlives a group's work: cut them all.
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.grad_fn is not None:
+                try:
+                    obj.detach_()
+                except RuntimeError:  # a view cannot be detached in place (none seen so far)
+                    pass
         shutdown_rank()
         gc.collect()
 

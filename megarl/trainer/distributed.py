@@ -46,14 +46,19 @@ def init_rank(rank: int, layout: Layout, master_addr: str, master_port: int, bac
 
 
 def shutdown_rank() -> None:
-    """Undo :func:`init_rank` and what megatron's models registered process-wide (the routers'
-    replay instances, the MoE loss tracker), so that the process can join another layout."""
+    """Undo :func:`init_rank` and what megatron's models left process-wide (the routers' replay
+    instances, the MoE loss tracker, the rotary embeddings' cached calls, which hold the modules and
+    so their process groups), so that the process can join another layout."""
     from megatron.core import parallel_state
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     RouterReplay.clear_global_router_replay_instances()
     get_moe_layer_wise_logging_tracker().clear()
+    RotaryEmbedding.forward.cache_clear()
+    YarnRotaryEmbedding.forward.cache_clear()
     parallel_state.destroy_model_parallel()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
