@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,9 +43,10 @@ class RankPool:
     def give_back(self, ranks: list[Any], leave: Callable[[Any], Any]) -> None:
         """Make every rank leave its group (``leave(rank)`` -> an ObjectRef) and keep those that did."""
         pending = {rank: leave(rank) for rank in ranks}
+        deadline = time.monotonic() + LEAVE_TIMEOUT_S  # one wait for all of them
         for rank, ref in pending.items():
             try:
-                ray.get(ref, timeout=LEAVE_TIMEOUT_S)
+                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except (ray.exceptions.RayError, TimeoutError) as e:
                 log.debug("a kept rank did not leave its group (%s); killed", type(e).__name__)
                 ray.kill(rank)
