@@ -1,10 +1,11 @@
 """Small megatron runs on CPU, one per failure the CPU work-arounds prevent.
 
-usage: python tests/platform_scenarios.py SCENARIO HF_PATH
-Run by tests/test_platform_cpu.py with MEGARL_CPU_WORKAROUNDS_OFF naming one work-around; exits
-non-zero with megatron's error when that work-around is needed by the scenario. A one-rank scenario
-runs in this process (what a trainer rank does: ``init_rank``, then the function); several ranks run
-as Ray actors (``run_ranks``).
+usage: python tests/platform_scenarios.py SCENARIO HF_PATH OUT_DIR
+With MEGARL_CPU_WORKAROUNDS_OFF naming one work-around, exits non-zero with megatron's error when that
+work-around is needed by the scenario. A one-rank scenario runs in this process (what a trainer rank
+does: ``init_rank``, then :func:`scenario`); several ranks run :func:`scenario` as Ray actors
+(``run_ranks``). tests/test_platform_cpu.py runs the one-rank scenarios this way, in a fresh interpreter,
+and the others' ranks on its own Ray, with the work-around turned off in their environment.
 """
 import sys
 

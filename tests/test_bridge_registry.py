@@ -1,9 +1,9 @@
 """megarl/models/bridge_registry.py: a trainer rank imports the checkpoint's bridge alone, converts with it,
 and megatron-bridge's full registry comes back whole whenever it is asked for."""
 import json
-import subprocess
 import sys
 
+import fresh_python
 import pytest
 
 # A fresh process, as a trainer rank: load_bridge() on the tiny checkpoint and its Megatron provider; what
@@ -33,7 +33,7 @@ print(json.dumps({"provider": type(provider).__name__, "layers": provider.num_la
 
 @pytest.fixture(scope="module")
 def rank(tiny_checkpoint):
-    done = subprocess.run([sys.executable, "-c", RANK, tiny_checkpoint], capture_output=True, text=True, timeout=300)
+    done = fresh_python.run([sys.executable, "-c", RANK, tiny_checkpoint], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -2,9 +2,9 @@
 resolves every architecture to the class SGLang's own full registry gives."""
 import json
 import os
-import subprocess
 import sys
 
+import fresh_python
 import pytest
 
 from megarl.engines.model_registry import MODULE_VARIABLE, install, served_architectures
@@ -33,8 +33,7 @@ print(json.dumps({"installed": installed, "imported": imported, "resolved": reso
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
     env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_EXTERNAL_MODEL_PACKAGE", MODULE_VARIABLE)}
-    done = subprocess.run([sys.executable, "-c", SERVER, tiny_checkpoint], capture_output=True, text=True, env=env,
-                          timeout=300)
+    done = fresh_python.run([sys.executable, "-c", SERVER, tiny_checkpoint], env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -9,10 +9,10 @@ process of its own, so megatron's global state does not outlive it.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+import fresh_python
 import pytest
 
 from megarl.config import ConfigError, load_config
@@ -39,7 +39,7 @@ def tiny_lora_config(ckpt: str, name: str):
 @pytest.fixture(scope="module")
 def bridge_counts(tiny_checkpoint) -> dict:
     """What megatron-bridge builds and exports for each target set (run in a process of its own)."""
-    done = subprocess.run([sys.executable, __file__, tiny_checkpoint], capture_output=True, text=True, timeout=120)
+    done = fresh_python.run([sys.executable, __file__, tiny_checkpoint], timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fresh_python
 import pytest
+from platform_scenarios import LAYOUTS, scenario
 
 from megarl.platform import megatron_cpu
+from megarl.trainer.launch import RankFailed, run_ranks
 
 SCENARIOS = Path(__file__).with_name("platform_scenarios.py")
 
@@ -29,10 +32,20 @@ PREVENTS = {w.name: w.prevents for w in megatron_cpu.WORKAROUNDS}
 PREVENTS[megatron_cpu.OPTIMIZER_TYPE_SCOPE] = "Wrapped parameters must be one of torch.cuda.FloatTensor"
 
 
-def run_scenario(name, hf_path, out_dir, off=""):
-    env = dict(os.environ, MEGARL_CPU_WORKAROUNDS_OFF=off, MEGARL_LOG_LEVEL="WARNING")
-    return subprocess.run([sys.executable, str(SCENARIOS), name, hf_path, str(out_dir)], env=env,
-                          capture_output=True, text=True, timeout=400)
+def run_scenario(name, hf_path, out_dir, off="") -> subprocess.CompletedProcess:
+    """Scenario ``name`` with the work-around ``off`` turned off. One rank: tests/platform_scenarios.py in
+    a fresh interpreter (:mod:`fresh_python`); several: their ranks on the test process's Ray, in rank
+    processes of their own started with that environment (a failed rank's traceback in ``stderr``)."""
+    env = {megatron_cpu.OFF_ENV: off, "MEGARL_LOG_LEVEL": "WARNING"}
+    layout = LAYOUTS.get(name)
+    if layout is None or layout.world_size == 1:
+        return fresh_python.run([sys.executable, str(SCENARIOS), name, hf_path, str(out_dir)],
+                                env=dict(os.environ, **env), timeout=400)
+    try:
+        losses = run_ranks(scenario, layout, name, hf_path, str(out_dir), env=env, timeout_s=300)
+    except RankFailed as e:
+        return subprocess.CompletedProcess(name, 1, "", str(e))
+    return subprocess.CompletedProcess(name, 0, repr(losses), "")
 
 
 def test_every_workaround_has_a_scenario():
@@ -40,7 +53,7 @@ def test_every_workaround_has_a_scenario():
 
 
 @pytest.mark.parametrize("workaround", sorted(NEEDED_BY))
-def test_scenario_fails_without_workaround(workaround, tiny_checkpoint, tmp_path):
+def test_scenario_fails_without_workaround(workaround, tiny_checkpoint, tmp_path, ray_local):
     result = run_scenario(NEEDED_BY[workaround], tiny_checkpoint, tmp_path, off=workaround)
     assert result.returncode != 0, f"{workaround} off, yet {NEEDED_BY[workaround]} passed:\n{result.stdout}"
     assert PREVENTS[workaround] in result.stderr + result.stdout, result.stderr[-3000:]
@@ -79,5 +92,5 @@ def test_nothing_is_applied_when_cuda_is_available():
         "assert not any(type(f).__module__ == megatron_cpu.__name__ for f in sys.meta_path)\n"
         "print('untouched')\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = fresh_python.run([sys.executable, "-c", code], timeout=120)
     assert result.returncode == 0 and "untouched" in result.stdout, result.stderr[-2000:]

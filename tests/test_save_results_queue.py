@@ -2,9 +2,9 @@
 saves report through an in-process queue and start no process, where megatron's own queue starts a
 Manager server (~750 MB, orphaned when the rank is SIGKILLed)."""
 import os
-import subprocess
 import sys
 
+import fresh_python
 import pytest
 
 # A save in a fresh gloo process of one rank: megatron-core's torch_dist save of one sharded tensor,
@@ -37,8 +37,8 @@ def test_a_save_round_trips_and_only_megatrons_queue_starts_a_process(which, sta
     from megarl.parallel.network import free_port
 
     # TMPDIR: megatron's Manager server is terminated at exit and leaves its pymp-* directory behind
-    done = subprocess.run([sys.executable, "-c", SAVE, which, str(free_port("127.0.0.1"))], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
+    done = fresh_python.run([sys.executable, "-c", SAVE, which, str(free_port("127.0.0.1"))], timeout=300,
+                            env={**os.environ, "TMPDIR": str(tmp_path)})
     assert done.returncode == 0, done.stderr[-3000:]
     started, equal = done.stdout.split()
     # megatron's: its Manager server (and the spawn context's resource tracker); megarl's: none

@@ -1,7 +1,8 @@
 """Each SGLang CPU work-around is needed: turned off alone, its scenario fails with the error it names.
 
 Every scenario is a few lines of SGLang in a fresh interpreter (the work-arounds change sys.modules
-and the environment, and SGLang reads both at import time): what its CPU path does at import, the
+and the environment, and SGLang reads both at import time; :mod:`fresh_python`, which has imported
+torch and transformers but no SGLang): what its CPU path does at import, the
 CPU MoE forward of each rank of an EP2 engine, or, in TP processes at once, what each scheduler of a
 TP engine does first (``bootstrap.init_parallel_runtime``: bind its threads, build its process groups),
 where the TP engines fail while they start.
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import fresh_python
 import pytest
 
 from megarl.parallel import free_port
@@ -107,29 +109,25 @@ def scenario(code: str, off: list[str], **env) -> tuple[list[str], dict[str, str
 
 def run_with_workarounds(code: str, off: list[str]) -> subprocess.CompletedProcess:
     command, env = scenario(code, off)
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S)
+    return fresh_python.run(command, env=env, timeout=SCENARIO_TIMEOUT_S)
 
 
-def run_ranks(code: str, off: list[str], model_path: str, log_dir) -> list[subprocess.CompletedProcess]:
+def run_ranks(code: str, off: list[str], model_path: str) -> list[subprocess.CompletedProcess]:
     """``code`` in TP processes at once (a TP engine's ranks on this node, as SGLangEngine states them);
     each one's stdout and stderr together, in ``stderr``."""
     port = free_port()  # rank 0's TCP store (SGLang's dist port), on the loopback interface
-    procs = []
+    runs = []
     for rank in range(TP):
         command, env = scenario(code, off, SCENARIO_RANK=str(rank), SCENARIO_PORT=str(port),
                                 SCENARIO_MODEL=model_path, **{sglang_cpu.RANKS_PER_NODE_ENV: str(TP)})
-        # a file: a pipe left unread while the other rank is awaited could fill up and stall this one
-        with open(log_dir / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
+        runs.append(fresh_python.Run(command, env=env))
     results = []
-    for rank, proc in enumerate(procs):
+    for run in runs:
         try:
-            proc.wait(timeout=SCENARIO_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, "",
-                                                   (log_dir / f"rank{rank}.log").read_text(errors="replace")))
+            result = run.wait(timeout=SCENARIO_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            result = subprocess.CompletedProcess(e.cmd, -9, "", f"killed after {SCENARIO_TIMEOUT_S} s")
+        results.append(subprocess.CompletedProcess(result.args, result.returncode, "", result.stdout + result.stderr))
     return results
 
 
@@ -140,7 +138,7 @@ def test_every_workaround_has_a_scenario():
     assert all((Path(__file__).parents[1] / path).is_file() for path in FOR_TIME.values())
 
 
-def test_all_scenarios_run_with_every_workaround(tiny_checkpoint, tmp_path):
+def test_all_scenarios_run_with_every_workaround(tiny_checkpoint):
     stand_in_check = (
         "import sgl_kernel\n"
         "try:\n"
@@ -153,7 +151,7 @@ def test_all_scenarios_run_with_every_workaround(tiny_checkpoint, tmp_path):
     result = run_with_workarounds("".join(SCENARIOS.values()) + stand_in_check, off=[])
     assert result.returncode == 0 and "SCENARIO_OK" in result.stdout, result.stderr[-3000:]
     for code in set(RANK_SCENARIOS.values()):
-        for rank, result in enumerate(run_ranks(code, [], tiny_checkpoint, tmp_path)):
+        for rank, result in enumerate(run_ranks(code, [], tiny_checkpoint)):
             assert result.returncode == 0 and "SCENARIO_OK" in result.stderr, f"rank {rank}: {result.stderr[-3000:]}"
 
 
@@ -171,7 +169,7 @@ def test_unknown_workaround_name_is_rejected(monkeypatch):
 
 
 @pytest.mark.parametrize("workaround", sorted(RANK_SCENARIOS))
-def test_rank_scenario_fails_without_workaround(workaround, tiny_checkpoint, tmp_path, monkeypatch):
+def test_rank_scenario_fails_without_workaround(workaround, tiny_checkpoint, monkeypatch):
     """Every rank fails, one with the named error; tests/test_engine_parallel.py shows the TP2 and
     TP2 + EP2 engines serving with every work-around on."""
     if workaround == "omp_threads_bind" and sglang_cpu.numa_node_count() >= TP:
@@ -182,7 +180,7 @@ def test_rank_scenario_fails_without_workaround(workaround, tiny_checkpoint, tmp
         sglang_cpu._bind_each_rank_its_cores()
         assert sglang_cpu.THREADS_BIND_ENV not in os.environ
         return
-    results = run_ranks(RANK_SCENARIOS[workaround], [workaround], tiny_checkpoint, tmp_path)
+    results = run_ranks(RANK_SCENARIOS[workaround], [workaround], tiny_checkpoint)
     assert all(r.returncode != 0 for r in results), f"{workaround} off, yet a rank passed"
     logs = "".join(r.stderr for r in results)
     assert PREVENTS[workaround] in logs, logs[-3000:]

@@ -5,15 +5,15 @@ megatron-core half needs a process where ``megatron.core`` is not imported yet.
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 
+import fresh_python
 import pytest
 
 
 def run_python(code: str) -> str:
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+    done = fresh_python.run([sys.executable, "-c", textwrap.dedent(code)], timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip()
 

@@ -3,8 +3,9 @@ given to ``torch.compile`` is compiled at its first call, with its options, to t
 import then leaves TorchInductor out. megatron's side: tests/test_platform_cpu.py (the same training
 step, bit for bit, without TorchInductor)."""
 import os
-import subprocess
 import sys
+
+import fresh_python
 
 from megarl.platform import sglang_cpu
 
@@ -35,7 +36,7 @@ print("OK")
 
 
 def test_a_function_is_compiled_at_its_first_call_to_the_same_result():
-    result = subprocess.run([sys.executable, "-c", FIRST_CALL], capture_output=True, text=True, timeout=120)
+    result = fresh_python.run([sys.executable, "-c", FIRST_CALL], timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "OK", result.stderr[-3000:]
 
 
@@ -46,7 +47,7 @@ def test_sglang_imports_without_inductor_only_with_the_speed_up():
     imported = {}
     for off in ("", "torch_compile_imports_inductor"):
         env = {**os.environ, sglang_cpu.OFF_ENV: off}
-        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+        result = fresh_python.run([sys.executable, "-c", code], env=env, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         imported[off] = result.stdout.split()[-1]
     assert imported == {"": "False", "torch_compile_imports_inductor": "True"}
