@@ -128,6 +128,32 @@ def test_a_block_keeps_at_most_max_idle_and_kills_them_at_its_end(monkeypatch):
     assert pool.idle == [] and gone(pids)
 
 
+HELD = []  # what a rank's weight-sync link keeps between syncs, in the rank's process
+
+
+def shared_bucket(rank, layout) -> str:
+    """A colocated-sync bucket buffer (/dev/shm) that this rank's process keeps; its segment's name."""
+    from megarl.sync.transports.base import SenderSpec
+    from megarl.sync.transports.tensor import TensorSender
+
+    HELD.append(TensorSender(SenderSpec(kind="tensor")).new_buffer(1 << 16))
+    return HELD[-1].untyped_storage()._share_filename_cpu_()[1].decode().lstrip("/")
+
+
+def test_closing_the_pool_removes_the_shared_memory_its_killed_ranks_held(monkeypatch):
+    """A SIGKILLed process never frees its segments; the pool's close waits for its ranks to go and
+    removes them, and their senders' manifests."""
+    from megarl.sync.transports.tensor import MANIFEST_PREFIX, SHARED_MEMORY
+
+    monkeypatch.setattr(rank_pool, "_pool", None)
+    with rank_pool.keep_ranks(max_idle=1):
+        [segment] = run_ranks(shared_bucket, Layout())
+        [pid] = [s["pid"] for s in run_ranks(rank_state, Layout())]
+        assert (SHARED_MEMORY / segment).exists()  # kept with its rank
+    assert gone([pid])
+    assert not (SHARED_MEMORY / segment).exists() and not (SHARED_MEMORY / f"{MANIFEST_PREFIX}{pid}").exists()
+
+
 def test_keep_ranks_needs_a_connected_ray(monkeypatch):
     monkeypatch.setattr(rank_pool, "_pool", None)
     monkeypatch.setattr(ray, "is_initialized", lambda: False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from typing import Any, Mapping, Sequence
 
@@ -48,9 +49,10 @@ class TrainerRank:
         self.rank, self.layout = rank, layout
         return self.is_reporter()
 
-    def leave(self) -> None:
+    def leave(self) -> int:
         """Drop the weight-sync links, model, optimizer and reference, then megatron's groups and the
-        process group: the process is as it was before :meth:`join` but for what it imported."""
+        process group: the process is as it was before :meth:`join` but for what it imported. Returns
+        the process id (the pool's record, :mod:`megarl.trainer.rank_pool`)."""
         import gc
 
         from megarl.sync.gather import forget_groups
@@ -73,6 +75,7 @@ class TrainerRank:
                     pass
         shutdown_rank()
         gc.collect()
+        return os.getpid()
 
     def build(self, hf_path: str, optimizer, model) -> int:
         """Build model, DDP and optimizer from the HF checkpoint (``optimizer``: OptimizerSettings,

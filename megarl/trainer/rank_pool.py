@@ -8,6 +8,10 @@ its shutdown hands them back once they have left their group (megatron's paralle
 torch.distributed's process group destroyed; model, optimizer, reference and weight-sync links
 dropped). A rank that fails to leave in time is killed, never reused; at most ``max_idle`` wait.
 
+A kept rank's colocated weight-sync segments in ``/dev/shm`` stay while it lives (their sender's process
+is alive, :func:`megarl.sync.transports.tensor.remove_orphaned_segments`); closing the pool waits for the
+killed ranks to be gone and removes them.
+
 Contract: Ray is connected when the block starts and stays connected until it ends. Kept ranks run
 on this process's node (the group meets on its address) and reserve no CPU (``num_cpus=0``): an idle
 one is a process waiting, not work; a rank in use is scheduled like any other actor of the node.
@@ -21,45 +25,64 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import ray
 
 log = logging.getLogger(__name__)
 
 LEAVE_TIMEOUT_S = 30.0  # leaving takes well under a second; a rank still busy in a call is killed
+EXIT_TIMEOUT_S = 10.0  # a killed rank's process is gone in well under a second
 
 
 @dataclass
 class RankPool:
-    """Idle rank actors (Ray actor handles) of this process's Ray connection."""
+    """Idle rank actors (Ray actor handles) of this process's Ray connection, and their process ids."""
 
     max_idle: int
     idle: list[Any] = field(default_factory=list)
+    pids: dict[Any, int] = field(default_factory=dict)
 
     def take(self, count: int, create: Callable[[], Any]) -> list[Any]:
         """``count`` rank actors: idle ones first, then ``create()``'d ones."""
         ranks = [self.idle.pop() for _ in range(min(count, len(self.idle)))]
+        for rank in ranks:
+            self.pids.pop(rank)
         return ranks + [create() for _ in range(count - len(ranks))]
 
     def give_back(self, ranks: list[Any], leave: Callable[[Any], Any]) -> None:
-        """Make every rank leave its group (``leave(rank)`` -> an ObjectRef) and keep those that did."""
+        """Make every rank leave its group (``leave(rank)`` -> an ObjectRef of its pid) and keep those
+        that did."""
         pending = {rank: leave(rank) for rank in ranks}
         deadline = time.monotonic() + LEAVE_TIMEOUT_S  # one wait for all of them
         for rank, ref in pending.items():
             try:
-                ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                pid = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
             except (ray.exceptions.RayError, TimeoutError) as e:
                 log.debug("a kept rank did not leave its group (%s); killed", type(e).__name__)
                 ray.kill(rank)
                 continue
             if len(self.idle) < self.max_idle:
                 self.idle.append(rank)
+                self.pids[rank] = pid
             else:
                 ray.kill(rank)
 
     def close(self) -> None:
+        """Kill the idle ranks, wait for their processes to go, and remove the shared-memory segments
+        they leave (those no live process maps)."""
+        from megarl.sync.transports.tensor import remove_orphaned_segments
+
+        processes = []
         for rank in self.idle:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                processes.append(psutil.Process(self.pids[rank]))
             ray.kill(rank)
         self.idle.clear()
+        self.pids.clear()
+        _, alive = psutil.wait_procs(processes, timeout=EXIT_TIMEOUT_S)
+        if alive:
+            log.warning("kept ranks %s still running %.0f s after their kill", [p.pid for p in alive], EXIT_TIMEOUT_S)
+        remove_orphaned_segments()
 
 
 _pool: RankPool | None = None
