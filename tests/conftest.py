@@ -6,18 +6,18 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-# The files that take longest (per-file test time of a full run, 2026-12-03: the platform scenarios, weight
-# sync and the fake nodes 140-160 s each, most end-to-end runs 30-100 s), longest first. launch/test.sh hands
-# out whole files to two workers in collection order (pytest-xdist --dist loadfile --no-loadscope-reorder);
-# these go first, so that the run ends on short files that fill both workers, not on one worker's long file
-# while the other idles. Files not listed follow in their own order. A scheduling hint only: a stale list
-# costs time, never a test.
+# The files that take longest (per-file test time of a full run, 2026-12-03 after tests/fresh_python.py:
+# weight sync 176 s, the fake nodes 113 s, the platform scenarios 99 s, most end-to-end runs 30-80 s),
+# longest first. launch/test.sh hands out whole files to two workers in collection order (pytest-xdist
+# --dist loadfile --no-loadscope-reorder); these go first, so that the run ends on short files that fill
+# both workers, not on one worker's long file while the other idles. Files not listed follow in their own
+# order. A scheduling hint only: a stale list costs time, never a test.
 LONGEST_FIRST = (
-    "test_platform_cpu.py", "test_weight_sync.py", "test_multinode.py", "test_sglang_cpu_compat.py",
-    "test_rl_resume.py", "test_rl_resume_lora.py", "test_slurm.py", "test_rl_episodes.py", "test_engine_parallel.py",
-    "test_rl_sync.py", "test_sglang_cpu_fork.py", "test_layouts.py", "test_rank_pool.py", "test_convert.py",
-    "test_lora.py", "test_sglang_engine.py", "test_colocated.py", "test_rollout_manager.py", "test_rollout_pool.py",
-    "test_config.py", "test_torch_compile.py", "test_config_errors.py",
+    "test_weight_sync.py", "test_multinode.py", "test_platform_cpu.py", "test_rl_resume.py", "test_slurm.py",
+    "test_rl_resume_lora.py", "test_rl_episodes.py", "test_sglang_cpu_fork.py", "test_engine_parallel.py",
+    "test_sglang_engine.py", "test_rank_pool.py", "test_rl_sync.py", "test_lora.py", "test_rollout_pool.py",
+    "test_sglang_cpu_compat.py", "test_layouts.py", "test_config.py", "test_colocated.py", "test_checkpoint.py",
+    "test_config_errors.py", "test_rollout_manager.py", "test_convert.py",
 )
 
 
