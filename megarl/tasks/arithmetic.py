@@ -5,6 +5,7 @@ the end-of-sequence token. The reward is 1.0 for the exact answer and 0.0 otherw
 """
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 
@@ -15,11 +16,12 @@ class Problem:
     answer: str  # e.g. "7"
 
 
-def all_problems(max_operand: int = 9) -> list[Problem]:
-    """Every problem of the task, in a fixed order."""
+@functools.cache
+def all_problems(max_operand: int = 9) -> tuple[Problem, ...]:
+    """Every problem of the task, in a fixed order (made once per ``max_operand``: each batch draws from it)."""
     if max_operand < 0:
         raise ValueError(f"max_operand must be >= 0, got {max_operand}")
-    return [Problem(f"{a}+{b}=", str(a + b)) for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    return tuple(Problem(f"{a}+{b}=", str(a + b)) for a in range(max_operand + 1) for b in range(max_operand + 1))
 
 
 def sample_problems(n: int, rng: random.Random, max_operand: int = 9) -> list[Problem]:
