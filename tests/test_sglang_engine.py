@@ -89,13 +89,13 @@ def run_client(engine, body):
 
 async def until_mid_generation(tasks):
     """Return while one of ``tasks`` is mid-generation: the engine runs one request at a time
-    (max_running_requests=1), so a sixth of the first request's duration after it finished, the
-    next one is about a sixth done and the rest are queued, at any engine speed, and still mid-way
-    when the machine's load makes it run up to ~5x faster than the first (a third was too little
-    margin on a loaded machine: the next request had finished)."""
+    (max_running_requests=1), so a twelfth of the first request's duration after it finished, the
+    next one is about a twelfth done (~5 of 56 tokens) and the rest are queued, at any engine speed,
+    and still mid-way when the machine's load makes it run up to ~10x faster than the first (a third,
+    then a sixth, were too little margin on a loaded machine: the next request had finished)."""
     t0 = time.monotonic()
     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    await asyncio.sleep((time.monotonic() - t0) / 6)
+    await asyncio.sleep((time.monotonic() - t0) / 12)
 
 
 def hf_forward(hf_model, token_ids):
