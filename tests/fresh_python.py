@@ -91,19 +91,21 @@ class Run:
         self._process.start()
 
     def wait(self, timeout: float | None = None) -> subprocess.CompletedProcess:
-        """Its result; raises ``subprocess.TimeoutExpired`` (the run killed) after ``timeout`` seconds."""
+        """Its result; after ``timeout`` seconds the run is killed and ``subprocess.TimeoutExpired``
+        raised with what it had written (``output``, ``stderr``), as ``subprocess.run`` does."""
         self._process.join(timeout)
-        if self._process.exitcode is None:
+        timed_out = self._process.exitcode is None
+        if timed_out:
             self._process.kill()
             self._process.join()
-            self._dir.cleanup()
-            raise subprocess.TimeoutExpired(self.args, timeout)
         try:
             out, err = (Path(p).read_text(errors="replace") if os.path.exists(p) else ""
                         for p in (self._out, self._err))
-            return subprocess.CompletedProcess(self.args, self._process.exitcode, out, err)
         finally:
             self._dir.cleanup()
+        if timed_out:
+            raise subprocess.TimeoutExpired(self.args, timeout, output=out, stderr=err)
+        return subprocess.CompletedProcess(self.args, self._process.exitcode, out, err)
 
 
 def run(command: Sequence[str], env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,

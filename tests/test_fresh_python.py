@@ -45,9 +45,11 @@ def test_only_the_preloaded_libraries_are_imported_before_the_run():
     assert fresh_python.run([sys.executable, "-c", code], timeout=60).stdout == "['torch']\n"
 
 
-def test_a_run_past_its_timeout_is_killed():
-    with pytest.raises(subprocess.TimeoutExpired):
-        fresh_python.run([sys.executable, "-c", "import time\ntime.sleep(60)"], timeout=1)
+def test_a_run_past_its_timeout_is_killed_with_what_it_wrote():
+    with pytest.raises(subprocess.TimeoutExpired) as killed:
+        fresh_python.run([sys.executable, "-c", "import time\nprint('started', flush=True)\ntime.sleep(60)"],
+                         timeout=3)
+    assert killed.value.output == "started\n"
 
 
 def test_another_interpreter_is_refused():

@@ -125,8 +125,9 @@ def run_ranks(code: str, off: list[str], model_path: str) -> list[subprocess.Com
     for run in runs:
         try:
             result = run.wait(timeout=SCENARIO_TIMEOUT_S)
-        except subprocess.TimeoutExpired as e:
-            result = subprocess.CompletedProcess(e.cmd, -9, "", f"killed after {SCENARIO_TIMEOUT_S} s")
+        except subprocess.TimeoutExpired as e:  # what it wrote, and why it ended
+            result = subprocess.CompletedProcess(e.cmd, -9, e.output,
+                                                 f"{e.stderr}\nkilled after {SCENARIO_TIMEOUT_S} s")
         results.append(subprocess.CompletedProcess(result.args, result.returncode, "", result.stdout + result.stderr))
     return results
 
