@@ -9,10 +9,14 @@ does it in this process with ``transformers``' ``generate`` and ``torch.optim.Ad
 
   megarl step s     median seconds between consecutive steps' metrics rows (``time``), start-up and
                     the first ``--skip`` steps excluded
-  bare step s       median seconds of a bare step, after ``--skip`` steps
+  bare step s       median seconds of a bare step over both bare runs, each without its first
+                    ``--skip`` steps
   overhead_ratio    megarl step s / bare step s
 
-Both run on the same warmed-up checkpoint, one after the other; the bare loop uses every core
+Both run on the same warmed-up checkpoint; the bare loop runs ``--steps`` steps before megarl and
+``--steps`` after it, so a drift of the machine's speed during the run (a third within an hour
+here) moves both sides alike instead of deciding the ratio (``bare_step_s_before`` /
+``bare_step_s_after`` show it). The bare loop uses every core
 (``torch.set_num_threads(os.cpu_count())``, whatever ``OMP_NUM_THREADS`` says: with one thread its
 step takes ~40% longer and the ratio flatters megarl), megarl its own placement (engine and trainer
 one thread each).
@@ -111,30 +115,39 @@ def main() -> int:
     common = workload_overrides(work, args)
     if train(["recipe=tiny_moe_cpu", "mode=warmup", f"logging.run_dir={work / 'warmup'}", *common]) != 0:
         return 1
+    cfg = load_config(["recipe=tiny_moe_cpu", *common])
+
+    def bare() -> tuple[list[float], list[float]]:
+        return bare_loop(work / "warm", args.steps, args.prompts, args.samples, args.max_new_tokens, cfg.trainer.lr,
+                         cfg.algorithm.clip_high, cfg.task.seed)
+
+    bare_before, rewards_before = bare()
     if train(["recipe=tiny_moe_cpu", "mode=sync", f"logging.run_dir={work / 'sync'}", *common]) != 0:
         return 1
+    bare_after, rewards_after = bare()
     megarl_seconds = megarl_step_seconds(work / "sync", args.skip)
-    cfg = load_config(["recipe=tiny_moe_cpu", *common])
-    bare_seconds, bare_rewards = bare_loop(work / "warm", args.steps, args.prompts, args.samples,
-                                           args.max_new_tokens, cfg.trainer.lr, cfg.algorithm.clip_high,
-                                           cfg.task.seed)
     megarl_step = statistics.median(megarl_seconds)
-    bare_step = statistics.median(bare_seconds[args.skip:])
+    bare_step = statistics.median(bare_before[args.skip:] + bare_after[args.skip:])
     import torch
 
     result = {
         "overhead_ratio": megarl_step / bare_step,
         "megarl_step_s": megarl_step,
         "bare_step_s": bare_step,
+        "bare_step_s_before": statistics.median(bare_before[args.skip:]),
+        "bare_step_s_after": statistics.median(bare_after[args.skip:]),
         "megarl_step_seconds": megarl_seconds,
-        "bare_step_seconds": bare_seconds,
-        "bare_reward_mean": bare_rewards,
+        "bare_step_seconds_before": bare_before,
+        "bare_step_seconds_after": bare_after,
+        "bare_reward_mean_before": rewards_before,
+        "bare_reward_mean_after": rewards_after,
         "bare_torch_threads": torch.get_num_threads(),
         "workload": {"steps": args.steps, "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
                      "max_new_tokens": args.max_new_tokens, "skip": args.skip},
     }
-    print(f"megarl sync step {megarl_step:.3f} s, bare loop {bare_step:.3f} s: overhead_ratio "
-          f"{result['overhead_ratio']:.2f} (medians over steps {args.skip + 1}-{args.steps})")
+    print(f"megarl sync step {megarl_step:.3f} s, bare loop {bare_step:.3f} s (before {result['bare_step_s_before']:.3f}, "
+          f"after {result['bare_step_s_after']:.3f}): overhead_ratio {result['overhead_ratio']:.2f} "
+          f"(medians over steps {args.skip + 1}-{args.steps})")
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
