@@ -4,7 +4,9 @@
 and one line naming the key. ``mode=warmup`` runs the supervised warm-up that makes the RL
 starting checkpoint; the RL modes (``sync``, ``one_step_off``, ``async``) run it when its checkpoint
 is missing, then RL. A run directory with a checkpoint resumes from it (``trainer.resume``);
-SIGTERM or SIGUSR1 makes the run checkpoint after the current step and exit.
+SIGTERM or SIGUSR1 makes the run checkpoint after the current step and exit, and so does Ctrl-C
+during the RL steps; a second Ctrl-C, or one before the steps begin, stops at once (exit status 130,
+one line saying where the same command would start again).
 """
 from __future__ import annotations
 
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         del args[at: at + 2]
         print_job = True
     setup_logging()
+    cfg = None
     try:
         cfg = load_config(args)
         if print_job:
@@ -123,7 +126,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"megarl: interrupted{'' if cfg is None else '; ' + what_a_rerun_does(cfg)}", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
     return 0
+
+
+def what_a_rerun_does(cfg: DictConfig) -> str:
+    """After a run was interrupted: where the same command would start."""
+    from megarl.trainer.checkpoint import latest_step
+
+    if cfg.mode == "warmup":
+        return "the warm-up saves its checkpoint at its end only: the same command starts it over"
+    step = latest_step(Path(cfg.logging.run_dir) / "checkpoints")
+    if step is None or not cfg.trainer.resume:
+        return "no checkpoint to resume from: the same command starts the run over"
+    return f"the same command resumes after step {step} (the run's last checkpoint)"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The async driver killed and resumed, the check shared by tests/test_rl_resume.py (full weights,
 the demo) and tests/test_rl_resume_lora.py (LoRA adapters synced alone; two files so that the two
 runs can go to different test workers): SIGKILL mid-run (the rerun resumes from the last periodic
-checkpoint), then SIGTERM (checkpoint after the step in progress, exit 0). Step numbers continue, no
+checkpoint), then a stop request (checkpoint after the step in progress, exit 0): SIGTERM, a
+scheduler's, for the demo, and SIGINT, a terminal's Ctrl-C, for LoRA. Step numbers continue, no
 prompt is trained twice in the run's lineage, and the sample ledger carries over. With LoRA the
 checkpoints hold adapters only, and the resumed engine gets the checkpoint's adapter before it generates."""
 import json
@@ -66,7 +67,7 @@ def run_until(tmp_path: Path, recipe: str, last_step: int,
     return proc, scratch
 
 
-def check_kill_and_resume(recipe, tmp_path, warmed_up):
+def check_kill_and_resume(recipe, tmp_path, warmed_up, stop: signal.Signals):
     run = tmp_path / "run"
     # the session's warm-up (tests/conftest.py), copied: this test's servers are those serving tmp_path / "warm"
     shutil.copytree(warmed_up.base, tmp_path / "base")
@@ -83,8 +84,8 @@ def check_kill_and_resume(recipe, tmp_path, warmed_up):
         time.sleep(0.5)
     assert not engine_processes(tmp_path), "the SGLang server outlived its killed driver"
 
-    # resumes at 3, then SIGTERM: checkpoint and exit
-    terminated, left = run_until(tmp_path, recipe, 4, signal.SIGTERM)
+    # resumes at 3, then the stop request: checkpoint and exit
+    terminated, left = run_until(tmp_path, recipe, 4, stop)
     assert terminated.returncode == 0, (tmp_path / "driver.log").read_text()[-3000:]
     # the killed server's TMPDIR went when the next server started, the stopped one's with its stop()
     assert left and not any(path.exists() for path in scratch + left), "a server's TMPDIR is left"
@@ -101,7 +102,7 @@ def check_kill_and_resume(recipe, tmp_path, warmed_up):
     driver_log = (tmp_path / "driver.log").read_text()
     resumed = re.search(r"resuming at step (\d+)", driver_log)
     assert resumed and int(resumed.group(1)) in (2, 4), driver_log[-3000:]
-    assert f"stopped by SIGTERM after step {stopped_at}" in driver_log
+    assert f"stopped by {stop.name} after step {stopped_at}" in driver_log
     if recipe == "tiny_moe_lora_cpu":
         from torch.distributed.checkpoint import FileSystemReader
 

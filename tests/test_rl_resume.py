@@ -1,4 +1,6 @@
 """The demo's async driver killed and resumed (tests/resume_runs.py)."""
+import signal
+
 import pytest
 from resume_runs import check_kill_and_resume
 
@@ -6,4 +8,4 @@ pytestmark = pytest.mark.usefixtures("ray_local")  # the drivers join the test p
 
 
 def test_killed_and_terminated_runs_resume_without_training_a_prompt_twice(tmp_path, warmed_up):
-    check_kill_and_resume("tiny_moe_cpu", tmp_path, warmed_up)
+    check_kill_and_resume("tiny_moe_cpu", tmp_path, warmed_up, signal.SIGTERM)

@@ -146,11 +146,12 @@ class Pipeline:
 
     def steps(self) -> Iterator[int]:
         """The steps still to run, with a progress bar; ends early when a stop signal arrived
-        (the step before it checkpointed)."""
+        (the step before it checkpointed). While they run, Ctrl-C is such a signal (a second one
+        cancels the run at once)."""
         if self.stop_signal is not None:
             log.warning("stopped by %s before the first step", self.stop_signal)
             return
-        with Progress() as self._progress:
+        with StopRequest.ctrl_c_stops_after_the_step(), Progress() as self._progress:
             self._bar = self._progress.add_task(f"RL ({self.cfg.mode})", total=self.cfg.steps,
                                                 completed=self.start_step)
             self._clock["started"], self._clock["produced"] = time.monotonic(), self.producer.generated_tokens
