@@ -145,9 +145,9 @@ def main() -> int:
         "workload": {"steps": args.steps, "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
                      "max_new_tokens": args.max_new_tokens, "skip": args.skip},
     }
-    print(f"megarl sync step {megarl_step:.3f} s, bare loop {bare_step:.3f} s (before {result['bare_step_s_before']:.3f}, "
-          f"after {result['bare_step_s_after']:.3f}): overhead_ratio {result['overhead_ratio']:.2f} "
-          f"(medians over steps {args.skip + 1}-{args.steps})")
+    print(f"megarl sync step {megarl_step:.3f} s, bare loop {bare_step:.3f} s "
+          f"(before {result['bare_step_s_before']:.3f}, after {result['bare_step_s_after']:.3f}): "
+          f"overhead_ratio {result['overhead_ratio']:.2f} (medians over steps {args.skip + 1}-{args.steps})")
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
