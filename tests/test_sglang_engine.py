@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -494,6 +495,35 @@ def test_start_timeout_stops_the_server(checkpoint, tmp_path):
     with pytest.raises(EngineStartError, match="not healthy after 2 s"):
         engine.start()
     assert engine.pid is None and servers_on_port(engine.port) == []
+
+
+def test_stopping_an_engine_actor_while_its_server_loads_cancels_the_start(checkpoint, tmp_path):
+    """A run that fails or is interrupted while its engines load (minutes for a big checkpoint) stops
+    them at once: ``EngineActor.stop`` makes the start under way give up (it held the actor's lock,
+    so the stop used to wait for the server to become healthy first)."""
+    from megarl.engines.actor import EngineActor
+
+    actor = EngineActor(EngineSettings(model_path=str(checkpoint), log_path=str(tmp_path / "server.log")))
+    outcome = []
+
+    def start():
+        try:
+            outcome.append(actor.start())
+        except EngineStartError as e:
+            outcome.append(e)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    deadline = time.monotonic() + 60
+    while not servers_on_port(actor._settings.port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert servers_on_port(actor._settings.port), "the server never spawned"
+    actor.stop()
+    starter.join(60)
+    assert len(outcome) == 1 and isinstance(outcome[0], EngineStartError), outcome
+    assert "cancelled" in str(outcome[0])
+    assert servers_on_port(actor._settings.port) == []
+    assert not actor.info().alive
 
 
 def test_death_is_detected_and_stop_leaves_no_process(engine):

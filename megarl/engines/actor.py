@@ -71,6 +71,7 @@ class EngineActor:
         self.unresponsive_restart_s = unresponsive_restart_s
         self._lock = threading.RLock()  # held for start, restart and stop
         self._engine: SGLangEngine | None = None
+        self._starting: SGLangEngine | None = None  # a server being spawned (stop() cancels its start)
         self._processes: list[psutil.Process] = []  # leader + children, recorded once healthy
         self._incarnation = -1
         self._restarts = 0
@@ -94,7 +95,13 @@ class EngineActor:
 
     def _spawn(self, settings: EngineSettings) -> None:
         engine = SGLangEngine(settings)
-        engine.start()
+        self._starting = engine
+        try:
+            if self._stopping.is_set():  # stop() came before this start: it gives up at once
+                engine.cancel_start()
+            engine.start()
+        finally:
+            self._starting = None
         leader = psutil.Process(engine.pid)
         self._engine, self._processes = engine, [leader, *leader.children(recursive=True)]
         self._incarnation += 1
@@ -117,6 +124,8 @@ class EngineActor:
             raise EngineDiedError(f"engine at {self.url} is stopped")
         while self._failed is None and not self._alive():
             self._restart("died")
+            if self._stopping.is_set():  # the restart was cancelled by stop()
+                raise EngineDiedError(f"engine at {self.url} is stopped")
         if self._failed is not None:
             raise EngineDiedError(self._failed)
 
@@ -181,8 +190,13 @@ class EngineActor:
         return engine.log_tail(num_lines) if engine is not None else ""
 
     def stop(self) -> None:
-        """Stop the watchdog, then the server (its whole process group). Idempotent."""
+        """Stop the watchdog, then the server (its whole process group); a start or restart under
+        way gives up first (its ``start`` raises EngineStartError), rather than loading to the end.
+        Idempotent."""
         self._stopping.set()
+        starting = self._starting
+        if starting is not None:
+            starting.cancel_start()
         if self._watchdog is not None:
             self._watchdog.join()
         with self._lock:

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -177,6 +178,7 @@ class SGLangEngine:
         self._log_path = Path(settings.log_path) if settings.log_path else None
         self._process: subprocess.Popen | None = None
         self._scratch: str | None = None  # the server's TMPDIR while it runs (see environment())
+        self._cancelled = threading.Event()  # set by cancel_start() from another thread
         self.startup_s: float | None = None  # seconds from spawn to healthy, set by start()
 
     @property
@@ -264,7 +266,8 @@ class SGLangEngine:
         return env
 
     def start(self) -> None:
-        """Spawn the server and wait for health; raises EngineStartError (server stopped) on failure."""
+        """Spawn the server and wait for health; raises EngineStartError (server stopped) on failure
+        or when :meth:`cancel_start` was called."""
         if self._process is not None:
             raise RuntimeError(f"engine at {self.url} already started")
         t0 = time.monotonic()
@@ -295,6 +298,8 @@ class SGLangEngine:
                         f"SGLang server exited with code {self._process.returncode} during start-up; "
                         f"log tail ({self.log_path}):\n{self.log_tail()}"
                     )
+                if self._cancelled.is_set():
+                    raise EngineStartError(f"SGLang server start at {self.url} cancelled (the engine was stopped)")
                 try:
                     if http.get(self.url + "/health").status_code == 200:
                         return
@@ -305,7 +310,14 @@ class SGLangEngine:
                         f"SGLang server not healthy after {self.settings.startup_timeout_s:.0f} s; "
                         f"log tail ({self.log_path}):\n{self.log_tail()}"
                     )
-                time.sleep(0.5)
+                self._cancelled.wait(0.5)
+
+    def cancel_start(self) -> None:
+        """Make a :meth:`start` under way in another thread give up within half a second: it stops
+        the server and raises EngineStartError (a start begun later gives up at once). Loading a big
+        checkpoint takes minutes, and a run that fails or is interrupted meanwhile should not wait
+        for it. Thread-safe; a server already healthy is not affected (:meth:`stop` it)."""
+        self._cancelled.set()
 
     def _freeze_gc(self) -> None:
         """Take what the server's processes hold after start-up (imported modules, the model) out of
