@@ -4,9 +4,9 @@
 and one line naming the key. ``mode=warmup`` runs the supervised warm-up that makes the RL
 starting checkpoint; the RL modes (``sync``, ``one_step_off``, ``async``) run it when its checkpoint
 is missing, then RL. A run directory with a checkpoint resumes from it (``trainer.resume``);
-SIGTERM or SIGUSR1 makes the run checkpoint after the current step and exit, and so does Ctrl-C
-during the RL steps; a second Ctrl-C, or one before the steps begin, stops at once (exit status 130,
-one line saying where the same command would start again).
+SIGTERM or SIGUSR1 makes the run checkpoint after the current step and exit (during start-up: exit
+at once, status 0), and so does Ctrl-C during the RL steps; a second Ctrl-C, or one before the steps
+begin, stops at once (exit status 130, one line saying where the same command would start again).
 """
 from __future__ import annotations
 
@@ -99,7 +99,15 @@ def run(cfg: DictConfig) -> None:
             if not (Path(cfg.warmup.save_hf_path) / "config.json").is_file():
                 warmup(cfg)
             start = cfg.warmup.save_hf_path
-        asyncio.run(rl(cfg, start))
+        try:
+            asyncio.run(rl(cfg, start))
+        except asyncio.CancelledError:
+            from megarl.pipeline.signals import StopRequest
+
+            if StopRequest.signal_name is None:
+                raise
+            log.warning("stopped by %s during start-up; %s", StopRequest.signal_name, what_a_rerun_does(cfg))
+            return
     from megarl.metrics.plot import plot_run
 
     log.info("curves: %s", plot_run(run_dir)[0])

@@ -67,6 +67,28 @@ def run_until(tmp_path: Path, recipe: str, last_step: int,
     return proc, scratch
 
 
+def check_stop_during_start_up(recipe, tmp_path, warmed_up):
+    """SIGTERM while the engine loads: the driver cancels its start-up, stops the engine at once
+    (not once it is healthy), writes no checkpoint and exits 0 (a SLURM job then requeues itself)."""
+    shutil.copytree(warmed_up.base, tmp_path / "base")
+    shutil.copytree(warmed_up.warm, tmp_path / "warm")
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    with open(tmp_path / "driver.log", "ab") as out:
+        proc = subprocess.Popen(command(tmp_path, recipe), stdout=out, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 120
+        while not engine_processes(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None and engine_processes(tmp_path), (tmp_path / "driver.log").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    driver_log = (tmp_path / "driver.log").read_text()
+    assert proc.returncode == 0, driver_log[-3000:]
+    assert "stopped by SIGTERM during start-up" in driver_log, driver_log[-3000:]
+    assert "engines healthy at" not in driver_log  # the engine's start was cancelled, not waited for
+    assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
+    assert not engine_processes(tmp_path)
+
+
 def check_kill_and_resume(recipe, tmp_path, warmed_up, stop: signal.Signals):
     run = tmp_path / "run"
     # the session's warm-up (tests/conftest.py), copied: this test's servers are those serving tmp_path / "warm"

@@ -350,126 +350,136 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
 @contextlib.asynccontextmanager
 async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator[Pipeline]:
     """Build (or resume) the run's pipeline; everything is stopped when the block exits. Engines
-    start with the trainer ranks and load while the ranks build (colocated ones once they are built)."""
-    r, p, t = cfg.rollout, cfg.parallel, cfg.trainer
-    run_dir = Path(cfg.logging.run_dir)
-    layout = Layout.from_config(p)
-    tokenizer = AutoTokenizer.from_pretrained(start_checkpoint)
-    served = ServedModel.from_hf_config(start_checkpoint)
-    checkpoints = run_dir / "checkpoints"
-    resume_step = latest_step(checkpoints) if t.resume else None
+    start with the trainer ranks and load while the ranks build (colocated ones once they are built).
+    A stop request during start-up cancels it (:meth:`StopRequest.cancels_the_start_up`)."""
+    layout = Layout.from_config(cfg.parallel)
     stack = contextlib.AsyncExitStack()
     try:
-        stack.enter_context(ray_for_run(layout.world_size + r.num_engines))
+        stack.enter_context(ray_for_run(layout.world_size + cfg.rollout.num_engines))
         StopRequest.install()  # again: ray.init replaced the handlers with its own (which just die)
-        started = time.monotonic()
-        trainer = TrainerGroup(layout, backend=p.backend, seed=t.seed)
-        stack.push(lambda failure, *_: trainer.shutdown(keep=failure is None))  # ranks may be stuck after one
-        api_key = secrets.token_urlsafe(32)  # this run's engines answer only megarl's clients (never logged)
-        engines = [dataclasses.replace(EngineSettings.from_config(cfg, start_checkpoint, i, 0), api_key=api_key)
-                   for i in range(r.num_engines)]
-        colocated = Placement(cfg.placement) == Placement.colocated
-        if colocated:
-            release = memory_saver_args(cuda=not sglang_cpu.needed())
-            engines = [dataclasses.replace(e, extra_args=e.extra_args + release) for e in engines]
-        # Disaggregated GPU engines reserve their devices through Ray (CUDA_VISIBLE_DEVICES reaches the
-        # server); colocated ones share the trainer's, and CPU engines reserve half a CPU
-        own_gpus = r.engine_tp if torch.cuda.is_available() and cfg.placement == "disaggregated" else 0
-        pooled = {"policy": engines}  # the policy's engines, the teacher's and the judge's: a pool each
-        if cfg.teacher.hf_path:
-            pooled["teacher"] = [teacher_engine_settings(cfg, api_key)]
-        if cfg.reward.judge.hf_path:  # a generative reward model on an engine of its own (weights never synced)
-            pooled["judge"] = [judge_engine_settings(cfg, api_key)]
-        gpus = {"policy": own_gpus, "teacher": own_gpus,
-                "judge": cfg.reward.judge.engine_tp if torch.cuda.is_available() else 0}
-        # Disaggregated engines load while the trainer ranks build and load their checkpoint (on a cluster
-        # both take minutes); colocated ones start after, as they size their memory by what the trainer left.
-        def launch_engines() -> dict[str, asyncio.Task]:
-            return {name: _launch(stack, settings, gpus[name]) for name, settings in pooled.items()}
-
-        launches = {} if colocated else launch_engines()
-        launched_s = time.monotonic() - started
-        await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg, updates_per_step=t.updates_per_step),
-                            ModelSettings.from_config(cfg))
-        position, ledger, start_step = None, Ledger(), 0
-        if resume_step is not None:
-            resumed = await trainer.load_checkpoint(str(checkpoints))
-            start_step, position = resumed.step, resumed.data_position
-            ledger = Ledger.from_state_dict(position["ledger"])
-            log.info("resuming at step %d from %s", start_step, resumed.path)
-        trainer_s = time.monotonic() - started
-        if colocated:
-            launches, launched_s = launch_engines(), trainer_s
-        pools = dict(zip(launches, await asyncio.gather(*launches.values())))
-        pool = pools["policy"]
-        log.info("start-up: engines (%s) launched at %.1f s, trainer ranks built at %.1f s, engines healthy at %.1f s",
-                 ", ".join(pools), launched_s, trainer_s, time.monotonic() - started)
-        log.info("placement: trainer ranks on nodes %s, engines on nodes %s at %s", await trainer.node_addresses(),
-                 [a.node for a in await asyncio.gather(*(e.info.remote() for e in pool.actors))],
-                 [c.base_url for c in pool.clients])
-        teacher = None
-        if "teacher" in pools:
-            teacher = TeacherScorer(pools["teacher"].clients[0].base_url, pools["teacher"].model.vocab_size,
-                                    api_key=api_key, timeout_s=cfg.teacher.timeout_s)
-            stack.push_async_callback(teacher.aclose)
-            log.info("teacher %s served at %s", cfg.teacher.hf_path, teacher.base_url)
-        judge = make_judge(cfg.reward.judge, pools["judge"], tokenizer) if "judge" in pools else None
-        lora = LoraSettings.from_config(cfg.lora)
-        sync_kind = AdapterSync if lora is not None and lora.sync == "adapter" else WeightSync
-        sync = sync_kind(SyncSettings.from_config(cfg.sync, r.engine_tp), trainer, pool.clients, initial_version=0)
-        stack.push_async_callback(sync.close)
-        await sync.setup()
-        pause_mode = PAUSE_FOR_PARTIAL_ROLLOUT[cfg.buffer.partial_rollout]
-        if start_step:  # the engines get the checkpoint's weights before they generate anything
-            await sync.update(start_step, pause_mode)
-
-        async def bring_to_current(index, client, info):
-            await sync.recover(client)
-
-        pool.on_restart = bring_to_current
-        source = make_prompt_source(cfg.task)
-        requeue = ()
-        if position is not None:
-            source.load_state_dict(position["source"])
-            requeue = [(i, Prompt(**fields)) for i, fields in position["requeue"]]
-        lag, capacity, max_staleness = lag_and_capacity(cfg)
-        buffer = RolloutBuffer(capacity, max_staleness, ledger)
-        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
-                                top_k=r.top_k)
-        # The engine's log-probs are always those of the distribution it sampled from (renormalised
-        # over its top-k mask); keep_sampling_mask decides whether the trainer applies that mask too.
-        episodes = episode_runner(cfg, pool, tokenizer, params)
-        if isinstance(episodes, AgentEpisodes):
-            stack.push_async_callback(episodes.aclose)
-        manager = RolloutManager(pool, tokenizer, make_reward(cfg.reward, judge=judge), params, r.samples_per_prompt,
-                                 routing=r.keep_routing, sampling_mask=r.top_k > 0,
-                                 partial_rollout=cfg.buffer.partial_rollout, reward_timeout_s=cfg.reward.timeout_s,
-                                 episodes=episodes, teacher=teacher)
-        producer = RolloutProducer(manager, source, buffer, ledger, prompts_per_step=r.prompts_per_step,
-                                   samples_per_prompt=r.samples_per_prompt, lag=lag,
-                                   dynamic_sampling=r.dynamic_sampling, engine_version=start_step,
-                                   requeue=requeue, next_index=position["next_index"] if position else 0,
-                                   fatal=(EngineUnreachable,))
-        for name in ("metrics.jsonl", "trained_prompts.jsonl"):
-            _truncate_jsonl(run_dir / name, start_step)
-        metrics = MetricsFile(run_dir)
-        stack.callback(metrics.close)
-        trained_log = stack.enter_context((run_dir / "trained_prompts.jsonl").open("a"))
-        pipe = Pipeline(cfg=cfg, trainer=trainer, pool=pool, sync=sync, buffer=buffer, producer=producer,
-                        ledger=ledger, metrics=metrics, pad_id=tokenizer.pad_token_id, vocab_size=served.vocab_size,
-                        start_step=start_step, pause_mode=pause_mode, _trained_log=trained_log, teacher=teacher,
-                        colocation=Colocation(pool, abort=cfg.buffer.partial_rollout == "abort_resubmit")
-                        if colocated else None)
-        stack.callback(pipe._gpu.close)
-        # Start-up's objects (imports, Ray, the tokenizer) out of the garbage collector for the run: its
-        # full passes over them stalled a third of the demo's steps by ~0.3 s. Back in at the end.
-        gc.freeze()
-        stack.callback(gc.unfreeze)
-        producer_task = asyncio.create_task(producer.run())
-        stack.push_async_callback(producer.stop)
-        stack.callback(producer_task.cancel)
+        with StopRequest.cancels_the_start_up():
+            pipe = await _start_pipeline(cfg, start_checkpoint, layout, stack)
         async with stack:
             yield pipe
     except BaseException as e:
         await stack.__aexit__(type(e), e, e.__traceback__)  # a no-op when `async with` closed it
         raise
+
+
+async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout,
+                          stack: contextlib.AsyncExitStack) -> Pipeline:
+    """Start-up on a connected Ray: trainer ranks, engines, weight sync, producer; what they hold
+    goes into ``stack`` (closed by :func:`open_pipeline`)."""
+    r, p, t = cfg.rollout, cfg.parallel, cfg.trainer
+    run_dir = Path(cfg.logging.run_dir)
+    tokenizer = AutoTokenizer.from_pretrained(start_checkpoint)
+    served = ServedModel.from_hf_config(start_checkpoint)
+    checkpoints = run_dir / "checkpoints"
+    resume_step = latest_step(checkpoints) if t.resume else None
+    started = time.monotonic()
+    trainer = TrainerGroup(layout, backend=p.backend, seed=t.seed)
+    stack.push(lambda failure, *_: trainer.shutdown(keep=failure is None))  # ranks may be stuck after one
+    api_key = secrets.token_urlsafe(32)  # this run's engines answer only megarl's clients (never logged)
+    engines = [dataclasses.replace(EngineSettings.from_config(cfg, start_checkpoint, i, 0), api_key=api_key)
+               for i in range(r.num_engines)]
+    colocated = Placement(cfg.placement) == Placement.colocated
+    if colocated:
+        release = memory_saver_args(cuda=not sglang_cpu.needed())
+        engines = [dataclasses.replace(e, extra_args=e.extra_args + release) for e in engines]
+    # Disaggregated GPU engines reserve their devices through Ray (CUDA_VISIBLE_DEVICES reaches the
+    # server); colocated ones share the trainer's, and CPU engines reserve half a CPU
+    own_gpus = r.engine_tp if torch.cuda.is_available() and cfg.placement == "disaggregated" else 0
+    pooled = {"policy": engines}  # the policy's engines, the teacher's and the judge's: a pool each
+    if cfg.teacher.hf_path:
+        pooled["teacher"] = [teacher_engine_settings(cfg, api_key)]
+    if cfg.reward.judge.hf_path:  # a generative reward model on an engine of its own (weights never synced)
+        pooled["judge"] = [judge_engine_settings(cfg, api_key)]
+    gpus = {"policy": own_gpus, "teacher": own_gpus,
+            "judge": cfg.reward.judge.engine_tp if torch.cuda.is_available() else 0}
+    # Disaggregated engines load while the trainer ranks build and load their checkpoint (on a cluster
+    # both take minutes); colocated ones start after, as they size their memory by what the trainer left.
+    def launch_engines() -> dict[str, asyncio.Task]:
+        return {name: _launch(stack, settings, gpus[name]) for name, settings in pooled.items()}
+
+    launches = {} if colocated else launch_engines()
+    launched_s = time.monotonic() - started
+    await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg, updates_per_step=t.updates_per_step),
+                        ModelSettings.from_config(cfg))
+    position, ledger, start_step = None, Ledger(), 0
+    if resume_step is not None:
+        resumed = await trainer.load_checkpoint(str(checkpoints))
+        start_step, position = resumed.step, resumed.data_position
+        ledger = Ledger.from_state_dict(position["ledger"])
+        log.info("resuming at step %d from %s", start_step, resumed.path)
+    trainer_s = time.monotonic() - started
+    if colocated:
+        launches, launched_s = launch_engines(), trainer_s
+    pools = dict(zip(launches, await asyncio.gather(*launches.values())))
+    pool = pools["policy"]
+    log.info("start-up: engines (%s) launched at %.1f s, trainer ranks built at %.1f s, engines healthy at %.1f s",
+             ", ".join(pools), launched_s, trainer_s, time.monotonic() - started)
+    log.info("placement: trainer ranks on nodes %s, engines on nodes %s at %s", await trainer.node_addresses(),
+             [a.node for a in await asyncio.gather(*(e.info.remote() for e in pool.actors))],
+             [c.base_url for c in pool.clients])
+    teacher = None
+    if "teacher" in pools:
+        teacher = TeacherScorer(pools["teacher"].clients[0].base_url, pools["teacher"].model.vocab_size,
+                                api_key=api_key, timeout_s=cfg.teacher.timeout_s)
+        stack.push_async_callback(teacher.aclose)
+        log.info("teacher %s served at %s", cfg.teacher.hf_path, teacher.base_url)
+    judge = make_judge(cfg.reward.judge, pools["judge"], tokenizer) if "judge" in pools else None
+    lora = LoraSettings.from_config(cfg.lora)
+    sync_kind = AdapterSync if lora is not None and lora.sync == "adapter" else WeightSync
+    sync = sync_kind(SyncSettings.from_config(cfg.sync, r.engine_tp), trainer, pool.clients, initial_version=0)
+    stack.push_async_callback(sync.close)
+    await sync.setup()
+    pause_mode = PAUSE_FOR_PARTIAL_ROLLOUT[cfg.buffer.partial_rollout]
+    if start_step:  # the engines get the checkpoint's weights before they generate anything
+        await sync.update(start_step, pause_mode)
+
+    async def bring_to_current(index, client, info):
+        await sync.recover(client)
+
+    pool.on_restart = bring_to_current
+    source = make_prompt_source(cfg.task)
+    requeue = ()
+    if position is not None:
+        source.load_state_dict(position["source"])
+        requeue = [(i, Prompt(**fields)) for i, fields in position["requeue"]]
+    lag, capacity, max_staleness = lag_and_capacity(cfg)
+    buffer = RolloutBuffer(capacity, max_staleness, ledger)
+    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                            top_k=r.top_k)
+    # The engine's log-probs are always those of the distribution it sampled from (renormalised
+    # over its top-k mask); keep_sampling_mask decides whether the trainer applies that mask too.
+    episodes = episode_runner(cfg, pool, tokenizer, params)
+    if isinstance(episodes, AgentEpisodes):
+        stack.push_async_callback(episodes.aclose)
+    manager = RolloutManager(pool, tokenizer, make_reward(cfg.reward, judge=judge), params, r.samples_per_prompt,
+                             routing=r.keep_routing, sampling_mask=r.top_k > 0,
+                             partial_rollout=cfg.buffer.partial_rollout, reward_timeout_s=cfg.reward.timeout_s,
+                             episodes=episodes, teacher=teacher)
+    producer = RolloutProducer(manager, source, buffer, ledger, prompts_per_step=r.prompts_per_step,
+                               samples_per_prompt=r.samples_per_prompt, lag=lag,
+                               dynamic_sampling=r.dynamic_sampling, engine_version=start_step,
+                               requeue=requeue, next_index=position["next_index"] if position else 0,
+                               fatal=(EngineUnreachable,))
+    for name in ("metrics.jsonl", "trained_prompts.jsonl"):
+        _truncate_jsonl(run_dir / name, start_step)
+    metrics = MetricsFile(run_dir)
+    stack.callback(metrics.close)
+    trained_log = stack.enter_context((run_dir / "trained_prompts.jsonl").open("a"))
+    pipe = Pipeline(cfg=cfg, trainer=trainer, pool=pool, sync=sync, buffer=buffer, producer=producer,
+                    ledger=ledger, metrics=metrics, pad_id=tokenizer.pad_token_id, vocab_size=served.vocab_size,
+                    start_step=start_step, pause_mode=pause_mode, _trained_log=trained_log, teacher=teacher,
+                    colocation=Colocation(pool, abort=cfg.buffer.partial_rollout == "abort_resubmit")
+                    if colocated else None)
+    stack.callback(pipe._gpu.close)
+    # Start-up's objects (imports, Ray, the tokenizer) out of the garbage collector for the run: its
+    # full passes over them stalled a third of the demo's steps by ~0.3 s. Back in at the end.
+    gc.freeze()
+    stack.callback(gc.unfreeze)
+    producer_task = asyncio.create_task(producer.run())
+    stack.push_async_callback(producer.stop)
+    stack.callback(producer_task.cancel)
+    return pipe

@@ -1,12 +1,13 @@
 """Stop requests: SIGTERM / SIGUSR1 from a scheduler, and Ctrl-C while the RL loop runs, end a run
-cleanly after the current step."""
+cleanly after the current step; during start-up they end it at once."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -19,9 +20,14 @@ class StopRequest:
     Ctrl-C (SIGINT) asks the same while the RL loop runs (:meth:`ctrl_c_stops_after_the_step`); a
     second Ctrl-C goes to the handler that was there before (asyncio's: the run is cancelled at
     once, without a checkpoint). Outside the loop (warm-up, start-up: nothing to save yet) Ctrl-C
-    interrupts at once, as it always does."""
+    interrupts at once, as it always does.
+
+    During start-up (:meth:`cancels_the_start_up`) SIGTERM / SIGUSR1 cancel it at once: nothing is
+    trained yet, and loading a big model takes minutes, more than a scheduler waits after SIGTERM
+    (SLURM's KillWait: 30 s by default) before it kills the job, and its requeue with it."""
 
     signal_name: str | None = None
+    _on_request: Callable[[], None] | None = None
 
     @classmethod
     def install(cls) -> None:
@@ -31,7 +37,25 @@ class StopRequest:
     @classmethod
     def _handle(cls, signum, frame) -> None:
         cls.signal_name = signal.Signals(signum).name
-        log.warning("%s received: checkpoint after the current step, then exit", cls.signal_name)
+        if cls._on_request is not None:
+            log.warning("%s received during start-up: stopping now (nothing to save yet)", cls.signal_name)
+            cls._on_request()
+        else:
+            log.warning("%s received: checkpoint after the current step, then exit", cls.signal_name)
+
+    @classmethod
+    @contextlib.contextmanager
+    def cancels_the_start_up(cls) -> Iterator[None]:
+        """Within the block (entered by a coroutine), a stop request, or one that came before it,
+        cancels the task that entered it: ``asyncio.CancelledError`` at its next ``await``."""
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        cls._on_request = lambda: loop.call_soon_threadsafe(task.cancel)
+        try:
+            if cls.signal_name is not None:
+                task.cancel()
+            yield
+        finally:
+            cls._on_request = None
 
     @classmethod
     @contextlib.contextmanager
