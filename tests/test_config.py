@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -9,6 +10,8 @@ from omegaconf import OmegaConf
 from megarl.config import ConfigError, load_config
 from megarl.config.validate import check_inputs
 from megarl.train import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_tiny_recipe_composes_with_overrides():
@@ -67,8 +70,12 @@ BAD_INPUTS = [
     (["reward.type=remote", "reward.url=localhost:8000"], "reward.url", "is not an http(s) URL"),
     (["reward.type=function", "reward.path=json.no_such_fn"], "reward.path", "AttributeError"),
     (["reward.type=function", "reward.path=nope.mod.fn"], "reward.path", "No module named 'nope'"),
-    (["task.name=jsonl", "task.path=/nope.jsonl"], "task.path", "/nope.jsonl does not exist"),
+    (["task.name=jsonl", "task.path=/nope.jsonl", "warmup.steps=0"], "task.path", "/nope.jsonl does not exist"),
     (["task.name=jsonl"], "task.path", "needs the dataset file"),
+    (["task.name=jsonl", "task.path=/nope.jsonl"], "warmup.steps",
+     "the warm-up trains on synthetic arithmetic problems (the tiny demos' start), not on task.name=jsonl's rows"),
+    (["mode=warmup", "warmup.steps=0"], "warmup.steps", "mode=warmup runs the warm-up alone"),
+    (["warmup.steps=-1"], "warmup.steps", "must be >= 0"),
     (["task.name=csv"], "task.name", "is not one of arithmetic, jsonl, parquet"),
     (["reward.type=remote"], "reward.url", "needs reward.url"),
     (["rollout.top_k=0"], "rollout.top_k", "finite top_k"),
@@ -124,13 +131,24 @@ def _companions(key: str, name: str, tmp_path) -> list[str]:
         path = tmp_path / f"rows.{name}"
         rows = datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}])
         rows.to_json(str(path)) if name == "jsonl" else rows.to_parquet(str(path))
-        return [f"task.path={path}"]
+        return [f"task.path={path}", "warmup.steps=0"]  # the warm-up is for the arithmetic task only
     if key == "reward.type":
         return {"remote": ["reward.url=http://localhost:8000/reward"],
                 "function": ["reward.path=megarl.tasks.rewards.exact_match_reward"]}.get(name, [])
     if (key, name) == ("algorithm.advantage", "opd"):  # distils from a teacher (checked at load, not read)
         return [f"teacher.hf_path={tmp_path / 'teacher'}", "algorithm.opd_coef=1.0"]
     return []
+
+
+def test_the_big_recipes_run_rl_from_their_checkpoint():
+    """Recipes without a ``mode`` or ``warmup`` section (the big models') run RL, async, from
+    ``model.hf_path``: the warm-up is the tiny demos' start on arithmetic problems (it was the default,
+    and ``recipe=qwen3_235b_a22b`` ran 60 arithmetic warm-up steps on the model and stopped)."""
+    big = sorted(p.stem for p in (ROOT / "recipes").glob("*.yaml") if not p.stem.startswith("tiny_"))
+    assert len(big) >= 5, big
+    for recipe in big:
+        cfg = load_config([f"recipe={recipe}"])
+        assert (cfg.mode, cfg.warmup.steps) == ("async", 0), recipe
 
 
 def test_transport_auto_follows_the_placement():
@@ -178,9 +196,9 @@ def _write_jsonl(path, rows):
 
 
 def test_dataset_fields_are_checked_from_the_first_rows(tmp_path):
-    load_config(["recipe=tiny_moe_cpu", "task.name=jsonl", "task.path=/nope.jsonl"])  # the planner: files are elsewhere
+    load_config(["recipe=tiny_moe_cpu", "task.name=jsonl", "task.path=/nope.jsonl", "warmup.steps=0"])  # the planner
     path = _write_jsonl(tmp_path / "rows.jsonl", [{"question": "a"}, {"question": "b", "solution": 2}])
-    base = ["recipe=tiny_moe_cpu", "task.name=jsonl", f"task.path={path}"]
+    base = ["recipe=tiny_moe_cpu", "task.name=jsonl", "warmup.steps=0", f"task.path={path}"]
     cfg = loaded([*base, "task.prompt_key=question", "task.answer_key=solution"])  # fields of any first row
     assert cfg.task.path == str(path)
     loaded([*base, "task.prompt_key=question", "task.answer_key="])  # no answers
@@ -189,9 +207,9 @@ def test_dataset_fields_are_checked_from_the_first_rows(tmp_path):
         loaded(base)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ConfigError, match="^task.path: .*empty.jsonl has no rows"):
-        loaded(["recipe=tiny_moe_cpu", "task.name=jsonl", f"task.path={tmp_path / 'empty.jsonl'}"])
+        loaded(["recipe=tiny_moe_cpu", "task.name=jsonl", "warmup.steps=0", f"task.path={tmp_path / 'empty.jsonl'}"])
     (tmp_path / "array.json").write_text(json.dumps([{"question": "a"}], indent=1))  # not JSON Lines:
-    loaded(["recipe=tiny_moe_cpu", "task.name=jsonl", f"task.path={tmp_path / 'array.json'}"])  # read later
+    loaded(["recipe=tiny_moe_cpu", "task.name=jsonl", "warmup.steps=0", f"task.path={tmp_path / 'array.json'}"])
 
 
 def test_parquet_fields_come_from_the_schema(tmp_path):
@@ -199,12 +217,13 @@ def test_parquet_fields_come_from_the_schema(tmp_path):
 
     path = tmp_path / "rows.parquet"
     datasets.Dataset.from_list([{"question": "a", "solution": 1}]).to_parquet(str(path))
-    base = ["recipe=tiny_moe_cpu", "task.name=parquet", f"task.path={path}", "task.prompt_key=question"]
+    base = ["recipe=tiny_moe_cpu", "task.name=parquet", "warmup.steps=0", f"task.path={path}",
+            "task.prompt_key=question"]
     loaded([*base, "task.answer_key=solution"])
     with pytest.raises(ConfigError, match="^task.answer_key: 'answer' is not a field of .*question, solution$"):
         loaded(base)
     with pytest.raises(ConfigError, match="^task.path: .* is not a readable Parquet file"):
-        loaded([*base[:2], f"task.path={_write_jsonl(tmp_path / 'rows.jsonl', [{'a': 1}])}"])
+        loaded([*base[:3], f"task.path={_write_jsonl(tmp_path / 'rows.jsonl', [{'a': 1}])}"])
 
 
 def test_max_new_tokens_is_checked_against_the_checkpoint_context(tiny_checkpoint, tmp_path):

@@ -132,9 +132,10 @@ class TrainerConfig:
 
 @dataclass
 class WarmupConfig:
-    """Supervised warm-up on the task's format (the tiny demo's starting point)."""
+    """Supervised warm-up on synthetic arithmetic problems (task.name=arithmetic; the tiny demos'
+    starting point). Off by default: RL starts from model.hf_path."""
 
-    steps: int = 60
+    steps: int = 0  # > 0: RL starts from save_hf_path, made by this many warm-up steps when absent
     batch_size: int = 64
     lr: float = 1e-3
     log_interval: int = 10
@@ -322,7 +323,7 @@ class LoggingConfig:
 @dataclass
 class MegarlConfig:
     run_name: str = "run"
-    mode: str = "warmup"  # one of MODES
+    mode: str = "async"  # one of MODES (warmup: the supervised warm-up alone, for the tiny demos)
     placement: Placement = Placement.colocated
     steps: int = 100  # RL steps
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -99,6 +99,21 @@ def validate(cfg: DictConfig) -> None:
               f"bucket_mb must be >= 0 and timeout_s > 0, got {cfg.sync.bucket_mb}, {cfg.sync.timeout_s}")
     if cfg.mode == "async" and (cfg.buffer.max_staleness < 0 or cfg.buffer.max_buffer_batches < 1):
         _fail("buffer.max_staleness", "async mode needs max_staleness >= 0 and max_buffer_batches >= 1")
+    _check_warmup(cfg)
+
+
+def _check_warmup(cfg: DictConfig) -> None:
+    """The warm-up is the tiny demos' supervised start on synthetic arithmetic problems: with any
+    other task it would teach the model sums before RL on the dataset, so it is refused there."""
+    w = cfg.warmup
+    if w.steps < 0:
+        _fail("warmup.steps", f"must be >= 0 (0: RL starts from model.hf_path), got {w.steps}")
+    if cfg.mode == "warmup" and w.steps == 0:
+        _fail("warmup.steps", "mode=warmup runs the warm-up alone: it needs warmup.steps >= 1")
+    if w.steps > 0 and cfg.task.name != "arithmetic":
+        _fail("warmup.steps", f"the warm-up trains on synthetic arithmetic problems (the tiny demos' start), "
+              f"not on task.name={cfg.task.name}'s rows; set warmup.steps=0 to start RL from model.hf_path "
+              f"(your SFT checkpoint)")
 
 
 def _check_lora(cfg: DictConfig) -> None:
