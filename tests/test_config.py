@@ -70,9 +70,12 @@ BAD_INPUTS = [
     (["reward.type=remote", "reward.url=localhost:8000"], "reward.url", "is not an http(s) URL"),
     (["reward.type=function", "reward.path=json.no_such_fn"], "reward.path", "AttributeError"),
     (["reward.type=function", "reward.path=nope.mod.fn"], "reward.path", "No module named 'nope'"),
-    (["task.name=jsonl", "task.path=/nope.jsonl", "warmup.steps=0"], "task.path", "/nope.jsonl does not exist"),
+    (["task.name=jsonl", "task.path=/nope.jsonl", "warmup.steps=0", "reward.type=math"], "task.path",
+     "/nope.jsonl does not exist"),
     (["task.name=jsonl"], "task.path", "needs the dataset file"),
-    (["task.name=jsonl", "task.path=/nope.jsonl"], "warmup.steps",
+    (["task.name=jsonl", "task.path=/nope.jsonl", "warmup.steps=0"], "reward.type",
+     "the arithmetic reward scores the demo's sums (exactly the answer, then end of sequence), not task.name=jsonl"),
+    (["task.name=jsonl", "task.path=/nope.jsonl", "reward.type=math"], "warmup.steps",
      "the warm-up trains on synthetic arithmetic problems (the tiny demos' start), not on task.name=jsonl's rows"),
     (["mode=warmup", "warmup.steps=0"], "warmup.steps", "mode=warmup runs the warm-up alone"),
     (["warmup.steps=-1"], "warmup.steps", "must be >= 0"),
@@ -131,7 +134,7 @@ def _companions(key: str, name: str, tmp_path) -> list[str]:
         path = tmp_path / f"rows.{name}"
         rows = datasets.Dataset.from_list([{"prompt": "1+1=", "answer": "2"}])
         rows.to_json(str(path)) if name == "jsonl" else rows.to_parquet(str(path))
-        return [f"task.path={path}", "warmup.steps=0"]  # the warm-up is for the arithmetic task only
+        return [f"task.path={path}", "warmup.steps=0", "reward.type=exact_match"]  # both: arithmetic only
     if key == "reward.type":
         return {"remote": ["reward.url=http://localhost:8000/reward"],
                 "function": ["reward.path=megarl.tasks.rewards.exact_match_reward"]}.get(name, [])
@@ -196,9 +199,10 @@ def _write_jsonl(path, rows):
 
 
 def test_dataset_fields_are_checked_from_the_first_rows(tmp_path):
-    load_config(["recipe=tiny_moe_cpu", "task.name=jsonl", "task.path=/nope.jsonl", "warmup.steps=0"])  # the planner
+    dataset = ["task.name=jsonl", "warmup.steps=0", "reward.type=exact_match"]
+    load_config(["recipe=tiny_moe_cpu", *dataset, "task.path=/nope.jsonl"])  # the planner: files are elsewhere
     path = _write_jsonl(tmp_path / "rows.jsonl", [{"question": "a"}, {"question": "b", "solution": 2}])
-    base = ["recipe=tiny_moe_cpu", "task.name=jsonl", "warmup.steps=0", f"task.path={path}"]
+    base = ["recipe=tiny_moe_cpu", *dataset, f"task.path={path}"]
     cfg = loaded([*base, "task.prompt_key=question", "task.answer_key=solution"])  # fields of any first row
     assert cfg.task.path == str(path)
     loaded([*base, "task.prompt_key=question", "task.answer_key="])  # no answers
@@ -207,9 +211,9 @@ def test_dataset_fields_are_checked_from_the_first_rows(tmp_path):
         loaded(base)
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ConfigError, match="^task.path: .*empty.jsonl has no rows"):
-        loaded(["recipe=tiny_moe_cpu", "task.name=jsonl", "warmup.steps=0", f"task.path={tmp_path / 'empty.jsonl'}"])
+        loaded(["recipe=tiny_moe_cpu", *dataset, f"task.path={tmp_path / 'empty.jsonl'}"])
     (tmp_path / "array.json").write_text(json.dumps([{"question": "a"}], indent=1))  # not JSON Lines:
-    loaded(["recipe=tiny_moe_cpu", "task.name=jsonl", "warmup.steps=0", f"task.path={tmp_path / 'array.json'}"])
+    loaded(["recipe=tiny_moe_cpu", *dataset, f"task.path={tmp_path / 'array.json'}"])  # read later
 
 
 def test_parquet_fields_come_from_the_schema(tmp_path):
@@ -217,13 +221,13 @@ def test_parquet_fields_come_from_the_schema(tmp_path):
 
     path = tmp_path / "rows.parquet"
     datasets.Dataset.from_list([{"question": "a", "solution": 1}]).to_parquet(str(path))
-    base = ["recipe=tiny_moe_cpu", "task.name=parquet", "warmup.steps=0", f"task.path={path}",
-            "task.prompt_key=question"]
+    base = ["recipe=tiny_moe_cpu", "task.name=parquet", "warmup.steps=0", "reward.type=exact_match",
+            f"task.path={path}", "task.prompt_key=question"]
     loaded([*base, "task.answer_key=solution"])
     with pytest.raises(ConfigError, match="^task.answer_key: 'answer' is not a field of .*question, solution$"):
         loaded(base)
     with pytest.raises(ConfigError, match="^task.path: .* is not a readable Parquet file"):
-        loaded([*base[:3], f"task.path={_write_jsonl(tmp_path / 'rows.jsonl', [{'a': 1}])}"])
+        loaded([*base[:4], f"task.path={_write_jsonl(tmp_path / 'rows.jsonl', [{'a': 1}])}"])
 
 
 def test_max_new_tokens_is_checked_against_the_checkpoint_context(tiny_checkpoint, tmp_path):

@@ -87,6 +87,10 @@ def validate(cfg: DictConfig) -> None:
     if cfg.task.name in DATASET_TASKS and not cfg.task.path:
         _fail("task.path", f"task {cfg.task.name} needs the dataset file")
     _check_reward(cfg.reward)
+    if cfg.reward.type == "arithmetic" and cfg.task.name != "arithmetic":
+        _fail("reward.type", f"the arithmetic reward scores the demo's sums (exactly the answer, then end of "
+              f"sequence), not task.name={cfg.task.name}'s rows: choose exact_match, math (math-verify), remote "
+              f"or function")
     _check_judge(cfg)
     _check_episodes(cfg.task, cfg.rollout.num_engines)
     _check_lora(cfg)
