@@ -78,6 +78,7 @@ BAD_INPUTS = [
     (["task.name=jsonl", "task.path=/nope.jsonl", "reward.type=math"], "warmup.steps",
      "the warm-up trains on synthetic arithmetic problems (the tiny demos' start), not on task.name=jsonl's rows"),
     (["mode=warmup", "warmup.steps=0"], "warmup.steps", "mode=warmup runs the warm-up alone"),
+    (["task.chat_template=true"], "task.chat_template", "renders the prompts of a single-turn dataset task"),
     (["warmup.steps=-1"], "warmup.steps", "must be >= 0"),
     (["task.name=csv"], "task.name", "is not one of arithmetic, jsonl, parquet"),
     (["reward.type=remote"], "reward.url", "needs reward.url"),
@@ -214,6 +215,23 @@ def test_dataset_fields_are_checked_from_the_first_rows(tmp_path):
         loaded(["recipe=tiny_moe_cpu", *dataset, f"task.path={tmp_path / 'empty.jsonl'}"])
     (tmp_path / "array.json").write_text(json.dumps([{"question": "a"}], indent=1))  # not JSON Lines:
     loaded(["recipe=tiny_moe_cpu", *dataset, f"task.path={tmp_path / 'array.json'}"])  # read later
+
+
+def test_a_chat_template_is_asked_of_a_tokenizer_that_has_one(tiny_checkpoint, tmp_path):
+    import shutil
+
+    path = _write_jsonl(tmp_path / "rows.jsonl", [{"prompt": [{"role": "user", "content": "1+1="}], "answer": "2"}])
+    plain = tmp_path / "plain"
+    shutil.copytree(tiny_checkpoint, plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    base = ["recipe=tiny_moe_cpu", "task.name=jsonl", "warmup.steps=0", "reward.type=exact_match",
+            f"task.path={path}", "task.chat_template=true"]
+    loaded([*base, f"model.hf_path={tiny_checkpoint}"])
+    with pytest.raises(ConfigError, match=r"^task.chat_template: the tokenizer saved with .*plain has no chat"):
+        loaded([*base, f"model.hf_path={plain}"])
 
 
 def test_parquet_fields_come_from_the_schema(tmp_path):

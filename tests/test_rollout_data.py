@@ -4,14 +4,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from megarl.tasks.prompts import ArithmeticSource, DatasetSource, Prompt, make_prompt_source
+from megarl.tasks.prompts import (
+    ArithmeticSource,
+    DatasetSource,
+    Prompt,
+    chat_renderer,
+    has_chat_template,
+    make_prompt_source,
+)
 
 ROWS = [{"question": f"q{i}", "solution": i * 10, "level": i % 3} for i in range(7)]
 
 
 def task(**overrides):
     base = dict(name="arithmetic", path=None, prompt_key="prompt", answer_key="answer", shuffle=True,
-                max_operand=9, seed=0)
+                max_operand=9, seed=0, chat_template=False)
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -85,3 +92,24 @@ def test_rows_without_a_prompt_and_bad_files_are_clear_errors(tmp_path):
         DatasetSource(tmp_path / "prompts.csv")
     with pytest.raises(ValueError, match="task.path: task jsonl needs the dataset file"):
         make_prompt_source(task(name="jsonl"))
+
+
+def test_chat_messages_are_rendered_by_the_tokenizers_template(tmp_path, tokenizer, tiny_checkpoint):
+    """verl / slime store DAPO-Math's prompts as chat messages: rendered with the tokenizer's template
+    (a plain string as one user turn), refused with a pointer to task.chat_template when not asked."""
+    messages = [{"role": "system", "content": "sums"}, {"role": "user", "content": "3+4="}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"prompt": messages, "label": "7"}, {"prompt": "5+5=", "label": "10"}])
+    chat = task(name="jsonl", path=str(path), answer_key="label", shuffle=False, chat_template=True)
+    texts = [p.text for p in make_prompt_source(chat, tokenizer).next_batch(2)]
+    assert texts == [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+                     for m in (messages, [{"role": "user", "content": "5+5="}])]
+    assert texts[1] == "<|bos|>U:5+5=\nA:"  # the tiny template, written out
+    with pytest.raises(ValueError, match=r"row 0's 'prompt' is a list .*set task.chat_template=true"):
+        make_prompt_source(task(name="jsonl", path=str(path), answer_key="label", shuffle=False)).next_batch(1)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": ["3+4="], "label": "7"}])
+    with pytest.raises(ValueError, match=r"bad.jsonl: row 0: a prompt to render is a string or a list of"):
+        DatasetSource(bad, answer_key="label", render=chat_renderer(tokenizer)).next_batch(1)
+    assert has_chat_template(tiny_checkpoint)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
+    assert not has_chat_template(tmp_path / "plain")

@@ -15,7 +15,7 @@ from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.rollout.env import CalculatorEnv, CalculatorError, EnvEpisodes, EnvStep, EpisodeLimits, calculate
 from megarl.rollout.group import RolloutManager
 from megarl.sample import FinishReason
-from megarl.tasks.prompts import Prompt
+from megarl.tasks.prompts import Prompt, chat_renderer
 from megarl.tasks.rewards import RewardInput, arithmetic_reward
 
 LOGPROB_TOLERANCE = 1e-3
@@ -35,6 +35,24 @@ def hf_model(path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+# --- prompts rendered by the chat template (task.chat_template) ------------------------------------
+
+def test_rendered_prompts_are_tokenized_as_the_template_made_them(client, tokenizer, loop):
+    """The template writes its own BOS: the engine gets exactly ``apply_chat_template``'s ids (one BOS;
+    the tiny tokenizer adds another to plain text, which a rendered prompt must not get)."""
+    messages = [{"role": "system", "content": "sums"}, {"role": "user", "content": "3+4="}]
+    expected = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
+    if not isinstance(expected, list):  # transformers returns a BatchEncoding for one conversation
+        expected = expected["input_ids"]
+    text = chat_renderer(tokenizer)(messages)
+    manager = RolloutManager(client, tokenizer, arithmetic_reward, SamplingParams(max_new_tokens=2, top_k=10),
+                             samples_per_prompt=2, add_special_tokens=False)
+    (result,) = loop.run_until_complete(manager.generate_groups([Prompt(text, "7")], ["rendered"]))
+    assert result.rejected is None and [s.prompt_ids for s in result.samples] == [expected] * 2
+    assert expected.count(tokenizer.bos_token_id) == 1
+    assert tokenizer(text)["input_ids"] != expected  # what the default tokenization would have sent
 
 
 # --- counted outcomes -----------------------------------------------------------------------------

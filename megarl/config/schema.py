@@ -158,6 +158,9 @@ class TaskConfig:
     prompt_key: str = "prompt"
     answer_key: str = "answer"  # "" = the rows have no answers (e.g. a reward model scores them)
     shuffle: bool = True  # jsonl / parquet: visit the rows in a seeded permutation per epoch
+    # jsonl / parquet: render each prompt (a string: one user turn, or a list of chat messages as
+    # verl / slime store them) with the tokenizer's chat template and its generation prompt
+    chat_template: bool = False
     max_operand: int = 9  # arithmetic: operands in [0, max_operand]
     seed: int = 0
     # How a prompt becomes a sample: None = one generation (single turn); "calculator" = a multi-turn

@@ -32,7 +32,7 @@ from megarl.rollout.env import ENVIRONMENTS
 from megarl.rollout.group import PARTIAL_ROLLOUT_MODES
 from megarl.sync.transports import TRANSPORTS
 from megarl.tasks.judge import check_judge_config
-from megarl.tasks.prompts import DATASET_TASKS, TASKS, dataset_fields
+from megarl.tasks.prompts import DATASET_TASKS, TASKS, dataset_fields, has_chat_template
 from megarl.tasks.rewards import REWARD_TYPES, check_reward_url, load_user_reward
 
 # Config key -> the registry of its valid names (the tables the code looks the name up in).
@@ -86,6 +86,9 @@ def validate(cfg: DictConfig) -> None:
     _check_distillation(cfg)
     if cfg.task.name in DATASET_TASKS and not cfg.task.path:
         _fail("task.path", f"task {cfg.task.name} needs the dataset file")
+    if cfg.task.chat_template and (cfg.task.name not in DATASET_TASKS or cfg.task.env or cfg.task.agent):
+        _fail("task.chat_template", "renders the prompts of a single-turn dataset task (task.name jsonl or parquet, "
+              "no task.env or task.agent: an agent's calls get the template from the gateway)")
     _check_reward(cfg.reward)
     if cfg.reward.type == "arithmetic" and cfg.task.name != "arithmetic":
         _fail("reward.type", f"the arithmetic reward scores the demo's sums (exactly the answer, then end of "
@@ -401,6 +404,9 @@ def check_inputs(cfg: DictConfig) -> None:
         except ValueError as exc:  # the message names task.agent
             raise ConfigError(_one_line(str(exc))) from exc
     checkpoint = _rl_start_checkpoint(cfg)
+    if cfg.task.chat_template and checkpoint is not None and not has_chat_template(checkpoint):
+        _fail("task.chat_template", f"the tokenizer saved with {checkpoint} has no chat template "
+              "(no chat_template.jinja, nor a chat_template in tokenizer_config.json)")
     if cfg.teacher.hf_path:
         _check_teacher(cfg.teacher.hf_path, checkpoint)
     if checkpoint is not None:

@@ -441,7 +441,7 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
         await sync.recover(client)
 
     pool.on_restart = bring_to_current
-    source = make_prompt_source(cfg.task)
+    source = make_prompt_source(cfg.task, tokenizer)
     requeue = ()
     if position is not None:
         source.load_state_dict(position["source"])
@@ -458,7 +458,7 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     manager = RolloutManager(pool, tokenizer, make_reward(cfg.reward, judge=judge), params, r.samples_per_prompt,
                              routing=r.keep_routing, sampling_mask=r.top_k > 0,
                              partial_rollout=cfg.buffer.partial_rollout, reward_timeout_s=cfg.reward.timeout_s,
-                             episodes=episodes, teacher=teacher)
+                             episodes=episodes, teacher=teacher, add_special_tokens=not cfg.task.chat_template)
     producer = RolloutProducer(manager, source, buffer, ledger, prompts_per_step=r.prompts_per_step,
                                samples_per_prompt=r.samples_per_prompt, lag=lag,
                                dynamic_sampling=r.dynamic_sampling, engine_version=start_step,

@@ -79,7 +79,7 @@ class RolloutManager:
     def __init__(self, target: Engines, tokenizer, reward_fn: RewardFn, params: SamplingParams,
                  samples_per_prompt: int, routing: bool = True, sampling_mask: bool = True,
                  partial_rollout: str = "continue", reward_timeout_s: float = 30.0, episodes=None,
-                 teacher: TeacherScorer | None = None):
+                 teacher: TeacherScorer | None = None, add_special_tokens: bool = True):
         if partial_rollout not in PARTIAL_ROLLOUT_MODES:
             raise ValueError(f"partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {partial_rollout!r}")
         if samples_per_prompt < 1:
@@ -88,6 +88,7 @@ class RolloutManager:
         self.samples_per_prompt, self.routing, self.sampling_mask = samples_per_prompt, routing, sampling_mask
         self.partial_rollout = partial_rollout
         self.episodes, self.teacher = episodes, teacher
+        self.add_special_tokens = add_special_tokens  # False: prompts come rendered, with their own BOS
         self.scorer = RewardScorer(reward_fn, reward_timeout_s)
         self.resubmitted = 0
         self.rejected: collections.Counter[str] = collections.Counter()
@@ -127,7 +128,8 @@ class RolloutManager:
 
     async def generate_group(self, prompt: Prompt, group_id: str) -> GroupResult:
         """``samples_per_prompt`` scored samples of ``prompt`` (group ``group_id``)."""
-        prompt_ids = self.tokenizer(prompt.text)["input_ids"] if prompt.text else []
+        prompt_ids = (self.tokenizer(prompt.text, add_special_tokens=self.add_special_tokens)["input_ids"]
+                      if prompt.text else [])
         refusal = self._refusal(prompt, prompt_ids)
         if refusal is not None:
             return self._reject(prompt_ids, group_id, *refusal)

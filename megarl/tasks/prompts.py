@@ -2,7 +2,10 @@
 synthetic arithmetic task and JSONL / Parquet datasets read through HF ``datasets``.
 
 A source hands out prompts in batches and can say where it is (``state_dict``) and go back there
-(``load_state_dict``), so a resumed run continues with the prompts it would have seen next.
+(``load_state_dict``), so a resumed run continues with the prompts it would have seen next. With
+``task.chat_template`` a dataset's prompts (strings, or lists of chat messages as verl and slime store
+DAPO-Math) are rendered by the tokenizer's chat template with the generation prompt
+(:func:`chat_renderer`).
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from megarl.tasks import arithmetic
 
@@ -68,7 +71,8 @@ class ArithmeticSource:
 class DatasetSource:
     """Prompts from a JSONL or Parquet file, one row each, read with HF ``datasets``.
 
-    ``prompt_key`` must name a string field of every row; ``answer_key`` (None: no answers) a field
+    ``prompt_key`` must name a string field of every row (with ``render``: whatever ``render`` takes,
+    e.g. a list of chat messages; the prompt is its result); ``answer_key`` (None: no answers) a field
     whose value becomes ``Prompt.answer`` as a string; the other fields go to ``Prompt.metadata``.
     The rows are visited epoch by epoch, in a seeded permutation per epoch when ``shuffle``.
     A missing field or a row without a prompt raises ValueError naming the field, the file and the
@@ -78,7 +82,8 @@ class DatasetSource:
     FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
     def __init__(self, path: str | Path, prompt_key: str = "prompt", answer_key: str | None = "answer",
-                 shuffle: bool = True, seed: int = 0, file_format: str | None = None):
+                 shuffle: bool = True, seed: int = 0, file_format: str | None = None,
+                 render: Callable[[Any], str] | None = None):
         import datasets
 
         self.path = Path(path)
@@ -97,7 +102,7 @@ class DatasetSource:
         if len(self._rows) == 0:
             raise ValueError(f"{self.path}: the dataset has no rows")
         self.prompt_key, self.answer_key = prompt_key, answer_key
-        self.shuffle, self.seed = shuffle, seed
+        self.shuffle, self.seed, self.render = shuffle, seed, render
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
 
@@ -113,6 +118,14 @@ class DatasetSource:
     def _prompt(self, row_index: int) -> Prompt:
         row = self._rows[row_index]
         text = row[self.prompt_key]
+        if self.render is not None:
+            try:
+                text = self.render(text)
+            except ValueError as exc:
+                raise ValueError(f"{self.path}: row {row_index}: {exc}") from exc
+        elif isinstance(text, list):
+            raise ValueError(f"{self.path}: row {row_index}'s {self.prompt_key!r} is a list (chat messages?): "
+                             "set task.chat_template=true to render it with the tokenizer's chat template")
         if not isinstance(text, str):
             raise ValueError(f"{self.path}: row {row_index} has no string {self.prompt_key!r} "
                              f"(got {type(text).__name__})")
@@ -181,13 +194,45 @@ def dataset_fields(path: str | Path, file_format: str, max_rows: int = 100) -> l
     return list(names)
 
 
-def make_prompt_source(task) -> PromptSource:
-    """The source a ``TaskConfig`` (``cfg.task``) describes: ``name`` one of :data:`TASKS`."""
+def has_chat_template(hf_path: str | Path) -> bool:
+    """Whether the tokenizer saved with an HF checkpoint carries a chat template
+    (``chat_template.jinja`` / ``chat_template.json``, or ``tokenizer_config.json``'s
+    ``chat_template``), read without loading the tokenizer."""
+    path = Path(hf_path)
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    config = path / "tokenizer_config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("chat_template"))
+
+
+def chat_renderer(tokenizer) -> Callable[[Any], str]:
+    """``render(prompt) -> text``: ``prompt`` (a string: one user turn; or a list of ``{"role",
+    "content"}`` messages) through the tokenizer's chat template, with the generation prompt. The
+    text holds the template's special tokens (a BOS among them): tokenize it without adding them."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"task.chat_template: the tokenizer ({tokenizer.name_or_path}) has no chat template")
+
+    def render(prompt: Any) -> str:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if not (isinstance(messages, list) and messages
+                and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                        for m in messages)):
+            raise ValueError(f"a prompt to render is a string or a list of {{'role', 'content'}} messages, "
+                             f"got {str(prompt)[:80]!r}")
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    return render
+
+
+def make_prompt_source(task, tokenizer=None) -> PromptSource:
+    """The source a ``TaskConfig`` (``cfg.task``) describes: ``name`` one of :data:`TASKS`;
+    ``tokenizer`` renders a dataset's prompts when ``task.chat_template`` is set."""
     if task.name == "arithmetic":
         return ArithmeticSource(max_operand=task.max_operand, seed=task.seed)
     if task.name in DATASET_TASKS:
         if not task.path:
             raise ValueError(f"task.path: task {task.name} needs the dataset file")
+        render = chat_renderer(tokenizer) if task.chat_template else None
         return DatasetSource(task.path, prompt_key=task.prompt_key, answer_key=task.answer_key or None,
-                             shuffle=task.shuffle, seed=task.seed, file_format=task.name)
+                             shuffle=task.shuffle, seed=task.seed, file_format=task.name, render=render)
     raise ValueError(f"task.name: {task.name!r} is not one of {', '.join(TASKS)}")
