@@ -3,7 +3,8 @@
 ``--cfg job`` prints the resolved config and exits. A bad recipe or override exits with status 2
 and one line naming the key. ``mode=warmup`` runs the tiny recipes' supervised warm-up that makes
 their RL starting checkpoint; the RL modes (``sync``, ``one_step_off``, ``async``) run it first when
-``warmup.steps`` > 0 and its checkpoint is missing, else start from ``model.hf_path``. A run directory with a checkpoint resumes from it (``trainer.resume``);
+``warmup.steps`` > 0 and its checkpoint is missing, else start from ``model.hf_path``. A run
+directory with a checkpoint resumes from it (``trainer.resume``);
 SIGTERM or SIGUSR1 makes the run checkpoint after the current step and exit (during start-up: exit
 at once, status 0), and so does Ctrl-C during the RL steps; a second Ctrl-C, or one before the steps
 begin, stops at once (exit status 130, one line saying where the same command would start again).

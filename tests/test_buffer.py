@@ -12,6 +12,7 @@ from megarl.pipeline.buffer import Group, RolloutBuffer, staleness
 from megarl.pipeline.ledger import AccountingError, Ledger, Outcome
 from megarl.pipeline.producer import RolloutProducer
 from megarl.sample import FinishReason, RolloutSample
+from megarl.tasks.prompts import BadPrompt
 
 
 def sample(versions, reward=1.0, finish=FinishReason.STOP):
@@ -184,3 +185,58 @@ def test_a_run_whose_every_group_fails_stops_with_the_reason():
 
     asyncio.run(run())
     assert ledger.prompts.ended[Outcome.ERROR] >= 64
+
+
+class SourceWithBadRows(CountingSource):
+    """Every third draw is a row that is no prompt; ``broken_after`` draws, the source itself fails."""
+
+    def __init__(self, broken_after=None):
+        super().__init__()
+        self.draws, self.broken_after = 0, broken_after
+
+    def next_batch(self, n):
+        self.draws += 1
+        if self.broken_after is not None and self.draws > self.broken_after:
+            raise OSError("the dataset's disk went away")
+        if self.draws % 3 == 0:
+            raise BadPrompt(f"row {self.draws} is no prompt")
+        return super().next_batch(n)
+
+
+def test_rows_that_are_no_prompt_are_counted_and_production_goes_on():
+    ledger = Ledger()
+
+    async def run():
+        buffer = RolloutBuffer(capacity=4, max_staleness=0, ledger=ledger)
+        producer = RolloutProducer(ScriptedManager(lambda i: "ok"), SourceWithBadRows(), buffer, ledger,
+                                   prompts_per_step=4, samples_per_prompt=4, lag=0, dynamic_sampling=False)
+        task = asyncio.create_task(producer.run())
+        try:
+            taken = await asyncio.wait_for(producer.guard(buffer.take(4, trainer_version=0)), 30)
+        finally:
+            task.cancel()
+            await producer.stop()
+        return taken, producer.bad_prompts
+
+    taken, bad = asyncio.run(run())
+    assert len(taken.groups) == 4 and bad >= 1  # draw 3 was a bad row; 1, 2, 4 and 5 made the batch
+    assert ledger.prompts.ended[Outcome.ERROR] == bad and ledger.samples.ended[Outcome.ERROR] == 0
+    ledger.check()
+
+
+def test_a_source_that_fails_fails_the_run_instead_of_hanging_it():
+    ledger = Ledger()
+
+    async def run():
+        buffer = RolloutBuffer(capacity=4, max_staleness=0, ledger=ledger)
+        producer = RolloutProducer(ScriptedManager(lambda i: "ok"), SourceWithBadRows(broken_after=1), buffer,
+                                   ledger, prompts_per_step=2, samples_per_prompt=4, lag=0, dynamic_sampling=False)
+        task = asyncio.create_task(producer.run())
+        try:
+            with pytest.raises(OSError, match="the dataset's disk went away"):
+                await asyncio.wait_for(producer.guard(buffer.take(2, trainer_version=0)), 30)
+        finally:
+            task.cancel()
+            await producer.stop()
+
+    asyncio.run(run())

@@ -6,6 +6,7 @@ import pytest
 
 from megarl.tasks.prompts import (
     ArithmeticSource,
+    BadPrompt,
     DatasetSource,
     Prompt,
     chat_renderer,
@@ -113,3 +114,13 @@ def test_chat_messages_are_rendered_by_the_tokenizers_template(tmp_path, tokeniz
     (tmp_path / "plain").mkdir()
     (tmp_path / "plain" / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 64}))
     assert not has_chat_template(tmp_path / "plain")
+
+
+def test_a_row_that_is_no_prompt_is_refused_and_left_behind(tmp_path):
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": 5, "answer": "5"}, {"prompt": "2+2=", "answer": "4"}]
+    source = DatasetSource(write_jsonl(tmp_path / "rows.jsonl", rows), shuffle=False)
+    assert source.next_batch(1)[0].text == "1+1="
+    with pytest.raises(BadPrompt, match=r"rows.jsonl: row 1 has no string 'prompt' \(got int\)"):
+        source.next_batch(1)
+    assert source.next_batch(1)[0].text == "2+2="  # the bad row was drawn, not retried
+    assert source.state_dict()["index"] == 3

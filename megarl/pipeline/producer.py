@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from megarl.pipeline.buffer import Group, RolloutBuffer
 from megarl.pipeline.ledger import Ledger, Outcome
 from megarl.sample import FinishReason
+from megarl.tasks.prompts import BadPrompt
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class RolloutProducer:
         self._version_changed = asyncio.Condition()
         self._tasks: set[asyncio.Task] = set()
         self.generated_tokens = 0  # response tokens of every group that came back
+        self.bad_prompts = 0  # source rows that were no prompt (skipped, counted as prompt errors)
         self.fatal = fatal  # errors that end the run (no engine left), not just the group
         self.max_consecutive_failed_groups = max(64, 4 * prompts_per_step)
         self._consecutive_failed = 0
@@ -72,17 +74,41 @@ class RolloutProducer:
             self._version_changed.notify_all()
 
     async def run(self) -> None:
-        """Produce until cancelled. A failing group is logged and counted, never fatal."""
+        """Produce until cancelled. A failing group, or a source row that is no prompt, is logged and
+        counted, never fatal; anything else that ends production fails the run (:meth:`guard`)
+        rather than leaving it waiting for groups that never come."""
+        try:
+            await self._produce()
+        except Exception as exc:
+            if not self.failure.done():
+                self.failure.set_exception(exc)
+            raise
+
+    async def _produce(self) -> None:
         while True:
             await self.buffer.reserve()
             async with self._version_changed:  # re-checked when the version changes or a group ends
                 await self._version_changed.wait_for(
                     lambda: self.engine_version >= self._destined_step() - 1 - self.lag)
-            index, prompt = self._draw()
+            try:
+                index, prompt = self._draw()
+            except BadPrompt as exc:
+                self._bad_prompt(exc)
+                await self.buffer.release()
+                continue
             self.ledger.started(1, self.samples_per_prompt)
             task = asyncio.create_task(self._one_group(index, prompt))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+
+    def _bad_prompt(self, exc: BadPrompt) -> None:
+        """A row of the source that is no prompt: one prompt ended as error (no samples started)."""
+        self.ledger.started(1, 0)
+        self.ledger.dropped_in_flight(0, Outcome.ERROR)
+        self.bad_prompts += 1
+        if self.bad_prompts <= 5:
+            log.warning("skipped a row that is no prompt (%d so far; counted in buffer/prompts_error%s): %s",
+                        self.bad_prompts, ", the last warning" if self.bad_prompts == 5 else "", exc)
 
     async def _one_group(self, index: int, prompt) -> None:
         g = self.samples_per_prompt

@@ -32,11 +32,16 @@ class Prompt:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
 
+class BadPrompt(ValueError):
+    """A row of a prompt source that is no prompt (no string, a chat template that cannot render it).
+    The source has moved past it: the next draw is the next row."""
+
+
 class PromptSource(Protocol):
     """An endless stream of prompts with a resumable position."""
 
     def next_batch(self, n: int) -> list[Prompt]:
-        """The next ``n`` prompts."""
+        """The next ``n`` prompts; :class:`BadPrompt` for a row that is none (skipped)."""
         ...
 
     def state_dict(self) -> dict:
@@ -75,8 +80,8 @@ class DatasetSource:
     e.g. a list of chat messages; the prompt is its result); ``answer_key`` (None: no answers) a field
     whose value becomes ``Prompt.answer`` as a string; the other fields go to ``Prompt.metadata``.
     The rows are visited epoch by epoch, in a seeded permutation per epoch when ``shuffle``.
-    A missing field or a row without a prompt raises ValueError naming the field, the file and the
-    fields it has.
+    A missing field raises ValueError naming the field, the file and the fields it has; a row
+    without a usable prompt raises :class:`BadPrompt` as it is drawn (and is left behind).
     """
 
     FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -122,13 +127,13 @@ class DatasetSource:
             try:
                 text = self.render(text)
             except ValueError as exc:
-                raise ValueError(f"{self.path}: row {row_index}: {exc}") from exc
+                raise BadPrompt(f"{self.path}: row {row_index}: {exc}") from exc
         elif isinstance(text, list):
-            raise ValueError(f"{self.path}: row {row_index}'s {self.prompt_key!r} is a list (chat messages?): "
-                             "set task.chat_template=true to render it with the tokenizer's chat template")
+            raise BadPrompt(f"{self.path}: row {row_index}'s {self.prompt_key!r} is a list (chat messages?): "
+                            "set task.chat_template=true to render it with the tokenizer's chat template")
         if not isinstance(text, str):
-            raise ValueError(f"{self.path}: row {row_index} has no string {self.prompt_key!r} "
-                             f"(got {type(text).__name__})")
+            raise BadPrompt(f"{self.path}: row {row_index} has no string {self.prompt_key!r} "
+                            f"(got {type(text).__name__})")
         answer = None
         if self.answer_key is not None and row[self.answer_key] is not None:
             answer = str(row[self.answer_key])
@@ -142,8 +147,8 @@ class DatasetSource:
                 self.epoch, self.index = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
                 log.info("%s: epoch %d", self.path, self.epoch)
-            out.append(self._prompt(self._order[self.index]))
-            self.index += 1
+            row, self.index = self._order[self.index], self.index + 1  # past it even if it is no prompt
+            out.append(self._prompt(row))
         return out
 
     def state_dict(self) -> dict:
