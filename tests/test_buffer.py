@@ -166,24 +166,26 @@ def test_sync_lag_waits_for_the_weights_of_the_previous_step():
     assert before == 2 and after == 4
 
 
+async def take_once(manager, source, ledger: Ledger, groups: int):
+    """One ``buffer.take`` of ``groups`` groups from a producer running ``manager`` over ``source``
+    (through ``producer.guard``: a production failure raises here); returns (taken, producer)."""
+    buffer = RolloutBuffer(capacity=4, max_staleness=0, ledger=ledger)
+    producer = RolloutProducer(manager, source, buffer, ledger, prompts_per_step=groups, samples_per_prompt=4, lag=0,
+                               dynamic_sampling=False)
+    task = asyncio.create_task(producer.run())
+    try:
+        return await asyncio.wait_for(producer.guard(buffer.take(groups, trainer_version=0)), 30), producer
+    finally:
+        task.cancel()
+        await producer.stop()
+
+
 def test_a_run_whose_every_group_fails_stops_with_the_reason():
     from megarl.pipeline.producer import GenerationFailing
 
     ledger = Ledger()
-
-    async def run():
-        buffer = RolloutBuffer(capacity=4, max_staleness=0, ledger=ledger)
-        producer = RolloutProducer(ScriptedManager(lambda i: "all_errors"), CountingSource(), buffer, ledger,
-                                   prompts_per_step=2, samples_per_prompt=4, lag=0, dynamic_sampling=False)
-        task = asyncio.create_task(producer.run())
-        try:
-            with pytest.raises(GenerationFailing, match="the last 64 prompt groups all failed"):
-                await asyncio.wait_for(producer.guard(buffer.take(2, trainer_version=0)), 30)
-        finally:
-            task.cancel()
-            await producer.stop()
-
-    asyncio.run(run())
+    with pytest.raises(GenerationFailing, match="the last 64 prompt groups all failed"):
+        asyncio.run(take_once(ScriptedManager(lambda i: "all_errors"), CountingSource(), ledger, 2))
     assert ledger.prompts.ended[Outcome.ERROR] >= 64
 
 
@@ -205,38 +207,13 @@ class SourceWithBadRows(CountingSource):
 
 def test_rows_that_are_no_prompt_are_counted_and_production_goes_on():
     ledger = Ledger()
-
-    async def run():
-        buffer = RolloutBuffer(capacity=4, max_staleness=0, ledger=ledger)
-        producer = RolloutProducer(ScriptedManager(lambda i: "ok"), SourceWithBadRows(), buffer, ledger,
-                                   prompts_per_step=4, samples_per_prompt=4, lag=0, dynamic_sampling=False)
-        task = asyncio.create_task(producer.run())
-        try:
-            taken = await asyncio.wait_for(producer.guard(buffer.take(4, trainer_version=0)), 30)
-        finally:
-            task.cancel()
-            await producer.stop()
-        return taken, producer.bad_prompts
-
-    taken, bad = asyncio.run(run())
+    taken, producer = asyncio.run(take_once(ScriptedManager(lambda i: "ok"), SourceWithBadRows(), ledger, 4))
+    bad = producer.bad_prompts
     assert len(taken.groups) == 4 and bad >= 1  # draw 3 was a bad row; 1, 2, 4 and 5 made the batch
     assert ledger.prompts.ended[Outcome.ERROR] == bad and ledger.samples.ended[Outcome.ERROR] == 0
     ledger.check()
 
 
 def test_a_source_that_fails_fails_the_run_instead_of_hanging_it():
-    ledger = Ledger()
-
-    async def run():
-        buffer = RolloutBuffer(capacity=4, max_staleness=0, ledger=ledger)
-        producer = RolloutProducer(ScriptedManager(lambda i: "ok"), SourceWithBadRows(broken_after=1), buffer,
-                                   ledger, prompts_per_step=2, samples_per_prompt=4, lag=0, dynamic_sampling=False)
-        task = asyncio.create_task(producer.run())
-        try:
-            with pytest.raises(OSError, match="the dataset's disk went away"):
-                await asyncio.wait_for(producer.guard(buffer.take(2, trainer_version=0)), 30)
-        finally:
-            task.cancel()
-            await producer.stop()
-
-    asyncio.run(run())
+    with pytest.raises(OSError, match="the dataset's disk went away"):
+        asyncio.run(take_once(ScriptedManager(lambda i: "ok"), SourceWithBadRows(broken_after=1), Ledger(), 2))
