@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import ray
@@ -47,19 +48,17 @@ def engine_processes(tmp_path: Path) -> list[psutil.Process]:
     return found
 
 
-def run_until(tmp_path: Path, recipe: str, last_step: int,
-              sig: signal.Signals) -> tuple[subprocess.CompletedProcess, list[Path]]:
-    """Start the driver, send ``sig`` once step ``last_step`` is in metrics.jsonl, wait for it; returns it
-    and the temporary directories (``TMPDIR``) its SGLang servers had when the signal went."""
+def signal_driver_when(tmp_path: Path, recipe: str, ready: Callable[[], bool],
+                       sig: signal.Signals) -> tuple[subprocess.Popen, list[Path]]:
+    """Start the driver, send ``sig`` once ``ready()``, wait for it to end; returns it and the temporary
+    directories (``TMPDIR``) its SGLang servers had when the signal went."""
     # the driver joins the test process's Ray (tests/conftest.py, ray_local) rather than starting one
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ADDRESS=ray.get_runtime_context().gcs_address)
-    started = time.time()
     with open(tmp_path / "driver.log", "ab") as out:
         proc = subprocess.Popen(command(tmp_path, recipe), stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 400
-        while (max(rl_steps(tmp_path / "run", started), default=0) < last_step and proc.poll() is None
-               and time.monotonic() < deadline):
-            time.sleep(0.2)
+        while not ready() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert proc.poll() is None, f"driver ended early (rc {proc.returncode}); see {tmp_path / 'driver.log'}"
         scratch = [Path(p.environ()["TMPDIR"]) for p in engine_processes(tmp_path)]
         proc.send_signal(sig)
@@ -67,20 +66,27 @@ def run_until(tmp_path: Path, recipe: str, last_step: int,
     return proc, scratch
 
 
+def run_until(tmp_path: Path, recipe: str, last_step: int,
+              sig: signal.Signals) -> tuple[subprocess.Popen, list[Path]]:
+    """:func:`signal_driver_when` step ``last_step`` of this driver is in metrics.jsonl."""
+    started = time.time()
+    return signal_driver_when(tmp_path, recipe,
+                              lambda: max(rl_steps(tmp_path / "run", started), default=0) >= last_step, sig)
+
+
+def copy_warmed_up(tmp_path: Path, warmed_up) -> None:
+    """The session's warm-up (tests/conftest.py), copied: this test's servers are those serving
+    ``tmp_path / "warm"``."""
+    shutil.copytree(warmed_up.base, tmp_path / "base")
+    shutil.copytree(warmed_up.warm, tmp_path / "warm")
+
+
 def check_stop_during_start_up(recipe, tmp_path, warmed_up):
     """SIGTERM while the engine loads: the driver cancels its start-up, stops the engine at once
     (not once it is healthy), writes no checkpoint and exits 0 (a SLURM job then requeues itself)."""
-    shutil.copytree(warmed_up.base, tmp_path / "base")
-    shutil.copytree(warmed_up.warm, tmp_path / "warm")
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ADDRESS=ray.get_runtime_context().gcs_address)
-    with open(tmp_path / "driver.log", "ab") as out:
-        proc = subprocess.Popen(command(tmp_path, recipe), stdout=out, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
-        while not engine_processes(tmp_path) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert proc.poll() is None and engine_processes(tmp_path), (tmp_path / "driver.log").read_text()[-3000:]
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
+    copy_warmed_up(tmp_path, warmed_up)
+    proc, loading = signal_driver_when(tmp_path, recipe, lambda: bool(engine_processes(tmp_path)), signal.SIGTERM)
+    assert loading, (tmp_path / "driver.log").read_text()[-3000:]  # the signal came while an engine ran
     driver_log = (tmp_path / "driver.log").read_text()
     assert proc.returncode == 0, driver_log[-3000:]
     assert "stopped by SIGTERM during start-up" in driver_log, driver_log[-3000:]
@@ -91,9 +97,7 @@ def check_stop_during_start_up(recipe, tmp_path, warmed_up):
 
 def check_kill_and_resume(recipe, tmp_path, warmed_up, stop: signal.Signals):
     run = tmp_path / "run"
-    # the session's warm-up (tests/conftest.py), copied: this test's servers are those serving tmp_path / "warm"
-    shutil.copytree(warmed_up.base, tmp_path / "base")
-    shutil.copytree(warmed_up.warm, tmp_path / "warm")
+    copy_warmed_up(tmp_path, warmed_up)
     killed, scratch = run_until(tmp_path, recipe, 3, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
     assert scratch and all(any(path.iterdir()) for path in scratch)  # SGLang's sockets, in the server's TMPDIR

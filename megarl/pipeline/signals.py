@@ -63,10 +63,8 @@ class StopRequest:
         """Within the block the first SIGINT is a stop request; the next ones, and every SIGINT after
         the block, go to the handler from before it. Nothing changes off the main thread (signal
         handlers live there) or where SIGINT is ignored (``nohup``, a shell's background job)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = signal.getsignal(signal.SIGINT)
+        on_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.getsignal(signal.SIGINT) if on_main_thread else None
         if previous in (signal.SIG_IGN, None):
             yield
             return
