@@ -9,6 +9,7 @@ malformed, which must be counted as reward errors, never fatal."""
 import asyncio
 import collections
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from megarl.pipeline.judge import judge_engine_settings, judge_generate, make_ju
 from megarl.rollout.group import RolloutManager
 from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.judge import JudgeParseError, JudgeReward, render
-from megarl.tasks.prompts import Prompt
+from megarl.tasks.prompts import DatasetSource, Prompt, chat_renderer
 from megarl.tasks.rewards import RewardInput, RewardScorer, make_reward
 
 TEMPLATE = "{prompt}{response}+{answer}="
@@ -136,6 +137,28 @@ def test_template_is_filled_in_one_pass_and_reward_needs_its_judge(judge_checkpo
         make_reward(RewardConfig(judge=judge_cfg(judge_checkpoint)))
     with pytest.raises(ValueError, match="reward.judge.hf_path is not set"):
         make_reward(RewardConfig(), judge=object())
+
+
+def test_the_judge_reads_the_prompt_as_the_dataset_wrote_it(tokenizer, judge_checkpoint, tmp_path):
+    """With task.chat_template the policy gets the template's rendering; the judge's {prompt} is the
+    row's own text (one message's content, several as role-named paragraphs), not the template's markers."""
+    rows = [{"prompt": [{"role": "user", "content": "3+4="}], "answer": "7"},
+            {"prompt": [{"role": "system", "content": "sums"}, {"role": "user", "content": "3+4="}], "answer": "7"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts = DatasetSource(path, shuffle=False, render=chat_renderer(tokenizer)).next_batch(2)
+    assert prompts[0].text == "<|bos|>U:3+4=\nA:"  # what the policy is given
+    seen = []
+
+    async def generate(ids: list[int]) -> list[int]:
+        seen.append(ids)
+        return tokenizer.encode("77", add_special_tokens=False)
+
+    judge = JudgeReward(judge_cfg(judge_checkpoint), generate, tokenizer)
+    sample = text_sample(tokenizer, "7")
+    scores = [asyncio.run(judge(reward_input(p, sample, tokenizer))) for p in prompts]
+    assert scores == [77.0, 77.0]
+    assert seen == [tokenizer(written + "7+7=")["input_ids"] for written in ("3+4=", "system: sums\n\nuser: 3+4=")]
 
 
 # --- the judge engine -----------------------------------------------------------------------------

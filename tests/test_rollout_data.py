@@ -1,4 +1,5 @@
 """Prompt sources: the arithmetic generator and JSONL / Parquet datasets (resume, epochs, errors)."""
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -105,6 +106,9 @@ def test_chat_messages_are_rendered_by_the_tokenizers_template(tmp_path, tokeniz
     assert texts == [tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
                      for m in (messages, [{"role": "user", "content": "5+5="}])]
     assert texts[1] == "<|bos|>U:5+5=\nA:"  # the tiny template, written out
+    prompts = make_prompt_source(chat, tokenizer).next_batch(2)
+    assert [p.plain_text for p in prompts] == ["system: sums\n\nuser: 3+4=", "5+5="]  # what a judge reads
+    assert Prompt(**dataclasses.asdict(prompts[0])) == prompts[0]  # as the producer's checkpoint stores it
     with pytest.raises(ValueError, match=r"row 0's 'prompt' is a list .*set task.chat_template=true"):
         make_prompt_source(task(name="jsonl", path=str(path), answer_key="label", shuffle=False)).next_batch(1)
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": ["3+4="], "label": "7"}])

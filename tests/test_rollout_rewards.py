@@ -24,12 +24,13 @@ from megarl.tasks.rewards import (
 )
 
 
-def make_input(response: str, answer: str | None = "7", ended: bool = True, prompt: str = "3+4=") -> RewardInput:
+def make_input(response: str, answer: str | None = "7", ended: bool = True, prompt: str = "3+4=",
+               plain_text: str | None = None) -> RewardInput:
     sample = RolloutSample(prompt_ids=[1], response_ids=[], loss_mask=np.zeros(0, np.uint8),
                            rollout_logprobs=np.zeros(0, np.float32), model_version=np.zeros(0, np.int32),
                            routed_experts=None, sampling_mask=None, finish_reason=FinishReason.STOP)
-    return RewardInput(prompt=Prompt(prompt, answer, {"source": "test"}), response_text=response, ended=ended,
-                       sample=sample)
+    return RewardInput(prompt=Prompt(prompt, answer, {"source": "test"}, plain_text), response_text=response,
+                       ended=ended, sample=sample)
 
 
 def run(coro):
@@ -152,7 +153,9 @@ def test_remote_reward_model_over_http(reward_server):
         assert isinstance(model, RemoteRewardModel)
         scorer = RewardScorer(model, timeout_s=10)
         try:
-            return await asyncio.gather(*(scorer(make_input(t)) for t in ["hello", "fail", "junk", "hi"])), scorer
+            inputs = [make_input(t) for t in ["hello", "fail", "junk"]]
+            inputs.append(make_input("hi", prompt="<|bos|>U:3+4=\nA:", plain_text="3+4="))  # a chat-template rendering
+            return await asyncio.gather(*(scorer(inp) for inp in inputs)), scorer
         finally:
             await model.aclose()
 
@@ -161,6 +164,7 @@ def test_remote_reward_model_over_http(reward_server):
     assert "HTTP 500: model crashed" in outcomes[1].error and "expected {'reward': float}" in outcomes[2].error
     assert scorer.errors == {"RuntimeError": 1, "ValueError": 1}
     assert {"prompt": "3+4=", "response": "hello", "answer": "7", "metadata": {"source": "test"}} in seen
+    assert {"prompt": "3+4=", "response": "hi", "answer": "7", "metadata": {"source": "test"}} in seen  # as written
 
 
 def test_unreachable_reward_model_is_a_counted_error():

@@ -180,7 +180,8 @@ class TaskConfig:
 @dataclass
 class JudgeConfig:
     """A generative reward model (megarl/tasks/judge.py): its own SGLang engine answers ``prompt_template``
-    (``{prompt}``, ``{response}``, ``{answer}``) and ``score_pattern``'s first group, parsed as a float, is
+    (``{prompt}``: the prompt as the dataset wrote it, without the policy's chat template; ``{response}``,
+    ``{answer}``) and ``score_pattern``'s first group, parsed as a float, is
     the score. A timeout or an answer without a score is a reward error (counted, the sample is not trained on)."""
 
     hf_path: Optional[str] = None  # judge checkpoint; None = no judge

@@ -1,8 +1,9 @@
 """A generative reward model (a judge): a model served by its own SGLang engine reads a prompt made
 from the sample and answers with a score.
 
-The judge prompt is ``reward.judge.prompt_template`` with ``{prompt}``, ``{response}`` and ``{answer}``
-replaced in one pass (text inside the values is never substituted again; other braces stay as
+The judge prompt is ``reward.judge.prompt_template`` with ``{prompt}`` (the prompt as the dataset wrote
+it, ``Prompt.plain_text``: without the policy's chat template), ``{response}`` and ``{answer}`` replaced
+in one pass (text inside the values is never substituted again; other braces stay as
 written), tokenized by the judge's tokenizer and answered by the judge engine (``max_new_tokens``,
 ``temperature``). The first group of ``score_pattern`` found in the decoded answer, as a float, is
 the score. An answer without one raises :class:`JudgeParseError`, no answer within ``timeout_s``
@@ -143,7 +144,7 @@ class JudgeReward:
         return parse_score(self.tokenizer.decode(answer_ids, skip_special_tokens=True), self.pattern)
 
     async def __call__(self, inp: RewardInput) -> float:
-        return await self.score(inp.prompt.text, inp.response_text, inp.prompt.answer)
+        return await self.score(inp.prompt.plain_text, inp.response_text, inp.prompt.answer)
 
     async def score_turns(self, inp: RewardInput) -> tuple[float, ...]:
         """One score per policy turn of ``inp.sample`` (its ``turn_ends``), judged concurrently."""
@@ -157,7 +158,7 @@ class JudgeReward:
 
         ids = sample.response_ids
         return tuple(await asyncio.gather(*(
-            self.score(inp.prompt.text + text(ids[:start]), text(ids[start:end]), inp.prompt.answer)
+            self.score(inp.prompt.plain_text + text(ids[:start]), text(ids[start:end]), inp.prompt.answer)
             for start, end in policy_turns(sample))))
 
 

@@ -24,12 +24,20 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Prompt:
-    """One prompt. ``answer`` is what rule-based rewards compare against (None when the task has
-    none, e.g. a reward model scores it); ``metadata`` holds the dataset row's other fields."""
+    """One prompt. ``text`` is what the policy is given; ``answer`` is what rule-based rewards compare
+    against (None when the task has none, e.g. a reward model scores it); ``metadata`` holds the
+    dataset row's other fields. ``plain_text`` is the prompt as the row wrote it, without a chat
+    template's markers (:func:`plain_text_of`): what a judge or a reward model reads; ``text`` when
+    not given."""
 
     text: str
     answer: str | None = None
     metadata: Mapping[str, Any] = field(default_factory=dict)
+    plain_text: str | None = None
+
+    def __post_init__(self):
+        if self.plain_text is None:
+            object.__setattr__(self, "plain_text", self.text)
 
 
 class BadPrompt(ValueError):
@@ -122,10 +130,10 @@ class DatasetSource:
 
     def _prompt(self, row_index: int) -> Prompt:
         row = self._rows[row_index]
-        text = row[self.prompt_key]
+        text = written = row[self.prompt_key]
         if self.render is not None:
             try:
-                text = self.render(text)
+                text = self.render(written)
             except ValueError as exc:
                 raise BadPrompt(f"{self.path}: row {row_index}: {exc}") from exc
         elif isinstance(text, list):
@@ -138,7 +146,8 @@ class DatasetSource:
         if self.answer_key is not None and row[self.answer_key] is not None:
             answer = str(row[self.answer_key])
         metadata = {k: v for k, v in row.items() if k not in (self.prompt_key, self.answer_key)}
-        return Prompt(text=text, answer=answer, metadata=metadata)
+        return Prompt(text=text, answer=answer, metadata=metadata,
+                      plain_text=plain_text_of(written) if self.render is not None else None)
 
     def next_batch(self, n: int) -> list[Prompt]:
         out = []
@@ -227,6 +236,16 @@ def chat_renderer(tokenizer) -> Callable[[Any], str]:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     return render
+
+
+def plain_text_of(prompt: str | list[dict]) -> str:
+    """A prompt as plain text, as a judge reads it: a string as it is; one chat message's content; several
+    messages as ``"role: content"`` paragraphs (e.g. ``"system: ...\n\nuser: ..."``)."""
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1:
+        return prompt[0]["content"]
+    return "\n\n".join(f"{m['role']}: {m['content']}" for m in prompt)
 
 
 def make_prompt_source(task, tokenizer=None) -> PromptSource:

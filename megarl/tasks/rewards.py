@@ -52,7 +52,7 @@ class RewardOutcome:
 
 def _require_answer(inp: RewardInput) -> str:
     if inp.prompt.answer is None:
-        raise ValueError(f"the prompt {inp.prompt.text[:60]!r} has no answer to compare against")
+        raise ValueError(f"the prompt {inp.prompt.plain_text[:60]!r} has no answer to compare against")
     return inp.prompt.answer
 
 
@@ -93,14 +93,15 @@ def check_reward_url(url: str) -> None:
 
 class RemoteRewardModel:
     """A reward model behind HTTP: POST ``url`` with JSON ``{"prompt", "response", "answer",
-    "metadata"}``, answered by JSON ``{"reward": float}``. Any other answer raises (-> error)."""
+    "metadata"}`` (``prompt``: ``Prompt.plain_text``, without the policy's chat template), answered by
+    JSON ``{"reward": float}``. Any other answer raises (-> error)."""
 
     def __init__(self, url: str):
         self.url = url
         self._http = httpx.AsyncClient(timeout=None)  # RewardScorer owns the timeout
 
     async def __call__(self, inp: RewardInput) -> float:
-        payload = {"prompt": inp.prompt.text, "response": inp.response_text, "answer": inp.prompt.answer,
+        payload = {"prompt": inp.prompt.plain_text, "response": inp.response_text, "answer": inp.prompt.answer,
                    "metadata": dict(inp.prompt.metadata)}
         response = await self._http.post(self.url, json=payload)
         if response.status_code != 200:
