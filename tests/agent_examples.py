@@ -32,6 +32,21 @@ async def solver_and_verifier(client, prompt):
     return {"solver": 1.0, "verifier": -0.5}
 
 
+FROZEN_VERDICTS: list[tuple[list[dict], str]] = []  # the frozen verifier's (messages, answer); tests read them
+
+
+async def solver_and_frozen_verifier(client, prompt):
+    """As ``solver_and_verifier``, with the verifier a frozen model asked greedily: only the solver gets a
+    reward."""
+    solution = await client.chat.completions.create(
+        model="solver", messages=[{"role": "user", "content": prompt.text}], max_tokens=4)
+    messages = [{"role": "user", "content": f"{prompt.text}{solution.choices[0].message.content}?"}]
+    verdict = await client.chat.completions.create(model="verifier", messages=messages, max_tokens=4,
+                                                   temperature=0.0)
+    FROZEN_VERDICTS.append((messages, verdict.choices[0].message.content))
+    return {"solver": 1.0}
+
+
 async def _one_call(client, prompt):
     await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt.text}],
                                          max_tokens=2)

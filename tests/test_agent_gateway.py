@@ -225,6 +225,30 @@ def test_two_roles_give_two_samples_with_their_rewards(client, tokenizer, hf, lo
     loop.run_until_complete(unknown_role())
 
 
+def test_a_frozen_role_is_served_by_its_engine_and_not_trained(client, tokenizer, loop):
+    """A role a frozen model serves: its calls go to that model's engine without routing or masks, the
+    episode's samples are the trained roles' alone, and a reward for the frozen role is malformed."""
+    policy, frozen = Recording(client), Recording(client)
+    roles = {"solver": None, "verifier": frozen}
+    agents = episodes(policy, tokenizer, "solver_and_frozen_verifier", roles=roles, frozen_roles={"verifier"})
+    [sample] = run(loop, agents, Prompt("4+4="))
+    assert (sample.role, sample.reward, sample.episode_end) == ("solver", 1.0, "done")
+    [(fed, raw)] = policy.calls
+    assert sample.prompt_ids == fed and sample.response_ids == raw.response_ids
+    assert raw.routed_experts is not None and raw.sampling_mask is not None
+    [(verifier_fed, verdict)] = frozen.calls
+    assert verdict.routed_experts is None and verdict.sampling_mask is None  # nothing trains on them
+    assert tokenizer.decode(raw.response_ids, skip_special_tokens=True) in tokenizer.decode(verifier_fed)
+
+    agents = episodes(policy, tokenizer, "solver_and_verifier", roles=roles, frozen_roles={"verifier"})
+    [bad] = run(loop, agents, Prompt("4+4="))
+    assert bad.finish_reason is FinishReason.ERROR and bad.role == "solver" and bad.reward == 0.0
+    assert "the frozen roles ['verifier'] get none" in bad.episode_end
+    assert agents.errors == {"malformed_result": 1}
+    with pytest.raises(ValueError, match=r"frozen_roles \['critic'\] must be roles of \['solver', 'verifier'\]"):
+        episodes(policy, tokenizer, "solver_and_verifier", roles=roles, frozen_roles={"critic"})
+
+
 def test_role_engines_send_each_roles_calls_to_its_engines(client, tokenizer, loop):
     """``task.role_engines`` through the driver's ``episode_runner``: the verifier's calls go to
     engine 1 only, the solver (not placed) is served by the least-loaded of all."""

@@ -94,6 +94,10 @@ BAD_INPUTS = [
                                      "at least one; got [2]"),
     ([AGENT, ROLES, "task.role_engines=[{role:verifier}]"], "task.role_engines[0].engines", "at least one; got []"),
     ([AGENT, ROLES, "task.role_engines=[{engines:[0]}]"], "task.role_engines[0].role", "missing: name the role"),
+    ([AGENT, ROLES, "task.role_engines=[{role:verifier,engines:[0],hf_path:/ckpt}]"], "task.role_engines[0]",
+     "'verifier' is served by the frozen model hf_path=/ckpt or by the policy's engines [0], not both"),
+    ([AGENT, ROLES, "task.role_engines=[{role:solver,hf_path:/a},{role:verifier,hf_path:/b}]"], "task.role_engines",
+     "every role of task.roles ['solver', 'verifier'] is a frozen model: no role would be trained"),
 ]
 
 
@@ -232,6 +236,22 @@ def test_a_chat_template_is_asked_of_a_tokenizer_that_has_one(tiny_checkpoint, t
     loaded([*base, f"model.hf_path={tiny_checkpoint}"])
     with pytest.raises(ConfigError, match=r"^task.chat_template: the tokenizer saved with .*plain has no chat"):
         loaded([*base, f"model.hf_path={plain}"])
+
+
+def test_a_frozen_roles_model_has_the_policys_tokenizer(tiny_checkpoint, tmp_path):
+    """The gateway tokenizes a frozen role's calls with the policy's tokenizer and chat template."""
+    import shutil
+
+    other = tmp_path / "other_template"
+    shutil.copytree(tiny_checkpoint, other)
+    (other / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    base = ["recipe=tiny_moe_cpu", "warmup.steps=0", f"model.hf_path={tiny_checkpoint}", AGENT, ROLES]
+    loaded([*base, f"task.role_engines=[{{role:verifier,hf_path:'{tiny_checkpoint}'}}]"])
+    with pytest.raises(ConfigError, match=r"^task.role_engines\[0\].hf_path: .*absent is not an HF checkpoint"):
+        loaded([*base, f"task.role_engines=[{{role:verifier,hf_path:'{tmp_path / 'absent'}'}}]"])
+    with pytest.raises(ConfigError, match=r"^task.role_engines\[0\].hf_path: the tokenizer saved with .*other_template "
+                                          r"is not the policy's"):
+        loaded([*base, f"task.role_engines=[{{role:verifier,hf_path:'{other}'}}]"])
 
 
 def test_parquet_fields_come_from_the_schema(tmp_path):

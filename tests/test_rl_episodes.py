@@ -5,6 +5,7 @@ tokens) reproduces the engine's per-turn log-probs and replays its routing."""
 import json
 
 import pytest
+import torch
 
 from megarl.metrics.sink import read_metrics
 from megarl.train import main
@@ -45,3 +46,39 @@ def test_a_two_role_agent_trains_through_the_gateway(tmp_path):
     assert row["mismatch/logprob_abs_diff"] < 1e-4 and row["routing/agreement"] == 1.0, row
     trained = [json.loads(line) for line in (run / "trained_prompts.jsonl").read_text().splitlines()]
     assert [len(t["prompts"]) for t in trained] == [4]
+
+
+def test_a_frozen_model_serves_a_role_and_only_the_policys_roles_train(tmp_path, tiny_checkpoint, tokenizer):
+    """``task.role_engines`` with ``hf_path``: the verifier is a frozen model on an engine of its own (the
+    tiny model edited to write only '7' or end-of-sequence, tests/hf_oracle.py), the solver the policy:
+    the verifier answers as that model does (also after the first weight update: never synced), and its
+    calls are not trained on."""
+    import agent_examples
+    import hf_oracle
+
+    (tmp_path / "sevens").mkdir()
+    sevens = hf_oracle.eos_or_seven_checkpoint(tiny_checkpoint, tmp_path / "sevens", tokenizer)
+    agent_examples.FROZEN_VERDICTS.clear()
+    run = tmp_path / "run"
+    assert main(["recipe=tiny_moe_cpu", "mode=sync", "steps=2", "warmup.steps=0",
+                 "task.agent=agent_examples:solver_and_frozen_verifier", "task.roles=[solver,verifier]",
+                 f"task.role_engines=[{{role:verifier,hf_path:'{sevens}'}}]", "rollout.prompts_per_step=4",
+                 "rollout.samples_per_prompt=2", f"model.hf_path={tiny_checkpoint}", f"logging.run_dir={run}"]) == 0
+    rows = [row for row in read_metrics(run) if "reward/mean" in row]
+    assert [row["buffer/trained"] for row in rows] == [4 * 2, 2 * 4 * 2]  # the solver's samples alone
+    assert all(row["reward/mean"] == 1.0 for row in rows)  # the solver's reward, no verifier sample
+    assert all(row["mismatch/logprob_abs_diff"] < 1e-4 and row["routing/agreement"] == 1.0 for row in rows), rows
+    # the verifier's answers are the frozen model's greedy ones (HF, same prompt ids), made of sevens
+    from transformers import AutoModelForCausalLM
+
+    frozen = AutoModelForCausalLM.from_pretrained(sevens, dtype=torch.float32).eval()
+    assert len(agent_examples.FROZEN_VERDICTS) >= 2 * 4 * 2
+    for messages, answer in agent_examples.FROZEN_VERDICTS:
+        ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                               add_special_tokens=False)
+        with torch.no_grad():
+            out = frozen.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        assert answer == tokenizer.decode(out[0, len(ids):], skip_special_tokens=True), (messages, answer)
+    assert {c for _, answer in agent_examples.FROZEN_VERDICTS for c in answer} == {"7"}
+    assert (run / "role-verifier.log").is_file()  # its own engine

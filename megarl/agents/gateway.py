@@ -31,13 +31,15 @@ Sampling, bounded by the rollout config's :class:`SamplingParams` ``params``:
 ``max_tokens`` (or ``max_completion_tokens``) = min(request, ``params.max_new_tokens``, the
 response budget left in the segment, the context left); ``top_p`` = min(request, ``params.top_p``);
 ``temperature`` and ``top_k`` are always the config's (the trainer scores tokens under the config's
-temperature; a request's temperature is ignored, logged once); ``stop`` (a string or a list) is the
+temperature; a request's temperature is ignored, logged once), but a frozen role's calls sample at the
+request's temperature (nothing trains on them; e.g. a greedy verifier); ``stop`` (a string or a list) is the
 request's. ``n`` other than 1 and ``stream`` are refused (400).
 
 Roles (multi-agent): with ``roles`` None every call is the one policy's (role ""), whatever its
 ``model``; with ``roles`` (role name -> :class:`~megarl.engines.protocol.Engines`) the request's
 ``model`` names the role and its engines (several roles may share one target; targets must share
-the tokenizer); another name is a 404 ``model_not_found``.
+the tokenizer); another name is a 404 ``model_not_found``. Roles in ``frozen_roles`` are served by
+frozen models: their calls are generated without routed experts or sampling masks (nothing trains on them).
 
 Budgets: a role's call beyond ``max_turns`` is refused (400, code ``max_turns_exceeded``) and a call
 whose segment has no response budget left (``max_response_tokens``, or the context) is refused
@@ -59,7 +61,7 @@ import logging
 import numbers
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -112,6 +114,7 @@ class _Request:
     max_tokens: int | None
     top_p: float
     stop: tuple[str, ...]
+    temperature: float | None  # as asked; None: not given
 
 
 class AgentGateway:
@@ -123,7 +126,7 @@ class AgentGateway:
     def __init__(self, policy: Engines, tokenizer, params: SamplingParams, *, max_turns: int,
                  max_response_tokens: int | None = None, roles: Mapping[str, Engines] | None = None,
                  routing: bool = True, sampling_mask: bool = True, partial_rollout: str = "continue",
-                 host: str = "127.0.0.1", port: int = 0):
+                 frozen_roles: Collection[str] = (), host: str = "127.0.0.1", port: int = 0):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if max_response_tokens is not None and max_response_tokens < 1:
@@ -132,12 +135,15 @@ class AgentGateway:
             raise ValueError(f"partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {partial_rollout!r}")
         if roles is not None and (not roles or "" in roles):
             raise ValueError(f"roles must name at least one role, none of them empty; got {list(roles)}")
+        if frozen_roles and not set(frozen_roles) <= set(roles or ()):
+            raise ValueError(f"frozen_roles {sorted(frozen_roles)} must be roles of {sorted(roles or ())}")
         if getattr(tokenizer, "chat_template", None) is None:
             log.warning("the tokenizer has no chat template: /v1/chat/completions will answer 400")
         self.policy, self.tokenizer, self.params = policy, tokenizer, params
         self.roles = dict(roles) if roles is not None else None
         self.max_turns, self.max_response_tokens = max_turns, max_response_tokens
         self.routing, self.sampling_mask, self.partial_rollout = routing, sampling_mask, partial_rollout
+        self.frozen_roles = frozenset(frozen_roles)
         self.host, self.port = host, port
         self.sessions: dict[str, Session] = {}
         self._special_ids = set(tokenizer.all_special_ids)
@@ -246,10 +252,6 @@ class AgentGateway:
         temperature = body.get("temperature")
         if temperature is not None and (not _is_number(temperature) or temperature < 0):
             raise _bad("temperature", f"'temperature' must be a number >= 0, got {temperature!r}")
-        if temperature is not None and temperature != self.params.temperature and not self._warned_temperature:
-            self._warned_temperature = True
-            log.warning("agent asked for temperature %s; the gateway samples at the rollout's %s (logged once)",
-                        temperature, self.params.temperature)
         top_p = body.get("top_p")
         if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
             raise _bad("top_p", f"'top_p' must be a number in (0, 1], got {top_p!r}")
@@ -258,7 +260,20 @@ class AgentGateway:
         if not all(isinstance(s, str) and s for s in stop):
             raise _bad("stop", f"'stop' must be a non-empty string or a list of them, got {body.get('stop')!r}")
         return _Request(text=text, model=model, max_tokens=max_tokens,
-                        top_p=min(self.params.top_p, top_p if top_p is not None else 1.0), stop=tuple(stop))
+                        top_p=min(self.params.top_p, top_p if top_p is not None else 1.0), stop=tuple(stop),
+                        temperature=temperature)
+
+    def _temperature(self, role: str, asked: float | None) -> float:
+        """The call's sampling temperature: the rollout's, or what a frozen role's call asked for."""
+        if asked is None or asked == self.params.temperature:
+            return self.params.temperature
+        if role in self.frozen_roles:
+            return float(asked)
+        if not self._warned_temperature:
+            self._warned_temperature = True
+            log.warning("agent asked for temperature %s; the gateway samples at the rollout's %s (logged once)",
+                        asked, self.params.temperature)
+        return self.params.temperature
 
     def _render(self, body: dict) -> str:
         messages = body.get("messages")
@@ -305,9 +320,10 @@ class AgentGateway:
         segment.pending = True
         session.turns[role] += 1
         params = dataclasses.replace(self.params, max_new_tokens=budget, top_p=call.top_p,
+                                     temperature=self._temperature(role, call.temperature),
                                      stop=tuple(self.params.stop) + call.stop)
         try:
-            pieces = await self._engine_call(session, target, prompt_ids, params)
+            pieces = await self._engine_call(session, target, prompt_ids, params, trained=role not in self.frozen_roles)
         finally:
             segment.pending = False
         if session.closed:
@@ -323,16 +339,16 @@ class AgentGateway:
         return text, _OPENAI_FINISH[pieces[-1].finish_reason], usage
 
     async def _engine_call(self, session: Session, target: Engines, prompt_ids: list[int],
-                           params: SamplingParams) -> list[RolloutSample]:
+                           params: SamplingParams, trained: bool) -> list[RolloutSample]:
         """The engine's sample(s) of one call: one, or with abort_resubmit the aborted parts and their
-        continuation, each fed the previous one's prompt + tokens."""
+        continuation, each fed the previous one's prompt + tokens. Routing and masks only when ``trained``."""
         pieces: list[RolloutSample] = []
         fed, left = prompt_ids, params.max_new_tokens
         while True:
             try:
                 [sample] = await target.generate_batch(
                     [fed], dataclasses.replace(params, max_new_tokens=left), group_ids=[session.group_id],
-                    return_routed_experts=self.routing, return_sampling_mask=self.sampling_mask)
+                    return_routed_experts=self.routing and trained, return_sampling_mask=self.sampling_mask and trained)
             except EngineUnreachable as e:
                 session.engine_failure = e
                 raise GatewayError(503, f"engine unreachable: {e}", "engine_unreachable") from e

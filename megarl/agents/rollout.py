@@ -11,14 +11,15 @@ The contract of an agent function::
 roles (anything otherwise). Its return value:
 
 - a float: the episode's reward, given to every sample;
-- a dict: the reward of each role (multi-agent); it must name exactly the roles that made calls;
+- a dict: the reward of each role (multi-agent); it must name exactly the trained roles that made
+  calls (not the ``frozen_roles``, served by frozen models: their calls give no sample);
 - None: the rollout's reward function scores each sample's final completion (``reward_fn``; without
   one the rewards stay None for the caller to fill).
 
 The agent must not block the event loop (it runs in the driver's loop; use ``await``).
 
 An episode gives one sample per segment of its trajectory (``megarl/agents/trajectory.py``: one
-per role, more when an agent rewrote its history), with ``role`` and ``episode_end`` set:
+per trained role, more when an agent rewrote its history), with ``role`` and ``episode_end`` set:
 
 - ``done``: the agent returned a valid result; ``finish_reason`` the last call's;
 - ``max_turns`` / ``max_tokens``: the gateway refused a call for a budget (whatever the agent did
@@ -26,7 +27,7 @@ per role, more when an agent rewrote its history), with ``role`` and ``episode_e
 - ``error: ...``: the agent raised, ran past ``timeout_s``, returned something else than the above,
   or made no call; ``finish_reason`` error, reward 0.0 (not trained on), counted in ``errors`` by
   kind (raised, timeout, malformed_result, no_calls) and logged once per kind. An episode without a
-  call gives one empty error sample.
+  call to a trained role gives one empty error sample.
 
 An engine that was unreachable during the episode raises :class:`EngineUnreachable` (no later
 episode could run either), as ``RolloutManager`` does. The design follows AReaL's
@@ -41,7 +42,7 @@ import collections
 import logging
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import numpy as np
 import openai
@@ -64,6 +65,7 @@ class AgentEpisodes:
     in the running loop; :meth:`aclose` stops it.
 
     ``roles``: role name -> its engines (None = ``target``, the policy); None = one role, "".
+    ``frozen_roles``: those of ``roles`` served by frozen models (their calls are not trained on).
     ``max_response_tokens`` bounds each sample's response (None: the context). ``reward_fn`` scores
     episodes whose agent returned None, with ``reward_timeout_s`` (its failures: reward 0, error).
     Counters over the object's life: ``errors`` (episode errors by kind), ``budget_ends`` (by
@@ -74,13 +76,16 @@ class AgentEpisodes:
     def __init__(self, target: Engines, tokenizer, agent: AgentFn, params: SamplingParams, *, max_turns: int,
                  max_response_tokens: int | None, timeout_s: float, routing: bool = True, sampling_mask: bool = True,
                  roles: Mapping[str, Engines | None] | None = None, reward_fn: RewardFn | None = None,
-                 reward_timeout_s: float = 30.0, partial_rollout: str = "continue", host: str = "127.0.0.1"):
+                 reward_timeout_s: float = 30.0, partial_rollout: str = "continue", frozen_roles: Collection[str] = (),
+                 host: str = "127.0.0.1"):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         resolved = {role: t if t is not None else target for role, t in roles.items()} if roles is not None else None
         self.gateway = AgentGateway(target, tokenizer, params, max_turns=max_turns,
                                     max_response_tokens=max_response_tokens, roles=resolved, routing=routing,
-                                    sampling_mask=sampling_mask, partial_rollout=partial_rollout, host=host)
+                                    sampling_mask=sampling_mask, partial_rollout=partial_rollout,
+                                    frozen_roles=frozen_roles, host=host)
+        self.frozen_roles = frozenset(frozen_roles)
         self.tokenizer, self.agent, self.timeout_s = tokenizer, agent, timeout_s
         self.routing, self.sampling_mask = routing, sampling_mask
         self.scorer = RewardScorer(reward_fn, reward_timeout_s) if reward_fn is not None else None
@@ -125,7 +130,7 @@ class AgentEpisodes:
         if failure is None:
             failure = self._check_result(result, session)
         samples = session.trajectory.samples(group_id=group_id, episode_id=episode_id, routing=self.routing,
-                                             sampling_mask=self.sampling_mask)
+                                             sampling_mask=self.sampling_mask, frozen_roles=self.frozen_roles)
         if failure is not None and (session.budget_end is None or not samples):
             return self._error(failure, samples, prompt, group_id, episode_id)
         end = session.budget_end or "done"
@@ -165,17 +170,20 @@ class AgentEpisodes:
             return None, ("raised", f"agent raised {type(error).__name__}: {error}")
         return task.result(), None
 
-    @staticmethod
-    def _check_result(result, session: Session) -> tuple[str, str] | None:
-        roles = session.trajectory.roles
-        if not roles:
+    def _check_result(self, result, session: Session) -> tuple[str, str] | None:
+        called = session.trajectory.roles
+        if not called:
             return "no_calls", "agent made no call to the gateway"
+        roles = [role for role in called if role not in self.frozen_roles]
+        if not roles:
+            return "no_calls", f"agent called only the frozen roles {sorted(called)}, no trained one"
         if result is None:
             return None
         if isinstance(result, dict):
             if set(result) != set(roles):
+                frozen = f" (the frozen roles {sorted(self.frozen_roles)} get none)" if self.frozen_roles else ""
                 return "malformed_result", (f"agent returned rewards for roles {sorted(map(str, result))}, "
-                                            f"its calls were of roles {sorted(roles)}")
+                                            f"its calls were of the trained roles {sorted(roles)}{frozen}")
             values = list(result.values())
         else:
             values = [result]
@@ -203,7 +211,7 @@ class AgentEpisodes:
 
     async def _score(self, prompt: Prompt, samples: list[RolloutSample], session: Session) -> None:
         """Each sample's reward from ``reward_fn`` on its final completion."""
-        segments = [s for s in session.trajectory.segments if s.calls]
+        segments = session.trajectory.trained_segments(self.frozen_roles)
         inputs = [RewardInput(prompt=prompt, response_text=self.tokenizer.decode(seg.final_turn_ids,
                                                                                   skip_special_tokens=True),
                               ended=seg.calls[-1].sample.finish_reason is FinishReason.STOP, sample=sample)

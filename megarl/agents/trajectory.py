@@ -19,6 +19,7 @@ extends (``megarl/agents/gateway.py``); here a segment becomes one sample
 """
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,10 +88,15 @@ class Trajectory:
                 return segment
         return None
 
-    def samples(self, *, group_id: str, episode_id: str, routing: bool, sampling_mask: bool) -> list[RolloutSample]:
-        """One sample per segment with calls (see the module docstring); rewards unset."""
+    def trained_segments(self, frozen_roles: Collection[str] = ()) -> list[Segment]:
+        """The segments with calls, in order, but those of ``frozen_roles`` (nothing trains on them)."""
+        return [s for s in self.segments if s.calls and s.role not in frozen_roles]
+
+    def samples(self, *, group_id: str, episode_id: str, routing: bool, sampling_mask: bool,
+                frozen_roles: Collection[str] = ()) -> list[RolloutSample]:
+        """One sample per trained segment (:meth:`trained_segments`; see the module docstring); rewards unset."""
         return [segment_sample(s, group_id=group_id, episode_id=episode_id, routing=routing,
-                               sampling_mask=sampling_mask) for s in self.segments if s.calls]
+                               sampling_mask=sampling_mask) for s in self.trained_segments(frozen_roles)]
 
 
 def segment_sample(segment: Segment, *, group_id: str, episode_id: str, routing: bool,

@@ -145,10 +145,14 @@ class WarmupConfig:
 
 @dataclass
 class RoleEngines:
-    """Where one multi-agent role's calls go (``task.role_engines``)."""
+    """Where one multi-agent role's calls go (``task.role_engines``): some of the policy's engines, or a
+    frozen model of its own."""
 
     role: str = MISSING  # one of task.roles
     engines: list[int] = field(default_factory=list)  # indices of the policy's engines, < rollout.num_engines
+    # a frozen model serves the role instead (an HF checkpoint with the policy's tokenizer), on one
+    # engine of its own that is never synced; its calls are not trained on (the agent gives it no reward)
+    hf_path: Optional[str] = None
 
 
 @dataclass
@@ -172,8 +176,9 @@ class TaskConfig:
     max_response_tokens: Optional[int] = None  # episode response budget incl. observations; None = context - prompt
     agent_timeout_s: float = 120.0  # an agent episode running longer ends as error (counted)
     roles: Optional[list[str]] = None  # multi-agent: the roles an agent names as ``model``, all served by the policy
-    # multi-agent: the policy engines that serve a role's calls, e.g. [{role: verifier, engines: [1]}];
-    # a role not placed here is served by every engine. All are the policy's (synced, trained on).
+    # multi-agent: the policy engines that serve a role's calls, e.g. [{role: verifier, engines: [1]}],
+    # or a frozen model that does ({role: verifier, hf_path: ...}: not trained on); a role not placed
+    # here is served by every engine of the policy.
     role_engines: list[RoleEngines] = field(default_factory=list)
 
 

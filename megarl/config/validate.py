@@ -360,10 +360,19 @@ def _check_role_engines(task: DictConfig, num_engines: int) -> None:
         if placed.count(entry.role) > 1:
             _fail(f"task.role_engines[{i}].role", f"{entry.role!r} is placed more than once")
         engines = list(entry.engines)
+        if entry.hf_path is not None:
+            if engines:
+                _fail(f"task.role_engines[{i}]", f"{entry.role!r} is served by the frozen model "
+                      f"hf_path={entry.hf_path} or by the policy's engines {engines}, not both")
+            continue
         if not engines or len(set(engines)) != len(engines) or not all(0 <= e < num_engines for e in engines):
             _fail(f"task.role_engines[{i}].engines",
                   f"must be distinct engine indices in [0, {num_engines}) (rollout.num_engines={num_engines}), "
                   f"at least one; got {engines}")
+    if all(entry.hf_path is not None for entry in task.role_engines) and \
+            set(task.roles) <= {entry.role for entry in task.role_engines}:
+        _fail("task.role_engines", f"every role of task.roles {list(task.roles)} is a frozen model: no role would "
+              "be trained")
 
 
 def _check_episodes(task: DictConfig, num_engines: int) -> None:
@@ -409,6 +418,9 @@ def check_inputs(cfg: DictConfig) -> None:
               "(no chat_template.jinja, nor a chat_template in tokenizer_config.json)")
     if cfg.teacher.hf_path:
         _check_teacher(cfg.teacher.hf_path, checkpoint)
+    for i, entry in enumerate(cfg.task.role_engines if cfg.task.agent is not None else ()):
+        if entry.hf_path is not None:
+            _check_frozen_role(f"task.role_engines[{i}].hf_path", entry.role, entry.hf_path, checkpoint)
     if checkpoint is not None:
         context = hf_config_if_present(checkpoint).context_length
         if context is not None and cfg.rollout.max_new_tokens >= context:
@@ -418,13 +430,33 @@ def check_inputs(cfg: DictConfig) -> None:
 
 def _check_teacher(teacher: str, student: str | None) -> None:
     """The teacher is an HF checkpoint that scores the student's token ids: the same vocabulary."""
-    hf = hf_config_if_present(teacher)
+    _check_same_vocabulary("teacher.hf_path", "the teacher", teacher, student, "it must score the student's token ids")
+
+
+def _check_frozen_role(key: str, role: str, path: str, policy: str | None) -> None:
+    """A frozen role's model is an HF checkpoint with the policy's tokenizer (the same token ids and chat
+    template): the gateway renders and tokenizes every role's calls with the policy's."""
+    _check_same_vocabulary(key, f"the frozen {role!r} model", path, policy, "the gateway tokenizes its calls "
+                           "with the policy's tokenizer")
+    if policy is None:
+        return
+    from transformers import AutoTokenizer
+
+    frozen, own = AutoTokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(policy)
+    if frozen.get_vocab() != own.get_vocab() or frozen.chat_template != own.chat_template:
+        _fail(key, f"the tokenizer saved with {path} is not the policy's ({policy}): the gateway renders and "
+              f"tokenizes the {role!r} role's calls with the policy's tokenizer and chat template")
+
+
+def _check_same_vocabulary(key: str, what: str, path: str, policy: str | None, why: str) -> None:
+    """``path`` is an HF checkpoint whose vocabulary size is the policy checkpoint's (when present)."""
+    hf = hf_config_if_present(path)
     if hf is None:
-        _fail("teacher.hf_path", f"{teacher} is not an HF checkpoint directory (no config.json)")
-    student_hf = hf_config_if_present(student) if student is not None else None
-    if student_hf is not None and hf.vocab_size != student_hf.vocab_size:
-        _fail("teacher.hf_path", f"the teacher's vocabulary ({hf.vocab_size} tokens, {teacher}) is not the student's "
-              f"({student_hf.vocab_size}, {student}): it must score the student's token ids")
+        _fail(key, f"{path} is not an HF checkpoint directory (no config.json)")
+    policy_hf = hf_config_if_present(policy) if policy is not None else None
+    if policy_hf is not None and hf.vocab_size != policy_hf.vocab_size:
+        _fail(key, f"{what}'s vocabulary ({hf.vocab_size} tokens, {path}) is not the policy's "
+              f"({policy_hf.vocab_size}, {policy}): {why}")
 
 
 def _rl_start_checkpoint(cfg: DictConfig) -> str | None:

@@ -24,7 +24,7 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from megarl.algos.advantages import BatchStats
 from megarl.config.schema import Placement
 from megarl.engines.client import EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.engines.pool import EnginePool
+from megarl.engines.protocol import Engines
 from megarl.engines.server import EngineSettings
 from megarl.metrics.gpu import GpuStats
 from megarl.metrics.sink import MetricsFile
@@ -286,19 +287,22 @@ def episode_metrics(samples: list[RolloutSample]) -> dict[str, float]:
             **{f"episode/end_{end}_frac": n / len(episodes) for end, n in sorted(ends.items())}}
 
 
-def episode_runner(cfg: DictConfig, target: EnginePool, tokenizer, params: SamplingParams):
+def episode_runner(cfg: DictConfig, target: EnginePool, tokenizer, params: SamplingParams,
+                   frozen: Mapping[str, Engines] | None = None):
     """What turns a prompt into multi-turn episodes: an environment (``task.env``), an agent program
-    behind the OpenAI gateway (``task.agent``; its roles on the engines ``task.role_engines`` names),
-    or None for single-turn prompts."""
+    behind the OpenAI gateway (``task.agent``; its roles on the engines ``task.role_engines`` names,
+    ``frozen``: role -> the engine of the frozen model serving it), or None for single-turn prompts."""
     task = cfg.task
     if task.agent is not None:
+        frozen = dict(frozen or {})
         # a role task.role_engines does not place is served by all the policy's engines (None)
-        placed = {entry.role: target.subset(entry.engines) for entry in task.role_engines}
+        placed = {entry.role: frozen[entry.role] if entry.hf_path else target.subset(entry.engines)
+                  for entry in task.role_engines}
         roles = {role: placed.get(role) for role in task.roles} if task.roles else None
         return AgentEpisodes(target, tokenizer, load_agent(task.agent), params, max_turns=task.max_turns,
                              max_response_tokens=task.max_response_tokens, timeout_s=task.agent_timeout_s,
                              routing=cfg.rollout.keep_routing, sampling_mask=cfg.rollout.top_k > 0, roles=roles,
-                             partial_rollout=cfg.buffer.partial_rollout)
+                             partial_rollout=cfg.buffer.partial_rollout, frozen_roles=frozen)
     if task.env is None:
         return None
     budget = task.max_response_tokens or target.model.context_length  # and each episode's context
@@ -308,12 +312,24 @@ def episode_runner(cfg: DictConfig, target: EnginePool, tokenizer, params: Sampl
                        abort_resubmit=cfg.buffer.partial_rollout == "abort_resubmit")
 
 
-def teacher_engine_settings(cfg: DictConfig, api_key: str) -> EngineSettings:
-    """On-policy distillation's teacher engine: ``teacher.hf_path`` served like the policy engines, its
-    seed and log ``teacher.log`` its own, without the policy's adapters (its weights are never synced)."""
-    return dataclasses.replace(EngineSettings.from_config(cfg, cfg.teacher.hf_path, cfg.rollout.num_engines, 0),
-                               api_key=api_key, log_path=str(Path(cfg.logging.run_dir) / "teacher.log"),
-                               lora_max_rank=0, lora_target_modules=())
+def frozen_engine_settings(cfg: DictConfig, hf_path: str, name: str, index: int, api_key: str) -> EngineSettings:
+    """The engine of a frozen model (on-policy distillation's teacher, a frozen agent role): ``hf_path``
+    served like the policy engines, without the policy's adapters (its weights are never synced), its
+    seed that of engine ``index`` and its log ``<name>.log`` in the run directory."""
+    return dataclasses.replace(EngineSettings.from_config(cfg, hf_path, index, 0), api_key=api_key,
+                               log_path=str(Path(cfg.logging.run_dir) / f"{name}.log"), lora_max_rank=0,
+                               lora_target_modules=())
+
+
+def frozen_role_engines(cfg: DictConfig, api_key: str) -> dict[str, EngineSettings]:
+    """``role-<role>`` -> the engine settings of each agent role a frozen model serves (``task.role_engines``
+    entries with ``hf_path``), after the policy's engines and the teacher's in seed order."""
+    if cfg.task.agent is None:
+        return {}
+    frozen = [entry for entry in cfg.task.role_engines if entry.hf_path]
+    return {f"role-{entry.role}": frozen_engine_settings(cfg, entry.hf_path, f"role-{entry.role}",
+                                                         cfg.rollout.num_engines + 1 + i, api_key)
+            for i, entry in enumerate(frozen)}
 
 
 def _launch(stack: contextlib.AsyncExitStack, settings: list[EngineSettings], num_gpus: float) -> asyncio.Task:
@@ -389,12 +405,14 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     # Disaggregated GPU engines reserve their devices through Ray (CUDA_VISIBLE_DEVICES reaches the
     # server); colocated ones share the trainer's, and CPU engines reserve half a CPU
     own_gpus = r.engine_tp if torch.cuda.is_available() and cfg.placement == "disaggregated" else 0
-    pooled = {"policy": engines}  # the policy's engines, the teacher's and the judge's: a pool each
+    pooled = {"policy": engines}  # the policy's engines, the teacher's, the judge's, frozen roles': a pool each
     if cfg.teacher.hf_path:
-        pooled["teacher"] = [teacher_engine_settings(cfg, api_key)]
+        pooled["teacher"] = [frozen_engine_settings(cfg, cfg.teacher.hf_path, "teacher", r.num_engines, api_key)]
     if cfg.reward.judge.hf_path:  # a generative reward model on an engine of its own (weights never synced)
         pooled["judge"] = [judge_engine_settings(cfg, api_key)]
-    gpus = {"policy": own_gpus, "teacher": own_gpus,
+    frozen_roles = frozen_role_engines(cfg, api_key)
+    pooled |= {name: [settings] for name, settings in frozen_roles.items()}
+    gpus = {"policy": own_gpus, "teacher": own_gpus, **dict.fromkeys(frozen_roles, own_gpus),
             "judge": cfg.reward.judge.engine_tp if torch.cuda.is_available() else 0}
     # Disaggregated engines load while the trainer ranks build and load their checkpoint (on a cluster
     # both take minutes); colocated ones start after, as they size their memory by what the trainer left.
@@ -452,7 +470,8 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
                             top_k=r.top_k)
     # The engine's log-probs are always those of the distribution it sampled from (renormalised
     # over its top-k mask); keep_sampling_mask decides whether the trainer applies that mask too.
-    episodes = episode_runner(cfg, pool, tokenizer, params)
+    frozen = {name.removeprefix("role-"): pools[name] for name in frozen_roles}
+    episodes = episode_runner(cfg, pool, tokenizer, params, frozen)
     if isinstance(episodes, AgentEpisodes):
         stack.push_async_callback(episodes.aclose)
     manager = RolloutManager(pool, tokenizer, make_reward(cfg.reward, judge=judge), params, r.samples_per_prompt,
