@@ -2,7 +2,8 @@
 # Submit a recipe with as many nodes as the planner says it needs:
 #   slurm/submit.sh recipe=glm45_355b_a32b [overrides...]
 # Runs `python -m megarl.plan` on the recipe and overrides (refusing a layout that does not fit),
-# takes its GPU count (trainer, plus engines when disaggregated), and calls
+# takes its GPU count (trainer, plus engines when disaggregated, plus a teacher's, judge's or frozen
+# agent role's engines), and calls
 #   sbatch --nodes=ceil(GPUs / GPUS_PER_NODE) --gpus-per-node=GPUS_PER_NODE slurm/megarl.sbatch ARGS
 # GPUS_PER_NODE defaults to 8; SBATCH_ARGS (split on spaces) go to sbatch before the script.
 set -euo pipefail

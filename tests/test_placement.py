@@ -62,6 +62,36 @@ def test_engines_do_not_straddle_a_node_they_fit_in():
     assert plan.nodes == 4 and plan.engines[0][0] == Device(2, 0) and plan.engines[1][3] == Device(3, 3)
 
 
+AUXILIARY = ["teacher.hf_path=/ckpt/teacher", "algorithm.opd_coef=1.0", "reward.judge.hf_path=/ckpt/judge",
+             "reward.judge.engine_tp=1", "task.agent=agent_examples:solver_and_frozen_verifier",
+             "task.roles=[solver,verifier]", "task.role_engines=[{role:verifier,hf_path:/ckpt/verifier}]",
+             "task.chat_template=false"]  # the gateway renders the chat
+
+
+def test_the_teacher_judge_and_frozen_roles_get_devices_of_their_own(capsys):
+    """Auxiliary engines follow the policy's engines (disaggregated) or the trainer (colocated), each on
+    devices of its own, none straddling a node it fits in; the report and the node count include them."""
+    plan = place(load_config(TWO_NODES + DISAGGREGATED + AUXILIARY))
+    # trainer 0-3 (node 0), engines 4-7 (node 1), teacher 8-9, judge 10, the verifier from 12 (not 11-12)
+    assert plan.auxiliary == {"teacher": [Device(2, 0), Device(2, 1)], "judge": [Device(2, 2)],
+                              "role-verifier": [Device(3, 0), Device(3, 1)]}
+    assert plan.nodes == 4
+    colocated = place(load_config(TWO_NODES + AUXILIARY))
+    assert colocated.engines == [[Device(0, 0), Device(0, 1)], [Device(0, 2), Device(0, 3)]]
+    assert colocated.auxiliary == {"teacher": [Device(1, 0), Device(1, 1)], "judge": [Device(1, 2)],
+                                   "role-verifier": [Device(2, 0), Device(2, 1)]}
+    assert colocated.nodes == 3
+    assert main(TWO_NODES + DISAGGREGATED + AUXILIARY) == 0
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("│")]
+    assert ["2", "0-1", "-", "-", "teacher", "0-1"] in rows and ["2", "2", "-", "-", "judge", "0"] in rows
+    assert ["3", "0-1", "-", "-", "role-verifier", "0-1"] in rows
+    with pytest.raises(PlacementError, match=r"^cluster.num_nodes: 4 trainer ranks and 2 engines x 2 ranks and the "
+                                             r"teacher engine's 2, judge engine's 1, role-verifier engine's 2 need "
+                                             r"14 devices \(4 nodes of 4\), more than 3 nodes"):
+        load_config(TWO_NODES + DISAGGREGATED + AUXILIARY + ["cluster.num_nodes=3"])
+
+
 def test_stage_senders_are_megatron_tp_dp_cp_rank_zero():
     """The sender of each stage is rank ``stage * world / pp``: the TP-, CP- and DP-rank-0 rank of
     that stage in megatron-core's own rank order."""

@@ -10,6 +10,7 @@ checkpoint's context, the agent program's import. Each check raises :class:`Conf
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -190,21 +191,55 @@ def _arch_numbers(cfg: DictConfig) -> dict:
     return arch
 
 
-def engine_devices_start(world_size: int, engine_tp: int, gpus_per_node: int) -> int:
-    """The first device (counted across nodes) of the disaggregated engines: right after the
-    trainer's, rounded up so that no engine straddles a node it could fit in (an engine larger than
-    a node starts on a node of its own)."""
+def engine_devices_start(first_free: int, engine_tp: int, gpus_per_node: int) -> int:
+    """The first device (counted across nodes) of engines of ``engine_tp`` ranks placed from device
+    ``first_free`` on (the disaggregated policy engines: from the trainer's ``world_size``): rounded up
+    so that no engine straddles a node it could fit in (an engine larger than a node starts on a node
+    of its own)."""
     step = min(engine_tp, gpus_per_node)
-    return -(-world_size // step) * step
+    return -(-first_free // step) * step
 
 
-def devices_needed(cfg: DictConfig) -> int:
-    """Devices the layout occupies, counted across nodes from node 0 (with the gaps of
-    :func:`engine_devices_start`): the trainer's alone when colocated."""
+@dataclass(frozen=True)
+class AuxiliaryEngine:
+    """An engine beside the policy's that holds devices of its own in either placement (nothing releases
+    its memory while the trainer trains): a frozen model (the distillation teacher, an agent role's
+    model) or the judge. ``name``: its engine pool's in a run (``teacher``, ``judge``, ``role-<role>``)."""
+
+    name: str
+    devices: int
+
+
+def auxiliary_engines(cfg: DictConfig) -> list[AuxiliaryEngine]:
+    """The run's auxiliary engines, in the order they are placed: the teacher (``rollout.engine_tp``
+    devices, served like the policy), the judge (``reward.judge.engine_tp``), each agent role a frozen
+    model serves (``rollout.engine_tp``)."""
+    out = [AuxiliaryEngine("teacher", cfg.rollout.engine_tp)] if cfg.teacher.hf_path else []
+    if cfg.reward.judge.hf_path:
+        out.append(AuxiliaryEngine("judge", cfg.reward.judge.engine_tp))
+    if cfg.task.agent is not None:
+        out += [AuxiliaryEngine(f"role-{entry.role}", cfg.rollout.engine_tp)
+                for entry in cfg.task.role_engines if entry.hf_path]
+    return out
+
+
+def auxiliary_devices_start(cfg: DictConfig) -> int:
+    """The first device after the trainer's and the policy engines' (counted across nodes)."""
     r, p, c = cfg.rollout, cfg.parallel, cfg.cluster
     if cfg.placement == "colocated":
         return p.world_size
     return engine_devices_start(p.world_size, r.engine_tp, c.gpus_per_node) + r.num_engines * r.engine_tp
+
+
+def devices_needed(cfg: DictConfig) -> int:
+    """Devices the layout occupies, counted across nodes from node 0 (with the gaps of
+    :func:`engine_devices_start`): the trainer's (colocated: shared with the policy's engines), the
+    policy engines', then each auxiliary engine's (:func:`auxiliary_engines`), none straddling a node
+    it fits in."""
+    end = auxiliary_devices_start(cfg)
+    for engine in auxiliary_engines(cfg):
+        end = engine_devices_start(end, engine.devices, cfg.cluster.gpus_per_node) + engine.devices
+    return end
 
 
 def _check_placement(cfg: DictConfig) -> None:
@@ -243,6 +278,9 @@ def _check_placement(cfg: DictConfig) -> None:
     if c.num_nodes is not None and needed > c.num_nodes * gpn:
         what = (f"the trainer's {p.world_size} ranks" if colocated else
                 f"{p.world_size} trainer ranks and {r.num_engines} engines x {r.engine_tp} ranks")
+        auxiliary = auxiliary_engines(cfg)
+        if auxiliary:
+            what += " and the " + ", ".join(f"{a.name} engine's {a.devices}" for a in auxiliary)
         raise PlacementError(f"cluster.num_nodes: {what} need {needed} devices ({-(-needed // gpn)} nodes of "
                              f"{gpn}), more than {c.num_nodes} nodes x {gpn} = {c.num_nodes * gpn}")
     if colocated and cfg.sync.transport != "tensor":

@@ -37,6 +37,7 @@ from megarl.agents.rollout import AgentEpisodes
 from megarl.agents.spec import load_agent
 from megarl.algos.advantages import BatchStats
 from megarl.config.schema import Placement
+from megarl.config.validate import auxiliary_engines
 from megarl.engines.client import EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.engines.pool import EnginePool
 from megarl.engines.protocol import Engines
@@ -412,8 +413,9 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
         pooled["judge"] = [judge_engine_settings(cfg, api_key)]
     frozen_roles = frozen_role_engines(cfg, api_key)
     pooled |= {name: [settings] for name, settings in frozen_roles.items()}
-    gpus = {"policy": own_gpus, "teacher": own_gpus, **dict.fromkeys(frozen_roles, own_gpus),
-            "judge": cfg.reward.judge.engine_tp if torch.cuda.is_available() else 0}
+    # the teacher, the judge and frozen roles hold devices of their own in either placement
+    gpus = {"policy": own_gpus,
+            **{a.name: a.devices if torch.cuda.is_available() else 0 for a in auxiliary_engines(cfg)}}
     # Disaggregated engines load while the trainer ranks build and load their checkpoint (on a cluster
     # both take minutes); colocated ones start after, as they size their memory by what the trainer left.
     def launch_engines() -> dict[str, asyncio.Task]:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from omegaconf import DictConfig
 
 from megarl.config.schema import Placement
+from megarl.config.validate import auxiliary_engines
 from megarl.planner.arch import Arch, resolve_arch
 from megarl.planner.engine_memory import EngineMemory, engine_memory
 from megarl.planner.lora import LoraPlan, lora_plan
@@ -26,7 +27,7 @@ class LayoutPlan:
     sync: WeightSyncPlan
     trainer_gpus: int
     engine_gpus: int  # all engines together
-    total_gpus: int  # engines share the trainer's GPUs when colocated
+    total_gpus: int  # the policy's engines share the trainer's GPUs when colocated; auxiliary engines have their own
     placement: PlacementPlan  # the node and device of every rank, the weight-sync groups
     lora: LoraPlan | None = None  # the LoRA adapters (lora.enabled)
 
@@ -54,7 +55,8 @@ def plan_layout(cfg: DictConfig) -> LayoutPlan:
     return LayoutPlan(
         arch=arch, params=count_params(arch), trainer=trainer_memory(arch, cfg), engine=engine_memory(arch, cfg),
         sync=weight_sync_plan(arch, cfg, lora), trainer_gpus=cfg.parallel.world_size, engine_gpus=engine_gpus,
-        total_gpus=max(cfg.parallel.world_size, engine_gpus) if colocated else cfg.parallel.world_size + engine_gpus,
+        total_gpus=(max(cfg.parallel.world_size, engine_gpus) if colocated else cfg.parallel.world_size + engine_gpus)
+        + sum(engine.devices for engine in auxiliary_engines(cfg)),
         placement=place(cfg), lora=lora,
     )
 

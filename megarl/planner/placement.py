@@ -6,8 +6,10 @@ Devices are counted across nodes (device ``g`` is device ``g % gpus_per_node`` o
 Disaggregated engines follow the trainer's devices, engine by engine, rank by rank, from
 :func:`megarl.config.validate.engine_devices_start` (no engine straddles a node it fits in);
 colocated engines take the trainer's devices from device 0 (engine ``e``'s rank ``r`` on trainer
-rank ``e * engine_tp + r``'s device). An engine spans ``engine_tp`` devices, with or without DP
-attention (SGLang splits those ranks into attention replicas; megarl runs one per rank).
+rank ``e * engine_tp + r``'s device). The auxiliary engines (teacher, judge, frozen agent roles:
+:func:`megarl.config.validate.auxiliary_engines`) follow, on devices of their own in either placement.
+An engine spans ``engine_tp`` devices, with or without DP attention (SGLang splits those ranks into
+attention replicas; megarl runs one per rank).
 
 The weight sync forms one group per pipeline stage: that stage's sending trainer rank (TP, CP and
 DP rank 0: megatron-core orders ranks tp-cp-ep-dp-pp, so rank ``stage * world_size / pp``) and
@@ -20,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from omegaconf import DictConfig
 
-from megarl.config.validate import devices_needed, engine_devices_start
+from megarl.config.validate import auxiliary_devices_start, auxiliary_engines, devices_needed, engine_devices_start
 
 
 @dataclass(frozen=True)
@@ -51,7 +53,7 @@ class Segment:
     devices: tuple[int, int]  # first, last device index on the node
     trainer_ranks: tuple[int, int] | None
     stage: int | None
-    engine: int | None
+    engine: int | str | None  # a policy engine's index, or an auxiliary engine's name
     engine_ranks: tuple[int, int] | None
 
 
@@ -64,6 +66,7 @@ class PlacementPlan:
     trainer: list[Device]  # by trainer rank
     engines: list[list[Device]]  # engines[e][r]: rank r of engine e
     sync_groups: list[SyncGroup]
+    auxiliary: dict[str, list[Device]]  # auxiliary engine name -> its ranks' devices (never synced)
 
     def stage_of(self, rank: int) -> int:
         return rank // (len(self.trainer) // self.pipeline_stages)
@@ -73,7 +76,7 @@ class PlacementPlan:
         holders: dict[tuple[int, int], list] = {}  # (node, device) -> [trainer rank, (engine, rank)]
         for i, d in enumerate(self.trainer):
             holders.setdefault((d.node, d.device), [None, None])[0] = i
-        for e, devices in enumerate(self.engines):
+        for e, devices in [*enumerate(self.engines), *self.auxiliary.items()]:
             for k, d in enumerate(devices):
                 holders.setdefault((d.node, d.device), [None, None])[1] = (e, k)
         out: list[Segment] = []
@@ -134,6 +137,11 @@ def place(cfg: DictConfig) -> PlacementPlan:
     every_engine_rank = [(e, k) for e in range(r.num_engines) for k in range(r.engine_tp)]
     per_stage = p.world_size // p.pp
     groups = [SyncGroup(stage=s, sender=s * per_stage, engine_ranks=every_engine_rank) for s in range(p.pp)]
+    auxiliary, free = {}, auxiliary_devices_start(cfg)
+    for engine in auxiliary_engines(cfg):
+        first = engine_devices_start(free, engine.devices, gpn)
+        auxiliary[engine.name], free = [at(first + k) for k in range(engine.devices)], first + engine.devices
     return PlacementPlan(placement="colocated" if colocated else "disaggregated", gpus_per_node=gpn,
                          nodes=-(-devices_needed(cfg) // gpn), pipeline_stages=p.pp,
-                         trainer=[at(i) for i in range(p.world_size)], engines=engines, sync_groups=groups)
+                         trainer=[at(i) for i in range(p.world_size)], engines=engines, sync_groups=groups,
+                         auxiliary=auxiliary)
