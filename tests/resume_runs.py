@@ -55,7 +55,10 @@ def signal_driver_when(tmp_path: Path, recipe: str, ready: Callable[[], bool],
     # the driver joins the test process's Ray (tests/conftest.py, ray_local) rather than starting one
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ADDRESS=ray.get_runtime_context().gcs_address)
     with open(tmp_path / "driver.log", "ab") as out:
-        proc = subprocess.Popen(command(tmp_path, recipe), stdout=out, stderr=subprocess.STDOUT, env=env)
+        # SIGINT handled as in a terminal's foreground job, even when the tests run where it is ignored
+        # (a background job, nohup): the driver leaves an ignored SIGINT ignored
+        proc = subprocess.Popen(command(tmp_path, recipe), stdout=out, stderr=subprocess.STDOUT, env=env,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 400
         while not ready() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
