@@ -175,7 +175,7 @@ class TaskConfig:
     max_turns: int = 4  # policy turns per episode (env / agent)
     max_response_tokens: Optional[int] = None  # episode response budget incl. observations; None = context - prompt
     agent_timeout_s: float = 120.0  # an agent episode running longer ends as error (counted)
-    roles: Optional[list[str]] = None  # multi-agent: the roles an agent names as ``model``, all served by the policy
+    roles: Optional[list[str]] = None  # multi-agent: the roles an agent names as ``model`` (the policy's unless frozen)
     # multi-agent: the policy engines that serve a role's calls, e.g. [{role: verifier, engines: [1]}],
     # or a frozen model that does ({role: verifier, hf_path: ...}: not trained on); a role not placed
     # here is served by every engine of the policy.
