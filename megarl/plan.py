@@ -1,11 +1,11 @@
 """Parallelism and memory planner: ``python -m megarl.plan recipe=NAME [overrides] [--json FILE]``.
 
-Prints the parameter counts, the LoRA adapters' sizes (with ``lora.enabled``), each trainer
-pipeline stage's per-GPU memory, one engine GPU's weights and KV cache, the weight sync's bytes and
-time, and the placement (the node and device of every trainer and engine rank, the weight-sync
-groups) as rich tables, and writes the same as JSON. Exit status: 0 when the layout fits, 2 with one
-line per broken limit on stderr when it does not or cannot be placed (one line naming the key), 1
-for a recipe that does not load.
+Prints the parameter counts, the LoRA adapters' sizes (with ``lora.enabled``), each trainer pipeline
+stage's per-GPU memory, one engine GPU's weights and KV cache, the weight sync's bytes and time, and
+the placement (the node and device of every trainer and engine rank, the teacher's, judge's and
+frozen roles' engines included, the weight-sync groups) as rich tables, and writes the same as JSON.
+Exit status: 0 when the layout fits, 2 with one line per broken limit on stderr when it does not or
+cannot be placed (one line naming the key), 1 for a recipe that does not load.
 """
 from __future__ import annotations
 

@@ -372,7 +372,7 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
     layout = Layout.from_config(cfg.parallel)
     stack = contextlib.AsyncExitStack()
     try:
-        stack.enter_context(ray_for_run(layout.world_size + cfg.rollout.num_engines))
+        stack.enter_context(ray_for_run(layout.world_size + cfg.rollout.num_engines + len(auxiliary_engines(cfg))))
         StopRequest.install()  # again: ray.init replaced the handlers with its own (which just die)
         with StopRequest.cancels_the_start_up():
             pipe = await _start_pipeline(cfg, start_checkpoint, layout, stack)
