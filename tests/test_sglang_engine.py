@@ -455,15 +455,20 @@ def test_partial_rollout_across_a_weight_update_carries_both_versions(engine, ch
 
     async def body(client):
         kwargs = dict(return_routed_experts=False, return_sampling_mask=False)
-        tasks = [asyncio.create_task(client.generate(tokenizer.encode(t), greedy, **kwargs)) for t in PROMPTS[:4]]
-        await until_mid_generation(tasks)
-        await asyncio.wait_for(client.pause_generation(PauseMode.RETRACT), timeout=60)
-        try:
-            await client.update_weights_from_disk(checkpoint_42_43, version=5)
-        finally:
-            await client.continue_generation()
-        samples = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
-        await client.update_weights_from_disk(checkpoint, version=0)
+        for _ in range(3):  # again when a loaded machine let every request end before the pause took hold
+            tasks = [asyncio.create_task(client.generate(tokenizer.encode(t), greedy, **kwargs))
+                     for t in PROMPTS[:4]]
+            await until_mid_generation(tasks)
+            await asyncio.wait_for(client.pause_generation(PauseMode.RETRACT), timeout=60)
+            done_at_pause = sum(t.done() for t in tasks)
+            try:
+                await client.update_weights_from_disk(checkpoint_42_43, version=5)
+            finally:
+                await client.continue_generation()
+            samples = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+            await client.update_weights_from_disk(checkpoint, version=0)
+            if done_at_pause < len(tasks):
+                break
         return samples
 
     samples = run_client(engine, body)
