@@ -85,7 +85,6 @@ class AgentEpisodes:
                                     max_response_tokens=max_response_tokens, roles=resolved, routing=routing,
                                     sampling_mask=sampling_mask, partial_rollout=partial_rollout,
                                     frozen_roles=frozen_roles, host=host)
-        self.frozen_roles = frozenset(frozen_roles)
         self.tokenizer, self.agent, self.timeout_s = tokenizer, agent, timeout_s
         self.routing, self.sampling_mask = routing, sampling_mask
         self.scorer = RewardScorer(reward_fn, reward_timeout_s) if reward_fn is not None else None
@@ -130,7 +129,7 @@ class AgentEpisodes:
         if failure is None:
             failure = self._check_result(result, session)
         samples = session.trajectory.samples(group_id=group_id, episode_id=episode_id, routing=self.routing,
-                                             sampling_mask=self.sampling_mask, frozen_roles=self.frozen_roles)
+                                             sampling_mask=self.sampling_mask, frozen_roles=self.gateway.frozen_roles)
         if failure is not None and (session.budget_end is None or not samples):
             return self._error(failure, samples, prompt, group_id, episode_id)
         end = session.budget_end or "done"
@@ -174,14 +173,15 @@ class AgentEpisodes:
         called = session.trajectory.roles
         if not called:
             return "no_calls", "agent made no call to the gateway"
-        roles = [role for role in called if role not in self.frozen_roles]
+        frozen_roles = self.gateway.frozen_roles
+        roles = [role for role in called if role not in frozen_roles]
         if not roles:
             return "no_calls", f"agent called only the frozen roles {sorted(called)}, no trained one"
         if result is None:
             return None
         if isinstance(result, dict):
             if set(result) != set(roles):
-                frozen = f" (the frozen roles {sorted(self.frozen_roles)} get none)" if self.frozen_roles else ""
+                frozen = f" (the frozen roles {sorted(frozen_roles)} get none)" if frozen_roles else ""
                 return "malformed_result", (f"agent returned rewards for roles {sorted(map(str, result))}, "
                                             f"its calls were of the trained roles {sorted(roles)}{frozen}")
             values = list(result.values())
@@ -211,7 +211,7 @@ class AgentEpisodes:
 
     async def _score(self, prompt: Prompt, samples: list[RolloutSample], session: Session) -> None:
         """Each sample's reward from ``reward_fn`` on its final completion."""
-        segments = session.trajectory.trained_segments(self.frozen_roles)
+        segments = session.trajectory.trained_segments(self.gateway.frozen_roles)
         inputs = [RewardInput(prompt=prompt, response_text=self.tokenizer.decode(seg.final_turn_ids,
                                                                                   skip_special_tokens=True),
                               ended=seg.calls[-1].sample.finish_reason is FinishReason.STOP, sample=sample)

@@ -204,26 +204,18 @@ def engine_devices_start(first_free: int, engine_tp: int, gpus_per_node: int) ->
 class AuxiliaryEngine:
     """An engine beside the policy's that holds devices of its own in either placement (nothing releases
     its memory while the trainer trains): a frozen model (the distillation teacher, an agent role's
-    model) or the judge. ``name``: its engine pool's in a run (``teacher``, ``judge``, ``role-<role>``)."""
+    model) or the judge, serving ``hf_path`` on ``devices`` devices from ``first_device`` (counted across
+    nodes). ``name``: its engine pool's in a run (``teacher``, ``judge``, ``role-<role>``); ``role``: the
+    agent role a frozen model serves, else None."""
 
     name: str
+    hf_path: str
     devices: int
+    first_device: int
+    role: str | None = None
 
 
-def auxiliary_engines(cfg: DictConfig) -> list[AuxiliaryEngine]:
-    """The run's auxiliary engines, in the order they are placed: the teacher (``rollout.engine_tp``
-    devices, served like the policy), the judge (``reward.judge.engine_tp``), each agent role a frozen
-    model serves (``rollout.engine_tp``)."""
-    out = [AuxiliaryEngine("teacher", cfg.rollout.engine_tp)] if cfg.teacher.hf_path else []
-    if cfg.reward.judge.hf_path:
-        out.append(AuxiliaryEngine("judge", cfg.reward.judge.engine_tp))
-    if cfg.task.agent is not None:
-        out += [AuxiliaryEngine(f"role-{entry.role}", cfg.rollout.engine_tp)
-                for entry in cfg.task.role_engines if entry.hf_path]
-    return out
-
-
-def auxiliary_devices_start(cfg: DictConfig) -> int:
+def _policy_devices_end(cfg: DictConfig) -> int:
     """The first device after the trainer's and the policy engines' (counted across nodes)."""
     r, p, c = cfg.rollout, cfg.parallel, cfg.cluster
     if cfg.placement == "colocated":
@@ -231,15 +223,31 @@ def auxiliary_devices_start(cfg: DictConfig) -> int:
     return engine_devices_start(p.world_size, r.engine_tp, c.gpus_per_node) + r.num_engines * r.engine_tp
 
 
+def auxiliary_engines(cfg: DictConfig) -> list[AuxiliaryEngine]:
+    """The run's auxiliary engines, placed in this order after the policy's devices, none straddling a
+    node it fits in: the teacher (``rollout.engine_tp`` devices, served like the policy), the judge
+    (``reward.judge.engine_tp``), each agent role a frozen model serves (``rollout.engine_tp``)."""
+    r = cfg.rollout
+    wanted = [("teacher", cfg.teacher.hf_path, r.engine_tp, None)] if cfg.teacher.hf_path else []
+    if cfg.reward.judge.hf_path:
+        wanted.append(("judge", cfg.reward.judge.hf_path, cfg.reward.judge.engine_tp, None))
+    if cfg.task.agent is not None:
+        wanted += [(f"role-{entry.role}", entry.hf_path, r.engine_tp, entry.role)
+                   for entry in cfg.task.role_engines if entry.hf_path]
+    out, free = [], _policy_devices_end(cfg)
+    for name, hf_path, devices, role in wanted:
+        first = engine_devices_start(free, devices, cfg.cluster.gpus_per_node)
+        out.append(AuxiliaryEngine(name, hf_path, devices, first, role))
+        free = first + devices
+    return out
+
+
 def devices_needed(cfg: DictConfig) -> int:
     """Devices the layout occupies, counted across nodes from node 0 (with the gaps of
     :func:`engine_devices_start`): the trainer's (colocated: shared with the policy's engines), the
-    policy engines', then each auxiliary engine's (:func:`auxiliary_engines`), none straddling a node
-    it fits in."""
-    end = auxiliary_devices_start(cfg)
-    for engine in auxiliary_engines(cfg):
-        end = engine_devices_start(end, engine.devices, cfg.cluster.gpus_per_node) + engine.devices
-    return end
+    policy engines', then the auxiliary engines' (:func:`auxiliary_engines`)."""
+    auxiliary = auxiliary_engines(cfg)
+    return auxiliary[-1].first_device + auxiliary[-1].devices if auxiliary else _policy_devices_end(cfg)
 
 
 def _check_placement(cfg: DictConfig) -> None:

@@ -322,17 +322,6 @@ def frozen_engine_settings(cfg: DictConfig, hf_path: str, name: str, index: int,
                                lora_target_modules=())
 
 
-def frozen_role_engines(cfg: DictConfig, api_key: str) -> dict[str, EngineSettings]:
-    """``role-<role>`` -> the engine settings of each agent role a frozen model serves (``task.role_engines``
-    entries with ``hf_path``), after the policy's engines and the teacher's in seed order."""
-    if cfg.task.agent is None:
-        return {}
-    frozen = [entry for entry in cfg.task.role_engines if entry.hf_path]
-    return {f"role-{entry.role}": frozen_engine_settings(cfg, entry.hf_path, f"role-{entry.role}",
-                                                         cfg.rollout.num_engines + 1 + i, api_key)
-            for i, entry in enumerate(frozen)}
-
-
 def _launch(stack: contextlib.AsyncExitStack, settings: list[EngineSettings], num_gpus: float) -> asyncio.Task:
     """``EnginePool.launch(settings)`` as a task; when ``stack`` closes, the launch is cancelled if still
     under way (which stops what it started) and the pool is closed otherwise."""
@@ -406,16 +395,15 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     # Disaggregated GPU engines reserve their devices through Ray (CUDA_VISIBLE_DEVICES reaches the
     # server); colocated ones share the trainer's, and CPU engines reserve half a CPU
     own_gpus = r.engine_tp if torch.cuda.is_available() and cfg.placement == "disaggregated" else 0
-    pooled = {"policy": engines}  # the policy's engines, the teacher's, the judge's, frozen roles': a pool each
-    if cfg.teacher.hf_path:
-        pooled["teacher"] = [frozen_engine_settings(cfg, cfg.teacher.hf_path, "teacher", r.num_engines, api_key)]
-    if cfg.reward.judge.hf_path:  # a generative reward model on an engine of its own (weights never synced)
-        pooled["judge"] = [judge_engine_settings(cfg, api_key)]
-    frozen_roles = frozen_role_engines(cfg, api_key)
-    pooled |= {name: [settings] for name, settings in frozen_roles.items()}
-    # the teacher, the judge and frozen roles hold devices of their own in either placement
-    gpus = {"policy": own_gpus,
-            **{a.name: a.devices if torch.cuda.is_available() else 0 for a in auxiliary_engines(cfg)}}
+    # The teacher, the judge and frozen agent roles: an engine of its own each (weights never synced), on
+    # devices of its own in either placement; a pool each, as the policy's engines are one
+    auxiliary = auxiliary_engines(cfg)
+    pooled = {"policy": engines}
+    gpus = {"policy": own_gpus}
+    for i, a in enumerate(auxiliary):
+        pooled[a.name] = [judge_engine_settings(cfg, api_key) if a.name == "judge" else
+                          frozen_engine_settings(cfg, a.hf_path, a.name, r.num_engines + i, api_key)]
+        gpus[a.name] = a.devices if torch.cuda.is_available() else 0
     # Disaggregated engines load while the trainer ranks build and load their checkpoint (on a cluster
     # both take minutes); colocated ones start after, as they size their memory by what the trainer left.
     def launch_engines() -> dict[str, asyncio.Task]:
@@ -472,7 +460,7 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
                             top_k=r.top_k)
     # The engine's log-probs are always those of the distribution it sampled from (renormalised
     # over its top-k mask); keep_sampling_mask decides whether the trainer applies that mask too.
-    frozen = {name.removeprefix("role-"): pools[name] for name in frozen_roles}
+    frozen = {a.role: pools[a.name] for a in auxiliary if a.role is not None}
     episodes = episode_runner(cfg, pool, tokenizer, params, frozen)
     if isinstance(episodes, AgentEpisodes):
         stack.push_async_callback(episodes.aclose)

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 from omegaconf import DictConfig
 
-from megarl.config.validate import auxiliary_devices_start, auxiliary_engines, devices_needed, engine_devices_start
+from megarl.config.validate import auxiliary_engines, devices_needed, engine_devices_start
 
 
 @dataclass(frozen=True)
@@ -137,10 +137,7 @@ def place(cfg: DictConfig) -> PlacementPlan:
     every_engine_rank = [(e, k) for e in range(r.num_engines) for k in range(r.engine_tp)]
     per_stage = p.world_size // p.pp
     groups = [SyncGroup(stage=s, sender=s * per_stage, engine_ranks=every_engine_rank) for s in range(p.pp)]
-    auxiliary, free = {}, auxiliary_devices_start(cfg)
-    for engine in auxiliary_engines(cfg):
-        first = engine_devices_start(free, engine.devices, gpn)
-        auxiliary[engine.name], free = [at(first + k) for k in range(engine.devices)], first + engine.devices
+    auxiliary = {a.name: [at(a.first_device + k) for k in range(a.devices)] for a in auxiliary_engines(cfg)}
     return PlacementPlan(placement="colocated" if colocated else "disaggregated", gpus_per_node=gpn,
                          nodes=-(-devices_needed(cfg) // gpn), pipeline_stages=p.pp,
                          trainer=[at(i) for i in range(p.world_size)], engines=engines, sync_groups=groups,
