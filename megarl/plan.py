@@ -1,7 +1,8 @@
 """Parallelism and memory planner: ``python -m megarl.plan recipe=NAME [overrides] [--json FILE]``.
 
 Prints the parameter counts, the LoRA adapters' sizes (with ``lora.enabled``), each trainer pipeline
-stage's per-GPU memory, one engine GPU's weights and KV cache, the weight sync's bytes and time, and
+stage's per-GPU memory, one engine GPU's weights and KV cache (a policy engine's, and each auxiliary
+engine's whose checkpoint is here to read), the weight sync's bytes and time, and
 the placement (the node and device of every trainer and engine rank, the teacher's, judge's and
 frozen roles' engines included, the weight-sync groups) as rich tables, and writes the same as JSON.
 Exit status: 0 when the layout fits, 2 with one line per broken limit on stderr when it does not or
@@ -19,7 +20,7 @@ from rich.table import Table
 
 from megarl.config import ConfigError, load_config
 from megarl.config.validate import PlacementError
-from megarl.planner.layout import LayoutPlan, broken_limits, gib_dict, plan_layout
+from megarl.planner.layout import AuxiliaryPlan, LayoutPlan, broken_limits, gib_dict, plan_layout
 from megarl.planner.lora import LoraPlan
 from megarl.planner.placement import PlacementPlan, ranges, span
 
@@ -65,6 +66,8 @@ def render(plan: LayoutPlan, console: Console) -> None:
         engine.add_column(col, justify="right")
     engine.add_row(*values)
     console.print(engine)
+    if plan.auxiliary:
+        render_auxiliary(plan.auxiliary, console)
 
     w = plan.sync
     payload = {"model": "", "adapter": " (LoRA adapters alone)", "merged": " (the model, LoRA merged)"}[w.payload]
@@ -74,6 +77,22 @@ def render(plan: LayoutPlan, console: Console) -> None:
     sync.add_row(_bytes(w.bytes_per_sync), str(w.buckets), _bytes(w.largest_tensor_bytes), f"{w.seconds:.3g}")
     console.print(sync)
     render_placement(plan.placement, console)
+
+
+def render_auxiliary(auxiliary: list[AuxiliaryPlan], console: Console) -> None:
+    """The teacher's, judge's and frozen roles' engines: one GPU each's memory, from its checkpoint's config.json."""
+    table = Table(title="auxiliary engines: per-GPU memory (devices of their own)")
+    for col in ("engine", "checkpoint", "GPUs", "attention TP", "weights GB", "KV cache GB", "KV tokens/engine",
+                "pool GB"):
+        table.add_column(col, justify="right")
+    for a in auxiliary:
+        e = a.memory
+        if e is None:
+            table.add_row(a.name, a.hf_path, str(a.devices), a.why, *("-" * 4))
+            continue
+        table.add_row(a.name, a.hf_path, str(a.devices), str(e.attention_tp), f"{e.weights / 2**30:.1f}",
+                      f"{e.kv_cache / 2**30:.1f}", f"{e.kv_tokens_per_engine:,}", f"{e.pool / 2**30:.1f}")
+    console.print(table)
 
 
 def render_lora(lora: LoraPlan, console: Console) -> None:
@@ -145,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     if plan.sync.payload != "adapter" and plan.sync.largest_tensor_bytes > cfg.sync.bucket_mb * 2**20:
         log.warning("the largest tensor (%.0f MB) exceeds sync.bucket_mb=%d and travels in a bucket of its own",
                     plan.sync.largest_tensor_bytes / 2**20, cfg.sync.bucket_mb)
+    for a in plan.auxiliary:
+        if a.memory is None:
+            log.warning("the %s engine's memory is %s (%s)", a.name, a.why, a.key)
     broken = broken_limits(plan, cfg)
     if json_path is not None:
         json_path.write_text(json.dumps(dict(plan.to_dict(), fits=not broken, broken_limits=broken), indent=2))

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from megarl.config import ConfigError, load_config
@@ -44,7 +45,17 @@ BAD_INPUTS = [
      "colocated placement needs sync.transport=tensor"),
     (["rollout.engine_tp=2", "sync.transport=tensor"], "sync.transport",
      "into an engine of several ranks fails on CPU"),
-    (["rollout.engine_dp_attention=true"], "rollout.engine_dp_attention", "cannot run DP attention"),
+    (["rollout.engine_dp_attention=true", "rollout.engine_tp=2"], "rollout.engine_dp_attention",
+     "cannot run DP attention"),
+    (["rollout.engine_dp_attention=true"], "rollout.engine_tp", "runs one attention replica per rank and needs "
+     "engine_tp > 1"),
+    (["rollout.mem_fraction_static=1.0"], "rollout.mem_fraction_static", "must be in (0, 1), got 1.0"),
+    (["trainer.optimizer_cpu_offload=true"], "trainer.optimizer_cpu_offload",
+     "with model.dtype=float32 there are none"),
+    (["trainer.optimizer_cpu_offload=true", "model.dtype=bfloat16", "trainer.use_distributed_optimizer=false"],
+     "trainer.optimizer_cpu_offload", "set trainer.use_distributed_optimizer=true"),
+    (["trainer.optimizer_cpu_offload=true", "model.dtype=bfloat16"], "trainer.optimizer_cpu_offload",
+     "without a GPU the state is in host memory already"),
     (["rollout.engine_tp=3"], "rollout.engine_tp", "3"),
     (["parallel.world_size=2", "parallel.cp=2"], "parallel.cp", "needs transformer-engine's attention"),
     (["sync.transport=carrier_pigeon"], "sync.transport", "not one of distributed, tensor, disk"),
@@ -343,3 +354,21 @@ def test_checking_a_config_loads_no_agent_runtime():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_optimizer_offload_reaches_megatron_cores_optimizer():
+    """``trainer.optimizer_cpu_offload`` (the 30B recipe plans its Adam state in host memory) becomes
+    megatron-core's OptimizerConfig for its HybridDeviceOptimizer: every parameter's state on the host,
+    reached through the precision-aware path that hands it the 16-bit shards (a run: tools/gpu_smoke.sh)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megarl.trainer.optimizer import OptimizerSettings, cpu_offload_options
+
+    cfg = load_config(["recipe=qwen3_30b_a3b"])
+    assert cfg.trainer.optimizer_cpu_offload and OptimizerSettings.from_config(cfg).cpu_offload
+    assert not OptimizerSettings.from_config(load_config(["recipe=tiny_moe_cpu"])).cpu_offload
+    config = OptimizerConfig(optimizer="adam", bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
+                             **cpu_offload_options(True))
+    assert config.optimizer_cpu_offload and config.optimizer_offload_fraction == 1.0
+    assert config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    assert cpu_offload_options(False) == {}

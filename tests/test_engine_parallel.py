@@ -8,6 +8,7 @@ to start); the prompts are few and short.
 """
 import asyncio
 import tempfile
+from dataclasses import replace
 
 import httpx
 import numpy as np
@@ -76,10 +77,11 @@ def test_from_config_reads_the_engine_parallelism(tiny_checkpoint, tmp_path):
     from types import SimpleNamespace as NS
 
     cfg = NS(rollout=NS(top_k=20, max_total_tokens=512, engine_tp=2, engine_ep=2, engine_dp_attention=True,
-                        prefix_cache=False),
+                        prefix_cache=False, mem_fraction_static=0.7),
              model=NS(dtype="float32"), task=NS(seed=3), logging=NS(run_dir=str(tmp_path)), lora=NS(enabled=False))
     s = EngineSettings.from_config(cfg, tiny_checkpoint, index=1, weight_version=0)
     assert (s.tp, s.ep, s.dp_attention, s.random_seed, s.prefix_cache) == (2, 2, True, 4, False)
+    assert flag_values(SGLangEngine(replace(s, device="cuda")).command())["--mem-fraction-static"] == "0.7"
     assert (s.lora_max_rank, s.lora_target_modules) == (0, ())
     lora = EngineSettings.from_config(load_config(["recipe=tiny_moe_lora_cpu"]), tiny_checkpoint, 0, weight_version=0)
     assert (lora.lora_max_rank, lora.lora_target_modules) == (8, ("k_proj", "o_proj", "q_proj", "v_proj"))
@@ -96,6 +98,7 @@ def test_from_config_reads_the_engine_parallelism(tiny_checkpoint, tmp_path):
     ({"tp": 3, "ep": 1, "nnodes": 2, "dist_init_addr": "h:1"}, "do not split evenly"),
     ({"tp": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank < nnodes"),
     ({"tp": 2, "nnodes": 2, "dist_init_addr": "h"}, "must be host:port"),
+    ({"mem_fraction_static": 1.0}, r"mem_fraction_static must be in \(0, 1\)"),
 ])
 def test_parallelism_rules(tiny_checkpoint, kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -134,6 +137,7 @@ def engine(request, checkpoint, tmp_path_factory):
     device = "cuda" if torch.cuda.device_count() >= tp else "cpu"
     eng = SGLangEngine(EngineSettings(
         model_path=str(checkpoint), device=device, dtype="float32", max_total_tokens=1024, tp=tp, ep=ep,
+        mem_fraction_static=0.75,
         log_path=str(tmp_path_factory.mktemp(f"sglang_tp{tp}_ep{ep}") / "server.log"),
     ))
     eng.start()
@@ -161,6 +165,7 @@ def samples(engine, checkpoint):
 def test_engine_runs_the_requested_layout(engine):
     info = httpx.get(engine.url + "/server_info", timeout=10).json()
     assert (info["tp_size"], info["ep_size"]) == (engine.settings.tp, engine.settings.ep)
+    assert info["mem_fraction_static"] == engine.settings.mem_fraction_static == 0.75
 
 
 def test_greedy_tokens_equal_hf(samples, hf_model):

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 import hf_oracle
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -112,6 +113,12 @@ def test_engine_settings_come_from_the_config(cfg, judge_checkpoint):
     assert settings.max_total_tokens == cfg.rollout.max_total_tokens and settings.api_key == "secret-judge-key"
     assert settings.log_path == str(Path(cfg.logging.run_dir) / "judge-engine.log")
     assert "secret-judge-key" not in repr(settings)
+
+
+def test_the_judge_engine_runs_with_the_configured_ranks_and_memory_share(engine, cfg):
+    info = httpx.get(engine.url + "/server_info", headers={"Authorization": "Bearer judge-key"}, timeout=10).json()
+    assert (info["tp_size"], info["ep_size"]) == (cfg.reward.judge.engine_tp, cfg.reward.judge.engine_ep)
+    assert info["mem_fraction_static"] == cfg.rollout.mem_fraction_static
 
 
 def test_bad_judge_configs_are_refused_naming_the_key(tiny_checkpoint, judge_checkpoint, tmp_path):

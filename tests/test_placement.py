@@ -4,11 +4,12 @@ naming the key, refused as well by the driver before anything starts)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from megarl.config import load_config
-from megarl.config.validate import PlacementError, engine_devices_start
+from megarl.config.validate import PlacementError, auxiliary_engines, engine_devices_start
 from megarl.plan import EXIT_DOES_NOT_FIT, main
 from megarl.planner.placement import Device, place
 
@@ -123,6 +124,17 @@ BAD_LAYOUTS = {
         "16 must divide engine_tp=16 and the 136 experts"),
     "engine_ep does not divide engine_tp": (
         ["recipe=qwen3_235b_a22b", "rollout.engine_ep=3"], "rollout.engine_ep", "3 must divide engine_tp=16"),
+    "a teacher's engine below one rank": (
+        TWO_NODES + AUXILIARY + ["teacher.engine_tp=0"], "teacher.engine_tp", "must be >= 1, got 0"),
+    "a teacher's engine straddles nodes": (
+        TWO_NODES + AUXILIARY + ["teacher.engine_tp=3"], "teacher.engine_tp",
+        "an engine of 3 ranks on nodes of cluster.gpus_per_node=4 would straddle nodes"),
+    "a frozen role's engine_ep does not divide its engine_tp": (
+        TWO_NODES + AUXILIARY + ["task.role_engines=[{role:verifier,hf_path:/ckpt/verifier,engine_tp:2,engine_ep:4}]"],
+        "task.role_engines[0].engine_ep", "4 must divide engine_tp=2"),
+    "DP attention on a one-rank teacher": (
+        TWO_NODES + AUXILIARY + ["rollout.engine_dp_attention=true", "teacher.engine_tp=1"], "teacher.engine_tp",
+        "DP attention (rollout.engine_dp_attention) runs one attention replica per rank and needs engine_tp > 1"),
     "an engine straddles nodes": (
         TWO_NODES + ["rollout.engine_tp=4", "cluster.gpus_per_node=6", "parallel.world_size=8"],
         "rollout.engine_tp", "an engine of 4 ranks on nodes of cluster.gpus_per_node=6 would straddle nodes"),
@@ -137,7 +149,7 @@ def test_layout_that_cannot_be_placed_exits_2_naming_the_key(case, capsys):
     assert len(err.splitlines()) == 1, err
     assert err.startswith(f"plan: cannot be placed: {key}: "), err
     assert why in err, err
-    with pytest.raises(PlacementError, match=key):
+    with pytest.raises(PlacementError, match=re.escape(key)):
         load_config(overrides)
 
 
@@ -158,3 +170,36 @@ def test_colocated_needs_the_tensor_transport(capsys):
     err = capsys.readouterr().err.strip()
     assert err == ("megarl: config error: sync.transport: colocated placement needs sync.transport=tensor (the "
                    "engines load the buckets from the trainer's memory on the same devices), got 'disk'")
+
+
+def test_auxiliary_engines_are_served_on_ranks_of_their_own(tmp_path):
+    """``teacher.engine_tp`` / ``engine_ep`` place the teacher on that many devices and the driver serves it
+    on them (a frozen role likewise); unset they are the policy's; the judge's are its own. Each takes
+    ``rollout.mem_fraction_static``."""
+    from megarl.models.tiny_moe import make_tiny_moe
+    from megarl.pipeline.judge import judge_engine_settings
+    from megarl.pipeline.run import frozen_engine_settings
+
+    tiny = str(make_tiny_moe(tmp_path / "tiny"))  # 4 heads, 2 KV heads, 8 experts: TP2 x EP2 fits
+    own = TWO_NODES + DISAGGREGATED + AUXILIARY + [
+        f"teacher.hf_path={tiny}", "teacher.engine_tp=4", "teacher.engine_ep=2", "reward.judge.engine_tp=2",
+        f"reward.judge.hf_path={tiny}", "reward.judge.engine_ep=2", "rollout.mem_fraction_static=0.7",
+        f"task.role_engines=[{{role:verifier,hf_path:{tiny},engine_tp:2,engine_ep:2}}]",
+        f"logging.run_dir={tmp_path / 'run'}"]
+    with pytest.raises(PlacementError, match=r"^teacher.engine_tp: 4 attention heads are not divisible by engine_tp=8"):
+        load_config(own + ["teacher.engine_tp=8", "cluster.gpus_per_node=8"])
+    cfg = load_config(own)
+    plan = place(cfg)
+    # trainer 0-3, engines 4-7, the teacher a node of its own (8-11), the judge 12-13, the verifier 14-15
+    assert plan.auxiliary == {"teacher": [Device(2, k) for k in range(4)], "judge": [Device(3, 0), Device(3, 1)],
+                              "role-verifier": [Device(3, 2), Device(3, 3)]}
+    teacher, judge, verifier = auxiliary_engines(cfg)
+    for engine, name, tp, ep in ((teacher, "teacher", 4, 2), (verifier, "role-verifier", 2, 2)):
+        settings = frozen_engine_settings(cfg, engine, 2, api_key="k")
+        assert (settings.model_path, settings.tp, settings.ep, settings.mem_fraction_static) == (tiny, tp, ep, 0.7)
+        assert settings.log_path == str(tmp_path / "run" / f"{name}.log") and settings.lora_max_rank == 0
+    settings = judge_engine_settings(cfg)
+    assert (settings.tp, settings.ep, settings.mem_fraction_static) == (2, 2, 0.7)
+    default = auxiliary_engines(load_config(TWO_NODES + DISAGGREGATED + AUXILIARY))
+    assert [(a.name, a.devices, a.ep) for a in default] == [("teacher", 2, 1), ("judge", 1, 1),
+                                                             ("role-verifier", 2, 1)]

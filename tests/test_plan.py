@@ -156,7 +156,7 @@ def test_too_small_gpu_is_refused_with_the_limit_named(capsys):
 def test_kv_cache_too_small_for_one_sequence_is_refused():
     cfg = load_config(["recipe=qwen3_235b_a22b", "rollout.kv_cache_gb=0.5", "rollout.max_new_tokens=32768"])
     broken = broken_limits(plan_layout(cfg), cfg)
-    assert len(broken) == 1 and broken[0].startswith("rollout.max_new_tokens: the KV cache holds")
+    assert len(broken) == 1 and broken[0].startswith("rollout.max_new_tokens: the engine KV cache holds")
 
 
 def test_colocated_engines_beyond_the_trainer_gpus_are_refused():
@@ -280,3 +280,69 @@ def test_weight_sync_time_is_bytes_over_the_link():
     assert plan.sync.bytes_per_sync == 2 * plan.params.total
     assert plan.sync.seconds == pytest.approx(plan.sync.bytes_per_sync * 8 / (cfg.sync.link_gbps * 1e9))
     assert plan.sync.buckets * cfg.sync.bucket_mb * 2**20 >= plan.sync.bytes_per_sync
+
+
+def _qwen3_32b_config():
+    """Qwen/Qwen3-32B's config.json numbers (a dense model: the judge below)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+                       num_attention_heads=64, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
+
+
+def test_auxiliary_engines_memory_is_planned_from_their_checkpoints(tmp_path, capsys):
+    """A Qwen3-235B-A22B teacher and a dense Qwen3-32B judge beside the 30B policy: each engine GPU's
+    weights are its model's bytes over its ranks (the counts against HF's modeling code and the
+    published totals), its KV cache what the pool leaves; too few ranks is a broken limit naming the
+    key; a checkpoint that is not here is reported, not planned."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.planner.arch import served_arch
+
+    teacher, judge = tmp_path / "teacher", tmp_path / "judge"
+    _hf_config(resolve_arch(load_config(["recipe=qwen3_235b_a22b"]))).save_pretrained(teacher)
+    _qwen3_32b_config().save_pretrained(judge)
+    dense = served_arch(str(judge), "reward.judge.hf_path")
+    with torch.device("meta"):
+        hf_judge = AutoModelForCausalLM.from_config(_qwen3_32b_config())
+    assert count_params(dense).total == sum(t.numel() for t in hf_judge.state_dict().values())
+    assert abs(count_params(dense).total / 32.8e9 - 1) < 0.01  # the model card's 32.8B
+    moe = count_params(served_arch(str(teacher), "teacher.hf_path")).total
+    assert abs(moe / 235e9 - 1) < 0.01
+
+    args = ["recipe=qwen3_30b_a3b", f"teacher.hf_path={teacher}", "algorithm.opd_coef=1.0", "teacher.engine_tp=8",
+            f"reward.judge.hf_path={judge}", "reward.judge.engine_tp=4"]
+    cfg = load_config(args)
+    plan = plan_layout(cfg)
+    size = 2  # the recipe's bfloat16
+    assert cfg.model.dtype == "bfloat16"
+    (t, j) = plan.auxiliary
+    assert (t.name, t.key, t.devices, j.name, j.key, j.devices) == ("teacher", "teacher", 8, "judge", "reward.judge", 4)
+    for a, params in ((t, moe), (j, count_params(dense).total)):
+        e = a.memory
+        assert abs(e.weights / (params * size / a.devices) - 1) < 0.01, a.name  # norms, router, KV heads replicated
+        assert e.pool == round(cfg.rollout.mem_fraction_static * cfg.trainer.gpu_memory_gb * GIB)
+        assert e.kv_cache == e.pool - e.weights and e.kv_tokens_per_engine == e.kv_cache // e.kv_bytes_per_token
+    assert j.memory.kv_bytes_per_token == 2 * 64 * (8 // 4) * 128 * size  # K and V, 64 layers, 2 KV heads a GPU
+    assert t.memory.kv_bytes_per_token == 2 * 94 * 1 * 128 * size  # 4 KV heads over 8 ranks: one each
+    assert broken_limits(plan, cfg) == []
+    assert cfg.placement == "colocated" and plan.total_gpus == 8 + 8 + 4  # the policy engines on the trainer's 8
+    out = tmp_path / "plan.json"
+    assert main(args + ["--json", str(out)]) == 0
+    written = json.loads(out.read_text())["auxiliary"]
+    assert [(a["name"], a["memory"]["weights"]) for a in written] == [("teacher", t.memory.weights),
+                                                                      ("judge", j.memory.weights)]
+    assert "auxiliary engines: per-GPU memory" in capsys.readouterr().out
+
+    few = load_config(args + ["teacher.engine_tp=4"])
+    [line] = broken_limits(plan_layout(few), few)
+    assert line.startswith("teacher.engine_tp: teacher engine weights take 109.") and "on 4 ranks" in line, line
+    assert main(args + ["teacher.engine_tp=4"]) == EXIT_DOES_NOT_FIT
+    assert "plan: does not fit: teacher.engine_tp: teacher engine weights take" in capsys.readouterr().err
+
+    absent = load_config(args + [f"teacher.hf_path={tmp_path / 'elsewhere'}"])
+    plan = plan_layout(absent)
+    assert plan.auxiliary[0].memory is None and str(tmp_path / "elsewhere") in plan.auxiliary[0].why
+    assert broken_limits(plan, absent) == []
+    with pytest.raises(PlacementError, match=r"^reward.judge.engine_ep: 2 expert-parallel ranks for a dense model"):
+        load_config(args + ["reward.judge.engine_ep=2"])

@@ -9,6 +9,8 @@
 #                    KV cache (device memory freed and taken again, same greedy output after a reload)
 #   colocated_run    placement=colocated: engines paused and released around each training step
 #   engine_tp2       one SGLang engine over 2 GPUs (--tp-size 2), routing and sampling mask returned
+#   optimizer_offload  trainer.optimizer_cpu_offload in bfloat16: megatron-core's HybridDeviceOptimizer holds
+#                    the Adam state in host memory; three supervised steps equal the on-device optimizer's
 # It prints, for each, OK, FAILED (with the log's tail) or SKIPPED with the reason (a missing
 # package, one GPU only), and exits 1 when a check that could run failed, else 0. On a machine
 # without a GPU it says so and exits 0 without running anything.
@@ -83,6 +85,49 @@ out = run_ranks(body, Layout(world_size=n), backend="nccl", timeout_s=600)
 print(out)
 assert all(b == "nccl" and s == n * (n + 1) / 2 for b, _, s in out), out
 print(f"smoke: {n} NCCL rank(s) all-reduced on {out[0][1]}")
+EOF
+
+cat >"$WORK/optimizer_offload.py" <<'EOF'
+import dataclasses
+import sys
+
+from megarl.parallel import Layout
+from megarl.trainer.launch import run_ranks
+
+
+def steps(rank, layout, hf_path, offload):
+    """(losses, grad norms, devices of the Adam state) of three bfloat16 supervised steps."""
+    import torch
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    from megarl.config import default_config
+    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.trainer.sft_step import supervised_step
+    from megarl.trainer.token_batch import token_batch
+
+    settings = dataclasses.replace(OptimizerSettings.from_config(default_config(), lr=1e-3), dtype="bfloat16",
+                                   use_distributed_optimizer=True, cpu_offload=offload)
+    trainable = build_trainable(hf_path, layout, settings, transformer_impl="local")
+    gen = torch.Generator().manual_seed(0)
+    batch = token_batch([torch.randint(3, 250, (n,), generator=gen).tolist() for n in (5, 7, 9, 11)], [2] * 4)
+    results = [supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, 64, pack=True)
+               for _ in range(3)]
+    inner = [o.optimizer for o in getattr(trainable.optimizer, "chained_optimizers", [trainable.optimizer])]
+    assert all(isinstance(o, HybridDeviceOptimizer) for o in inner) == offload, inner
+    devices = {v.device.type for o in inner for state in o.state.values() for v in state.values()
+               if torch.is_tensor(v) and v.numel() > 1}
+    return [r.loss for r in results], [r.grad_norm for r in results], sorted(devices)
+
+
+on_device = run_ranks(steps, Layout(), sys.argv[1], False, backend="nccl", timeout_s=600)[0]
+offloaded = run_ranks(steps, Layout(), sys.argv[1], True, backend="nccl", timeout_s=600)[0]
+print("on device:", on_device)
+print("offloaded:", offloaded)
+assert offloaded[2] == ["cpu"] and on_device[2] == ["cuda"], (on_device[2], offloaded[2])
+for a, b in zip(on_device[0] + on_device[1], offloaded[0] + offloaded[1]):
+    assert abs(a - b) <= 2e-2 * abs(a), (a, b)  # bfloat16 weights; fp32 Adam on either side
+print(f"smoke: Adam state in host memory, losses {offloaded[0]} against {on_device[0]} on the device")
 EOF
 
 cat >"$WORK/metrics_check.py" <<'EOF'
@@ -223,6 +268,8 @@ check colocated_run "" bash "$WORK/rl_run.sh" colocated placement=colocated sync
 tp2_skip=""
 [ "$gpus" -ge 2 ] || tp2_skip="one GPU only"
 check engine_tp2 "$tp2_skip" "$PY" "$WORK/engine_tp2.py" "$BASE" "$WORK/engine_tp2_server.log"
+
+check optimizer_offload "" "$PY" "$WORK/optimizer_offload.py" "$BASE"
 
 echo
 echo "gpu_smoke: summary ($gpus GPU(s))"

@@ -153,6 +153,8 @@ class RoleEngines:
     # a frozen model serves the role instead (an HF checkpoint with the policy's tokenizer), on one
     # engine of its own that is never synced; its calls are not trained on (the agent gives it no reward)
     hf_path: Optional[str] = None
+    engine_tp: Optional[int] = None  # that engine's tensor-parallel ranks; None = rollout.engine_tp
+    engine_ep: Optional[int] = None  # its expert-parallel ranks (dividing engine_tp); None = rollout.engine_ep
 
 
 @dataclass
@@ -201,6 +203,7 @@ class JudgeConfig:
     # turn k -> sample.turn_rewards[k] (process rewards, megarl/algos/process.py); reward = rule_weight * rule
     per_turn: bool = False
     engine_tp: int = 1  # tensor-parallel ranks of the judge engine
+    engine_ep: int = 1  # its expert-parallel ranks (dividing engine_tp)
 
 
 @dataclass
@@ -223,6 +226,8 @@ class TeacherConfig:
 
     hf_path: Optional[str] = None  # teacher checkpoint; None = no teacher
     timeout_s: float = 60.0
+    engine_tp: Optional[int] = None  # the teacher engine's tensor-parallel ranks; None = rollout.engine_tp
+    engine_ep: Optional[int] = None  # its expert-parallel ranks (dividing engine_tp); None = rollout.engine_ep
 
 
 @dataclass
@@ -232,6 +237,8 @@ class RolloutConfig:
     engine_tp: int = 1
     engine_ep: int = 1
     engine_dp_attention: bool = False
+    # SGLang --mem-fraction-static: the share of each engine GPU (of the memory free when it starts) for the
+    # weights and the KV cache; the teacher's, judge's and frozen roles' engines take it too
     mem_fraction_static: float = 0.8
     max_total_tokens: Optional[int] = None  # engine KV-cache capacity in tokens; None = SGLang sizes it from memory
     prefix_cache: bool = True  # SGLang's radix prefix cache (false: --disable-radix-cache)

@@ -108,6 +108,21 @@ def validate(cfg: DictConfig) -> None:
     if cfg.mode == "async" and (cfg.buffer.max_staleness < 0 or cfg.buffer.max_buffer_batches < 1):
         _fail("buffer.max_staleness", "async mode needs max_staleness >= 0 and max_buffer_batches >= 1")
     _check_warmup(cfg)
+    _check_optimizer_offload(cfg)
+
+
+def _check_optimizer_offload(cfg: DictConfig) -> None:
+    """``trainer.optimizer_cpu_offload`` is megatron-core's HybridDeviceOptimizer inside the distributed
+    optimizer (``megarl/trainer/optimizer.py``): it keeps fp32 host copies of 16-bit parameters only."""
+    if not cfg.trainer.optimizer_cpu_offload:
+        return
+    if cfg.model.dtype not in ("bfloat16", "float16"):
+        _fail("trainer.optimizer_cpu_offload", f"offloads the fp32 master copies of 16-bit weights (megatron-core's "
+              f"HybridDeviceOptimizer); with model.dtype={cfg.model.dtype} there are none: train in bfloat16 or "
+              "turn the offload off")
+    if not cfg.trainer.use_distributed_optimizer:
+        _fail("trainer.optimizer_cpu_offload", "runs inside megatron-core's distributed optimizer: set "
+              "trainer.use_distributed_optimizer=true")
 
 
 def _check_warmup(cfg: DictConfig) -> None:
@@ -204,13 +219,18 @@ def engine_devices_start(first_free: int, engine_tp: int, gpus_per_node: int) ->
 class AuxiliaryEngine:
     """An engine beside the policy's that holds devices of its own in either placement (nothing releases
     its memory while the trainer trains): a frozen model (the distillation teacher, an agent role's
-    model) or the judge, serving ``hf_path`` on ``devices`` devices from ``first_device`` (counted across
-    nodes). ``name``: its engine pool's in a run (``teacher``, ``judge``, ``role-<role>``); ``role``: the
-    agent role a frozen model serves, else None."""
+    model) or the judge, serving ``hf_path`` on ``devices`` devices (its tensor-parallel ranks, ``ep`` of
+    them expert-parallel, DP attention when ``dp_attention``) from ``first_device`` (counted across nodes).
+    ``name``: its engine pool's in a run (``teacher``, ``judge``, ``role-<role>``); ``key``: the config
+    entry that sets it (``teacher``, ``reward.judge``, ``task.role_engines[i]``, whose ``engine_tp`` and
+    ``engine_ep`` errors name); ``role``: the agent role a frozen model serves, else None."""
 
     name: str
+    key: str
     hf_path: str
     devices: int
+    ep: int
+    dp_attention: bool
     first_device: int
     role: str | None = None
 
@@ -225,20 +245,29 @@ def _policy_devices_end(cfg: DictConfig) -> int:
 
 def auxiliary_engines(cfg: DictConfig) -> list[AuxiliaryEngine]:
     """The run's auxiliary engines, placed in this order after the policy's devices, none straddling a
-    node it fits in: the teacher (``rollout.engine_tp`` devices, served like the policy), the judge
-    (``reward.judge.engine_tp``), each agent role a frozen model serves (``rollout.engine_tp``)."""
+    node it fits in: the teacher (``teacher.engine_tp`` / ``engine_ep``, else the policy's; served like the
+    policy's engines, DP attention included), the judge (``reward.judge.engine_tp`` / ``engine_ep``, no DP
+    attention), each agent role a frozen model serves (its entry's ``engine_tp`` / ``engine_ep``, else the
+    policy's; served like the teacher)."""
     r = cfg.rollout
-    wanted = [("teacher", cfg.teacher.hf_path, r.engine_tp, None)] if cfg.teacher.hf_path else []
-    if cfg.reward.judge.hf_path:
-        wanted.append(("judge", cfg.reward.judge.hf_path, cfg.reward.judge.engine_tp, None))
+
+    def frozen(name: str, key: str, entry: DictConfig, role: str | None = None) -> tuple:
+        tp = r.engine_tp if entry.engine_tp is None else entry.engine_tp
+        ep = r.engine_ep if entry.engine_ep is None else entry.engine_ep
+        return name, key, entry.hf_path, tp, ep, r.engine_dp_attention, role
+
+    wanted = [frozen("teacher", "teacher", cfg.teacher)] if cfg.teacher.hf_path else []
+    judge = cfg.reward.judge
+    if judge.hf_path:
+        wanted.append(("judge", "reward.judge", judge.hf_path, judge.engine_tp, judge.engine_ep, False, None))
     if cfg.task.agent is not None:
-        wanted += [(f"role-{entry.role}", entry.hf_path, r.engine_tp, entry.role)
-                   for entry in cfg.task.role_engines if entry.hf_path]
+        wanted += [frozen(f"role-{entry.role}", f"task.role_engines[{i}]", entry, entry.role)
+                   for i, entry in enumerate(cfg.task.role_engines) if entry.hf_path]
     out, free = [], _policy_devices_end(cfg)
-    for name, hf_path, devices, role in wanted:
-        first = engine_devices_start(free, devices, cfg.cluster.gpus_per_node)
-        out.append(AuxiliaryEngine(name, hf_path, devices, first, role))
-        free = first + devices
+    for name, key, hf_path, tp, ep, dp_attention, role in wanted:
+        first = engine_devices_start(free, tp, cfg.cluster.gpus_per_node)
+        out.append(AuxiliaryEngine(name, key, hf_path, tp, ep, dp_attention, first, role))
+        free = first + tp
     return out
 
 
@@ -248,6 +277,40 @@ def devices_needed(cfg: DictConfig) -> int:
     policy engines', then the auxiliary engines' (:func:`auxiliary_engines`)."""
     auxiliary = auxiliary_engines(cfg)
     return auxiliary[-1].first_device + auxiliary[-1].devices if auxiliary else _policy_devices_end(cfg)
+
+
+def _check_engine_split(key: str, tp: int, ep: int, dp_attention: bool, arch: dict, gpus_per_node: int) -> None:
+    """An engine of ``tp`` ranks, ``ep`` of them expert-parallel, that divides its model (``arch``: the
+    checkpoint's heads, KV heads and experts, None where unknown) and fits a node or whole nodes;
+    errors name ``<key>.engine_tp`` / ``<key>.engine_ep``."""
+    heads, kv_heads, experts = arch.get("num_attention_heads"), arch.get("num_query_groups"), arch.get("num_experts")
+    if dp_attention and tp == 1:
+        raise PlacementError(f"{key}.engine_tp: DP attention (rollout.engine_dp_attention) runs one attention replica "
+                             "per rank and needs engine_tp > 1")
+    if not dp_attention:  # DP attention: one attention replica per engine rank, nothing split
+        if heads and heads % tp:
+            raise PlacementError(f"{key}.engine_tp: {heads} attention heads are not divisible by engine_tp={tp}")
+        if kv_heads and kv_heads % tp and tp % kv_heads:
+            raise PlacementError(f"{key}.engine_tp: {kv_heads} KV heads and engine_tp={tp}: neither divides the other")
+    if ep > 1 and experts == 0:
+        raise PlacementError(f"{key}.engine_ep: {ep} expert-parallel ranks for a dense model (no experts to split)")
+    if tp % ep or (experts and experts % ep):
+        raise PlacementError(f"{key}.engine_ep: {ep} must divide engine_tp={tp}"
+                             + (f" and the {experts} experts" if experts else ""))
+    if gpus_per_node % tp and tp % gpus_per_node:
+        raise PlacementError(f"{key}.engine_tp: an engine of {tp} ranks on nodes of cluster.gpus_per_node="
+                             f"{gpus_per_node} would straddle nodes: one must divide the other")
+
+
+def _auxiliary_engines_checked(cfg: DictConfig) -> list[AuxiliaryEngine]:
+    """:func:`auxiliary_engines`, after their ``engine_tp`` and ``engine_ep`` settings are checked to be >= 1."""
+    entries = [("teacher", cfg.teacher), ("reward.judge", cfg.reward.judge)] + \
+        [(f"task.role_engines[{i}]", entry) for i, entry in enumerate(cfg.task.role_engines)]
+    for key, entry in entries:
+        for name in ("engine_tp", "engine_ep"):
+            if entry[name] is not None and entry[name] < 1:
+                raise PlacementError(f"{key}.{name}: must be >= 1, got {entry[name]}")
+    return auxiliary_engines(cfg)
 
 
 def _check_placement(cfg: DictConfig) -> None:
@@ -260,22 +323,14 @@ def _check_placement(cfg: DictConfig) -> None:
             raise PlacementError(f"{key}: must be >= 1, got {value}")
     if c.num_nodes is not None and c.num_nodes < 1:
         raise PlacementError(f"cluster.num_nodes: must be >= 1 (or null), got {c.num_nodes}")
-    arch = _arch_numbers(cfg)
-    heads, kv_heads, experts = arch["num_attention_heads"], arch["num_query_groups"], arch["num_experts"]
-    if not r.engine_dp_attention:  # DP attention: one attention replica per engine rank, nothing split
-        if heads and heads % r.engine_tp:
-            raise PlacementError(f"rollout.engine_tp: {heads} attention heads are not divisible by "
-                                 f"engine_tp={r.engine_tp}")
-        if kv_heads and kv_heads % r.engine_tp and r.engine_tp % kv_heads:
-            raise PlacementError(f"rollout.engine_tp: {kv_heads} KV heads and engine_tp={r.engine_tp}: "
-                                 "neither divides the other")
-    if r.engine_tp % r.engine_ep or (experts and experts % r.engine_ep):
-        raise PlacementError(f"rollout.engine_ep: {r.engine_ep} must divide engine_tp={r.engine_tp} and the "
-                             f"{experts} experts")
+    _check_engine_split("rollout", r.engine_tp, r.engine_ep, r.engine_dp_attention, _arch_numbers(cfg),
+                        c.gpus_per_node)
+    for a in _auxiliary_engines_checked(cfg):
+        numbers = checkpoint_arch(a.hf_path)
+        if numbers and numbers["num_experts"] is None:  # a config.json without experts: a dense model
+            numbers["num_experts"] = 0
+        _check_engine_split(a.key, a.devices, a.ep, a.dp_attention, numbers, c.gpus_per_node)
     gpn = c.gpus_per_node
-    if gpn % r.engine_tp and r.engine_tp % gpn:
-        raise PlacementError(f"rollout.engine_tp: an engine of {r.engine_tp} ranks on nodes of "
-                             f"cluster.gpus_per_node={gpn} would straddle nodes: one must divide the other")
     colocated = cfg.placement == "colocated"
     if colocated and r.num_engines * r.engine_tp > p.world_size:
         raise PlacementError(
@@ -308,6 +363,8 @@ def _check_rollout(cfg: DictConfig) -> None:
         _fail("rollout.temperature", f"must be >= 0, got {r.temperature}")
     if not 0 < r.top_p <= 1:
         _fail("rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    if not 0 < r.mem_fraction_static < 1:
+        _fail("rollout.mem_fraction_static", f"must be in (0, 1), got {r.mem_fraction_static}")
 
 
 def _check_algorithm(cfg: DictConfig) -> None:
@@ -385,8 +442,6 @@ def _check_judge(cfg: DictConfig) -> None:
     if judge.timeout_s > cfg.reward.timeout_s:
         _fail("reward.judge.timeout_s", f"{judge.timeout_s} s exceeds reward.timeout_s ({cfg.reward.timeout_s} s), "
               "which bounds the whole reward")
-    if judge.engine_tp < 1:
-        _fail("reward.judge.engine_tp", f"must be >= 1, got {judge.engine_tp}")
     if judge.per_turn and not (cfg.task.env or cfg.task.agent):
         _fail("reward.judge.per_turn", "scores the turns of multi-turn episodes; set task.env or task.agent")
 
@@ -535,6 +590,10 @@ def refuse_what_is_not_built(cfg: DictConfig) -> None:
     planner still accepts them: big-model recipes plan with them)."""
     check_inputs(cfg)
     r = cfg.rollout
+    if cfg.trainer.optimizer_cpu_offload and not torch.cuda.is_available():
+        _fail("trainer.optimizer_cpu_offload", "moves the Adam state from GPU to host memory with megatron-core's "
+              "HybridDeviceOptimizer, which runs on CUDA streams; without a GPU the state is in host memory already: "
+              "set it false")
     if cfg.parallel.cp > 1 and not torch.cuda.is_available():
         _fail("parallel.cp", "context parallelism needs transformer-engine's attention (CUDA); "
               "megatron's local attention on CPU has no context-parallel path")

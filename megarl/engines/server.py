@@ -68,6 +68,8 @@ class EngineSettings:
     weight_version: int = 0
     sampling_mask_max_tokens: int = 64  # the largest top_k a request may ask a sampling mask for
     max_total_tokens: int | None = None  # KV-cache capacity in tokens; None lets SGLang size it
+    # the share of the device's free memory for weights and KV cache (--mem-fraction-static); None: SGLang's guess
+    mem_fraction_static: float | None = None
     max_running_requests: int | None = None
     prefix_cache: bool = True  # SGLang's radix cache of computed prefixes; False: --disable-radix-cache
     random_seed: int = 0
@@ -86,6 +88,8 @@ class EngineSettings:
     api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self):
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.sampling_mask_max_tokens < 1:
             raise ValueError(f"sampling_mask_max_tokens must be >= 1, got {self.sampling_mask_max_tokens}")
         if not (Path(self.model_path) / "config.json").is_file():
@@ -148,7 +152,8 @@ class EngineSettings:
         engine's and the trainer's log-probs. Each engine gets its own seed and a log in the run dir."""
         r = cfg.rollout
         return cls(model_path=model_path, dtype=cfg.model.dtype, sampling_mask_max_tokens=max(r.top_k, 1),
-                   max_total_tokens=r.max_total_tokens, prefix_cache=r.prefix_cache, random_seed=cfg.task.seed + index,
+                   max_total_tokens=r.max_total_tokens, mem_fraction_static=r.mem_fraction_static,
+                   prefix_cache=r.prefix_cache, random_seed=cfg.task.seed + index,
                    tp=r.engine_tp, ep=r.engine_ep, dp_attention=r.engine_dp_attention,
                    weight_version=weight_version, log_path=str(Path(cfg.logging.run_dir) / f"engine-{index}.log"),
                    **lora_serving(LoraSettings.from_config(cfg.lora)))
@@ -224,6 +229,8 @@ class SGLangEngine:
                 cmd += ["--lora-backend", "torch_native"]
         if s.max_total_tokens is not None:
             cmd += ["--max-total-tokens", str(s.max_total_tokens)]
+        if s.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(s.mem_fraction_static)]
         if s.max_running_requests is not None:
             cmd += ["--max-running-requests", str(s.max_running_requests)]
         if not s.prefix_cache:

@@ -19,14 +19,17 @@ from megarl.tasks.judge import JudgeGenerate, JudgeReward
 
 def judge_engine_settings(cfg, api_key: str | None = None) -> EngineSettings:
     """The judge engine of the run ``cfg``: ``reward.judge.hf_path`` on ``reward.judge.engine_tp``
-    ranks, in the run's dtype and KV-cache size (``model.dtype``, ``rollout.max_total_tokens``), its
-    log ``judge-engine.log`` in the run directory. Not ``EngineSettings.from_config``: that takes the
-    policy engines' tp/ep, which need not fit the judge's model."""
+    ranks (``engine_ep`` of them expert-parallel), in the run's dtype, KV-cache size and memory share
+    (``model.dtype``, ``rollout.max_total_tokens``, ``rollout.mem_fraction_static``), its log
+    ``judge-engine.log`` in the run directory. Not ``EngineSettings.from_config``: that takes the policy
+    engines' tp/ep, which need not fit the judge's model."""
     judge = cfg.reward.judge
     if not judge.hf_path:
         raise ValueError("reward.judge.hf_path: no judge configured")
     return EngineSettings(model_path=judge.hf_path, dtype=cfg.model.dtype,
-                          max_total_tokens=cfg.rollout.max_total_tokens, random_seed=cfg.task.seed, tp=judge.engine_tp,
+                          max_total_tokens=cfg.rollout.max_total_tokens,
+                          mem_fraction_static=cfg.rollout.mem_fraction_static, random_seed=cfg.task.seed,
+                          tp=judge.engine_tp, ep=judge.engine_ep,
                           log_path=str(Path(cfg.logging.run_dir) / "judge-engine.log"), api_key=api_key)
 
 

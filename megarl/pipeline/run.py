@@ -37,7 +37,7 @@ from megarl.agents.rollout import AgentEpisodes
 from megarl.agents.spec import load_agent
 from megarl.algos.advantages import BatchStats
 from megarl.config.schema import Placement
-from megarl.config.validate import auxiliary_engines
+from megarl.config.validate import AuxiliaryEngine, auxiliary_engines
 from megarl.engines.client import EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.engines.pool import EnginePool
 from megarl.engines.protocol import Engines
@@ -313,12 +313,14 @@ def episode_runner(cfg: DictConfig, target: EnginePool, tokenizer, params: Sampl
                        abort_resubmit=cfg.buffer.partial_rollout == "abort_resubmit")
 
 
-def frozen_engine_settings(cfg: DictConfig, hf_path: str, name: str, index: int, api_key: str) -> EngineSettings:
-    """The engine of a frozen model (on-policy distillation's teacher, a frozen agent role): ``hf_path``
-    served like the policy engines, without the policy's adapters (its weights are never synced), its
-    seed that of engine ``index`` and its log ``<name>.log`` in the run directory."""
-    return dataclasses.replace(EngineSettings.from_config(cfg, hf_path, index, 0), api_key=api_key,
-                               log_path=str(Path(cfg.logging.run_dir) / f"{name}.log"), lora_max_rank=0,
+def frozen_engine_settings(cfg: DictConfig, engine: AuxiliaryEngine, index: int, api_key: str) -> EngineSettings:
+    """The engine of a frozen model (on-policy distillation's teacher, a frozen agent role): ``engine``'s
+    checkpoint on its tp / ep ranks, otherwise served like the policy engines but without the policy's
+    adapters (its weights are never synced), its seed that of engine ``index`` and its log
+    ``<name>.log`` in the run directory."""
+    return dataclasses.replace(EngineSettings.from_config(cfg, engine.hf_path, index, 0), api_key=api_key,
+                               tp=engine.devices, ep=engine.ep, dp_attention=engine.dp_attention,
+                               log_path=str(Path(cfg.logging.run_dir) / f"{engine.name}.log"), lora_max_rank=0,
                                lora_target_modules=())
 
 
@@ -402,7 +404,7 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     gpus = {"policy": own_gpus}
     for i, a in enumerate(auxiliary):
         pooled[a.name] = [judge_engine_settings(cfg, api_key) if a.name == "judge" else
-                          frozen_engine_settings(cfg, a.hf_path, a.name, r.num_engines + i, api_key)]
+                          frozen_engine_settings(cfg, a, r.num_engines + i, api_key)]
         gpus[a.name] = a.devices if torch.cuda.is_available() else 0
     # Disaggregated engines load while the trainer ranks build and load their checkpoint (on a cluster
     # both take minutes); colocated ones start after, as they size their memory by what the trainer left.

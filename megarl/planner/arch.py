@@ -17,7 +17,7 @@ from megarl.models.hf_config import hf_config_if_present
 FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
 
 # Family facts that config.json does not spell out.
-_QK_LAYERNORM_DEFAULT = {"qwen3_moe": True, "glm4_moe": False, "deepseek_v3": False}
+_QK_LAYERNORM_DEFAULT = {"qwen3_moe": True, "glm4_moe": False, "deepseek_v3": False, "qwen3": True}  # qwen3: dense
 _ROUTER_EXPERT_BIAS = {"qwen3_moe": False, "glm4_moe": True, "deepseek_v3": True}
 # A recipe value still at its schema default is overridden by the checkpoint's, when there is one.
 _SCHEMA_DEFAULTS = ArchConfig()
@@ -76,14 +76,37 @@ def resolve_arch(cfg: DictConfig) -> Arch:
     Raises :class:`ConfigError` naming ``model.arch.<key>`` when a number is in neither.
     """
     hf = hf_config_if_present(cfg.model.hf_path)
-    if hf is not None and (hf.mlp_only_layers or (hf.decoder_sparse_step or 1) != 1):
-        raise ConfigError(f"model.hf_path: {cfg.model.hf_path} interleaves dense and MoE layers "
-                          "(mlp_only_layers / decoder_sparse_step); the planner knows only first_k_dense_layers")
     given = cfg.model.arch
     family = _MODEL_TYPE_FAMILY.get(hf.model_type if hf else None, given.family)
     if family not in FAMILIES:
         raise ConfigError(f"model.arch.family: {family!r} is not one of {', '.join(FAMILIES)}")
-    values: dict = {"family": family, "router_expert_bias": _ROUTER_EXPERT_BIAS[family]}
+    where = f"{cfg.model.hf_path}/config.json" if hf else f"no checkpoint at {cfg.model.hf_path}"
+    return _resolve(given, hf, family, "model.arch", "model.hf_path", where)
+
+
+def served_arch(hf_path: str, key: str) -> Arch | None:
+    """The architecture of the model an auxiliary engine serves (a teacher, a judge, a frozen agent
+    role: :func:`megarl.config.validate.auxiliary_engines`), read from ``hf_path/config.json``; None
+    when the checkpoint is not here. Unlike the policy it may be dense (no routed experts: every layer
+    a dense MLP) and of any family. ``key`` (e.g. ``teacher.hf_path``) names the errors."""
+    hf = hf_config_if_present(hf_path)
+    if hf is None:
+        return None
+    given = dict(ArchConfig().__dict__)
+    if not hf.num_experts:  # dense: the planner's MoE numbers describe it with no routed experts
+        given.update(num_experts=0, moe_topk=0, moe_ffn_hidden_size=0, first_k_dense_layers=hf.num_layers)
+    family = _MODEL_TYPE_FAMILY.get(hf.model_type, hf.model_type or "unknown")
+    return _resolve(given, hf, family, key, key, hf.path)
+
+
+def _resolve(given, hf, family: str, key: str, path_key: str, where: str) -> Arch:
+    """``given`` (``model.arch`` or its schema defaults) with each value that is ``None`` or at its
+    schema default taken from ``hf`` (a checkpoint's numbers, or None); errors name ``<key>.<number>``,
+    or ``path_key`` for a checkpoint the planner cannot describe; ``where`` says where numbers were sought."""
+    if hf is not None and (hf.mlp_only_layers or (hf.decoder_sparse_step or 1) != 1):
+        raise ConfigError(f"{path_key}: {hf.path} interleaves dense and MoE layers (mlp_only_layers / "
+                          "decoder_sparse_step); the planner knows only first_k_dense_layers")
+    values: dict = {"family": family, "router_expert_bias": _ROUTER_EXPERT_BIAS.get(family, False)}
     for f in fields(Arch):
         if f.name in values:
             continue
@@ -93,7 +116,7 @@ def resolve_arch(cfg: DictConfig) -> Arch:
             value = from_ckpt if from_ckpt is not None else value
         values[f.name] = value
     if values["qk_layernorm"] is None:
-        values["qk_layernorm"] = _QK_LAYERNORM_DEFAULT[family]
+        values["qk_layernorm"] = _QK_LAYERNORM_DEFAULT.get(family, False)
     if values["attention_bias"] is None:
         values["attention_bias"] = False
     if values["head_dim"] is None and values["hidden_size"] and values["num_attention_heads"]:
@@ -104,20 +127,20 @@ def resolve_arch(cfg: DictConfig) -> Arch:
         values["ffn_hidden_size"] = 0  # no dense MLP layer: the size is never used
     missing = [k for k, v in values.items() if v is None]
     if missing:
-        where = f"{cfg.model.hf_path}/config.json" if hf else f"no checkpoint at {cfg.model.hf_path}"
-        raise ConfigError(f"model.arch.{missing[0]}: not set in the recipe and not found ({where})")
+        raise ConfigError(f"{key}.{missing[0]}: not set in the recipe and not found ({where})")
     arch = Arch(**values)
-    _check(arch)
+    _check(arch, key)
     return arch
 
 
-def _check(arch: Arch) -> None:
-    if arch.num_experts < 1 or not 1 <= arch.moe_topk <= arch.num_experts:
+def _check(arch: Arch, key: str) -> None:
+    dense = arch.num_experts == 0 and arch.first_k_dense_layers == arch.num_layers
+    if not dense and (arch.num_experts < 1 or not 1 <= arch.moe_topk <= arch.num_experts):
         raise ConfigError(
-            f"model.arch.moe_topk: need 1 <= moe_topk <= num_experts, got {arch.moe_topk} of {arch.num_experts}"
+            f"{key}.moe_topk: need 1 <= moe_topk <= num_experts, got {arch.moe_topk} of {arch.num_experts}"
         )
     if not 0 <= arch.first_k_dense_layers <= arch.num_layers:
-        raise ConfigError(f"model.arch.first_k_dense_layers: {arch.first_k_dense_layers} is not in [0, num_layers]")
+        raise ConfigError(f"{key}.first_k_dense_layers: {arch.first_k_dense_layers} is not in [0, num_layers]")
     if arch.mla and not (arch.qk_nope_head_dim and arch.qk_rope_head_dim and arch.v_head_dim):
-        raise ConfigError("model.arch.qk_nope_head_dim: latent attention (kv_lora_rank > 0) "
+        raise ConfigError(f"{key}.qk_nope_head_dim: latent attention (kv_lora_rank > 0) "
                           "needs qk_nope/qk_rope/v head dims")

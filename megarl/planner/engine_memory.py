@@ -20,12 +20,11 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from megarl.config.validate import AuxiliaryEngine
 from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraSettings
 from megarl.planner.arch import Arch
 from megarl.planner.params import attention_params, embedding_params, head_params, mlp_params
 from megarl.planner.units import GIB, dtype_bytes
-
-# SGLang's --max-loras-per-batch default (sglang.srt.arg_groups.fields.lora); megarl's engines do not set it.
 
 
 @dataclass(frozen=True)
@@ -73,21 +72,29 @@ def engine_weight_params(arch: Arch, tp: int, attention_tp: int) -> float:
     return arch.num_layers * attn_per_gpu + mlp + vocab + arch.hidden_size
 
 
-def engine_memory(arch: Arch, cfg: DictConfig) -> EngineMemory:
+def engine_memory(arch: Arch, cfg: DictConfig, engine: AuxiliaryEngine | None = None) -> EngineMemory:
+    """One GPU of a policy engine (``rollout.engine_tp`` / ``engine_ep`` / ``engine_dp_attention``, the
+    LoRA buffers of an adapter sync, ``rollout.kv_cache_gb`` if set), or of the auxiliary ``engine``
+    serving ``arch`` (its own ranks, no adapters, the KV cache what its weights leave). Either's pool is
+    ``rollout.mem_fraction_static`` of ``trainer.gpu_memory_gb`` and must hold one sequence of
+    ``rollout.max_prompt_tokens + max_new_tokens`` per attention replica (what a teacher scores; a
+    judge's template and answer come on top)."""
     r = cfg.rollout
     size = dtype_bytes(cfg.model.dtype)
-    attention_tp = 1 if r.engine_dp_attention else r.engine_tp
-    weights = round(size * engine_weight_params(arch, r.engine_tp, attention_tp))
+    tp, ep, dp_attention = (r.engine_tp, r.engine_ep, r.engine_dp_attention) if engine is None else \
+        (engine.devices, engine.ep, engine.dp_attention)
+    attention_tp = 1 if dp_attention else tp
+    weights = round(size * engine_weight_params(arch, tp, attention_tp))
     pool = round(r.mem_fraction_static * cfg.trainer.gpu_memory_gb * GIB)
-    lora = LoraSettings.from_config(cfg.lora)
+    lora = LoraSettings.from_config(cfg.lora) if engine is None else None
     slots = ENGINE_ADAPTER_SLOTS if lora is not None and lora.sync == "adapter" else 0
-    lora_buffers = slots * size * engine_adapter_params(arch, lora, r.engine_tp, r.engine_ep, attention_tp) \
-        if slots else 0
-    kv_cache = round(r.kv_cache_gb * GIB) if r.kv_cache_gb is not None else max(0, pool - weights - lora_buffers)
+    lora_buffers = slots * size * engine_adapter_params(arch, lora, tp, ep, attention_tp) if slots else 0
+    kv_cache = round(r.kv_cache_gb * GIB) if r.kv_cache_gb is not None and engine is None else \
+        max(0, pool - weights - lora_buffers)
     per_token = kv_bytes_per_token(arch, attention_tp, size)
-    replicas = r.engine_tp if r.engine_dp_attention else 1
+    replicas = tp if dp_attention else 1
     return EngineMemory(
-        gpus_per_engine=r.engine_tp, attention_tp=attention_tp, weights=weights, pool=pool,
+        gpus_per_engine=tp, attention_tp=attention_tp, weights=weights, pool=pool,
         kv_cache=kv_cache, kv_bytes_per_token=per_token,
         kv_tokens_per_replica=kv_cache // per_token, kv_tokens_per_engine=(kv_cache // per_token) * replicas,
         max_sequence_tokens=r.max_prompt_tokens + r.max_new_tokens, lora_buffers=lora_buffers, lora_slots=slots,

@@ -2,13 +2,13 @@
 and the limits it breaks (each as one line naming the limit and by how much)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from omegaconf import DictConfig
 
 from megarl.config.schema import Placement
-from megarl.config.validate import auxiliary_engines
-from megarl.planner.arch import Arch, resolve_arch
+from megarl.config.validate import AuxiliaryEngine, auxiliary_engines
+from megarl.planner.arch import Arch, resolve_arch, served_arch
 from megarl.planner.engine_memory import EngineMemory, engine_memory
 from megarl.planner.lora import LoraPlan, lora_plan
 from megarl.planner.params import ParamCounts, count_params
@@ -16,6 +16,27 @@ from megarl.planner.placement import PlacementPlan, place
 from megarl.planner.trainer_memory import StageMemory, trainer_memory
 from megarl.planner.units import GIB, gib
 from megarl.planner.weight_sync import WeightSyncPlan, weight_sync_plan
+
+
+@dataclass(frozen=True)
+class AuxiliaryPlan:
+    """One auxiliary engine (teacher, judge, frozen agent role): where it is set, what it serves, and one
+    of its GPUs' memory; ``memory`` is None when its checkpoint is not here to read (``why``)."""
+
+    name: str
+    key: str  # its config entry: teacher, reward.judge, task.role_engines[i]
+    hf_path: str
+    devices: int
+    memory: EngineMemory | None
+    why: str | None = None
+
+
+def auxiliary_plan(engine: AuxiliaryEngine, cfg: DictConfig) -> AuxiliaryPlan:
+    arch = served_arch(engine.hf_path, f"{engine.key}.hf_path")
+    if arch is None:
+        return AuxiliaryPlan(engine.name, engine.key, engine.hf_path, engine.devices, None,
+                             f"not planned: no config.json at {engine.hf_path}")
+    return AuxiliaryPlan(engine.name, engine.key, engine.hf_path, engine.devices, engine_memory(arch, cfg, engine))
 
 
 @dataclass(frozen=True)
@@ -30,6 +51,7 @@ class LayoutPlan:
     total_gpus: int  # the policy's engines share the trainer's GPUs when colocated; auxiliary engines have their own
     placement: PlacementPlan  # the node and device of every rank, the weight-sync groups
     lora: LoraPlan | None = None  # the LoRA adapters (lora.enabled)
+    auxiliary: list[AuxiliaryPlan] = field(default_factory=list)  # the teacher's, judge's, frozen roles' engines
 
     @property
     def peak_stage(self) -> StageMemory:
@@ -52,12 +74,13 @@ def plan_layout(cfg: DictConfig) -> LayoutPlan:
     engine_gpus = r.num_engines * r.engine_tp
     colocated = Placement(cfg.placement) == Placement.colocated
     lora = lora_plan(arch, cfg)
+    auxiliary = auxiliary_engines(cfg)
     return LayoutPlan(
         arch=arch, params=count_params(arch), trainer=trainer_memory(arch, cfg), engine=engine_memory(arch, cfg),
         sync=weight_sync_plan(arch, cfg, lora), trainer_gpus=cfg.parallel.world_size, engine_gpus=engine_gpus,
         total_gpus=(max(cfg.parallel.world_size, engine_gpus) if colocated else cfg.parallel.world_size + engine_gpus)
-        + sum(engine.devices for engine in auxiliary_engines(cfg)),
-        placement=place(cfg), lora=lora,
+        + sum(engine.devices for engine in auxiliary),
+        placement=place(cfg), lora=lora, auxiliary=[auxiliary_plan(engine, cfg) for engine in auxiliary],
     )
 
 
@@ -71,29 +94,37 @@ def broken_limits(plan: LayoutPlan, cfg: DictConfig) -> list[str]:
             f"trainer.gpu_memory_gb: a trainer GPU of pipeline stage {peak.stage} needs {gib(peak.total):.1f} GB, "
             f"over the {limit:g} GB limit by {gib(peak.total) - limit:.1f} GB"
         )
-    e, r = plan.engine, cfg.rollout
-    held = e.weights + e.lora_buffers
-    with_lora = f" + LoRA buffers {gib(e.lora_buffers):.1f} GB" if e.lora_buffers else ""
-    if held > e.pool:
-        out.append(
-            f"rollout.mem_fraction_static: engine weights take {gib(e.weights):.1f} GB{with_lora} per GPU, over "
-            f"SGLang's static pool of {r.mem_fraction_static:g} x {limit:g} GB = {gib(e.pool):.1f} GB "
-            f"by {gib(held - e.pool):.1f} GB"
-        )
-    elif held + e.kv_cache > e.pool:
-        out.append(
-            f"rollout.kv_cache_gb: weights {gib(e.weights):.1f} GB{with_lora} + KV cache {gib(e.kv_cache):.1f} GB "
-            f"per GPU exceed the static pool of {gib(e.pool):.1f} GB by {gib(held + e.kv_cache - e.pool):.1f} GB"
-        )
-    elif e.kv_tokens_per_replica < e.max_sequence_tokens:
-        out.append(
-            f"rollout.max_new_tokens: the KV cache holds {e.kv_tokens_per_replica} tokens per attention replica, "
-            f"short of one sequence of max_prompt_tokens + max_new_tokens = {e.max_sequence_tokens} "
-            f"by {e.max_sequence_tokens - e.kv_tokens_per_replica} tokens"
-        )
+    out += _engine_limits(plan.engine, cfg, "engine", None)
+    for a in plan.auxiliary:
+        if a.memory is not None:
+            out += _engine_limits(a.memory, cfg, f"{a.name} engine", a.key)
     # Layouts that cannot be placed (engine_ep, engine_tp, more ranks than devices) are refused
     # when the config loads: megarl.config.validate.PlacementError.
     return out
+
+
+def _engine_limits(e: EngineMemory, cfg: DictConfig, what: str, key: str | None) -> list[str]:
+    """The limit one GPU ``e`` of ``what`` (``engine``, ``teacher engine``) breaks, if any: its weights
+    (and LoRA buffers) over SGLang's static pool, weights and a set KV cache over the pool, or a KV
+    cache short of one sequence. A policy engine's lines name the rollout key; an auxiliary engine's
+    (``key``: its config entry) name ``<key>.engine_tp``, its ranks."""
+    r, limit = cfg.rollout, cfg.trainer.gpu_memory_gb
+    held = e.weights + e.lora_buffers
+    with_lora = f" + LoRA buffers {gib(e.lora_buffers):.1f} GB" if e.lora_buffers else ""
+    ranks = f" on {e.gpus_per_engine} ranks" if key else ""
+    if held > e.pool:
+        return [f"{f'{key}.engine_tp' if key else 'rollout.mem_fraction_static'}: {what} weights take "
+                f"{gib(e.weights):.1f} GB{with_lora} per GPU{ranks}, over SGLang's static pool of "
+                f"{r.mem_fraction_static:g} x {limit:g} GB = {gib(e.pool):.1f} GB by {gib(held - e.pool):.1f} GB"]
+    if held + e.kv_cache > e.pool:  # a policy engine with rollout.kv_cache_gb set
+        return [f"rollout.kv_cache_gb: weights {gib(e.weights):.1f} GB{with_lora} + KV cache {gib(e.kv_cache):.1f} GB "
+                f"per GPU exceed the static pool of {gib(e.pool):.1f} GB by {gib(held + e.kv_cache - e.pool):.1f} GB"]
+    if e.kv_tokens_per_replica < e.max_sequence_tokens:
+        return [f"{f'{key}.engine_tp' if key else 'rollout.max_new_tokens'}: the {what} KV cache holds "
+                f"{e.kv_tokens_per_replica} tokens per attention replica{ranks}, short of one sequence of "
+                f"max_prompt_tokens + max_new_tokens = {e.max_sequence_tokens} by "
+                f"{e.max_sequence_tokens - e.kv_tokens_per_replica} tokens"]
+    return []
 
 
 def gib_dict(stage: StageMemory) -> dict[str, float]:

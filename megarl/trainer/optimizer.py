@@ -23,6 +23,7 @@ class OptimizerSettings:
     clip_grad: float
     use_distributed_optimizer: bool
     dtype: str  # float32 | bfloat16 | float16
+    cpu_offload: bool = False  # fp32 master weights, Adam moments and the Adam step in host memory
 
     @classmethod
     def from_config(cls, cfg, lr: float | None = None, updates_per_step: int = 1) -> OptimizerSettings:
@@ -34,7 +35,20 @@ class OptimizerSettings:
                    lr_decay_steps=max(cfg.steps * updates_per_step, 1), lr_decay_style=t.lr_decay_style,
                    weight_decay=t.weight_decay,
                    adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
-                   use_distributed_optimizer=t.use_distributed_optimizer, dtype=cfg.model.dtype)
+                   use_distributed_optimizer=t.use_distributed_optimizer, dtype=cfg.model.dtype,
+                   cpu_offload=t.optimizer_cpu_offload)
+
+
+def cpu_offload_options(offload: bool) -> dict:
+    """megatron-core's OptimizerConfig fields that put the whole optimizer in host memory: its
+    HybridDeviceOptimizer with every parameter on the host (``optimizer_offload_fraction=1``), reached
+    through the precision-aware distributed optimizer's code path (which it reuses, as Megatron-LM's
+    ``--optimizer-cpu-offload`` requires); host copies pinned when there is a GPU to copy from."""
+    if not offload:
+        return {}
+    pinned = torch.cuda.is_available()
+    return {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 1.0, "use_precision_aware_optimizer": True,
+            "pin_cpu_grads": pinned, "pin_cpu_params": pinned}
 
 
 def build_optimizer(chunks: list, settings: OptimizerSettings):
@@ -50,6 +64,7 @@ def build_optimizer(chunks: list, settings: OptimizerSettings):
         clip_grad=settings.clip_grad, use_distributed_optimizer=settings.use_distributed_optimizer,
         bf16=settings.dtype == "bfloat16", fp16=settings.dtype == "float16",
         params_dtype={"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[settings.dtype],
+        **cpu_offload_options(settings.cpu_offload),
     )
     with cuda_tensor_type_scope():
         optimizer = get_megatron_optimizer(config, chunks)
