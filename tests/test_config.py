@@ -372,3 +372,48 @@ def test_optimizer_offload_reaches_megatron_cores_optimizer():
     assert config.optimizer_cpu_offload and config.optimizer_offload_fraction == 1.0
     assert config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
     assert cpu_offload_options(False) == {}
+
+
+# Read by the planner alone, by design: the machines (cluster, device memory, links) and the model's
+# extremes (the longest prompt, a KV-cache size) a layout is checked against.
+PLANNER_INPUTS = {"cluster.gpus_per_node", "cluster.num_nodes", "trainer.gpu_memory_gb", "trainer.reserved_memory_gb",
+                  "rollout.kv_cache_gb", "rollout.max_prompt_tokens", "sync.link_gbps"}
+
+
+def _schema_keys(cls=None, prefix=""):
+    """Every leaf key of the config schema, dotted (``rollout.mem_fraction_static``)."""
+    import dataclasses
+
+    from megarl.config.schema import MegarlConfig
+
+    for f in dataclasses.fields(cls or MegarlConfig):
+        kind = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(kind):
+            yield from _schema_keys(type(kind), f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}"
+
+
+def test_every_config_key_is_read_by_the_run_or_is_a_planner_input():
+    """A key nothing but the config's checks and the planner reads is a setting users change for nothing
+    (rollout.mem_fraction_static and trainer.optimizer_cpu_offload were): each key's name is read (an
+    attribute, or a string for item access) somewhere in megarl/ outside config/, planner/ and plan.py, or
+    interpolated into another key's default (``${run_name}``), unless it is one of the planner's inputs."""
+    import ast
+    import re
+
+    read = set()
+    for path in (ROOT / "megarl").rglob("*.py"):
+        parts = path.relative_to(ROOT / "megarl").parts
+        if parts[0] in ("config", "planner") or parts == ("plan.py",):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute):
+                read.add(node.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                read.add(node.value)
+    keys = set(_schema_keys())
+    assert PLANNER_INPUTS <= keys
+    interpolated = set(re.findall(r"\$\{([\w.]+)\}", (ROOT / "megarl" / "config" / "schema.py").read_text()))
+    unread = sorted(k for k in keys - PLANNER_INPUTS - interpolated if k.rsplit(".", 1)[-1] not in read)
+    assert not unread, f"config keys the run never reads: {unread}"
