@@ -5,8 +5,10 @@ node reaches) and one interface, ``eth0``, a veth pair whose other end is a port
 root namespace; the nodes have the addresses ``<subnet>.2``, ``<subnet>.3``, ... of a private /24
 and no other route (nothing outside the bridge is reachable from a node; the root namespace gets no
 address on the bridge). Processes run in a node through ``ip netns exec``; they share the file
-system, the process table and /dev/shm with everything else, as the nodes of a cluster with a
-shared file system would.
+system and the process table with everything else, as the nodes of a cluster with a shared file
+system would, but not /dev/shm: each node's is a directory of its own (``/dev/shm/<namespace>``,
+bind-mounted on /dev/shm in every process started in the node), as each machine has its own shared
+memory (SGLang, for one, decides which ranks share a node by opening a shared-memory segment).
 
 Names carry the owning process's pid (``mrl<pid><seq>n<i>`` for namespaces, ``...b`` for the
 bridge, ``...v<i>`` for the root-side veth ends), so :func:`clean_stale` can remove what a crashed
@@ -28,6 +30,7 @@ from pathlib import Path
 PREFIX = "mrl"
 SUBNET = "10.213.0"  # private /24 of the fake nodes: node i is SUBNET.(i + 2)
 IFACE = "eth0"  # the node's side of its veth pair
+SHM_ROOT = "/dev/shm"  # node <namespace>'s /dev/shm is SHM_ROOT/<namespace>
 _NAME = re.compile(rf"^{PREFIX}(\d+)([a-z])(?:[nbv]\d*)$")
 _sequence = itertools.count()
 
@@ -95,13 +98,19 @@ def kill_namespace_processes(namespace: str, grace_s: float = 5.0) -> list[int]:
     return pids
 
 
-def _remove(namespaces: list[str], links: list[str]) -> None:
+def _shm_dirs() -> list[str]:
+    return [p.name for p in Path(SHM_ROOT).iterdir() if _NAME.match(p.name) and p.is_dir()]
+
+
+def _remove(namespaces: list[str], links: list[str], shm: list[str] = ()) -> None:
     for ns in namespaces:
         kill_namespace_processes(ns)
     for link in links:
         _ip("link", "del", link, check=False)  # a veth takes its peer along
     for ns in namespaces:
         _ip("netns", "del", ns, check=False)
+    for name in {*namespaces, *shm}:
+        shutil.rmtree(Path(SHM_ROOT) / name, ignore_errors=True)
 
 
 def clean_stale() -> list[str]:
@@ -110,8 +119,9 @@ def clean_stale() -> list[str]:
     stale_links = [n for n in _links() if (m := _NAME.match(n)) and not _alive(int(m.group(1)))]
     # veth ends first, the bridges last
     stale_links.sort(key=lambda n: n.endswith("b"))
-    _remove(stale_ns, stale_links)
-    return stale_ns + stale_links
+    stale_shm = [n for n in _shm_dirs() if not _alive(int(_NAME.match(n).group(1))) and n not in stale_ns]
+    _remove(stale_ns, stale_links, stale_shm)
+    return stale_ns + stale_links + stale_shm
 
 
 @dataclass
@@ -124,9 +134,16 @@ class Node:
     iface: str = IFACE
     processes: list[subprocess.Popen] = field(default_factory=list, repr=False)
 
+    @property
+    def shm(self) -> str:
+        """The directory that is this node's /dev/shm."""
+        return f"{SHM_ROOT}/{self.namespace}"
+
     def command(self, argv: list[str]) -> list[str]:
-        """``argv`` run inside this node."""
-        return ["ip", "netns", "exec", self.namespace, *argv]
+        """``argv`` run inside this node (``ip netns exec`` gives it a mount namespace of its own, where
+        the node's /dev/shm is mounted)."""
+        return ["ip", "netns", "exec", self.namespace, "sh", "-c", 'mount --bind "$0" /dev/shm && exec "$@"',
+                self.shm, *argv]
 
     def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
         """Start ``argv`` in this node (in a session of its own); it is killed at teardown."""
@@ -173,6 +190,7 @@ class FakeNodes:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("link", "set", self.bridge, "up")
             for node, veth in zip(self.nodes, self._veths):
+                os.makedirs(node.shm)
                 _ip("netns", "add", node.namespace)
                 _ip("-n", node.namespace, "link", "set", "lo", "up")
                 _ip("link", "add", veth, "type", "veth", "peer", "name", node.iface, "netns", node.namespace)
@@ -200,12 +218,14 @@ class FakeNodes:
                     pass
             node.processes.clear()
         existing = set(_namespaces())
-        _remove([n.namespace for n in self.nodes if n.namespace in existing], [*self._veths, self.bridge])
+        _remove([n.namespace for n in self.nodes if n.namespace in existing], [*self._veths, self.bridge],
+                [n.namespace for n in self.nodes])
 
     def leftovers(self) -> list[str]:
-        """What of this cluster still exists (namespaces, links); [] after :meth:`down`."""
+        """What of this cluster still exists (namespaces, links, shared-memory directories); [] after
+        :meth:`down`."""
         names = {n.namespace for n in self.nodes} | {self.bridge, *self._veths}
-        return sorted(names & (set(_namespaces()) | set(_links())))
+        return sorted(names & (set(_namespaces()) | set(_links()) | set(_shm_dirs())))
 
     def __enter__(self) -> FakeNodes:
         return self.up()

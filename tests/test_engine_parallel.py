@@ -53,11 +53,14 @@ def test_command_passes_the_parallelism(tiny_checkpoint):
     with pytest.raises(ValueError, match="dp_attention does not run on SGLang's CPU path"):
         SGLangEngine(settings(tiny_checkpoint, tp=2, dp_attention=True, device="cpu"))
 
+    with pytest.raises(ValueError, match="nnodes=2 needs dist_init_addr"):  # the engine's node 0 sets it
+        SGLangEngine(settings(tiny_checkpoint, tp=2, nnodes=2, device="cpu"))
     multi = SGLangEngine(settings(tiny_checkpoint, tp=2, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:25000",
                                   device="cpu"))
     flags = flag_values(multi.command())
     assert (flags["--nnodes"], flags["--node-rank"], flags["--dist-init-addr"]) == ("2", "1", "10.0.0.1:25000")
     assert multi.environment()[sglang_cpu.RANKS_PER_NODE_ENV] == "1"  # 2 TP ranks over 2 nodes
+    assert multi.environment()[sglang_cpu.RANKS_ENV] == "2"  # SGLang counts both against the NUMA nodes
     # no CUDA crash diagnostics on CPU (they hold a stopped server up to 65 s)
     assert multi.environment()["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
     assert multi.environment()["CUDA_VISIBLE_DEVICES"] == ""  # a CPU engine never sees a GPU
@@ -77,10 +80,12 @@ def test_from_config_reads_the_engine_parallelism(tiny_checkpoint, tmp_path):
     from types import SimpleNamespace as NS
 
     cfg = NS(rollout=NS(top_k=20, max_total_tokens=512, engine_tp=2, engine_ep=2, engine_dp_attention=True,
-                        prefix_cache=False, mem_fraction_static=0.7),
+                        prefix_cache=False, mem_fraction_static=0.7), cluster=NS(gpus_per_node=8),
              model=NS(dtype="float32"), task=NS(seed=3), logging=NS(run_dir=str(tmp_path)), lora=NS(enabled=False))
     s = EngineSettings.from_config(cfg, tiny_checkpoint, index=1, weight_version=0)
-    assert (s.tp, s.ep, s.dp_attention, s.random_seed, s.prefix_cache) == (2, 2, True, 4, False)
+    assert (s.tp, s.ep, s.dp_attention, s.random_seed, s.prefix_cache, s.nnodes) == (2, 2, True, 4, False, 1)
+    cfg.cluster.gpus_per_node = 1  # an engine of 2 ranks on nodes of one device: two nodes
+    assert EngineSettings.from_config(cfg, tiny_checkpoint, index=1, weight_version=0).nnodes == 2
     assert flag_values(SGLangEngine(replace(s, device="cuda")).command())["--mem-fraction-static"] == "0.7"
     assert (s.lora_max_rank, s.lora_target_modules) == (0, ())
     lora = EngineSettings.from_config(load_config(["recipe=tiny_moe_lora_cpu"]), tiny_checkpoint, 0, weight_version=0)
@@ -94,7 +99,6 @@ def test_from_config_reads_the_engine_parallelism(tiny_checkpoint, tmp_path):
     ({"tp": 3, "ep": 3}, "must divide the model's 8 experts"),
     ({"dp_attention": True}, "dp_attention needs tp > 1"),
     ({"tp": 8}, "must divide the 4 attention heads"),
-    ({"tp": 2, "nnodes": 2}, "needs dist_init_addr"),
     ({"tp": 3, "ep": 1, "nnodes": 2, "dist_init_addr": "h:1"}, "do not split evenly"),
     ({"tp": 2, "nnodes": 2, "node_rank": 2, "dist_init_addr": "h:1"}, "node_rank < nnodes"),
     ({"tp": 2, "nnodes": 2, "dist_init_addr": "h"}, "must be host:port"),

@@ -1,11 +1,12 @@
 """Multi-node megarl on fake nodes (tests/netns.py: network namespaces on one bridge, each with its
-own loopback): the nodes are isolated as real machines are, an engine refuses every call that lacks
-the run's API key, and one RL run spans three nodes: node 0 holds the Ray head, the driver and a
-trainer rank, node 1 the other trainer rank (DP2; which of the two is rank 0 is Ray's choice),
-node 2 the SGLang engine with TP2 (both its ranks there); the weights travel through the
-distributed (gloo) transport, from the sender on one node to the two engine ranks on another.
-Placement: Ray custom resources ``megarl_trainer`` on nodes 0 and 1 and ``megarl_engine`` on
-node 2 (megarl/parallel/network.py, "Placement").
+own loopback and shared memory): the nodes are isolated as real machines are, an engine refuses
+every call that lacks the run's API key, an engine spans two nodes (SGLang ``--nnodes``) and
+restarts whole, and one RL run spans three nodes: node 0 holds the Ray head, the driver and a
+trainer rank, node 1 the other trainer rank (DP2; which of the two is rank 0 is Ray's choice), and
+the SGLang engine with TP2 spans nodes 1 and 2 (``cluster.gpus_per_node=1``: one rank a node);
+the weights travel through the distributed (gloo) transport, from the sender on one node to the
+engine's ranks on two. Placement: Ray custom resources ``megarl_trainer`` on nodes 0 and 1 and
+``megarl_engine`` on nodes 1 and 2 (megarl/parallel/network.py, "Placement").
 
 On one network stack a rank meeting at 127.0.0.1 or an engine bound to it would still work; here
 the other nodes cannot reach a node's loopback, so each of those regressions fails the run."""
@@ -105,6 +106,10 @@ def test_fake_nodes_have_their_own_loopback(fake_nodes):
     assert from_a["192.0.2.1:9"] in ("OSError", "ConnectionRefusedError", "TimeoutError")
     assert from_b == {f"127.0.0.1:{port}": "127.0.0.1", f"{b.address}:{port}": b.address}
     assert [n.address for n in fake_nodes] == ["10.213.0.2", "10.213.0.3", "10.213.0.4"]
+    # and each its own shared memory: a segment made in node B is not in node A's /dev/shm, nor in the host's
+    made = b.run(["sh", "-c", "echo b > /dev/shm/mrl_probe && cat /dev/shm/mrl_probe"], capture_output=True, text=True)
+    seen = a.run(["sh", "-c", "cat /dev/shm/mrl_probe"], capture_output=True, text=True)
+    assert made.stdout.strip() == "b" and seen.returncode != 0 and not Path("/dev/shm/mrl_probe").exists()
 
 
 CRASH = r"""
@@ -125,7 +130,7 @@ def test_stale_nodes_of_a_crashed_run_are_removed(fake_nodes):
     assert set(left) <= set(netns._namespaces()) | set(netns._links())
     removed = netns.clean_stale()
     assert set(left) <= set(removed)
-    assert not set(left) & (set(netns._namespaces()) | set(netns._links()))
+    assert not set(left) & (set(netns._namespaces()) | set(netns._links()) | set(netns._shm_dirs()))
     ours = {*(n.namespace for n in fake_nodes), fake_nodes.bridge, *fake_nodes._veths}
     assert set(fake_nodes.leftovers()) == ours and not ours & set(removed)  # a live run's nodes stay
 
@@ -345,7 +350,7 @@ def test_engine_refuses_calls_without_the_key(fake_nodes, tiny_checkpoint, sharp
 # --- one RL run over three nodes -------------------------------------------------------------------
 
 RAY_PORT = 6379
-ROLES = {0: {"megarl_trainer": 1}, 1: {"megarl_trainer": 1}, 2: {"megarl_engine": 1}}
+ROLES = {0: {"megarl_trainer": 1}, 1: {"megarl_trainer": 1, "megarl_engine": 1}, 2: {"megarl_engine": 1}}
 PLACEMENT = re.compile(r"placement: trainer ranks on nodes (\[.*?\]), engines on nodes (\[.*?\]) at (\[.*?\])")
 
 # Runs from node 1 for the whole run: once the engine answers, one call without the key, then the
@@ -393,13 +398,18 @@ def processes_in(node: netns.Node, marker: str) -> list[tuple[int, str]]:
 @pytest.fixture
 def ray_cluster(fake_nodes, tmp_path):
     """A Ray cluster over the fake nodes: the head on node 0, a worker on nodes 1 and 2, each with
-    one CPU and its role's custom resource. Yields the head's address and Ray's temp dir.
+    two CPUs and its roles' custom resources (``ROLES``). Yields the head's address and Ray's temp dir."""
+    yield from start_ray_cluster(fake_nodes, tmp_path, ROLES)
+
+
+def start_ray_cluster(fake_nodes, tmp_path, roles: dict[int, dict]):
+    """The Ray cluster of :func:`ray_cluster`, node ``i`` offering the custom resources ``roles[i]``.
 
     The nodes join one after the other: they share the file system, and two raylets starting at
     once in the one session directory can pick the same socket name (bind: address in use)."""
     temp_dir = f"/tmp/mrl_mn_{os.getpid()}"  # short: Ray's socket paths must stay under 107 bytes
     head = f"{fake_nodes[0].address}:{RAY_PORT}"
-    common = ["--num-cpus=1", "--object-store-memory=100000000", "--disable-usage-stats", "--block"]
+    common = ["--num-cpus=2", "--object-store-memory=100000000", "--disable-usage-stats", "--block"]
     starts = []
     logs = [tmp_path / f"ray-node{node.index}.log" for node in fake_nodes]
     try:
@@ -407,7 +417,7 @@ def ray_cluster(fake_nodes, tmp_path):
             where = (["--head", f"--port={RAY_PORT}", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
                      if node.index == 0 else [f"--address={head}"])
             argv = [RAY, "start", *where, f"--node-ip-address={node.address}",
-                    f"--resources={json.dumps(ROLES[node.index])}", *common]
+                    f"--resources={json.dumps(roles[node.index])}", *common]
             with open(logs[node.index], "w") as log:
                 starts.append(node.popen(argv, env=node_env(RAY_raylet_start_wait_time_s="120"), stdout=log,
                                          stderr=subprocess.STDOUT))
@@ -436,7 +446,8 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tmp_path):
     run = tmp_path / "run"
     out_path = tmp_path / "driver.log"
     args = ["recipe=tiny_moe_cpu", "mode=sync", "steps=3", "placement=disaggregated", "parallel.world_size=2",
-            "sync.transport=distributed", "sync.timeout_s=180", "rollout.engine_tp=2", "rollout.prompts_per_step=4",
+            "sync.transport=distributed", "sync.timeout_s=180", "rollout.engine_tp=2", "cluster.gpus_per_node=1",
+            "rollout.prompts_per_step=4",
             "rollout.samples_per_prompt=4", "warmup.steps=2", "warmup.batch_size=8", f"logging.run_dir={run}",
             f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'warm'}"]
     started = time.monotonic()
@@ -454,10 +465,11 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tmp_path):
             time.sleep(0.5)
         return None
 
-    # The engine's server process, as soon as it appears in node 2 (it must not appear elsewhere):
-    # its address, port and key, from its command line; the probe from node 1 starts at once.
-    server = until(lambda: processes_in(n2, "megarl.engines.sglang_main"))
-    assert server, f"no engine started in node 2 (exit {driver.poll()}):\n{out_path.read_text()[-6000:]}"
+    # The engine's node 0 server process (in node 1 or 2: Ray places the engine's nodes), as soon as it
+    # appears: its address, port and key, from its command line; the probe from node 1 starts at once.
+    server = until(lambda: [s for node in (n1, n2) for s in processes_in(node, "megarl.engines.sglang_main")
+                            if "--node-rank 0 " in s[1]])
+    assert server, f"no engine started in nodes 1-2 (exit {driver.poll()}):\n{out_path.read_text()[-6000:]}"
     argv = server[0][1].split()
     flags = dict(zip(argv, argv[1:])) | dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
     key = flags.get("--api-key")
@@ -471,7 +483,8 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tmp_path):
     # While the run goes on: who runs where, seen from the process table.
     ranks = {node.index: processes_in(node, "TrainerRank") for node in fake_nodes}
     servers = {node.index: processes_in(node, "megarl.engines.sglang_main") for node in fake_nodes}
-    schedulers = sorted(cmd.split()[0] for _, cmd in processes_in(n2, "sglang::scheduler"))
+    schedulers = {node.index: [cmd.split()[0] for _, cmd in processes_in(node, "sglang::scheduler")]
+                  for node in fake_nodes}
 
     try:
         driver.wait(max(1.0, deadline - time.monotonic()))
@@ -484,12 +497,17 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tmp_path):
     print(f"\n[measured] 3-node RL run (warm-up + 3 steps): {time.monotonic() - started:.0f} s; {placement.group(0)}")
     assert driver.returncode == 0, output[-8000:]
 
-    # Placement: one trainer rank on each of nodes 0 and 1, the engine on node 2, serving at node 2's address.
+    # Placement: one trainer rank on each of nodes 0 and 1; the engine on nodes 1 and 2, one TP rank and one
+    # server on each, serving HTTP at its node 0's address.
     assert sorted(rank_nodes) == [n0.address, n1.address], rank_nodes
-    assert engine_nodes == [n2.address] and urls[0].startswith(f"http://{n2.address}:"), (engine_nodes, urls)
+    leader = n1 if flags["--host"] == n1.address else n2
+    assert engine_nodes == [leader.address] and urls[0].startswith(f"http://{leader.address}:"), (engine_nodes, urls)
     assert len(ranks[0]) >= 1 and len(ranks[1]) >= 1 and not ranks[2], ranks
-    assert servers[2] and not servers[0] and not servers[1], servers
-    assert schedulers == ["sglang::scheduler_TP0", "sglang::scheduler_TP1"], schedulers  # the engine runs TP2
+    # (a server's children share its command line until they name themselves: count node ranks, not processes)
+    node_ranks = {i: {cmd.split("--node-rank ")[1].split()[0] for _, cmd in found} for i, found in servers.items()}
+    assert node_ranks == {0: set(), leader.index: {"0"}, 3 - leader.index: {"1"}}, servers
+    assert schedulers[leader.index] == ["sglang::scheduler_TP0"], schedulers  # the engine runs TP2 over two nodes
+    assert schedulers[3 - leader.index] == ["sglang::scheduler_TP1"] and not schedulers[0], schedulers
 
     # The engine, asked from node 1: it refuses a call without the key, and served a synced version.
     assert probe.returncode == 0, probe_err
@@ -510,3 +528,109 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tmp_path):
              if p.is_file() and p.stat().st_size < 50_000_000]
     leaked = [str(p) for p in files if key.encode() in p.read_bytes()]
     assert key not in output and not leaked, f"the engine's API key leaked into {leaked or 'the driver output'}"
+
+
+# --- one engine over two nodes -------------------------------------------------------------------------
+
+# Run in node 0 against the cluster: one engine of TP2 over nodes of one rank each (SGLang --nnodes 2),
+# greedy answers with routing; then node 1's server is killed (from outside) and the same answers come
+# back from the restarted engine. Prints the answers, where the engine serves and its restarts.
+SPANNING_ENGINE = r"""
+import asyncio, json, sys, time
+import ray
+from megarl.engines.client import SamplingParams
+from megarl.engines.pool import EnginePool
+from megarl.engines.server import EngineSettings
+model, key, prompts, log, killed = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4], sys.argv[5]
+GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0)
+ray.init(address="auto")
+
+async def answers(pool):
+    out = await pool.generate_batch(prompts, GREEDY, group_ids=["g"] * len(prompts), return_sampling_mask=False)
+    return [(s.response_ids, [float(x) for x in s.rollout_logprobs], s.routed_experts.tolist()) for s in out]
+
+async def main():
+    settings = EngineSettings(model_path=model, dtype="float32", max_total_tokens=1024, tp=2, nnodes=2, device="cpu",
+                              api_key=key, log_path=log)
+    pool = await EnginePool.launch([settings], num_cpus=0.5)
+    try:
+        first = ray.get(pool.actors[0].info.remote())
+        out = {"url": first.url, "node": first.node, "before": await answers(pool)}
+        print("KILL", flush=True)  # the test kills node 1's server now
+        while not __import__("os").path.exists(killed):
+            time.sleep(0.2)
+        out["after"] = await answers(pool)
+        info = ray.get(pool.actors[0].info.remote())
+        out.update(restarts=info.restarts, incarnation=info.incarnation, resubmitted=pool.resubmitted)
+    finally:
+        await pool.aclose()
+    print("RESULT " + json.dumps(out), flush=True)  # Ray's actor logs may follow
+
+asyncio.run(main())
+"""
+ENGINE_NODES = {0: {}, 1: {"megarl_engine": 1}, 2: {"megarl_engine": 1}}
+
+
+@pytest.fixture
+def engine_nodes_cluster(fake_nodes, tmp_path):
+    """The Ray cluster of :func:`ray_cluster` with engines set aside on nodes 1 and 2."""
+    yield from start_ray_cluster(fake_nodes, tmp_path, ENGINE_NODES)
+
+
+def test_an_engine_spans_two_nodes_and_restarts_whole(fake_nodes, engine_nodes_cluster, tiny_checkpoint, tmp_path):
+    """An engine of two TP ranks on nodes of one rank each: a server on each of nodes 1 and 2 (SGLang
+    --nnodes 2, node 1's rank joining node 0's rendezvous over the bridge), HTTP served by its node 0;
+    greedy tokens, log-probs and routed experts equal HF's. When the other node's server dies the engine
+    restarts on both nodes and answers the same."""
+    import psutil
+    import torch
+    from hf_oracle import load_hf, router_topk, sharpened_checkpoint
+    from transformers import AutoTokenizer
+
+    model = str(sharpened_checkpoint(tiny_checkpoint, tmp_path, 25.0))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    prompts = [tokenizer.encode(p) for p in ("3+4=", "9+9=")]
+    killed, log = tmp_path / "killed", tmp_path / "engine.log"
+    n0 = fake_nodes[0]
+    started = time.monotonic()
+    driver = n0.popen([PYTHON, "-c", SPANNING_ENGINE, model, "k3y", json.dumps(prompts), str(log), str(killed)],
+                      env=node_env(RAY_ADDRESS=engine_nodes_cluster["address"]), cwd=ROOT, stdout=subprocess.PIPE,
+                      stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in driver.stdout:
+            lines.append(line)
+            if line.strip() == "KILL":
+                break
+        assert lines and lines[-1].strip() == "KILL", "".join(lines)[-6000:]
+        servers = {node.index: processes_in(node, "megarl.engines.sglang_main") for node in fake_nodes}
+        node_rank = {i: {cmd.split("--node-rank ")[1].split()[0] for _, cmd in found} for i, found in servers.items()}
+        assert node_rank[0] == set() and sorted(node_rank[1] | node_rank[2]) == ["0", "1"], servers
+        follower = 1 if node_rank[1] == {"1"} else 2
+        pids = {pid for pid, _ in servers[follower]}
+        os.kill(next(pid for pid in pids if psutil.Process(pid).ppid() not in pids), signal.SIGKILL)  # the server
+        killed.write_text("")
+        out, _ = driver.communicate(timeout=600)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    lines.append(out)
+    print(f"\n[measured] an engine over two nodes, start, restart and two batches: {time.monotonic() - started:.0f} s")
+    assert driver.returncode == 0, "".join(lines)[-8000:]
+    result = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[len("RESULT "):])
+    leader = 3 - follower
+    assert node_rank[leader] == {"0"} and result["node"] == fake_nodes[leader].address
+    assert result["url"].startswith(f"http://{fake_nodes[leader].address}:"), result["url"]
+    hf = load_hf(model)
+    for prompt, (tokens, logprobs, experts) in zip(prompts, result["before"]):
+        ids = torch.tensor(prompt + tokens)
+        with torch.no_grad():
+            log_probs = torch.log_softmax(hf(ids[None, :-1]).logits[0].double(), dim=-1)
+        greedy = log_probs[len(prompt) - 1:].argmax(-1).tolist()
+        assert tokens == greedy, (tokens, greedy)
+        expected = log_probs[len(prompt) - 1:].gather(1, ids[len(prompt):, None]).squeeze(1)
+        assert max(abs(a - b) for a, b in zip(logprobs, expected.tolist())) < 1e-4
+        routed = router_topk(hf, ids[:-1]).sort(-1).values.tolist()
+        assert [[sorted(k) for k in t] for t in experts] == routed
+    assert result["restarts"] == 1 and result["incarnation"] == 1, result
+    assert [t for t, _, _ in result["after"]] == [t for t, _, _ in result["before"]]

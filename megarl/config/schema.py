@@ -327,7 +327,9 @@ class ClusterConfig:
     """The machines a layout is placed on (planner: ``python -m megarl.plan`` reports which node and
     device holds each trainer and engine rank, and refuses a layout that cannot be placed)."""
 
-    gpus_per_node: int = 8  # devices per node; trainer ranks, then engines (disaggregated), fill nodes in order
+    # devices per node; trainer ranks, then engines (disaggregated), fill nodes in order; an engine of more
+    # ranks spans engine_tp / gpus_per_node whole nodes (SGLang --nnodes: a server a node, HTTP on the first)
+    gpus_per_node: int = 8
     num_nodes: Optional[int] = None  # nodes available; None = as many as the layout needs
 
 

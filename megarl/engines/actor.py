@@ -14,6 +14,13 @@ checkpoint and version unless :meth:`EngineActor.set_restart_weights` said other
 
 The actor runs threaded (``max_concurrency``): ``ensure_healthy`` may block for a restart while
 ``info`` keeps answering.
+
+An engine wider than a node (``settings.nnodes`` > 1: SGLang's ``--nnodes``) has one server per
+node. The actor is its node 0, which serves HTTP; it starts a follower actor on each other node,
+in the bundles 1.. of the engine's placement group (:func:`engine_nodes`, one bundle a node; its
+owner, the engine pool, removes it), each running the same server with its ``--node-rank`` against node 0's
+``--dist-init-addr`` (an address and port of node 0, fresh at every start). The followers do not
+restart on their own: any node's death is the engine's, and the restart starts every node again.
 """
 from __future__ import annotations
 
@@ -55,7 +62,7 @@ class EngineActor:
     construction works too (the tests of the watchdog logic need no Ray)."""
 
     def __init__(self, settings: EngineSettings, poll_interval_s: float = 0.5, max_restarts: int = 3,
-                 unresponsive_restart_s: float = 60.0):
+                 unresponsive_restart_s: float = 60.0, nodes=None):
         from megarl.log import setup_logging
 
         setup_logging()
@@ -78,6 +85,11 @@ class EngineActor:
         self._failed: str | None = None
         self._stopping = threading.Event()
         self._watchdog: threading.Thread | None = None
+        self._leads = settings.nnodes > 1 and settings.node_rank == 0  # node 0 of an engine over several nodes
+        if self._leads and nodes is None:
+            raise ValueError(f"an engine on nnodes={settings.nnodes} needs its placement group (engine_nodes)")
+        self._nodes = nodes  # the placement group of an engine over several nodes: bundle r holds node r
+        self._followers: list = []  # the follower actors of nodes 1.. while the engine runs
 
     @property
     def url(self) -> str:
@@ -94,20 +106,81 @@ class EngineActor:
         return self.info()
 
     def _spawn(self, settings: EngineSettings) -> None:
+        if self._leads:  # node 0's rendezvous for the other nodes' ranks, fresh at every start
+            settings = dataclasses.replace(settings, dist_init_addr=f"{settings.host}:{free_port(settings.host)}")
         engine = SGLangEngine(settings)
         self._starting = engine
         try:
             if self._stopping.is_set():  # stop() came before this start: it gives up at once
                 engine.cancel_start()
+            followers = self._start_followers(settings) if self._leads else []
             engine.start()
+            self._await_followers(followers)
+        except BaseException:
+            engine.stop()
+            self._stop_followers()
+            raise
         finally:
             self._starting = None
         leader = psutil.Process(engine.pid)
         self._engine, self._processes = engine, [leader, *leader.children(recursive=True)]
         self._incarnation += 1
 
+    def _start_followers(self, settings: EngineSettings) -> list:
+        """The start calls of the follower actors of nodes 1.. (none on one node), one per bundle of
+        the engine's placement group, each serving ``settings`` as its node's rank on a port of its own."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self._followers = []
+        for rank in range(1, settings.nnodes):
+            bundle = dict(self._nodes.bundle_specs[rank])  # the node's GPUs (CUDA_VISIBLE_DEVICES) and role unit
+            gpus, _ = bundle.pop("GPU", 0), bundle.pop("CPU", None)
+            log_path = f"{settings.log_path}.node{rank}" if settings.log_path else None
+            follower = dataclasses.replace(settings, node_rank=rank, host=None, port=None, log_path=log_path)
+            remote = ray.remote(num_cpus=0, num_gpus=gpus, resources=bundle or None, max_concurrency=4)(EngineActor)
+            self._followers.append(remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self._nodes, placement_group_bundle_index=rank)).remote(
+                follower, poll_interval_s=self.poll_interval_s, max_restarts=0))
+        return [f.start.remote() for f in self._followers]
+
+    def _await_followers(self, starts: list) -> None:
+        """Wait for the followers' starts (their node's server healthy); EngineStartError naming the node
+        that failed."""
+        import ray
+
+        for rank, start in enumerate(starts, 1):
+            try:
+                ray.get(start)
+            except Exception as e:
+                raise EngineStartError(f"node {rank} of the engine at {self.url} did not start: {e}") from e
+
+    def _stop_followers(self) -> None:
+        if not self._followers:
+            return
+        import ray
+
+        followers, self._followers = self._followers, []
+        try:
+            ray.get([f.stop.remote() for f in followers], timeout=60)
+        except Exception as e:  # a follower already gone: its server went with its process group
+            log.warning("stopping the other nodes of the engine at %s: %s", self.url, e)
+        finally:
+            for follower in followers:
+                ray.kill(follower)
+
+    def _followers_alive(self) -> bool:
+        if not self._followers:
+            return True
+        import ray
+
+        try:
+            return all(info.alive for info in ray.get([f.info.remote() for f in self._followers], timeout=30))
+        except Exception:
+            return False
+
     def _alive(self) -> bool:
-        return self._engine is not None and all(_running(p) for p in self._processes)
+        return self._engine is not None and all(_running(p) for p in self._processes) and self._followers_alive()
 
     def _watch(self) -> None:
         while not self._stopping.wait(self.poll_interval_s):
@@ -164,6 +237,7 @@ class EngineActor:
                     self._restarts, self.max_restarts, tail)
         if self._engine is not None:
             self._engine.stop()  # reaps the leader and kills the rest of its process group
+        self._stop_followers()  # every node starts again
         self._engine, self._processes = None, []
         try:
             self._spawn(self._restart_settings)
@@ -202,6 +276,7 @@ class EngineActor:
         with self._lock:
             if self._engine is not None:
                 self._engine.stop()
+            self._stop_followers()
             self._engine, self._processes = None, []
 
 
@@ -212,9 +287,22 @@ def _running(process: psutil.Process) -> bool:
         return False
 
 
+def engine_nodes(settings: EngineSettings, *, num_cpus: float = 0.5, num_gpus: float = 0):
+    """The placement group of an engine over ``settings.nnodes`` > 1 nodes (None on one node): one
+    bundle a node, on distinct nodes (STRICT_SPREAD), each with ``num_cpus``, ``num_gpus / nnodes``
+    GPUs and the engine role's unit (:func:`megarl.parallel.role_resources`). Its owner removes it
+    after the engine's actors (``ray.util.remove_placement_group``)."""
+    if settings.nnodes == 1:
+        return None
+    from ray.util.placement_group import placement_group
+
+    bundle = {"CPU": num_cpus, **role_resources("engine"), **({"GPU": num_gpus / settings.nnodes} if num_gpus else {})}
+    return placement_group([bundle] * settings.nnodes, strategy="STRICT_SPREAD")
+
+
 def launch_engine_actor(settings: EngineSettings, *, num_cpus: float = 0.5, num_gpus: float = 0,
                         poll_interval_s: float = 0.5, max_restarts: int = 3, unresponsive_restart_s: float = 60.0,
-                        **ray_options):
+                        nodes=None, **ray_options):
     """Create an :class:`EngineActor` as a Ray actor (not started yet: call ``start.remote()``).
 
     ``num_cpus`` is the actor's Ray reservation; the server process is not accounted by Ray, so on
@@ -222,12 +310,23 @@ def launch_engine_actor(settings: EngineSettings, *, num_cpus: float = 0.5, num_
     ``CUDA_VISIBLE_DEVICES`` for the actor, which the server inherits. When some node of the
     cluster offers the custom resource ``megarl_engine``, the actor asks for one unit of it
     (:func:`megarl.parallel.role_resources`): engines then run on the nodes set aside for them.
+    An engine over ``settings.nnodes`` > 1 nodes runs in bundle 0 of ``nodes``, its placement group
+    (:func:`engine_nodes`), with that bundle's share of ``num_gpus``, and starts the other nodes'
+    servers in the other bundles (see the module docstring).
     """
     import ray
 
     resources = {**role_resources("engine"), **ray_options.pop("resources", {})}
-    if resources:
+    if settings.nnodes > 1:
+        if nodes is None:
+            raise ValueError(f"an engine on nnodes={settings.nnodes} needs its placement group (engine_nodes)")
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray_options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group=nodes,
+                                                                              placement_group_bundle_index=0)
+        num_gpus = num_gpus / settings.nnodes
+    elif resources:
         ray_options["resources"] = resources
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=4, **ray_options)(EngineActor)
     return remote.remote(settings, poll_interval_s=poll_interval_s, max_restarts=max_restarts,
-                         unresponsive_restart_s=unresponsive_restart_s)
+                         unresponsive_restart_s=unresponsive_restart_s, nodes=nodes)

@@ -111,6 +111,7 @@ class EnginePool:
         self.resubmitted = 0  # prompts resubmitted after an engine died, over the pool's life
         self._paused: PauseMode | None = None
         self._actors: list = []  # Ray actors this pool launched (removed by aclose)
+        self._placements: list = []  # the placement groups of its engines over several nodes (removed by aclose)
         self._open = asyncio.Event()  # cleared while held: requests wait in the pool (see hold())
         self._open.set()
         self._idle = asyncio.Condition()  # notified when a request ends (hold() waits for none in flight)
@@ -138,25 +139,26 @@ class EnginePool:
         cancellation the engines started are stopped before the error propagates."""
         import ray
 
-        from megarl.engines.actor import launch_engine_actor
+        from megarl.engines.actor import engine_nodes, launch_engine_actor
 
+        placements = [engine_nodes(s, num_cpus=num_cpus, num_gpus=num_gpus) for s in settings]
         actors = [launch_engine_actor(s, num_cpus=num_cpus, num_gpus=num_gpus, poll_interval_s=poll_interval_s,
-                                      max_restarts=max_restarts, unresponsive_restart_s=unresponsive_restart_s)
-                  for s in settings]
+                                      max_restarts=max_restarts, unresponsive_restart_s=unresponsive_restart_s,
+                                      nodes=nodes)
+                  for s, nodes in zip(settings, placements)]
         try:
             infos = await asyncio.gather(*(a.start.remote() for a in actors))
         except BaseException:
             try:
                 ray.get([a.stop.remote() for a in actors])  # blocking: a cancelled task must not leave servers behind
             finally:
-                for actor in actors:
-                    ray.kill(actor)
+                _remove(actors, placements)
             raise
         # info.url: where the engine's node serves it (its node address on a multi-node cluster)
         clients = [SGLangClient(info.url, ServedModel.from_hf_config(s.model_path), request_timeout_s,
                                 api_key=s.api_key) for info, s in zip(infos, settings)]
         pool = cls(clients, [RayEngineSupervisor(a) for a in actors], **pool_kwargs)
-        pool._actors = actors
+        pool._actors, pool._placements = actors, [p for p in placements if p is not None]
         for engine, info in zip(pool._engines, infos):
             engine.incarnation = info.incarnation
         log.info("engine pool: %d engines at %s (nodes %s)", len(actors), [i.url for i in infos],
@@ -171,7 +173,6 @@ class EnginePool:
     async def aclose(self) -> None:
         """Close the clients, stop the engines this pool launched and remove their actors (a Ray the
         caller keeps connected gets its resources back). Closing again does nothing more."""
-        import ray
 
         for engine in self._engines:
             await engine.client.aclose()
@@ -179,9 +180,8 @@ class EnginePool:
             try:
                 await asyncio.gather(*(a.stop.remote() for a in self._actors))
             finally:
-                for actor in self._actors:
-                    ray.kill(actor)
-                self._actors = []
+                _remove(self._actors, self._placements)
+                self._actors, self._placements = [], []
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -363,6 +363,19 @@ class EnginePool:
     async def weight_version(self) -> int:
         """The oldest weight version any engine serves (all equal outside a weight sync)."""
         return min(await self.weight_versions())
+
+
+def _remove(actors: list, placements: list) -> None:
+    """Kill ``actors``, then remove ``placements`` (None entries skipped): the placement groups of
+    engines over several nodes, whose removal would otherwise kill their actors mid-stop."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    for actor in actors:
+        ray.kill(actor)
+    for placement in placements:
+        if placement is not None:
+            remove_placement_group(placement)
 
 
 class PoolSubset:

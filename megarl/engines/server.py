@@ -123,8 +123,6 @@ class EngineSettings:
                              f"node_rank={self.node_rank}")
         if self.tp % self.nnodes:
             raise ValueError(f"tp={self.tp} ranks do not split evenly over nnodes={self.nnodes}")
-        if self.nnodes > 1 and not self.dist_init_addr:
-            raise ValueError(f"an engine on nnodes={self.nnodes} needs dist_init_addr (host:port of node 0)")
         if self.dist_init_addr is not None:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit():
@@ -155,8 +153,16 @@ class EngineSettings:
                    max_total_tokens=r.max_total_tokens, mem_fraction_static=r.mem_fraction_static,
                    prefix_cache=r.prefix_cache, random_seed=cfg.task.seed + index,
                    tp=r.engine_tp, ep=r.engine_ep, dp_attention=r.engine_dp_attention,
+                   nnodes=nodes_of(r.engine_tp, cfg.cluster.gpus_per_node),
                    weight_version=weight_version, log_path=str(Path(cfg.logging.run_dir) / f"engine-{index}.log"),
                    **lora_serving(LoraSettings.from_config(cfg.lora)))
+
+
+def nodes_of(tp: int, gpus_per_node: int) -> int:
+    """The nodes an engine of ``tp`` ranks spans: 1 when it fits in a node of ``gpus_per_node`` devices,
+    else ``tp / gpus_per_node`` (whole nodes; the config refuses a ``tp`` neither dividing nor divided
+    by ``gpus_per_node``)."""
+    return max(1, tp // gpus_per_node)
 
 
 def lora_serving(lora: LoraSettings | None) -> dict:
@@ -175,6 +181,9 @@ class SGLangEngine:
         self.settings = settings
         self.model = ServedModel.from_hf_config(settings.model_path)
         self.device = settings.device or ("cpu" if sglang_cpu.needed() else "cuda")
+        if settings.nnodes > 1 and not settings.dist_init_addr:
+            raise ValueError(f"an engine on nnodes={settings.nnodes} needs dist_init_addr (host:port of node 0; "
+                             "EngineActor sets it when it starts the engine's nodes)")
         if settings.dp_attention and self.device == "cpu":
             # SGLang 0.5.23 pads DP-attention batches through an attention-backend method that its
             # CPU (torch_native) backend lacks: AttributeError 'get_cpu_graph_seq_len_fill_value'.
@@ -260,11 +269,17 @@ class SGLangEngine:
             inductor_cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"
             env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
             env["TMPDIR"] = self._scratch
+        if self.settings.nnodes > 1:
+            # The engine's nodes meet on the address it serves at (its node's, from Ray): SGLang otherwise
+            # guesses one from the interfaces (the ranks' broadcast queue binds there), which on a node
+            # of several interfaces, or none with a default route, need not be one the others reach.
+            env.setdefault("SGLANG_HOST_IP", self.settings.host)
         if self.device == "cpu":
             # A CPU engine on a machine with GPUs: SGLang's processes must not see them, or they take
             # their CUDA paths and megarl's CPU layer stays off (it acts only where no GPU is usable).
             env["CUDA_VISIBLE_DEVICES"] = ""
             env[sglang_cpu.RANKS_PER_NODE_ENV] = str(self.settings.ranks_per_node)
+            env[sglang_cpu.RANKS_ENV] = str(self.settings.tp)
             # A server whose scheduler ends (a crash, or stop()'s SIGTERM) otherwise sleeps 5 s, tries
             # py-spy and a CUDA core dump of the schedulers still alive and waits up to 60 s for the dump
             # before it exits: CUDA diagnostics that do not exist on CPU. Its own errors come first.
@@ -289,7 +304,8 @@ class SGLangEngine:
         log.info("SGLang server pid %d starting at %s (log %s)", self._process.pid, self.url, self.log_path)
         try:
             self._wait_healthy(t0 + self.settings.startup_timeout_s)
-            self._freeze_gc()
+            if self.settings.node_rank == 0:  # another node of the engine serves only /health (SGLang's stand-in)
+                self._freeze_gc()
             _record_segments(self._process.pid, Path(self._scratch))
         except BaseException:
             self.stop()

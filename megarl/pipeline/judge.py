@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 
 from megarl.engines.client import SamplingParams
 from megarl.engines.protocol import Engines
-from megarl.engines.server import EngineSettings
+from megarl.engines.server import EngineSettings, nodes_of
 from megarl.tasks.judge import JudgeGenerate, JudgeReward
 
 
@@ -30,6 +30,7 @@ def judge_engine_settings(cfg, api_key: str | None = None) -> EngineSettings:
                           max_total_tokens=cfg.rollout.max_total_tokens,
                           mem_fraction_static=cfg.rollout.mem_fraction_static, random_seed=cfg.task.seed,
                           tp=judge.engine_tp, ep=judge.engine_ep,
+                          nnodes=nodes_of(judge.engine_tp, cfg.cluster.gpus_per_node),
                           log_path=str(Path(cfg.logging.run_dir) / "judge-engine.log"), api_key=api_key)
 
 

@@ -41,7 +41,7 @@ from megarl.config.validate import AuxiliaryEngine, auxiliary_engines
 from megarl.engines.client import EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.engines.pool import EnginePool
 from megarl.engines.protocol import Engines
-from megarl.engines.server import EngineSettings
+from megarl.engines.server import EngineSettings, nodes_of
 from megarl.metrics.gpu import GpuStats
 from megarl.metrics.sink import MetricsFile
 from megarl.models.lora import LoraSettings
@@ -320,6 +320,7 @@ def frozen_engine_settings(cfg: DictConfig, engine: AuxiliaryEngine, index: int,
     ``<name>.log`` in the run directory."""
     return dataclasses.replace(EngineSettings.from_config(cfg, engine.hf_path, index, 0), api_key=api_key,
                                tp=engine.devices, ep=engine.ep, dp_attention=engine.dp_attention,
+                               nnodes=nodes_of(engine.devices, cfg.cluster.gpus_per_node),
                                log_path=str(Path(cfg.logging.run_dir) / f"{engine.name}.log"), lora_max_rank=0,
                                lora_target_modules=())
 

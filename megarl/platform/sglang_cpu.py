@@ -20,10 +20,12 @@ tests use to show that each one is needed:
 - ``omp_threads_bind``: ``AssertionError: SGLANG_CPU_OMP_THREADS_BIND is not set, in this case, the
   total number of ranks ...``. SGLang binds each rank of a CPU engine to a NUMA node of its own and
   refuses more ranks than NUMA nodes unless ``SGLANG_CPU_OMP_THREADS_BIND`` names each rank's cores.
-  The engine's owner states the ranks it starts on this node in ``MEGARL_SGLANG_RANKS_PER_NODE``
+  SGLang counts the ranks of the whole engine, over every node it spans (``--nnodes``), and indexes
+  the bind list by a rank's index on its node. The engine's owner states the engine's ranks in
+  ``MEGARL_SGLANG_RANKS`` and those it starts on this node in ``MEGARL_SGLANG_RANKS_PER_NODE``
   (``SGLangEngine`` does); with more ranks than NUMA nodes the process's physical cores are split
-  evenly among them (:func:`omp_threads_bind`), and an explicit ``SGLANG_CPU_OMP_THREADS_BIND`` is
-  left as it is.
+  evenly among this node's ranks (:func:`omp_threads_bind`), and an explicit
+  ``SGLANG_CPU_OMP_THREADS_BIND`` is left as it is.
 - ``tp_group_pynccl``: ``ValueError: Expected a cuda device, but got: cpu`` (from ``pynccl.py``).
   SGLang gives its TP (and attention-TP) groups a PyNccl communicator whenever the platform does not
   say otherwise, and the CPU platform does not; on CPU every group is created without one (gloo only).
@@ -70,6 +72,7 @@ from megarl.platform.workarounds import Workaround, apply_enabled
 
 OFF_ENV = "MEGARL_SGLANG_WORKAROUNDS_OFF"
 RANKS_PER_NODE_ENV = "MEGARL_SGLANG_RANKS_PER_NODE"  # the engine ranks its owner starts on this node
+RANKS_ENV = "MEGARL_SGLANG_RANKS"  # the engine's ranks over all its nodes
 THREADS_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's: each rank's cores, "|"-separated
 
 
@@ -178,9 +181,9 @@ def omp_threads_bind(num_ranks: int, cpus: list[int]) -> str:
 def _bind_each_rank_its_cores() -> None:
     if os.environ.get(THREADS_BIND_ENV):  # the user's, or set by the server before it spawned this process
         return
-    ranks = int(os.environ.get(RANKS_PER_NODE_ENV) or 1)
-    if ranks > numa_node_count():
-        os.environ[THREADS_BIND_ENV] = omp_threads_bind(ranks, physical_cpus())
+    here = int(os.environ.get(RANKS_PER_NODE_ENV) or 1)
+    if int(os.environ.get(RANKS_ENV) or here) > numa_node_count():
+        os.environ[THREADS_BIND_ENV] = omp_threads_bind(here, physical_cpus())
 
 
 def _create_groups_without_pynccl() -> None:
