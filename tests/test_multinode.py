@@ -395,15 +395,11 @@ def processes_in(node: netns.Node, marker: str) -> list[tuple[int, str]]:
     return found
 
 
-@pytest.fixture
-def ray_cluster(fake_nodes, tmp_path):
-    """A Ray cluster over the fake nodes: the head on node 0, a worker on nodes 1 and 2, each with
-    two CPUs and its roles' custom resources (``ROLES``). Yields the head's address and Ray's temp dir."""
-    yield from start_ray_cluster(fake_nodes, tmp_path, ROLES)
-
-
-def start_ray_cluster(fake_nodes, tmp_path, roles: dict[int, dict]):
-    """The Ray cluster of :func:`ray_cluster`, node ``i`` offering the custom resources ``roles[i]``.
+@pytest.fixture(scope="module")
+def ray_cluster(fake_nodes, tmp_path_factory):
+    """A Ray cluster over the fake nodes, shared by the module's runs: the head on node 0, a worker on
+    nodes 1 and 2, each with two CPUs and its roles' custom resources (``ROLES``). Yields the head's
+    address and Ray's temp dir.
 
     The nodes join one after the other: they share the file system, and two raylets starting at
     once in the one session directory can pick the same socket name (bind: address in use)."""
@@ -411,13 +407,14 @@ def start_ray_cluster(fake_nodes, tmp_path, roles: dict[int, dict]):
     head = f"{fake_nodes[0].address}:{RAY_PORT}"
     common = ["--num-cpus=2", "--object-store-memory=100000000", "--disable-usage-stats", "--block"]
     starts = []
-    logs = [tmp_path / f"ray-node{node.index}.log" for node in fake_nodes]
+    log_dir = tmp_path_factory.mktemp("ray_cluster")
+    logs = [log_dir / f"ray-node{node.index}.log" for node in fake_nodes]
     try:
         for node in fake_nodes:
             where = (["--head", f"--port={RAY_PORT}", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
                      if node.index == 0 else [f"--address={head}"])
             argv = [RAY, "start", *where, f"--node-ip-address={node.address}",
-                    f"--resources={json.dumps(roles[node.index])}", *common]
+                    f"--resources={json.dumps(ROLES[node.index])}", *common]
             with open(logs[node.index], "w") as log:
                 starts.append(node.popen(argv, env=node_env(RAY_raylet_start_wait_time_s="120"), stdout=log,
                                          stderr=subprocess.STDOUT))
@@ -568,16 +565,9 @@ async def main():
 
 asyncio.run(main())
 """
-ENGINE_NODES = {0: {}, 1: {"megarl_engine": 1}, 2: {"megarl_engine": 1}}
 
 
-@pytest.fixture
-def engine_nodes_cluster(fake_nodes, tmp_path):
-    """The Ray cluster of :func:`ray_cluster` with engines set aside on nodes 1 and 2."""
-    yield from start_ray_cluster(fake_nodes, tmp_path, ENGINE_NODES)
-
-
-def test_an_engine_spans_two_nodes_and_restarts_whole(fake_nodes, engine_nodes_cluster, tiny_checkpoint, tmp_path):
+def test_an_engine_spans_two_nodes_and_restarts_whole(fake_nodes, ray_cluster, tiny_checkpoint, tmp_path):
     """An engine of two TP ranks on nodes of one rank each: a server on each of nodes 1 and 2 (SGLang
     --nnodes 2, node 1's rank joining node 0's rendezvous over the bridge), HTTP served by its node 0;
     greedy tokens, log-probs and routed experts equal HF's. When the other node's server dies the engine
@@ -594,7 +584,7 @@ def test_an_engine_spans_two_nodes_and_restarts_whole(fake_nodes, engine_nodes_c
     n0 = fake_nodes[0]
     started = time.monotonic()
     driver = n0.popen([PYTHON, "-c", SPANNING_ENGINE, model, "k3y", json.dumps(prompts), str(log), str(killed)],
-                      env=node_env(RAY_ADDRESS=engine_nodes_cluster["address"]), cwd=ROOT, stdout=subprocess.PIPE,
+                      env=node_env(RAY_ADDRESS=ray_cluster["address"]), cwd=ROOT, stdout=subprocess.PIPE,
                       stderr=subprocess.STDOUT, text=True)
     lines = []
     try:
