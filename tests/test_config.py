@@ -50,6 +50,9 @@ BAD_INPUTS = [
     (["rollout.engine_dp_attention=true"], "rollout.engine_tp", "runs one attention replica per rank and needs "
      "engine_tp > 1"),
     (["rollout.mem_fraction_static=1.0"], "rollout.mem_fraction_static", "must be in (0, 1), got 1.0"),
+    (["teacher.engine_tp=2"], "teacher.engine_tp", "sets the ranks of the teacher's engine: set teacher.hf_path too"),
+    ([AGENT, ROLES, "task.role_engines=[{role:verifier,engines:[0],engine_tp:2}]"], "task.role_engines[0].engine_tp",
+     "'verifier' is served by the policy's engines, whose ranks are rollout.engine_tp"),
     (["trainer.optimizer_cpu_offload=true"], "trainer.optimizer_cpu_offload",
      "with model.dtype=float32 there are none"),
     (["trainer.optimizer_cpu_offload=true", "model.dtype=bfloat16", "trainer.use_distributed_optimizer=false"],

@@ -414,6 +414,9 @@ def _check_distillation(cfg: DictConfig) -> None:
               "gives per-token ones")
     if cfg.teacher.timeout_s <= 0:
         _fail("teacher.timeout_s", f"must be > 0, got {cfg.teacher.timeout_s}")
+    for name in ("engine_tp", "engine_ep"):
+        if cfg.teacher[name] is not None and not teacher:
+            _fail(f"teacher.{name}", "sets the ranks of the teacher's engine: set teacher.hf_path too")
 
 
 def _check_reward(reward: DictConfig) -> None:
@@ -461,6 +464,10 @@ def _check_role_engines(task: DictConfig, num_engines: int) -> None:
         if placed.count(entry.role) > 1:
             _fail(f"task.role_engines[{i}].role", f"{entry.role!r} is placed more than once")
         engines = list(entry.engines)
+        for name in ("engine_tp", "engine_ep"):
+            if entry.hf_path is None and entry[name] is not None:
+                _fail(f"task.role_engines[{i}].{name}", f"sets the ranks of a frozen model's engine (with hf_path); "
+                      f"{entry.role!r} is served by the policy's engines, whose ranks are rollout.{name}")
         if entry.hf_path is not None:
             if engines:
                 _fail(f"task.role_engines[{i}]", f"{entry.role!r} is served by the frozen model "
