@@ -32,6 +32,7 @@ class AuxiliaryPlan:
 
 
 def auxiliary_plan(engine: AuxiliaryEngine, cfg: DictConfig) -> AuxiliaryPlan:
+    """``engine``'s plan, its memory from its checkpoint's config.json when that is here."""
     arch = served_arch(engine.hf_path, f"{engine.key}.hf_path")
     if arch is None:
         return AuxiliaryPlan(engine.name, engine.key, engine.hf_path, engine.devices, None,
