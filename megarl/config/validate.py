@@ -70,12 +70,13 @@ def _one_line(text: str) -> str:
 
 
 def checkpoint_arch(hf_path: str) -> dict:
-    """The MoE numbers of an HF checkpoint's config.json ({} when the checkpoint is not present)."""
+    """The MoE numbers of an HF checkpoint's config.json ({} when the checkpoint is not present);
+    ``num_experts`` 0 for a dense model (a config.json naming no experts)."""
     hf = hf_config_if_present(hf_path)
     if hf is None:
         return {}
-    return {"num_layers": hf.num_layers, "num_experts": hf.num_experts, "num_attention_heads": hf.num_attention_heads,
-            "num_query_groups": hf.num_query_groups}
+    return {"num_layers": hf.num_layers, "num_experts": hf.num_experts or 0,
+            "num_attention_heads": hf.num_attention_heads, "num_query_groups": hf.num_query_groups}
 
 
 def validate(cfg: DictConfig) -> None:
@@ -326,10 +327,7 @@ def _check_placement(cfg: DictConfig) -> None:
     _check_engine_split("rollout", r.engine_tp, r.engine_ep, r.engine_dp_attention, _arch_numbers(cfg),
                         c.gpus_per_node)
     for a in _auxiliary_engines_checked(cfg):
-        numbers = checkpoint_arch(a.hf_path)
-        if numbers and numbers["num_experts"] is None:  # a config.json without experts: a dense model
-            numbers["num_experts"] = 0
-        _check_engine_split(a.key, a.devices, a.ep, a.dp_attention, numbers, c.gpus_per_node)
+        _check_engine_split(a.key, a.devices, a.ep, a.dp_attention, checkpoint_arch(a.hf_path), c.gpus_per_node)
     gpn = c.gpus_per_node
     colocated = cfg.placement == "colocated"
     if colocated and r.num_engines * r.engine_tp > p.world_size:

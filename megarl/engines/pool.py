@@ -111,7 +111,7 @@ class EnginePool:
         self.resubmitted = 0  # prompts resubmitted after an engine died, over the pool's life
         self._paused: PauseMode | None = None
         self._actors: list = []  # Ray actors this pool launched (removed by aclose)
-        self._placements: list = []  # the placement groups of its engines over several nodes (removed by aclose)
+        self._placements: list = []  # per launched engine, its placement group when over several nodes, else None
         self._open = asyncio.Event()  # cleared while held: requests wait in the pool (see hold())
         self._open.set()
         self._idle = asyncio.Condition()  # notified when a request ends (hold() waits for none in flight)
@@ -158,7 +158,7 @@ class EnginePool:
         clients = [SGLangClient(info.url, ServedModel.from_hf_config(s.model_path), request_timeout_s,
                                 api_key=s.api_key) for info, s in zip(infos, settings)]
         pool = cls(clients, [RayEngineSupervisor(a) for a in actors], **pool_kwargs)
-        pool._actors, pool._placements = actors, [p for p in placements if p is not None]
+        pool._actors, pool._placements = actors, placements
         for engine, info in zip(pool._engines, infos):
             engine.incarnation = info.incarnation
         log.info("engine pool: %d engines at %s (nodes %s)", len(actors), [i.url for i in infos],

@@ -143,17 +143,22 @@ class EngineSettings:
                              "must divide one another")
 
     @classmethod
-    def from_config(cls, cfg, model_path: str, index: int, weight_version: int) -> EngineSettings:
+    def from_config(cls, cfg, model_path: str, index: int, weight_version: int, *, tp: int | None = None,
+                    ep: int | None = None, dp_attention: bool | None = None) -> EngineSettings:
         """The settings of engine ``index`` of a run (``cfg``: the run's config) serving
-        ``model_path`` at ``weight_version``. The dtype is the trainer's: SGLang's "auto" serves a
-        float32 checkpoint in float16, which alone puts a ~3e-4 mean (1e-3 max) gap between the
-        engine's and the trainer's log-probs. Each engine gets its own seed and a log in the run dir."""
+        ``model_path`` at ``weight_version``, on ``tp`` / ``ep`` ranks with or without ``dp_attention``
+        (default: the policy engines', ``rollout.engine_*``), over as many nodes as ``tp`` needs. The
+        dtype is the trainer's: SGLang's "auto" serves a float32 checkpoint in float16, which alone puts
+        a ~3e-4 mean (1e-3 max) gap between the engine's and the trainer's log-probs. Each engine gets
+        its own seed and a log in the run dir."""
         r = cfg.rollout
+        tp = r.engine_tp if tp is None else tp
         return cls(model_path=model_path, dtype=cfg.model.dtype, sampling_mask_max_tokens=max(r.top_k, 1),
                    max_total_tokens=r.max_total_tokens, mem_fraction_static=r.mem_fraction_static,
-                   prefix_cache=r.prefix_cache, random_seed=cfg.task.seed + index,
-                   tp=r.engine_tp, ep=r.engine_ep, dp_attention=r.engine_dp_attention,
-                   nnodes=nodes_of(r.engine_tp, cfg.cluster.gpus_per_node),
+                   prefix_cache=r.prefix_cache, random_seed=cfg.task.seed + index, tp=tp,
+                   ep=r.engine_ep if ep is None else ep,
+                   dp_attention=r.engine_dp_attention if dp_attention is None else dp_attention,
+                   nnodes=nodes_of(tp, cfg.cluster.gpus_per_node),
                    weight_version=weight_version, log_path=str(Path(cfg.logging.run_dir) / f"engine-{index}.log"),
                    **lora_serving(LoraSettings.from_config(cfg.lora)))
 

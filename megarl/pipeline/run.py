@@ -41,7 +41,7 @@ from megarl.config.validate import AuxiliaryEngine, auxiliary_engines
 from megarl.engines.client import EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.engines.pool import EnginePool
 from megarl.engines.protocol import Engines
-from megarl.engines.server import EngineSettings, nodes_of
+from megarl.engines.server import EngineSettings
 from megarl.metrics.gpu import GpuStats
 from megarl.metrics.sink import MetricsFile
 from megarl.models.lora import LoraSettings
@@ -318,11 +318,10 @@ def frozen_engine_settings(cfg: DictConfig, engine: AuxiliaryEngine, index: int,
     checkpoint on its tp / ep ranks, otherwise served like the policy engines but without the policy's
     adapters (its weights are never synced), its seed that of engine ``index`` and its log
     ``<name>.log`` in the run directory."""
-    return dataclasses.replace(EngineSettings.from_config(cfg, engine.hf_path, index, 0), api_key=api_key,
-                               tp=engine.devices, ep=engine.ep, dp_attention=engine.dp_attention,
-                               nnodes=nodes_of(engine.devices, cfg.cluster.gpus_per_node),
-                               log_path=str(Path(cfg.logging.run_dir) / f"{engine.name}.log"), lora_max_rank=0,
-                               lora_target_modules=())
+    served = EngineSettings.from_config(cfg, engine.hf_path, index, 0, tp=engine.devices, ep=engine.ep,
+                                        dp_attention=engine.dp_attention)
+    return dataclasses.replace(served, api_key=api_key, log_path=str(Path(cfg.logging.run_dir) / f"{engine.name}.log"),
+                               lora_max_rank=0, lora_target_modules=())
 
 
 def _launch(stack: contextlib.AsyncExitStack, settings: list[EngineSettings], num_gpus: float) -> asyncio.Task:
