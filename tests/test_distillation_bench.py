@@ -51,3 +51,14 @@ def test_a_teacher_that_is_not_a_checkpoint_is_refused_at_once(tmp_path):
     assert done.returncode != 0
     assert f"--teacher: {tmp_path / 'missing'} is not an HF checkpoint directory" in done.stderr
     assert not (tmp_path / "work").exists()
+
+
+def test_an_override_for_one_variant_reaches_that_variants_runs_only(tmp_path):
+    done = _bench(tmp_path, "--variants", "grpo,opd", "--variant-set", "opd:algorithm.opd_coef=-1", "--seeds", "0")
+    assert done.returncode != 0  # grpo's run, checked first, is untouched; opd's gets the bad weight
+    assert "the opd (seed 0) run's config: algorithm.opd_coef: must be >= 0, got -1.0" in done.stderr
+    done = _bench(tmp_path, "--variant-set", "grpo_opd:algorithm.opd_coef=1")
+    assert done.returncode != 0
+    assert "--variant-set: 'grpo_opd:algorithm.opd_coef=1' must be VARIANT:KEY=VALUE with VARIANT one of opd,grpo" \
+        in done.stderr
+    assert not (tmp_path / "work").exists()

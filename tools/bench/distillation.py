@@ -43,8 +43,10 @@ Every run's config (warm-up, teacher, each variant and seed) is loaded and valid
 trains: a bad one exits at once, naming the run and the key.
 
 Usage: python tools/bench/distillation.py --json FILE [--teacher PATH] [--steps 40 --window 5 --last 10
-       --variants opd,grpo_opd,grpo --seeds 0,1,2 --eval-every 10 --set key=value ...]
-       (``--set`` overrides apply to the warm-up and the compared runs, not to a teacher made here)
+       --variants opd,grpo_opd,grpo --seeds 0,1,2 --eval-every 10 --set key=value ...
+       --variant-set opd:key=value ...]
+       (``--set`` overrides apply to the warm-up and the compared runs, not to a teacher made here;
+       ``--variant-set`` ones to that variant's runs only, after its own)
 """
 from __future__ import annotations
 
@@ -191,6 +193,8 @@ def main() -> int:
     parser.add_argument("--eval-every", type=int, default=10,
                         help="steps between the checkpoints whose answer probability is computed (0: none)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an override for both runs")
+    parser.add_argument("--variant-set", action="append", default=[], metavar="VARIANT:KEY=VALUE",
+                        help="an override for one variant's runs only (e.g. opd:rollout.samples_per_prompt=1)")
     parser.add_argument("--work-dir", default=None, help="default: a temporary directory")
     args = parser.parse_args()
     if args.eval_every < 0:
@@ -220,6 +224,11 @@ def main() -> int:
     if not set(names) <= known.keys() or {"opd", "grpo"} - set(names):
         raise SystemExit(f"--variants: {args.variants!r} must include opd and grpo, from {', '.join(known)}")
     variants = {name: known[name] for name in names}
+    for item in args.variant_set:
+        name, _, override = item.partition(":")
+        if name not in variants or "=" not in override:
+            raise SystemExit(f"--variant-set: {item!r} must be VARIANT:KEY=VALUE with VARIANT one of {args.variants}")
+        variants[name] = [*variants[name], override]
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
     runs = {(name, seed): [f"recipe={args.recipe}", *common, f"steps={args.steps}", *overrides,
                            *([] if seed is None else [f"task.seed={seed}", f"trainer.seed={1234 + seed}"]),
@@ -239,7 +248,8 @@ def main() -> int:
     at = [int(s) for s in args.at.split(",")]
     at_start = answer_prob(work / "warm", *sampling) if args.eval_every else None
     result = {"recipe": args.recipe, "steps": args.steps, "window": args.window, "teacher": str(teacher),
-              "overrides": args.set, "seeds": seeds, "warmup_s": round(warmup_s, 1), "runs": {}}
+              "overrides": args.set, "variant_overrides": args.variant_set, "seeds": seeds,
+              "warmup_s": round(warmup_s, 1), "runs": {}}
     for seed in seeds:
         for name in variants:
             run_dir = work / (name if seed is None else f"{name}_seed{seed}")
