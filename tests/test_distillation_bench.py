@@ -57,6 +57,10 @@ def test_an_override_for_one_variant_reaches_that_variants_runs_only(tmp_path):
     done = _bench(tmp_path, "--variants", "grpo,opd", "--variant-set", "opd:algorithm.opd_coef=-1", "--seeds", "0")
     assert done.returncode != 0  # grpo's run, checked first, is untouched; opd's gets the bad weight
     assert "the opd (seed 0) run's config: algorithm.opd_coef: must be >= 0, got -1.0" in done.stderr
+    done = _bench(tmp_path, "--variants", "grpo,opd", "--set", "algorithm.opd_baseline=none",
+                  "--variant-set", "opd:algorithm.opd_baseline=median")
+    assert done.returncode != 0  # the variant's override comes after --set's
+    assert "the opd run's config: algorithm.opd_baseline" in done.stderr and "median" in done.stderr
     done = _bench(tmp_path, "--variant-set", "grpo_opd:algorithm.opd_coef=1")
     assert done.returncode != 0
     assert "--variant-set: 'grpo_opd:algorithm.opd_coef=1' must be VARIANT:KEY=VALUE with VARIANT one of opd,grpo" \

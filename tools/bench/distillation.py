@@ -46,7 +46,7 @@ Usage: python tools/bench/distillation.py --json FILE [--teacher PATH] [--steps 
        --variants opd,grpo_opd,grpo --seeds 0,1,2 --eval-every 10 --set key=value ...
        --variant-set opd:key=value ...]
        (``--set`` overrides apply to the warm-up and the compared runs, not to a teacher made here;
-       ``--variant-set`` ones to that variant's runs only, after its own)
+       ``--variant-set`` ones to that variant's runs only, after every other override)
 """
 from __future__ import annotations
 
@@ -224,15 +224,16 @@ def main() -> int:
     if not set(names) <= known.keys() or {"opd", "grpo"} - set(names):
         raise SystemExit(f"--variants: {args.variants!r} must include opd and grpo, from {', '.join(known)}")
     variants = {name: known[name] for name in names}
+    only = {name: [] for name in names}  # --variant-set: last, so they win over --set
     for item in args.variant_set:
         name, _, override = item.partition(":")
         if name not in variants or "=" not in override:
             raise SystemExit(f"--variant-set: {item!r} must be VARIANT:KEY=VALUE with VARIANT one of {args.variants}")
-        variants[name] = [*variants[name], override]
+        only[name].append(override)
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
     runs = {(name, seed): [f"recipe={args.recipe}", *common, f"steps={args.steps}", *overrides,
                            *([] if seed is None else [f"task.seed={seed}", f"trainer.seed={1234 + seed}"]),
-                           *evaluated, *args.set]
+                           *evaluated, *args.set, *only[name]]
             for seed in seeds for name, overrides in variants.items()}
     warmup = [f"recipe={args.recipe}", *common, "mode=warmup", f"logging.run_dir={work / 'warmup'}", *args.set]
     checked = {"warm-up": warmup} | {name + ("" if seed is None else f" (seed {seed})"): overrides
