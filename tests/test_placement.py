@@ -201,7 +201,7 @@ def test_auxiliary_engines_are_served_on_ranks_of_their_own(tmp_path):
     settings = judge_engine_settings(cfg)
     assert (settings.tp, settings.ep, settings.mem_fraction_static) == (2, 2, 0.7)
     # the policy's engines over two nodes of 4 (TP8, which the tiny teacher's 4 heads could not take): the
-    # teacher is served on its own 2 ranks, one node
+    # teacher is served on its own TP4 x EP2, one node
     wide = load_config(own + ["rollout.engine_tp=8", "rollout.num_engines=1"])
     settings = frozen_engine_settings(wide, auxiliary_engines(wide)[0], 1, api_key="k")
     assert (settings.tp, settings.ep, settings.nnodes) == (4, 2, 1)
