@@ -66,3 +66,20 @@ def test_an_override_for_one_variant_reaches_that_variants_runs_only(tmp_path):
     assert "--variant-set: 'grpo_opd:algorithm.opd_coef=1' must be VARIANT:KEY=VALUE with VARIANT one of opd,grpo" \
         in done.stderr
     assert not (tmp_path / "work").exists()
+
+
+def test_a_teacher_made_here_is_the_demo_from_its_own_warm_up(tmp_path):
+    # The recipe's student is a shorter warm-up than the demo's; the teacher made here must be the demo's
+    # RL run (its recipe, its 60-step warm-up in a directory of its own), not RL from the student's warm-up.
+    sys.path.insert(0, str(REPO / "tools" / "bench"))
+    import distillation
+
+    from megarl.config import load_config
+
+    teacher = load_config(distillation.teacher_overrides(300, tmp_path))
+    demo, student = load_config(["recipe=tiny_moe_cpu"]), load_config(["recipe=tiny_moe_opd_cpu"])
+    assert teacher.warmup.steps == demo.warmup.steps > student.warmup.steps
+    assert teacher.warmup.save_hf_path == str(tmp_path / "teacher_warm")
+    assert (teacher.algorithm.advantage, teacher.teacher.hf_path) == (demo.algorithm.advantage, None)
+    assert teacher.steps == 300
+    assert teacher.model.hf_path == str(tmp_path / "base")  # the base the student's warm-up starts from

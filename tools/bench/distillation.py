@@ -2,8 +2,8 @@
 
 Both runs start from one warmed-up checkpoint (made first, kept when ``--work-dir`` has one) and
 train ``--steps`` steps of the recipe (``tiny_moe_opd_cpu``: the demo's task, ``mode=sync``: no stale
-samples; runs still vary, the engine's sampling depends on how requests batch: the step-1 reward of
-three identical runs was 0.10 to 0.12), each as its own ``python -m megarl.train`` process, in turn:
+samples; runs still vary: the engine's sampling depends on how requests batch), each as its own
+``python -m megarl.train`` process, in turn:
 
   opd   the recipe: ``algorithm.advantage=opd`` (sequence advantage 0), the teacher's per-token
         reverse-KL advantages alone (``algorithm.opd_coef``)
@@ -12,9 +12,9 @@ three identical runs was 0.10 to 0.12), each as its own ``python -m megarl.train
         weight ``--combined-coef``
 
 The teacher is ``--teacher`` (an HF checkpoint with the student's tokenizer), or, without it and for
-``tiny_moe_opd_cpu`` only, made here as that recipe's comment says: the demo's RL (``recipe=tiny_moe_cpu``,
-``--teacher-steps`` steps) from the same warm-up, its final trainer checkpoint converted to HF by
-``tools/convert_checkpoint.py``.
+``tiny_moe_opd_cpu`` only, made here as that recipe's comment says: the demo (``recipe=tiny_moe_cpu``, its
+own warm-up, ``--teacher-steps`` RL steps) from the same base, its final trainer checkpoint converted to HF
+by ``tools/convert_checkpoint.py``.
 From each run's ``metrics.jsonl``:
 
   reward_curve      mean reward per ``--window`` steps
@@ -152,9 +152,11 @@ def train(overrides: list[str]) -> float:
     return run([sys.executable, "-m", "megarl.train", *overrides])
 
 
-def teacher_overrides(common: list[str], steps: int, work: Path) -> list[str]:
-    """The teacher's RL run: the demo's recipe from the shared warm-up, ``steps`` steps."""
-    return [*common, "recipe=tiny_moe_cpu", f"steps={steps}", f"logging.run_dir={work / 'teacher_rl'}"]
+def teacher_overrides(steps: int, work: Path) -> list[str]:
+    """The teacher's RL run: the demo (its recipe and its own warm-up, ``work/teacher_warm``, made by the
+    run), ``steps`` steps, from the shared base."""
+    return [f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={work / 'teacher_warm'}", "trainer.resume=false",
+            "recipe=tiny_moe_cpu", f"steps={steps}", f"logging.run_dir={work / 'teacher_rl'}"]
 
 
 def make_teacher(work: Path, overrides: list[str]) -> None:
@@ -162,7 +164,7 @@ def make_teacher(work: Path, overrides: list[str]) -> None:
     checkpoint converted to HF."""
     train(overrides)
     run([sys.executable, "tools/convert_checkpoint.py", "to-hf", "--megatron", str(work / "teacher_rl" / "checkpoints"),
-         "--hf", str(work / "warm"), "--out", str(work / "teacher")])
+         "--hf", str(work / "teacher_warm"), "--out", str(work / "teacher")])
 
 
 def check_configs(runs: dict[str, list[str]]) -> None:
@@ -239,7 +241,7 @@ def main() -> int:
     checked = {"warm-up": warmup} | {name + ("" if seed is None else f" (seed {seed})"): overrides
                                      for (name, seed), overrides in runs.items()}
     if not args.teacher:  # the teacher's run is checked and then run with these very overrides
-        checked["teacher"] = teacher_overrides(common, args.teacher_steps, work)
+        checked["teacher"] = teacher_overrides(args.teacher_steps, work)
     check_configs(checked)
     warmup_s = 0.0
     if not (work / "warm" / "config.json").is_file():  # a work dir given again keeps its warm-up
