@@ -480,8 +480,15 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tmp_path):
     # While the run goes on: who runs where, seen from the process table.
     ranks = {node.index: processes_in(node, "TrainerRank") for node in fake_nodes}
     servers = {node.index: processes_in(node, "megarl.engines.sglang_main") for node in fake_nodes}
-    schedulers = {node.index: [cmd.split()[0] for _, cmd in processes_in(node, "sglang::scheduler")]
-                  for node in fake_nodes}
+
+    def named_schedulers():
+        """{node: the scheduler titles there} once both TP ranks have named themselves (a moment after
+        they start), else None."""
+        found = {node.index: [cmd.split()[0] for _, cmd in processes_in(node, "sglang::scheduler")]
+                 for node in fake_nodes}
+        return found if sum(map(len, found.values())) >= 2 else None
+
+    schedulers = until(named_schedulers) or {node.index: [] for node in fake_nodes}
 
     try:
         driver.wait(max(1.0, deadline - time.monotonic()))
