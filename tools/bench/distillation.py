@@ -152,11 +152,16 @@ def train(overrides: list[str]) -> float:
     return run([sys.executable, "-m", "megarl.train", *overrides])
 
 
+def shared_overrides(work: Path, warm: Path) -> list[str]:
+    """Every run's: the base checkpoint in ``work``, the warm-up checkpoint at ``warm``, no resume."""
+    return [f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={warm}", "trainer.resume=false"]
+
+
 def teacher_overrides(steps: int, work: Path) -> list[str]:
     """The teacher's RL run: the demo (its recipe and its own warm-up, ``work/teacher_warm``, made by the
     run), ``steps`` steps, from the shared base."""
-    return [f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={work / 'teacher_warm'}", "trainer.resume=false",
-            "recipe=tiny_moe_cpu", f"steps={steps}", f"logging.run_dir={work / 'teacher_rl'}"]
+    return [*shared_overrides(work, work / "teacher_warm"), "recipe=tiny_moe_cpu", f"steps={steps}",
+            f"logging.run_dir={work / 'teacher_rl'}"]
 
 
 def make_teacher(work: Path, overrides: list[str]) -> None:
@@ -203,7 +208,7 @@ def main() -> int:
         parser.error(f"--eval-every: must be >= 0, got {args.eval_every}")
 
     work = work_directory(args.work_dir, "megarl-distillation-")
-    common = [f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={work / 'warm'}", "trainer.resume=false"]
+    common = shared_overrides(work, work / "warm")
     from megarl.config import load_config
 
     cfg = load_config([f"recipe={args.recipe}", *common, *args.set])
