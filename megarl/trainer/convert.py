@@ -44,6 +44,7 @@ import torch
 
 from megarl.models.lora import LoraSettings, is_adapter_key
 from megarl.parallel import Layout
+from megarl.trainer.device import collective_device, model_device
 
 log = logging.getLogger(__name__)
 
@@ -400,23 +401,25 @@ def _prompt_ids(hf_path: str, prompts: list[str]) -> list[torch.Tensor]:
 
 
 def _megatron_logits(chunks, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[S, vocab_size] logits of one sequence, on every rank (computed by the last pipeline stage)."""
+    """[S, vocab_size] float32 host logits of one sequence (``ids`` int64 [S] on the host), on every rank
+    (computed by the last pipeline stage)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     tp = ps.get_tensor_model_parallel_world_size()
     length = len(ids)
-    tokens = torch.nn.functional.pad(ids, (0, -length % tp))[None]  # sequence parallel splits S by tp
+    device = model_device(chunks)
+    tokens = torch.nn.functional.pad(ids, (0, -length % tp))[None].to(device)  # sequence parallel splits S by tp
     kept = []
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        output = model(batch, torch.arange(batch.shape[1])[None], None)
+        output = model(batch, torch.arange(batch.shape[1], device=device)[None], None)
 
         def keep(logits):
             kept.append(gather_from_tensor_model_parallel_region(logits)[0, :length, :vocab_size].float())
-            return logits.sum() * 0, torch.tensor(1), {}
+            return logits.sum() * 0, torch.tensor(1, device=device), {}
         return output, keep
 
     data = [iter([tokens]) for _ in chunks] if len(chunks) > 1 else iter([tokens])  # one per virtual stage
@@ -426,9 +429,9 @@ def _megatron_logits(chunks, ids: torch.Tensor, vocab_size: int) -> torch.Tensor
             seq_length=tokens.shape[1], micro_batch_size=1, forward_only=True)
     source = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
               and ps.get_data_parallel_rank() == 0)
-    logits = kept[0] if source else torch.zeros(length, vocab_size)
+    logits = (kept[0] if source else torch.zeros(length, vocab_size, device=device)).to(collective_device())
     torch.distributed.all_reduce(logits)  # exactly one rank contributes
-    return logits
+    return logits.cpu()
 
 
 def _verify_model(model, hf_path: str, dtype: str, prompts: list[str], tolerance: float | None) -> VerifyReport | None:

@@ -31,12 +31,13 @@ class CsrMask:
 
 
 def csr_rows(mask: CsrMask, rows: torch.Tensor) -> CsrMask:
-    """The rows ``rows`` (int64 [M], any order) of ``mask`` as a mask of M rows, in that order."""
+    """The rows ``rows`` (int64 [M], any order, on ``mask``'s device) of ``mask`` as a mask of M rows, in
+    that order."""
     counts = (mask.offsets[1:] - mask.offsets[:-1]).long()[rows]
-    offsets = torch.zeros(len(rows) + 1, dtype=torch.long)
+    offsets = torch.zeros(len(rows) + 1, dtype=torch.long, device=counts.device)
     torch.cumsum(counts, 0, out=offsets[1:])
     starts = mask.offsets[:-1].long()[rows]
-    within = torch.arange(int(offsets[-1])) - offsets[:-1].repeat_interleave(counts)
+    within = torch.arange(int(offsets[-1]), device=counts.device) - offsets[:-1].repeat_interleave(counts)
     return CsrMask(mask.ids[starts.repeat_interleave(counts) + within], offsets)
 
 

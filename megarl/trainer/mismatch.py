@@ -48,9 +48,9 @@ def mismatch_sums(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor
     }
 
 
-def empty_mismatch() -> dict[str, torch.Tensor]:
-    """The :func:`mismatch_sums` of no tokens (a padding-only micro-batch)."""
-    return {k: torch.zeros((), dtype=torch.float64) for k in SUMMED + MAXED}
+def empty_mismatch(device: torch.device) -> dict[str, torch.Tensor]:
+    """The :func:`mismatch_sums` of no tokens (a padding-only micro-batch), on ``device``."""
+    return {k: torch.zeros((), dtype=torch.float64, device=device) for k in SUMMED + MAXED}
 
 
 def reduce_mismatch(parts: Sequence[Mapping[str, torch.Tensor]],

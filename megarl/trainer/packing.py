@@ -20,11 +20,14 @@ results back to the ragged layout.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+
+from megarl.trainer.device import to_device
 
 
 @dataclass(frozen=True)
@@ -136,10 +139,22 @@ class ModelInput:
     def shape(self) -> tuple[int, int]:
         return tuple(self.tokens.shape)
 
+    def to(self, device: torch.device) -> ModelInput:
+        """This input on ``device`` (THD boundaries included: transformer-engine reads int32
+        ``cu_seqlens`` on the GPU)."""
+        params = self.packed_seq_params
+        if params is not None:
+            params = dataclasses.replace(params, **{f.name: to_device(getattr(params, f.name), device)
+                                                    for f in dataclasses.fields(params)
+                                                    if isinstance(getattr(params, f.name), torch.Tensor)})
+        return ModelInput(to_device(self.tokens, device), to_device(self.position_ids, device), params,
+                          to_device(self.flat_index, device))
+
     def scatter(self, values: torch.Tensor, fill) -> torch.Tensor:
-        """Ragged ``values`` [n, ...] -> [b, s, ...], ``fill`` (a scalar or a [...] tensor) elsewhere."""
+        """Ragged ``values`` [n, ...] -> [b, s, ...], ``fill`` (a scalar or a [...] tensor) elsewhere,
+        on ``values``' device (which must be this input's)."""
         b, s = self.shape
-        out = torch.empty((b * s, *values.shape[1:]), dtype=values.dtype)
+        out = torch.empty((b * s, *values.shape[1:]), dtype=values.dtype, device=values.device)
         out[:] = fill
         out[self.flat_index] = values
         return out.view(b, s, *values.shape[1:])
@@ -186,11 +201,13 @@ def _thd_params(cu_seqlens: torch.Tensor, max_seqlen: int):
 
 
 def to_grid(values: torch.Tensor, cu_seqlens: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-    """Ragged [n] -> [k, longest] right-padded with ``fill`` (differentiable in ``values``)."""
+    """Ragged [n] -> [k, longest] right-padded with ``fill`` (differentiable in ``values``), on the
+    device of ``values`` and ``cu_seqlens`` (one device)."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     k = len(lengths)
     width = int(lengths.max()) if k else 0
-    rows = torch.repeat_interleave(torch.arange(k), lengths)
-    cols = torch.arange(len(values)) - torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
+    device = values.device
+    rows = torch.repeat_interleave(torch.arange(k, device=device), lengths)
+    cols = torch.arange(len(values), device=device) - torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
     out = values.new_full((k, width), fill)
     return out.index_put((rows, cols), values)

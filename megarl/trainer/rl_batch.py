@@ -7,6 +7,7 @@ micro-batch of them into packed or padded model inputs.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from megarl.sample import RolloutSample
+from megarl.trainer.device import to_device
 from megarl.trainer.logprobs import CsrMask
 
 
@@ -65,6 +67,15 @@ class RLBatch:
                        self.rollout_logprobs[positions], self.staleness[positions], cu, self.advantages[idx],
                        None if self.routed_experts is None else self.routed_experts[positions], mask,
                        None if self.token_advantages is None else self.token_advantages[positions])
+
+    def to(self, device: torch.device) -> RLBatch:
+        """This batch with every tensor on ``device``."""
+        mask = self.sampling_mask
+        if mask is not None:
+            mask = CsrMask(to_device(mask.ids, device), to_device(mask.offsets, device))
+        moved = {f.name: to_device(getattr(self, f.name), device) for f in dataclasses.fields(self)
+                 if f.name != "sampling_mask"}
+        return RLBatch(**moved, sampling_mask=mask)
 
     def position_advantages(self) -> torch.Tensor:
         """The advantage at every position, float32 [N]: the sample's, plus its token advantage."""

@@ -21,6 +21,7 @@ import torch
 
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.config.schema import AlgorithmConfig
+from megarl.trainer.device import collective_device, model_device
 from megarl.trainer.logprobs import csr_rows, vocab_parallel_logprobs
 from megarl.trainer.mismatch import empty_mismatch, mismatch_metrics, mismatch_sums, reduce_mismatch
 from megarl.trainer.packing import MicroBatchPlan, ModelInput, model_input, plan_micro_batches, to_grid
@@ -120,7 +121,7 @@ def _token_logprobs(logits: torch.Tensor, mb: RLBatch, mi: ModelInput, vocab_siz
     vocab_start = parallel_state.get_tensor_model_parallel_rank() * shard
     index = mi.flat_index if rows is None else mi.flat_index[rows]
     picked = logits.reshape(b * s, shard)[index].float() / temperature
-    padded = torch.arange(vocab_start, vocab_start + shard) >= vocab_size
+    padded = torch.arange(vocab_start, vocab_start + shard, device=logits.device) >= vocab_size
     if padded.any():  # megatron's vocabulary padding is not part of the policy
         picked = picked.masked_fill(padded, torch.finfo(torch.float32).min)
     mask = mb.sampling_mask
@@ -148,11 +149,11 @@ class _Replay:
     def before_forward(self, mb: RLBatch, mi: ModelInput) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-        k = mb.routed_experts.shape[-1]
-        routed = mi.scatter(mb.routed_experts.long(), torch.arange(k))  # padding replays 0..k-1 (valid, distinct)
+        k, device = mb.routed_experts.shape[-1], mb.routed_experts.device
+        routed = mi.scatter(mb.routed_experts.long(), torch.arange(k, device=device))  # padding replays 0..k-1
         RouterReplay.set_replay_data([local_replay_indices(routed, n, self.sp) for n in self.layer_numbers])
         if self.agreement is not None:
-            valid = mi.scatter(torch.ones(len(mb.tokens), dtype=torch.long), 0)[:, :, None, None]
+            valid = mi.scatter(torch.ones(len(mb.tokens), dtype=torch.long, device=device), 0)[:, :, None, None]
             self.agreement.set_valid([local_replay_indices(valid, 1, self.sp)[:, 0].bool()] * len(self.routers))
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
@@ -170,24 +171,29 @@ class _Replay:
         RouterReplay.clear_global_indices()
 
 
-def micro_batches(batch: RLBatch, plan, rank: int, pad_id: int) -> list[tuple[RLBatch, ModelInput]]:
-    """DP rank ``rank``'s micro-batches of ``plan``: each its samples and its model input."""
+def micro_batches(batch: RLBatch, plan, rank: int, pad_id: int,
+                  device: torch.device | None = None) -> list[tuple[RLBatch, ModelInput]]:
+    """DP rank ``rank``'s micro-batches of ``plan``: each its samples and its model input, built on the
+    host and moved to ``device`` once (None: left on the host)."""
     out = []
     for indices in plan.per_rank[rank]:
         mb = batch.select(indices)
-        out.append((mb, model_input(mb.cu_seqlens, mb.tokens, pad_id, plan.length, plan.packed)))
+        mi = model_input(mb.cu_seqlens, mb.tokens, pad_id, plan.length, plan.packed)
+        out.append((mb, mi) if device is None else (mb.to(device), mi.to(device)))
     return out
 
 
-def local_micro_batches(batch: RLBatch, max_tokens: int, *, pack: bool, sequence_parallel: bool,
-                        pad_id: int) -> tuple[MicroBatchPlan, int, list[tuple[RLBatch, ModelInput]]]:
-    """The plan of every DP rank for ``batch``, this rank's DP index, and this rank's micro-batches."""
+def local_micro_batches(batch: RLBatch, max_tokens: int, *, pack: bool, sequence_parallel: bool, pad_id: int,
+                        device: torch.device | None = None
+                        ) -> tuple[MicroBatchPlan, int, list[tuple[RLBatch, ModelInput]]]:
+    """The plan of every DP rank for ``batch`` (host tensors), this rank's DP index, and this rank's
+    micro-batches on ``device`` (None: the host)."""
     from megatron.core import parallel_state
 
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     plan = plan_micro_batches(batch.lengths, dp, max_tokens, pack=pack, length_multiple=tp if sequence_parallel else 1)
-    return plan, dp_rank, micro_batches(batch, plan, dp_rank, pad_id)
+    return plan, dp_rank, micro_batches(batch, plan, dp_rank, pad_id, device)
 
 
 def _forward_backward(chunks, micro: list, forward_step, forward_only: bool, length: int):
@@ -246,7 +252,8 @@ def sequence_kl(chunks: list, batch: RLBatch, kl_type: str, reference: Reference
     from megarl.algos.kl import kl_penalty
 
     plan, dp_rank, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
-                                               sequence_parallel=sequence_parallel, pad_id=pad_id)
+                                               sequence_parallel=sequence_parallel, pad_id=pad_id,
+                                               device=model_device(chunks))
     kwargs = dict(vocab_size=vocab_size, temperature=temperature, replay=keep_routing,
                   sequence_parallel=sequence_parallel)
     current = reference_logprobs(chunks, micro, **kwargs)
@@ -322,8 +329,9 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
         check_routing(batch.routed_experts, config.num_layers, config.num_moe_experts)
     if algo.kl_coef != 0.0 and reference is None:
         raise ValueError("algorithm.kl_coef != 0 needs the reference policy (built with the trainer)")
+    device = model_device(chunks)
     plan, _, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
-                                         sequence_parallel=sequence_parallel, pad_id=pad_id)
+                                         sequence_parallel=sequence_parallel, pad_id=pad_id, device=device)
     sum_keys = step_sum_keys(algo)
     refs = [None] * len(micro)
     if reference is not None and algo.kl_coef != 0.0 and not algo.kl_in_reward:
@@ -345,18 +353,19 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
             replayer.after_forward()
         if record:
             k = mb.routed_experts.shape[-1]
-            valid = mi.scatter(torch.ones(len(mb.tokens), dtype=torch.bool), False)
+            valid = mi.scatter(torch.ones(len(mb.tokens), dtype=torch.bool, device=device), False)
             matched, total = routing_agreement(RouterReplay.get_recorded_data(),
-                                               mi.scatter(mb.routed_experts.long(), torch.arange(k)), layer_numbers,
-                                               valid, sequence_parallel)
+                                               mi.scatter(mb.routed_experts.long(), torch.arange(k, device=device)),
+                                               layer_numbers, valid, sequence_parallel)
             agreement[0] += matched
             agreement[1] += total
 
         def loss_func(output):
             if len(mb) == 0:  # a padding-only micro-batch (a DP rank with fewer samples than micro-batches)
                 zero = output.sum() * 0
-                return zero, torch.zeros((), dtype=torch.int), {"sums": torch.zeros(len(sum_keys), dtype=torch.float64),
-                                                                "mismatch": empty_mismatch()}
+                return zero, torch.zeros((), dtype=torch.int, device=device), {
+                    "sums": torch.zeros(len(sum_keys), dtype=torch.float64, device=device),
+                    "mismatch": empty_mismatch(device)}
             flat_lp, flat_ent, outside = _token_logprobs(output, mb, mi, vocab_size, temperature,
                                                         rows=(mb.loss_mask > 0).nonzero().squeeze(1))
             logprobs, entropy = to_grid(flat_lp, mb.cu_seqlens), to_grid(flat_ent, mb.cu_seqlens)
@@ -407,7 +416,7 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
         metrics |= step_metrics(dict(zip(sum_keys, totals.tolist())))
         metrics |= mismatch_metrics(reduce_mismatch([r["mismatch"] for r in reduced], dp_group))
     if record or keep_routing:
-        counts = torch.tensor(agreement)
+        counts = torch.tensor(agreement, device=collective_device())
         torch.distributed.all_reduce(counts)
         metrics["routing/agreement"] = float(counts[0] / counts[1].clamp(min=1))
     return RLStepResult(grad_norm=grad_norm, applied=applied, metrics=metrics)

@@ -1,13 +1,15 @@
 """One supervised training step on Megatron: forward/backward over micro-batches (any PP schedule),
 then the optimizer. The loss is a token mean over the whole global batch, across micro-batches and
 DP ranks (megatron's ``calculate_per_token_loss``), so every layout computes the same number.
-Micro-batches are packed or padded rows as in the RL step (:mod:`megarl.trainer.packing`)."""
+Micro-batches are packed or padded rows as in the RL step (:mod:`megarl.trainer.packing`), each moved
+to the model's device once; the reduced loss lives on the data-parallel group's device."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from megarl.trainer.device import model_device
 from megarl.trainer.packing import model_input, plan_micro_batches
 from megarl.trainer.token_batch import TokenBatch
 
@@ -50,10 +52,12 @@ def supervised_step(chunks: list, optimizer, scheduler, batch: TokenBatch, max_t
     multiple = parallel_state.get_tensor_model_parallel_world_size() if get_model_config(chunks[0]).sequence_parallel \
         else 1
     plan = plan_micro_batches(batch.lengths, dp, max_tokens_per_microbatch, pack=pack, length_multiple=multiple)
+    device = model_device(chunks)
     micro = []
-    for indices in plan.per_rank[dp_rank]:
+    for indices in plan.per_rank[dp_rank]:  # built on the host, moved to the model's device once
         mb = batch.select(indices)
-        micro.append((mb, model_input(mb.cu_seqlens, mb.tokens, pad_id, plan.length, plan.packed)))
+        mi = model_input(mb.cu_seqlens, mb.tokens, pad_id, plan.length, plan.packed)
+        micro.append((mb.to(device), mi.to(device)))
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()

@@ -6,6 +6,8 @@ from typing import Sequence
 
 import torch
 
+from megarl.trainer.device import to_device
+
 
 @dataclass
 class TokenBatch:
@@ -24,6 +26,10 @@ class TokenBatch:
     @property
     def lengths(self) -> torch.Tensor:
         return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    def to(self, device: torch.device) -> TokenBatch:
+        """This batch with every tensor on ``device``."""
+        return TokenBatch(*(to_device(t, device) for t in (self.tokens, self.labels, self.loss_mask, self.cu_seqlens)))
 
     def select(self, indices: Sequence[int]) -> TokenBatch:
         """The sequences ``indices``, in that order."""
