@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from megarl.platform.megatron_cpu import varlen_causal_attention
+from megarl.models.packed_attention import varlen_causal_attention
 from megarl.trainer.packing import balanced_partition, model_input, plan_micro_batches, to_grid
 
 

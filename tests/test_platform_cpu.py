@@ -26,7 +26,6 @@ NEEDED_BY = {
     "gloo_all_to_all_needs_int_splits": "train_ep2",
     "gloo_uneven_all_gather": "train_tp2_ep2",
     "torch_adam_step_breaks_optimizer_load": "checkpoint",
-    "local_attention_rejects_packed_sequences": "train",
 }
 PREVENTS = {w.name: w.prevents for w in megatron_cpu.WORKAROUNDS}
 PREVENTS[megatron_cpu.OPTIMIZER_TYPE_SCOPE] = "Wrapped parameters must be one of torch.cuda.FloatTensor"

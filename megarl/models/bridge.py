@@ -1,7 +1,8 @@
 """HF checkpoint -> megatron-bridge ``AutoBridge`` -> Megatron GPTModel under any TP/PP/EP/DP layout.
 
 The bridge's own mappings convert weights both ways; megarl only picks the layer implementation
-(transformer-engine on GPU, megatron's local torch layers on CPU) and the precision.
+(:mod:`megarl.models.layers`: transformer-engine on GPU, megatron's local torch layers on CPU) and the
+precision.
 """
 from __future__ import annotations
 
@@ -13,8 +14,11 @@ from typing import Any
 
 import torch
 
+from megarl.models import packed_attention
+from megarl.models.layers import choose_layers, layer_settings
 from megarl.models.lora import LoraSettings, apply_lora
 from megarl.parallel import Layout
+from megarl.platform.description import detect
 
 log = logging.getLogger(__name__)
 
@@ -29,21 +33,6 @@ class MegatronModel:
     provider: Any  # megatron.bridge GPTModelProvider
     chunks: list  # list[MegatronModule], DDP-wrapped when built for training
     export_tasks: list | None = field(default=None, repr=False)  # this stage's conversion tasks, built once
-
-
-def use_transformer_engine(impl: str) -> bool:
-    """``auto`` picks transformer-engine only where CUDA and an importable TE exist."""
-    if impl == "local":
-        return False
-    if impl == "transformer_engine":
-        return True
-    if not torch.cuda.is_available():
-        return False
-    try:
-        import transformer_engine.pytorch  # noqa: F401  (raises RuntimeError without cuDNN)
-    except Exception:
-        return False
-    return True
 
 
 def load_bridge(hf_path: str | Path, dtype: str = "float32"):
@@ -88,9 +77,11 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
     """
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
+    platform = detect()
+    layers = choose_layers(transformer_impl, platform)
+    te = layers == "transformer_engine"
     bridge = load_bridge(hf_path, dtype)
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    te = use_transformer_engine(transformer_impl)
     half = dtype != "float32"
     settings = dict(
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
@@ -106,15 +97,10 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
     )
     settings.update(recompute_settings(recompute, recompute_num_layers,
                                        grouped_experts=te and bool(getattr(provider, "moe_grouped_gemm", False))))
-    if not te:  # megatron's fused kernels exist only in TE / apex / CUDA
-        settings.update(
-            transformer_impl="local", use_cpu_initialization=not torch.cuda.is_available(),
-            gradient_accumulation_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-            masked_softmax_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
-            moe_grouped_gemm=False, moe_permute_fusion=False, moe_router_fusion=False,
-            cross_entropy_loss_fusion=False,
-        )
+    settings.update(layer_settings(layers, platform))
+    if not te:
         provider.transformer_layer_spec = local_layer_spec
+        packed_attention.enable()
     for key, value in settings.items():
         setattr(provider, key, value)
     provider.finalize()
@@ -122,7 +108,7 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
         provider.register_pre_wrap_hook(lambda chunks: apply_lora(chunks, lora))  # after the bridge's weight load
     chunks = provider.provide_distributed_model(
         ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=not platform.is_cuda,
         mixed_precision_wrapper=None if not half else _float16_wrapper(), bf16=dtype == "bfloat16",
         fp16=dtype == "float16",
     )
