@@ -58,7 +58,7 @@ def _import_root(obj) -> str | None:
 def ray_for_run(num_cpus: int) -> Iterator[None]:
     """Ray for a run (a :func:`run_ranks` call, an RL pipeline) inside the block.
 
-    When this process is already connected (a notebook's or a test session's ``ray.init``), the run
+    When this process is already connected (a notebook's or a pytest worker's ``ray.init``), the run
     uses that connection and leaves it connected: it must remove what it created itself. Otherwise
     it joins the cluster at ``RAY_ADDRESS`` (slurm/megarl.sbatch exports it) or starts a local one of
     ``num_cpus`` logical CPUs (the run's actors; at least 2), and disconnects (stopping a local

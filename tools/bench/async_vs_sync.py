@@ -58,7 +58,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 PIN_INTERVAL_S = 0.25
-THROUGHPUT_TARGET, IDLE_TARGET = 1.5, 0.2  # issue #17's acceptance
+THROUGHPUT_GOAL = 1.5  # async over sync tokens/s that async's overlap should reach on this workload
+IDLE_GOAL = 0.2  # at that throughput, the async trainer's idle fraction should stay below this
 
 
 def cpu_list(text: str) -> list[int]:
@@ -280,8 +281,8 @@ def main() -> int:
         result = {"async_over_sync_throughput": ratio, "async_over_sync_steps_per_s": steps_ratio,
                   "trainer_idle_frac_async": idle,
                   "trainer_idle_frac_sync": figures["sync"]["trainer_idle_frac"],
-                  "acceptance": {"throughput_at_least": THROUGHPUT_TARGET, "async_idle_below": IDLE_TARGET,
-                                 "holds": ratio >= THROUGHPUT_TARGET and idle < IDLE_TARGET}, **result}
+                  "goal": {"throughput_at_least": THROUGHPUT_GOAL, "async_idle_below": IDLE_GOAL,
+                           "met": ratio >= THROUGHPUT_GOAL and idle < IDLE_GOAL}, **result}
     for mode in modes:
         f, n = figures[mode], figures[mode]["lengths"]
         print(f"{mode:>5}: {f['tokens_per_s']:8.1f} tokens/s, trainer idle {f['trainer_idle_frac']:.2f}, "
