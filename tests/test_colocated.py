@@ -15,7 +15,7 @@ from startup_order import record_startup
 from megarl.engines.client import PauseMode, SamplingParams, ServedModel
 from megarl.engines.pool import EnginePool
 from megarl.metrics.sink import read_metrics
-from megarl.pipeline.colocate import Colocation, memory_saver_args
+from megarl.pipeline.colocate import Colocation
 from megarl.sample import FinishReason, RolloutSample
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
@@ -100,16 +100,6 @@ def test_a_failing_sync_still_gives_the_engines_back():
     with pytest.raises(RuntimeError, match="sync broke"):
         _step(colocation, pool, sync)
     assert pool.calls[-2:] == ["resume['kv_cache']", "unhold"]
-
-
-def test_memory_saver_flag_only_on_cuda_with_the_package(monkeypatch):
-    import importlib.util
-
-    assert memory_saver_args(cuda=False) == ()
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "torch_memory_saver" else None)
-    assert memory_saver_args(cuda=True) == ("--enable-memory-saver",)
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert memory_saver_args(cuda=True) == ()
 
 
 # --- the pool's hold, with stand-in engines --------------------------------------------------------

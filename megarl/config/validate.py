@@ -24,11 +24,13 @@ from megarl.algos.kl import KL_ESTIMATORS
 from megarl.algos.off_policy import CORRECTIONS, LEVELS
 from megarl.algos.policy_loss import POLICY_LOSSES
 from megarl.config.errors import ConfigError
-from megarl.config.schema import MODES
+from megarl.config.schema import MODES, Placement
+from megarl.engines.launch_plan import dtype_refusal, ipc_transport_refusal, memory_saver_refusal
 from megarl.models.hf_config import hf_config_if_present
 from megarl.models.lora import SYNC_MODES as LORA_SYNC_MODES
 from megarl.models.lora import LoraSettings
 from megarl.parallel import PipelineSplitError, stage_layer_counts
+from megarl.platform.description import Platform, detect
 from megarl.rollout.env import ENVIRONMENTS
 from megarl.rollout.group import PARTIAL_ROLLOUT_MODES
 from megarl.sync.transports import TRANSPORTS
@@ -589,11 +591,28 @@ def _check_dataset(task: DictConfig) -> None:
             _fail(f"task.{key}", f"{field!r} is not a field of {task.path}; its rows have {', '.join(names)}")
 
 
-def refuse_what_is_not_built(cfg: DictConfig) -> None:
+def refuse_on_platform(cfg: DictConfig, platform: Platform) -> None:
+    """An RL run's engines on ``platform`` (:mod:`megarl.engines.launch_plan`): a dtype their kernels
+    compute in, the colocated engines' memory release, CUDA IPC weight sync only between processes on
+    the same GPUs."""
+    why = dtype_refusal(platform, cfg.model.dtype)
+    if why is not None:
+        _fail("model.dtype", f"{cfg.model.dtype} on {platform.device}: {why}")
+    placement = Placement(cfg.placement).value
+    if placement == "colocated" and (why := memory_saver_refusal(platform)) is not None:
+        _fail("placement", why)
+    if cfg.sync.transport == "tensor" and (why := ipc_transport_refusal(platform, placement)) is not None:
+        _fail("sync.transport", f"tensor with placement={placement}: {why}")
+
+
+def refuse_what_is_not_built(cfg: DictConfig, platform: Platform | None = None) -> None:
     """``megarl.train``'s checks before it starts anything: the run's inputs (:func:`check_inputs`),
-    then settings a run would otherwise ignore silently, refused until the code honours them (the
-    planner still accepts them: big-model recipes plan with them)."""
+    what ``platform`` (default: this machine's) cannot run (:func:`refuse_on_platform`), then settings
+    a run would otherwise ignore silently, refused until the code honours them (the planner still
+    accepts them: big-model recipes plan with them)."""
     check_inputs(cfg)
+    if cfg.mode != "warmup":
+        refuse_on_platform(cfg, detect() if platform is None else platform)
     r = cfg.rollout
     if cfg.trainer.optimizer_cpu_offload and not torch.cuda.is_available():
         _fail("trainer.optimizer_cpu_offload", "moves the Adam state from GPU to host memory with megatron-core's "

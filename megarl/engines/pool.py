@@ -135,8 +135,10 @@ class EnginePool:
                      poll_interval_s: float = 0.5, max_restarts: int = 3, unresponsive_restart_s: float = 60.0,
                      request_timeout_s: float = 600.0, **pool_kwargs) -> EnginePool:
         """Start one :class:`EngineActor` per ``EngineSettings`` (in parallel; Ray must be
-        initialised), wait until all are healthy, and return the pool over them. On failure or
-        cancellation the engines started are stopped before the error propagates."""
+        initialised), wait until all are healthy, and return the pool over them. Ray must place every
+        engine's actor (``num_gpus`` GPUs, ``num_cpus`` CPUs each) within the engines' startup timeout
+        (``EngineSettings.startup_timeout_s``), else EngineStartError says what they need and what Ray
+        has free. On failure or cancellation the engines started are stopped before the error propagates."""
         import ray
 
         from megarl.engines.actor import engine_nodes, launch_engine_actor
@@ -146,6 +148,11 @@ class EnginePool:
                                       max_restarts=max_restarts, unresponsive_restart_s=unresponsive_restart_s,
                                       nodes=nodes)
                   for s, nodes in zip(settings, placements)]
+        try:
+            await _placed(actors, max(s.startup_timeout_s for s in settings), num_cpus, num_gpus)
+        except BaseException:
+            _remove(actors, placements)  # an actor never placed cannot be asked to stop
+            raise
         try:
             infos = await asyncio.gather(*(a.start.remote() for a in actors))
         except BaseException:
@@ -363,6 +370,27 @@ class EnginePool:
     async def weight_version(self) -> int:
         """The oldest weight version any engine serves (all equal outside a weight sync)."""
         return min(await self.weight_versions())
+
+
+async def _placed(actors: list, timeout_s: float, num_cpus: float, num_gpus: float) -> None:
+    """Return once Ray has placed every engine actor (each asks ``num_cpus`` CPUs and ``num_gpus`` GPUs);
+    EngineStartError after ``timeout_s`` naming what they need and what Ray has free (the trainer
+    ranks, placed first, may have taken the GPUs the engines need)."""
+    import ray
+
+    from megarl.engines.server import EngineStartError
+
+    try:
+        await asyncio.wait_for(asyncio.gather(*(a.__ray_ready__.remote() for a in actors)), timeout_s)
+    except TimeoutError:
+        free, total = ray.available_resources(), ray.cluster_resources()
+        raise EngineStartError(
+            f"Ray placed not all {len(actors)} engines within {timeout_s:g} s (the engines' startup timeout): they "
+            f"need {len(actors) * num_gpus:g} GPUs ({len(actors)} x {num_gpus:g}) and {len(actors) * num_cpus:g} "
+            f"CPUs; Ray has {free.get('GPU', 0):g} GPUs free of {total.get('GPU', 0):g} and "
+            f"{free.get('CPU', 0):g} CPUs free of {total.get('CPU', 0):g}. Give the run more GPUs "
+            "(cluster.num_nodes, cluster.gpus_per_node) or fewer engines (rollout.num_engines, rollout.engine_tp)"
+        ) from None
 
 
 def _remove(actors: list, placements: list) -> None:

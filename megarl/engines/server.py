@@ -23,10 +23,12 @@ import httpx
 import psutil
 
 from megarl.engines.client import ServedModel
+from megarl.engines.launch_plan import attention_backend, colocated_base_gpu_id, dtype_refusal, memory_saver_refusal
 from megarl.engines.shared_memory import SHARED_MEMORY, mapped_segments, unlink_unmapped
 from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraSettings
 from megarl.parallel import free_port, rendezvous_host
 from megarl.platform import sglang_cpu
+from megarl.platform.description import Platform, detect
 
 log = logging.getLogger(__name__)
 SCRATCH_PREFIX = "megarl-sglang-"  # a running server's TMPDIR, under the system's temporary directory
@@ -84,6 +86,11 @@ class EngineSettings:
     log_path: str | None = None
     lora_max_rank: int = 0  # > 0: serve LoRA adapters up to this rank (SGLang --enable-lora)
     lora_target_modules: tuple[str, ...] = ()  # the HF module names adapters may target (--lora-target-modules)
+    # GPU only (megarl.engines.launch_plan): SGLang's --attention-backend, its first node-local GPU
+    # (--base-gpu-id; None: SGLang's 0) and --enable-memory-saver (a colocated engine's release)
+    attention_backend: str | None = None
+    base_gpu_id: int | None = None
+    memory_saver: bool = False
     extra_args: tuple[str, ...] = ()  # more launch_server flags, appended as given
     api_key: str | None = field(default=None, repr=False)
 
@@ -144,16 +151,28 @@ class EngineSettings:
 
     @classmethod
     def from_config(cls, cfg, model_path: str, index: int, weight_version: int, *, tp: int | None = None,
-                    ep: int | None = None, dp_attention: bool | None = None) -> EngineSettings:
+                    ep: int | None = None, dp_attention: bool | None = None,
+                    platform: Platform | None = None) -> EngineSettings:
         """The settings of engine ``index`` of a run (``cfg``: the run's config) serving
         ``model_path`` at ``weight_version``, on ``tp`` / ``ep`` ranks with or without ``dp_attention``
-        (default: the policy engines', ``rollout.engine_*``), over as many nodes as ``tp`` needs. The
-        dtype is the trainer's: SGLang's "auto" serves a float32 checkpoint in float16, which alone puts
-        a ~3e-4 mean (1e-3 max) gap between the engine's and the trainer's log-probs. Each engine gets
-        its own seed and a log in the run dir."""
+        (default: the policy engines', ``rollout.engine_*``), over as many nodes as ``tp`` needs, on
+        ``platform`` (default: this machine's; its device and, on CUDA, SGLang's attention backend for
+        it). The dtype is the trainer's: SGLang's "auto" serves a float32 checkpoint in float16, which
+        alone puts a ~3e-4 mean (1e-3 max) gap between the engine's and the trainer's log-probs; a dtype
+        the platform's engines cannot compute in is a ValueError. Each engine gets its own seed and a
+        log in the run dir."""
+        from megarl.models.hf_config import read_hf_config
+
         r = cfg.rollout
         tp = r.engine_tp if tp is None else tp
-        return cls(model_path=model_path, dtype=cfg.model.dtype, sampling_mask_max_tokens=max(r.top_k, 1),
+        platform = detect() if platform is None else platform
+        refusal = dtype_refusal(platform, cfg.model.dtype)
+        if refusal is not None:
+            raise ValueError(f"model.dtype={cfg.model.dtype}: {refusal}")
+        backend = attention_backend(platform, mla=bool(read_hf_config(model_path).kv_lora_rank)) \
+            if platform.is_cuda else None
+        return cls(model_path=model_path, device=platform.device, attention_backend=backend,
+                   dtype=cfg.model.dtype, sampling_mask_max_tokens=max(r.top_k, 1),
                    max_total_tokens=r.max_total_tokens, mem_fraction_static=r.mem_fraction_static,
                    prefix_cache=r.prefix_cache, random_seed=cfg.task.seed + index, tp=tp,
                    ep=r.engine_ep if ep is None else ep,
@@ -161,6 +180,18 @@ class EngineSettings:
                    nnodes=nodes_of(tp, cfg.cluster.gpus_per_node),
                    weight_version=weight_version, log_path=str(Path(cfg.logging.run_dir) / f"engine-{index}.log"),
                    **lora_serving(LoraSettings.from_config(cfg.lora)))
+
+
+    def colocated(self, index: int, gpus_per_node: int, platform: Platform) -> EngineSettings:
+        """These settings as colocated policy engine ``index`` on ``platform``: on CUDA on its own GPUs of
+        the node (:func:`megarl.engines.launch_plan.colocated_base_gpu_id`) with the memory saver
+        (ValueError when the platform has none); on the CPU as they are (host memory, nothing to release)."""
+        if not platform.is_cuda:
+            return self
+        refusal = memory_saver_refusal(platform)
+        if refusal is not None:
+            raise ValueError(refusal)
+        return replace(self, base_gpu_id=colocated_base_gpu_id(index, self.tp, gpus_per_node), memory_saver=True)
 
 
 def nodes_of(tp: int, gpus_per_node: int) -> int:
@@ -235,6 +266,8 @@ class SGLangEngine:
             # 512 samples 6-11% slower (2 cores, 2026-12-03, side by side).
             cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
                     "--sleep-on-idle", "--disable-overlap-schedule"]
+        else:
+            cmd += self._gpu_args()
         if s.lora_max_rank:
             cmd += ["--enable-lora", "--max-lora-rank", str(s.lora_max_rank),
                     "--lora-target-modules", *s.lora_target_modules,
@@ -260,6 +293,17 @@ class SGLangEngine:
         if s.api_key:
             cmd.append(f"--api-key={s.api_key}")  # one word: a key may start with "-" (token_urlsafe)
         return cmd + list(s.extra_args)
+
+    def _gpu_args(self) -> list[str]:
+        """The GPU flags of :class:`EngineSettings` (see :mod:`megarl.engines.launch_plan`)."""
+        s, args = self.settings, []
+        if s.attention_backend is not None:
+            args += ["--attention-backend", s.attention_backend]
+        if s.base_gpu_id is not None:
+            args += ["--base-gpu-id", str(s.base_gpu_id)]
+        if s.memory_saver:
+            args.append("--enable-memory-saver")
+        return args
 
     def environment(self) -> dict[str, str]:
         """The server's environment: this process's, with ``TMPDIR`` a directory of the server's own

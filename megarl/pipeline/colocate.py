@@ -13,18 +13,23 @@ before the step (:meth:`Colocation.before_training`, at the end of ``take_batch`
     3. release the engines' weights and KV cache (SGLang's ``/release_memory_occupation``).
 
 after the step (:meth:`Colocation.after_training`, around the weight sync)
-    4. resume the weights, 5. sync the trainer's weights into them (the ``tensor`` transport),
-    6. resume the KV cache, 7. continue the engines and let the held requests go.
+    4. on CUDA the trainer gives back what it holds and does not use (its ranks empty their CUDA
+       caching allocator: :func:`empty_trainer_cache`, which reports what each rank keeps), 5. resume
+       the weights, 6. sync the trainer's weights into them (the ``tensor`` transport), 7. resume the
+       KV cache, 8. continue the engines and let the held requests go.
 
 Released weights come back uninitialised; the sync that follows overwrites every tensor. The KV
 cache is resumed after the sync, so the sync's buckets do not compete with it for memory.
 
 Release needs engines started with ``--enable-memory-saver`` (torch_memory_saver, CUDA only;
-:func:`memory_saver_args`). Without it the release is skipped and the rest of the protocol runs
-the same way: on a GPU SGLang's release would free nothing, and on CPU (SGLang 0.5.23) it kills
-the engine's scheduler (the release ends in ``torch.cuda.synchronize()``). The metrics say which:
-``colocate/release_skipped`` (1 = nothing released), ``colocate/pause_s`` (steps 1-3),
-``colocate/resume_s`` (steps 4, 6 and 7; the sync itself is ``sync/seconds``).
+:meth:`megarl.engines.server.EngineSettings.colocated`; a CUDA platform without it is refused when
+the config loads). On CUDA engines that cannot release are an error. On the CPU the trainer and the
+engines share host memory: the trainer has no device cache to empty, and the engines, started
+without the flag (SGLang 0.5.23's release would kill a CPU engine's scheduler: it ends in
+``torch.cuda.synchronize()``), skip the release; the rest of the protocol runs the same way, and
+:class:`Colocation` says so once. The metrics: ``colocate/release_skipped`` (1 = nothing released),
+``colocate/pause_s`` (steps 1-3), ``colocate/resume_s`` (steps 4, 5, 7 and 8; the sync itself is
+``sync/seconds``), ``colocate/trainer_reserved_gb`` (CUDA: the most any rank keeps reserved after 4).
 
 Modes: every mode runs colocated, and generation runs only between training steps: from the end
 of one step's sync to the moment the next step's batch is complete. ``sync`` behaves as it does
@@ -34,11 +39,12 @@ to ``buffer.max_staleness`` steps) later; they just get no generation time durin
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
+
+from megarl.platform.description import Platform, detect
 
 log = logging.getLogger(__name__)
 
@@ -55,26 +61,38 @@ class HeldPool(Protocol):
     async def resume_memory(self, tags) -> None: ...
 
 
-def memory_saver_args(cuda: bool) -> tuple[str, ...]:
-    """The SGLang flags colocated engines need to release their memory: ``--enable-memory-saver``
-    on CUDA when torch_memory_saver is installed (SGLang refuses to start with the flag without
-    it); none otherwise, and :class:`Colocation` then skips the release."""
-    if cuda and importlib.util.find_spec("torch_memory_saver") is not None:
-        return ("--enable-memory-saver",)
-    if cuda:
-        log.warning("colocated: torch_memory_saver is not installed; the engines keep their memory while the "
-                    "trainer runs (pip install torch-memory-saver)")
-    return ()
+def empty_trainer_cache(rank: int, layout) -> dict[str, float]:
+    """On a CUDA trainer rank (run by :meth:`megarl.trainer.actor.TrainerGroup.run`): hand the blocks its
+    caching allocator holds unused back to the device, for the engines to resume into; what the rank
+    still holds, in GiB: ``allocated`` (live tensors: weights, gradient buffers, optimizer state on the
+    device) and ``reserved`` (those plus what the allocator keeps)."""
+    import torch
+
+    torch.cuda.empty_cache()
+    return {"allocated": torch.cuda.memory_allocated() / 2**30, "reserved": torch.cuda.memory_reserved() / 2**30}
 
 
 class Colocation:
     """Hands the devices from the engines to the trainer and back; see the module docstring.
 
     ``abort``: abort the requests in flight when the trainer takes over (else let them finish).
+    ``platform``: where trainer and engines run (default: this machine). ``release_trainer``: on CUDA,
+    makes every trainer rank give back its unused cached memory (step 4) and returns each rank's
+    :func:`empty_trainer_cache` report; required on CUDA, unused on the CPU.
     """
 
-    def __init__(self, pool: HeldPool, *, abort: bool, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, pool: HeldPool, *, abort: bool, platform: Platform | None = None,
+                 release_trainer: Callable[[], Awaitable[list[dict[str, float]]]] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.pool, self.abort, self.clock = pool, abort, clock
+        self.platform = detect() if platform is None else platform
+        if self.platform.is_cuda and release_trainer is None:
+            raise ValueError("colocated on CUDA the trainer must release its cached memory before the engines "
+                             "resume: pass release_trainer")
+        if not self.platform.is_cuda:
+            log.info("colocated on the CPU: trainer and engines share host memory; the trainer has no device "
+                     "cache to release between its step and the engines' turn")
+        self.release_trainer = release_trainer if self.platform.is_cuda else None
         self._release: bool | None = None  # whether the engines can release (asked once)
         self._released = False
         self._metrics: dict[str, float] = {}
@@ -85,6 +103,9 @@ class Colocation:
         await self.pool.hold(abort=self.abort)
         if self._release is None:
             self._release = await self.pool.memory_release_available()
+            if not self._release and self.platform.is_cuda:
+                raise RuntimeError("colocated engines on CUDA cannot release their memory (started without "
+                                   "--enable-memory-saver): the trainer would run out of memory")
             if not self._release:
                 log.info("colocated: the engines cannot release their memory (no --enable-memory-saver); "
                          "pausing them around each training step without releasing it")
@@ -94,10 +115,15 @@ class Colocation:
         self._metrics = {"colocate/pause_s": self.clock() - t0, "colocate/release_skipped": float(not self._release)}
 
     async def after_training(self, sync: Callable[[], Awaitable[T]]) -> T:
-        """Steps 4-7 around ``sync()`` (the weight sync; its result is returned). The engines are
+        """Steps 4-8 around ``sync()`` (the weight sync; its result is returned). The engines are
         continued and the pool let go even when the sync raises."""
         resume_s = 0.0
         try:
+            if self.release_trainer is not None:
+                t0 = self.clock()
+                reports = await self.release_trainer()
+                resume_s += self.clock() - t0
+                self._metrics["colocate/trainer_reserved_gb"] = max(r["reserved"] for r in reports)
             if self._released:
                 t0 = self.clock()
                 await self.pool.resume_memory(("weights",))

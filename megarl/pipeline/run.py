@@ -28,7 +28,6 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig
 from rich.progress import Progress
 from transformers import AutoTokenizer
@@ -47,13 +46,13 @@ from megarl.metrics.sink import MetricsFile
 from megarl.models.lora import LoraSettings
 from megarl.parallel import Layout
 from megarl.pipeline.buffer import Group, RolloutBuffer
-from megarl.pipeline.colocate import Colocation, memory_saver_args
+from megarl.pipeline.colocate import Colocation, empty_trainer_cache
 from megarl.pipeline.judge import judge_engine_settings, make_judge
 from megarl.pipeline.ledger import Ledger
 from megarl.pipeline.modes import PAUSE_FOR_PARTIAL_ROLLOUT, lag_and_capacity
 from megarl.pipeline.producer import RolloutProducer
 from megarl.pipeline.signals import StopRequest
-from megarl.platform import sglang_cpu
+from megarl.platform.description import detect
 from megarl.rollout.env import EnvEpisodes, EpisodeLimits, make_env_factory
 from megarl.rollout.group import RolloutManager
 from megarl.rollout.teacher import TeacherScorer
@@ -324,6 +323,25 @@ def frozen_engine_settings(cfg: DictConfig, engine: AuxiliaryEngine, index: int,
                                lora_max_rank=0, lora_target_modules=())
 
 
+def policy_engine_settings(cfg: DictConfig, start_checkpoint: str, api_key: str, platform) -> list[EngineSettings]:
+    """The policy engines' settings on ``platform`` (a :class:`megarl.platform.description.Platform`),
+    colocated ones each on its own GPUs of its node with the memory saver
+    (:meth:`EngineSettings.colocated`)."""
+    engines = [dataclasses.replace(EngineSettings.from_config(cfg, start_checkpoint, i, 0, platform=platform),
+                                   api_key=api_key) for i in range(cfg.rollout.num_engines)]
+    if Placement(cfg.placement) == Placement.colocated:
+        engines = [e.colocated(i, cfg.cluster.gpus_per_node, platform) for i, e in enumerate(engines)]
+    return engines
+
+
+async def trainer_release(trainer: TrainerGroup) -> list[dict[str, float]]:
+    """Every trainer rank's :func:`megarl.pipeline.colocate.empty_trainer_cache`, in rank order (logged)."""
+    reports = list(await asyncio.gather(*trainer.run(empty_trainer_cache)))
+    log.info("colocated: trainer ranks keep %s GiB reserved (%s allocated) while the engines resume",
+             [round(r["reserved"], 2) for r in reports], [round(r["allocated"], 2) for r in reports])
+    return reports
+
+
 def _launch(stack: contextlib.AsyncExitStack, settings: list[EngineSettings], num_gpus: float) -> asyncio.Task:
     """``EnginePool.launch(settings)`` as a task; when ``stack`` closes, the launch is cancelled if still
     under way (which stops what it started) and the pool is closed otherwise."""
@@ -388,15 +406,12 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     trainer = TrainerGroup(layout, backend=p.backend, seed=t.seed)
     stack.push(lambda failure, *_: trainer.shutdown(keep=failure is None))  # ranks may be stuck after one
     api_key = secrets.token_urlsafe(32)  # this run's engines answer only megarl's clients (never logged)
-    engines = [dataclasses.replace(EngineSettings.from_config(cfg, start_checkpoint, i, 0), api_key=api_key)
-               for i in range(r.num_engines)]
+    platform = detect()
     colocated = Placement(cfg.placement) == Placement.colocated
-    if colocated:
-        release = memory_saver_args(cuda=not sglang_cpu.needed())
-        engines = [dataclasses.replace(e, extra_args=e.extra_args + release) for e in engines]
+    engines = policy_engine_settings(cfg, start_checkpoint, api_key, platform)
     # Disaggregated GPU engines reserve their devices through Ray (CUDA_VISIBLE_DEVICES reaches the
-    # server); colocated ones share the trainer's, and CPU engines reserve half a CPU
-    own_gpus = r.engine_tp if torch.cuda.is_available() and cfg.placement == "disaggregated" else 0
+    # server); colocated ones share the trainer's (each on its own, --base-gpu-id), CPU engines reserve half a CPU
+    own_gpus = r.engine_tp if platform.is_cuda and not colocated else 0
     # The teacher, the judge and frozen agent roles: an engine of its own each (weights never synced), on
     # devices of its own in either placement; a pool each, as the policy's engines are one
     auxiliary = auxiliary_engines(cfg)
@@ -405,7 +420,7 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     for i, a in enumerate(auxiliary):
         pooled[a.name] = [judge_engine_settings(cfg, api_key) if a.name == "judge" else
                           frozen_engine_settings(cfg, a, r.num_engines + i, api_key)]
-        gpus[a.name] = a.devices if torch.cuda.is_available() else 0
+        gpus[a.name] = a.devices if platform.is_cuda else 0
     # Disaggregated engines load while the trainer ranks build and load their checkpoint (on a cluster
     # both take minutes); colocated ones start after, as they size their memory by what the trainer left.
     def launch_engines() -> dict[str, asyncio.Task]:
@@ -483,7 +498,8 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     pipe = Pipeline(cfg=cfg, trainer=trainer, pool=pool, sync=sync, buffer=buffer, producer=producer,
                     ledger=ledger, metrics=metrics, pad_id=tokenizer.pad_token_id, vocab_size=served.vocab_size,
                     start_step=start_step, pause_mode=pause_mode, _trained_log=trained_log, teacher=teacher,
-                    colocation=Colocation(pool, abort=cfg.buffer.partial_rollout == "abort_resubmit")
+                    colocation=Colocation(pool, abort=cfg.buffer.partial_rollout == "abort_resubmit",
+                                          platform=platform, release_trainer=lambda: trainer_release(trainer))
                     if colocated else None)
     stack.callback(pipe._gpu.close)
     # Start-up's objects (imports, Ray, the tokenizer) out of the garbage collector for the run: its

@@ -8,6 +8,10 @@ rejects the payload). The payload is SGLang's ``flattened_bucket`` dict (``flatt
 ``FlattenedTensorMetadata`` list) pickled with SGLang's ``MultiprocessingSerializer``, base64 over
 HTTP to ``/update_weights_from_tensor``: only handles travel, the bytes are read in place. The
 buffer stays alive until the engine has answered (the protocol reuses it for the bucket after next).
+Each engine TP rank gets a serialisation of its own (SGLang's tp_worker deserialises the payload at
+its rank's index): every serialisation of a CUDA tensor takes one reference in the sender's CUDA-IPC
+reference counts (a shared-memory segment's count on the CPU), which the one rank that opens it gives
+back; a payload opened by several ranks would give back more than it took.
 
 On CPU the sender keeps its (at most two) shared-memory buffers from one sync to the next, and the
 engine keeps them mapped (:mod:`megarl.engines.pipelined_load`): a new buffer costs a page fault
@@ -31,6 +35,7 @@ import psutil
 import torch
 
 from megarl.engines.shared_memory import SHARED_MEMORY, mapped_segments, unlink_unmapped
+from megarl.platform.description import Platform, detect
 from megarl.sync.buckets import DTYPES, Bucket, BucketIndex
 from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, finish_fields
 
@@ -39,10 +44,10 @@ MANIFEST_PREFIX = "megarl-tensor-sync-"  # + the sender's pid: the names of its 
 
 
 class TensorSender(Sender):
-    def __init__(self, spec: SenderSpec):
+    def __init__(self, spec: SenderSpec, platform: Platform | None = None):
         super().__init__()
         self.engine_tp = spec.engine_tp
-        self.cuda = torch.cuda.is_available()
+        self.cuda = (detect() if platform is None else platform).is_cuda
         if self.cuda:
             from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
@@ -66,7 +71,7 @@ class TensorSender(Sender):
         return None  # the engine can map only buffers allocated for sharing
 
     def prepare(self, bucket: Bucket) -> list[str]:
-        """One base64 payload per engine TP rank (each rank maps the same buffer)."""
+        """One base64 payload per engine TP rank, each serialised on its own (all map the same buffer)."""
         if self.cuda:
             torch.cuda.current_stream().synchronize()  # the packing copies land before the engine reads
         from sglang.srt.utils.common import MultiprocessingSerializer
@@ -75,9 +80,8 @@ class TensorSender(Sender):
         metadata = [FlattenedTensorMetadata(name=e.name, shape=torch.Size(e.shape), dtype=DTYPES[e.dtype],
                                             start_idx=e.offset, end_idx=e.offset + e.nbytes, numel=e.nbytes)
                     for e in bucket.index.entries]
-        payload = MultiprocessingSerializer.serialize({"flattened_tensor": bucket.buffer, "metadata": metadata},
-                                                      output_str=True)
-        return [payload] * self.engine_tp
+        return [MultiprocessingSerializer.serialize({"flattened_tensor": bucket.buffer, "metadata": metadata},
+                                                    output_str=True) for _ in range(self.engine_tp)]
 
     def transfer(self, bucket: Bucket) -> None:
         """Nothing moves: the engine reads the buffer in place while it loads."""

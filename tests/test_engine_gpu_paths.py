@@ -1,0 +1,250 @@
+"""The engines' GPU paths, evaluated on a CUDA description of the machine (``Platform.cuda``) here:
+the dtype and attention backend a GPU engine is launched with (against SGLang's own chooser), one
+CUDA-IPC payload per engine rank, the tensor transport only where IPC handles open, each colocated
+engine on its own GPUs with its memory saver, the trainer's release before the engines resume, and
+an engine placement Ray cannot satisfy failing in bounded time with what is missing."""
+import asyncio
+import dataclasses
+import logging
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megarl.config import ConfigError, load_config
+from megarl.config.validate import refuse_on_platform
+from megarl.engines.launch_plan import attention_backend
+from megarl.engines.server import EngineSettings, EngineStartError, SGLangEngine
+from megarl.pipeline.colocate import Colocation
+from megarl.platform.description import GPU_MODULES, Platform
+
+HOPPER = Platform.cuda((9, 0))
+WITHOUT_MEMORY_SAVER = Platform.cuda((9, 0), importable=tuple(m for m in GPU_MODULES if m != "torch_memory_saver"))
+
+
+def tiny(*overrides: str):
+    return load_config(["recipe=tiny_moe_cpu", "model.hf_path=/nonexistent", *overrides])
+
+
+def command_of(settings: EngineSettings) -> list[str]:
+    return SGLangEngine(dataclasses.replace(settings, host="127.0.0.1", port=30000)).command()
+
+
+def flag(cmd: list[str], name: str) -> str | None:
+    return cmd[cmd.index(name) + 1] if name in cmd else None
+
+
+# --- dtype and attention backend -------------------------------------------------------------------
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)])
+@pytest.mark.parametrize("mla", [False, True])
+@pytest.mark.parametrize("flashinfer", [True, False])
+def test_attention_backend_is_the_one_sglang_picks(capability, mla, flashinfer):
+    from sglang.srt.arg_groups.model_override_base import get_default_attn_backend
+    from sglang.srt.runtime_context import override_platform
+
+    importable = tuple(m for m in GPU_MODULES if flashinfer or m != "flashinfer")
+    server_args = SimpleNamespace(speculative_algorithm=None, speculative_eagle_topk=None, page_size=None, tp_size=1)
+    model_config = SimpleNamespace(hf_config=SimpleNamespace(architectures=["Qwen3MoeForCausalLM"]),
+                                   has_asymmetric_kv=False, has_attention_sinks=False)
+    with override_platform(is_hopper_with_cuda_12_3=capability[0] == 9, is_sm100=capability[0] == 10,
+                           is_hip=False, has_flashinfer=flashinfer):
+        expected = get_default_attn_backend(server_args, mla, model_config)
+    assert attention_backend(Platform.cuda(capability, importable=importable), mla) == expected
+
+
+def test_gpu_engine_is_launched_in_bfloat16_with_an_explicit_attention_backend(tiny_checkpoint):
+    cfg = tiny("model.dtype=bfloat16")
+    cmd = command_of(EngineSettings.from_config(cfg, tiny_checkpoint, 0, 0, platform=HOPPER))
+    assert (flag(cmd, "--device"), flag(cmd, "--dtype"), flag(cmd, "--attention-backend")) == \
+        ("cuda", "bfloat16", "fa3")
+    cpu = command_of(EngineSettings.from_config(tiny(), tiny_checkpoint, 0, 0, platform=Platform.cpu()))
+    assert (flag(cpu, "--device"), flag(cpu, "--dtype"), flag(cpu, "--attention-backend")) == \
+        ("cpu", "float32", "torch_native")
+    assert cpu.count("--attention-backend") == 1
+    with pytest.raises(ValueError, match="model.dtype=bfloat16"):
+        EngineSettings.from_config(tiny(), tiny_checkpoint, 0, 0, platform=HOPPER)  # float32 on CUDA
+
+
+def test_float32_engines_on_cuda_are_refused_at_load(tmp_path, monkeypatch, capsys):
+    from megarl.train import main
+
+    monkeypatch.setattr("megarl.config.validate.detect", lambda: HOPPER)
+    t0 = time.monotonic()
+    code = main(["recipe=tiny_moe_cpu", f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'sft'}",
+                 f"logging.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and time.monotonic() - t0 < 10
+    assert len(err.splitlines()) == 1 and err.startswith("megarl: config error: model.dtype: float32 on cuda: "), err
+    assert "model.dtype=bfloat16" in err
+    assert not (tmp_path / "run").exists()
+    refuse_on_platform(tiny(), Platform.cpu())  # the CPU demo's float32 stays
+    refuse_on_platform(tiny("model.dtype=bfloat16"), HOPPER)
+
+
+# --- CUDA IPC payloads and where they can be opened -------------------------------------------------
+
+def test_each_engine_rank_gets_its_own_serialisation_of_the_bucket(monkeypatch):
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    from megarl.sync.buckets import pack
+    from megarl.sync.transports.base import SenderSpec
+    from megarl.sync.transports.tensor import TensorSender
+
+    sender = TensorSender(SenderSpec(kind="tensor", engine_tp=3), platform=Platform.cpu())
+    named = [("a.weight", torch.randn(4, 3)), ("b.bias", torch.arange(5, dtype=torch.float32))]
+    bucket = pack(named, allocate=sender.new_buffer)
+    serialised = []
+    serialize = MultiprocessingSerializer.serialize
+    monkeypatch.setattr(MultiprocessingSerializer, "serialize",
+                        staticmethod(lambda obj, **kw: serialised.append(obj) or serialize(obj, **kw)))
+    payloads = sender.prepare(bucket)
+    assert len(payloads) == 3 and len(serialised) == 3  # one serialisation (one IPC reference) per rank
+    for payload in payloads:
+        data = MultiprocessingSerializer.deserialize(payload)
+        rebuilt = dict(FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
+                                             metadata=data["metadata"]).reconstruct_tensors())
+        assert rebuilt.keys() == dict(named).keys()
+        for name, tensor in named:
+            assert torch.equal(rebuilt[name], tensor)
+
+
+def test_tensor_transport_into_disaggregated_engines_is_refused_on_cuda_only():
+    cfg = tiny("model.dtype=bfloat16", "sync.transport=tensor")  # the tiny recipe is disaggregated
+    with pytest.raises(ConfigError, match=r"^sync\.transport: tensor with placement=disaggregated: .*CUDA IPC"):
+        refuse_on_platform(cfg, HOPPER)
+    refuse_on_platform(cfg, Platform.cpu())  # shared memory: every process of the machine maps it
+    refuse_on_platform(tiny("model.dtype=bfloat16", "placement=colocated"), HOPPER)
+
+
+# --- colocated engines: their own GPUs, their memory saver -------------------------------------------
+
+def test_colocated_engines_each_take_their_own_gpus_of_the_trainers(tiny_checkpoint):
+    from megarl.pipeline.run import policy_engine_settings
+    from megarl.planner.placement import place
+
+    cfg = load_config(["recipe=qwen3_30b_a3b"])
+    settings = policy_engine_settings(cfg, tiny_checkpoint, "key", HOPPER)
+    plan = place(cfg)
+    taken = []
+    for e, s in enumerate(settings):
+        cmd = command_of(s)
+        base = int(flag(cmd, "--base-gpu-id"))
+        gpus = [base + k for k in range(int(flag(cmd, "--tp-size")))]
+        # the planner's devices of this engine are those of the trainer ranks e * tp .. on the same node
+        assert [(0, g) for g in gpus] == [(d.node, d.device) for d in plan.engines[e]]
+        assert [(0, g) for g in gpus] == [(d.node, d.device) for d in plan.trainer[e * s.tp:(e + 1) * s.tp]]
+        assert "--enable-memory-saver" in cmd
+        taken += gpus
+    assert taken == list(range(8))  # 4 x TP2 on the node's 8 GPUs, none shared
+    cpu = policy_engine_settings(tiny(), tiny_checkpoint, "key", Platform.cpu())
+    assert [s.colocated(0, 8, Platform.cpu()) for s in cpu] == cpu  # on the CPU: as they were
+    assert "--base-gpu-id" not in command_of(cpu[0]) and "--enable-memory-saver" not in command_of(cpu[0])
+
+
+def test_colocated_on_cuda_without_the_memory_saver_is_refused(tiny_checkpoint):
+    cfg = tiny("model.dtype=bfloat16", "placement=colocated")
+    with pytest.raises(ConfigError, match=r"^placement: .*torch_memory_saver \(not installed\)"):
+        refuse_on_platform(cfg, WITHOUT_MEMORY_SAVER)
+    refuse_on_platform(cfg, HOPPER)
+    refuse_on_platform(tiny("model.dtype=bfloat16"), WITHOUT_MEMORY_SAVER)  # disaggregated keeps its memory
+    settings = EngineSettings.from_config(cfg, tiny_checkpoint, 0, 0, platform=WITHOUT_MEMORY_SAVER)
+    with pytest.raises(ValueError, match="torch_memory_saver"):
+        settings.colocated(0, 8, WITHOUT_MEMORY_SAVER)
+
+
+class RecordingPool:
+    def __init__(self, calls: list[str], can_release: bool = True):
+        self.calls, self.can_release = calls, can_release
+
+    async def hold(self, *, abort):
+        self.calls.append("engines hold")
+
+    async def unhold(self):
+        self.calls.append("engines continue")
+
+    async def memory_release_available(self):
+        return self.can_release
+
+    async def release_memory(self, tags):
+        self.calls.append(f"engines release {sorted(tags)}")
+
+    async def resume_memory(self, tags):
+        self.calls.append(f"engines resume {sorted(tags)}")
+
+
+def _colocated_step(colocation: Colocation, calls: list[str]) -> None:
+    async def sync():
+        calls.append("sync")
+
+    async def body():
+        await colocation.before_training()
+        calls.append("trainer trains")
+        await colocation.after_training(sync)
+
+    asyncio.run(body())
+
+
+def test_on_cuda_the_engines_release_before_training_and_the_trainer_before_they_resume():
+    calls = []
+
+    async def release_trainer():
+        calls.append("trainer releases")
+        return [{"allocated": 1.0, "reserved": 3.0}, {"allocated": 1.0, "reserved": 5.0}]
+
+    colocation = Colocation(RecordingPool(calls), abort=False, platform=HOPPER, release_trainer=release_trainer)
+    _colocated_step(colocation, calls)
+    assert calls == ["engines hold", "engines release ['kv_cache', 'weights']", "trainer trains", "trainer releases",
+                     "engines resume ['weights']", "sync", "engines resume ['kv_cache']", "engines continue"]
+    assert colocation.metrics()["colocate/trainer_reserved_gb"] == 5.0
+    with pytest.raises(ValueError, match="release_trainer"):
+        Colocation(RecordingPool([]), abort=False, platform=HOPPER)
+    with pytest.raises(RuntimeError, match="--enable-memory-saver"):
+        _colocated_step(Colocation(RecordingPool([], can_release=False), abort=False, platform=HOPPER,
+                                   release_trainer=release_trainer), [])
+
+
+def test_on_the_cpu_there_is_nothing_to_release_and_it_says_so(caplog):
+    calls = []
+
+    async def release_trainer():
+        raise AssertionError("a CPU trainer has no device cache to release")
+
+    with caplog.at_level(logging.INFO, logger="megarl.pipeline.colocate"):
+        colocation = Colocation(RecordingPool(calls, can_release=False), abort=False, platform=Platform.cpu(),
+                                release_trainer=release_trainer)
+    assert "nothing" in caplog.text or "no device cache" in caplog.text
+    _colocated_step(colocation, calls)
+    assert calls == ["engines hold", "trainer trains", "sync", "engines continue"]
+
+
+def test_trainer_release_asks_every_rank_in_order():
+    from megarl.pipeline.colocate import empty_trainer_cache
+    from megarl.pipeline.run import trainer_release
+
+    class Ranks:
+        def run(self, fn):
+            assert fn is empty_trainer_cache
+
+            async def report(rank):
+                return {"allocated": rank, "reserved": 2.0 * rank}
+
+            return [report(rank) for rank in range(3)]
+
+    assert asyncio.run(trainer_release(Ranks())) == [{"allocated": r, "reserved": 2.0 * r} for r in range(3)]
+
+
+# --- engines Ray cannot place --------------------------------------------------------------------------
+
+@pytest.mark.timeout(120)
+@pytest.mark.usefixtures("ray_local")
+def test_engines_ray_cannot_place_fail_in_their_startup_timeout_naming_the_gpus(tiny_checkpoint):
+    from megarl.engines.pool import EnginePool
+
+    settings = EngineSettings(model_path=tiny_checkpoint, startup_timeout_s=3.0)
+    t0 = time.monotonic()
+    with pytest.raises(EngineStartError, match=r"need 4 GPUs \(2 x 2\) .*Ray has 0 GPUs free of 0"):
+        asyncio.run(EnginePool.launch([settings, settings], num_gpus=2))  # this Ray has CPUs only
+    assert time.monotonic() - t0 < 30
