@@ -97,3 +97,19 @@ def test_megatron_local_attention_refuses_packed_sequences_and_megarls_takes_the
     packed_attention.enable()
     out = DotProductAttention.forward(attention, q, k, v, None, packed_seq_params=thd)
     assert torch.equal(out, packed_attention.varlen_causal_attention(q, k, v, cu, 0.5))
+
+
+def test_auto_layers_on_a_gpu_without_transformer_engine_exit_2_at_load(tmp_path, monkeypatch, capsys):
+    import time
+
+    from megarl.train import main
+
+    monkeypatch.setattr("megarl.config.validate.detect", lambda: NO_TE)
+    t0 = time.monotonic()
+    code = main(["recipe=tiny_moe_cpu", "model.transformer_impl=auto", "model.dtype=bfloat16",
+                 f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'sft'}",
+                 f"logging.run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and time.monotonic() - t0 < 10
+    assert len(err.splitlines()) == 1 and err.startswith("megarl: config error: model.transformer_impl=auto: CUDA is "
+                                                         "available but transformer_engine.pytorch"), err

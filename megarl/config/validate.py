@@ -24,9 +24,10 @@ from megarl.algos.kl import KL_ESTIMATORS
 from megarl.algos.off_policy import CORRECTIONS, LEVELS
 from megarl.algos.policy_loss import POLICY_LOSSES
 from megarl.config.errors import ConfigError
-from megarl.config.schema import MODES, Placement
+from megarl.config.schema import MODES, Placement, TransformerImpl
 from megarl.engines.launch_plan import dtype_refusal, ipc_transport_refusal, memory_saver_refusal
 from megarl.models.hf_config import hf_config_if_present
+from megarl.models.layers import choose_layers
 from megarl.models.lora import SYNC_MODES as LORA_SYNC_MODES
 from megarl.models.lora import LoraSettings
 from megarl.parallel import PipelineSplitError, stage_layer_counts
@@ -611,8 +612,13 @@ def refuse_what_is_not_built(cfg: DictConfig, platform: Platform | None = None) 
     a run would otherwise ignore silently, refused until the code honours them (the planner still
     accepts them: big-model recipes plan with them)."""
     check_inputs(cfg)
+    platform = detect() if platform is None else platform
+    try:
+        choose_layers(TransformerImpl(cfg.model.transformer_impl).value, platform)
+    except ValueError as exc:
+        raise ConfigError(_one_line(str(exc))) from None
     if cfg.mode != "warmup":
-        refuse_on_platform(cfg, detect() if platform is None else platform)
+        refuse_on_platform(cfg, platform)
     r = cfg.rollout
     if cfg.trainer.optimizer_cpu_offload and not torch.cuda.is_available():
         _fail("trainer.optimizer_cpu_offload", "moves the Adam state from GPU to host memory with megatron-core's "
