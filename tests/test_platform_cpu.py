@@ -77,18 +77,20 @@ def test_unknown_workaround_name_is_rejected(monkeypatch):
         megatron_cpu.apply()
 
 
-def test_nothing_is_applied_when_cuda_is_available():
+def test_only_missing_packages_are_worked_around_when_cuda_is_available():
     code = (
         "import torch\n"
         "torch.cuda.is_available = lambda: True\n"
         "current_device, tensor_type = torch.cuda.current_device, torch.Tensor.type\n"
         "from megarl.platform import megatron_cpu\n"
-        "assert megatron_cpu.apply() == []\n"
+        "assert megatron_cpu.apply() == list(megatron_cpu.FOR_MISSING_PACKAGE), megatron_cpu.apply()\n"
         "with megatron_cpu.cuda_tensor_type_scope():\n"
         "    assert torch.Tensor.type is tensor_type\n"
         "assert torch.cuda.current_device is current_device\n"
         "import sys\n"
-        "assert not any(type(f).__module__ == megatron_cpu.__name__ for f in sys.meta_path)\n"
+        "patched = {f.module for f in sys.meta_path if type(f).__module__ == megatron_cpu.__name__}\n"
+        "assert patched == {'megatron.bridge.peft.lora_layers', 'megatron.bridge.peft.utils',\n"
+        "                   'megatron.bridge.models.conversion.auto_bridge'}, patched\n"
         "print('untouched')\n"
     )
     result = fresh_python.run([sys.executable, "-c", code], timeout=120)

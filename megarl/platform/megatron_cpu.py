@@ -1,8 +1,10 @@
 """Work-arounds that let megatron-core 0.19 and megatron-bridge 0.6 run on CPU with gloo.
 
 Each work-around is named after the failure it prevents and is applied only when CUDA is not
-available; on a GPU :func:`apply` does nothing. ``MEGARL_CPU_WORKAROUNDS_OFF=name,name`` turns
-single ones off, which the tests use to show that each one is needed.
+available, except those for an optional package megatron-bridge imports unconditionally
+(:data:`FOR_MISSING_PACKAGE`: transformer-engine, modelopt), which a GPU without that package needs as
+well; on a GPU with the GPU extras :func:`apply` does nothing. ``MEGARL_CPU_WORKAROUNDS_OFF=name,name``
+turns single ones off, which the tests use to show that each one is needed.
 
 Call :func:`apply` before megatron is used (it imports the megatron modules it patches), and wrap
 optimizer construction and steps in :func:`cuda_tensor_type_scope`.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import sys
 import types
 
@@ -364,6 +367,10 @@ WORKAROUNDS = (
 )
 
 _applied: list[str] = []
+# Work-arounds for a package megatron-bridge imports unconditionally: on a GPU too when it is missing.
+FOR_MISSING_PACKAGE = {"bridge_imports_transformer_engine": "transformer_engine",
+                       "lora_takes_mocked_te_for_present": "transformer_engine",
+                       "bridge_save_imports_modelopt": "modelopt"}
 OPTIMIZER_TYPE_SCOPE = "optimizer_requires_cuda_tensor_type"  # the name of cuda_tensor_type_scope
 
 
@@ -394,9 +401,13 @@ SPEEDUPS = (
 
 
 def apply() -> list[str]:
-    """Apply every enabled work-around once (a no-op when CUDA is available); returns their names."""
-    if not torch.cuda.is_available() and not _applied:
-        _applied.extend(apply_enabled(SPEEDUPS + WORKAROUNDS, OFF_ENV, also_known=[OPTIMIZER_TYPE_SCOPE]))
+    """Apply every enabled work-around once (with CUDA, only those of :data:`FOR_MISSING_PACKAGE` whose
+    package is missing); returns their names."""
+    if not _applied:
+        needed = SPEEDUPS + WORKAROUNDS if not torch.cuda.is_available() else tuple(
+            w for w in WORKAROUNDS if w.name in FOR_MISSING_PACKAGE and importlib.util.find_spec(
+                FOR_MISSING_PACKAGE[w.name]) is None)
+        _applied.extend(apply_enabled(needed, OFF_ENV, also_known=[OPTIMIZER_TYPE_SCOPE]))
     return list(_applied)
 
 
