@@ -28,10 +28,11 @@ def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
 
 
 def to_device(tensor: T, device: torch.device) -> T:
-    """``tensor`` on ``device`` (None stays None). A host tensor bound for CUDA is staged through pinned
-    memory and copied without blocking the host (the stream orders it before its first use)."""
+    """``tensor`` on ``device`` (None stays None). A host tensor bound for CUDA (an expanded view too) is
+    staged through pinned memory and copied without blocking the host (the stream orders it before its
+    first use)."""
     if tensor is None or tensor.device == device:
         return tensor
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        return tensor.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda" and tensor.device.type == "cpu":  # pinning needs memory without overlaps
+        return tensor.contiguous().pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
