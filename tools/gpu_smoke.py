@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# What a machine with torch alone (the lent H200's image) lacks for the trainer steps: exact versions of
-# requirements.lock; antlr4 4.9.3 exists only as an sdist, so --fetch builds its (pure Python) wheel.
+# What a machine with torch alone (the lent H200's image) lacks for the trainer steps (megarl.config
+# imports the engines' client, hence pybase64): exact versions of requirements.lock; antlr4 4.9.3 exists only as an sdist, so --fetch builds its (pure Python) wheel.
 CARRIED = ("megatron-core==0.19.2", "megatron-bridge==0.6.2", "omegaconf==2.3.1", "hydra-core==1.3.8",
-           "antlr4-python3-runtime==4.9.3")
+           "pybase64==1.5.1", "antlr4-python3-runtime==4.9.3")
 
 
 @dataclass(frozen=True)
