@@ -27,7 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # What a machine with torch alone (the lent H200's image) lacks for the trainer steps (megarl.config
-# imports the engines' client, hence pybase64): exact versions of requirements.lock; antlr4 4.9.3 exists only as an sdist, so --fetch builds its (pure Python) wheel.
+# imports the engines' client, hence pybase64): exact versions of requirements.lock; antlr4 4.9.3 exists
+# only as an sdist, so --fetch builds its (pure Python) wheel.
 CARRIED = ("megatron-core==0.19.2", "megatron-bridge==0.6.2", "omegaconf==2.3.1", "hydra-core==1.3.8",
            "pybase64==1.5.1", "antlr4-python3-runtime==4.9.3")
 
@@ -113,13 +114,14 @@ def run_steps(carry: Path, timeout_scale: float) -> dict:
         try:
             out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                                  timeout=step.planned_s * timeout_scale, env=os.environ)
-            status = "ok" if out.returncode == 0 else "failed"
+            status, stdout = ("ok" if out.returncode == 0 else "failed"), out.stdout
             tail = (out.stdout + out.stderr)[-3000:]
         except subprocess.TimeoutExpired as exc:
-            status, tail = "failed", f"timed out after {exc.timeout:.0f} s: {(exc.stdout or b'')[-2000:]!r}"
+            stdout = (exc.stdout or b"").decode(errors="replace")
+            status, tail = "failed", f"timed out after {exc.timeout:.0f} s: {stdout[-2000:]}"
         seconds = round(time.monotonic() - t0, 1)
         result = {"name": step.name, "status": status, "seconds": seconds}
-        lines = [line for line in tail.splitlines() if line.startswith("smoke: ")]
+        lines = [line for line in stdout.splitlines() if line.startswith("smoke: ")]
         if status == "ok" and lines:
             result["result"] = json.loads(lines[-1][len("smoke: "):])
         else:
