@@ -592,6 +592,31 @@ def _check_dataset(task: DictConfig) -> None:
             _fail(f"task.{key}", f"{field!r} is not a field of {task.path}; its rows have {', '.join(names)}")
 
 
+def chosen_layers(cfg: DictConfig, platform: Platform) -> str:
+    """The layers ``model.transformer_impl`` builds on ``platform`` (:func:`megarl.models.layers.choose_layers`),
+    its refusal as a config error."""
+    try:
+        return choose_layers(TransformerImpl(cfg.model.transformer_impl).value, platform)
+    except ValueError as exc:
+        raise ConfigError(_one_line(str(exc))) from None
+
+
+def check_context_parallel(cfg: DictConfig, platform: Platform) -> None:
+    """``parallel.cp > 1`` needs transformer-engine's context-parallel attention: refused on a CPU
+    ``platform`` and, on CUDA, with megatron's local layers (``model.transformer_impl=local``, or
+    ``auto`` where transformer-engine does not import: the layer choice's own error,
+    :func:`chosen_layers`); neither has a context-parallel path."""
+    if cfg.parallel.cp <= 1:
+        return
+    if not platform.is_cuda:
+        _fail("parallel.cp", "context parallelism needs transformer-engine's attention (CUDA); "
+              "megatron's local attention on CPU has no context-parallel path")
+    if chosen_layers(cfg, platform) == "local":
+        _fail("parallel.cp", "context parallelism needs transformer-engine's attention; model.transformer_impl=local "
+              "builds megatron's local attention, which has no context-parallel path: set model.transformer_impl="
+              "transformer_engine (or auto)")
+
+
 def refuse_on_platform(cfg: DictConfig, platform: Platform) -> None:
     """An RL run's engines on ``platform`` (:mod:`megarl.engines.launch_plan`): a dtype their kernels
     compute in, the colocated engines' memory release, CUDA IPC weight sync only between processes on
@@ -613,10 +638,7 @@ def refuse_what_is_not_built(cfg: DictConfig, platform: Platform | None = None) 
     accepts them: big-model recipes plan with them)."""
     check_inputs(cfg)
     platform = detect() if platform is None else platform
-    try:
-        choose_layers(TransformerImpl(cfg.model.transformer_impl).value, platform)
-    except ValueError as exc:
-        raise ConfigError(_one_line(str(exc))) from None
+    chosen_layers(cfg, platform)
     if cfg.mode != "warmup":
         refuse_on_platform(cfg, platform)
     r = cfg.rollout
@@ -624,9 +646,7 @@ def refuse_what_is_not_built(cfg: DictConfig, platform: Platform | None = None) 
         _fail("trainer.optimizer_cpu_offload", "moves the Adam state from GPU to host memory with megatron-core's "
               "HybridDeviceOptimizer, which runs on CUDA streams; without a GPU the state is in host memory already: "
               "set it false")
-    if cfg.parallel.cp > 1 and not torch.cuda.is_available():
-        _fail("parallel.cp", "context parallelism needs transformer-engine's attention (CUDA); "
-              "megatron's local attention on CPU has no context-parallel path")
+    check_context_parallel(cfg, platform)
     if cfg.mode == "warmup":
         return
     if not torch.cuda.is_available():

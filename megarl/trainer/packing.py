@@ -16,7 +16,9 @@ gives each data-parallel rank its sequences and cuts them into micro-batches:
 
 :func:`model_input` builds what the model reads for one micro-batch, with ``flat_index``: where each
 ragged position lands in the flattened ``[b * s]`` model output (increasing), to take per-token
-results back to the ragged layout.
+results back to the ragged layout. Under context parallelism each CP rank reads its part of the
+input (:mod:`megarl.trainer.context_parallel`): packed sequences are then each padded to a multiple
+of 2·cp, and per-token results come back from all CP ranks.
 """
 from __future__ import annotations
 
@@ -27,6 +29,13 @@ from typing import Optional
 
 import torch
 
+from megarl.trainer.context_parallel import (
+    ContextParallelRank,
+    ContextParallelSplit,
+    bshd_split,
+    padded_lengths,
+    thd_split,
+)
 from megarl.trainer.device import to_device
 
 
@@ -92,9 +101,10 @@ def first_fit_count(lengths: list[int], capacity: int) -> int:
 
 
 def plan_micro_batches(lengths: torch.Tensor, dp: int, max_tokens: int, *, pack: bool,
-                       length_multiple: int = 1) -> MicroBatchPlan:
-    """Sequences per DP rank and micro-batch (see the module docstring). ``lengths`` int [B]."""
-    sizes = [int(n) for n in lengths]
+                       length_multiple: int = 1, cp: int = 1) -> MicroBatchPlan:
+    """Sequences per DP rank and micro-batch (see the module docstring). ``lengths`` int [B]; ``cp``:
+    context-parallel ranks, a packed sequence then takes its length padded to a multiple of 2·cp."""
+    sizes = [int(n) for n in (padded_lengths(lengths, cp) if pack else lengths)]
     if pack:
         shares = balanced_partition(sizes, dp)
         count = max(max(first_fit_count([sizes[i] for i in share], max_tokens), 1) for share in shares)
@@ -126,63 +136,82 @@ def _largest_fitting_divisor(num_rows: int, seq_length: int, max_tokens: int) ->
 
 @dataclass
 class ModelInput:
-    """One micro-batch as the model reads it: ``tokens``/``position_ids`` int64 [b, s];
+    """One micro-batch as this rank's model reads it: ``tokens``/``position_ids`` int64 [b, s]
+    (under context parallelism this CP rank's part, ``s`` = the row length / cp);
     ``packed_seq_params`` (THD) when packed, else None; ``flat_index`` int64 [n]: the position of
-    each ragged token in the flattened [b * s] output."""
+    each ragged token in the flattened [b * s * cp] input of the whole micro-batch; ``split``: where
+    those positions go over the CP ranks (:mod:`megarl.trainer.context_parallel`), None without CP."""
 
     tokens: torch.Tensor
     position_ids: torch.Tensor
     packed_seq_params: Optional[object]
     flat_index: torch.Tensor
+    split: Optional[ContextParallelSplit] = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.tokens.shape)
 
+    @property
+    def row_length(self) -> int:
+        """The whole micro-batch's row length (``s`` times the CP ranks)."""
+        return self.shape[1] * (1 if self.split is None else self.split.cp.size)
+
+    @property
+    def local_index(self) -> torch.Tensor:
+        """int64 [n]: each ragged token's position in this rank's flattened [b * s] output, -1 where
+        another CP rank holds it."""
+        return self.flat_index if self.split is None else self.split.local_position(self.flat_index)
+
     def to(self, device: torch.device) -> ModelInput:
         """This input on ``device`` (THD boundaries included: transformer-engine reads int32
-        ``cu_seqlens`` on the GPU)."""
+        ``cu_seqlens`` on the GPU; the CP split too)."""
         params = self.packed_seq_params
         if params is not None:
             params = dataclasses.replace(params, **{f.name: to_device(getattr(params, f.name), device)
                                                     for f in dataclasses.fields(params)
                                                     if isinstance(getattr(params, f.name), torch.Tensor)})
         return ModelInput(to_device(self.tokens, device), to_device(self.position_ids, device), params,
-                          to_device(self.flat_index, device))
+                          to_device(self.flat_index, device), None if self.split is None else self.split.to(device))
 
     def scatter(self, values: torch.Tensor, fill) -> torch.Tensor:
-        """Ragged ``values`` [n, ...] -> [b, s, ...], ``fill`` (a scalar or a [...] tensor) elsewhere,
-        on ``values``' device (which must be this input's)."""
+        """Ragged ``values`` [n, ...] -> this rank's [b, s, ...], ``fill`` (a scalar or a [...] tensor)
+        elsewhere, on ``values``' device (which must be this input's)."""
         b, s = self.shape
-        out = torch.empty((b * s, *values.shape[1:]), dtype=values.dtype, device=values.device)
+        out = torch.empty((b * self.row_length, *values.shape[1:]), dtype=values.dtype, device=values.device)
         out[:] = fill
         out[self.flat_index] = values
+        if self.split is not None:
+            out = self.split.local(out)
         return out.view(b, s, *values.shape[1:])
 
     def gather(self, flat: torch.Tensor) -> torch.Tensor:
-        """[b * s, ...] per-position results -> ragged [n, ...]."""
+        """This rank's [b * s, ...] per-position results -> ragged [n, ...] of the whole micro-batch
+        (under CP an all-gather over the CP group, differentiable: see
+        :meth:`ContextParallelSplit.gather`)."""
+        if self.split is not None:
+            flat = self.split.gather(flat)
         return flat[self.flat_index]
 
+    def to_ragged(self, values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``values`` [m] of the ragged tokens ``rows`` int64 [m] (all held by this rank) -> ragged [n]
+        with every CP rank's values, 0 at tokens no rank gave (differentiable in ``values``)."""
+        if self.split is None:
+            return values.new_zeros(len(self.flat_index)).index_put((rows,), values)
+        b, s = self.shape
+        return self.gather(values.new_zeros(b * s).index_put((self.local_index[rows],), values))
 
-def model_input(cu_seqlens: torch.Tensor, tokens: torch.Tensor, pad_id: int, length: int, packed: bool) -> ModelInput:
+
+def model_input(cu_seqlens: torch.Tensor, tokens: torch.Tensor, pad_id: int, length: int, packed: bool,
+                cp: Optional[ContextParallelRank] = None) -> ModelInput:
     """The model input of ragged ``tokens`` [n] whose sequences ``cu_seqlens`` [k + 1] (local, from
-    0) delimits: one packed row of ``length`` or k padded rows of ``length``."""
+    0) delimits: one packed row of ``length`` or k padded rows of ``length``; with ``cp`` (more than
+    one CP rank) this rank's part of it, each packed sequence padded to a multiple of 2·cp."""
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     n = int(cu_seqlens[-1])
     local_pos = torch.arange(n) - torch.repeat_interleave(cu_seqlens[:-1].long(), lengths)
     if packed:
-        if n > length:
-            raise ValueError(f"{n} tokens do not fit a packed row of {length}")
-        row = torch.full((length,), pad_id, dtype=torch.long)
-        row[:n] = tokens
-        positions = torch.zeros(length, dtype=torch.long)
-        positions[:n] = local_pos
-        bounds = cu_seqlens.to(torch.int32)
-        if length > n:  # the tail is a padding sequence of its own, attending only to itself
-            positions[n:] = torch.arange(length - n)
-            bounds = torch.cat([bounds, torch.tensor([length], dtype=torch.int32)])
-        longest = int((bounds[1:] - bounds[:-1]).max())
-        return ModelInput(row[None], positions[None], _thd_params(bounds, longest), torch.arange(n))
+        return _packed_input(lengths, local_pos, tokens, pad_id, length, cp)
     b = max(len(lengths), 1)
     if n and int(lengths.max()) > length:
         raise ValueError(f"a sequence of {int(lengths.max())} tokens does not fit a row of {length}")
@@ -190,13 +219,48 @@ def model_input(cu_seqlens: torch.Tensor, tokens: torch.Tensor, pad_id: int, len
     flat_index = rows * length + local_pos
     grid = torch.full((b * length,), pad_id, dtype=torch.long)
     grid[flat_index] = tokens
-    return ModelInput(grid.view(b, length), torch.arange(length).expand(b, length), None, flat_index)
+    positions = torch.arange(length).expand(b, length)
+    if cp is None:
+        return ModelInput(grid.view(b, length), positions, None, flat_index)
+    split = bshd_split(b, length, cp)
+    local = (b, length // cp.size)
+    return ModelInput(split.local(grid).view(local), split.local(positions.reshape(-1)).view(local), None,
+                      flat_index, split)
 
 
-def _thd_params(cu_seqlens: torch.Tensor, max_seqlen: int):
+def _packed_input(lengths: torch.Tensor, local_pos: torch.Tensor, tokens: torch.Tensor, pad_id: int, length: int,
+                  cp: Optional[ContextParallelRank]) -> ModelInput:
+    """One packed row: sequence ``i`` from its padded start (:func:`padded_lengths`), the tail (to
+    ``length``) a padding sequence of its own, attending only to itself."""
+    padded = padded_lengths(lengths, 1 if cp is None else cp.size)
+    starts = torch.cumsum(padded, 0) - padded
+    used = int(padded.sum())
+    if used > length:
+        raise ValueError(f"{int(lengths.sum())} tokens ({used} with their padding) do not fit a packed row of {length}")
+    flat_index = torch.repeat_interleave(starts, lengths) + local_pos
+    row = torch.full((length,), pad_id, dtype=torch.long)
+    row[flat_index] = tokens
+    tail = [length - used] if length > used else []
+    real, segments = torch.cat([lengths, torch.tensor(tail, dtype=torch.long)]), torch.cat(
+        [padded, torch.tensor(tail, dtype=torch.long)])
+    positions = torch.arange(length) - torch.repeat_interleave(torch.cumsum(segments, 0) - segments, segments)
+    cu_real, cu_padded = (torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(x, 0).to(torch.int32)])
+                          for x in (real, segments))
+    longest = int(segments.max())
+    if cp is None:
+        return ModelInput(row[None], positions[None], _thd_params(cu_real, longest), flat_index)
+    split = thd_split(cu_padded, length, cp)
+    return ModelInput(split.local(row)[None], split.local(positions)[None], _thd_params(cu_real, longest, cu_padded),
+                      flat_index, split)
+
+
+def _thd_params(cu_seqlens: torch.Tensor, max_seqlen: int, cu_seqlens_padded: Optional[torch.Tensor] = None):
+    """Megatron's THD parameters: ``cu_seqlens`` int32 of the real lengths, ``cu_seqlens_padded``
+    (under CP) of the padded ones, ``max_seqlen`` the longest padded sequence (RoPE's table length)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           cu_seqlens_q_padded=cu_seqlens_padded, cu_seqlens_kv_padded=cu_seqlens_padded,
                            max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen)
 
 

@@ -8,10 +8,14 @@ replay, the routing the trainer chose is recorded and compared with the engine's
 
 Micro-batches are packed (THD, no padding, DP ranks balanced by tokens) or padded rows
 (:mod:`megarl.trainer.packing`); the per-token results go back to the ragged layout and the loss is
-computed on per-sample rows, so both give the same numbers. Under activation recompute the
-recomputed forward replays the same experts: each router keeps the replay ids of every forward in
-order (megatron-core's ``replay_backward_list``) and the recompute in the backward pass takes them
-back in that order (``REPLAY_BACKWARD``).
+computed on per-sample rows, so both give the same numbers. Under context parallelism each CP rank
+feeds the model its part of every micro-batch, replays its own tokens' experts, and the per-token
+log-probs are all-gathered back onto whole rows (:mod:`megarl.trainer.context_parallel`, which also
+says how the loss's token count is split so that the gradient is the cp=1 one).
+
+Under activation recompute the recomputed forward replays the same experts: each router keeps the
+replay ids of every forward in order (megatron-core's ``replay_backward_list``) and the recompute in
+the backward pass takes them back in that order (``REPLAY_BACKWARD``).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.config.schema import AlgorithmConfig
+from megarl.trainer.context_parallel import ContextParallelRank, row_length_multiple, this_cp_rank, token_count_share
 from megarl.trainer.device import collective_device, model_device
 from megarl.trainer.logprobs import csr_rows, vocab_parallel_logprobs
 from megarl.trainer.mismatch import empty_mismatch, mismatch_metrics, mismatch_sums, reduce_mismatch
@@ -114,27 +119,25 @@ def _token_logprobs(logits: torch.Tensor, mb: RLBatch, mi: ModelInput, vocab_siz
     (the one the engine sampled from) from this rank's logits [b, s, V/tp], and the count of sampled
     tokens outside their sampling mask (int scalar; they are kept, see ``vocab_parallel_logprobs``).
     ``rows`` (int64 [m] ragged positions): compute only there and leave 0 elsewhere (the loss needs
-    its trained tokens only); None: every position."""
+    its trained tokens only); None: every position. Under context parallelism each CP rank computes
+    its own tokens and the results are all-gathered (differentiably) over the CP group."""
     from megatron.core import parallel_state
 
     b, s, shard = logits.shape
     vocab_start = parallel_state.get_tensor_model_parallel_rank() * shard
-    index = mi.flat_index if rows is None else mi.flat_index[rows]
-    picked = logits.reshape(b * s, shard)[index].float() / temperature
+    local = mi.local_index
+    rows = (local >= 0).nonzero().squeeze(1) if rows is None else rows[local[rows] >= 0]
+    picked = logits.reshape(b * s, shard)[local[rows]].float() / temperature
     padded = torch.arange(vocab_start, vocab_start + shard, device=logits.device) >= vocab_size
     if padded.any():  # megatron's vocabulary padding is not part of the policy
         picked = picked.masked_fill(padded, torch.finfo(torch.float32).min)
-    mask = mb.sampling_mask
-    targets = mb.targets
-    if rows is not None:
-        mask = None if mask is None else csr_rows(mask, rows)
-        targets = targets[rows]
-    out = vocab_parallel_logprobs(picked, vocab_start, targets, mask, parallel_state.get_tensor_model_parallel_group())
-    if rows is None:
-        return out.logprobs, out.entropy, out.outside_mask
-    n = len(mb.tokens)
-    return (out.logprobs.new_zeros(n).index_put((rows,), out.logprobs),
-            out.entropy.new_zeros(n).index_put((rows,), out.entropy), out.outside_mask)
+    mask = None if mb.sampling_mask is None else csr_rows(mb.sampling_mask, rows)
+    out = vocab_parallel_logprobs(picked, vocab_start, mb.targets[rows], mask,
+                                  parallel_state.get_tensor_model_parallel_group())
+    outside = out.outside_mask
+    if mi.split is not None:
+        torch.distributed.all_reduce(outside, group=mi.split.cp.group)
+    return mi.to_ragged(out.logprobs, rows), mi.to_ragged(out.entropy, rows), outside
 
 
 class _Replay:
@@ -172,13 +175,15 @@ class _Replay:
 
 
 def micro_batches(batch: RLBatch, plan, rank: int, pad_id: int,
-                  device: torch.device | None = None) -> list[tuple[RLBatch, ModelInput]]:
-    """DP rank ``rank``'s micro-batches of ``plan``: each its samples and its model input, built on the
-    host and moved to ``device`` once (None: left on the host)."""
+                  device: torch.device | None = None,
+                  cp: ContextParallelRank | None = None) -> list[tuple[RLBatch, ModelInput]]:
+    """DP rank ``rank``'s micro-batches of ``plan``: each its samples and its model input (this CP
+    rank's part of it with ``cp``), built on the host and moved to ``device`` once (None: left on the
+    host)."""
     out = []
     for indices in plan.per_rank[rank]:
         mb = batch.select(indices)
-        mi = model_input(mb.cu_seqlens, mb.tokens, pad_id, plan.length, plan.packed)
+        mi = model_input(mb.cu_seqlens, mb.tokens, pad_id, plan.length, plan.packed, cp)
         out.append((mb, mi) if device is None else (mb.to(device), mi.to(device)))
     return out
 
@@ -187,13 +192,17 @@ def local_micro_batches(batch: RLBatch, max_tokens: int, *, pack: bool, sequence
                         device: torch.device | None = None
                         ) -> tuple[MicroBatchPlan, int, list[tuple[RLBatch, ModelInput]]]:
     """The plan of every DP rank for ``batch`` (host tensors), this rank's DP index, and this rank's
-    micro-batches on ``device`` (None: the host)."""
+    micro-batches on ``device`` (None: the host); the CP ranks of one DP rank share its micro-batches,
+    each holding its part."""
     from megatron.core import parallel_state
 
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    plan = plan_micro_batches(batch.lengths, dp, max_tokens, pack=pack, length_multiple=tp if sequence_parallel else 1)
-    return plan, dp_rank, micro_batches(batch, plan, dp_rank, pad_id, device)
+    cp = this_cp_rank()
+    cp_size = 1 if cp is None else cp.size
+    plan = plan_micro_batches(batch.lengths, dp, max_tokens, pack=pack, cp=cp_size,
+                              length_multiple=row_length_multiple(cp_size, tp, sequence_parallel))
+    return plan, dp_rank, micro_batches(batch, plan, dp_rank, pad_id, device, cp)
 
 
 def _forward_backward(chunks, micro: list, forward_step, forward_only: bool, length: int):
@@ -232,7 +241,7 @@ def reference_logprobs(chunks: list, micro: list, *, vocab_size: int, temperatur
 
     try:
         with torch.no_grad():
-            _forward_backward(chunks, micro, forward_step, True, micro[0][1].shape[1])
+            _forward_backward(chunks, micro, forward_step, True, micro[0][1].row_length)
     finally:
         if replayer is not None:
             replayer.close()
@@ -383,8 +392,10 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
                      "entropy_tokens": flat_ent.detach()[mb.loss_mask > 0].sum()}
             sums = torch.stack([parts[k].double() for k in sum_keys])
             mismatch = mismatch_sums(flat_lp, mb.rollout_logprobs, mb.loss_mask, mb.staleness, outside)
-            return (out.loss_sum, out.denominator_share.round().to(torch.int),
-                    {"sums": sums, "mismatch": mismatch})
+            num_tokens = out.denominator_share.round().to(torch.int)
+            if mi.split is not None:  # every CP rank holds the whole loss: split its count (context_parallel)
+                num_tokens = token_count_share(num_tokens, mi.split.cp)
+            return out.loss_sum, num_tokens, {"sums": sums, "mismatch": mismatch}
 
         return logits, loss_func
 

@@ -2,13 +2,16 @@
 then the optimizer. The loss is a token mean over the whole global batch, across micro-batches and
 DP ranks (megatron's ``calculate_per_token_loss``), so every layout computes the same number.
 Micro-batches are packed or padded rows as in the RL step (:mod:`megarl.trainer.packing`), each moved
-to the model's device once; the reduced loss lives on the data-parallel group's device."""
+to the model's device once; the reduced loss lives on the data-parallel group's device. Under
+context parallelism each CP rank returns the loss sum and count of its own tokens, which megatron
+adds up over the DP×CP group."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from megarl.trainer.context_parallel import row_length_multiple, this_cp_rank
 from megarl.trainer.device import model_device
 from megarl.trainer.packing import model_input, plan_micro_batches
 from megarl.trainer.token_batch import TokenBatch
@@ -29,8 +32,11 @@ def _token_loss_step(pad_id: int):
                           packed_seq_params=mi.packed_seq_params)  # [b, s] on the last stage
 
         def loss_func(output):
-            loss_sum = (mi.gather(output.reshape(-1)).float() * mb.loss_mask).sum()
-            tokens = mb.loss_mask.sum().to(torch.int)
+            local = mi.local_index
+            held = local >= 0  # this CP rank's tokens (all of them without CP)
+            loss_mask = mb.loss_mask[held]
+            loss_sum = (output.reshape(-1)[local[held]].float() * loss_mask).sum()
+            tokens = loss_mask.sum().to(torch.int)
             return loss_sum, tokens, {"loss_sum": torch.stack([loss_sum.detach(), tokens.float()])}
 
         return per_token, loss_func
@@ -49,14 +55,17 @@ def supervised_step(chunks: list, optimizer, scheduler, batch: TokenBatch, max_t
     from megarl.trainer.optimizer import optimizer_step
 
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
-    multiple = parallel_state.get_tensor_model_parallel_world_size() if get_model_config(chunks[0]).sequence_parallel \
-        else 1
-    plan = plan_micro_batches(batch.lengths, dp, max_tokens_per_microbatch, pack=pack, length_multiple=multiple)
+    cp = this_cp_rank()
+    cp_size = 1 if cp is None else cp.size
+    multiple = row_length_multiple(cp_size, parallel_state.get_tensor_model_parallel_world_size(),
+                                   get_model_config(chunks[0]).sequence_parallel)
+    plan = plan_micro_batches(batch.lengths, dp, max_tokens_per_microbatch, pack=pack, length_multiple=multiple,
+                              cp=cp_size)
     device = model_device(chunks)
     micro = []
     for indices in plan.per_rank[dp_rank]:  # built on the host, moved to the model's device once
         mb = batch.select(indices)
-        mi = model_input(mb.cu_seqlens, mb.tokens, pad_id, plan.length, plan.packed)
+        mi = model_input(mb.cu_seqlens, mb.tokens, pad_id, plan.length, plan.packed, cp)
         micro.append((mb.to(device), mi.to(device)))
     for chunk in chunks:
         chunk.zero_grad_buffer()
@@ -71,6 +80,6 @@ def supervised_step(chunks: list, optimizer, scheduler, batch: TokenBatch, max_t
     loss, tokens = float("nan"), int(batch.loss_mask.sum())
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         totals = torch.stack([r["loss_sum"] for r in reduced]).sum(0)
-        torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+        torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
         loss = float(totals[0] / totals[1])
     return StepResult(loss=loss, grad_norm=grad_norm, tokens=tokens, applied=applied)
