@@ -49,6 +49,8 @@ CASES = {
     "unknown_environment": (["task.env=calculatr"], "task.env", ["'calculatr' is not one of calculator"]),
     "agent_does_not_import": (["task.agent=nope_agents:solve"], "task.agent",
                               ["cannot import 'nope_agents'", "No module named 'nope_agents'"]),
+    "unknown_tool_call_parser": (["rollout.tool_call_parser=qwen3"], "rollout.tool_call_parser",
+                                 ["SGLang has no tool-call parser 'qwen3'", "qwen25"]),
 }
 
 

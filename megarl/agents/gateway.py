@@ -33,7 +33,15 @@ response budget left in the segment, the context left); ``top_p`` = min(request,
 ``temperature`` and ``top_k`` are always the config's (the trainer scores tokens under the config's
 temperature; a request's temperature is ignored, logged once), but a frozen role's calls sample at the
 request's temperature (nothing trains on them; e.g. a greedy verifier); ``stop`` (a string or a list) is the
-request's. ``n`` other than 1 and ``stream`` are refused (400).
+request's. ``n`` other than 1, ``top_logprobs`` and any field not listed in ``CHAT_FIELDS`` /
+``COMPLETION_FIELDS`` are refused (400 naming the field); ``logprobs`` gives each generated token's
+sampling log-prob; ``stream`` sends the generated answer as server-sent events (``megarl/agents/responses.py``).
+
+Tool calls (``tools``, ``tool_choice``, ``parallel_tool_calls``; ``megarl/agents/tools.py``): a required or
+named call constrains generation with SGLang's grammar for the model's format; the text is parsed into
+OpenAI ``tool_calls`` by the ``tool_call_parser``; the tokens are recorded as generated. An assistant message
+that carries calls this session returned is rendered as the text generated with them, so that the
+conversation extends its segment (docs/agents.md).
 
 Roles (multi-agent): with ``roles`` None every call is the one policy's (role ""), whatever its
 ``model``; with ``roles`` (role name -> :class:`~megarl.engines.protocol.Engines`) the request's
@@ -57,15 +65,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import logging
 import numbers
 import secrets
-import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from megarl.agents import tools as tool_calls
+from megarl.agents.responses import Answer, TokenLogprob, chat_body, chat_chunks, completion_body, completion_chunks
 from megarl.agents.trajectory import Call, Segment, Trajectory
 from megarl.engines.client import EngineError, EngineUnreachable, SamplingParams
 from megarl.engines.protocol import Engines
@@ -75,6 +85,10 @@ log = logging.getLogger(__name__)
 
 PARTIAL_ROLLOUT_MODES = ("continue", "abort_resubmit")
 _OPENAI_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORTED: "length"}
+_SAMPLING_FIELDS = {"model", "max_tokens", "temperature", "top_p", "stop", "n", "stream", "stream_options", "logprobs"}
+CHAT_FIELDS = frozenset(_SAMPLING_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "tools",
+                                            "tool_choice", "parallel_tool_calls"})
+COMPLETION_FIELDS = frozenset(_SAMPLING_FIELDS | {"prompt"})
 
 
 class GatewayError(Exception):
@@ -103,6 +117,8 @@ class Session:
     budget_end: str | None = None
     engine_failure: EngineUnreachable | None = None
     closed: bool = False
+    # the tool calls of answers returned (tools.calls_key) -> the text generated with them
+    returned_calls: dict[tuple, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -115,18 +131,26 @@ class _Request:
     top_p: float
     stop: tuple[str, ...]
     temperature: float | None  # as asked; None: not given
+    tools: tool_calls.ToolUse | None = None
+    logprobs: bool = False
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
 
 
 class AgentGateway:
     """The gateway (module docstring). ``async with`` (or :meth:`start` / :meth:`aclose`); then per
     episode :meth:`open_session`, :meth:`base_url`, and :meth:`close_session` (later calls: 404).
 
-    ``max_response_tokens`` None: a segment's response is bounded by the context only."""
+    ``max_response_tokens`` None: a segment's response is bounded by the context only.
+    ``tool_call_parser``: SGLang's parser of the served model's tool calls (``megarl/agents/parsers.py``);
+    None: chat calls with ``tools`` are refused. ``tool_call_counts``: answers whose text held tool calls,
+    ``parsed`` or ``unparsable`` (returned as text), over the gateway's life."""
 
     def __init__(self, policy: Engines, tokenizer, params: SamplingParams, *, max_turns: int,
                  max_response_tokens: int | None = None, roles: Mapping[str, Engines] | None = None,
                  routing: bool = True, sampling_mask: bool = True, partial_rollout: str = "continue",
-                 frozen_roles: Collection[str] = (), host: str = "127.0.0.1", port: int = 0):
+                 frozen_roles: Collection[str] = (), tool_call_parser: str | None = None, host: str = "127.0.0.1",
+                 port: int = 0):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if max_response_tokens is not None and max_response_tokens < 1:
@@ -144,6 +168,8 @@ class AgentGateway:
         self.max_turns, self.max_response_tokens = max_turns, max_response_tokens
         self.routing, self.sampling_mask, self.partial_rollout = routing, sampling_mask, partial_rollout
         self.frozen_roles = frozenset(frozen_roles)
+        self.tool_call_parser = tool_call_parser
+        self.tool_call_counts: collections.Counter[str] = collections.Counter()
         self.host, self.port = host, port
         self.sessions: dict[str, Session] = {}
         self._special_ids = set(tokenizer.all_special_ids)
@@ -202,24 +228,25 @@ class AgentGateway:
     async def _completion(self, request: web.Request) -> web.Response:
         return await self._serve(request, chat=False)
 
-    async def _serve(self, request: web.Request, chat: bool) -> web.Response:
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             session = self._session(request.match_info["session"])
             body = await _json_body(request)
-            call = self._parse(body, chat)
+            call = self._parse(body, chat, session)
             role, target = self._role(call.model)
-            text, finish, usage = await self._generate(session, role, target, call)
+            answer = await self._generate(session, role, target, call)
         except GatewayError as e:
             return e.response()
-        created = int(time.time())
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                      "logprobs": None}
-            return web.json_response({"id": f"chatcmpl-{secrets.token_hex(8)}", "object": "chat.completion",
-                                      "created": created, "model": call.model, "choices": [choice], "usage": usage})
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-        return web.json_response({"id": f"cmpl-{secrets.token_hex(8)}", "object": "text_completion",
-                                  "created": created, "model": call.model, "choices": [choice], "usage": usage})
+        if not call.stream:
+            return web.json_response(chat_body(answer) if chat else completion_body(answer))
+        chunks = (chat_chunks if chat else completion_chunks)(answer, call.include_usage)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for chunk in chunks:
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     def _session(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
@@ -236,15 +263,21 @@ class AgentGateway:
                                "model_not_found", "model")
         return model, self.roles[model]
 
-    def _parse(self, body: dict, chat: bool) -> _Request:
+    def _parse(self, body: dict, chat: bool, session: Session) -> _Request:
+        unknown = sorted(k for k, v in body.items() if v is not None and k not in (CHAT_FIELDS if chat
+                                                                                  else COMPLETION_FIELDS))
+        if unknown:
+            raise _bad(unknown[0], f"the megarl gateway does not implement {', '.join(map(repr, unknown))} "
+                                   f"(it implements {sorted(CHAT_FIELDS if chat else COMPLETION_FIELDS)})")
         model = body.get("model")
         if not isinstance(model, str):
             raise _bad("model", f"'model' must be a string, got {type(model).__name__}")
-        if body.get("stream"):
-            raise _bad("stream", "streaming is not supported by the megarl gateway")
         if body.get("n", 1) != 1:
-            raise _bad("n", f"'n' must be 1, got {body.get('n')!r}")
-        text = self._render(body) if chat else _completion_prompt(body)
+            raise _bad("n", f"'n' must be 1, got {body.get('n')!r}: each call continues one conversation of the "
+                            "trajectory; make n calls instead (each becomes a sample of its own)")
+        stream, include_usage = _stream_options(body)
+        tools = self._tool_use(body) if chat else None
+        text = self._render(body, tools, session) if chat else _completion_prompt(body)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
                                        or max_tokens < 1):
@@ -261,7 +294,18 @@ class AgentGateway:
             raise _bad("stop", f"'stop' must be a non-empty string or a list of them, got {body.get('stop')!r}")
         return _Request(text=text, model=model, max_tokens=max_tokens,
                         top_p=min(self.params.top_p, top_p if top_p is not None else 1.0), stop=tuple(stop),
-                        temperature=temperature)
+                        temperature=temperature, tools=tools, logprobs=_logprobs(body, chat), stream=stream,
+                        include_usage=include_usage)
+
+    def _tool_use(self, body: dict) -> tool_calls.ToolUse | None:
+        try:
+            use = tool_calls.tool_use(body)
+        except tool_calls.ToolRequestError as e:
+            raise _bad(e.param, str(e)) from e
+        if use is not None and use.offered and self.tool_call_parser is None:
+            raise _bad("tools", "this model has no tool-call parser: set rollout.tool_call_parser to the SGLang "
+                                "parser of its tool-call format")
+        return use
 
     def _temperature(self, role: str, asked: float | None) -> float:
         """The call's sampling temperature: the rollout's, or what a frozen role's call asked for."""
@@ -275,7 +319,9 @@ class AgentGateway:
                         asked, self.params.temperature)
         return self.params.temperature
 
-    def _render(self, body: dict) -> str:
+    def _render(self, body: dict, tools: tool_calls.ToolUse | None, session: Session) -> str:
+        """The prompt text; an assistant message holding tool calls this session returned is rendered as
+        the text generated with them (so that the call extends the segment of that answer's tokens)."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _bad("messages", "'messages' must be a non-empty list of {role, content} objects")
@@ -283,18 +329,23 @@ class AgentGateway:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise _bad("messages", f"messages[{i}] must be an object with a string 'role'")
-            rendered.append({**m, "content": _content(m.get("content"), i)})
+            generated = session.returned_calls.get(tool_calls.calls_key(m.get("tool_calls"))) \
+                if m["role"] == "assistant" else None
+            if generated is not None:
+                rendered.append({"role": "assistant", "content": generated})
+            else:
+                rendered.append({**m, "content": _content(m.get("content"), i)})
+        offered = [t.model_dump(exclude_none=True) for t in tools.offered] if tools is not None else []
         try:
-            return self.tokenizer.apply_chat_template(rendered, tools=body.get("tools"), tokenize=False,
+            return self.tokenizer.apply_chat_template(rendered, tools=offered or None, tokenize=False,
                                                       add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 -- the template's error (jinja, missing template) goes back as a 400
             raise _bad("messages", f"the chat template cannot render these messages: {type(e).__name__}: {e}") \
                 from e
 
     # --- generation and recording -----------------------------------------------------------------
-    async def _generate(self, session: Session, role: str, target: Engines,
-                        call: _Request) -> tuple[str, str, dict[str, int]]:
-        """Generate one call, record it; returns (completion text, OpenAI finish reason, usage)."""
+    async def _generate(self, session: Session, role: str, target: Engines, call: _Request) -> Answer:
+        """Generate one call, record it; returns its answer (:meth:`_answer`)."""
         if session.turns[role] >= self.max_turns:
             session.budget_end = session.budget_end or "max_turns"
             raise GatewayError(400, f"role {role or 'policy'!r} has made its {self.max_turns} calls (max_turns)",
@@ -321,7 +372,7 @@ class AgentGateway:
         session.turns[role] += 1
         params = dataclasses.replace(self.params, max_new_tokens=budget, top_p=call.top_p,
                                      temperature=self._temperature(role, call.temperature),
-                                     stop=tuple(self.params.stop) + call.stop)
+                                     stop=tuple(self.params.stop) + call.stop, grammar=self._grammar(call))
         try:
             pieces = await self._engine_call(session, target, prompt_ids, params, trained=role not in self.frozen_roles)
         finally:
@@ -334,9 +385,41 @@ class AgentGateway:
             and generated[-1] in self._special_ids
         segment.calls += [Call(piece, turn_end=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
         segment.key = call.text + text + (self.tokenizer.decode(generated[-1:]) if stopped_by_special else "")
-        usage = {"prompt_tokens": len(prompt_ids), "completion_tokens": len(generated),
-                 "total_tokens": len(prompt_ids) + len(generated)}
-        return text, _OPENAI_FINISH[pieces[-1].finish_reason], usage
+        return self._answer(session, call, pieces, text, len(prompt_ids))
+
+    def _grammar(self, call: _Request) -> tuple[tuple[str, object], ...]:
+        if call.tools is None or not call.tools.offered:
+            return ()
+        try:
+            return tool_calls.grammar(self.tool_call_parser, call.tools)
+        except ValueError as e:  # e.g. tools whose schemas conflict
+            raise _bad("tools", f"SGLang cannot constrain generation to these tools: {e}") from e
+
+    def _answer(self, session: Session, call: _Request, pieces: list[RolloutSample], text: str,
+                prompt_tokens: int) -> Answer:
+        """The OpenAI answer of a generated call: its tool calls parsed from the text (the tokens stay as
+        generated), ``finish_reason`` "tool_calls" when it ended by itself with calls, and the sampled
+        tokens' log-probs when asked for."""
+        generated = [t for piece in pieces for t in piece.response_ids]
+        finish = _OPENAI_FINISH[pieces[-1].finish_reason]
+        content, calls = text, None
+        if call.tools is not None and call.tools.offered:
+            raw = self.tokenizer.decode(generated[:-1] if finish == "stop" and generated[-1:]
+                                        and generated[-1] in self._special_ids else generated)
+            parsed = tool_calls.parse_calls(self.tool_call_parser, call.tools, raw, self.tokenizer)
+            if parsed.tool_calls is not None or parsed.unparsable:
+                self.tool_call_counts["unparsable" if parsed.unparsable else "parsed"] += 1
+            if parsed.tool_calls is not None:
+                content, calls = parsed.content, parsed.tool_calls
+                session.returned_calls[tool_calls.calls_key(calls)] = text
+                finish = "tool_calls" if finish == "stop" else finish
+        logprobs = None
+        if call.logprobs:
+            values = [float(v) for piece in pieces for v in piece.rollout_logprobs]
+            logprobs = tuple(TokenLogprob(self.tokenizer.decode([t]), v) for t, v in zip(generated, values))
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(generated),
+                 "total_tokens": prompt_tokens + len(generated)}
+        return Answer(call.model, content, calls, finish, usage, logprobs)
 
     async def _engine_call(self, session: Session, target: Engines, prompt_ids: list[int],
                            params: SamplingParams, trained: bool) -> list[RolloutSample]:
@@ -392,6 +475,36 @@ def _content(content, i: int) -> str:
                                          and isinstance(p.get("text"), str) for p in content):
         return "".join(p["text"] for p in content)
     raise _bad("messages", f"messages[{i}].content must be a string or a list of text parts")
+
+
+def _stream_options(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage) of a request."""
+    stream, options = body.get("stream") or False, body.get("stream_options")
+    if not isinstance(stream, bool):
+        raise _bad("stream", f"'stream' must be a boolean, got {stream!r}")
+    if options is None:
+        return stream, False
+    if not stream or not isinstance(options, dict) or set(options) - {"include_usage"} \
+            or not isinstance(options.get("include_usage", False), bool):
+        raise _bad("stream_options", f"'stream_options' must be {{include_usage: bool}} with stream=true, "
+                                     f"got {options!r}")
+    return stream, options.get("include_usage", False)
+
+
+def _logprobs(body: dict, chat: bool) -> bool:
+    """Whether the sampled tokens' log-probs are asked for; alternatives (top log-probs) are refused."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if chat:
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise _bad("logprobs", f"'logprobs' must be a boolean, got {logprobs!r}")
+        if top not in (None, 0):
+            raise _bad("top_logprobs", "'top_logprobs' must be 0 or absent: the engines return the log-prob of "
+                                       "the sampled token only (the one the trainer scores), not alternatives")
+        return bool(logprobs)
+    if logprobs not in (None, 0):
+        raise _bad("logprobs", "'logprobs' must be 0 or absent: the engines return the log-prob of the sampled "
+                               "token only (the one the trainer scores), not alternatives")
+    return logprobs == 0
 
 
 def _completion_prompt(body: dict) -> str:

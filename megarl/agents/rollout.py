@@ -69,28 +69,32 @@ class AgentEpisodes:
     ``max_response_tokens`` bounds each sample's response (None: the context). ``reward_fn`` scores
     episodes whose agent returned None, with ``reward_timeout_s`` (its failures: reward 0, error).
     Counters over the object's life: ``errors`` (episode errors by kind), ``budget_ends`` (by
-    budget), ``reward_errors`` (by kind). ``partial_rollout`` and ``host``: the gateway's
-    (``megarl/agents/gateway.py``).
+    budget), ``reward_errors`` (by kind), ``tool_call_counts`` (the gateway's). ``partial_rollout``,
+    ``tool_call_parser`` and ``host``: the gateway's (``megarl/agents/gateway.py``).
     """
 
     def __init__(self, target: Engines, tokenizer, agent: AgentFn, params: SamplingParams, *, max_turns: int,
                  max_response_tokens: int | None, timeout_s: float, routing: bool = True, sampling_mask: bool = True,
                  roles: Mapping[str, Engines | None] | None = None, reward_fn: RewardFn | None = None,
                  reward_timeout_s: float = 30.0, partial_rollout: str = "continue", frozen_roles: Collection[str] = (),
-                 host: str = "127.0.0.1"):
+                 tool_call_parser: str | None = None, host: str = "127.0.0.1"):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         resolved = {role: t if t is not None else target for role, t in roles.items()} if roles is not None else None
         self.gateway = AgentGateway(target, tokenizer, params, max_turns=max_turns,
                                     max_response_tokens=max_response_tokens, roles=resolved, routing=routing,
                                     sampling_mask=sampling_mask, partial_rollout=partial_rollout,
-                                    frozen_roles=frozen_roles, host=host)
+                                    frozen_roles=frozen_roles, tool_call_parser=tool_call_parser, host=host)
         self.tokenizer, self.agent, self.timeout_s = tokenizer, agent, timeout_s
         self.routing, self.sampling_mask = routing, sampling_mask
         self.scorer = RewardScorer(reward_fn, reward_timeout_s) if reward_fn is not None else None
         self._starting = asyncio.Lock()
         self.errors: collections.Counter[str] = collections.Counter()
         self.budget_ends: collections.Counter[str] = collections.Counter()
+
+    @property
+    def tool_call_counts(self) -> collections.Counter[str]:
+        return self.gateway.tool_call_counts
 
     @property
     def reward_errors(self) -> collections.Counter[str]:

@@ -253,6 +253,9 @@ class RolloutConfig:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal and refill
     kv_cache_gb: Optional[float] = None  # planner: KV cache per engine; None = what is left
     max_prompt_tokens: int = 1024  # planner: longest prompt in tokens (KV cache must hold prompt + response)
+    # SGLang's parser of the tool calls an agent's model writes (task.agent's gateway); null: the model family's
+    # (megarl/agents/parsers.py, e.g. qwen3_moe -> qwen25)
+    tool_call_parser: Optional[str] = None
 
 
 @dataclass

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from megarl.agents.parsers import tool_call_parser
 from megarl.agents.spec import load_agent
 from megarl.algos.advantages import ADVANTAGES
 from megarl.algos.aggregation import AGGREGATIONS
@@ -366,6 +367,10 @@ def _check_rollout(cfg: DictConfig) -> None:
         _fail("rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     if not 0 < r.mem_fraction_static < 1:
         _fail("rollout.mem_fraction_static", f"must be in (0, 1), got {r.mem_fraction_static}")
+    try:
+        tool_call_parser(r.tool_call_parser, None)
+    except ValueError as exc:  # the message names rollout.tool_call_parser
+        raise ConfigError(_one_line(str(exc))) from exc
 
 
 def _check_algorithm(cfg: DictConfig) -> None:

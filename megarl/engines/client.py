@@ -78,7 +78,9 @@ class ServedModel:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. top_k <= 0 means no top-k; a sampling mask needs a finite top_k."""
+    """Per-request sampling. top_k <= 0 means no top-k; a sampling mask needs a finite top_k. ``grammar``:
+    SGLang sampling-param entries that constrain generation (``json_schema``, ``ebnf``, ``structural_tag``:
+    name, value), sent as they are; the sampling mask and log-probs are then those of the constrained logits."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -86,6 +88,7 @@ class SamplingParams:
     top_k: int = -1
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    grammar: tuple[tuple[str, object], ...] = ()
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -100,6 +103,7 @@ class SamplingParams:
                "top_k": self.top_k, "ignore_eos": self.ignore_eos}
         if self.stop:
             out["stop"] = list(self.stop)
+        out.update(self.grammar)
         return out
 
 

@@ -32,6 +32,7 @@ from omegaconf import DictConfig
 from rich.progress import Progress
 from transformers import AutoTokenizer
 
+from megarl.agents.parsers import tool_call_parser
 from megarl.agents.rollout import AgentEpisodes
 from megarl.agents.spec import load_agent
 from megarl.algos.advantages import BatchStats
@@ -43,6 +44,7 @@ from megarl.engines.protocol import Engines
 from megarl.engines.server import EngineSettings
 from megarl.metrics.gpu import GpuStats
 from megarl.metrics.sink import MetricsFile
+from megarl.models.hf_config import read_hf_config
 from megarl.models.lora import LoraSettings
 from megarl.parallel import Layout
 from megarl.pipeline.buffer import Group, RolloutBuffer
@@ -288,10 +290,12 @@ def episode_metrics(samples: list[RolloutSample]) -> dict[str, float]:
 
 
 def episode_runner(cfg: DictConfig, target: EnginePool, tokenizer, params: SamplingParams,
-                   frozen: Mapping[str, Engines] | None = None):
+                   frozen: Mapping[str, Engines] | None = None, model_type: str | None = None):
     """What turns a prompt into multi-turn episodes: an environment (``task.env``), an agent program
     behind the OpenAI gateway (``task.agent``; its roles on the engines ``task.role_engines`` names,
-    ``frozen``: role -> the engine of the frozen model serving it), or None for single-turn prompts."""
+    ``frozen``: role -> the engine of the frozen model serving it; its tool calls read by
+    ``rollout.tool_call_parser``, or the parser of ``model_type``, the policy's family), or None for
+    single-turn prompts."""
     task = cfg.task
     if task.agent is not None:
         frozen = dict(frozen or {})
@@ -302,7 +306,8 @@ def episode_runner(cfg: DictConfig, target: EnginePool, tokenizer, params: Sampl
         return AgentEpisodes(target, tokenizer, load_agent(task.agent), params, max_turns=task.max_turns,
                              max_response_tokens=task.max_response_tokens, timeout_s=task.agent_timeout_s,
                              routing=cfg.rollout.keep_routing, sampling_mask=cfg.rollout.top_k > 0, roles=roles,
-                             partial_rollout=cfg.buffer.partial_rollout, frozen_roles=frozen)
+                             partial_rollout=cfg.buffer.partial_rollout, frozen_roles=frozen,
+                             tool_call_parser=tool_call_parser(cfg.rollout.tool_call_parser, model_type))
     if task.env is None:
         return None
     budget = task.max_response_tokens or target.model.context_length  # and each episode's context
@@ -478,7 +483,7 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     # The engine's log-probs are always those of the distribution it sampled from (renormalised
     # over its top-k mask); keep_sampling_mask decides whether the trainer applies that mask too.
     frozen = {a.role: pools[a.name] for a in auxiliary if a.role is not None}
-    episodes = episode_runner(cfg, pool, tokenizer, params, frozen)
+    episodes = episode_runner(cfg, pool, tokenizer, params, frozen, read_hf_config(start_checkpoint).model_type)
     if isinstance(episodes, AgentEpisodes):
         stack.push_async_callback(episodes.aclose)
     manager = RolloutManager(pool, tokenizer, make_reward(cfg.reward, judge=judge), params, r.samples_per_prompt,
