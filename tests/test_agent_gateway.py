@@ -15,7 +15,7 @@ from hf_oracle import assert_sample_matches_hf
 from megarl.agents.gateway import AgentGateway
 from megarl.agents.rollout import AgentEpisodes
 from megarl.agents.spec import load_agent
-from megarl.engines.client import SamplingParams
+from megarl.engines.types import SamplingParams
 from megarl.sample import FinishReason
 from megarl.tasks.prompts import Prompt
 

@@ -7,8 +7,9 @@ import asyncio
 import httpx
 import pytest
 
-from megarl.engines.client import EngineError, EngineUnreachable, SamplingParams, SGLangClient
+from megarl.engines.client import SGLangClient
 from megarl.engines.coalesce import BatchCoalescer
+from megarl.engines.types import EngineError, EngineUnreachable, SamplingParams
 
 
 class Recorder:

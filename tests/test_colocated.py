@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from startup_order import record_startup
 
-from megarl.engines.client import PauseMode, SamplingParams, ServedModel
 from megarl.engines.pool import EnginePool
+from megarl.engines.types import PauseMode, SamplingParams, ServedModel
 from megarl.metrics.sink import read_metrics
 from megarl.pipeline.colocate import Colocation
 from megarl.sample import FinishReason, RolloutSample

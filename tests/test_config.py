@@ -297,7 +297,7 @@ def test_max_new_tokens_is_checked_against_the_checkpoint_context(tiny_checkpoin
 # --- one reader of an HF config.json ---------------------------------------------------------------
 
 def test_hf_config_of_the_tiny_checkpoint_feeds_the_served_model(tiny_checkpoint):
-    from megarl.engines.client import ServedModel
+    from megarl.engines.types import ServedModel
     from megarl.models.hf_config import read_hf_config
 
     hf = read_hf_config(tiny_checkpoint)
@@ -309,7 +309,7 @@ def test_hf_config_of_the_tiny_checkpoint_feeds_the_served_model(tiny_checkpoint
 
 
 def test_hf_config_naming_variants_and_text_config(tmp_path):
-    from megarl.engines.client import ServedModel
+    from megarl.engines.types import ServedModel
     from megarl.models.hf_config import HfConfig
 
     mixtral = HfConfig.from_dict({"model_type": "mixtral", "num_hidden_layers": 32, "num_local_experts": 8,

@@ -17,7 +17,7 @@ from megarl.algos.advantages import fill_advantages
 from megarl.algos.distill import fill_distill_advantages, opd_token_advantages
 from megarl.config import ConfigError, load_config
 from megarl.config.validate import check_inputs
-from megarl.engines.client import SamplingParams
+from megarl.engines.types import SamplingParams
 from megarl.parallel import free_port
 from megarl.rollout.group import RolloutManager
 from megarl.rollout.teacher import TeacherAnswerError, TeacherScorer, teacher_logprobs_from

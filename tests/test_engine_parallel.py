@@ -17,8 +17,9 @@ import torch
 from hf_oracle import load_hf, router_topk, sharpened_checkpoint
 
 from megarl.config import load_config
-from megarl.engines.client import SamplingParams, SGLangClient
+from megarl.engines.client import SGLangClient
 from megarl.engines.server import EngineSettings, SGLangEngine
+from megarl.engines.types import SamplingParams
 from megarl.platform import sglang_cpu
 
 LM_HEAD_SCALE = 25.0  # the random-init head gives near-uniform logits; scaled, greedy has no near-ties

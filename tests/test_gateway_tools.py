@@ -20,7 +20,7 @@ from hf_oracle import assert_sample_matches_hf
 
 from megarl.agents.gateway import AgentGateway
 from megarl.agents.parsers import tool_call_parser
-from megarl.engines.client import SamplingParams
+from megarl.engines.types import SamplingParams
 from megarl.models.hf_config import read_hf_config
 
 PARSER = "qwen25"

@@ -3,10 +3,11 @@
 A unit is the first name under ``megarl/``: a subpackage (``engines``) or a top-level module
 (``sample``, ``train``). Each unit sits on a layer; it may import units of its own layer or lower
 ones, never higher, and two units of one layer must not import each other (directly or round a
-longer loop). Every import counts, including the ones deferred into function bodies: a deferred
-import still ties the lower package to the higher one. Separately, the modules must not form an
-import cycle through module-level imports (the ones that run when the module is imported).
-A new unit fails the test until it is placed in LAYERS.
+longer loop). Separately, no two megarl modules may import each other, directly or round a longer
+loop. Every import counts, wherever it is written: at module level, deferred into a function body,
+or under ``if TYPE_CHECKING:`` (a deferred or type-only import still ties one module to the other;
+a type both need belongs in a module of its own). A new unit fails the test until it is placed in
+LAYERS.
 """
 from __future__ import annotations
 
@@ -38,7 +39,6 @@ class Edge:
     line: int
     source: str  # importing module, e.g. megarl.engines.pool
     target: str  # imported module (resolved to a known module where possible)
-    runtime: bool  # runs when `source` is imported (module level, outside TYPE_CHECKING)
 
 
 def load_sources(root: Path = ROOT) -> dict[str, str]:
@@ -66,17 +66,12 @@ def _resolve(name: str, known: set[str]) -> str:
     return name
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _file_edges(path: str, tree: ast.AST, known: set[str]) -> list[Edge]:
     source = module_name(path)
     package = source if path.endswith("__init__.py") else source.rpartition(".")[0]
     found: list[Edge] = []
 
-    def visit(node: ast.AST, runtime: bool) -> None:
+    for node in ast.walk(tree):
         targets: list[str] = []
         if isinstance(node, ast.Import):
             targets = [_resolve(alias.name, known) for alias in node.names]
@@ -91,19 +86,7 @@ def _file_edges(path: str, tree: ast.AST, known: set[str]) -> list[Edge]:
                 targets.append(full if full in known else _resolve(base, known))
         for target in targets:
             if target == "megarl" or target.startswith("megarl."):
-                found.append(Edge(path, node.lineno, source, target, runtime))
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            runtime = False
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.body:
-                visit(child, False)
-            for child in node.orelse:
-                visit(child, runtime)
-            return
-        for child in ast.iter_child_nodes(node):
-            visit(child, runtime)
-
-    visit(tree, True)
+                found.append(Edge(path, node.lineno, source, target))
     return found
 
 
@@ -166,9 +149,11 @@ def layer_violations(sources: dict[str, str]) -> list[str]:
 
 
 def module_cycles(sources: dict[str, str]) -> list[list[str]]:
+    """The import loops between megarl modules, every import counted (module level, deferred,
+    under TYPE_CHECKING)."""
     graph: dict[str, set[str]] = {}
     for e in edges(sources):
-        if e.runtime and e.target != e.source:
+        if e.target != e.source:
             graph.setdefault(e.source, set()).add(e.target)
     return _cycles(graph)
 
@@ -187,9 +172,10 @@ def test_no_upward_or_mutual_import_between_units():
     assert not bad, "imports against the layering (docs/architecture.md, Packages):\n" + "\n".join(bad)
 
 
-def test_no_module_level_import_cycle():
+def test_no_two_modules_import_each_other():
     loops = module_cycles(load_sources())
-    assert not loops, "module-level import cycles:\n" + "\n".join(" -> ".join(c + c[:1]) for c in loops)
+    assert not loops, ("import loops between modules (deferred and TYPE_CHECKING imports count):\n"
+                       + "\n".join(" -> ".join(c + c[:1]) for c in loops))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +189,7 @@ def test_checker_flags_an_upward_edge_even_when_deferred():
         "megarl/engines/pool.py": "from ..sample import RolloutSample\nfrom megarl import sample\n",
     }
     assert layer_violations(fake) == ["megarl/sample.py: sample -> pipeline"]
-    assert module_cycles(fake) == []  # the upward import is deferred, so no load-time cycle
+    assert module_cycles(fake) == [["megarl.pipeline.run", "megarl.sample"]]  # deferred, still a loop
 
 
 def test_checker_flags_mutual_imports_in_one_layer_and_module_cycles():
@@ -211,15 +197,23 @@ def test_checker_flags_mutual_imports_in_one_layer_and_module_cycles():
         "megarl/algos/kl.py": "import megarl.tasks.prompts\n",
         "megarl/tasks/__init__.py": "",
         "megarl/tasks/prompts.py": "from megarl.algos import kl\n",
-        # a loop inside one unit, closed only under TYPE_CHECKING: neither a layer nor a load-time problem
+        # loops inside one unit: no layer problem, but two modules tied to each other all the same
         "megarl/engines/a.py": "import megarl.engines.b\n",
         "megarl/engines/b.py": "import typing\nif typing.TYPE_CHECKING:\n    from megarl.engines import a\n",
+        "megarl/rollout/x.py": "from megarl.rollout import y\n",
+        "megarl/rollout/y.py": "import megarl.rollout.z\n",
+        "megarl/rollout/z.py": "def f():\n    from .x import g\n",
+        "megarl/rollout/one_way.py": "from megarl.rollout import x\n",
     }
     assert layer_violations(fake) == [
         "megarl/algos/kl.py: algos -> tasks",
         "megarl/tasks/prompts.py: tasks -> algos",
     ]
-    assert module_cycles(fake) == [["megarl.algos.kl", "megarl.tasks.prompts"]]
+    assert module_cycles(fake) == [
+        ["megarl.algos.kl", "megarl.tasks.prompts"],
+        ["megarl.engines.a", "megarl.engines.b"],  # closed only under TYPE_CHECKING
+        ["megarl.rollout.x", "megarl.rollout.y", "megarl.rollout.z"],  # closed by a deferred import
+    ]
 
 
 def test_checker_flags_an_unplaced_unit():

@@ -22,15 +22,17 @@ import torch
 from megarl.config.errors import ConfigError
 from megarl.config.load import load_config
 from megarl.config.schema import JudgeConfig, RewardConfig
-from megarl.engines.client import SamplingParams, SGLangClient
+from megarl.engines.client import SGLangClient
 from megarl.engines.server import SGLangEngine
+from megarl.engines.types import SamplingParams
 from megarl.parallel import free_port
 from megarl.pipeline.judge import judge_engine_settings, judge_generate, make_judge
 from megarl.rollout.group import RolloutManager
 from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.judge import JudgeParseError, JudgeReward, render
 from megarl.tasks.prompts import DatasetSource, Prompt, chat_renderer
-from megarl.tasks.rewards import RewardInput, RewardScorer, make_reward
+from megarl.tasks.reward_types import RewardInput
+from megarl.tasks.rewards import RewardScorer, make_reward
 
 TEMPLATE = "{prompt}{response}+{answer}="
 PATTERN = r"^(7{1,4})$"  # one to four sevens; the judge's five or six are malformed

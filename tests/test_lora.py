@@ -19,8 +19,9 @@ from lora_runs import ATTENTION, merged_by_hand, read_adapter, trained_group
 
 from megarl.config import ConfigError, load_config
 from megarl.config.validate import refuse_what_is_not_built
-from megarl.engines.client import PauseMode, SamplingParams, SGLangClient
+from megarl.engines.client import SGLangClient
 from megarl.engines.server import EngineSettings, SGLangEngine, lora_serving
+from megarl.engines.types import PauseMode, SamplingParams
 from megarl.models.lora import LoraSettings, unmatched_targets
 from megarl.parallel import Layout
 from megarl.sync import AdapterSync, SyncSettings, WeightSyncError

@@ -170,8 +170,9 @@ def test_client_sends_the_key_on_every_call(tiny_checkpoint):
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from megarl.engines.client import ServedModel, SGLangClient
+    from megarl.engines.client import SGLangClient
     from megarl.engines.server import EngineSettings, SGLangEngine
+    from megarl.engines.types import ServedModel
 
     seen: list[tuple[str, str | None]] = []
 
@@ -252,7 +253,8 @@ while True:
 CALLS = r"""
 import asyncio, json, sys
 import httpx
-from megarl.engines.client import SamplingParams, ServedModel, SGLangClient
+from megarl.engines.client import SGLangClient
+from megarl.engines.types import SamplingParams, ServedModel
 url, model_path, key, other, prompt = sys.argv[1:6]
 prompt = json.loads(prompt)
 GREEDY = SamplingParams(max_new_tokens=4, temperature=0.0)
@@ -542,7 +544,7 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tmp_path):
 SPANNING_ENGINE = r"""
 import asyncio, json, sys, time
 import ray
-from megarl.engines.client import SamplingParams
+from megarl.engines.types import SamplingParams
 from megarl.engines.pool import EnginePool
 from megarl.engines.server import EngineSettings
 model, key, prompts, log, killed = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4], sys.argv[5]

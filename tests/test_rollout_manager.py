@@ -10,13 +10,14 @@ import pytest
 import torch
 from in_flight import engine_loads
 
-from megarl.engines.client import PauseMode, SamplingParams
 from megarl.engines.server import EngineSettings, SGLangEngine
+from megarl.engines.types import PauseMode, SamplingParams
 from megarl.rollout.env import CalculatorEnv, CalculatorError, EnvEpisodes, EnvStep, EpisodeLimits, calculate
 from megarl.rollout.group import RolloutManager
 from megarl.sample import FinishReason
 from megarl.tasks.prompts import Prompt, chat_renderer
-from megarl.tasks.rewards import RewardInput, arithmetic_reward
+from megarl.tasks.reward_types import RewardInput
+from megarl.tasks.rewards import arithmetic_reward
 
 LOGPROB_TOLERANCE = 1e-3
 

@@ -11,9 +11,9 @@ import psutil
 import pytest
 
 from megarl.engines.actor import EngineInfo
-from megarl.engines.client import EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.engines.pool import EnginePool, sglang_router_available
 from megarl.engines.server import EngineSettings
+from megarl.engines.types import EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.sample import FinishReason, RolloutSample
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)

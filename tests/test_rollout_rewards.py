@@ -12,9 +12,9 @@ import pytest
 
 from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.prompts import Prompt
+from megarl.tasks.reward_types import RewardInput
 from megarl.tasks.rewards import (
     RemoteRewardModel,
-    RewardInput,
     RewardScorer,
     arithmetic_reward,
     exact_match_reward,

@@ -18,15 +18,9 @@ import pybase64
 import pytest
 import torch
 
-from megarl.engines.client import (
-    EngineError,
-    PauseMode,
-    SamplingParams,
-    ServedModel,
-    SGLangClient,
-    decode_routed_experts,
-)
+from megarl.engines.client import SGLangClient, decode_routed_experts
 from megarl.engines.server import EngineDiedError, EngineSettings, EngineStartError, SGLangEngine
+from megarl.engines.types import EngineError, PauseMode, SamplingParams, ServedModel
 from megarl.sample import FinishReason, RolloutSample, SamplingMask
 
 LM_HEAD_SCALE = 25.0  # the random-init head gives near-uniform logits; scaled, top-p masks bite

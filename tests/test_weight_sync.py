@@ -23,8 +23,9 @@ from hf_oracle import hf_from_state, hf_greedy, load_hf, make_samples, sharpened
 from in_flight import start_decoding
 
 from megarl.config import default_config, load_config
-from megarl.engines.client import EngineError, PauseMode, SamplingParams, SGLangClient
+from megarl.engines.client import SGLangClient
 from megarl.engines.server import EngineSettings, SGLangEngine
+from megarl.engines.types import EngineError, PauseMode, SamplingParams
 from megarl.parallel import Layout
 from megarl.sync import SyncReport, SyncSettings, WeightSync, WeightSyncError
 

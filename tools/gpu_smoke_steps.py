@@ -161,8 +161,9 @@ def engine_memory(ckpt: str) -> None:
     import asyncio
     import tempfile
 
-    from megarl.engines.client import PauseMode, SamplingParams, SGLangClient
+    from megarl.engines.client import SGLangClient
     from megarl.engines.server import EngineSettings, SGLangEngine
+    from megarl.engines.types import PauseMode, SamplingParams
 
     engine = SGLangEngine(EngineSettings(model_path=ckpt, dtype="bfloat16", device="cuda", memory_saver=True,
                                          mem_fraction_static=0.3, log_path=tempfile.mktemp(suffix=".log")))

@@ -77,8 +77,8 @@ from aiohttp import web
 from megarl.agents import tools as tool_calls
 from megarl.agents.responses import Answer, TokenLogprob, chat_body, chat_chunks, completion_body, completion_chunks
 from megarl.agents.trajectory import Call, Segment, Trajectory
-from megarl.engines.client import EngineError, EngineUnreachable, SamplingParams
 from megarl.engines.protocol import Engines
+from megarl.engines.types import EngineError, EngineUnreachable, SamplingParams
 from megarl.sample import FinishReason, RolloutSample
 
 log = logging.getLogger(__name__)

@@ -49,11 +49,12 @@ import openai
 
 from megarl.agents.gateway import AgentGateway, Session
 from megarl.agents.spec import AgentFn, AgentResult
-from megarl.engines.client import SamplingParams
 from megarl.engines.protocol import Engines
+from megarl.engines.types import SamplingParams
 from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.prompts import Prompt
-from megarl.tasks.rewards import RewardFn, RewardInput, RewardScorer
+from megarl.tasks.reward_types import RewardFn, RewardInput
+from megarl.tasks.rewards import RewardScorer
 
 log = logging.getLogger(__name__)
 

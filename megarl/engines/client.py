@@ -8,10 +8,8 @@ every generated token as spans, which become ``RolloutSample.model_version``.
 """
 from __future__ import annotations
 
-import enum
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -19,92 +17,22 @@ import numpy as np
 import pybase64
 
 from megarl.engines.coalesce import BatchCoalescer
-from megarl.engines.protocol import BatchResult
-from megarl.models.hf_config import read_hf_config
+from megarl.engines.types import (
+    BatchResult,
+    EngineError,
+    EngineUnreachable,
+    LoraAdapter,
+    PauseMode,
+    SamplingParams,
+    ServedModel,
+)
 from megarl.sample import FinishReason, RolloutSample, SamplingMask
 
 log = logging.getLogger(__name__)
 
 
-class EngineError(RuntimeError):
-    """The engine rejected a request or could not be reached; the message says which and why."""
-
-
-class EngineUnreachable(EngineError):
-    """The engine could not be reached or dropped the connection (e.g. its process died)."""
-
-
 # The memory regions an engine can release (SGLang's tags; its third, cuda_graph, is left mapped).
 MEMORY_TAGS = ("weights", "kv_cache")
-
-
-class PauseMode(str, enum.Enum):
-    """How ``/pause_generation`` treats running requests."""
-
-    ABORT = "abort"  # return them now, finish_reason aborted, with the tokens generated so far
-    RETRACT = "retract"  # put them back in the waiting queue (KV cache dropped, recomputed later)
-    IN_PLACE = "in_place"  # freeze them with their KV cache until continue_generation
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """What the client needs to know about the engine's checkpoint to validate and decode.
-
-    num_layers: rows per token in the routing ([T-1, num_layers, topk]; SGLang reports every
-    decoder layer). context_length: the most prompt + response tokens per sample.
-    """
-
-    vocab_size: int
-    num_layers: int
-    topk: int
-    num_experts: int
-    context_length: int
-
-    @classmethod
-    def from_hf_config(cls, model_path: str | Path) -> ServedModel:
-        """Read ``config.json`` of an HF MoE checkpoint (:func:`megarl.models.hf_config.read_hf_config`)."""
-        hf = read_hf_config(model_path)
-        missing = hf.missing("vocab_size", "num_layers", "moe_topk", "num_experts", "context_length")
-        if missing:
-            raise ValueError(f"{hf.path} is not an MoE config: missing {', '.join(missing)}")
-        return cls(vocab_size=hf.vocab_size, num_layers=hf.num_layers, topk=hf.moe_topk, num_experts=hf.num_experts,
-                   context_length=hf.context_length)
-
-    @property
-    def routing_dtype(self) -> np.dtype:
-        """int16 while expert ids fit, else int32 (docs/architecture.md, "The sample")."""
-        return np.dtype(np.int16) if self.num_experts <= np.iinfo(np.int16).max else np.dtype(np.int32)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling. top_k <= 0 means no top-k; a sampling mask needs a finite top_k. ``grammar``:
-    SGLang sampling-param entries that constrain generation (``json_schema``, ``ebnf``, ``structural_tag``:
-    name, value), sent as they are; the sampling mask and log-probs are then those of the constrained logits."""
-
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    grammar: tuple[tuple[str, object], ...] = ()
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-
-    def to_json(self) -> dict:
-        out = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-               "top_k": self.top_k, "ignore_eos": self.ignore_eos}
-        if self.stop:
-            out["stop"] = list(self.stop)
-        out.update(self.grammar)
-        return out
 
 
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
@@ -140,15 +68,6 @@ def decode_routed_experts(b64: str, num_tokens: int, model: ServedModel) -> np.n
     if flat.size and (flat.min() < 0 or flat.max() >= model.num_experts):
         raise EngineError(f"routed_experts ids outside [0, {model.num_experts}): {flat.min()}..{flat.max()}")
     return flat.reshape(shape).astype(model.routing_dtype)
-
-
-@dataclass(frozen=True)
-class LoraAdapter:
-    """A LoRA adapter loaded into the engine: the ``name`` requests give as ``lora_path``, and the
-    weight ``version`` its tokens carry."""
-
-    name: str
-    version: int
 
 
 def _model_versions(meta: dict, num_response: int) -> np.ndarray:

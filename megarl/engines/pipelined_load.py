@@ -20,7 +20,7 @@ the engine between the driver's pause and continue, so when inside the session a
 not visible outside it. Any other format, or a call outside a session, goes to SGLang unchanged.
 
 A load that fails fails the call that ran it (the received bucket is dropped with it); the driver
-then holds the engine, which may hold part of the new weights (:mod:`megarl.sync.protocol`). On a
+then holds the engine, which may hold part of the new weights (:mod:`megarl.sync.weight_sync`). On a
 GPU the receive runs on NCCL's stream, which waits for the loads queued before it (torch orders a
 collective after the current stream's work), so a buffer is never overwritten while a load still
 reads it. Memory: two bucket buffers per engine rank during a session (SGLang: one per call);

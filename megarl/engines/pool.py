@@ -34,8 +34,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from megarl.engines.actor import EngineInfo
-from megarl.engines.client import EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel, SGLangClient
-from megarl.engines.protocol import BatchResult
+from megarl.engines.client import SGLangClient
+from megarl.engines.types import BatchResult, EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.sample import RolloutSample
 
 log = logging.getLogger(__name__)

@@ -1,22 +1,10 @@
 """What rollout code needs from the engines: one client or a pool of them look the same."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from megarl.engines.types import BatchResult, SamplingParams, ServedModel
 from megarl.sample import RolloutSample
-
-if TYPE_CHECKING:  # the client implements this protocol and imports BatchResult from here
-    from megarl.engines.client import SamplingParams, ServedModel
-
-
-@dataclass(frozen=True)
-class BatchResult:
-    """The samples of one ``generate_batch`` call, in prompt order, and how many prompts of it had
-    to be resubmitted because their engine died."""
-
-    samples: list[RolloutSample]
-    resubmitted: int
 
 
 class Engines(Protocol):

@@ -22,9 +22,9 @@ from pathlib import Path
 import httpx
 import psutil
 
-from megarl.engines.client import ServedModel
 from megarl.engines.launch_plan import attention_backend, colocated_base_gpu_id, dtype_refusal, memory_saver_refusal
 from megarl.engines.shared_memory import SHARED_MEMORY, mapped_segments, unlink_unmapped
+from megarl.engines.types import ServedModel
 from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraSettings
 from megarl.parallel import free_port, rendezvous_host
 from megarl.platform import sglang_cpu

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from megarl.engines.client import SamplingParams
 from megarl.engines.protocol import Engines
 from megarl.engines.server import EngineSettings, nodes_of
+from megarl.engines.types import SamplingParams
 from megarl.tasks.judge import JudgeGenerate, JudgeReward
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from megarl.engines.client import PauseMode
+from megarl.engines.types import PauseMode
 
 PAUSE_FOR_PARTIAL_ROLLOUT = {"continue": PauseMode.RETRACT, "abort_resubmit": PauseMode.ABORT}
 

@@ -38,10 +38,10 @@ from megarl.agents.spec import load_agent
 from megarl.algos.advantages import BatchStats
 from megarl.config.schema import Placement
 from megarl.config.validate import AuxiliaryEngine, auxiliary_engines
-from megarl.engines.client import EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.engines.pool import EnginePool
 from megarl.engines.protocol import Engines
 from megarl.engines.server import EngineSettings
+from megarl.engines.types import EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.metrics.gpu import GpuStats
 from megarl.metrics.sink import MetricsFile
 from megarl.models.hf_config import read_hf_config

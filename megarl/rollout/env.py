@@ -30,8 +30,8 @@ from typing import Protocol
 
 import numpy as np
 
-from megarl.engines.client import SamplingParams
 from megarl.engines.protocol import Engines
+from megarl.engines.types import SamplingParams
 from megarl.rollout.splice import splice_continuation
 from megarl.sample import FinishReason, RolloutSample, SamplingMask
 from megarl.tasks import calculator

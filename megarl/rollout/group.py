@@ -29,13 +29,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megarl.engines.client import EngineError, EngineUnreachable, SamplingParams
 from megarl.engines.protocol import Engines
+from megarl.engines.types import EngineError, EngineUnreachable, SamplingParams
 from megarl.rollout.splice import splice_continuation
 from megarl.rollout.teacher import TeacherScorer
 from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.prompts import Prompt
-from megarl.tasks.rewards import RewardFn, RewardInput, RewardScorer
+from megarl.tasks.reward_types import RewardFn, RewardInput
+from megarl.tasks.rewards import RewardScorer
 
 log = logging.getLogger(__name__)
 

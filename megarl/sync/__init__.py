@@ -2,13 +2,15 @@
 
 ``WeightSync(settings, trainer, engines)``: ``await setup()``, ``await update(version, pause_mode)``
 -> :class:`SyncReport`, ``await recover(client)``, ``await close()``; failures raise
-:class:`WeightSyncError`. See ``protocol.py`` for the protocol, ``rank.py`` for the trainer side,
-``buckets.py`` for the bucket format and ``transports/`` for the links. ``AdapterSync`` (same
-calls) moves LoRA adapters only (``adapter.py``).
+:class:`WeightSyncError`. ``weight_sync.py`` drives the protocol from the driver,
+``trainer_protocol.py`` says what it needs from a trainer, ``rank.py`` is the trainer ranks' side,
+``gather.py`` the per-stage gather, ``buckets.py`` the bucket format, ``transports/`` the links,
+``settings.py`` and ``report.py`` its settings and metrics. ``AdapterSync`` (same calls) moves LoRA
+adapters only (``adapter.py``).
 """
 from megarl.sync.adapter import AdapterSync
-from megarl.sync.protocol import WeightSync, WeightSyncError
 from megarl.sync.report import SyncReport
 from megarl.sync.settings import SyncSettings
+from megarl.sync.weight_sync import WeightSync, WeightSyncError
 
 __all__ = ["AdapterSync", "WeightSync", "WeightSyncError", "SyncReport", "SyncSettings"]

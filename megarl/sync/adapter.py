@@ -33,10 +33,10 @@ import uuid
 from pathlib import Path
 from typing import Protocol
 
-from megarl.engines.client import EngineError, LoraAdapter, PauseMode
-from megarl.sync.protocol import WeightSyncError
+from megarl.engines.types import EngineError, LoraAdapter, PauseMode
 from megarl.sync.report import SyncReport
 from megarl.sync.settings import SyncSettings
+from megarl.sync.weight_sync import WeightSyncError
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """One trainer rank's part of a weight sync: gather -> pack -> hand to the transport, one bucket at a time.
 
 Every rank of the trainer runs the same calls in the same order (the driver calls them on all
-ranks through a :class:`megarl.sync.trainer_side.WeightSyncTrainer`, such as the trainer's
+ranks through a :class:`megarl.sync.trainer_protocol.WeightSyncTrainer`, such as the trainer's
 ``TrainerGroup``): ``begin``, then ``next``/``send`` until
 ``next`` reports the end on every stage, then ``finish`` (or ``abort``). Every rank pulls its
 stage's HF stream (the gathers are collectives); only the stage's sending rank packs buckets and

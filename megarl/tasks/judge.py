@@ -28,12 +28,9 @@ import logging
 import math
 import re
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from megarl.sample import RolloutSample
-
-if TYPE_CHECKING:  # rewards.py builds the combined reward from this module
-    from megarl.tasks.rewards import RewardFn, RewardInput
+from megarl.tasks.reward_types import RewardFn, RewardInput
 
 log = logging.getLogger(__name__)
 

@@ -14,32 +14,15 @@ import collections
 import importlib
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import httpx
 
-from megarl.sample import RolloutSample
 from megarl.tasks import arithmetic
 from megarl.tasks.judge import JudgeReward, with_judge
-from megarl.tasks.prompts import Prompt
+from megarl.tasks.reward_types import RewardFn, RewardInput
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class RewardInput:
-    """What a reward sees. ``response_text`` is the decoded response without special tokens;
-    ``ended`` is True when generation stopped by itself (end-of-sequence or a stop string), False
-    when it was cut by the length limit or an abort."""
-
-    prompt: Prompt
-    response_text: str
-    ended: bool
-    sample: RolloutSample
-
-
-RewardFn = Callable[[RewardInput], Awaitable[float]]
 
 
 @dataclass(frozen=True)

@@ -198,7 +198,7 @@ class TrainerGroup:
     """``layout.world_size`` :class:`TrainerRank` actors in one placement group.
 
     Every call runs on every rank with the same arguments. The trainer calls return the reporting
-    rank's result; the weight-sync calls (:class:`megarl.sync.trainer_side.WeightSyncTrainer`)
+    rank's result; the weight-sync calls (:class:`megarl.sync.trainer_protocol.WeightSyncTrainer`)
     return every rank's result in rank order. ``import_paths`` are appended to the ranks'
     ``sys.path`` (where the functions given to :meth:`run` are imported from); ``env`` is set in the
     ranks' processes before they start (e.g. glibc's ``MALLOC_*`` tunables, read at exec); the ranks
@@ -289,7 +289,7 @@ class TrainerGroup:
         """The LoRA adapters as an HF PEFT directory at ``out_dir``; its path."""
         return await self._call("save_hf_adapter", out_dir)
 
-    # --- weight sync (megarl.sync.trainer_side.WeightSyncTrainer): every rank's result, rank order ---
+    # --- weight sync (megarl.sync.trainer_protocol.WeightSyncTrainer): every rank's result, rank order ---
     async def weight_sync_address(self) -> list[dict | None]:
         return await self._call_all("weight_sync_address")
 

@@ -49,8 +49,9 @@ async def measure(client, prompts, params, batch_size: int, metadata: bool, repe
 async def run(checkpoint: str, new_tokens: int, repeats: int, max_total_tokens: int, log_path: str) -> dict:
     from transformers import AutoTokenizer
 
-    from megarl.engines.client import SamplingParams, SGLangClient
+    from megarl.engines.client import SGLangClient
     from megarl.engines.server import EngineSettings, SGLangEngine
+    from megarl.engines.types import SamplingParams
     from megarl.tasks import arithmetic
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)

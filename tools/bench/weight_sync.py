@@ -87,7 +87,7 @@ def build_checkpoint(out: Path, layers: int, experts: int, hidden: int, moe_ffn:
 
 
 class LocalTrainer:
-    """The trainer interface WeightSync needs (megarl.sync.trainer_side.WeightSyncTrainer) over one
+    """The trainer interface WeightSync needs (megarl.sync.trainer_protocol.WeightSyncTrainer) over one
     in-process rank: each call runs the RankSync method on one worker thread, like a Ray actor would,
     and returns the one rank's result as a list."""
 
@@ -196,7 +196,8 @@ def _settings(transport: str, mb: float, work_dir: Path):
 
 
 async def run_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
-    from megarl.engines.client import PauseMode, SGLangClient
+    from megarl.engines.client import SGLangClient
+    from megarl.engines.types import PauseMode
     from megarl.sync import WeightSync
 
     cases = [("distributed", mb) for mb in BUCKETS_MB] + [("distributed", 0), ("tensor", 256)]
@@ -226,7 +227,7 @@ async def run_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
 
 async def _generation_load(client, stop: asyncio.Event, versions: list) -> None:
     """Batches of long answers, one after another until ``stop``; the versions of their tokens go to ``versions``."""
-    from megarl.engines.client import SamplingParams
+    from megarl.engines.types import SamplingParams
 
     params = SamplingParams(max_new_tokens=96, temperature=1.0, ignore_eos=True)
     while not stop.is_set():
@@ -237,7 +238,8 @@ async def _generation_load(client, stop: asyncio.Event, versions: list) -> None:
 
 async def run_in_flight(trainer, engine, work_dir: Path, repeats: int, mode: str, version: int) -> dict:
     """Distributed 256 MiB syncs in ``mode``, alternately on the idle engine and with requests in flight."""
-    from megarl.engines.client import PauseMode, SGLangClient
+    from megarl.engines.client import SGLangClient
+    from megarl.engines.types import PauseMode
     from megarl.sync import WeightSync
 
     seconds = {"idle": [], "in_flight": []}
@@ -267,7 +269,8 @@ async def run_in_flight(trainer, engine, work_dir: Path, repeats: int, mode: str
 
 
 async def run_lora_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
-    from megarl.engines.client import PauseMode, SGLangClient
+    from megarl.engines.client import SGLangClient
+    from megarl.engines.types import PauseMode
     from megarl.sync import AdapterSync
 
     async with SGLangClient(engine.url, engine.model, request_timeout_s=1800) as client:

@@ -11,7 +11,7 @@
   a sync (``commit``). The sync's last weight-load call to each engine also carries a
   :class:`Finish` (the new weight version, and the cache flush): the last bucket's ``load`` when
   engines load per bucket, else ``commit``. The protocol around it (pause, begin/end weight
-  update, failures) is :class:`megarl.sync.protocol.WeightSync`'s, not the transport's.
+  update, failures) is :class:`megarl.sync.weight_sync.WeightSync`'s, not the transport's.
 """
 from __future__ import annotations
 
@@ -139,7 +139,7 @@ class EngineSide(abc.ABC):
     async def connect(self, trainer, engines: list) -> None:
         """Join ``engines`` (SGLangClients) and the trainer's senders to the link (by default the
         senders only build their half: nothing to join on the engines). ``trainer`` is a
-        :class:`megarl.sync.trainer_side.WeightSyncTrainer`."""
+        :class:`megarl.sync.trainer_protocol.WeightSyncTrainer`."""
         await trainer.weight_sync_connect(self.sender_spec(len(engines)))
 
     async def disconnect(self, trainer, engines: list) -> None:

@@ -27,11 +27,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from megarl.engines.client import PauseMode
+from megarl.engines.types import PauseMode
 from megarl.sync.buckets import BucketIndex
 from megarl.sync.report import SyncReport
 from megarl.sync.settings import SyncSettings
-from megarl.sync.trainer_side import WeightSyncTrainer
+from megarl.sync.trainer_protocol import WeightSyncTrainer
 from megarl.sync.transports import make_engine_side
 from megarl.sync.transports.base import EngineSide, Finish
 from megarl.sync.transports.disk import DiskEngineSide
@@ -65,7 +65,7 @@ class WeightSync:
     """Moves the trainer's weights into SGLang engines.
 
     ``trainer`` is a :class:`megarl.trainer.actor.TrainerGroup` (anything implementing
-    :class:`megarl.sync.trainer_side.WeightSyncTrainer`); ``engines`` are
+    :class:`megarl.sync.trainer_protocol.WeightSyncTrainer`); ``engines`` are
     :class:`megarl.engines.client.SGLangClient` of engines
     that serve the trainer's current weights at version ``initial_version``. Calls must not
     overlap (an internal lock serialises them).
