@@ -42,21 +42,15 @@ async def rl(cfg: DictConfig, start_checkpoint: str) -> None:
     """GRPO-style RL: the producer fills the buffer from the engines while this loop takes a batch,
     trains one step on it and syncs the weights into the engines (the modes sync / one_step_off /
     async differ only in lag and buffer depth: megarl/pipeline/modes.py)."""
-    from megarl.algos.advantages import fill_advantages
-    from megarl.algos.distill import fill_distill_advantages
-    from megarl.algos.process import fill_process_advantages
+    from megarl.algos.advantages import assign_advantages
     from megarl.pipeline.run import open_pipeline
 
     async with open_pipeline(cfg, start_checkpoint) as pipe:
         for step in pipe.steps():
             batch = await pipe.take_batch(step)
             penalties = await pipe.kl_penalties(batch.samples, step)  # KL to the reference, when in the reward
-            stats = fill_advantages(batch.samples, cfg.algorithm.advantage, penalties)
-            stats.metrics |= fill_process_advantages(batch.samples).metrics()  # per-turn rewards, when any
-            if pipe.teacher is not None:  # on-policy distillation: the teacher's per-token advantages on top
-                stats.metrics |= fill_distill_advantages(batch.samples, cfg.algorithm.opd_coef,
-                                                          cfg.algorithm.opd_baseline)
-                stats.metrics |= pipe.teacher.metrics()
+            # outcome, per-turn and (with a teacher: on-policy distillation) the teacher's token advantages
+            stats = assign_advantages(batch.samples, cfg.algorithm, penalties, distill=pipe.teacher is not None)
             result = await pipe.train(batch, step)  # trainer.updates_per_step optimizer steps
             synced = await pipe.sync_weights(step)
             await pipe.end_step(step, batch, stats, result, synced)

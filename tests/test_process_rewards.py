@@ -1,14 +1,16 @@
 """Per-turn (process) rewards -> token advantages (megarl/algos/process.py) against a plain
 transcription of verl's PRIME recipe (``recipe/prime/prime_core_algos.py``,
-``compute_rloo_advantage_return``), alone and added to the RLOO outcome advantage; environment
-tokens get 0; bad input is refused with the reason."""
+``compute_rloo_advantage_return``), alone, added to the RLOO outcome advantage, and with a teacher's
+token advantages on top (``assign_advantages``, the step's one call); environment tokens get 0; bad
+input is refused with the reason."""
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from megarl.algos.advantages import fill_advantages
+from megarl.algos.advantages import assign_advantages, fill_advantages
 from megarl.algos.process import fill_process_advantages, process_advantages
 from megarl.sample import FinishReason, RolloutSample
 from megarl.trainer.rl_batch import build_rl_batch
@@ -117,6 +119,41 @@ def test_with_rloo_outcome_the_loss_sees_prime_returns():
             policy = s.loss_mask.astype(bool)
             got = per_position[starts[b] + len(s.prompt_ids) - 1:][:len(s.response_ids)]  # the response positions
             np.testing.assert_allclose(got[policy], expected[policy], rtol=1e-5, atol=1e-5)
+
+
+def test_assign_advantages_is_rloo_plus_prime_returns_plus_the_teachers_advantage():
+    samples = interleaved_groups(seed=5)
+    rng = np.random.default_rng(6)
+    for s in samples:
+        s.rollout_logprobs = -rng.random(len(s.response_ids)).astype(np.float32)
+        s.teacher_logprobs = -rng.random(len(s.response_ids)).astype(np.float32)
+    algorithm = SimpleNamespace(advantage="rloo", opd_coef=0.5, opd_baseline="none")
+    stats = assign_advantages(samples, algorithm, distill=True)
+    policy_tokens = [s.loss_mask.astype(bool) for s in samples]
+    reverse_kl = (sum(float((s.rollout_logprobs[m].astype(np.float64) - s.teacher_logprobs[m]).sum())
+                      for s, m in zip(samples, policy_tokens)) / sum(int(m.sum()) for m in policy_tokens))
+    assert math.isclose(stats.metrics["distill/reverse_kl"], reverse_kl, rel_tol=1e-9)
+    assert stats.metrics["process/turns"] == sum(len(s.turn_ends) for s in samples)
+    assert math.isclose(stats.reward_mean, float(np.mean([s.reward for s in samples])))
+    batch = build_rl_batch(samples, with_routing=False, with_sampling_mask=False)
+    per_position, starts = batch.position_advantages().numpy(), batch.cu_seqlens[:-1].tolist()
+    for group_id in ("g0", "g1", "g2"):
+        block, reference = prime_reference(samples, group_id, gt_coef=1.0)
+        for s, prime in zip(block, reference):
+            b = next(i for i, x in enumerate(samples) if x is s)
+            teacher = 0.5 * (s.teacher_logprobs.astype(np.float64) - s.rollout_logprobs)
+            got = per_position[starts[b] + len(s.prompt_ids) - 1:][:len(s.response_ids)]  # the response positions
+            policy = policy_tokens[b]
+            np.testing.assert_allclose(got[policy], (prime + teacher)[policy], rtol=1e-5, atol=1e-5)
+
+
+def test_assign_advantages_without_a_teacher_asks_for_no_teacher_scores():
+    samples = interleaved_groups(seed=7)
+    algorithm = SimpleNamespace(advantage="grpo", opd_coef=1.0, opd_baseline="none")
+    stats = assign_advantages(samples, algorithm)
+    assert "distill/reverse_kl" not in stats.metrics and stats.metrics["process/turns"] > 0
+    with pytest.raises(ValueError, match="has no teacher_logprobs"):
+        assign_advantages(interleaved_groups(seed=7), algorithm, distill=True)
 
 
 def test_group_of_one_keeps_raw_rewards_to_go():

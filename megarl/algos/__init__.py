@@ -1,2 +1,5 @@
-"""RL algorithms as pure functions on torch tensors: advantages, policy losses, aggregation, KL,
-off-policy correction."""
+"""RL algorithms as pure functions on tensors and samples, with their config-name registries: advantage
+estimators and the step's :func:`~megarl.algos.advantages.assign_advantages` (``advantages``),
+per-turn process advantages (``process``), on-policy distillation's token advantages (``distill``),
+policy losses, loss aggregation, KL estimators and off-policy corrections (``policy_loss``,
+``aggregation``, ``kl``, ``off_policy``) and the loss they make up (``objective``). Nothing of Megatron."""

@@ -10,6 +10,9 @@ Groups of one sample follow verl (``verl/trainer/ppo/core_algos.py``: ``compute_
 single-sample group's mean to 0 and its std to 1): such a group has no baseline, so the sample keeps
 its raw score: ``r`` (dr_grpo, rloo, the reinforce_pp baseline step) or ``r / (1 + eps)`` (grpo).
 A group of several samples whose rewards are all equal gets advantage exactly 0 (verl: 0 / (0 + eps)).
+
+:func:`assign_advantages` is what a step runs: the outcome estimator, then the per-turn (process) and
+the teacher's (distillation) token advantages where the batch has them.
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
+from megarl.algos.distill import fill_distill_advantages
+from megarl.algos.process import fill_process_advantages
 from megarl.algos.registry import choose
 from megarl.sample import RolloutSample
 
@@ -148,3 +153,21 @@ def fill_advantages(samples: list[RolloutSample], estimator: str,
     lengths = [len(s.response_ids) for s in samples]
     return BatchStats(reward_mean=float(rewards.mean()), response_len_mean=sum(lengths) / len(lengths),
                      mixed_group_frac=float((group_max > group_min).double().mean()), tokens=sum(lengths))
+
+
+def assign_advantages(samples: list[RolloutSample], algorithm, penalties: Sequence[float] | None = None, *,
+                      distill: bool = False) -> BatchStats:
+    """Every advantage of one step's ``samples``, in place, and the step's reward stats.
+
+    ``algorithm`` is the ``algorithm`` section of the config (``megarl.config.schema.AlgorithmConfig``).
+    In order: the sequence advantage of ``algorithm.advantage`` over each prompt group, from the
+    reward minus ``penalties`` (:func:`fill_advantages`); the process advantages of groups with turn
+    rewards (:func:`megarl.algos.process.fill_process_advantages`); with ``distill`` (a teacher
+    scored the samples), the OPD token advantages at ``algorithm.opd_coef`` and ``opd_baseline``
+    (:func:`megarl.algos.distill.fill_distill_advantages`). The last two add to ``token_advantages``;
+    their metrics (``process/*``, ``distill/reverse_kl``) join ``BatchStats.metrics``."""
+    stats = fill_advantages(samples, algorithm.advantage, penalties)
+    stats.metrics |= fill_process_advantages(samples).metrics()
+    if distill:
+        stats.metrics |= fill_distill_advantages(samples, algorithm.opd_coef, algorithm.opd_baseline)
+    return stats
