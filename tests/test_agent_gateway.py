@@ -254,7 +254,7 @@ def test_role_engines_send_each_roles_calls_to_its_engines(client, tokenizer, lo
     engine 1 only, the solver (not placed) is served by the least-loaded of all."""
     from megarl.config import load_config
     from megarl.engines.pool import EnginePool
-    from megarl.pipeline.run import episode_runner
+    from megarl.pipeline.startup.rollout import episode_runner
 
     cfg = load_config(["recipe=tiny_moe_cpu", "task.agent=agent_examples:solver_and_verifier",
                        "task.roles=[solver,verifier]", "rollout.num_engines=2",

@@ -122,7 +122,7 @@ def test_tensor_transport_into_disaggregated_engines_is_refused_on_cuda_only():
 # --- colocated engines: their own GPUs, their memory saver -------------------------------------------
 
 def test_colocated_engines_each_take_their_own_gpus_of_the_trainers(tiny_checkpoint):
-    from megarl.pipeline.run import policy_engine_settings
+    from megarl.pipeline.startup.engines import policy_engine_settings
     from megarl.planner.placement import place
 
     cfg = load_config(["recipe=qwen3_30b_a3b"])
@@ -221,8 +221,7 @@ def test_on_the_cpu_there_is_nothing_to_release_and_it_says_so(caplog):
 
 
 def test_trainer_release_asks_every_rank_in_order():
-    from megarl.pipeline.colocate import empty_trainer_cache
-    from megarl.pipeline.run import trainer_release
+    from megarl.pipeline.colocate import empty_trainer_cache, trainer_release
 
     class Ranks:
         def run(self, fn):

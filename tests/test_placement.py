@@ -178,7 +178,7 @@ def test_auxiliary_engines_are_served_on_ranks_of_their_own(tmp_path):
     ``rollout.mem_fraction_static``."""
     from megarl.models.tiny_moe import make_tiny_moe
     from megarl.pipeline.judge import judge_engine_settings
-    from megarl.pipeline.run import frozen_engine_settings
+    from megarl.pipeline.startup.engines import frozen_engine_settings
 
     tiny = str(make_tiny_moe(tmp_path / "tiny"))  # 4 heads, 2 KV heads, 8 experts: TP2 x EP2 fits
     own = TWO_NODES + DISAGGREGATED + AUXILIARY + [

@@ -77,7 +77,8 @@ def test_updates_per_step_split_the_batch_into_mini_batches(tmp_path, warm):
 
 
 def test_split_evenly_and_combine_updates():
-    from megarl.pipeline.run import combine_updates, split_evenly
+    from megarl.pipeline.bookkeeping import combine_updates
+    from megarl.pipeline.run import split_evenly
     from megarl.trainer.rl_step import RLStepResult
 
     assert split_evenly(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]

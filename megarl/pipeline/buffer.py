@@ -48,6 +48,19 @@ class Taken:
         return [s for g in self.groups for s in g.samples]
 
 
+@dataclass
+class Batch:
+    """The prompt groups of one step, taken from the buffer, and how they came."""
+
+    groups: list[Group]
+    staleness: list[int]  # per sample, in weight versions
+    wait_s: float  # how long the trainer waited for them
+
+    @property
+    def samples(self) -> list[RolloutSample]:
+        return [s for g in self.groups for s in g.samples]
+
+
 class RolloutBuffer:
     """Groups waiting for the trainer; at most ``capacity`` groups buffered or being generated."""
 

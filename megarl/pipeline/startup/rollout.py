@@ -1,0 +1,126 @@
+"""The rollout of a run: what turns prompts into scored groups in the buffer.
+
+:func:`start_rollout` builds the prompt source (at a resumed run's data position), the reward (with
+the judge on its engine, ``reward.judge``), the teacher's scorer (``teacher.hf_path``), the episode
+runner of multi-turn tasks (:func:`episode_runner`), the :class:`RolloutManager` on the policy pool,
+the bounded buffer and the producer that fills it; the producer is not started.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from megarl.agents.parsers import tool_call_parser
+from megarl.agents.rollout import AgentEpisodes
+from megarl.agents.spec import load_agent
+from megarl.config.validate import auxiliary_engines
+from megarl.engines.pool import EnginePool
+from megarl.engines.protocol import Engines
+from megarl.engines.types import EngineUnreachable, SamplingParams
+from megarl.models.hf_config import read_hf_config
+from megarl.pipeline.buffer import RolloutBuffer
+from megarl.pipeline.judge import make_judge
+from megarl.pipeline.modes import lag_and_capacity
+from megarl.pipeline.producer import RolloutProducer
+from megarl.pipeline.startup.trainer import Resumed
+from megarl.rollout.env import EnvEpisodes, EpisodeLimits, make_env_factory
+from megarl.rollout.group import RolloutManager
+from megarl.rollout.teacher import TeacherScorer
+from megarl.tasks.prompts import make_prompt_source
+from megarl.tasks.rewards import make_reward
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Rollout:
+    """What :func:`start_rollout` built: the producer (not started), the buffer it fills, and the
+    teacher's scorer when the run distils from one."""
+
+    producer: RolloutProducer
+    buffer: RolloutBuffer
+    teacher: TeacherScorer | None
+
+
+def episode_runner(cfg: DictConfig, target: EnginePool, tokenizer, params: SamplingParams,
+                   frozen: Mapping[str, Engines] | None = None, model_type: str | None = None):
+    """What turns a prompt into multi-turn episodes: an environment (``task.env``), an agent program
+    behind the OpenAI gateway (``task.agent``; its roles on the engines ``task.role_engines`` names,
+    ``frozen``: role -> the engine of the frozen model serving it; its tool calls read by
+    ``rollout.tool_call_parser``, or the parser of ``model_type``, the policy's family), or None for
+    single-turn prompts."""
+    task = cfg.task
+    if task.agent is not None:
+        frozen = dict(frozen or {})
+        # a role task.role_engines does not place is served by all the policy's engines (None)
+        placed = {entry.role: frozen[entry.role] if entry.hf_path else target.subset(entry.engines)
+                  for entry in task.role_engines}
+        roles = {role: placed.get(role) for role in task.roles} if task.roles else None
+        return AgentEpisodes(target, tokenizer, load_agent(task.agent), params, max_turns=task.max_turns,
+                             max_response_tokens=task.max_response_tokens, timeout_s=task.agent_timeout_s,
+                             routing=cfg.rollout.keep_routing, sampling_mask=cfg.rollout.top_k > 0, roles=roles,
+                             partial_rollout=cfg.buffer.partial_rollout, frozen_roles=frozen,
+                             tool_call_parser=tool_call_parser(cfg.rollout.tool_call_parser, model_type))
+    if task.env is None:
+        return None
+    budget = task.max_response_tokens or target.model.context_length  # and each episode's context
+    return EnvEpisodes(target, tokenizer, make_env_factory(task.env), params,
+                       EpisodeLimits(max_turns=task.max_turns, max_response_tokens=budget),
+                       routing=cfg.rollout.keep_routing, sampling_mask=cfg.rollout.top_k > 0,
+                       abort_resubmit=cfg.buffer.partial_rollout == "abort_resubmit")
+
+
+def _teacher(cfg: DictConfig, pools: Mapping[str, EnginePool], api_key: str,
+             stack: contextlib.AsyncExitStack) -> TeacherScorer | None:
+    """The scorer of the teacher's engine (``pools["teacher"]``), None without a teacher."""
+    if "teacher" not in pools:
+        return None
+    teacher = TeacherScorer(pools["teacher"].clients[0].base_url, pools["teacher"].model.vocab_size,
+                            api_key=api_key, timeout_s=cfg.teacher.timeout_s)
+    stack.push_async_callback(teacher.aclose)
+    log.info("teacher %s served at %s", cfg.teacher.hf_path, teacher.base_url)
+    return teacher
+
+
+def _manager(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[str, EnginePool],
+             teacher: TeacherScorer | None, stack: contextlib.AsyncExitStack) -> RolloutManager:
+    """The rollout manager on the policy pool, with the run's reward, episodes and teacher."""
+    r, pool = cfg.rollout, pools["policy"]
+    judge = make_judge(cfg.reward.judge, pools["judge"], tokenizer) if "judge" in pools else None
+    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                            top_k=r.top_k)
+    # The engine's log-probs are always those of the distribution it sampled from (renormalised
+    # over its top-k mask); keep_sampling_mask decides whether the trainer applies that mask too.
+    frozen = {a.role: pools[a.name] for a in auxiliary_engines(cfg) if a.role is not None}
+    episodes = episode_runner(cfg, pool, tokenizer, params, frozen, read_hf_config(start_checkpoint).model_type)
+    if isinstance(episodes, AgentEpisodes):
+        stack.push_async_callback(episodes.aclose)
+    return RolloutManager(pool, tokenizer, make_reward(cfg.reward, judge=judge), params, r.samples_per_prompt,
+                          routing=r.keep_routing, sampling_mask=r.top_k > 0,
+                          partial_rollout=cfg.buffer.partial_rollout, reward_timeout_s=cfg.reward.timeout_s,
+                          episodes=episodes, teacher=teacher, add_special_tokens=not cfg.task.chat_template)
+
+
+def start_rollout(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[str, EnginePool],
+                  resumed: Resumed, api_key: str, stack: contextlib.AsyncExitStack) -> Rollout:
+    """The rollout of the run ``cfg`` on ``pools`` (pool name -> pool, :mod:`.engines`), generating
+    for the policy at ``start_checkpoint`` (its ``tokenizer``) from where ``resumed`` says the run
+    starts; ``api_key``: the engines'. What needs closing goes into ``stack``."""
+    r = cfg.rollout
+    teacher = _teacher(cfg, pools, api_key, stack)
+    manager = _manager(cfg, start_checkpoint, tokenizer, pools, teacher, stack)
+    source = make_prompt_source(cfg.task, tokenizer)
+    if resumed.position is not None:
+        source.load_state_dict(resumed.position["source"])
+    lag, capacity, max_staleness = lag_and_capacity(cfg)
+    buffer = RolloutBuffer(capacity, max_staleness, resumed.ledger)
+    producer = RolloutProducer(manager, source, buffer, resumed.ledger, prompts_per_step=r.prompts_per_step,
+                               samples_per_prompt=r.samples_per_prompt, lag=lag,
+                               dynamic_sampling=r.dynamic_sampling, engine_version=resumed.step,
+                               requeue=resumed.requeue, next_index=resumed.next_index,
+                               fatal=(EngineUnreachable,))
+    return Rollout(producer=producer, buffer=buffer, teacher=teacher)

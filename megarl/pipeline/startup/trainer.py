@@ -1,0 +1,71 @@
+"""The trainer ranks of a run and what a resume restores.
+
+:func:`start_trainer` starts the ranks (one Ray actor each); :func:`build_and_resume` builds the model
+and optimizer on them from the starting checkpoint and, when ``trainer.resume`` is set and the run
+directory has a checkpoint, loads its latest one: the trainer state, and the data position and sample
+ledger saved with it (:class:`Resumed`).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from megarl.parallel import Layout
+from megarl.pipeline.ledger import Ledger
+from megarl.tasks.prompts import Prompt
+from megarl.trainer.actor import TrainerGroup
+from megarl.trainer.checkpoint import latest_step
+from megarl.trainer.model_setup import ModelSettings
+from megarl.trainer.optimizer import OptimizerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Resumed:
+    """Where the run starts: its last completed step (0 for a new run), the sample ledger, and the
+    data position saved with the checkpoint (None for a new run): the prompt source's state, the
+    prompts to draw again (``requeue``: (index, prompt) pairs) and the next prompt index."""
+
+    step: int = 0
+    ledger: Ledger = field(default_factory=Ledger)
+    position: dict | None = None
+
+    @property
+    def requeue(self) -> list[tuple[int, Prompt]]:
+        return [(i, Prompt(**fields)) for i, fields in self.position["requeue"]] if self.position else []
+
+    @property
+    def next_index(self) -> int:
+        return self.position["next_index"] if self.position else 0
+
+
+def checkpoint_dir(cfg: DictConfig) -> Path:
+    """Where the run ``cfg`` keeps its trainer checkpoints."""
+    return Path(cfg.logging.run_dir) / "checkpoints"
+
+
+def start_trainer(cfg: DictConfig, layout: Layout, stack: contextlib.AsyncExitStack) -> TrainerGroup:
+    """The trainer ranks of ``layout``, started (not built); shut down when ``stack`` closes, kept warm
+    for a later group only when the run ends without a failure (a rank may be stuck after one)."""
+    trainer = TrainerGroup(layout, backend=cfg.parallel.backend, seed=cfg.trainer.seed)
+    stack.push(lambda failure, *_: trainer.shutdown(keep=failure is None))
+    return trainer
+
+
+async def build_and_resume(trainer: TrainerGroup, cfg: DictConfig, start_checkpoint: str) -> Resumed:
+    """Build the model and optimizer on every rank from ``start_checkpoint``, then load the run's latest
+    checkpoint when ``trainer.resume`` is set and there is one; where the run starts."""
+    t = cfg.trainer
+    await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg, updates_per_step=t.updates_per_step),
+                        ModelSettings.from_config(cfg))
+    if not (t.resume and latest_step(checkpoint_dir(cfg)) is not None):
+        return Resumed()
+    loaded = await trainer.load_checkpoint(str(checkpoint_dir(cfg)))
+    log.info("resuming at step %d from %s", loaded.step, loaded.path)
+    return Resumed(step=loaded.step, ledger=Ledger.from_state_dict(loaded.data_position["ledger"]),
+                   position=loaded.data_position)
