@@ -1,1 +1,2 @@
-"""Run metrics: sinks (metrics.jsonl, TensorBoard), train-inference mismatch, routing agreement, GPU stats, plots."""
+"""Run metrics: the sink (``sink``: ``metrics.jsonl`` and, through ``tensorboard``, TensorBoard
+scalars), GPU memory and utilisation from NVML (``gpu``) and the PNG of a run's curves (``plot``)."""

@@ -1,1 +1,4 @@
-"""Models: the tiny demo checkpoint, and HF checkpoint -> megatron-bridge -> Megatron GPTModel."""
+"""Models: HF checkpoint -> megatron-bridge -> Megatron GPTModel (``bridge``, with only the checkpoint's
+bridge imported: ``bridge_registry``), the reader of a checkpoint's ``config.json`` (``hf_config``),
+which transformer layers the platform gets (``layers``), packed sequences through megatron's local
+attention (``packed_attention``), LoRA adapters (``lora``) and the tiny demo checkpoint (``tiny_moe``)."""
