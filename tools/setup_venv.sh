@@ -5,8 +5,7 @@
 # in with --no-deps (sglang's and megatron-bridge's declared requirements pull GPU-only kernels or
 # conflict on transformers), and `pip check` then fails the install on any requirement the lock
 # misses (those two's known gaps excepted). The lock goes in as two halves by two pip processes at once (distinct packages, so
-# distinct files): unpacking the wheels is most of the install and one pip uses one core
-# (2026-12-02, 2 cores: 76 s against 141 s in one process).
+# distinct files): unpacking the wheels is most of the install and one pip uses one core.
 # Re-running on an up-to-date .venv takes about a second: a stamp holds the hash of the lock,
 # this script, tools/declare_top_level.py and setup.py, and the install is skipped when it matches.
 #   env: PYTHON=/path/to/python3.12 (default: pyenv's 3.12.1, else python3.12 on PATH)

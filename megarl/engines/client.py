@@ -181,8 +181,7 @@ class SGLangClient:
         return_routed_experts: bool = True,
         return_sampling_mask: bool = True,
     ) -> list[RolloutSample]:
-        """One response per prompt, sent as one request (SGLang batches it; on CPU about 5x faster
-        than one request per prompt for the demo's 512 short samples), joined with the other calls of
+        """One response per prompt, sent as one request (SGLang batches it), joined with the other calls of
         this event-loop turn that share ``params`` and the flags (:mod:`megarl.engines.coalesce`).
         Same contract as :meth:`generate`."""
         if len(group_ids) != len(prompts):

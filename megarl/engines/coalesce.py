@@ -1,15 +1,14 @@
 """Concurrent batch requests to one engine, joined into one.
 
 The rollout asks for each prompt group on its own (a task per group), so a step of the demo sends 64
-``/generate`` requests of 8 prompts where one of 512 would do: on the CPU engine the 64 cost 0.06 s
-more (0.38 s against 0.32 s for the same 512 samples), spent in SGLang's per-request HTTP and
-tokenizer-manager work. :class:`BatchCoalescer` joins the calls made in one turn of the event loop
-(the groups a producer starts together) that share their sampling parameters and metadata flags,
+``/generate`` requests of 8 prompts where one of 512 would do, and each request pays SGLang's
+per-request HTTP and tokenizer-manager work. :class:`BatchCoalescer` joins the calls made in one turn
+of the event loop (the groups a producer starts together) that share their sampling parameters and metadata flags,
 sends them as one request and hands every caller its own samples, in its own order.
 
 An engine that rejects the joint request (an HTTP error: a prompt too long for the context, say)
 gets each call again on its own, so the error reaches only the call it belongs to; an engine that
-cannot be reached fails every call of the request, each of which its caller resubmits as before.
+cannot be reached fails every call of the request, each of which its caller resubmits.
 """
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """SGLang's model registry with the served architecture's model only, not every model SGLang has.
 
-SGLang's registry imports all ~260 modules of ``sglang.srt.models`` when it is first imported
-(2.2-2.8 CPU-s of each engine start on 2 cores, 2026-12-02), unless ``SGLANG_EXTERNAL_MODEL_PACKAGE``
+SGLang's registry imports all ~260 modules of ``sglang.srt.models`` when it is first imported (a
+cost paid by every engine start), unless ``SGLANG_EXTERNAL_MODEL_PACKAGE``
 names a package of models: then it imports that package only, resolves an architecture found there
 at once and imports the default models only for one it does not (its "fast startup path",
 ``sglang/srt/models/registry.py``). :func:`install` points that variable at
 :mod:`megarl.engines.sglang_models`, whose one module re-exports the ``EntryClass`` of the SGLang
 module that defines the served checkpoint's first architecture (found by reading the sources, not by
-importing them). Anything else resolves as before, through SGLang's full import: another
+importing them). Anything else resolves through SGLang's full import: another
 architecture, ``--model-impl transformers``, a draft model. A user's own
 ``SGLANG_EXTERNAL_MODEL_PACKAGE`` is left as it is.
 """

@@ -260,10 +260,9 @@ class SGLangEngine:
         ]
         if self.device == "cpu":
             # --sleep-on-idle: an idle scheduler otherwise polls its sockets in a busy loop, a whole core
-            # taken from the trainer and the other engines; it now waits on them (a request wakes it at once).
+            # taken from the trainer and the other engines; with it, it waits on them (a request wakes it at once).
             # --disable-overlap-schedule: overlapping the next batch's scheduling with the forward pays on a
-            # GPU; on CPU both take the same cores, and the overlap's bookkeeping made the demo's rollout of
-            # 512 samples 6-11% slower (2 cores, 2026-12-03, side by side).
+            # GPU; on CPU both take the same cores, and the overlap's bookkeeping slows the rollout down.
             cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
                     "--sleep-on-idle", "--disable-overlap-schedule"]
         else:

@@ -2,8 +2,8 @@
 
 ``import megatron.bridge`` imports the bridges and providers of all ~60 model families it has (and
 through them transformers' vision and audio models, torchvision, scipy), because its ``__init__``
-and that of ``megatron.bridge.models`` import them to fill the registry: 2.1 CPU-s of each trainer
-rank's start on 2 cores, 1.25 with one family (2026-12-02), paid by every rank of a job.
+and that of ``megatron.bridge.models`` import them to fill the registry, a cost paid by every rank of
+a job that one family's import mostly avoids.
 :func:`auto_bridge_for` makes the two package modules without running their ``__init__`` (their
 submodules import as usual), then imports ``AutoBridge`` and the module that registers the
 checkpoint's architecture (``@MegatronModelBridge.register_bridge(source=...)``, found by reading

@@ -1,11 +1,10 @@
 """``torch.compile`` at a function's first call instead of where it is decorated.
 
-``torch.compile`` imports TorchInductor as it decorates (0.6-1.2 CPU-seconds and 45 MB a process on the
-project's 2-core machine), and megatron and SGLang decorate dozens of kernels at import, most of which never
-run on their CPU paths.
+``torch.compile`` imports TorchInductor as it decorates (CPU time and memory in every process), and
+megatron and SGLang decorate dozens of kernels at import, most of which never run on their CPU paths.
 :func:`compile_at_first_call` makes ``torch.compile(fn, **options)`` (and ``@torch.compile(**options)``)
 return a wrapper that compiles ``fn`` with those options at its first call and calls the compiled
-function from then on; modules and other callables are compiled at once, as before.
+function from then on; modules and other callables are compiled at once, as ``torch.compile`` does.
 Used by the CPU work-arounds of :mod:`megarl.platform.megatron_cpu` and :mod:`megarl.platform.sglang_cpu`.
 """
 from __future__ import annotations

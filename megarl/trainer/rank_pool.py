@@ -1,7 +1,7 @@
 """Warm trainer-rank processes kept between the trainer groups of one process (opt-in).
 
-A rank process spends ~4-5 CPU-s importing torch, megatron-core and megatron-bridge before it can join
-a group (2 cores, 2026-12-02). A process that forms one trainer group after another (the test suite, a
+A rank process spends seconds of CPU importing torch, megatron-core and megatron-bridge before it can
+join a group. A process that forms one trainer group after another (the test suite, a
 notebook's sweep, a tool verifying several layouts) can keep those processes: inside :func:`keep_ranks`
 a :class:`megarl.trainer.actor.TrainerGroup` that sets no ``env`` takes idle ranks from the pool, and
 its shutdown hands them back once they have left their group (megatron's parallel state and

@@ -23,8 +23,8 @@ Both modes train the same number of steps on the same number of samples from the
 checkpoint, at an RL learning rate (``--lr``, default 1e-7) that keeps the policy where the warm-up
 left it: the optimizer does all its work, but neither run's answers drift, so both modes generate
 the same length distribution and the ratio compares pipelines, not where two policies went (at the
-recipe's 5e-4 the async policy drifted to answers 2.5x as long as the sync one's in one run, and
-the tokens/s ratio read 2.36 while steps/s read 0.95; ``--lr 5e-4`` gives that comparison back).
+recipe's 5e-4 the two policies' answer lengths drift apart, and tokens/s and steps/s then disagree;
+``--lr 5e-4`` gives that comparison back).
 The figures cover the steady state: the first ``--skip-steps`` steps of each mode
 (engine and trainer warming up, the async pipeline filling) are left out, and the rest are timed by
 the wall clock between the metrics rows of the last skipped and the last step:
@@ -35,9 +35,8 @@ the wall clock between the metrics rows of the last skipped and the last step:
 Defaults: 60 steps of 64 prompts x 8 samples, at most 32 new tokens, six optimizer steps per RL
 step (``trainer.updates_per_step=6``, PPO mini-batches as slime's ``--num-steps-per-rollout``): with
 the engine on one core and the trainer on the other, six updates take about as long as the rollout
-(sync mode, 2026-12-01: rollout 0.49 s, training 0.44 s a step; three updates 0.29 s), the balance
-between generation and training hardware that a disaggregated deployment is sized for and async is
-built for. The first 5 steps are skipped; about 3.5 minutes on 2 cores with the warm-up.
+(in sync mode), the balance between generation and training hardware that a disaggregated deployment
+is sized for and async is built for. The first 5 steps are skipped.
 
 Usage: python tools/bench/async_vs_sync.py --json FILE [--steps N --prompts P --samples G ...]
 """
