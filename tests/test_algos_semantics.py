@@ -260,7 +260,8 @@ def ref_kl(name: str, logp: float, ref: float, old: float) -> tuple[float, float
     """(value, d value / d logp). verl ``core_algos.py`` ``kl_penalty_forward``: ``low_var_kl``: ``kl =
     clamp(ref - logp, -20, 20)``, ``clamp(exp(kl) - kl - 1, -10, 10)``; slime ``slime/utils/ppo_utils.py``
     ``compute_approx_kl``: ``k1 = log_ratio``, ``k2 = log_ratio^2 / 2``, ``k3 = exp(-log_ratio) - 1 + log_ratio``
-    and with ``use_unbiased_kl`` ``importance_ratio * kl``, ``importance_ratio = exp(logp - old)`` (live)."""
+    and with ``use_unbiased_kl`` ``importance_ratio * kl``, ``importance_ratio = exp(logp - old)`` (live), then for
+    ``low_var_kl`` ``torch.clamp(kl, min=-10, max=10)`` after the weight (``low_var_kl_is``)."""
     x = logp - ref
     base = {"k1": (x, 1.0), "k2": (x * x / 2, x), "k3": (math.exp(-x) - 1 + x, 1 - math.exp(-x))}
     if name == "low_var_kl":
@@ -268,6 +269,9 @@ def ref_kl(name: str, logp: float, ref: float, old: float) -> tuple[float, float
         value = math.exp(k) - k - 1
         inside = abs(ref - logp) <= 20.0 and -10.0 < value < 10.0
         return min(max(value, -10.0), 10.0), (1 - math.exp(-x)) if inside else 0.0
+    if name == "low_var_kl_is":
+        value, grad = ref_kl("k3_is", logp, ref, old)
+        return min(max(value, -10.0), 10.0), grad if -10.0 < value < 10.0 else 0.0
     if name.endswith("_is"):
         r = math.exp(logp - old)
         value, grad = base[name[:2]]
@@ -275,7 +279,7 @@ def ref_kl(name: str, logp: float, ref: float, old: float) -> tuple[float, float
     return base[name]
 
 
-@pytest.mark.parametrize("name", ["k1", "k2", "k3", "low_var_kl", "k1_is", "k2_is", "k3_is"])
+@pytest.mark.parametrize("name", ["k1", "k2", "k3", "low_var_kl", "k1_is", "k2_is", "k3_is", "low_var_kl_is"])
 def test_kl_estimators_match_the_peers(name):
     """The values and gradients of :func:`ref_kl`; the ``*_is`` gradients are those of ``r * k`` with the
     ratio ``r = exp(logp - sg(old))`` carrying its gradient (slime multiplies by the live ``importance_ratio``)."""

@@ -73,6 +73,23 @@ BAD_INPUTS = [
     (["algorithm.is_threshold=0.5"], "algorithm.is_threshold", "must be >= 1"),
     (["algorithm.is_threshold_low=1.5"], "algorithm.is_threshold_low", "must be in [0, 1]"),
     (["algorithm.off_policy_veto_threshold=0"], "algorithm.off_policy_veto_threshold", "must be in (0, 1]"),
+    (["algorithm.off_policy_veto_threshold_high=0.5"], "algorithm.off_policy_veto_threshold_high", "must be >= 1"),
+    (["algorithm.advantage=gae"], "algorithm.advantage", "gae needs a critic (per-token values), not built yet"),
+    (["algorithm.old_policy=engine"], "algorithm.old_policy", "'engine' is not one of recompute, rollout"),
+    (["algorithm.old_policy=rollout", "algorithm.off_policy_correction=tis"], "algorithm.off_policy_correction",
+     "the PPO ratio to the rollout policy is the correction"),
+    (['algorithm.off_policy_rejection="token_k1,seq_max_k1"', "algorithm.off_policy_rejection_threshold=2"],
+     "algorithm.off_policy_rejection", "'seq_max_k1' is not one of token_k1"),
+    (["algorithm.off_policy_rejection=seq_max_k3"], "algorithm.off_policy_rejection_threshold",
+     "need a threshold"),
+    (['algorithm.off_policy_rejection="token_k1,seq_max_k3"', 'algorithm.off_policy_rejection_threshold="2,3,4"'],
+     "algorithm.off_policy_rejection_threshold", "3 thresholds for 2 rejection criteria"),
+    (["algorithm.off_policy_rejection=seq_max_k3", 'algorithm.off_policy_rejection_threshold="0.5_2"'],
+     "algorithm.off_policy_rejection_threshold", "must be one number (an upper bound)"),
+    (["algorithm.off_policy_rejection_threshold=2"], "algorithm.off_policy_rejection_threshold",
+     "set it too"),
+    (["algorithm.off_policy_rejection=token_k1", "algorithm.off_policy_rejection_threshold=0.5_2"],  # Hydra: 0.52
+     "algorithm.off_policy_rejection_threshold", "needs 0 < lower <= upper"),
     (["algorithm.sapo_tau_neg=0"], "algorithm.sapo_tau_neg", "must be > 0"),
     (["algorithm.clip_absolute=true"], "algorithm.clip_absolute", "cispo policy loss only"),
     (["algorithm.policy_loss=cispo", "algorithm.clip_absolute=true", "algorithm.clip_high=0.5"], "algorithm.clip_low",
@@ -159,6 +176,8 @@ def _companions(key: str, name: str, tmp_path) -> list[str]:
                 "function": ["reward.path=megarl.tasks.rewards.exact_match_reward"]}.get(name, [])
     if (key, name) == ("algorithm.advantage", "opd"):  # distils from a teacher (checked at load, not read)
         return [f"teacher.hf_path={tmp_path / 'teacher'}", "algorithm.opd_coef=1.0"]
+    if (key, name) == ("algorithm.old_policy", "rollout"):  # the PPO ratio is the correction: no IS weight on top
+        return ["algorithm.off_policy_correction=none"]
     return []
 
 

@@ -39,14 +39,19 @@ def low_var_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tens
     return (torch.exp(-x) + x - 1.0).clamp(-10.0, 10.0)
 
 
+SAFETY_BOUND = 20.0  # |log-ratio| clamp before exp (verl's low_var_kl; exp(20) ~ 4.9e8)
+
+
 def importance_weighted(estimator: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], logprobs: torch.Tensor,
                         ref_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
     """``(pi / pi_old) * k``: the estimator re-weighted to the current policy when tokens came from ``pi_old``
     (slime's ``use_unbiased_kl``: ``importance_ratio * kl`` in ``compute_approx_kl``, the DeepSeek-V3.2 form).
 
-    The ratio ``exp(logp - sg(logp_old))`` keeps its gradient, which makes the gradient unbiased too.
+    The ratio ``exp(clamp(logp - sg(logp_old), -20, 20))`` keeps its gradient, which makes the gradient
+    unbiased too; the clamp only guards exp against overflow.
     """
-    return torch.exp(logprobs - old_logprobs.detach()) * estimator(logprobs, ref_logprobs)
+    log_ratio = (logprobs - old_logprobs.detach()).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    return torch.exp(log_ratio) * estimator(logprobs, ref_logprobs)
 
 
 def k1_is(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
@@ -60,14 +65,30 @@ def k2_is(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, old_logprobs: torc
 
 
 def k3_is(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
-    """``(pi / pi_old) * k3``."""
+    """``(pi / pi_old) * k3``, unclamped (slime's ``k3`` with ``use_unbiased_kl``)."""
     return importance_weighted(k3, logprobs, ref_logprobs, old_logprobs)
+
+
+def _k3_bounded_below(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """k3 with ``x >= -50``: exp(-x) cannot overflow (an infinite k3 would make the clamp's zero gradient
+    NaN); with the weight >= exp(-20), ``w * k3`` is past 10 for every ``x < -50``, so the clamped value
+    is unchanged."""
+    x = (logprobs - ref_logprobs).clamp(min=-50.0)
+    return torch.exp(-x) + x - 1.0
+
+
+def low_var_kl_is(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, old_logprobs: torch.Tensor) -> torch.Tensor:
+    """``clamp((pi / pi_old) * k3, -10, 10)``: :func:`k3_is` clamped after the weight, as slime's
+    ``compute_approx_kl`` does for ``low_var_kl`` (``slime/utils/ppo_utils.py``: ``kl = importance_ratio * kl``,
+    then ``torch.clamp(kl, min=-10, max=10)``). verl's ``low_var_kl`` clamps before any weight (:func:`low_var_kl`)."""
+    return importance_weighted(_k3_bounded_below, logprobs, ref_logprobs, old_logprobs).clamp(-10.0, 10.0)
 
 
 KL_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
     "k1": k1, "k2": k2, "k3": k3, "low_var_kl": low_var_kl, "k1_is": k1_is, "k2_is": k2_is, "k3_is": k3_is,
+    "low_var_kl_is": low_var_kl_is,
 }
-IMPORTANCE_WEIGHTED = frozenset({"k1_is", "k2_is", "k3_is"})  # estimators that also take old_logprobs
+IMPORTANCE_WEIGHTED = frozenset({"k1_is", "k2_is", "k3_is", "low_var_kl_is"})  # estimators that also take old_logprobs
 
 
 def kl_penalty(

@@ -4,8 +4,14 @@
 policy loss, ``w`` the off-policy importance weight, KL the per-token estimator to the reference
 model, H the per-token entropy (the entropy bonus), all reduced by the same aggregation ``agg`` under
 the same mask: the trained tokens less the rejected ones (``off_policy_correction=mis``,
-``off_policy_veto_threshold``, ``off_policy_mask_kl``), which leave the numerators and the denominator
-(see :mod:`megarl.algos.off_policy`).
+``off_policy_rejection``, the vetoes, ``off_policy_mask_kl``), which leave the numerators and the
+denominator (see :mod:`megarl.algos.off_policy`).
+
+The PPO ratio's old policy is ``old_logprobs`` (``algorithm.old_policy``: the trainer's log-probs before the
+step's first update, or the engine's). The off-policy correction compares the trainer with the engine:
+the old policy under ``recompute``; the current policy (detached) under ``rollout``, where the ratio to the
+engine's policy is the PPO ratio itself and no importance weight is applied (verl's bypass mode,
+``compute_policy_loss_bypass_mode``).
 """
 from __future__ import annotations
 
@@ -15,9 +21,11 @@ from typing import Optional
 import torch
 
 from megarl.algos.aggregation import aggregation_fn
+from megarl.algos.is_diagnostics import diagnostic_sums
 from megarl.algos.kl import kl_penalty
 from megarl.algos.off_policy import correction, off_policy_sequence_mask
 from megarl.algos.policy_loss import policy_loss_fn
+from megarl.algos.rejection import parse_criteria
 
 
 @dataclass
@@ -25,7 +33,7 @@ class LossInputs:
     """One batch of per-token tensors, all [B, T] except ``advantages`` ([B] or [B, T])."""
 
     logprobs: torch.Tensor  # current policy, carries the gradient
-    old_logprobs: torch.Tensor  # trainer's recomputed log-probs of the generating policy
+    old_logprobs: torch.Tensor  # the PPO ratio's old policy (algorithm.old_policy)
     advantages: torch.Tensor
     loss_mask: torch.Tensor  # float, 1 = trained token
     entropy: Optional[torch.Tensor] = None  # needed when entropy_coef != 0
@@ -54,8 +62,10 @@ class LossOutput:
     - by ``sum(trained_tokens)``: ``clip_fraction`` (ratio clipped at either bound), ``clip_fraction_low``,
       ``clip_fraction_high``, ``dual_clip_fraction`` (counted apart from the clip; rejected tokens count
       as not clipped), ``is_weight_mean`` (the weight ``w`` applied, 0 for a rejected token),
-      ``rejected_tokens``;
-    - by ``sum(trained_sequences)``: ``rejected_sequences`` (sequences with trained tokens and none kept).
+      ``rejected_tokens``, ``ppo_kl`` (``logp_old - logp``, verl's ``actor/ppo_kl``: how far the policy
+      moved from the old one), and :data:`megarl.algos.is_diagnostics.TOKEN_SUMS` (with rollout_logprobs);
+    - by ``sum(trained_sequences)``: ``rejected_sequences`` (sequences with trained tokens and none kept) and
+      :data:`megarl.algos.is_diagnostics.SEQUENCE_SUMS` (with rollout_logprobs).
     """
 
     loss_sum: torch.Tensor
@@ -86,19 +96,39 @@ def _count(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return flags.sum().to(like.dtype)
 
 
-def rl_loss(batch: LossInputs, cfg) -> LossOutput:
-    """The configured loss of one (micro-)batch; ``cfg`` is the ``algorithm`` section of the config
-    (``megarl.config.schema.AlgorithmConfig``)."""
-    trained = batch.loss_mask > 0
-    corrected = correction(cfg.off_policy_correction, cfg.off_policy_level, batch.old_logprobs,
-                           batch.rollout_logprobs, batch.loss_mask, cfg.is_threshold, cfg.is_threshold_low,
-                           cfg.off_policy_veto_threshold)
+def _correction_inputs(batch: LossInputs, cfg) -> torch.Tensor:
+    """The trainer's side of the off-policy correction (module docstring), [B, T], detached."""
+    if cfg.old_policy == "rollout":
+        if cfg.off_policy_correction != "none":
+            raise ValueError(f"off_policy_correction={cfg.off_policy_correction} weighs by the old/rollout ratio, "
+                             "which is 1 under old_policy=rollout (the PPO ratio is the correction); use "
+                             "off_policy_rejection or the vetoes")
+        return batch.logprobs.detach()
+    return batch.old_logprobs.detach()
+
+
+def _keep(batch: LossInputs, cfg, trainer_logprobs: torch.Tensor):
+    """The configured correction and its keep mask, with ``off_policy_mask_kl`` applied."""
+    criteria = parse_criteria(cfg.off_policy_rejection, cfg.off_policy_rejection_threshold) \
+        if cfg.off_policy_rejection else ()
+    corrected = correction(cfg.off_policy_correction, cfg.off_policy_level, trainer_logprobs, batch.rollout_logprobs,
+                           batch.loss_mask, cfg.is_threshold, cfg.is_threshold_low, cfg.off_policy_veto_threshold,
+                           cfg.off_policy_veto_threshold_high, criteria)
     keep = corrected.keep
     if cfg.off_policy_mask_kl is not None:
         if batch.rollout_logprobs is None or batch.advantages.dim() != 1:
             raise ValueError("off_policy_mask_kl needs rollout_logprobs and per-sequence advantages [B]")
-        keep = keep & off_policy_sequence_mask(batch.old_logprobs, batch.rollout_logprobs, batch.advantages,
+        keep = keep & off_policy_sequence_mask(trainer_logprobs, batch.rollout_logprobs, batch.advantages,
                                                batch.loss_mask, cfg.off_policy_mask_kl)[:, None]
+    return corrected, keep
+
+
+def rl_loss(batch: LossInputs, cfg) -> LossOutput:
+    """The configured loss of one (micro-)batch; ``cfg`` is the ``algorithm`` section of the config
+    (``megarl.config.schema.AlgorithmConfig``)."""
+    trained = batch.loss_mask > 0
+    trainer_logprobs = _correction_inputs(batch, cfg)
+    corrected, keep = _keep(batch, cfg, trainer_logprobs)
     mask = batch.loss_mask * keep
     agg = aggregation_fn(cfg.loss_agg, cfg.loss_scale_factor if cfg.loss_agg == "seq_mean_token_sum_norm" else None)
     pg = policy_loss_fn(cfg.policy_loss)(batch.logprobs, batch.old_logprobs, batch.advantages, mask,
@@ -115,7 +145,10 @@ def rl_loss(batch: LossInputs, cfg) -> LossOutput:
         "is_weight_mean": (corrected.weights * mask).sum().detach(),
         "rejected_tokens": _count(trained & ~keep, mask),
         "rejected_sequences": _count(trained_sequences & ~(trained & keep).any(dim=1), mask),
+        "ppo_kl": torch.where(trained, batch.old_logprobs - batch.logprobs, torch.zeros_like(mask)).sum().detach(),
     }
+    if batch.rollout_logprobs is not None:
+        sums |= diagnostic_sums(trainer_logprobs, batch.rollout_logprobs, batch.loss_mask, cfg.is_threshold)
     if cfg.kl_coef != 0.0 and not cfg.kl_in_reward:  # in the reward, it is in the advantages already
         if batch.ref_logprobs is None:
             raise ValueError("kl_coef != 0 needs ref_logprobs")

@@ -1,26 +1,30 @@
 """Off-policy (rollout) correction between the rollout engine (behaviour policy mu) and the trainer.
 
-``old_logprobs`` [B, T] are the trainer's recomputed log-probs of the policy that generated the
-batch, ``rollout_logprobs`` [B, T] the engine's; float ``loss_mask`` [B, T] (m, 1 = trained token).
+``old_logprobs`` [B, T] are the trainer's log-probs of the batch (:data:`OLD_POLICIES` says which),
+``rollout_logprobs`` [B, T] the engine's; float ``loss_mask`` [B, T] (m, 1 = trained token).
 The weight is ``w = exp(clamp(l, -20, 20))`` with the log-ratio ``l`` at one of three levels:
 ``token`` ``l_t = logp_old_t - logp_mu_t``, ``sequence`` ``l = sum_t m_t l_t`` (the product of the token
 ratios), ``geometric`` ``l = sum_t m_t l_t / sum_t m_t`` (their geometric mean), broadcast to the
 sequence's tokens. Weights carry no gradient and multiply the per-token policy loss.
 
-The corrections and the names of both peers (verl ``verl/trainer/ppo/rollout_corr_helper.py``;
+The corrections and the names of the peers (verl ``verl/trainer/ppo/rollout_corr_helper.py``;
 slime ``examples/train_infer_mismatch_helper/mis.py``, ``compute_mis_weights``, and
-``slime/backends/megatron_utils/loss.py``):
+``slime/backends/megatron_utils/loss.py``; SkyRL ``skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py``):
 
 - ``tis``: truncate, ``clamp(w, low, C)`` with ``C = is_threshold`` and ``low = is_threshold_low``
-  (default 0: verl's ``rollout_is`` truncation and slime's ``truncate`` mode); with a lower bound it is
-  slime's ``clip`` mode and its vanilla TIS ``clamp(w, tis_clip_low, tis_clip)``.
-- ``mis``: mask (reject), tokens (or whole sequences, at the sequence levels) with ``w`` outside
-  ``[low, C]`` (bounds inclusive; ``low`` default ``1 / C``, both peers' default) leave the loss mask; the
-  kept ones keep their weight ``w`` (slime's ``mask`` mode; verl's rejection sampling ``rollout_rs``;
-  IcePop with independent low and high bounds).
-- veto (any correction, ``off_policy_veto_threshold``): a sequence with a trained token whose raw ratio
-  ``exp(l_t) < threshold`` leaves the loss mask whole (slime ``rs_veto_threshold``, verl's former
-  ``rollout_token_veto_threshold``).
+  (default 0: verl's ``rollout_is`` truncation, SkyRL's ``tis_ratio_type`` and slime's ``truncate`` mode);
+  with a lower bound it is slime's ``clip`` mode and its vanilla TIS ``clamp(w, tis_clip_low, tis_clip)``.
+- ``mis``: mask (reject) tokens (or whole sequences, at the sequence levels) with ``w`` outside
+  ``[low, C]`` (bounds inclusive; ``low`` default ``1 / C``, the peers' default); the kept ones keep
+  their weight ``w`` (slime's ``mask`` mode; IcePop with independent low and high bounds).
+- rejection criteria (any correction, ``off_policy_rejection``): verl's divergence criteria, chained
+  (:mod:`megarl.algos.rejection`); with ``none`` it is rejection without reweighting (verl's
+  ``rollout_is=null`` with ``rollout_rs``), with ``tis`` truncation at ``off_policy_level`` and rejection
+  at the criteria's own level.
+- veto (any correction): a sequence with a trained token whose raw ratio ``exp(l_t)`` is below
+  ``off_policy_veto_threshold`` (slime ``rs_veto_threshold``, SkyRL ``outlier_token_is_threshold_low``)
+  or above ``off_policy_veto_threshold_high`` (SkyRL ``outlier_token_is_threshold_high``) leaves the
+  loss mask whole.
 
 Rejected tokens leave the loss mask and with it every aggregation's denominator, as in verl (its
 rejection rewrites ``response_mask``, from which the token counts are taken). Not every peer does so:
@@ -32,10 +36,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from megarl.algos.rejection import Criterion, rejection_keep
+
+# The PPO ratio's old policy (``algorithm.old_policy``): ``recompute``, the trainer's log-probs before the
+# step's first update (verl's and slime's default); ``rollout``, the engine's (verl's bypass mode: the PPO
+# ratio to the rollout policy is the correction, and the criteria compare the current policy with it)
+OLD_POLICIES = ("recompute", "rollout")
 CORRECTIONS = ("none", "tis", "mis")
 LEVELS = ("token", "sequence", "geometric")
 SAFETY_BOUND = 20.0  # |log w| is clamped to this before exp (verl and slime: exp(20) ~ 4.9e8)
@@ -97,20 +107,38 @@ def masked_is(
 
 
 def veto(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor,
-         threshold: float) -> torch.Tensor:
-    """bool [B], False for a sequence with a trained token whose raw ratio ``exp(l_t)`` is below ``threshold``
-    (compared in log space, unclamped, as both peers)."""
+         threshold: Optional[float], threshold_high: Optional[float] = None) -> torch.Tensor:
+    """bool [B], False for a sequence with a trained token whose raw ratio ``exp(l_t)`` is below
+    ``threshold`` or above ``threshold_high`` (None: no such bound; compared in log space, unclamped)."""
     _check(old_logprobs, rollout_logprobs, loss_mask)
-    if not 0.0 < threshold <= 1.0:
+    if threshold is not None and not 0.0 < threshold <= 1.0:
         raise ValueError(f"off_policy_veto_threshold must be in (0, 1], got {threshold}")
-    low = (old_logprobs - rollout_logprobs).detach() < math.log(threshold)
-    return ~(low & (loss_mask > 0)).any(dim=1)
+    if threshold_high is not None and threshold_high < 1.0:
+        raise ValueError(f"off_policy_veto_threshold_high must be >= 1, got {threshold_high}")
+    log_ratio = (old_logprobs - rollout_logprobs).detach()
+    outside = torch.zeros_like(log_ratio, dtype=torch.bool)
+    if threshold is not None:
+        outside |= log_ratio < math.log(threshold)
+    if threshold_high is not None:
+        outside |= log_ratio > math.log(threshold_high)
+    return ~(outside & (loss_mask > 0)).any(dim=1)
 
 
 @dataclass
 class Correction:
     weights: torch.Tensor  # float [B, T], no gradient, 0 where loss_mask == 0
     keep: torch.Tensor  # bool [B, T]: trained tokens that stay in the loss (False where rejected)
+
+
+def _weights(kind: str, level: str, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+             loss_mask: torch.Tensor, threshold: float, threshold_low: Optional[float]) -> Correction:
+    trained = loss_mask > 0
+    if kind == "tis":
+        return Correction(truncated_is(old_logprobs, rollout_logprobs, loss_mask, threshold, level, threshold_low),
+                          trained)
+    if kind == "mis":
+        return Correction(*masked_is(old_logprobs, rollout_logprobs, loss_mask, threshold, level, threshold_low))
+    return Correction(trained.to(old_logprobs.dtype), trained)
 
 
 def correction(
@@ -122,32 +150,34 @@ def correction(
     threshold: float,
     threshold_low: Optional[float] = None,
     veto_threshold: Optional[float] = None,
+    veto_threshold_high: Optional[float] = None,
+    rejection: Sequence[Criterion] = (),
 ) -> Correction:
     """The correction ``AlgorithmConfig`` names: ``off_policy_correction`` (kind), ``off_policy_level``,
-    ``is_threshold``, ``is_threshold_low`` and ``off_policy_veto_threshold``.
+    ``is_threshold``, ``is_threshold_low``, ``off_policy_veto_threshold``, ``off_policy_veto_threshold_high``
+    and the parsed ``off_policy_rejection`` criteria (:func:`megarl.algos.rejection.parse_criteria`).
 
-    ``none`` without veto gives weights ``1[m > 0]`` and needs no ``rollout_logprobs`` (may be None).
+    ``none`` without veto or criteria gives weights ``1[m > 0]`` and needs no ``rollout_logprobs`` (may be None).
     """
     if kind not in CORRECTIONS:
         raise ValueError(f"unknown off_policy_correction {kind!r}; valid: {', '.join(CORRECTIONS)}")
     if level not in LEVELS:
         raise ValueError(f"unknown off_policy_level {level!r}; valid: {', '.join(LEVELS)}")
-    trained = loss_mask > 0
-    if kind == "none" and veto_threshold is None:
+    vetoed = veto_threshold is not None or veto_threshold_high is not None
+    if kind == "none" and not vetoed and not rejection:
+        trained = loss_mask > 0
         return Correction(trained.to(old_logprobs.dtype), trained)
     if rollout_logprobs is None:
-        what = f"off_policy_correction={kind}" if kind != "none" else "off_policy_veto_threshold"
+        what = f"off_policy_correction={kind}" if kind != "none" else (
+            "off_policy_veto_threshold" if vetoed else "off_policy_rejection")
         raise ValueError(f"{what} needs rollout_logprobs")
-    if kind == "tis":
-        weights = truncated_is(old_logprobs, rollout_logprobs, loss_mask, threshold, level, threshold_low)
-        keep = trained
-    elif kind == "mis":
-        weights, keep = masked_is(old_logprobs, rollout_logprobs, loss_mask, threshold, level, threshold_low)
-    else:
-        weights, keep = trained.to(old_logprobs.dtype), trained
-    if veto_threshold is not None:
-        keep = keep & veto(old_logprobs, rollout_logprobs, loss_mask, veto_threshold)[:, None]
-    return Correction(weights, keep)
+    out = _weights(kind, level, old_logprobs, rollout_logprobs, loss_mask, threshold, threshold_low)
+    keep = out.keep
+    if vetoed:
+        keep = keep & veto(old_logprobs, rollout_logprobs, loss_mask, veto_threshold, veto_threshold_high)[:, None]
+    if rejection:
+        keep = keep & rejection_keep(old_logprobs - rollout_logprobs, loss_mask, rejection)
+    return Correction(out.weights, keep)
 
 
 def off_policy_sequence_mask(

@@ -262,11 +262,17 @@ class RolloutConfig:
 class AlgorithmConfig:
     """What each name means, with the peers' (verl, slime, AReaL) formula it follows: the docstrings of
     ``megarl/algos/``. Off-policy correction: ``w`` is the trainer/rollout probability ratio at
-    ``off_policy_level``; rejected tokens (mis, veto, off_policy_mask_kl) leave the loss and its denominator."""
+    ``off_policy_level``; rejected tokens (mis, off_policy_rejection, the vetoes, off_policy_mask_kl) leave the
+    loss and its denominator."""
 
-    # grpo | dr_grpo | rloo | reinforce_pp (REINFORCE++-baseline, whitened over tokens) | opd (0: the teacher's alone)
+    # grpo | dr_grpo | rloo | reinforce_pp (REINFORCE++-baseline, whitened over tokens) | opd (0: the teacher's alone);
+    # gae (verl's compute_gae_advantage_return, megarl/algos/gae.py) is refused: it needs a critic, not built yet
     advantage: str = "grpo"
     policy_loss: str = "ppo"  # ppo | gspo | cispo | sapo
+    # the PPO ratio's old policy: recompute (the trainer's log-probs before the step's first update, one
+    # forward-only pass when trainer.updates_per_step > 1) | rollout (the engine's log-probs: verl's bypass mode,
+    # the ratio to the rollout policy is the off-policy correction; off_policy_correction must be none)
+    old_policy: str = "recompute"
     clip_low: float = 0.2  # ratio band [1 - clip_low, 1 + clip_high] of ppo, gspo, cispo
     clip_high: float = 0.2
     clip_absolute: bool = False  # cispo: the IS-weight bounds are [clip_low, clip_high] themselves (lower may be 0)
@@ -277,7 +283,9 @@ class AlgorithmConfig:
     loss_agg: str = "token_mean"
     loss_scale_factor: int = II("rollout.max_new_tokens")  # C of seq_mean_token_sum_norm (verl loss_scale_factor)
     kl_coef: float = 0.0  # weight of the KL to the reference policy (the starting checkpoint)
-    kl_type: str = "k3"  # k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10]) | k1_is | k2_is | k3_is (x pi/pi_old)
+    # k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10]) | k1_is | k2_is | k3_is (x pi/pi_old) | low_var_kl_is
+    # (clamp(pi/pi_old * k3, -10, 10), slime's clamp after the weight)
+    kl_type: str = "k3"
     kl_in_reward: bool = False  # true: reward - kl_coef * sum_t KL_t pre-advantage (verl use_kl_in_reward); false: loss
     entropy_coef: float = 0.0
     # on-policy distillation: per-token advantage opd_coef * (teacher_logp - student_logp) (needs teacher.hf_path);
@@ -292,6 +300,13 @@ class AlgorithmConfig:
     is_threshold: float = 2.0  # upper bound C of w (>= 1)
     is_threshold_low: Optional[float] = None  # lower bound of w in [0, 1]; null: 0 for tis, 1 / is_threshold for mis
     off_policy_veto_threshold: Optional[float] = None  # reject a sequence with a token ratio below this (e.g. 1e-4)
+    off_policy_veto_threshold_high: Optional[float] = None  # ... or above this (SkyRL's outlier bound, e.g. 100)
+    # verl's rejection criteria (rollout_rs), comma-separated, all must pass: token_k1..3, seq_sum_k1..3,
+    # seq_mean_k1..3, seq_max_k2..3 (megarl/algos/rejection.py); independent of the weight of off_policy_correction
+    off_policy_rejection: Optional[str] = None
+    # their thresholds (rollout_rs_threshold): one for all or one each, comma-separated; k1: "lower_upper" or upper
+    # (quote it: unquoted, YAML and Hydra read 0.5_2 as the number 0.52)
+    off_policy_rejection_threshold: Optional[str] = None
     off_policy_mask_kl: Optional[float] = None  # reject sequences with A < 0 and KL to the rollout policy > this
 
 

@@ -21,9 +21,12 @@ from megarl.agents.spec import load_agent
 from megarl.algos.advantages import ADVANTAGES
 from megarl.algos.aggregation import AGGREGATIONS
 from megarl.algos.distill import OPD_BASELINES
+from megarl.algos.gae import CRITIC_ADVANTAGES
 from megarl.algos.kl import KL_ESTIMATORS
-from megarl.algos.off_policy import CORRECTIONS, LEVELS
+from megarl.algos.off_policy import CORRECTIONS, LEVELS, OLD_POLICIES
 from megarl.algos.policy_loss import POLICY_LOSSES
+from megarl.algos.rejection import CRITERIA as REJECTION_CRITERIA
+from megarl.algos.rejection import parse_criteria
 from megarl.config.errors import ConfigError
 from megarl.config.schema import MODES, Placement, TransformerImpl
 from megarl.engines.launch_plan import dtype_refusal, ipc_transport_refusal, memory_saver_refusal
@@ -52,6 +55,7 @@ REGISTRIES = {
     "algorithm.opd_baseline": OPD_BASELINES,
     "algorithm.off_policy_correction": CORRECTIONS,
     "algorithm.off_policy_level": LEVELS,
+    "algorithm.old_policy": OLD_POLICIES,
     "sync.transport": TRANSPORTS,
     "buffer.partial_rollout": PARTIAL_ROLLOUT_MODES,
     "lora.sync": LORA_SYNC_MODES,
@@ -84,6 +88,9 @@ def checkpoint_arch(hf_path: str) -> dict:
 
 
 def validate(cfg: DictConfig) -> None:
+    if cfg.algorithm.advantage in CRITIC_ADVANTAGES:  # before the names: say why, not only that it is unknown
+        _fail("algorithm.advantage", f"{cfg.algorithm.advantage} needs a critic (per-token values), not built yet; "
+              f"choose one of {', '.join(ADVANTAGES)}")
     _check_names(cfg)
     _check_parallel(cfg)
     _check_placement(cfg)
@@ -399,6 +406,29 @@ def _check_algorithm(cfg: DictConfig) -> None:
         _fail("algorithm.is_threshold_low", f"must be in [0, 1], got {a.is_threshold_low}")
     if a.off_policy_veto_threshold is not None and not 0 < a.off_policy_veto_threshold <= 1:
         _fail("algorithm.off_policy_veto_threshold", f"must be in (0, 1], got {a.off_policy_veto_threshold}")
+    if a.off_policy_veto_threshold_high is not None and a.off_policy_veto_threshold_high < 1:
+        _fail("algorithm.off_policy_veto_threshold_high", f"must be >= 1, got {a.off_policy_veto_threshold_high}")
+    _check_rejection(a)
+
+
+def _check_rejection(a: DictConfig) -> None:
+    """The rejection criteria parse, and the old policy's correction is one that means something."""
+    if a.off_policy_rejection is not None:
+        names = [n.strip() for n in a.off_policy_rejection.split(",") if n.strip()]
+        unknown = [n for n in names if n not in REJECTION_CRITERIA]
+        if not names or unknown:
+            _fail("algorithm.off_policy_rejection", f"{', '.join(map(repr, unknown)) or 'nothing'} is not one of "
+                  f"{', '.join(REJECTION_CRITERIA)} (comma-separated, all must pass)")
+        try:
+            parse_criteria(a.off_policy_rejection, a.off_policy_rejection_threshold)
+        except ValueError as exc:
+            _fail("algorithm.off_policy_rejection_threshold", str(exc))
+    elif a.off_policy_rejection_threshold is not None:
+        _fail("algorithm.off_policy_rejection_threshold", "sets the bounds of off_policy_rejection: set it too")
+    if a.old_policy == "rollout" and a.off_policy_correction != "none":
+        _fail("algorithm.off_policy_correction", f"{a.off_policy_correction} weighs by the old/rollout ratio, which is "
+              "1 under old_policy=rollout (the PPO ratio to the rollout policy is the correction, verl's bypass "
+              "mode); use off_policy_rejection or the vetoes")
 
 
 def _check_distillation(cfg: DictConfig) -> None:

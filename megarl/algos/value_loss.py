@@ -1,0 +1,40 @@
+"""The critic's clipped value loss (PPO's value-function clipping).
+
+For the critic's new predictions ``v`` [B, T], the values it gave when the batch was collected
+``v_old`` [B, T] and the GAE returns ``R`` [B, T] (:mod:`megarl.algos.gae`), per token::
+
+    v_clip = clamp(v, v_old - c, v_old + c)
+    L_t    = 0.5 * max((v - R)^2, (v_clip - R)^2)
+
+with ``c`` the clip range; clipped where the clipped term is the larger. This is verl's
+``compute_value_loss`` (``verl/trainer/ppo/core_algos.py``, after TRL's PPO trainer): its loss is
+``0.5 * agg_loss(max(...))``, which is the aggregation of ``L`` here (:mod:`megarl.algos.aggregation`),
+and its ``vf_clipfrac`` the mean of ``clipped`` over the mask.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ValueLoss:
+    per_token: torch.Tensor  # float [B, T], 0 where loss_mask == 0; the gradient flows through the new values
+    clipped: torch.Tensor  # bool [B, T]: the clipped term was the larger (trained tokens only)
+
+
+def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       loss_mask: torch.Tensor, clip: float) -> ValueLoss:
+    """PPO's clipped value loss per token (module docstring); all inputs [B, T], ``clip`` > 0."""
+    if values.dim() != 2 or not values.shape == old_values.shape == returns.shape == loss_mask.shape:
+        raise ValueError(f"values, old_values, returns and loss_mask must all be [B, T]; got {tuple(values.shape)}, "
+                         f"{tuple(old_values.shape)}, {tuple(returns.shape)}, {tuple(loss_mask.shape)}")
+    if clip <= 0:
+        raise ValueError(f"the value clip range must be > 0, got {clip}")
+    old, target = old_values.detach(), returns.detach()
+    plain = (values - target) ** 2
+    bounded = (torch.maximum(torch.minimum(values, old + clip), old - clip) - target) ** 2
+    trained = loss_mask > 0
+    per_token = 0.5 * torch.maximum(plain, bounded)
+    return ValueLoss(torch.where(trained, per_token, torch.zeros_like(per_token)), (bounded > plain) & trained)
