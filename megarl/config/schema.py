@@ -300,7 +300,8 @@ class AlgorithmConfig:
     is_threshold: float = 2.0  # upper bound C of w (>= 1)
     is_threshold_low: Optional[float] = None  # lower bound of w in [0, 1]; null: 0 for tis, 1 / is_threshold for mis
     off_policy_veto_threshold: Optional[float] = None  # reject a sequence with a token ratio below this (e.g. 1e-4)
-    off_policy_veto_threshold_high: Optional[float] = None  # ... or above this (SkyRL's outlier bound, e.g. 100)
+    # reject a sequence with a token ratio above this (SkyRL's outlier_token_is_threshold_high, e.g. 100)
+    off_policy_veto_threshold_high: Optional[float] = None
     # verl's rejection criteria (rollout_rs), comma-separated, all must pass: token_k1..3, seq_sum_k1..3,
     # seq_mean_k1..3, seq_max_k2..3 (megarl/algos/rejection.py); independent of the weight of off_policy_correction
     off_policy_rejection: Optional[str] = None

@@ -127,15 +127,19 @@ class Pipeline:
     async def train(self, batch: Batch, step: int) -> RLStepResult:
         """``trainer.updates_per_step`` optimizer steps on ``batch`` (advantages filled): its prompt
         groups split, in order, into as many mini-batches of near-equal size, one ``rl_step`` each
-        (:func:`combine_updates` joins their results). Every update's PPO ratio is against the
-        rollout's log-probs, so from the second update on it (and ``mismatch/*``) also carries the
-        earlier updates' change of the policy."""
+        (:func:`combine_updates` joins their results). With several and ``algorithm.old_policy=recompute``
+        the trainer's log-probs of the whole batch are taken once before the first: every update's PPO
+        ratio (and ``mismatch/*``) is against the policy before the step."""
         parts = split_evenly(batch.groups, self.cfg.trainer.updates_per_step)
-        results = []
+        whole = self.rl_batch([s for g in batch.groups for s in g.samples], step)
+        if len(parts) > 1 and self.cfg.algorithm.old_policy == "recompute":
+            whole.old_logprobs = await self.trainer.policy_logprobs(whole, **self.step_kwargs())
+        results, start = [], 0
         for groups in parts:
-            samples = [s for g in groups for s in g.samples]
-            results.append(await self.trainer.rl_step(self.rl_batch(samples, step), self.cfg.algorithm,
+            count = sum(len(g.samples) for g in groups)
+            results.append(await self.trainer.rl_step(whole.select(range(start, start + count)), self.cfg.algorithm,
                                                       **self.step_kwargs()))
+            start += count
         return combine_updates(results)
 
     def rl_batch(self, samples: list[RolloutSample], step: int) -> RLBatch:

@@ -114,6 +114,12 @@ class TrainerRank:
         t = self.trainable
         return rl_step(t.chunks, t.optimizer, t.scheduler, batch, algo, reference=self.reference, **kwargs)
 
+    def policy_logprobs(self, batch, **kwargs):
+        """The old-policy pass: ``megarl.trainer.rl_step.policy_logprobs`` of ``batch``."""
+        from megarl.trainer.rl_step import policy_logprobs
+
+        return policy_logprobs(self.trainable.chunks, batch, **kwargs)
+
     def sequence_kl(self, batch, algo, **kwargs):
         from megarl.trainer.rl_step import sequence_kl
 
@@ -264,6 +270,11 @@ class TrainerGroup:
     async def rl_step(self, batch, algo, **kwargs):
         """One RL optimizer step over ``batch`` (``megarl.trainer.rl_step.rl_step``); its ``RLStepResult``."""
         return await self._call("rl_step", batch, algo, **kwargs)
+
+    async def policy_logprobs(self, batch, **kwargs):
+        """The trainer's log-probs of ``batch`` before an update, float32 [N] (``rl_step.policy_logprobs``):
+        the PPO ratio's old policy of a step's mini-batches."""
+        return await self._call("policy_logprobs", batch, **kwargs)
 
     async def sequence_kl(self, batch, algo, **kwargs) -> list[float]:
         """Per sample, the summed KL of the policy to the reference (``rl_step.sequence_kl``)."""

@@ -27,8 +27,9 @@ class RLBatch:
     minus the ``model_version`` of the target on response positions, 0 elsewhere),
     ``routed_experts`` int16 [N, L, k] or None, the sampling mask as CSR over the N positions
     (empty rows = full vocabulary) or None, ``token_advantages`` float32 [N] (added to the sample's
-    advantage on response positions, 0 elsewhere) or None. Per sample: ``cu_seqlens`` int64 [B + 1],
-    ``advantages`` float32 [B]."""
+    advantage on response positions, 0 elsewhere) or None, ``old_logprobs`` float32 [N] (the trainer's
+    log-probs before the step's first update, :func:`megarl.trainer.rl_step.policy_logprobs`; 0 off the
+    trained positions) or None. Per sample: ``cu_seqlens`` int64 [B + 1], ``advantages`` float32 [B]."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
@@ -40,6 +41,7 @@ class RLBatch:
     routed_experts: Optional[torch.Tensor]
     sampling_mask: Optional[CsrMask]
     token_advantages: Optional[torch.Tensor] = None
+    old_logprobs: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return len(self.advantages)
@@ -66,7 +68,8 @@ class RLBatch:
         return RLBatch(self.tokens[positions], self.targets[positions], self.loss_mask[positions],
                        self.rollout_logprobs[positions], self.staleness[positions], cu, self.advantages[idx],
                        None if self.routed_experts is None else self.routed_experts[positions], mask,
-                       None if self.token_advantages is None else self.token_advantages[positions])
+                       None if self.token_advantages is None else self.token_advantages[positions],
+                       None if self.old_logprobs is None else self.old_logprobs[positions])
 
     def to(self, device: torch.device) -> RLBatch:
         """This batch with every tensor on ``device``."""

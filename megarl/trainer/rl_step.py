@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megarl.algos.is_diagnostics import SEQUENCE_SUMS, TOKEN_SUMS, diagnostics
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.config.schema import AlgorithmConfig
 from megarl.trainer.context_parallel import ContextParallelRank, row_length_multiple, this_cp_rank, token_count_share
@@ -216,9 +217,10 @@ def _forward_backward(chunks, micro: list, forward_step, forward_only: bool, len
 
 
 def reference_logprobs(chunks: list, micro: list, *, vocab_size: int, temperature: float,
-                       replay: bool, sequence_parallel: bool) -> list[torch.Tensor | None]:
+                       replay: bool, sequence_parallel: bool, trained_only: bool = False) -> list[torch.Tensor | None]:
     """Forward-only log-probs (ragged [n] per micro-batch, last PP stage; None elsewhere) of the
-    weights the model holds now, with the same routing replay and sampling mask as the step."""
+    weights the model holds now, with the same routing replay and sampling mask as the step;
+    ``trained_only``: at the trained positions (``loss_mask > 0``) only, 0 elsewhere."""
     from megatron.core import parallel_state
 
     routers = _routers() if replay else []
@@ -234,7 +236,8 @@ def reference_logprobs(chunks: list, micro: list, *, vocab_size: int, temperatur
             replayer.after_forward()
 
         def keep(output):
-            collected.append(_token_logprobs(output, mb, mi, vocab_size, temperature)[0].detach())
+            rows = (mb.loss_mask > 0).nonzero().squeeze(1) if trained_only else None
+            collected.append(_token_logprobs(output, mb, mi, vocab_size, temperature, rows)[0].detach())
             return output.sum() * 0, {}
 
         return logits, keep
@@ -276,36 +279,81 @@ def sequence_kl(chunks: list, batch: RLBatch, kl_type: str, reference: Reference
             lp, rlp = to_grid(mine, mb.cu_seqlens), to_grid(theirs, mb.cu_seqlens)
             per_token = kl_penalty(kl_type, lp, rlp, lp) * to_grid(mb.loss_mask, mb.cu_seqlens)
             local.update(zip(indices, per_token.sum(1).tolist()))
-    gathered = [None] * len(plan.per_rank)
-    torch.distributed.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
-    merged = {i: value for part in gathered for i, value in part.items()}
+    merged = _merge_over_dp(local)
     return [merged[i] for i in range(len(batch))]
+
+
+def _merge_over_dp(local: dict) -> dict:
+    """The union of every data-parallel rank's ``local`` {sample index: value} (a collective of the DP group)."""
+    from megatron.core import parallel_state
+
+    gathered = [None] * parallel_state.get_data_parallel_world_size()
+    torch.distributed.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
+    return {i: value for part in gathered for i, value in part.items()}
+
+
+def policy_logprobs(chunks: list, batch: RLBatch, *, vocab_size: int, max_tokens_per_microbatch: int,
+                    keep_routing: bool, sequence_parallel: bool, temperature: float = 1.0, pack: bool = True,
+                    pad_id: int = 0) -> torch.Tensor | None:
+    """The log-probs of the weights the model holds now at every trained position of ``batch``: float32 [N]
+    on the host, 0 off the trained positions (:attr:`RLBatch.old_logprobs`), from one forward-only pass with
+    the step's routing replay and sampling mask. The PPO ratio's old policy of every mini-batch of a step
+    (``algorithm.old_policy=recompute``), taken before the first. The whole batch on every rank of the last
+    PP stage (gathered over DP), None elsewhere; a collective of every rank."""
+    from megatron.core import parallel_state
+
+    plan, dp_rank, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
+                                               sequence_parallel=sequence_parallel, pad_id=pad_id,
+                                               device=model_device(chunks))
+    per_micro = reference_logprobs(chunks, micro, vocab_size=vocab_size, temperature=temperature, replay=keep_routing,
+                                   sequence_parallel=sequence_parallel, trained_only=True)
+    if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        return None
+    local = {}
+    for indices, (mb, _), flat in zip(plan.per_rank[dp_rank], micro, per_micro):
+        rows = flat.float().cpu().split(mb.lengths.tolist())
+        local.update(zip(indices, rows))
+    merged = _merge_over_dp(local)
+    return torch.cat([merged[i] for i in range(len(batch))])
 
 
 _BY_DENOMINATOR = ("loss_sum", "pg_loss", "kl")
 _BY_SEQUENCES = ("rejected_sequences",)
 _BY_TOKENS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction", "is_weight_mean",
-              "rejected_tokens", "entropy_tokens")
+              "rejected_tokens", "ppo_kl", "entropy_tokens")
 
 
 def step_sum_keys(algo: AlgorithmConfig) -> list[str]:
     """The per-micro-batch sums one RL step reduces (the same on every rank for one config): the
-    loss's parts (:class:`megarl.algos.objective.LossOutput`) and the trained tokens' entropy."""
+    loss's parts (:class:`megarl.algos.objective.LossOutput`, with the importance-weight diagnostics'
+    sums) and the trained tokens' entropy."""
     kl = ("kl",) if algo.kl_coef != 0.0 and not algo.kl_in_reward else ()
-    return [*_BY_DENOMINATOR[:2], *kl, *_BY_TOKENS, *_BY_SEQUENCES, "denominator", "trained_tokens",
-            "trained_sequences"]
+    return [*_BY_DENOMINATOR[:2], *kl, *_BY_TOKENS, *_BY_SEQUENCES, *TOKEN_SUMS, *SEQUENCE_SUMS, "denominator",
+            "trained_tokens", "trained_sequences"]
 
 
 def step_metrics(totals: dict[str, float]) -> dict[str, float]:
     """Batch metrics from the summed parts: ``loss``, ``pg_loss``, ``kl`` over the loss's denominator;
-    the clip and rejection fractions, ``is_weight_mean`` and ``entropy`` (mean over trained tokens)
-    over trained tokens; ``rejected_sequences`` over trained sequences."""
+    the clip and rejection fractions, ``is_weight_mean``, ``ppo_kl`` (trainer against the PPO ratio's old
+    policy) and ``entropy`` (mean over trained tokens) over trained tokens; ``rejected_sequences`` over
+    trained sequences; ``off_policy/*``, the importance-weight diagnostics of the trainer against the
+    rollout engine (:func:`megarl.algos.is_diagnostics.diagnostics`)."""
     denominator = max(totals["denominator"], 1.0)
     tokens, sequences = max(totals["trained_tokens"], 1.0), max(totals["trained_sequences"], 1.0)
     out = {("loss" if k == "loss_sum" else k): totals[k] / denominator for k in _BY_DENOMINATOR if k in totals}
     out |= {("entropy" if k == "entropy_tokens" else k): totals[k] / tokens for k in _BY_TOKENS}
     out |= {k: totals[k] / sequences for k in _BY_SEQUENCES}
-    return out
+    found = diagnostics(totals, totals["trained_tokens"], totals["trained_sequences"])
+    return out | {f"off_policy/{k}": v for k, v in found.items()}
+
+
+def _old_policy(algo: AlgorithmConfig, mb: RLBatch, logprobs: torch.Tensor) -> torch.Tensor:
+    """The PPO ratio's old policy [b, t] for the micro-batch ``mb`` whose current log-probs are ``logprobs``:
+    the engine's (``old_policy=rollout``), the recomputed pre-step ones (``mb.old_logprobs``), or, for a step
+    of one update, the current ones detached (the same weights and inputs as the recompute pass)."""
+    if algo.old_policy == "rollout":
+        return to_grid(mb.rollout_logprobs, mb.cu_seqlens)
+    return logprobs.detach() if mb.old_logprobs is None else to_grid(mb.old_logprobs, mb.cu_seqlens)
 
 
 def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmConfig, *, vocab_size: int,
@@ -317,9 +365,12 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     ``keep_routing`` replays ``batch.routed_experts`` (the model must be built with routing replay).
     ``pack``: packed micro-batches (else padded rows). ``reference``: the frozen reference policy
     whose log-probs (same replay and mask) the KL term of ``algo`` needs when ``kl_coef != 0``.
-    Metrics: :func:`step_metrics` (loss, clip and rejection fractions, IS weight, entropy), the
-    train-inference mismatch over fresh tokens and the drift over stale ones
-    (:func:`megarl.trainer.mismatch.mismatch_metrics`, before the update), ``routing/agreement`` (share
+    The PPO ratio's old policy: ``batch.old_logprobs`` when set (:func:`policy_logprobs` before the step's
+    first update, for a step of several), else the current log-probs (a step of one update), or the
+    engine's under ``algo.old_policy=rollout``.
+    Metrics: :func:`step_metrics` (loss, clip and rejection fractions, IS weight, entropy, importance-weight
+    diagnostics), the train-inference mismatch over fresh tokens and the drift over stale ones
+    (:func:`megarl.trainer.mismatch.mismatch_metrics`, of the policy before the step), ``routing/agreement`` (share
     of valid token-layer pairs where the trainer's own router picks the engine's expert set: recorded
     when routing is not replayed, computed beside the replay when it is), ``perf/padding_frac``
     (padding share of the model's input positions) and ``perf/dp_token_imbalance`` (max / mean real tokens per DP rank).
@@ -380,7 +431,7 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
             logprobs, entropy = to_grid(flat_lp, mb.cu_seqlens), to_grid(flat_ent, mb.cu_seqlens)
             loss_mask = to_grid(mb.loss_mask, mb.cu_seqlens)
             inputs = LossInputs(
-                logprobs=logprobs, old_logprobs=logprobs.detach(), loss_mask=loss_mask,
+                logprobs=logprobs, old_logprobs=_old_policy(algo, mb, logprobs), loss_mask=loss_mask,
                 advantages=mb.advantages if mb.token_advantages is None else to_grid(mb.position_advantages(),
                                                                                      mb.cu_seqlens),
                 entropy=entropy, rollout_logprobs=to_grid(mb.rollout_logprobs, mb.cu_seqlens),
@@ -391,7 +442,8 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
                      "trained_tokens": out.trained_tokens, "trained_sequences": out.trained_sequences,
                      "entropy_tokens": flat_ent.detach()[mb.loss_mask > 0].sum()}
             sums = torch.stack([parts[k].double() for k in sum_keys])
-            mismatch = mismatch_sums(flat_lp, mb.rollout_logprobs, mb.loss_mask, mb.staleness, outside)
+            before = flat_lp if mb.old_logprobs is None else mb.old_logprobs  # the policy before the step
+            mismatch = mismatch_sums(before, mb.rollout_logprobs, mb.loss_mask, mb.staleness, outside)
             num_tokens = out.denominator_share.round().to(torch.int)
             if mi.split is not None:  # every CP rank holds the whole loss: split its count (context_parallel)
                 num_tokens = token_count_share(num_tokens, mi.split.cp)
