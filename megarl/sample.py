@@ -94,6 +94,8 @@ class RolloutSample:
     token_advantages: np.ndarray | None = None  # filled by token-level estimators (opd, per-turn rewards)
     teacher_logprobs: np.ndarray | None = None  # filled by a teacher's scoring (on-policy distillation)
     role: str = ""  # multi-agent episodes: the role whose turns these are ("" = the one policy)
+    # agent episodes: the episode's answers whose text held tool calls, "parsed" / "unparsable" -> count
+    tool_calls: dict[str, int] | None = None
 
     def __post_init__(self):
         r = len(self.response_ids)

@@ -85,7 +85,8 @@ def run(cfg: DictConfig) -> None:
         from megarl.models.tiny_moe import TinyMoeSpec, make_tiny_moe
 
         log.info("building the tiny demo checkpoint at %s", hf_path)
-        make_tiny_moe(hf_path, TinyMoeSpec.from_arch(cfg.model.arch), max_operand=cfg.task.max_operand)
+        spec = TinyMoeSpec.from_arch(cfg.model.arch, tool_calling=cfg.model.tiny_variant.value == "tool_calling")
+        make_tiny_moe(hf_path, spec, max_operand=cfg.task.max_operand)
     if cfg.mode == "warmup":
         warmup(cfg)
     else:

@@ -1,7 +1,9 @@
 """Multi-turn RL end to end: the calculator recipe (megarl/tasks/calculator.py) warmed up on Megatron,
 episodes with tool calls generated on a real SGLang server (CPU), trained with Keep Routing and Keep
 Sampling Mask on Megatron: the trainer's forward over whole episodes (policy turns and the tool's
-tokens) reproduces the engine's per-turn log-probs and replays its routing."""
+tokens) reproduces the engine's per-turn log-probs and replays its routing. The same for agent programs
+through the OpenAI-compatible gateway: two roles, a frozen role, and an OpenAI Agents SDK agent calling
+its tool."""
 import json
 
 import pytest
@@ -82,3 +84,21 @@ def test_a_frozen_model_serves_a_role_and_only_the_policys_roles_train(tmp_path,
         assert answer == tokenizer.decode(out[0, len(ids):], skip_special_tokens=True), (messages, answer)
     assert {c for _, answer in agent_examples.FROZEN_VERDICTS for c in answer} == {"7"}
     assert (run / "role-verifier.log").is_file()  # its own engine
+
+
+def test_an_agents_sdk_agent_calls_its_tool_and_trains(tmp_path):
+    """The tool-calling recipe (the tiny model's tool-calling variant, an OpenAI Agents SDK agent with an
+    ``add`` tool, the gateway parsing qwen25 calls), warmed up on calls alone: its episodes call the tool
+    (parsed by the gateway, answered by the SDK, a second turn extending the first), the rows report the
+    share, and the trainer reproduces the engine on whole episodes."""
+    run = tmp_path / "run"
+    assert main(["recipe=tiny_moe_tool_calling", "mode=sync", "steps=1", "warmup.steps=60",
+                 "warmup.tool_fraction=1.0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
+                 f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'sft'}",
+                 f"logging.run_dir={run}"]) == 0
+    [row] = [row for row in read_metrics(run) if "reward/mean" in row]
+    assert row["agent/tool_call_frac"] >= 0.5, row  # the warm-up's format, parsed by SGLang's qwen25 parser
+    # an episode whose first answer was a parsed call took a second turn (the SDK sent the result back)
+    assert row["episode/turns_mean"] == pytest.approx(1.0 + row["agent/tool_call_frac"]), row
+    assert row["mismatch/logprob_abs_diff"] < 1e-4 and row["routing/agreement"] == 1.0, row
+    assert row["mismatch/tokens_outside_mask"] == 0, row

@@ -107,7 +107,8 @@ class GatewayError(Exception):
 @dataclass
 class Session:
     """One episode's state in the gateway. ``turns``: calls per role; ``budget_end``: "max_turns" or
-    "max_tokens" once a call was refused for a budget; ``engine_failure``: an engine was unreachable."""
+    "max_tokens" once a call was refused for a budget; ``engine_failure``: an engine was unreachable;
+    ``tool_call_counts``: this episode's share of the gateway's (answers with ``parsed`` or ``unparsable`` calls)."""
 
     id: str
     group_id: str
@@ -119,6 +120,7 @@ class Session:
     closed: bool = False
     # the tool calls of answers returned (tools.calls_key) -> the text generated with them
     returned_calls: dict[tuple, str] = field(default_factory=dict)
+    tool_call_counts: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
 @dataclass(frozen=True)
@@ -408,7 +410,9 @@ class AgentGateway:
                                         and generated[-1] in self._special_ids else generated)
             parsed = tool_calls.parse_calls(self.tool_call_parser, call.tools, raw, self.tokenizer)
             if parsed.tool_calls is not None or parsed.unparsable:
-                self.tool_call_counts["unparsable" if parsed.unparsable else "parsed"] += 1
+                kind = "unparsable" if parsed.unparsable else "parsed"
+                self.tool_call_counts[kind] += 1
+                session.tool_call_counts[kind] += 1
             if parsed.tool_calls is not None:
                 content, calls = parsed.content, parsed.tool_calls
                 session.returned_calls[tool_calls.calls_key(calls)] = text

@@ -21,6 +21,9 @@ The agent must not block the event loop (it runs in the driver's loop; use ``awa
 An episode gives one sample per segment of its trajectory (``megarl/agents/trajectory.py``: one
 per trained role, more when an agent rewrote its history), with ``role`` and ``episode_end`` set:
 
+Every sample carries its episode's ``tool_calls`` (the gateway's counts of answers with parsed and
+unparsable tool calls). Its ``episode_end``:
+
 - ``done``: the agent returned a valid result; ``finish_reason`` the last call's;
 - ``max_turns`` / ``max_tokens``: the gateway refused a call for a budget (whatever the agent did
   then); ``finish_reason`` length, the recorded samples kept, the agent's reward if it returned one;
@@ -136,7 +139,16 @@ class AgentEpisodes:
         samples = session.trajectory.samples(group_id=group_id, episode_id=episode_id, routing=self.routing,
                                              sampling_mask=self.sampling_mask, frozen_roles=self.gateway.frozen_roles)
         if failure is not None and (session.budget_end is None or not samples):
-            return self._error(failure, samples, prompt, group_id, episode_id)
+            samples = self._error(failure, samples, prompt, group_id, episode_id)
+        else:
+            await self._finish(samples, session, result, failure, prompt)
+        for sample in samples:
+            sample.tool_calls = dict(session.tool_call_counts)
+        return samples
+
+    async def _finish(self, samples: list[RolloutSample], session: Session, result: AgentResult,
+                      failure: tuple[str, str] | None, prompt: Prompt) -> None:
+        """How the episode ended and its rewards, on the samples of an episode that did not fail."""
         end = session.budget_end or "done"
         if session.budget_end is not None:
             self.budget_ends[end] += 1
@@ -149,7 +161,6 @@ class AgentEpisodes:
                 sample.reward = float(result[sample.role] if isinstance(result, dict) else result)
         elif self.scorer is not None:
             await self._score(prompt, samples, session)
-        return samples
 
     async def _run_agent(self, client: openai.AsyncOpenAI,
                          prompt: Prompt) -> tuple[AgentResult, tuple[str, str] | None]:

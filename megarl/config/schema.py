@@ -36,6 +36,11 @@ class TransformerImpl(str, Enum):
     transformer_engine = "transformer_engine"
 
 
+class TinyVariant(str, Enum):
+    arithmetic = "arithmetic"  # the demo's: 64 positions, a tokenizer of sums
+    tool_calling = "tool_calling"  # 256 positions, a tokenizer and chat template for OpenAI function calling
+
+
 class Recompute(str, Enum):
     none = "none"
     selective = "selective"
@@ -79,6 +84,7 @@ class ArchConfig:
 class ModelConfig:
     hf_path: str = MISSING  # HF checkpoint directory (config.json + safetensors + tokenizer)
     make_tiny_if_missing: bool = False  # build the demo's tiny checkpoint at hf_path when it is absent
+    tiny_variant: TinyVariant = TinyVariant.arithmetic  # which tiny checkpoint (megarl/models/tiny_moe.py)
     dtype: str = "float32"  # float32 | bfloat16 | float16: parameter and compute dtype
     transformer_impl: TransformerImpl = TransformerImpl.auto
     moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight; 0 for RL, where routing is replayed

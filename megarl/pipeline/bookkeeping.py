@@ -49,13 +49,17 @@ def combine_updates(results: list[RLStepResult]) -> RLStepResult:
 
 
 def episode_metrics(samples: list[RolloutSample]) -> dict[str, float]:
-    """Multi-turn episodes: policy turns per episode and the share of each way they ended."""
+    """Multi-turn episodes: policy turns per episode and the share of each way they ended; agent
+    episodes: the share that made a parsed tool call, and an unparsable one."""
+    agent = [s.tool_calls for s in samples if s.tool_calls is not None]
+    tools = {"agent/tool_call_frac": sum(c.get("parsed", 0) > 0 for c in agent) / len(agent),
+             "agent/unparsable_call_frac": sum(c.get("unparsable", 0) > 0 for c in agent) / len(agent)} if agent else {}
     episodes = [s for s in samples if s.turn_ends]
     if not episodes:
-        return {}
+        return tools
     ends = collections.Counter(s.episode_end.split(":")[0] for s in episodes)
     return {"episode/turns_mean": sum(len(s.turn_ends) for s in episodes) / len(episodes),
-            **{f"episode/end_{end}_frac": n / len(episodes) for end, n in sorted(ends.items())}}
+            **{f"episode/end_{end}_frac": n / len(episodes) for end, n in sorted(ends.items())}, **tools}
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:

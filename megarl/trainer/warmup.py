@@ -2,7 +2,9 @@
 
 RL from a random model sees groups whose rewards are all zero; a short supervised pass on
 ``prompt -> answer<eos>`` (loss on the answer tokens only) gives GRPO a policy with mixed rewards
-to push (docs/architecture.md, "Warm-up before RL"). Runs on every rank of the layout; rank 0 reports.
+to push (docs/architecture.md, "Warm-up before RL"). With the calculator environment, or the
+tool-calling tiny model, the examples are whole episodes, ``tool_fraction`` of them calling the tool.
+Runs on every rank of the layout; rank 0 reports.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import random
 from dataclasses import dataclass
 
 from megarl.parallel import Layout
-from megarl.tasks import arithmetic, calculator
+from megarl.tasks import arithmetic, calculator, tool_calling
 from megarl.trainer.optimizer import OptimizerSettings
 from megarl.trainer.token_batch import TokenBatch, masked_token_batch, token_batch
 
@@ -37,6 +39,7 @@ class WarmupJob:
     dispatcher: str
     env: str | None  # calculator: examples are episodes, tool_fraction of them calling the tool
     tool_fraction: float
+    tool_calling: bool = False  # the tool-calling tiny model: examples are its task's chat episodes, as above
 
     @classmethod
     def from_config(cls, cfg) -> WarmupJob:
@@ -48,7 +51,8 @@ class WarmupJob:
                    max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
                    max_operand=cfg.task.max_operand, seed=cfg.task.seed, log_interval=w.log_interval,
                    transformer_impl=cfg.model.transformer_impl.value, dispatcher=cfg.parallel.dispatcher.value,
-                   env=cfg.task.env, tool_fraction=w.tool_fraction)
+                   env=cfg.task.env, tool_fraction=w.tool_fraction,
+                   tool_calling=cfg.model.tiny_variant.value == "tool_calling")
 
 
 def answer_batch(tokenizer, problems: list[arithmetic.Problem]) -> TokenBatch:
@@ -78,6 +82,26 @@ def episode_batch(tokenizer, problems: list[arithmetic.Problem], use_tool: list[
     return masked_token_batch(sequences, trained)
 
 
+def chat_episode_batch(tokenizer, problems: list[arithmetic.Problem], use_tool: list[bool]) -> TokenBatch:
+    """The tool-calling task's episodes (:func:`megarl.tasks.tool_calling.transcript`, rendered by the
+    tokenizer's chat template with the task's tools), each piece tokenized on its own as the agent
+    gateway does; the loss on the policy's pieces (their end-of-sequence tokens included)."""
+    def render(messages: list[dict], add_generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages, tools=tool_calling.TOOLS, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+
+    sequences, trained = [], []
+    for problem, tool in zip(problems, use_tool, strict=True):
+        ids, mask = [], []
+        for text, policy in tool_calling.transcript(render, problem, tool):
+            piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += piece
+            mask += [int(policy)] * len(piece)
+        sequences.append(ids)
+        trained.append(mask)
+    return masked_token_batch(sequences, trained)
+
+
 def run_warmup(rank: int, layout: Layout, job: WarmupJob) -> list[float]:
     """Train ``job.steps`` steps, save the HF checkpoint; returns the loss per step (rank 0: all)."""
     from megatron.core import parallel_state
@@ -102,7 +126,9 @@ def run_warmup(rank: int, layout: Layout, job: WarmupJob) -> list[float]:
         task = progress.add_task("warm-up", total=job.steps)
         for step in range(1, job.steps + 1):
             problems = arithmetic.sample_problems(job.batch_size, rng, job.max_operand)
-            if job.env == "calculator":
+            if job.tool_calling:
+                batch = chat_episode_batch(tokenizer, problems, [rng.random() < job.tool_fraction for _ in problems])
+            elif job.env == "calculator":
                 batch = episode_batch(tokenizer, problems, [rng.random() < job.tool_fraction for _ in problems])
             else:
                 batch = answer_batch(tokenizer, problems)

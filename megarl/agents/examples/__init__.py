@@ -1,0 +1,1 @@
+"""Agent programs for ``task.agent`` written with agent frameworks (the contract: ``megarl/agents/rollout.py``)."""
