@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from megarl.config import ConfigError, load_config
-from megarl.config.validate import check_inputs
+from megarl.config.inputs import check_inputs
 from megarl.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -179,12 +179,32 @@ def test_transport_auto_follows_the_placement():
     assert load_config(["recipe=tiny_moe_cpu", "sync.transport=disk"]).sync.transport == "disk"
 
 
+def _registries() -> dict[str, tuple]:
+    """Config key -> the names it may take, as the schema's fields declare them (section by section)."""
+    import dataclasses
+    import typing
+
+    from megarl.config.schema import MegarlConfig
+    from megarl.fields import bounds_of
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(hint):
+                yield from walk(hint, f"{prefix}{f.name}.")
+            elif bounds_of(f) is not None and bounds_of(f).choices:
+                yield f"{prefix}{f.name}", bounds_of(f).choices
+
+    return dict(walk(MegarlConfig, ""))
+
+
 def test_every_registered_name_loads_and_the_defaults_are_registered(tmp_path):
     from megarl.config.load import default_config
-    from megarl.config.validate import REGISTRIES
 
     defaults = default_config()
-    for key, names in REGISTRIES.items():
+    registries = _registries()
+    assert {"algorithm.kl_type", "task.name", "lora.sync", "sync.transport", "mode"} <= set(registries)
+    for key, names in registries.items():
         default = OmegaConf.select(defaults, key)
         # sync.transport "auto" is resolved by placement at load, before the names are checked
         assert default in names or (key, default) == ("sync.transport", "auto"), key
@@ -193,14 +213,13 @@ def test_every_registered_name_loads_and_the_defaults_are_registered(tmp_path):
 
 
 def test_every_name_valued_algorithm_key_has_a_registry():
-    """A misspelt algorithm name fails at load with the valid names only if its key is in REGISTRIES."""
+    """A misspelt algorithm name fails at load with the valid names only if its field declares them."""
     import dataclasses
 
     from megarl.config.schema import AlgorithmConfig
-    from megarl.config.validate import REGISTRIES
 
     names = [f.name for f in dataclasses.fields(AlgorithmConfig) if f.type in ("str", str)]
-    assert names and all(f"algorithm.{name}" in REGISTRIES for name in names), names
+    assert names and all(f"algorithm.{name}" in _registries() for name in names), names
 
 
 # --- inputs an RL run reads, checked by the driver before it starts anything ----------------------
@@ -336,14 +355,16 @@ def test_hf_config_naming_variants_and_text_config(tmp_path):
 # --- settings built from the config ----------------------------------------------------------------
 
 def test_engine_and_sync_settings_from_the_config(tiny_checkpoint):
-    from megarl.engines.server import EngineSettings
+    from megarl.config.topology import RunTopology, pool_engine_settings
+    from megarl.platform.description import Platform
     from megarl.sync.settings import SyncSettings
 
-    cfg = load_config(["recipe=tiny_moe_cpu", "task.seed=5", "logging.run_dir=/tmp/r"])
-    engine = EngineSettings.from_config(cfg, tiny_checkpoint, 1, 3)
+    cfg = load_config(["recipe=tiny_moe_cpu", "task.seed=5", "logging.run_dir=/tmp/r", "rollout.num_engines=2"])
+    topology = RunTopology.from_config(cfg)
+    engine = pool_engine_settings(cfg, topology, topology.policy, Platform.cpu(), None, tiny_checkpoint)[1]
     assert (engine.model_path, engine.dtype, engine.sampling_mask_max_tokens, engine.max_total_tokens,
             engine.random_seed, engine.weight_version, engine.log_path) == \
-        (tiny_checkpoint, "float32", 20, 65536, 6, 3, "/tmp/r/engine-1.log")
+        (tiny_checkpoint, "float32", 20, 65536, 6, 0, "/tmp/r/engine-1.log")
     sync = SyncSettings.from_config(cfg.sync)
     assert (sync.transport, sync.bucket_mb, sync.work_dir, sync.timeout_s, sync.engine_tp) == \
         ("distributed", 64, "/tmp/r/weight_sync", 600.0, 1)
@@ -369,7 +390,7 @@ def test_optimizer_offload_reaches_megatron_cores_optimizer():
 
     cfg = load_config(["recipe=qwen3_30b_a3b"])
     assert cfg.trainer.optimizer_cpu_offload and OptimizerSettings.from_config(cfg).cpu_offload
-    assert not OptimizerSettings.from_config(load_config(["recipe=tiny_moe_cpu"])).cpu_offload
+    assert not OptimizerSettings.from_config(load_config(["recipe=tiny_moe_cpu"])).optimizer_cpu_offload
     config = OptimizerConfig(optimizer="adam", bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
                              **cpu_offload_options(True))
     assert config.optimizer_cpu_offload and config.optimizer_offload_fraction == 1.0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megarl.config import ConfigError, load_config, recipes_dir
-from megarl.config.validate import PlacementError
+from megarl.config.errors import PlacementError
 from megarl.models.tiny_moe import make_tiny_moe
 from megarl.parallel import PipelineSplitError, stage_layers
 from megarl.plan import EXIT_DOES_NOT_FIT, main
