@@ -84,6 +84,8 @@ def out_of_bounds(node: Any, cls: type, prefix: str = "") -> tuple[str, str] | N
     is outside its :class:`Bounds`, with why: ``("rollout.top_p", "must be in (0, 1], got 2.0")``; nested
     sections and lists of them are walked (``task.role_engines[0].engine_tp``). None when all are in."""
     for f, nested, is_list in _children(cls):
+        if nested is None and bounds_of(f) is None:
+            continue  # nothing to check (and a mandatory value left unset is read by no one here)
         value = getattr(node, f.name)
         key = f"{prefix}{f.name}"
         if nested is not None and value is not None:

@@ -66,7 +66,7 @@ def test_gpu_engine_is_launched_in_bfloat16_with_an_explicit_attention_backend(t
     cmd = command_of(policy_settings(cfg, tiny_checkpoint, HOPPER)[0])
     assert (flag(cmd, "--device"), flag(cmd, "--dtype"), flag(cmd, "--attention-backend")) == \
         ("cuda", "bfloat16", "fa3")
-    cpu = command_of(EngineSettings.from_config(tiny(), tiny_checkpoint, 0, 0, platform=Platform.cpu()))
+    cpu = command_of(policy_settings(tiny(), tiny_checkpoint, Platform.cpu())[0])
     assert (flag(cpu, "--device"), flag(cpu, "--dtype"), flag(cpu, "--attention-backend")) == \
         ("cpu", "float32", "torch_native")
     assert cpu.count("--attention-backend") == 1
@@ -77,7 +77,7 @@ def test_gpu_engine_is_launched_in_bfloat16_with_an_explicit_attention_backend(t
 def test_float32_engines_on_cuda_are_refused_at_load(tmp_path, monkeypatch, capsys):
     from megarl.train import main
 
-    monkeypatch.setattr("megarl.config.validate.detect", lambda: HOPPER)
+    monkeypatch.setattr("megarl.config.platform_rules.detect", lambda: HOPPER)
     t0 = time.monotonic()
     code = main(["recipe=tiny_moe_cpu", f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'sft'}",
                  f"logging.run_dir={tmp_path / 'run'}"])

@@ -85,7 +85,7 @@ def test_the_topology_gives_the_engines_their_parallelism(tiny_checkpoint, tmp_p
         cfg = load_config([f"recipe={recipe}", f"model.hf_path={tiny_checkpoint}", f"logging.run_dir={tmp_path}",
                            *overrides])
         topology = RunTopology.from_config(cfg)
-        return pool_engine_settings(cfg, topology, topology.policy, Platform.cpu(), None)
+        return pool_engine_settings(cfg, topology, topology.policy, Platform.cpu(), None, tiny_checkpoint)
 
     parallel = ["rollout.num_engines=2", "rollout.engine_tp=2", "rollout.engine_ep=2",
                 "rollout.engine_dp_attention=true",

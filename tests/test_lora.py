@@ -319,7 +319,7 @@ def test_an_adapter_the_engine_rejects_fails_the_sync_with_its_message(engine, t
 
 
 @pytest.mark.parametrize("override, message", [
-    ("lora.rank=0", "lora.rank must be > 0"),
+    ("lora.rank=0", "lora.rank: must be >= 1, got 0"),
     ("lora.target_modules=[linear_q]", "not Megatron linear names"),
     ("lora.sync=weights", "lora.sync"),
     ("lora.dropout=1.5", "lora.dropout"),
