@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from megarl.config import ConfigError, load_config
-from megarl.config.validate import PlacementError
+from megarl.config.errors import PlacementError
 from megarl.planner.layout import AuxiliaryPlan, LayoutPlan, broken_limits, gib_dict, plan_layout
 from megarl.planner.lora import LoraPlan
 from megarl.planner.placement import PlacementPlan, ranges, span

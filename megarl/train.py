@@ -65,7 +65,7 @@ def resuming(cfg: DictConfig) -> bool:
 
 
 def run(cfg: DictConfig) -> None:
-    from megarl.config.validate import refuse_what_is_not_built
+    from megarl.config.platform_rules import refuse_what_is_not_built
 
     refuse_what_is_not_built(cfg)
     if cfg.mode != "warmup":

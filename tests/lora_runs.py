@@ -7,13 +7,14 @@ from pathlib import Path
 from hf_oracle import load_hf, make_samples
 
 from megarl.config import default_config
-from megarl.models.lora import LoraSettings
+from megarl.models.lora import LoraConfig
 from megarl.parallel import Layout
 
-ATTENTION = LoraSettings(rank=8, alpha=16, dropout=0.0, target_modules=("linear_qkv", "linear_proj"), sync="adapter")
+ATTENTION = LoraConfig(enabled=True, rank=8, alpha=16, dropout=0.0, target_modules=("linear_qkv", "linear_proj"),
+                       sync="adapter")
 
 
-def trained_group(layout: Layout, checkpoint: str, lora: LoraSettings = ATTENTION, steps: int = 2,
+def trained_group(layout: Layout, checkpoint: str, lora: LoraConfig = ATTENTION, steps: int = 2,
                   reference: bool = False):
     """A LoRA TrainerGroup under ``layout`` after ``steps`` RL steps at lr 2e-2 (the adapters move
     visibly); ``reference``: with the KL reference (the starting weights)."""

@@ -26,7 +26,7 @@ LAYOUTS = {
 def scenario(rank, layout, name, hf_path, out_dir):
     from megarl.config import default_config
     from megarl.models.bridge import build_megatron_model, save_hf_checkpoint
-    from megarl.models.lora import LoraSettings
+    from megarl.models.lora import LoraConfig
     from megarl.trainer.model_setup import build_trainable
     from megarl.trainer.optimizer import OptimizerSettings
     from megarl.trainer.sft_step import supervised_step
@@ -37,7 +37,7 @@ def scenario(rank, layout, name, hf_path, out_dir):
         return "saved"
     trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-3),
                                 transformer_impl="local",
-                                lora=LoraSettings(4, 8, 0.0, ("linear_qkv",), "adapter") if name == "train_lora"
+                                lora=LoraConfig(True, 4, 8, 0.0, ("linear_qkv",), "adapter") if name == "train_lora"
                                 else None)
     sequences = [[1, 5 + i, 7, 9, 11 + i, 2] for i in range(4)]
     batch = token_batch(sequences, [3] * 4)

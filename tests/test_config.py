@@ -9,7 +9,7 @@ import torch
 from omegaconf import OmegaConf
 
 from megarl.config import ConfigError, load_config
-from megarl.config.validate import check_inputs
+from megarl.config.inputs import check_inputs
 from megarl.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,7 +61,7 @@ BAD_INPUTS = [
      "without a GPU the state is in host memory already"),
     (["rollout.engine_tp=3"], "rollout.engine_tp", "3"),
     (["parallel.world_size=2", "parallel.cp=2"], "parallel.cp", "needs transformer-engine's attention"),
-    (["sync.transport=carrier_pigeon"], "sync.transport", "not one of distributed, tensor, disk"),
+    (["sync.transport=carrier_pigeon"], "sync.transport", "not one of auto, distributed, tensor, disk"),
     (["buffer.partial_rollout=later"], "buffer.partial_rollout", "'later' is not one of continue, abort_resubmit"),
     (["algorithm.advantage=ppo"], "algorithm.advantage", "'ppo' is not one of grpo, dr_grpo, rloo, reinforce_pp"),
     (["algorithm.policy_loss=ppoo"], "algorithm.policy_loss", "'ppoo' is not one of ppo, gspo, cispo"),
@@ -113,7 +113,8 @@ BAD_INPUTS = [
     (["warmup.steps=-1"], "warmup.steps", "must be >= 0"),
     (["task.name=csv"], "task.name", "is not one of arithmetic, jsonl, parquet"),
     (["reward.type=remote"], "reward.url", "needs reward.url"),
-    (["rollout.top_k=0"], "rollout.top_k", "finite top_k"),
+    (["rollout.top_k=0"], "rollout.top_k", "must be >= 1 or -1, got 0"),
+    (["rollout.top_k=-1"], "rollout.top_k", "finite top_k"),
     ([AGENT, "task.role_engines=[{role:solver,engines:[0]}]"], "task.role_engines",
      "places the roles of task.roles on engines: set task.roles"),
     ([AGENT, ROLES, "task.role_engines=[{role:critic,engines:[0]}]"], "task.role_engines[0].role",
@@ -198,28 +199,47 @@ def test_transport_auto_follows_the_placement():
     assert load_config(["recipe=tiny_moe_cpu", "sync.transport=disk"]).sync.transport == "disk"
 
 
+def _registries() -> dict[str, tuple]:
+    """Config key -> the names it may take, as the schema's fields declare them (section by section)."""
+    import dataclasses
+    import typing
+
+    from megarl.config.schema import MegarlConfig
+    from megarl.fields import bounds_of
+
+    def walk(cls, prefix):
+        for f in dataclasses.fields(cls):
+            hint = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(hint):
+                yield from walk(hint, f"{prefix}{f.name}.")
+            elif bounds_of(f) is not None and bounds_of(f).choices:
+                yield f"{prefix}{f.name}", bounds_of(f).choices
+
+    return dict(walk(MegarlConfig, ""))
+
+
 def test_every_registered_name_loads_and_the_defaults_are_registered(tmp_path):
     from megarl.config.load import default_config
-    from megarl.config.validate import REGISTRIES
 
     defaults = default_config()
-    for key, names in REGISTRIES.items():
+    registries = _registries()
+    assert {"algorithm.kl_type", "task.name", "lora.sync", "sync.transport", "mode"} <= set(registries)
+    for key, names in registries.items():
         default = OmegaConf.select(defaults, key)
         # sync.transport "auto" is resolved by placement at load, before the names are checked
-        assert default in names or (key, default) == ("sync.transport", "auto"), key
+        assert default in names or default is None, key  # None: an optional key left unset
         for name in names:
             load_config(["recipe=tiny_moe_cpu", f"{key}={name}", *_companions(key, name, tmp_path)])
 
 
 def test_every_name_valued_algorithm_key_has_a_registry():
-    """A misspelt algorithm name fails at load with the valid names only if its key is in REGISTRIES."""
+    """A misspelt algorithm name fails at load with the valid names only if its field declares them."""
     import dataclasses
 
     from megarl.config.schema import AlgorithmConfig
-    from megarl.config.validate import REGISTRIES
 
     names = [f.name for f in dataclasses.fields(AlgorithmConfig) if f.type in ("str", str)]
-    assert names and all(f"algorithm.{name}" in REGISTRIES for name in names), names
+    assert names and all(f"algorithm.{name}" in _registries() for name in names), names
 
 
 # --- inputs an RL run reads, checked by the driver before it starts anything ----------------------
@@ -355,14 +375,16 @@ def test_hf_config_naming_variants_and_text_config(tmp_path):
 # --- settings built from the config ----------------------------------------------------------------
 
 def test_engine_and_sync_settings_from_the_config(tiny_checkpoint):
-    from megarl.engines.server import EngineSettings
+    from megarl.config.topology import RunTopology, pool_engine_settings
+    from megarl.platform.description import Platform
     from megarl.sync.settings import SyncSettings
 
-    cfg = load_config(["recipe=tiny_moe_cpu", "task.seed=5", "logging.run_dir=/tmp/r"])
-    engine = EngineSettings.from_config(cfg, tiny_checkpoint, 1, 3)
+    cfg = load_config(["recipe=tiny_moe_cpu", "task.seed=5", "logging.run_dir=/tmp/r", "rollout.num_engines=2"])
+    topology = RunTopology.from_config(cfg)
+    engine = pool_engine_settings(cfg, topology, topology.policy, Platform.cpu(), None, tiny_checkpoint)[1]
     assert (engine.model_path, engine.dtype, engine.sampling_mask_max_tokens, engine.max_total_tokens,
             engine.random_seed, engine.weight_version, engine.log_path) == \
-        (tiny_checkpoint, "float32", 20, 65536, 6, 3, "/tmp/r/engine-1.log")
+        (tiny_checkpoint, "float32", 20, 65536, 6, 0, "/tmp/r/engine-1.log")
     sync = SyncSettings.from_config(cfg.sync)
     assert (sync.transport, sync.bucket_mb, sync.work_dir, sync.timeout_s, sync.engine_tp) == \
         ("distributed", 64, "/tmp/r/weight_sync", 600.0, 1)
@@ -387,8 +409,8 @@ def test_optimizer_offload_reaches_megatron_cores_optimizer():
     from megarl.trainer.optimizer import OptimizerSettings, cpu_offload_options
 
     cfg = load_config(["recipe=qwen3_30b_a3b"])
-    assert cfg.trainer.optimizer_cpu_offload and OptimizerSettings.from_config(cfg).cpu_offload
-    assert not OptimizerSettings.from_config(load_config(["recipe=tiny_moe_cpu"])).cpu_offload
+    assert cfg.trainer.optimizer_cpu_offload and OptimizerSettings.from_config(cfg).optimizer_cpu_offload
+    assert not OptimizerSettings.from_config(load_config(["recipe=tiny_moe_cpu"])).optimizer_cpu_offload
     config = OptimizerConfig(optimizer="adam", bf16=True, params_dtype=torch.bfloat16, use_distributed_optimizer=True,
                              **cpu_offload_options(True))
     assert config.optimizer_cpu_offload and config.optimizer_offload_fraction == 1.0
@@ -419,7 +441,8 @@ def _schema_keys(cls=None, prefix=""):
 def test_every_config_key_is_read_by_the_run_or_is_a_planner_input():
     """A key nothing but the config's checks and the planner reads is a setting users change for nothing
     (rollout.mem_fraction_static and trainer.optimizer_cpu_offload were): each key's name is read (an
-    attribute, or a string for item access) somewhere in megarl/ outside config/, planner/ and plan.py, or
+    attribute, or a string for item access) somewhere in megarl/ outside config/ (but for the run's topology,
+    which the start-up builds its engines from), planner/ and plan.py, or
     interpolated into another key's default (``${run_name}``), unless it is one of the planner's inputs."""
     import ast
     import re
@@ -427,7 +450,7 @@ def test_every_config_key_is_read_by_the_run_or_is_a_planner_input():
     read = set()
     for path in (ROOT / "megarl").rglob("*.py"):
         parts = path.relative_to(ROOT / "megarl").parts
-        if parts[0] in ("config", "planner") or parts == ("plan.py",):
+        if (parts[0] in ("config", "planner") and parts != ("config", "topology.py")) or parts == ("plan.py",):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute):

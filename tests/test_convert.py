@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megarl.models.lora import LoraSettings
+from megarl.models.lora import LoraConfig
 from megarl.parallel import Layout
 from megarl.trainer import convert
 
@@ -177,7 +177,7 @@ def lora_run(ray_local, tiny_checkpoint, tmp_path_factory) -> Path:
     finally:
         group.shutdown()
     cfg = load_config(["recipe=tiny_moe_lora_cpu", f"model.hf_path={tiny_checkpoint}"])
-    assert LoraSettings.from_config(cfg.lora) == ATTENTION
+    assert LoraConfig.when_enabled(cfg.lora) == ATTENTION
     (root / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
     return root
 

@@ -16,7 +16,7 @@ from hf_oracle import load_hf, sharpened_checkpoint
 from megarl.algos.advantages import fill_advantages
 from megarl.algos.distill import fill_distill_advantages, opd_token_advantages
 from megarl.config import ConfigError, load_config
-from megarl.config.validate import check_inputs
+from megarl.config.inputs import check_inputs
 from megarl.engines.types import SamplingParams
 from megarl.parallel import free_port
 from megarl.rollout.group import RolloutManager

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from megarl.config import ConfigError, load_config
-from megarl.config.validate import refuse_on_platform
+from megarl.config.platform_rules import refuse_on_platform
+from megarl.config.topology import RunTopology, pool_engine_settings
 from megarl.engines.launch_plan import attention_backend
 from megarl.engines.server import EngineSettings, EngineStartError, SGLangEngine
 from megarl.pipeline.colocate import Colocation
@@ -25,6 +26,12 @@ WITHOUT_MEMORY_SAVER = Platform.cuda((9, 0), importable=tuple(m for m in GPU_MOD
 
 def tiny(*overrides: str):
     return load_config(["recipe=tiny_moe_cpu", "model.hf_path=/nonexistent", *overrides])
+
+
+def policy_settings(cfg, checkpoint: str, platform: Platform) -> list[EngineSettings]:
+    """The policy pool's engine settings of ``cfg`` on ``platform``, serving ``checkpoint``."""
+    topology = RunTopology.from_config(cfg)
+    return pool_engine_settings(cfg, topology, topology.policy, platform, "key", checkpoint)
 
 
 def command_of(settings: EngineSettings) -> list[str]:
@@ -56,21 +63,21 @@ def test_attention_backend_is_the_one_sglang_picks(capability, mla, flashinfer):
 
 def test_gpu_engine_is_launched_in_bfloat16_with_an_explicit_attention_backend(tiny_checkpoint):
     cfg = tiny("model.dtype=bfloat16")
-    cmd = command_of(EngineSettings.from_config(cfg, tiny_checkpoint, 0, 0, platform=HOPPER))
+    cmd = command_of(policy_settings(cfg, tiny_checkpoint, HOPPER)[0])
     assert (flag(cmd, "--device"), flag(cmd, "--dtype"), flag(cmd, "--attention-backend")) == \
         ("cuda", "bfloat16", "fa3")
-    cpu = command_of(EngineSettings.from_config(tiny(), tiny_checkpoint, 0, 0, platform=Platform.cpu()))
+    cpu = command_of(policy_settings(tiny(), tiny_checkpoint, Platform.cpu())[0])
     assert (flag(cpu, "--device"), flag(cpu, "--dtype"), flag(cpu, "--attention-backend")) == \
         ("cpu", "float32", "torch_native")
     assert cpu.count("--attention-backend") == 1
     with pytest.raises(ValueError, match="model.dtype=bfloat16"):
-        EngineSettings.from_config(tiny(), tiny_checkpoint, 0, 0, platform=HOPPER)  # float32 on CUDA
+        policy_settings(tiny(), tiny_checkpoint, HOPPER)[0]  # float32 on CUDA
 
 
 def test_float32_engines_on_cuda_are_refused_at_load(tmp_path, monkeypatch, capsys):
     from megarl.train import main
 
-    monkeypatch.setattr("megarl.config.validate.detect", lambda: HOPPER)
+    monkeypatch.setattr("megarl.config.platform_rules.detect", lambda: HOPPER)
     t0 = time.monotonic()
     code = main(["recipe=tiny_moe_cpu", f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'sft'}",
                  f"logging.run_dir={tmp_path / 'run'}"])
@@ -122,12 +129,11 @@ def test_tensor_transport_into_disaggregated_engines_is_refused_on_cuda_only():
 # --- colocated engines: their own GPUs, their memory saver -------------------------------------------
 
 def test_colocated_engines_each_take_their_own_gpus_of_the_trainers(tiny_checkpoint):
-    from megarl.pipeline.startup.engines import policy_engine_settings
     from megarl.planner.placement import place
 
     cfg = load_config(["recipe=qwen3_30b_a3b"])
-    settings = policy_engine_settings(cfg, tiny_checkpoint, "key", HOPPER)
-    plan = place(cfg)
+    settings = policy_settings(cfg, tiny_checkpoint, HOPPER)
+    plan = place(RunTopology.from_config(cfg))
     taken = []
     for e, s in enumerate(settings):
         cmd = command_of(s)
@@ -139,8 +145,8 @@ def test_colocated_engines_each_take_their_own_gpus_of_the_trainers(tiny_checkpo
         assert "--enable-memory-saver" in cmd
         taken += gpus
     assert taken == list(range(8))  # 4 x TP2 on the node's 8 GPUs, none shared
-    cpu = policy_engine_settings(tiny(), tiny_checkpoint, "key", Platform.cpu())
-    assert [s.colocated(0, 8, Platform.cpu()) for s in cpu] == cpu  # on the CPU: as they were
+    cpu = policy_settings(tiny("placement=colocated", "sync.transport=tensor"), tiny_checkpoint, Platform.cpu())
+    assert (cpu[0].base_gpu_id, cpu[0].memory_saver) == (None, False)  # on the CPU: host memory, nothing to release
     assert "--base-gpu-id" not in command_of(cpu[0]) and "--enable-memory-saver" not in command_of(cpu[0])
 
 
@@ -150,9 +156,8 @@ def test_colocated_on_cuda_without_the_memory_saver_is_refused(tiny_checkpoint):
         refuse_on_platform(cfg, WITHOUT_MEMORY_SAVER)
     refuse_on_platform(cfg, HOPPER)
     refuse_on_platform(tiny("model.dtype=bfloat16"), WITHOUT_MEMORY_SAVER)  # disaggregated keeps its memory
-    settings = EngineSettings.from_config(cfg, tiny_checkpoint, 0, 0, platform=WITHOUT_MEMORY_SAVER)
     with pytest.raises(ValueError, match="torch_memory_saver"):
-        settings.colocated(0, 8, WITHOUT_MEMORY_SAVER)
+        policy_settings(cfg, tiny_checkpoint, WITHOUT_MEMORY_SAVER)
 
 
 class RecordingPool:

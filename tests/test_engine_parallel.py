@@ -77,19 +77,26 @@ def test_an_engine_never_started_leaves_no_log_file(tiny_checkpoint, tmp_path, m
     assert engine.log_path == first and list(tmp_path.iterdir()) == [first]  # once
 
 
-def test_from_config_reads_the_engine_parallelism(tiny_checkpoint, tmp_path):
-    from types import SimpleNamespace as NS
+def test_the_topology_gives_the_engines_their_parallelism(tiny_checkpoint, tmp_path):
+    from megarl.config.topology import RunTopology, pool_engine_settings
+    from megarl.platform.description import Platform
 
-    cfg = NS(rollout=NS(top_k=20, max_total_tokens=512, engine_tp=2, engine_ep=2, engine_dp_attention=True,
-                        prefix_cache=False, mem_fraction_static=0.7), cluster=NS(gpus_per_node=8),
-             model=NS(dtype="float32"), task=NS(seed=3), logging=NS(run_dir=str(tmp_path)), lora=NS(enabled=False))
-    s = EngineSettings.from_config(cfg, tiny_checkpoint, index=1, weight_version=0)
+    def policy(*overrides: str, recipe: str = "tiny_moe_cpu") -> list[EngineSettings]:
+        cfg = load_config([f"recipe={recipe}", f"model.hf_path={tiny_checkpoint}", f"logging.run_dir={tmp_path}",
+                           *overrides])
+        topology = RunTopology.from_config(cfg)
+        return pool_engine_settings(cfg, topology, topology.policy, Platform.cpu(), None, tiny_checkpoint)
+
+    parallel = ["rollout.num_engines=2", "rollout.engine_tp=2", "rollout.engine_ep=2",
+                "rollout.engine_dp_attention=true",
+                "rollout.prefix_cache=false", "rollout.mem_fraction_static=0.7", "task.seed=3"]
+    s = policy(*parallel)[1]
     assert (s.tp, s.ep, s.dp_attention, s.random_seed, s.prefix_cache, s.nnodes) == (2, 2, True, 4, False, 1)
-    cfg.cluster.gpus_per_node = 1  # an engine of 2 ranks on nodes of one device: two nodes
-    assert EngineSettings.from_config(cfg, tiny_checkpoint, index=1, weight_version=0).nnodes == 2
+    # an engine of 2 ranks on nodes of one device: two nodes
+    assert policy(*parallel, "cluster.gpus_per_node=1")[1].nnodes == 2
     assert flag_values(SGLangEngine(replace(s, device="cuda")).command())["--mem-fraction-static"] == "0.7"
     assert (s.lora_max_rank, s.lora_target_modules) == (0, ())
-    lora = EngineSettings.from_config(load_config(["recipe=tiny_moe_lora_cpu"]), tiny_checkpoint, 0, weight_version=0)
+    lora = policy(recipe="tiny_moe_lora_cpu")[0]
     assert (lora.lora_max_rank, lora.lora_target_modules) == (8, ("k_proj", "o_proj", "q_proj", "v_proj"))
     assert "--max-loras-per-batch" in SGLangEngine(lora).command()
 
@@ -136,7 +143,7 @@ def hf_model(checkpoint):
 
 @pytest.fixture(scope="module", params=[(2, 1), (2, 2)], ids=["tp2", "tp2_ep2"])
 def engine(request, checkpoint, tmp_path_factory):
-    """One engine per configuration (float32, as megarl serves: EngineSettings.from_config)."""
+    """One engine per configuration (float32, as megarl serves: the run topology's engine settings)."""
     tp, ep = request.param
     # a GPU engine needs one device per rank; with fewer GPUs the layout runs on the CPU path (CI's case)
     device = "cuda" if torch.cuda.device_count() >= tp else "cpu"

@@ -22,11 +22,13 @@ import torch
 from megarl.config.errors import ConfigError
 from megarl.config.load import load_config
 from megarl.config.schema import JudgeConfig, RewardConfig
+from megarl.config.topology import RunTopology, pool_engine_settings
 from megarl.engines.client import SGLangClient
 from megarl.engines.server import SGLangEngine
 from megarl.engines.types import SamplingParams
 from megarl.parallel import free_port
-from megarl.pipeline.judge import judge_engine_settings, judge_generate, make_judge
+from megarl.pipeline.judge import judge_generate, make_judge
+from megarl.platform.description import detect
 from megarl.rollout.group import RolloutManager
 from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.judge import JudgeParseError, JudgeReward, render
@@ -55,6 +57,13 @@ def cfg(tiny_checkpoint, judge_checkpoint, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("judge_run")
     return load_config(["recipe=tiny_moe_cpu", f"model.hf_path={tiny_checkpoint}",
                         f"reward.judge.hf_path={judge_checkpoint}", f"logging.run_dir={run_dir}"])
+
+
+def judge_engine_settings(cfg, api_key: str):
+    """The judge pool's one engine, as the run starts it."""
+    topology = RunTopology.from_config(cfg)
+    [settings] = pool_engine_settings(cfg, topology, topology.pool("judge"), detect(), api_key)
+    return settings
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +122,7 @@ def test_engine_settings_come_from_the_config(cfg, judge_checkpoint):
     settings = judge_engine_settings(cfg, api_key="secret-judge-key")
     assert settings.model_path == judge_checkpoint and settings.dtype == "float32" and settings.tp == 1
     assert settings.max_total_tokens == cfg.rollout.max_total_tokens and settings.api_key == "secret-judge-key"
-    assert settings.log_path == str(Path(cfg.logging.run_dir) / "judge-engine.log")
+    assert settings.log_path == str(Path(cfg.logging.run_dir) / "judge.log")
     assert "secret-judge-key" not in repr(settings)
 
 

@@ -18,11 +18,11 @@ from in_flight import start_decoding
 from lora_runs import ATTENTION, merged_by_hand, read_adapter, trained_group
 
 from megarl.config import ConfigError, load_config
-from megarl.config.validate import refuse_what_is_not_built
+from megarl.config.platform_rules import refuse_what_is_not_built
 from megarl.engines.client import SGLangClient
 from megarl.engines.server import EngineSettings, SGLangEngine, lora_serving
 from megarl.engines.types import PauseMode, SamplingParams
-from megarl.models.lora import LoraSettings, unmatched_targets
+from megarl.models.lora import LoraConfig, unmatched_targets
 from megarl.parallel import Layout
 from megarl.sync import AdapterSync, SyncSettings, WeightSyncError
 
@@ -132,7 +132,7 @@ def test_merged_sync_of_expert_adapters_equals_hf_with_them_merged(ray_local, en
     put back from disk afterwards."""
     from megarl.sync import WeightSync
 
-    everything = LoraSettings(rank=4, alpha=8, dropout=0.0,
+    everything = LoraConfig(enabled=True, rank=4, alpha=8, dropout=0.0,
                               target_modules=("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), sync="merged")
     group = trained_group(Layout(), checkpoint, lora=everything)
     try:
@@ -319,7 +319,7 @@ def test_an_adapter_the_engine_rejects_fails_the_sync_with_its_message(engine, t
 
 
 @pytest.mark.parametrize("override, message", [
-    ("lora.rank=0", "lora.rank must be > 0"),
+    ("lora.rank=0", "lora.rank: must be >= 1, got 0"),
     ("lora.target_modules=[linear_q]", "not Megatron linear names"),
     ("lora.sync=weights", "lora.sync"),
     ("lora.dropout=1.5", "lora.dropout"),
@@ -337,7 +337,7 @@ def test_expert_adapters_on_a_cpu_engine_are_refused_with_sglangs_error():
         refuse_what_is_not_built(cfg)
     merged = load_config(["recipe=tiny_moe_lora_cpu", "lora.target_modules=[linear_qkv,linear_fc1]",
                           "lora.sync=merged"])
-    assert lora_serving(LoraSettings.from_config(merged.lora)) == {}  # a merged sync serves no adapters
+    assert lora_serving(LoraConfig.when_enabled(merged.lora)) == {}  # a merged sync serves no adapters
 
 
 def test_targets_that_match_no_module_are_named():

@@ -104,7 +104,7 @@ def test_auto_layers_on_a_gpu_without_transformer_engine_exit_2_at_load(tmp_path
 
     from megarl.train import main
 
-    monkeypatch.setattr("megarl.config.validate.detect", lambda: NO_TE)
+    monkeypatch.setattr("megarl.config.platform_rules.detect", lambda: NO_TE)
     t0 = time.monotonic()
     code = main(["recipe=tiny_moe_cpu", "model.transformer_impl=auto", "model.dtype=bfloat16",
                  f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'sft'}",

@@ -9,9 +9,17 @@ import re
 import pytest
 
 from megarl.config import load_config
-from megarl.config.validate import PlacementError, auxiliary_engines, engine_devices_start
+from megarl.config.errors import PlacementError
+from megarl.config.topology import RunTopology, engine_devices_start, pool_engine_settings
+from megarl.engines.server import EngineSettings
 from megarl.plan import EXIT_DOES_NOT_FIT, main
-from megarl.planner.placement import Device, place
+from megarl.planner.placement import Device
+from megarl.planner.placement import place as place_topology
+
+
+def place(cfg):
+    return place_topology(RunTopology.from_config(cfg))
+
 
 # Qwen3-30B-A3B's numbers on two nodes of 4 devices: 4 trainer ranks (TP2 x PP2), 2 engines x TP2.
 TWO_NODES = ["recipe=qwen3_30b_a3b", "cluster.gpus_per_node=4", "parallel.world_size=4", "parallel.tp=2",
@@ -124,8 +132,6 @@ BAD_LAYOUTS = {
         "16 must divide engine_tp=16 and the 136 experts"),
     "engine_ep does not divide engine_tp": (
         ["recipe=qwen3_235b_a22b", "rollout.engine_ep=3"], "rollout.engine_ep", "3 must divide engine_tp=16"),
-    "a teacher's engine below one rank": (
-        TWO_NODES + AUXILIARY + ["teacher.engine_tp=0"], "teacher.engine_tp", "must be >= 1, got 0"),
     "a teacher's engine straddles nodes": (
         TWO_NODES + AUXILIARY + ["teacher.engine_tp=3"], "teacher.engine_tp",
         "an engine of 3 ranks on nodes of cluster.gpus_per_node=4 would straddle nodes"),
@@ -177,8 +183,12 @@ def test_auxiliary_engines_are_served_on_ranks_of_their_own(tmp_path):
     on them (a frozen role likewise); unset they are the policy's; the judge's are its own. Each takes
     ``rollout.mem_fraction_static``."""
     from megarl.models.tiny_moe import make_tiny_moe
-    from megarl.pipeline.judge import judge_engine_settings
-    from megarl.pipeline.startup.engines import frozen_engine_settings
+    from megarl.platform.description import Platform
+
+    def served(cfg, name: str) -> EngineSettings:
+        topology = RunTopology.from_config(cfg)
+        [settings] = pool_engine_settings(cfg, topology, topology.pool(name), Platform.cpu(), "k")
+        return settings
 
     tiny = str(make_tiny_moe(tmp_path / "tiny"))  # 4 heads, 2 KV heads, 8 experts: TP2 x EP2 fits
     own = TWO_NODES + DISAGGREGATED + AUXILIARY + [
@@ -193,18 +203,17 @@ def test_auxiliary_engines_are_served_on_ranks_of_their_own(tmp_path):
     # trainer 0-3, engines 4-7, the teacher a node of its own (8-11), the judge 12-13, the verifier 14-15
     assert plan.auxiliary == {"teacher": [Device(2, k) for k in range(4)], "judge": [Device(3, 0), Device(3, 1)],
                               "role-verifier": [Device(3, 2), Device(3, 3)]}
-    teacher, judge, verifier = auxiliary_engines(cfg)
-    for engine, name, tp, ep in ((teacher, "teacher", 4, 2), (verifier, "role-verifier", 2, 2)):
-        settings = frozen_engine_settings(cfg, engine, 2, api_key="k")
+    for name, tp, ep in (("teacher", 4, 2), ("role-verifier", 2, 2)):
+        settings = served(cfg, name)
         assert (settings.model_path, settings.tp, settings.ep, settings.mem_fraction_static) == (tiny, tp, ep, 0.7)
         assert settings.log_path == str(tmp_path / "run" / f"{name}.log") and settings.lora_max_rank == 0
-    settings = judge_engine_settings(cfg)
+    settings = served(cfg, "judge")
     assert (settings.tp, settings.ep, settings.mem_fraction_static) == (2, 2, 0.7)
     # the policy's engines over two nodes of 4 (TP8, which the tiny teacher's 4 heads could not take): the
     # teacher is served on its own TP4 x EP2, one node
     wide = load_config(own + ["rollout.engine_tp=8", "rollout.num_engines=1"])
-    settings = frozen_engine_settings(wide, auxiliary_engines(wide)[0], 1, api_key="k")
+    settings = served(wide, "teacher")
     assert (settings.tp, settings.ep, settings.nnodes) == (4, 2, 1)
-    default = auxiliary_engines(load_config(TWO_NODES + DISAGGREGATED + AUXILIARY))
+    default = RunTopology.from_config(load_config(TWO_NODES + DISAGGREGATED + AUXILIARY)).auxiliary
     assert [(a.name, a.devices, a.ep) for a in default] == [("teacher", 2, 1), ("judge", 1, 1),
                                                              ("role-verifier", 2, 1)]

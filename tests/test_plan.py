@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megarl.config import ConfigError, load_config, recipes_dir
-from megarl.config.validate import PlacementError
+from megarl.config.errors import PlacementError
 from megarl.models.tiny_moe import make_tiny_moe
 from megarl.parallel import PipelineSplitError, stage_layers
 from megarl.plan import EXIT_DOES_NOT_FIT, main
@@ -29,6 +29,14 @@ def tiny_ckpt(tmp_path_factory) -> Path:
     return make_tiny_moe(tmp_path_factory.mktemp("tiny_moe"))
 
 
+@pytest.fixture(scope="module")
+def tool_calling_ckpt(tmp_path_factory) -> Path:
+    from megarl.models.tiny_moe import TOOL_CALLING_DEFAULTS, TinyMoeSpec
+
+    return make_tiny_moe(tmp_path_factory.mktemp("tiny_moe_tools"),
+                         TinyMoeSpec(tool_calling=True, **TOOL_CALLING_DEFAULTS), max_operand=99)
+
+
 def _args(recipe: str, tiny_ckpt: Path) -> list[str]:
     """A recipe plus, for the recipes whose numbers come from a checkpoint, the tiny one."""
     args = [f"recipe={recipe}"]
@@ -38,7 +46,8 @@ def _args(recipe: str, tiny_ckpt: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in recipes_dir().glob("*.yaml")))
-def test_every_recipe_composes_and_fits(recipe, tiny_ckpt, tmp_path, capsys):
+def test_every_recipe_composes_and_fits(recipe, request, tmp_path, capsys):
+    tiny_ckpt = request.getfixturevalue("tool_calling_ckpt" if recipe == "tiny_moe_tool_calling" else "tiny_ckpt")
     out = tmp_path / "plan.json"
     assert main(_args(recipe, tiny_ckpt) + ["--json", str(out)]) == 0, capsys.readouterr().err
     written = json.loads(out.read_text())

@@ -135,7 +135,7 @@ def _bridge_counts(hf_path: str) -> dict:
     import torch
 
     from megarl.models.bridge import build_megatron_model, export_adapter_state
-    from megarl.models.lora import LoraSettings
+    from megarl.models.lora import LoraConfig
     from megarl.parallel import Layout, free_port
     from megarl.trainer.distributed import init_rank
 
@@ -144,7 +144,7 @@ def _bridge_counts(hf_path: str) -> dict:
     out = {}
     for name, targets in TARGETS.items():
         model = build_megatron_model(hf_path, Layout(), transformer_impl="local",
-                                     lora=LoraSettings(8, 16, 0.0, tuple(targets), "merged"))
+                                     lora=LoraConfig(True, 8, 16, 0.0, tuple(targets), "merged"))
         trainable = {n: p.numel() for c in model.chunks for n, p in c.named_parameters() if p.requires_grad}
         by_target: dict[str, int] = {}
         for n, count in trainable.items():

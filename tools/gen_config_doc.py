@@ -3,7 +3,9 @@
 usage: python tools/gen_config_doc.py [--check]
 
 Walks the dataclasses from ``MegarlConfig`` down: every key with its type, default and the
-comment beside or above it in the source (and the class docstring per section). ``--check``
+comment beside or above it in the source of the class that declares it (a section a component owns
+is declared in that component's module, e.g. ``megarl/models/lora.py``), and the class docstring
+per section. ``--check``
 writes nothing and exits 1 when the committed file differs (tests/test_config_doc.py runs it).
 """
 import argparse
@@ -82,8 +84,13 @@ def default_text(field: dataclasses.Field) -> str:
     return f"`{value}`" if value != "" else '`""`'
 
 
+def declaring_class(cls, name: str):
+    """The class of ``cls``'s MRO whose body declares field ``name`` (an inherited field's base)."""
+    return next(c for c in cls.__mro__ if name in c.__dict__.get("__annotations__", {}))
+
+
 def describe(cls, field: dataclasses.Field, comments: dict, hints: dict) -> str:
-    text = comments.get((cls.__name__, field.name), "")
+    text = comments.get((declaring_class(cls, field.name).__name__, field.name), "")
     for constant in re.findall(r"\b[A-Z][A-Z_]+\b", text):  # e.g. "one of MODES"
         values = getattr(schema, constant, None)
         if isinstance(values, tuple):
@@ -106,7 +113,10 @@ def sections(cls, prefix: str = ""):
 
 
 def render() -> str:
-    comments = source_comments(schema)
+    classes = [c for _, cls in sections(schema.MegarlConfig) for c in cls.__mro__ if dataclasses.is_dataclass(c)]
+    modules = {inspect.getmodule(c) for c in classes} | {schema}
+    comments = {k: v for module in sorted(modules, key=lambda m: m.__name__)
+                for k, v in source_comments(module).items()}
     out = [HEADER]
     for prefix, cls in sections(schema.MegarlConfig):
         hints = typing.get_type_hints(cls)

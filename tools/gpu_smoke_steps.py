@@ -36,7 +36,7 @@ def _settings(dtype: str, lr: float = 1e-3, offload: bool = False):
 
     return OptimizerSettings(lr=lr, min_lr=0.0, lr_warmup_steps=0, lr_decay_steps=10, lr_decay_style="constant",
                              weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0,
-                             use_distributed_optimizer=True, dtype=dtype, cpu_offload=offload)
+                             use_distributed_optimizer=True, dtype=dtype, optimizer_cpu_offload=offload)
 
 
 def _sft_batch():

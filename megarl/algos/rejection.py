@@ -110,3 +110,21 @@ def rejection_keep(log_ratio: torch.Tensor, loss_mask: torch.Tensor,
         passed = stat <= c.upper if c.lower is None else (stat >= c.lower) & (stat <= c.upper)
         keep &= passed.expand_as(keep)
     return keep
+
+
+def rejection_config_error(criteria: str | None, thresholds: str | None) -> tuple[str, str] | None:
+    """(``algorithm.*`` key, why) when ``off_policy_rejection`` / ``off_policy_rejection_threshold`` do not
+    parse, else None."""
+    if criteria is None:
+        return None if thresholds is None else (
+            "algorithm.off_policy_rejection_threshold", "sets the bounds of off_policy_rejection: set it too")
+    names = [n.strip() for n in criteria.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CRITERIA]
+    if not names or unknown:
+        return ("algorithm.off_policy_rejection", f"{', '.join(map(repr, unknown)) or 'nothing'} is not one of "
+                f"{', '.join(CRITERIA)} (comma-separated, all must pass)")
+    try:
+        parse_criteria(criteria, thresholds)
+    except ValueError as exc:
+        return "algorithm.off_policy_rejection_threshold", str(exc)
+    return None

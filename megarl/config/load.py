@@ -6,6 +6,8 @@ with one line that names the offending key and why.
 """
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -30,6 +32,14 @@ def recipes_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "recipes"
 
 
+@functools.cache
+def _schema_keys() -> DictConfig:
+    """The schema as a structured config (read-only), built once: the reference of :func:`_unknown_keys`."""
+    schema = OmegaConf.structured(MegarlConfig)
+    OmegaConf.set_readonly(schema, True)
+    return schema
+
+
 def _register_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=MegarlConfig)
 
@@ -52,6 +62,9 @@ def _one_line(exc: Exception) -> str:
     source = exc.__cause__ or exc
     lines = [ln.strip() for ln in str(source).splitlines() if ln.strip()]
     full_key = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("full_key:")), None)
+    override = re.match(r"Error merging override [+~]*([^=]+)=", str(exc))
+    if full_key and override and not full_key.startswith(override.group(1)):  # a key inside a list's entry
+        full_key = f"{override.group(1)}: {full_key}"
     if full_key:
         return f"{full_key}: {lines[0]}"
     return "; ".join(lines[:2]) or type(exc).__name__
@@ -83,7 +96,7 @@ def load_config(args: list[str]) -> DictConfig:
         raise ConfigError(_one_line(exc)) from exc
     finally:
         GlobalHydra.instance().clear()
-    extra = _unknown_keys(cfg, OmegaConf.structured(MegarlConfig))
+    extra = _unknown_keys(cfg, _schema_keys())
     if extra:
         raise ConfigError(f"{extra[0]}: not a megarl config key (misspelt, or added with '+')")
     try:

@@ -1,8 +1,12 @@
 """The typed Hydra schema of a megarl run.
 
 Every recipe in ``recipes/`` composes onto :class:`MegarlConfig`; Hydra rejects unknown keys and
-wrong types, and :mod:`megarl.config.validate` rejects impossible combinations (layouts that do not
-divide, MoE with TP>1 and no sequence parallel, ...). Units are in the field names or comments.
+wrong types. Each field declares its range or its names once (:func:`megarl.fields.setting`), checked
+for every section by :func:`megarl.config.checks.check_fields`; :mod:`megarl.config.validate` rejects
+impossible combinations (layouts that do not divide, MoE with TP>1 and no sequence parallel, ...). A
+component that owns its section declares it beside its code (``lora``: :class:`megarl.models.lora.LoraConfig`,
+``sync``: :class:`megarl.sync.settings.SyncConfig`) and the schema nests it. Units are in the field names
+or comments.
 """
 from __future__ import annotations
 
@@ -11,6 +15,24 @@ from enum import Enum
 from typing import Optional
 
 from omegaconf import II, MISSING
+
+from megarl.algos.advantages import ADVANTAGES
+from megarl.algos.aggregation import AGGREGATIONS
+from megarl.algos.distill import OPD_BASELINES
+from megarl.algos.kl import KL_ESTIMATORS
+from megarl.algos.off_policy import CORRECTIONS, LEVELS, OLD_POLICIES
+from megarl.algos.policy_loss import POLICY_LOSSES
+from megarl.fields import setting
+from megarl.models.lora import LoraConfig
+from megarl.rollout.env import ENVIRONMENTS
+from megarl.rollout.group import PARTIAL_ROLLOUT_MODES
+from megarl.sync.settings import SyncConfig
+from megarl.tasks.prompts import TASKS
+from megarl.tasks.rewards import REWARD_TYPES
+
+DTYPES = ("float32", "bfloat16", "float16")  # model.dtype
+LR_DECAY_STYLES = ("constant", "linear", "cosine")  # trainer.lr_decay_style (megatron-core's schedules)
+ARCH_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")  # model.arch.family: the planner's architectures
 
 # What ``python -m megarl.train`` runs (a string: ``async`` cannot name an Enum member):
 #   warmup        supervised warm-up only (saves the HF checkpoint RL starts from)
@@ -55,27 +77,27 @@ class ArchConfig:
     checkpoint's config.json".
     """
 
-    family: str = "qwen3_moe"  # qwen3_moe | deepseek_v3 | glm4_moe
-    num_layers: Optional[int] = None
-    hidden_size: Optional[int] = None
-    num_attention_heads: Optional[int] = None
-    num_query_groups: Optional[int] = None  # KV heads (GQA)
-    head_dim: Optional[int] = None
-    ffn_hidden_size: Optional[int] = None  # dense MLP layers
-    moe_ffn_hidden_size: Optional[int] = None  # one routed expert
-    num_experts: Optional[int] = None
-    moe_topk: Optional[int] = None
-    num_shared_experts: int = 0
-    first_k_dense_layers: int = 0
-    vocab_size: Optional[int] = None
+    family: str = setting("qwen3_moe", choices=ARCH_FAMILIES)  # qwen3_moe | deepseek_v3 | glm4_moe
+    num_layers: Optional[int] = setting(None, ge=1)
+    hidden_size: Optional[int] = setting(None, ge=1)
+    num_attention_heads: Optional[int] = setting(None, ge=1)
+    num_query_groups: Optional[int] = setting(None, ge=1)  # KV heads (GQA)
+    head_dim: Optional[int] = setting(None, ge=1)
+    ffn_hidden_size: Optional[int] = setting(None, ge=1)  # dense MLP layers
+    moe_ffn_hidden_size: Optional[int] = setting(None, ge=1)  # one routed expert
+    num_experts: Optional[int] = setting(None, ge=0)
+    moe_topk: Optional[int] = setting(None, ge=1)
+    num_shared_experts: int = setting(0, ge=0)
+    first_k_dense_layers: int = setting(0, ge=0)
+    vocab_size: Optional[int] = setting(None, ge=1)
     tie_word_embeddings: bool = False
     # Multi-head latent attention (DeepSeek-V3); 0 = standard attention.
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_nope_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    num_mtp_layers: int = 0  # multi-token-prediction modules
+    q_lora_rank: int = setting(0, ge=0)
+    kv_lora_rank: int = setting(0, ge=0)
+    qk_nope_head_dim: int = setting(0, ge=0)
+    qk_rope_head_dim: int = setting(0, ge=0)
+    v_head_dim: int = setting(0, ge=0)
+    num_mtp_layers: int = setting(0, ge=0)  # multi-token-prediction modules
     qk_layernorm: Optional[bool] = None  # per-head RMSNorm on q and k; None = checkpoint, else family default
     attention_bias: Optional[bool] = None  # bias on the q/k/v projections; None = checkpoint, else family default
 
@@ -85,9 +107,9 @@ class ModelConfig:
     hf_path: str = MISSING  # HF checkpoint directory (config.json + safetensors + tokenizer)
     make_tiny_if_missing: bool = False  # build the demo's tiny checkpoint at hf_path when it is absent
     tiny_variant: TinyVariant = TinyVariant.arithmetic  # which tiny checkpoint (megarl/models/tiny_moe.py)
-    dtype: str = "float32"  # float32 | bfloat16 | float16: parameter and compute dtype
+    dtype: str = setting("float32", choices=DTYPES)  # float32 | bfloat16 | float16: parameter and compute dtype
     transformer_impl: TransformerImpl = TransformerImpl.auto
-    moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight; 0 for RL, where routing is replayed
+    moe_aux_loss_coeff: float = setting(0.0, ge=0)  # load-balancing loss weight; 0 for RL, where routing is replayed
     arch: ArchConfig = field(default_factory=ArchConfig)
 
 
@@ -95,45 +117,56 @@ class ModelConfig:
 class ParallelConfig:
     """Trainer layout. world_size = tp * pp * cp * dp; experts are split over ep * etp ranks."""
 
-    world_size: int = 1  # trainer ranks (one per GPU, or one process each on CPU)
-    tp: int = 1
-    pp: int = 1
-    vpp: Optional[int] = None  # virtual pipeline stages per rank
-    first_stage_layers: Optional[int] = None  # first PP stage's layers (None: even split); middle stages split the rest
-    last_stage_layers: Optional[int] = None  # last PP stage's layers (None: even split), e.g. fewer by the output layer
-    cp: int = 1
-    ep: int = 1
-    etp: Optional[int] = None  # expert tensor parallel; None = same as tp
+    world_size: int = setting(1, ge=1)  # trainer ranks (one per GPU, or one process each on CPU)
+    tp: int = setting(1, ge=1)
+    pp: int = setting(1, ge=1)
+    vpp: Optional[int] = setting(None, ge=1)  # virtual pipeline stages per rank
+    # first PP stage's layers (None: even split); middle stages split the rest
+    first_stage_layers: Optional[int] = setting(None, ge=0)
+    # last PP stage's layers (None: even split), e.g. fewer by the output layer
+    last_stage_layers: Optional[int] = setting(None, ge=0)
+    cp: int = setting(1, ge=1)
+    ep: int = setting(1, ge=1)
+    etp: Optional[int] = setting(None, ge=1)  # expert tensor parallel; None = same as tp
     sequence_parallel: bool = False
     dispatcher: Dispatcher = Dispatcher.alltoall
-    backend: str = "auto"  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
+    backend: str = setting("auto", choices=("auto", "gloo", "nccl"))  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
 
 
 @dataclass
-class TrainerConfig:
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    lr_warmup_steps: int = 0
-    lr_decay_style: str = "constant"  # constant | linear | cosine
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+class OptimizerConfig:
+    """The optimizer's keys of the ``trainer`` section (``megarl/trainer/optimizer.py`` extends it with what
+    a run derives: the decay length and the dtype)."""
+
+    lr: float = setting(1e-3, ge=0)
+    min_lr: float = setting(0.0, ge=0)
+    lr_warmup_steps: int = setting(0, ge=0)
+    lr_decay_style: str = setting("constant", choices=LR_DECAY_STYLES)  # constant | linear | cosine
+    weight_decay: float = setting(0.0, ge=0)
+    adam_beta1: float = setting(0.9, ge=0, lt=1)
+    adam_beta2: float = setting(0.99, ge=0, lt=1)
+    adam_eps: float = setting(1e-8, gt=0)
+    clip_grad: float = setting(1.0, ge=0)
     use_distributed_optimizer: bool = True
+    optimizer_cpu_offload: bool = False  # fp32 master weights and Adam moments in host memory (megatron-core)
+
+
+@dataclass
+class TrainerConfig(OptimizerConfig):
     # optimizer steps per RL step: the batch's prompt groups split into this many mini-batches, one update
     # each (slime's --num-steps-per-rollout; verl's ppo_mini_batch_size = batch / this)
-    updates_per_step: int = 1
-    max_tokens_per_microbatch: int = 4096  # token budget of one micro-batch (packed: about this many real tokens)
+    updates_per_step: int = setting(1, ge=1)
+    # token budget of one micro-batch (packed: about this many real tokens)
+    max_tokens_per_microbatch: int = setting(4096, ge=1)
     pack_sequences: bool = True  # packed (THD) micro-batches, DP ranks balanced by tokens; false: right-padded rows
     recompute: Recompute = Recompute.none
-    recompute_num_layers: Optional[int] = None
-    gpu_memory_gb: float = 80.0  # per-device memory the planner checks layouts against
-    seed: int = 1234
-    save_interval: int = 0  # steps between checkpoints (run_dir/checkpoints); 0 = only at the end
+    recompute_num_layers: Optional[int] = setting(None, ge=1)
+    gpu_memory_gb: float = setting(80.0, gt=0)  # per-device memory the planner checks layouts against
+    seed: int = setting(1234, ge=0)
+    save_interval: int = setting(0, ge=0)  # steps between checkpoints (run_dir/checkpoints); 0 = only at the end
     resume: bool = True  # continue from run_dir/checkpoints when it holds one (data position and counts too)
-    optimizer_cpu_offload: bool = False  # fp32 master weights and Adam moments in host memory (megatron-core)
-    reserved_memory_gb: float = 4.0  # planner: per-device GB for CUDA context, NCCL buffers, fragmentation
+    # planner: per-device GB for CUDA context, NCCL buffers, fragmentation
+    reserved_memory_gb: float = setting(4.0, ge=0)
 
 
 @dataclass
@@ -141,12 +174,12 @@ class WarmupConfig:
     """Supervised warm-up on synthetic arithmetic problems (task.name=arithmetic; the tiny demos'
     starting point). Off by default: RL starts from model.hf_path."""
 
-    steps: int = 0  # > 0: RL starts from save_hf_path, made by this many warm-up steps when absent
-    batch_size: int = 64
-    lr: float = 1e-3
-    log_interval: int = 10
+    steps: int = setting(0, ge=0)  # > 0: RL starts from save_hf_path, made by this many warm-up steps when absent
+    batch_size: int = setting(64, ge=1)
+    lr: float = setting(1e-3, ge=0)
+    log_interval: int = setting(10, ge=1)
     save_hf_path: str = "checkpoints/warmup_hf"  # where the warmed-up HF checkpoint is written
-    tool_fraction: float = 0.5  # task.env=calculator: share of warm-up examples that call the tool
+    tool_fraction: float = setting(0.5, ge=0, le=1)  # task.env=calculator: share of warm-up examples that call the tool
 
 
 @dataclass
@@ -159,13 +192,14 @@ class RoleEngines:
     # a frozen model serves the role instead (an HF checkpoint with the policy's tokenizer), on one
     # engine of its own that is never synced; its calls are not trained on (the agent gives it no reward)
     hf_path: Optional[str] = None
-    engine_tp: Optional[int] = None  # that engine's tensor-parallel ranks; None = rollout.engine_tp
-    engine_ep: Optional[int] = None  # its expert-parallel ranks (dividing engine_tp); None = rollout.engine_ep
+    engine_tp: Optional[int] = setting(None, ge=1)  # that engine's tensor-parallel ranks; None = rollout.engine_tp
+    # its expert-parallel ranks (dividing engine_tp); None = rollout.engine_ep
+    engine_ep: Optional[int] = setting(None, ge=1)
 
 
 @dataclass
 class TaskConfig:
-    name: str = "arithmetic"  # arithmetic (synthetic, built in) | jsonl | parquet
+    name: str = setting("arithmetic", choices=TASKS)  # arithmetic (synthetic, built in) | jsonl | parquet
     path: Optional[str] = None  # dataset file for jsonl / parquet
     prompt_key: str = "prompt"
     answer_key: str = "answer"  # "" = the rows have no answers (e.g. a reward model scores them)
@@ -173,16 +207,17 @@ class TaskConfig:
     # jsonl / parquet: render each prompt (a string: one user turn, or a list of chat messages as
     # verl / slime store them) with the tokenizer's chat template and its generation prompt
     chat_template: bool = False
-    max_operand: int = 9  # arithmetic: operands in [0, max_operand]
-    seed: int = 0
+    max_operand: int = setting(9, ge=0)  # arithmetic: operands in [0, max_operand]
+    seed: int = setting(0, ge=0)
     # How a prompt becomes a sample: None = one generation (single turn); "calculator" = a multi-turn
     # episode with the calculator tool (megarl/rollout/env.py). ``agent`` ("package.module:function")
     # runs an agent program against megarl's OpenAI-compatible gateway instead (megarl/agents/).
-    env: Optional[str] = None
+    env: Optional[str] = setting(None, choices=tuple(ENVIRONMENTS))
     agent: Optional[str] = None
-    max_turns: int = 4  # policy turns per episode (env / agent)
-    max_response_tokens: Optional[int] = None  # episode response budget incl. observations; None = context - prompt
-    agent_timeout_s: float = 120.0  # an agent episode running longer ends as error (counted)
+    max_turns: int = setting(4, ge=1)  # policy turns per episode (env / agent)
+    # episode response budget incl. observations; None = context - prompt
+    max_response_tokens: Optional[int] = setting(None, ge=1)
+    agent_timeout_s: float = setting(120.0, gt=0)  # an agent episode running longer ends as error (counted)
     roles: Optional[list[str]] = None  # multi-agent: the roles an agent names as ``model`` (the policy's unless frozen)
     # multi-agent: the policy engines that serve a role's calls, e.g. [{role: verifier, engines: [1]}],
     # or a frozen model that does ({role: verifier, hf_path: ...}: not trained on); a role not placed
@@ -201,15 +236,15 @@ class JudgeConfig:
     # tokenized as written by the judge's tokenizer: write a chat model's turn markers into the template
     prompt_template: str = "{prompt}{response}"
     score_pattern: str = "(-?[0-9]+(?:\\.[0-9]+)?)"  # searched in the decoded answer; group 1 = the score
-    max_new_tokens: int = 8
-    temperature: float = 0.0  # 0 = greedy
-    weight: float = 1.0  # reward = rule_weight * rule + weight * judge
-    timeout_s: float = 30.0  # per judge request; at most reward.timeout_s
+    max_new_tokens: int = setting(8, ge=1)
+    temperature: float = setting(0.0, ge=0)  # 0 = greedy
+    weight: float = setting(1.0, ge=0)  # reward = rule_weight * rule + weight * judge
+    timeout_s: float = setting(30.0, gt=0)  # per judge request; at most reward.timeout_s
     # score every policy turn of a multi-turn episode instead of the whole response: weight * score of
     # turn k -> sample.turn_rewards[k] (process rewards, megarl/algos/process.py); reward = rule_weight * rule
     per_turn: bool = False
-    engine_tp: int = 1  # tensor-parallel ranks of the judge engine
-    engine_ep: int = 1  # its expert-parallel ranks (dividing engine_tp)
+    engine_tp: int = setting(1, ge=1)  # tensor-parallel ranks of the judge engine
+    engine_ep: int = setting(1, ge=1)  # its expert-parallel ranks (dividing engine_tp)
 
 
 @dataclass
@@ -217,11 +252,13 @@ class RewardConfig:
     """How samples are scored (megarl/tasks/rewards.py). A reward that raises or exceeds
     timeout_s gives the sample reward 0 and finish_reason error (counted, never fatal)."""
 
-    type: str = "arithmetic"  # arithmetic | exact_match | math (math-verify) | remote | function
+    # arithmetic | exact_match | math (math-verify) | remote | function
+    type: str = setting("arithmetic", choices=REWARD_TYPES)
     path: Optional[str] = None  # function: dotted path "package.module.function" taking a RewardInput
     url: Optional[str] = None  # remote: reward-model endpoint (POST JSON, answers {"reward": float})
-    timeout_s: float = 30.0
-    rule_weight: float = 1.0  # weight of the ``type`` reward when a judge is configured (0: not computed)
+    timeout_s: float = setting(30.0, gt=0)
+    # weight of the ``type`` reward when a judge is configured (0: not computed)
+    rule_weight: float = setting(1.0, ge=0)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
@@ -231,34 +268,38 @@ class TeacherConfig:
     (one prefill request per sample: the log-prob of every response token)."""
 
     hf_path: Optional[str] = None  # teacher checkpoint; None = no teacher
-    timeout_s: float = 60.0
-    engine_tp: Optional[int] = None  # the teacher engine's tensor-parallel ranks; None = rollout.engine_tp
-    engine_ep: Optional[int] = None  # its expert-parallel ranks (dividing engine_tp); None = rollout.engine_ep
+    timeout_s: float = setting(60.0, gt=0)
+    # the teacher engine's tensor-parallel ranks; None = rollout.engine_tp
+    engine_tp: Optional[int] = setting(None, ge=1)
+    # its expert-parallel ranks (dividing engine_tp); None = rollout.engine_ep
+    engine_ep: Optional[int] = setting(None, ge=1)
 
 
 @dataclass
 class RolloutConfig:
-    engine: str = "sglang"
-    num_engines: int = 1
-    engine_tp: int = 1
-    engine_ep: int = 1
+    engine: str = setting("sglang", choices=("sglang",))
+    num_engines: int = setting(1, ge=1)
+    engine_tp: int = setting(1, ge=1)
+    engine_ep: int = setting(1, ge=1)
     engine_dp_attention: bool = False
     # SGLang --mem-fraction-static: the share of each engine GPU (of the memory free when it starts) for the
     # weights and the KV cache; the teacher's, judge's and frozen roles' engines take it too
-    mem_fraction_static: float = 0.8
-    max_total_tokens: Optional[int] = None  # engine KV-cache capacity in tokens; None = SGLang sizes it from memory
+    mem_fraction_static: float = setting(0.8, gt=0, lt=1)
+    # engine KV-cache capacity in tokens; None = SGLang sizes it from memory
+    max_total_tokens: Optional[int] = setting(None, ge=1)
     prefix_cache: bool = True  # SGLang's radix prefix cache (false: --disable-radix-cache)
-    prompts_per_step: int = 64
-    samples_per_prompt: int = 8  # G, the GRPO group size
-    max_new_tokens: int = 3
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 20  # finite whenever keep_sampling_mask is on
+    prompts_per_step: int = setting(64, ge=1)
+    samples_per_prompt: int = setting(8, ge=1)  # G, the GRPO group size
+    max_new_tokens: int = setting(3, ge=1)
+    temperature: float = setting(1.0, ge=0)
+    top_p: float = setting(1.0, gt=0, le=1)
+    top_k: int = setting(20, ge=1, also=(-1,))  # finite whenever keep_sampling_mask is on
     keep_routing: bool = True
     keep_sampling_mask: bool = True
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal and refill
-    kv_cache_gb: Optional[float] = None  # planner: KV cache per engine; None = what is left
-    max_prompt_tokens: int = 1024  # planner: longest prompt in tokens (KV cache must hold prompt + response)
+    kv_cache_gb: Optional[float] = setting(None, gt=0)  # planner: KV cache per engine; None = what is left
+    # planner: longest prompt in tokens (KV cache must hold prompt + response)
+    max_prompt_tokens: int = setting(1024, ge=1)
     # SGLang's parser of the tool calls an agent's model writes (task.agent's gateway); null: the model family's
     # (megarl/agents/parsers.py, e.g. qwen3_moe -> qwen25)
     tool_call_parser: Optional[str] = None
@@ -273,78 +314,60 @@ class AlgorithmConfig:
 
     # grpo | dr_grpo | rloo | reinforce_pp (REINFORCE++-baseline, whitened over tokens) | opd (0: the teacher's alone);
     # gae (verl's compute_gae_advantage_return, megarl/algos/gae.py) is refused: it needs a critic, not built yet
-    advantage: str = "grpo"
-    policy_loss: str = "ppo"  # ppo | gspo | cispo | sapo
+    advantage: str = setting("grpo", choices=tuple(ADVANTAGES))
+    policy_loss: str = setting("ppo", choices=tuple(POLICY_LOSSES))  # ppo | gspo | cispo | sapo
     # the PPO ratio's old policy: recompute (the trainer's log-probs before the step's first update, one
     # forward-only pass when trainer.updates_per_step > 1) | rollout (the engine's log-probs: verl's bypass mode,
     # the ratio to the rollout policy is the off-policy correction; off_policy_correction must be none)
-    old_policy: str = "recompute"
-    clip_low: float = 0.2  # ratio band [1 - clip_low, 1 + clip_high] of ppo, gspo, cispo
-    clip_high: float = 0.2
+    old_policy: str = setting("recompute", choices=OLD_POLICIES)
+    clip_low: float = setting(0.2, ge=0)  # ratio band [1 - clip_low, 1 + clip_high] of ppo, gspo, cispo
+    clip_high: float = setting(0.2, ge=0)
     clip_absolute: bool = False  # cispo: the IS-weight bounds are [clip_low, clip_high] themselves (lower may be 0)
-    dual_clip: Optional[float] = None  # c > 1 for PPO dual clip
-    sapo_tau_pos: float = 1.0  # sapo: gate temperature for tokens with advantage > 0 (verl tau_pos)
-    sapo_tau_neg: float = 1.05  # sapo: gate temperature for advantage <= 0 (verl tau_neg)
+    dual_clip: Optional[float] = setting(None, gt=1)  # c > 1 for PPO dual clip
+    sapo_tau_pos: float = setting(1.0, gt=0)  # sapo: gate temperature for tokens with advantage > 0 (verl tau_pos)
+    sapo_tau_neg: float = setting(1.05, gt=0)  # sapo: gate temperature for advantage <= 0 (verl tau_neg)
     # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (Dr.GRPO: sum / (B * C))
-    loss_agg: str = "token_mean"
-    loss_scale_factor: int = II("rollout.max_new_tokens")  # C of seq_mean_token_sum_norm (verl loss_scale_factor)
-    kl_coef: float = 0.0  # weight of the KL to the reference policy (the starting checkpoint)
+    loss_agg: str = setting("token_mean", choices=tuple(AGGREGATIONS))
+    # C of seq_mean_token_sum_norm (verl loss_scale_factor)
+    loss_scale_factor: int = setting(II("rollout.max_new_tokens"), ge=1)
+    kl_coef: float = setting(0.0, ge=0)  # weight of the KL to the reference policy (the starting checkpoint)
     # k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10]) | k1_is | k2_is | k3_is (x pi/pi_old) | low_var_kl_is
     # (clamp(pi/pi_old * k3, -10, 10), slime's clamp after the weight)
-    kl_type: str = "k3"
+    kl_type: str = setting("k3", choices=tuple(KL_ESTIMATORS))
     kl_in_reward: bool = False  # true: reward - kl_coef * sum_t KL_t pre-advantage (verl use_kl_in_reward); false: loss
-    entropy_coef: float = 0.0
+    entropy_coef: float = setting(0.0, ge=0)
     # on-policy distillation: per-token advantage opd_coef * (teacher_logp - student_logp) (needs teacher.hf_path);
     # alone with advantage=opd, added to the reward advantage otherwise
-    opd_coef: float = 0.0
+    opd_coef: float = setting(0.0, ge=0)
     # none (slime, miles: teacher_logp - student_logp as it is) | batch_mean (tinker-cookbook: minus its mean over
     # the batch's trained tokens, a baseline that keeps the gradient's expectation and cuts its variance)
-    opd_baseline: str = "none"
+    opd_baseline: str = setting("none", choices=OPD_BASELINES)
     # none | tis (w clamped to [is_threshold_low, is_threshold]) | mis (reject tokens/sequences with w outside it)
-    off_policy_correction: str = "none"
-    off_policy_level: str = "token"  # token | sequence (product of token ratios) | geometric (their geometric mean)
-    is_threshold: float = 2.0  # upper bound C of w (>= 1)
-    is_threshold_low: Optional[float] = None  # lower bound of w in [0, 1]; null: 0 for tis, 1 / is_threshold for mis
-    off_policy_veto_threshold: Optional[float] = None  # reject a sequence with a token ratio below this (e.g. 1e-4)
+    off_policy_correction: str = setting("none", choices=CORRECTIONS)
+    # token | sequence (product of token ratios) | geometric (their geometric mean)
+    off_policy_level: str = setting("token", choices=LEVELS)
+    is_threshold: float = setting(2.0, ge=1)  # upper bound C of w (>= 1)
+    # lower bound of w in [0, 1]; null: 0 for tis, 1 / is_threshold for mis
+    is_threshold_low: Optional[float] = setting(None, ge=0, le=1)
+    # reject a sequence with a token ratio below this (e.g. 1e-4)
+    off_policy_veto_threshold: Optional[float] = setting(None, gt=0, le=1)
     # reject a sequence with a token ratio above this (SkyRL's outlier_token_is_threshold_high, e.g. 100)
-    off_policy_veto_threshold_high: Optional[float] = None
+    off_policy_veto_threshold_high: Optional[float] = setting(None, ge=1)
     # verl's rejection criteria (rollout_rs), comma-separated, all must pass: token_k1..3, seq_sum_k1..3,
     # seq_mean_k1..3, seq_max_k2..3 (megarl/algos/rejection.py); independent of the weight of off_policy_correction
     off_policy_rejection: Optional[str] = None
     # their thresholds (rollout_rs_threshold): one for all or one each, comma-separated; k1: "lower_upper" or upper
     # (quote it: unquoted, YAML and Hydra read 0.5_2 as the number 0.52)
     off_policy_rejection_threshold: Optional[str] = None
-    off_policy_mask_kl: Optional[float] = None  # reject sequences with A < 0 and KL to the rollout policy > this
-
-
-@dataclass
-class SyncConfig:
-    transport: str = "auto"  # auto (tensor when colocated, else distributed) | distributed | tensor | disk
-    bucket_mb: int = 512  # MiB per bucket (0: one engine call per tensor)
-    link_gbps: float = 400.0  # planner: trainer->engine link bandwidth, Gbit/s
-    work_dir: str = "${logging.run_dir}/weight_sync"  # disk transport, recovery checkpoints (seen by trainer + engines)
-    timeout_s: float = 600.0  # a sync running longer fails (WeightSyncError) and leaves the engines consistent
-
-
-@dataclass
-class LoraConfig:
-    """LoRA: train low-rank adapters on a frozen base (megatron-bridge PEFT) and sync only them."""
-
-    enabled: bool = False  # false: full fine-tuning (every weight trains and syncs)
-    rank: int = 16  # adapter rank, > 0
-    alpha: int = 32  # output scale alpha / rank
-    dropout: float = 0.0  # on the adapter input, in training
-    # Megatron linear names (or fnmatch patterns over full module names); the router is left out by default
-    target_modules: list[str] = field(
-        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
-    sync: str = "adapter"  # adapter (engines load each version as an adapter) | merged (full weights, sync.transport)
+    # reject sequences with A < 0 and KL to the rollout policy > this
+    off_policy_mask_kl: Optional[float] = setting(None, ge=0)
 
 
 @dataclass
 class BufferConfig:
-    max_staleness: int = 1
-    max_buffer_batches: int = 2
-    partial_rollout: str = "continue"  # continue | abort_resubmit
+    max_staleness: int = setting(1, ge=0)
+    max_buffer_batches: int = setting(2, ge=1)
+    partial_rollout: str = setting("continue", choices=PARTIAL_ROLLOUT_MODES)  # continue | abort_resubmit
 
 
 @dataclass
@@ -354,8 +377,8 @@ class ClusterConfig:
 
     # devices per node; trainer ranks, then engines (disaggregated), fill nodes in order; an engine of more
     # ranks spans engine_tp / gpus_per_node whole nodes (SGLang --nnodes: a server a node, HTTP on the first)
-    gpus_per_node: int = 8
-    num_nodes: Optional[int] = None  # nodes available; None = as many as the layout needs
+    gpus_per_node: int = setting(8, ge=1)
+    num_nodes: Optional[int] = setting(None, ge=1)  # nodes available; None = as many as the layout needs
 
 
 @dataclass
@@ -366,9 +389,10 @@ class LoggingConfig:
 @dataclass
 class MegarlConfig:
     run_name: str = "run"
-    mode: str = "async"  # one of MODES (warmup: the supervised warm-up alone, for the tiny demos)
+    # one of MODES (warmup: the supervised warm-up alone, for the tiny demos)
+    mode: str = setting("async", choices=MODES)
     placement: Placement = Placement.colocated
-    steps: int = 100  # RL steps
+    steps: int = setting(100, ge=1)  # RL steps
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

@@ -22,13 +22,11 @@ from pathlib import Path
 import httpx
 import psutil
 
-from megarl.engines.launch_plan import attention_backend, colocated_base_gpu_id, dtype_refusal, memory_saver_refusal
 from megarl.engines.shared_memory import SHARED_MEMORY, mapped_segments, unlink_unmapped
 from megarl.engines.types import ServedModel
-from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraSettings
+from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraConfig
 from megarl.parallel import free_port, rendezvous_host
 from megarl.platform import sglang_cpu
-from megarl.platform.description import Platform, detect
 
 log = logging.getLogger(__name__)
 SCRATCH_PREFIX = "megarl-sglang-"  # a running server's TMPDIR, under the system's temporary directory
@@ -149,50 +147,6 @@ class EngineSettings:
             raise ValueError(f"attention is split over {self.attention_tp} ranks: that and the {kv} KV heads "
                              "must divide one another")
 
-    @classmethod
-    def from_config(cls, cfg, model_path: str, index: int, weight_version: int, *, tp: int | None = None,
-                    ep: int | None = None, dp_attention: bool | None = None,
-                    platform: Platform | None = None) -> EngineSettings:
-        """The settings of engine ``index`` of a run (``cfg``: the run's config) serving
-        ``model_path`` at ``weight_version``, on ``tp`` / ``ep`` ranks with or without ``dp_attention``
-        (default: the policy engines', ``rollout.engine_*``), over as many nodes as ``tp`` needs, on
-        ``platform`` (default: this machine's; its device and, on CUDA, SGLang's attention backend for
-        it). The dtype is the trainer's: SGLang's "auto" serves a float32 checkpoint in float16, which
-        alone puts a ~3e-4 mean (1e-3 max) gap between the engine's and the trainer's log-probs; a dtype
-        the platform's engines cannot compute in is a ValueError. Each engine gets its own seed and a
-        log in the run dir."""
-        from megarl.models.hf_config import read_hf_config
-
-        r = cfg.rollout
-        tp = r.engine_tp if tp is None else tp
-        platform = detect() if platform is None else platform
-        refusal = dtype_refusal(platform, cfg.model.dtype)
-        if refusal is not None:
-            raise ValueError(f"model.dtype={cfg.model.dtype}: {refusal}")
-        backend = attention_backend(platform, mla=bool(read_hf_config(model_path).kv_lora_rank)) \
-            if platform.is_cuda else None
-        return cls(model_path=model_path, device=platform.device, attention_backend=backend,
-                   dtype=cfg.model.dtype, sampling_mask_max_tokens=max(r.top_k, 1),
-                   max_total_tokens=r.max_total_tokens, mem_fraction_static=r.mem_fraction_static,
-                   prefix_cache=r.prefix_cache, random_seed=cfg.task.seed + index, tp=tp,
-                   ep=r.engine_ep if ep is None else ep,
-                   dp_attention=r.engine_dp_attention if dp_attention is None else dp_attention,
-                   nnodes=nodes_of(tp, cfg.cluster.gpus_per_node),
-                   weight_version=weight_version, log_path=str(Path(cfg.logging.run_dir) / f"engine-{index}.log"),
-                   **lora_serving(LoraSettings.from_config(cfg.lora)))
-
-
-    def colocated(self, index: int, gpus_per_node: int, platform: Platform) -> EngineSettings:
-        """These settings as colocated policy engine ``index`` on ``platform``: on CUDA on its own GPUs of
-        the node (:func:`megarl.engines.launch_plan.colocated_base_gpu_id`) with the memory saver
-        (ValueError when the platform has none); on the CPU as they are (host memory, nothing to release)."""
-        if not platform.is_cuda:
-            return self
-        refusal = memory_saver_refusal(platform)
-        if refusal is not None:
-            raise ValueError(refusal)
-        return replace(self, base_gpu_id=colocated_base_gpu_id(index, self.tp, gpus_per_node), memory_saver=True)
-
 
 def nodes_of(tp: int, gpus_per_node: int) -> int:
     """The nodes an engine of ``tp`` ranks spans: 1 when it fits in a node of ``gpus_per_node`` devices,
@@ -201,7 +155,7 @@ def nodes_of(tp: int, gpus_per_node: int) -> int:
     return max(1, tp // gpus_per_node)
 
 
-def lora_serving(lora: LoraSettings | None) -> dict:
+def lora_serving(lora: LoraConfig | None) -> dict:
     """The EngineSettings fields that serve ``lora``'s adapters: none for full weights or a merged sync."""
     if lora is None or lora.sync != "adapter":
         return {}

@@ -16,7 +16,7 @@ import torch
 
 from megarl.models import packed_attention
 from megarl.models.layers import choose_layers, layer_settings
-from megarl.models.lora import LoraSettings, apply_lora
+from megarl.models.lora import LoraConfig, apply_lora
 from megarl.parallel import Layout
 from megarl.platform.description import detect
 
@@ -62,7 +62,7 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
                          transformer_impl: str = "auto", dispatcher: str = "alltoall",
                          ddp_config=None, routing_replay: bool = False,
                          moe_aux_loss_coeff: float = 0.0, load_weights: bool = True, recompute: str = "none",
-                         recompute_num_layers: int | None = None, lora: LoraSettings | None = None) -> MegatronModel:
+                         recompute_num_layers: int | None = None, lora: LoraConfig | None = None) -> MegatronModel:
     """Build this rank's Megatron chunks for ``layout`` and load the HF weights into them.
 
     ``recompute``: megatron's activation recompute, ``none`` | ``selective`` (see
@@ -149,7 +149,7 @@ def export_adapter_state(model: MegatronModel) -> dict[str, torch.Tensor]:
             for w in model.bridge.export_adapter_weights(model.chunks, cpu=True, show_progress=False)}
 
 
-def save_hf_adapter(model: MegatronModel, lora: LoraSettings, out_dir: str | Path) -> Path:
+def save_hf_adapter(model: MegatronModel, lora: LoraConfig, out_dir: str | Path) -> Path:
     """Write the LoRA adapters as an HF PEFT directory (``adapter_config.json`` +
     ``adapter_model.safetensors``), what ``peft.PeftModel.from_pretrained`` and SGLang's
     ``/load_lora_adapter`` read. Collective; rank 0 writes."""

@@ -9,8 +9,10 @@ Adapters export in HF PEFT names (``...q_proj.lora_A.weight``; the bridge splits
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Iterable
+
+from megarl.fields import check_bounds, setting
 
 # Megatron GPT linear names a LoRA can target -> the HF module names of the same weights (what
 # SGLang's --lora-target-modules and a PEFT adapter_config.json name). The router is targetable but
@@ -34,42 +36,43 @@ SYNC_MODES = ("adapter", "merged")
 ENGINE_ADAPTER_SLOTS = 3
 
 
-@dataclass(frozen=True)
-class LoraSettings:
-    """rank: the adapters' rank (> 0). alpha: the scale numerator (output scale alpha / rank).
-    dropout: on the adapter's input, in training. target_modules: Megatron linear names
-    (:data:`MEGATRON_TO_HF`), optionally as fnmatch patterns over the full module name
-    (``*.layers.0.*.linear_qkv``). sync: ``adapter`` (engines load each version as a new adapter)
-    | ``merged`` (the base with the adapters merged, through ``sync.transport``). Built from the
-    config's ``lora`` section (:meth:`from_config`; the schema holds the defaults)."""
+@dataclass
+class LoraConfig:
+    """LoRA: train low-rank adapters on a frozen base (megatron-bridge PEFT) and sync only them."""
 
-    rank: int
-    alpha: int
-    dropout: float
-    target_modules: tuple[str, ...]
-    sync: str
+    enabled: bool = False  # false: full fine-tuning (every weight trains and syncs)
+    rank: int = setting(16, ge=1)  # adapter rank, > 0
+    alpha: int = setting(32, ge=1)  # output scale alpha / rank
+    dropout: float = setting(0.0, ge=0, lt=1)  # on the adapter input, in training
+    # Megatron linear names (or fnmatch patterns over full module names); the router is left out by default
+    target_modules: list[str] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
+    # adapter (engines load each version as an adapter) | merged (full weights, sync.transport)
+    sync: str = setting("adapter", choices=SYNC_MODES)
 
-    def __post_init__(self):
-        if self.rank <= 0:
-            raise ValueError(f"lora.rank must be > 0, got {self.rank}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"lora.dropout must be in [0, 1), got {self.dropout}")
+    @classmethod
+    def when_enabled(cls, lora) -> LoraConfig | None:
+        """The config's ``lora`` section (this class, a DictConfig of it or a plain mapping, as a trainer
+        checkpoint's ``config.yaml`` holds it) as this class with ``target_modules`` a tuple; None when
+        it is not enabled. A key out of its range, or targets that name no Megatron linear
+        (:data:`MEGATRON_TO_HF`) -> ValueError naming the key."""
+        if not lora.enabled:
+            return None
+        typed = cls(**{f.name: lora[f.name] if not isinstance(lora, cls) else getattr(lora, f.name)
+                       for f in fields(cls)})
+        typed.target_modules = tuple(typed.target_modules)
+        check_bounds(typed, "lora.")
+        typed.check_targets()
+        return typed
+
+    def check_targets(self) -> None:
+        """``target_modules`` name Megatron linears (:data:`MEGATRON_TO_HF`, or patterns ending in one)."""
         if not self.target_modules:
             raise ValueError("lora.target_modules is empty: name at least one of " + ", ".join(MEGATRON_TO_HF))
         unknown = [t for t in self.target_modules if _leaf(t) not in MEGATRON_TO_HF]
         if unknown:
             raise ValueError(f"lora.target_modules: {unknown} are not Megatron linear names; known: "
                              + ", ".join(MEGATRON_TO_HF))
-        if self.sync not in SYNC_MODES:
-            raise ValueError(f"lora.sync={self.sync!r}: one of {', '.join(SYNC_MODES)}")
-
-    @classmethod
-    def from_config(cls, lora) -> LoraSettings | None:
-        """The settings of a config's ``lora`` section (``cfg.lora``), None when it is not enabled."""
-        if not lora.enabled:
-            return None
-        return cls(rank=int(lora.rank), alpha=int(lora.alpha), dropout=float(lora.dropout),
-                   target_modules=tuple(lora.target_modules), sync=str(lora.sync))
 
     def describe(self) -> str:
         """What a trainer checkpoint records of its adapters (and conversion checks settings against)."""
@@ -109,7 +112,7 @@ def unmatched_targets(targets: Iterable[str], module_names: Iterable[str]) -> li
             if not any(n.rsplit(".", 1)[-1] == t or fnmatch.fnmatch(n, t) for n in names)]
 
 
-def apply_lora(chunks: list, settings: LoraSettings) -> list:
+def apply_lora(chunks: list, settings: LoraConfig) -> list:
     """Freeze ``chunks`` (bare Megatron modules, before DDP) and add adapters to the targets.
     Raises ValueError naming targets that match no module of the model."""
     missing = unmatched_targets(settings.target_modules, (n for c in chunks for n, _ in c.named_modules()))

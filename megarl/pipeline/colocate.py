@@ -22,7 +22,7 @@ Released weights come back uninitialised; the sync that follows overwrites every
 cache is resumed after the sync, so the sync's buckets do not compete with it for memory.
 
 Release needs engines started with ``--enable-memory-saver`` (torch_memory_saver, CUDA only;
-:meth:`megarl.engines.server.EngineSettings.colocated`; a CUDA platform without it is refused when
+:func:`megarl.config.topology.engine_launch`; a CUDA platform without it is refused when
 the config loads). On CUDA engines that cannot release are an error. On the CPU the trainer and the
 engines share host memory: the trainer has no device cache to empty, and the engines, started
 without the flag (SGLang 0.5.23's release would kill a CPU engine's scheduler: it ends in

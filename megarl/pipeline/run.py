@@ -31,7 +31,7 @@ from rich.progress import Progress
 from transformers import AutoTokenizer
 
 from megarl.algos.advantages import BatchStats
-from megarl.config.validate import auxiliary_engines
+from megarl.config.topology import RunTopology
 from megarl.engines.pool import EnginePool
 from megarl.engines.types import PauseMode
 from megarl.parallel import Layout
@@ -218,7 +218,7 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
     layout = Layout.from_config(cfg.parallel)
     stack = contextlib.AsyncExitStack()
     try:
-        stack.enter_context(ray_for_run(layout.world_size + cfg.rollout.num_engines + len(auxiliary_engines(cfg))))
+        stack.enter_context(ray_for_run(layout.world_size + RunTopology.from_config(cfg).engine_count))
         StopRequest.install()  # again: ray.init replaced the handlers with its own (which just die)
         with StopRequest.cancels_the_start_up():
             pipe = await _start_pipeline(cfg, start_checkpoint, layout, stack)

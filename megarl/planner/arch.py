@@ -14,8 +14,6 @@ from megarl.config.errors import ConfigError
 from megarl.config.schema import ArchConfig
 from megarl.models.hf_config import hf_config_if_present
 
-FAMILIES = ("qwen3_moe", "glm4_moe", "deepseek_v3")
-
 # Family facts that config.json does not spell out.
 _QK_LAYERNORM_DEFAULT = {"qwen3_moe": True, "glm4_moe": False, "deepseek_v3": False, "qwen3": True}  # qwen3: dense
 _ROUTER_EXPERT_BIAS = {"qwen3_moe": False, "glm4_moe": True, "deepseek_v3": True}
@@ -78,15 +76,13 @@ def resolve_arch(cfg: DictConfig) -> Arch:
     hf = hf_config_if_present(cfg.model.hf_path)
     given = cfg.model.arch
     family = _MODEL_TYPE_FAMILY.get(hf.model_type if hf else None, given.family)
-    if family not in FAMILIES:
-        raise ConfigError(f"model.arch.family: {family!r} is not one of {', '.join(FAMILIES)}")
     where = f"{cfg.model.hf_path}/config.json" if hf else f"no checkpoint at {cfg.model.hf_path}"
     return _resolve(given, hf, family, "model.arch", "model.hf_path", where)
 
 
 def served_arch(hf_path: str, key: str) -> Arch | None:
     """The architecture of the model an auxiliary engine serves (a teacher, a judge, a frozen agent
-    role: :func:`megarl.config.validate.auxiliary_engines`), read from ``hf_path/config.json``; None
+    role: the auxiliary pools of :class:`megarl.config.topology.RunTopology`), read from ``hf_path/config.json``; None
     when the checkpoint is not here. Unlike the policy it may be dense (no routed experts: every layer
     a dense MLP) and of any family. ``key`` (e.g. ``teacher.hf_path``) names the errors."""
     hf = hf_config_if_present(hf_path)

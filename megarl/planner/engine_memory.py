@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from megarl.config.validate import AuxiliaryEngine
-from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraSettings
+from megarl.config.topology import EnginePoolSpec
+from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraConfig
 from megarl.planner.arch import Arch
 from megarl.planner.params import attention_params, embedding_params, head_params, mlp_params
 from megarl.planner.units import GIB, dtype_bytes
@@ -72,7 +72,7 @@ def engine_weight_params(arch: Arch, tp: int, attention_tp: int) -> float:
     return arch.num_layers * attn_per_gpu + mlp + vocab + arch.hidden_size
 
 
-def engine_memory(arch: Arch, cfg: DictConfig, engine: AuxiliaryEngine | None = None) -> EngineMemory:
+def engine_memory(arch: Arch, cfg: DictConfig, engine: EnginePoolSpec | None = None) -> EngineMemory:
     """One GPU of a policy engine (``rollout.engine_tp`` / ``engine_ep`` / ``engine_dp_attention``, the
     LoRA buffers of an adapter sync, ``rollout.kv_cache_gb`` if set), or of the auxiliary ``engine``
     serving ``arch`` (its own ranks, no adapters, the KV cache what its weights leave). Either's pool is
@@ -82,11 +82,11 @@ def engine_memory(arch: Arch, cfg: DictConfig, engine: AuxiliaryEngine | None = 
     r = cfg.rollout
     size = dtype_bytes(cfg.model.dtype)
     tp, ep, dp_attention = (r.engine_tp, r.engine_ep, r.engine_dp_attention) if engine is None else \
-        (engine.devices, engine.ep, engine.dp_attention)
+        (engine.tp, engine.ep, engine.dp_attention)
     attention_tp = 1 if dp_attention else tp
     weights = round(size * engine_weight_params(arch, tp, attention_tp))
     pool = round(r.mem_fraction_static * cfg.trainer.gpu_memory_gb * GIB)
-    lora = LoraSettings.from_config(cfg.lora) if engine is None else None
+    lora = LoraConfig.when_enabled(cfg.lora) if engine is None else None
     slots = ENGINE_ADAPTER_SLOTS if lora is not None and lora.sync == "adapter" else 0
     lora_buffers = slots * size * engine_adapter_params(arch, lora, tp, ep, attention_tp) if slots else 0
     kv_cache = round(r.kv_cache_gb * GIB) if r.kv_cache_gb is not None and engine is None else \
@@ -101,7 +101,7 @@ def engine_memory(arch: Arch, cfg: DictConfig, engine: AuxiliaryEngine | None = 
     )
 
 
-def engine_adapter_params(arch: Arch, lora: LoraSettings, engine_tp: int, engine_ep: int, attention_tp: int) -> int:
+def engine_adapter_params(arch: Arch, lora: LoraConfig, engine_tp: int, engine_ep: int, attention_tp: int) -> int:
     """Parameters of one adapter slot of SGLang's LoRA pool on one engine GPU (see the module
     docstring): buffers for every layer's targeted modules, whichever layers the adapter names.
     Column-parallel modules (q/k/v, gate/up, MLA up-projections) keep ``A`` whole and split

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from omegaconf import DictConfig
 
 from megarl.config.schema import Placement
-from megarl.config.validate import AuxiliaryEngine, auxiliary_engines
+from megarl.config.topology import EnginePoolSpec, RunTopology
 from megarl.planner.arch import Arch, resolve_arch, served_arch
 from megarl.planner.engine_memory import EngineMemory, engine_memory
 from megarl.planner.lora import LoraPlan, lora_plan
@@ -31,7 +31,7 @@ class AuxiliaryPlan:
     why: str | None = None
 
 
-def auxiliary_plan(engine: AuxiliaryEngine, cfg: DictConfig) -> AuxiliaryPlan:
+def auxiliary_plan(engine: EnginePoolSpec, cfg: DictConfig) -> AuxiliaryPlan:
     """``engine``'s plan, its memory from its checkpoint's config.json when that is here."""
     arch = served_arch(engine.hf_path, f"{engine.key}.hf_path")
     if arch is None:
@@ -75,13 +75,14 @@ def plan_layout(cfg: DictConfig) -> LayoutPlan:
     engine_gpus = r.num_engines * r.engine_tp
     colocated = Placement(cfg.placement) == Placement.colocated
     lora = lora_plan(arch, cfg)
-    auxiliary = auxiliary_engines(cfg)
+    topology = RunTopology.from_config(cfg)
+    auxiliary = topology.auxiliary
     return LayoutPlan(
         arch=arch, params=count_params(arch), trainer=trainer_memory(arch, cfg), engine=engine_memory(arch, cfg),
         sync=weight_sync_plan(arch, cfg, lora), trainer_gpus=cfg.parallel.world_size, engine_gpus=engine_gpus,
         total_gpus=(max(cfg.parallel.world_size, engine_gpus) if colocated else cfg.parallel.world_size + engine_gpus)
         + sum(engine.devices for engine in auxiliary),
-        placement=place(cfg), lora=lora, auxiliary=[auxiliary_plan(engine, cfg) for engine in auxiliary],
+        placement=place(topology), lora=lora, auxiliary=[auxiliary_plan(engine, cfg) for engine in auxiliary],
     )
 
 
@@ -100,7 +101,7 @@ def broken_limits(plan: LayoutPlan, cfg: DictConfig) -> list[str]:
         if a.memory is not None:
             out += _engine_limits(a.memory, cfg, f"{a.name} engine", a.key)
     # Layouts that cannot be placed (engine_ep, engine_tp, more ranks than devices) are refused
-    # when the config loads: megarl.config.validate.PlacementError.
+    # when the config loads: megarl.config.topology.check_topology.
     return out
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from megarl.config.errors import ConfigError
-from megarl.models.lora import LoraSettings, unmatched_targets
+from megarl.models.lora import LoraConfig, unmatched_targets
 from megarl.planner.arch import Arch
 from megarl.planner.params import ShardedCount, count_params
 from megarl.planner.units import dtype_bytes
@@ -106,7 +106,7 @@ def _targeted(target: str, name: str) -> bool:
     return name.rsplit(".", 1)[-1] == target or fnmatch.fnmatchcase(name, target)
 
 
-def adapted_linears(arch: Arch, lora: LoraSettings, layers: list[int] | range | None = None) -> list[AdaptedLinear]:
+def adapted_linears(arch: Arch, lora: LoraConfig, layers: list[int] | range | None = None) -> list[AdaptedLinear]:
     """The linears of ``layers`` (default: every decoder layer) that ``lora``'s targets name. Layer
     patterns (``*.layers.3.*``) are matched against the global layer index; Megatron names a
     layer by its index within its pipeline stage, which is the same with ``pp=1``."""
@@ -115,7 +115,7 @@ def adapted_linears(arch: Arch, lora: LoraSettings, layers: list[int] | range | 
             if any(_targeted(t, m.name) for t in lora.target_modules)]
 
 
-def adapter_count(arch: Arch, lora: LoraSettings, layers: list[int] | range | None = None) -> ShardedCount:
+def adapter_count(arch: Arch, lora: LoraConfig, layers: list[int] | range | None = None) -> ShardedCount:
     """The trainer's adapter parameters in ``layers``, split by how the trainer shards them."""
     linears = adapted_linears(arch, lora, layers)
     return ShardedCount(tp_split=sum(m.trainer_params(lora.rank) for m in linears if not m.expert),
@@ -153,7 +153,7 @@ class LoraPlan:
 
 def lora_plan(arch: Arch, cfg: DictConfig) -> LoraPlan | None:
     """The adapters' sizes for ``cfg`` (None when ``lora.enabled`` is false)."""
-    lora = LoraSettings.from_config(cfg.lora)
+    lora = LoraConfig.when_enabled(cfg.lora)
     if lora is None:
         return None
     size = dtype_bytes(cfg.model.dtype)

@@ -3,26 +3,24 @@ weight-sync groups between them.
 
 Devices are counted across nodes (device ``g`` is device ``g % gpus_per_node`` of node
 ``g // gpus_per_node``, ``cluster.gpus_per_node``). Trainer rank ``i`` holds device ``i``.
-Disaggregated engines follow the trainer's devices, engine by engine, rank by rank, from
-:func:`megarl.config.validate.engine_devices_start` (no engine straddles a node it fits in);
-colocated engines take the trainer's devices from device 0 (engine ``e``'s rank ``r`` on trainer
-rank ``e * engine_tp + r``'s device). The auxiliary engines (teacher, judge, frozen agent roles:
-:func:`megarl.config.validate.auxiliary_engines`) follow, on devices of their own in either placement.
+The engine pools and their devices are the run's topology (:class:`megarl.config.topology.RunTopology`):
+disaggregated engines follow the trainer's devices, engine by engine, rank by rank (no engine straddles
+a node it fits in); colocated engines take the trainer's devices from device 0 (engine ``e``'s rank ``r``
+on trainer rank ``e * engine_tp + r``'s device). The auxiliary engines (teacher, judge, frozen agent
+roles) follow, on devices of their own in either placement.
 An engine spans ``engine_tp`` devices, with or without DP attention (SGLang splits those ranks into
 attention replicas; megarl runs one per rank).
 
 The weight sync forms one group per pipeline stage: that stage's sending trainer rank (TP, CP and
 DP rank 0: megatron-core orders ranks tp-cp-ep-dp-pp, so rank ``stage * world_size / pp``) and
 every rank of every engine. The checks that a layout can be placed are made when the config loads
-(:func:`megarl.config.validate.validate`, :class:`megarl.config.validate.PlacementError`).
+(:func:`megarl.config.topology.check_topology`, :class:`megarl.config.errors.PlacementError`).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from omegaconf import DictConfig
-
-from megarl.config.validate import auxiliary_engines, devices_needed, engine_devices_start
+from megarl.config.topology import RunTopology
 
 
 @dataclass(frozen=True)
@@ -124,21 +122,21 @@ def ranges(values: list[int]) -> str:
     return ", ".join(out)
 
 
-def place(cfg: DictConfig) -> PlacementPlan:
-    """The placement of ``cfg``'s layout (a loaded, hence validated, config)."""
-    r, p, gpn = cfg.rollout, cfg.parallel, cfg.cluster.gpus_per_node
-    colocated = cfg.placement == "colocated"
+def place(topology: RunTopology) -> PlacementPlan:
+    """The node and device of every rank of ``topology`` (a loaded, hence checked, config's:
+    :meth:`RunTopology.from_config`)."""
+    gpn, policy = topology.gpus_per_node, topology.policy
 
     def at(g: int) -> Device:
         return Device(node=g // gpn, device=g % gpn)
 
-    first = 0 if colocated else engine_devices_start(p.world_size, r.engine_tp, gpn)
-    engines = [[at(first + e * r.engine_tp + k) for k in range(r.engine_tp)] for e in range(r.num_engines)]
-    every_engine_rank = [(e, k) for e in range(r.num_engines) for k in range(r.engine_tp)]
-    per_stage = p.world_size // p.pp
-    groups = [SyncGroup(stage=s, sender=s * per_stage, engine_ranks=every_engine_rank) for s in range(p.pp)]
-    auxiliary = {a.name: [at(a.first_device + k) for k in range(a.devices)] for a in auxiliary_engines(cfg)}
-    return PlacementPlan(placement="colocated" if colocated else "disaggregated", gpus_per_node=gpn,
-                         nodes=-(-devices_needed(cfg) // gpn), pipeline_stages=p.pp,
-                         trainer=[at(i) for i in range(p.world_size)], engines=engines, sync_groups=groups,
-                         auxiliary=auxiliary)
+    engines = [[at(g) for g in policy.engine_devices(e)] for e in range(policy.num_engines)]
+    every_engine_rank = [(e, k) for e in range(policy.num_engines) for k in range(policy.tp)]
+    per_stage = topology.trainer_ranks // topology.pipeline_stages
+    groups = [SyncGroup(stage=s, sender=s * per_stage, engine_ranks=every_engine_rank)
+              for s in range(topology.pipeline_stages)]
+    auxiliary = {a.name: [at(g) for g in a.engine_devices(0)] for a in topology.auxiliary}
+    return PlacementPlan(placement=topology.placement.value, gpus_per_node=gpn, nodes=topology.nodes,
+                         pipeline_stages=topology.pipeline_stages,
+                         trainer=[at(i) for i in range(topology.trainer_ranks)],
+                         engines=engines, sync_groups=groups, auxiliary=auxiliary)

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from megarl.config.schema import Recompute, TransformerImpl
-from megarl.models.lora import LoraSettings
+from megarl.models.lora import LoraConfig
 from megarl.parallel import stage_layers
 from megarl.planner.arch import Arch
 from megarl.planner.lora import adapter_count
@@ -144,7 +144,7 @@ def stage_memory(arch: Arch, cfg: DictConfig, stage: int) -> StageMemory:
         dense += head_params(arch) / p.tp + arch.hidden_size
     experts = sum(c.experts for c in counts) / (p.ep * etp)
     params = dense + experts
-    lora = LoraSettings.from_config(cfg.lora)
+    lora = LoraConfig.when_enabled(cfg.lora)
     if lora is not None:  # the base is frozen: only the adapters have gradients and optimizer state
         adapters = adapter_count(arch, lora, layers)
         dense, experts = adapters.tp_split / p.tp, adapters.experts / (p.ep * etp)

@@ -22,7 +22,7 @@ The checkpoint layout on disk is the trainer's (:mod:`megarl.trainer.checkpoint`
 ``megarl.model``, so a trainer checkpoint (its optimizer state is ignored) converts to HF as well.
 
 A LoRA run's trainer checkpoint holds the adapters only (its ``megarl.model.lora`` describes them).
-:func:`to_hf` then needs their :class:`~megarl.models.lora.LoraSettings` (:func:`lora_settings`:
+:func:`to_hf` then needs their :class:`~megarl.models.lora.LoraConfig` (:func:`lora_settings`:
 from the run's ``config.yaml`` or given one by one) and, as ``hf_path``, the base model they were
 trained on: the ranks build the base from it, add the adapters and load them from the checkpoint,
 and write either the adapters as an HF PEFT directory (megatron-bridge's ``save_hf_adapter``) or,
@@ -42,7 +42,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from megarl.models.lora import LoraSettings, is_adapter_key
+from megarl.models.lora import LoraConfig, is_adapter_key
 from megarl.parallel import Layout
 from megarl.trainer.device import collective_device, model_device
 
@@ -106,7 +106,7 @@ def hf_architecture(hf_path: str | Path) -> str:
 
 def check_layout(hf_path: str | Path, layout: Layout) -> None:
     """Raise :class:`ConversionError` when ``layout`` cannot shard the model of ``hf_path/config.json``."""
-    from megarl.config.validate import checkpoint_arch
+    from megarl.config.topology import checkpoint_arch
 
     arch = checkpoint_arch(str(hf_path))
     if not arch:
@@ -185,7 +185,7 @@ def saved_lora(ckpt: Path) -> str | None:
 
 
 def lora_settings(config: str | Path | None = None, rank: int | None = None, alpha: int | None = None,
-                  targets: Sequence[str] | None = None) -> LoraSettings | None:
+                  targets: Sequence[str] | None = None) -> LoraConfig | None:
     """The LoRA settings of a run: the ``lora`` section of its ``config.yaml`` (``config``), or
     ``rank``, ``alpha`` and ``targets`` (Megatron linear names; dropout 0, which only the PEFT
     config records). None when none is given; :class:`ConversionError` when both kinds, only some
@@ -202,12 +202,13 @@ def lora_settings(config: str | Path | None = None, rank: int | None = None, alp
     try:
         if config is not None:
             return _config_lora(Path(config))
-        return LoraSettings(rank=rank, alpha=alpha, dropout=0.0, target_modules=tuple(targets), sync="adapter")
+        return LoraConfig.when_enabled(LoraConfig(enabled=True, rank=rank, alpha=alpha, dropout=0.0,
+                                                  target_modules=list(targets), sync="adapter"))
     except (ValueError, TypeError, AttributeError) as exc:
         raise ConversionError(str(exc).splitlines()[0]) from exc
 
 
-def _config_lora(path: Path) -> LoraSettings:
+def _config_lora(path: Path) -> LoraConfig:
     from omegaconf import OmegaConf
 
     if not path.is_file():
@@ -219,10 +220,10 @@ def _config_lora(path: Path) -> LoraSettings:
     lora = cfg.get("lora") if OmegaConf.is_dict(cfg) else None
     if lora is None or not lora.get("enabled"):
         raise ConversionError(f"{path}: lora.enabled is not true, not the config of a LoRA run")
-    return LoraSettings.from_config(lora)
+    return LoraConfig.when_enabled(lora)
 
 
-def check_lora(ckpt: Path, lora: LoraSettings | None, merge: bool) -> None:
+def check_lora(ckpt: Path, lora: LoraConfig | None, merge: bool) -> None:
     """Raise :class:`ConversionError` unless ``lora`` is given exactly for an adapter checkpoint and
     describes its adapters, and ``merge`` is asked only of one."""
     saved = saved_lora(ckpt)
@@ -320,7 +321,7 @@ def _load(chunks, ckpt: str, adapters_only: bool = False) -> None:
         module.load_state_dict(loaded[key], strict=not adapters_only)
 
 
-def _loaded_model(hf_path: str, ckpt: str, layout: Layout, dtype: str, lora: LoraSettings | None = None):
+def _loaded_model(hf_path: str, ckpt: str, layout: Layout, dtype: str, lora: LoraConfig | None = None):
     """The model of ``hf_path``'s architecture with the weights of the checkpoint ``ckpt``; with
     ``lora``, ``hf_path``'s weights with the checkpoint's adapters on them."""
     from megarl.models.bridge import build_megatron_model
@@ -354,7 +355,7 @@ def to_megatron_rank(rank: int, layout: Layout, hf_path: str, out_dir: str, dtyp
 
 
 def to_hf_rank(rank: int, layout: Layout, ckpt: str, hf_path: str, out_dir: str, dtype: str, max_shard_bytes: int,
-               prompts: list[str] | None, tolerance: float | None, lora: LoraSettings | None,
+               prompts: list[str] | None, tolerance: float | None, lora: LoraConfig | None,
                merge: bool) -> tuple[ShardReport | None, VerifyReport | None]:
     """Rank body of :func:`to_hf`; rank 0 writes the files and returns the reports."""
     from megarl.models.bridge import save_hf_adapter
@@ -527,7 +528,7 @@ def to_megatron(hf_path: str | Path, out_dir: str | Path, layout: Layout, *, dty
 
 def to_hf(ckpt: str | Path, hf_path: str | Path, out_dir: str | Path, layout: Layout, *, dtype: str = "auto",
           max_shard_bytes: int = 5 * 10**9, prompts: Sequence[str] | None = None, tolerance: float | None = None,
-          lora: LoraSettings | None = None, merge: bool = False) -> tuple[ShardReport, VerifyReport | None]:
+          lora: LoraConfig | None = None, merge: bool = False) -> tuple[ShardReport, VerifyReport | None]:
     """Convert the ``torch_dist`` checkpoint ``ckpt`` (any layout) to an HF checkpoint at ``out_dir``.
 
     ``hf_path`` is the HF checkpoint the model came from: it gives the architecture (which must

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megarl.models.bridge import MegatronModel, build_megatron_model
-from megarl.models.lora import LoraSettings
+from megarl.models.lora import LoraConfig
 from megarl.parallel import Layout
 from megarl.trainer.optimizer import OptimizerSettings, build_optimizer
 
@@ -21,7 +21,7 @@ class ModelSettings:
     recompute_num_layers: int | None
     moe_aux_loss_coeff: float
     reference: bool  # keep the starting weights as the KL reference (algorithm.kl_coef != 0)
-    lora: LoraSettings | None = None  # train LoRA adapters on a frozen base (cfg.lora)
+    lora: LoraConfig | None = None  # train LoRA adapters on a frozen base (cfg.lora)
 
     @classmethod
     def from_config(cls, cfg) -> ModelSettings:
@@ -30,7 +30,7 @@ class ModelSettings:
                    dispatcher=str(cfg.parallel.dispatcher.value),
                    routing_replay=cfg.rollout.keep_routing, recompute=str(t.recompute.value),
                    recompute_num_layers=t.recompute_num_layers, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
-                   reference=cfg.algorithm.kl_coef != 0.0, lora=LoraSettings.from_config(cfg.lora))
+                   reference=cfg.algorithm.kl_coef != 0.0, lora=LoraConfig.when_enabled(cfg.lora))
 
 
 @dataclass
@@ -38,7 +38,7 @@ class TrainableModel:
     model: MegatronModel
     optimizer: Any
     scheduler: Any
-    lora: LoraSettings | None = None  # set when only adapters train (checkpoints then hold them alone)
+    lora: LoraConfig | None = None  # set when only adapters train (checkpoints then hold them alone)
 
     @property
     def chunks(self) -> list:
@@ -48,7 +48,7 @@ class TrainableModel:
 def build_trainable(hf_path: str, layout: Layout, settings: OptimizerSettings, *, transformer_impl: str = "auto",
                     dispatcher: str = "alltoall", routing_replay: bool = False,
                     moe_aux_loss_coeff: float = 0.0, recompute: str = "none",
-                    recompute_num_layers: int | None = None, lora: LoraSettings | None = None) -> TrainableModel:
+                    recompute_num_layers: int | None = None, lora: LoraConfig | None = None) -> TrainableModel:
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.utils import get_model_config
 

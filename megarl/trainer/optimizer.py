@@ -1,42 +1,30 @@
 """Megatron's (distributed) Adam optimizer with gradient clipping and the LR warm-up/decay schedule."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
+from megarl.config.schema import DTYPES, OptimizerConfig
+from megarl.fields import setting
 
-@dataclass(frozen=True)
-class OptimizerSettings:
-    """The optimizer and LR schedule of one run; built from the config (:meth:`from_config`), whose
-    schema (``megarl.config.schema.TrainerConfig``) is the one source of the defaults."""
 
-    lr: float
-    min_lr: float
-    lr_warmup_steps: int
-    lr_decay_steps: int  # steps over which the LR decays (>= 1)
-    lr_decay_style: str  # constant | linear | cosine
-    weight_decay: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_eps: float
-    clip_grad: float
-    use_distributed_optimizer: bool
-    dtype: str  # float32 | bfloat16 | float16
-    cpu_offload: bool = False  # fp32 master weights, Adam moments and the Adam step in host memory
+@dataclass
+class OptimizerSettings(OptimizerConfig):
+    """The optimizer and LR schedule of one run: the ``trainer`` section's optimizer keys (its schema node,
+    :class:`megarl.config.schema.OptimizerConfig`) and what the run derives from the rest of the config."""
+
+    lr_decay_steps: int = setting(1, ge=1)  # steps over which the LR decays
+    dtype: str = setting("float32", choices=DTYPES)  # the model's parameter and compute dtype
 
     @classmethod
     def from_config(cls, cfg, lr: float | None = None, updates_per_step: int = 1) -> OptimizerSettings:
         """From a run config (``trainer``, ``model.dtype``, ``steps``); ``lr`` overrides
         ``trainer.lr`` (the warm-up has its own); the LR decays over ``steps * updates_per_step``
         optimizer steps (RL: ``trainer.updates_per_step``)."""
-        t = cfg.trainer
-        return cls(lr=t.lr if lr is None else lr, min_lr=t.min_lr, lr_warmup_steps=t.lr_warmup_steps,
-                   lr_decay_steps=max(cfg.steps * updates_per_step, 1), lr_decay_style=t.lr_decay_style,
-                   weight_decay=t.weight_decay,
-                   adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, adam_eps=t.adam_eps, clip_grad=t.clip_grad,
-                   use_distributed_optimizer=t.use_distributed_optimizer, dtype=cfg.model.dtype,
-                   cpu_offload=t.optimizer_cpu_offload)
+        keys = {f.name: getattr(cfg.trainer, f.name) for f in fields(OptimizerConfig)}
+        return cls(**dict(keys, lr=keys["lr"] if lr is None else lr),
+                   lr_decay_steps=max(cfg.steps * updates_per_step, 1), dtype=cfg.model.dtype)
 
 
 def cpu_offload_options(offload: bool) -> dict:
@@ -64,7 +52,7 @@ def build_optimizer(chunks: list, settings: OptimizerSettings):
         clip_grad=settings.clip_grad, use_distributed_optimizer=settings.use_distributed_optimizer,
         bf16=settings.dtype == "bfloat16", fp16=settings.dtype == "float16",
         params_dtype={"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[settings.dtype],
-        **cpu_offload_options(settings.cpu_offload),
+        **cpu_offload_options(settings.optimizer_cpu_offload),
     )
     with cuda_tensor_type_scope():
         optimizer = get_megatron_optimizer(config, chunks)

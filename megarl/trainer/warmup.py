@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+from megarl.config.schema import WarmupConfig
 from megarl.parallel import Layout
 from megarl.tasks import arithmetic, calculator, tool_calling
 from megarl.trainer.optimizer import OptimizerSettings
@@ -20,25 +21,20 @@ from megarl.trainer.token_batch import TokenBatch, masked_token_batch, token_bat
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class WarmupJob:
-    """One warm-up run; built from the config (:meth:`from_config`), whose schema
-    (``megarl.config.schema``) is the one source of the defaults."""
+@dataclass(kw_only=True)
+class WarmupJob(WarmupConfig):
+    """One warm-up run: the config's ``warmup`` section (its schema node,
+    :class:`megarl.config.schema.WarmupConfig`) and what it takes from the rest (:meth:`from_config`)."""
 
     hf_path: str
-    save_hf_path: str
     run_dir: str
-    steps: int
-    batch_size: int
     optimizer: OptimizerSettings
     max_tokens_per_microbatch: int
     max_operand: int
     seed: int
-    log_interval: int
     transformer_impl: str
     dispatcher: str
     env: str | None  # calculator: examples are episodes, tool_fraction of them calling the tool
-    tool_fraction: float
     tool_calling: bool = False  # the tool-calling tiny model: examples are its task's chat episodes, as above
 
     @classmethod
@@ -46,13 +42,12 @@ class WarmupJob:
         """From a run config: ``warmup`` (steps, batch, lr, logging, output), the task's operands
         and seed, the trainer's micro-batch budget and optimizer (with ``warmup.lr``), the model."""
         w = cfg.warmup
-        return cls(hf_path=cfg.model.hf_path, save_hf_path=w.save_hf_path, run_dir=cfg.logging.run_dir, steps=w.steps,
-                   batch_size=w.batch_size, optimizer=OptimizerSettings.from_config(cfg, w.lr),
+        return cls(**{f.name: getattr(w, f.name) for f in fields(WarmupConfig)}, hf_path=cfg.model.hf_path,
+                   run_dir=cfg.logging.run_dir, optimizer=OptimizerSettings.from_config(cfg, w.lr),
                    max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
-                   max_operand=cfg.task.max_operand, seed=cfg.task.seed, log_interval=w.log_interval,
+                   max_operand=cfg.task.max_operand, seed=cfg.task.seed,
                    transformer_impl=cfg.model.transformer_impl.value, dispatcher=cfg.parallel.dispatcher.value,
-                   env=cfg.task.env, tool_fraction=w.tool_fraction,
-                   tool_calling=cfg.model.tiny_variant.value == "tool_calling")
+                   env=cfg.task.env, tool_calling=cfg.model.tiny_variant.value == "tool_calling")
 
 
 def answer_batch(tokenizer, problems: list[arithmetic.Problem]) -> TokenBatch:

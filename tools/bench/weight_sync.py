@@ -308,7 +308,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     from megarl.engines.server import EngineSettings, SGLangEngine, lora_serving
     from megarl.models.bridge import build_megatron_model
-    from megarl.models.lora import LoraSettings
+    from megarl.models.lora import LoraConfig
     from megarl.parallel import Layout, free_port
     from megarl.sync.rank import RankSync
     from megarl.trainer.distributed import init_rank
@@ -334,7 +334,7 @@ def main(argv=None) -> int:
         finally:
             engine.stop()
         del model, trainer
-        lora = LoraSettings(rank=args.lora_rank, alpha=2 * args.lora_rank, dropout=0.0,
+        lora = LoraConfig(enabled=True, rank=args.lora_rank, alpha=2 * args.lora_rank, dropout=0.0,
                             target_modules=("linear_qkv", "linear_proj"), sync="adapter")
         lora_model = build_megatron_model(tmp / "model", Layout(), dtype="bfloat16", transformer_impl="local",
                                           lora=lora)

@@ -10,75 +10,48 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from omegaconf import DictConfig
 
-from megarl.config.schema import Placement
-from megarl.config.validate import AuxiliaryEngine, auxiliary_engines
+from megarl.config.topology import RunTopology, engine_launch, pool_engine_settings
 from megarl.engines.pool import EnginePool
 from megarl.engines.server import EngineSettings
-from megarl.pipeline.judge import judge_engine_settings
 from megarl.platform.description import Platform
 from megarl.trainer.actor import TrainerGroup
 
 log = logging.getLogger(__name__)
 
 
-def frozen_engine_settings(cfg: DictConfig, engine: AuxiliaryEngine, index: int, api_key: str) -> EngineSettings:
-    """The engine of a frozen model (on-policy distillation's teacher, a frozen agent role): ``engine``'s
-    checkpoint on its tp / ep ranks, otherwise served like the policy engines but without the policy's
-    adapters (its weights are never synced), its seed that of engine ``index`` and its log
-    ``<name>.log`` in the run directory."""
-    served = EngineSettings.from_config(cfg, engine.hf_path, index, 0, tp=engine.devices, ep=engine.ep,
-                                        dp_attention=engine.dp_attention)
-    return dataclasses.replace(served, api_key=api_key, log_path=str(Path(cfg.logging.run_dir) / f"{engine.name}.log"),
-                               lora_max_rank=0, lora_target_modules=())
-
-
-def policy_engine_settings(cfg: DictConfig, start_checkpoint: str, api_key: str, platform) -> list[EngineSettings]:
-    """The policy engines' settings on ``platform`` (a :class:`megarl.platform.description.Platform`),
-    colocated ones each on its own GPUs of its node with the memory saver
-    (:meth:`EngineSettings.colocated`)."""
-    engines = [dataclasses.replace(EngineSettings.from_config(cfg, start_checkpoint, i, 0, platform=platform),
-                                   api_key=api_key) for i in range(cfg.rollout.num_engines)]
-    if Placement(cfg.placement) == Placement.colocated:
-        engines = [e.colocated(i, cfg.cluster.gpus_per_node, platform) for i, e in enumerate(engines)]
-    return engines
-
-
 @dataclass(frozen=True)
 class EnginePlan:
-    """The run's engine pools before they launch: pool name (``policy``, then each auxiliary engine's
-    name) -> its engines' settings, and the GPUs each engine of it reserves through Ray."""
+    """The run's engine pools before they launch: pool name (``policy``, then each auxiliary pool's name)
+    -> its engines' settings, and the GPUs each engine of it reserves through Ray; ``topology``: the run's
+    pools and devices they were built from."""
 
     settings: dict[str, list[EngineSettings]]
     gpus: dict[str, float]
-    auxiliary: list[AuxiliaryEngine]
-    colocated: bool  # the policy engines share the trainer's devices: they launch after the ranks are built
+    topology: RunTopology
+
+    @property
+    def colocated(self) -> bool:
+        """The policy engines share the trainer's devices: they launch after the ranks are built."""
+        return self.topology.colocated
 
 
 def plan_engines(cfg: DictConfig, start_checkpoint: str, api_key: str, platform: Platform) -> EnginePlan:
-    """Every engine of the run ``cfg`` on ``platform``, each answering only ``api_key``."""
-    r = cfg.rollout
-    colocated = Placement(cfg.placement) == Placement.colocated
-    engines = policy_engine_settings(cfg, start_checkpoint, api_key, platform)
-    # Disaggregated GPU engines reserve their devices through Ray (CUDA_VISIBLE_DEVICES reaches the
-    # server); colocated ones share the trainer's (each on its own, --base-gpu-id), CPU engines reserve half a CPU
-    own_gpus = r.engine_tp if platform.is_cuda and not colocated else 0
-    # The teacher, the judge and frozen agent roles: an engine of its own each (weights never synced), on
-    # devices of its own in either placement; a pool each, as the policy's engines are one
-    auxiliary = auxiliary_engines(cfg)
-    pooled = {"policy": engines}
-    gpus = {"policy": own_gpus}
-    for i, a in enumerate(auxiliary):
-        pooled[a.name] = [judge_engine_settings(cfg, api_key) if a.name == "judge" else
-                          frozen_engine_settings(cfg, a, r.num_engines + i, api_key)]
-        gpus[a.name] = a.devices if platform.is_cuda else 0
-    return EnginePlan(settings=pooled, gpus=gpus, auxiliary=auxiliary, colocated=colocated)
+    """Every engine of the run ``cfg`` on ``platform``, each answering only ``api_key``: the pools of its
+    topology (:class:`megarl.config.topology.RunTopology`), each with its GPU decisions; disaggregated
+    GPU engines reserve their devices through Ray (CUDA_VISIBLE_DEVICES reaches the server), colocated
+    ones share the trainer's (each on its own, --base-gpu-id), CPU engines reserve half a CPU."""
+    topology = RunTopology.from_config(cfg)
+    settings = {p.name: pool_engine_settings(cfg, topology, p, platform, api_key,
+                                             start_checkpoint if p.name == "policy" else None)
+                for p in topology.pools}
+    gpus = {p.name: engine_launch(topology, p, 0, platform, settings[p.name][0].model_path).ray_gpus
+            for p in topology.pools}
+    return EnginePlan(settings=settings, gpus=gpus, topology=topology)
 
 
 def launch_engines(plan: EnginePlan, stack: contextlib.AsyncExitStack) -> dict[str, asyncio.Task]:

@@ -1,0 +1,106 @@
+"""What an RL run reads, checked before it starts anything, as far as that is cheap: the dataset file and
+its fields, the reward function's and the agent program's imports, the teacher's and frozen roles'
+checkpoints against the policy's vocabulary, the rollout length against the checkpoint's context. The
+driver runs it (:func:`megarl.config.platform_rules.refuse_what_is_not_built`); the planner does not (it
+plans for machines whose files live elsewhere). Each check raises :class:`ConfigError` naming the key.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from megarl.agents.spec import load_agent
+from megarl.config.errors import ConfigError, fail, one_line
+from megarl.models.hf_config import hf_config_if_present
+from megarl.tasks.prompts import DATASET_TASKS, dataset_fields, has_chat_template
+from megarl.tasks.rewards import load_user_reward
+
+
+def check_inputs(cfg: DictConfig) -> None:
+    """What an RL run reads, checked before it starts anything (a warm-up reads none of it)."""
+    if cfg.mode == "warmup":
+        return
+    if cfg.task.name in DATASET_TASKS:
+        _check_dataset(cfg.task)
+    if cfg.reward.type == "function":
+        try:
+            load_user_reward(cfg.reward.path)  # imports the module: the run imports it again from the cache
+        except ValueError as exc:  # the message names reward.path
+            raise ConfigError(one_line(str(exc))) from exc
+    if cfg.task.agent is not None:
+        try:
+            load_agent(cfg.task.agent)  # imports the agent's module, as the run will
+        except ValueError as exc:  # the message names task.agent
+            raise ConfigError(one_line(str(exc))) from exc
+    checkpoint = _rl_start_checkpoint(cfg)
+    if cfg.task.chat_template and checkpoint is not None and not has_chat_template(checkpoint):
+        fail("task.chat_template", f"the tokenizer saved with {checkpoint} has no chat template "
+             "(no chat_template.jinja, nor a chat_template in tokenizer_config.json)")
+    if cfg.teacher.hf_path:
+        _check_teacher(cfg.teacher.hf_path, checkpoint)
+    for i, entry in enumerate(cfg.task.role_engines if cfg.task.agent is not None else ()):
+        if entry.hf_path is not None:
+            _check_frozen_role(f"task.role_engines[{i}].hf_path", entry.role, entry.hf_path, checkpoint)
+    if checkpoint is not None:
+        context = hf_config_if_present(checkpoint).context_length
+        if context is not None and cfg.rollout.max_new_tokens >= context:
+            fail("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for a prompt in the model's "
+                 f"context of {context} tokens ({checkpoint})")
+
+
+def _check_teacher(teacher: str, student: str | None) -> None:
+    """The teacher is an HF checkpoint that scores the student's token ids: the same vocabulary."""
+    _check_same_vocabulary("teacher.hf_path", "the teacher", teacher, student, "it must score the student's token ids")
+
+
+def _check_frozen_role(key: str, role: str, path: str, policy: str | None) -> None:
+    """A frozen role's model is an HF checkpoint with the policy's tokenizer (the same token ids and chat
+    template): the gateway renders and tokenizes every role's calls with the policy's."""
+    _check_same_vocabulary(key, f"the frozen {role!r} model", path, policy, "the gateway tokenizes its calls "
+                           "with the policy's tokenizer")
+    if policy is None:
+        return
+    from transformers import AutoTokenizer
+
+    frozen, own = AutoTokenizer.from_pretrained(path), AutoTokenizer.from_pretrained(policy)
+    if frozen.get_vocab() != own.get_vocab() or frozen.chat_template != own.chat_template:
+        fail(key, f"the tokenizer saved with {path} is not the policy's ({policy}): the gateway renders and "
+             f"tokenizes the {role!r} role's calls with the policy's tokenizer and chat template")
+
+
+def _check_same_vocabulary(key: str, what: str, path: str, policy: str | None, why: str) -> None:
+    """``path`` is an HF checkpoint whose vocabulary size is the policy checkpoint's (when present)."""
+    hf = hf_config_if_present(path)
+    if hf is None:
+        fail(key, f"{path} is not an HF checkpoint directory (no config.json)")
+    policy_hf = hf_config_if_present(policy) if policy is not None else None
+    if policy_hf is not None and hf.vocab_size != policy_hf.vocab_size:
+        fail(key, f"{what}'s vocabulary ({hf.vocab_size} tokens, {path}) is not the policy's "
+             f"({policy_hf.vocab_size}, {policy}): {why}")
+
+
+def _rl_start_checkpoint(cfg: DictConfig) -> str | None:
+    """The checkpoint RL starts from, if it is present: the warm-up's (which copies the base
+    checkpoint's config) when the run warms up, else the base one."""
+    candidates = ([cfg.warmup.save_hf_path] if cfg.warmup.steps > 0 else []) + [cfg.model.hf_path]
+    return next((c for c in candidates if c and (Path(c) / "config.json").is_file()), None)
+
+
+def _check_dataset(task: DictConfig) -> None:
+    """The file exists and its rows have the prompt (and answer) fields; only the first rows
+    (JSON Lines) or the schema (Parquet) are read."""
+    if not Path(task.path).is_file():
+        fail("task.path", f"{task.path} does not exist (or is not a file)")
+    try:
+        names = dataset_fields(task.path, task.name)
+    except (OSError, ValueError) as exc:
+        fail("task.path", str(exc))
+    if names is None:  # not cheaply readable: the full read at start-up checks the fields
+        return
+    for key in ("prompt_key", "answer_key"):
+        field = task[key]
+        if field and field not in names:
+            fail(f"task.{key}", f"{field!r} is not a field of {task.path}; its rows have {', '.join(names)}")
+
+

@@ -1,0 +1,80 @@
+"""A config field is declared once: the sections components own are the schema's nodes, and a settings
+class built from a section extends that section's class rather than copying its fields."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from megarl.config.schema import MegarlConfig, OptimizerConfig, TrainerConfig, WarmupConfig
+from megarl.models.lora import LoraConfig
+from megarl.sync.settings import SyncConfig, SyncSettings
+from megarl.trainer.optimizer import OptimizerSettings
+from megarl.trainer.warmup import WarmupJob
+
+# settings class -> the schema node whose fields it carries
+DERIVED = {SyncSettings: SyncConfig, OptimizerSettings: OptimizerConfig, TrainerConfig: OptimizerConfig,
+           WarmupJob: WarmupConfig}
+
+
+def _declared(cls) -> set[str]:
+    """The fields ``cls``'s own body declares (not inherited)."""
+    return set(cls.__dict__.get("__annotations__", {}))
+
+
+def test_owned_sections_are_the_components_classes():
+    hints = typing.get_type_hints(MegarlConfig)
+    assert hints["lora"] is LoraConfig and LoraConfig.__module__ == "megarl.models.lora"
+    assert hints["sync"] is SyncConfig and SyncConfig.__module__ == "megarl.sync.settings"
+
+
+def test_settings_inherit_their_sections_fields_and_declare_none_again():
+    for settings, section in DERIVED.items():
+        assert issubclass(settings, section), settings
+        names = {f.name for f in dataclasses.fields(section)}
+        assert names <= {f.name for f in dataclasses.fields(settings)}, settings
+        assert not _declared(settings) & names, (settings, _declared(settings) & names)
+        for f in dataclasses.fields(section):  # the same default and bounds: the same field object's
+            assert settings.__dataclass_fields__[f.name].metadata == f.metadata
+
+
+def test_settings_from_a_loaded_config_carry_its_values():
+    from megarl.config import load_config
+
+    cfg = load_config(["recipe=tiny_moe_cpu", "trainer.adam_beta1=0.25", "sync.bucket_mb=8", "steps=7"])
+    opt = OptimizerSettings.from_config(cfg, updates_per_step=3)
+    assert (opt.lr, opt.adam_beta1, opt.lr_decay_steps, opt.dtype) == (5e-4, 0.25, 21, "float32")
+    sync = SyncSettings.from_config(cfg.sync, engine_tp=2)
+    assert dataclasses.asdict(sync) == {**{f.name: cfg.sync[f.name] for f in dataclasses.fields(SyncConfig)},
+                                        "engine_tp": 2}
+
+
+# Dataclasses that repeat a section's field names and are not its settings: the planner's report of the
+# adapters it sized (printed beside their sizes); the trainer's layout, a frozen value the trainer ranks
+# and process groups share (the ``parallel`` section's keys and two more; a frozen class cannot be the base
+# of a schema node Hydra overrides).
+NOT_SETTINGS = {("LoraPlan", "LoraConfig"), ("Layout", "ParallelConfig")}
+
+
+def test_no_schema_section_is_mirrored_by_another_dataclass():
+    """No dataclass of megarl outside the schema declares (in its own body) most of a section's fields again."""
+    import importlib
+    import pkgutil
+
+    import megarl
+
+    sections = [t for t in typing.get_type_hints(MegarlConfig).values() if dataclasses.is_dataclass(t)]
+    mirrors = []
+    for info in pkgutil.walk_packages(megarl.__path__, "megarl."):
+        if info.name.startswith(("megarl.config", "megarl.engines.sglang_models", "megarl.platform.sglang")) or \
+                info.name.endswith(
+                ("sglang_main", "__main__")):
+            continue
+        module = importlib.import_module(info.name)
+        for obj in vars(module).values():
+            if not (isinstance(obj, type) and dataclasses.is_dataclass(obj) and obj.__module__ == info.name):
+                continue
+            for section in sections:
+                names = {f.name for f in dataclasses.fields(section)}
+                if obj not in section.__mro__ and len(_declared(obj) & names) > max(2, len(names) // 2):
+                    mirrors.append((obj.__qualname__, section.__name__, sorted(_declared(obj) & names)))
+    assert {(name, section) for name, section, _ in mirrors} == NOT_SETTINGS, mirrors
