@@ -3,9 +3,13 @@
 A TP2+SP run trains two steps, saves, and trains two more (with an LR warm-up, so the schedule
 and the Adam moments shape step 4). Fresh TP2+SP processes (another seed) that load the
 checkpoint must reproduce steps 3 and 4 and the RNG draws exactly; fresh EP2 processes must
-reproduce the losses within 1e-5 (model and optimizer resharded from TP to EP).
+reproduce the losses within 1e-5 (model and optimizer resharded from TP to EP). A checkpoint
+whose files do not match its completion record (truncated, missing, corrupted) is skipped for
+the previous complete one, with one warning naming it.
 """
 import dataclasses
+import json
+import logging
 import random
 import shutil
 from pathlib import Path
@@ -13,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
@@ -161,10 +166,10 @@ def crash_and_bad_inputs(rank, layout, hf_path, other_hf_path, root):
     errors["missing_root"] = _error(lambda: load_checkpoint(root / "nowhere", trainable))
     empty = root.parent / "empty"
     empty.mkdir()
-    errors["no_latest"] = _error(lambda: load_checkpoint(empty, trainable))
+    errors["no_checkpoint"] = _error(lambda: load_checkpoint(empty, trainable))
     errors["missing_step"] = _error(lambda: load_checkpoint(root, trainable, step=5))
     (empty / "latest").write_text("iter_2\n")
-    errors["bad_latest"] = _error(lambda: load_checkpoint(empty, trainable))
+    errors["bad_latest"] = _error(lambda: latest_step(empty))
     shutil.copytree(root / "iter_0000001", empty / "iter_0000001")
     (empty / "iter_0000001" / "metadata.json").unlink()
     errors["no_metadata"] = _error(lambda: load_checkpoint(empty, trainable, step=1))
@@ -203,11 +208,11 @@ def test_crash_mid_save_keeps_previous_checkpoint(single_process):
 @pytest.mark.parametrize("case, kind, message", [
     ("missing_root", "CheckpointError", "nowhere does not exist"),
     ("before_first_step", "CheckpointError", "no optimizer step has run yet"),
-    ("no_latest", "CheckpointError", "has no 'latest' file"),
+    ("no_checkpoint", "CheckpointError", "empty holds no complete checkpoint (no iter_<step> directory)"),
     ("missing_step", "CheckpointError", "iter_0000005 does not exist"),
     ("bad_latest", "CheckpointError", "expected a step number, found 'iter_2'"),
-    ("no_metadata", "CheckpointError", "is not a complete torch_dist checkpoint"),
-    ("truncated", "CheckpointError", "iter_0000001: unreadable checkpoint"),
+    ("no_metadata", "CheckpointError", "iter_0000001 is not a complete checkpoint: metadata.json is missing"),
+    ("truncated", "CheckpointError", "iter_0000001 is not a complete checkpoint: __0_0.distcp has 1000 bytes"),
     ("data_position", "TypeError", "data_position['t']: Tensor is not a plain"),
     ("other_model", "CheckpointError", "holds a different model: num_layers: checkpoint 2 vs model 3"),
 ])
@@ -215,3 +220,88 @@ def test_bad_checkpoints_get_clear_errors(single_process, case, kind, message):
     got_kind, got_message = single_process["errors"][case]
     assert got_kind == kind, got_message
     assert message in got_message
+
+
+def test_completion_record_lists_every_rank_file(saved):
+    """The TP2 save's complete.json: every file of the checkpoint (both ranks' shards), with its size and
+    its xxh3-64 checksum computed here over the whole file."""
+    root, _ = saved
+    path = root / "iter_0000002"
+    record = json.loads((path / "complete.json").read_text())
+    on_disk = sorted(p.name for p in path.iterdir() if p.name != "complete.json")
+    assert record["step"] == 2 and sorted(record["files"]) == on_disk
+    assert {"__0_0.distcp", "__1_0.distcp", "metadata.json"} <= set(on_disk)
+    for name in on_disk:
+        data = (path / name).read_bytes()
+        assert record["files"][name] == {"size": len(data), "xxh3_64": xxhash.xxh3_64_hexdigest(data)}
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+def _flip_bytes(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2: len(data) // 2 + 8] = bytes(255 - b for b in data[len(data) // 2: len(data) // 2 + 8])
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {"truncated": _truncate, "missing": Path.unlink, "corrupted": _flip_bytes,
+          "no_record": lambda shard: (shard.parent / "complete.json").unlink()}
+
+
+def damaged_newest(rank, layout, hf_path, root):
+    """Single process: checkpoints at steps 1 and 2, then step 2's first shard damaged in each way of
+    DAMAGE (one copy each); every resume returns to step 1. Last, both damaged: the error."""
+    from megarl.trainer.checkpoint import load_checkpoint, save_checkpoint
+
+    root = Path(root)
+    trainable = _trainable(hf_path, layout)
+    _steps(trainable, 1)
+    save_checkpoint(root, 1, trainable, DATA_POSITION)
+    at_step_1 = _parameters(trainable)
+    _steps(trainable, 1)
+    save_checkpoint(root, 2, trainable, DATA_POSITION)
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("megarl.trainer.checkpoint").addHandler(handler)
+    out = {}
+    for kind, damage in DAMAGE.items():
+        copy = root.parent / kind
+        shutil.copytree(root, copy)
+        damage(copy / "iter_0000002" / "__0_0.distcp")
+        warnings.clear()
+        resumed = load_checkpoint(copy, trainable)
+        out[kind] = {"step": resumed.step, "skipped": resumed.skipped, "warnings": list(warnings),
+                     "parameters_restored": bool(torch.equal(_parameters(trainable), at_step_1))}
+    _flip_bytes(root.parent / "truncated" / "iter_0000001" / "__0_0.distcp")
+    out["none_complete"] = _error(lambda: load_checkpoint(root.parent / "truncated", trainable))
+    return out
+
+
+@pytest.fixture(scope="module")
+def damaged(tiny_checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("damaged") / "ckpt"
+    return run_ranks(damaged_newest, Layout(), tiny_checkpoint, str(root))[0]
+
+
+@pytest.mark.parametrize("kind, why", [
+    ("truncated", "__0_0.distcp has 0 bytes, "),
+    ("missing", "__0_0.distcp is missing"),
+    ("corrupted", "__0_0.distcp does not match its checksum"),
+    ("no_record", "no complete.json: its save did not finish"),
+])
+def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(damaged, kind, why):
+    got = damaged[kind]
+    assert got["step"] == 1 and got["parameters_restored"]
+    assert len(got["skipped"]) == 1 and got["skipped"][0].startswith(f"iter_0000002 ({why}"), got["skipped"]
+    assert len(got["warnings"]) == 1, got["warnings"]
+    assert f"/{kind}/iter_0000001, the newest complete checkpoint; skipped iter_0000002 ({why}" in got["warnings"][0]
+
+
+def test_no_complete_checkpoint_is_an_error_naming_the_directory(damaged):
+    kind, message = damaged["none_complete"]
+    assert kind == "CheckpointError"
+    assert "truncated holds no complete checkpoint: iter_0000002 (__0_0.distcp has 0 bytes, " in message, message
+    assert message.endswith("; iter_0000001 (__0_0.distcp does not match its checksum)"), message

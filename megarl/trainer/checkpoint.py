@@ -9,17 +9,23 @@ checkpoint.
 
 Layout on disk, under a root directory::
 
-    root/iter_0000012/   one complete checkpoint (dist_checkpointing files + metadata.json)
-    root/latest          the step of the newest complete checkpoint, as text
+    root/iter_0000012/                one checkpoint: dist_checkpointing files, metadata.json and
+    root/iter_0000012/complete.json   every file's size and xxh3-64 checksum, written last
+    root/latest                       the step of the newest checkpoint saved, as text
 
-A save writes ``iter_<step>.tmp`` first, renames it to ``iter_<step>`` and then replaces
-``latest`` (write-then-rename): a crash at any point leaves the previous checkpoint and its
-``latest`` intact. RNG states are restored only under the layout they were saved with (ranks
+A save writes ``iter_<step>.tmp`` first; once every rank's files are written, the ranks checksum
+them (each a share of the files), rank 0 writes ``complete.json``, renames the directory to
+``iter_<step>`` and then replaces ``latest`` (write-then-rename): a crash at any point leaves the
+previous checkpoint and its ``latest`` intact. A checkpoint counts only when every file its
+``complete.json`` lists is there with its size and checksum: a resume takes the newest such one
+and names, in one warning, the newer ones it skipped (truncated, missing or corrupted files, no
+``complete.json``) and why. RNG states are restored only under the layout they were saved with (ranks
 of another layout draw different streams anyway); model, optimizer, schedule, step and data
 position are restored under any layout.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -30,6 +36,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megarl.models.lora import is_adapter_key
@@ -38,6 +45,8 @@ from megarl.trainer import save_results_queue
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
+COMPLETE = "complete.json"  # a checkpoint's completion record: {"step": int, "files": {name: {size, xxh3_64}}}
+_HASH_CHUNK = 16 << 20  # bytes read at a time while checksumming
 FORMAT = "torch_dist"
 # Optimizer state in model-parameter shapes (gathered over DP on save), reshardable across every
 # layout; megatron's per-buffer 'dp_reshardable' format reshards only along DP.
@@ -62,6 +71,7 @@ class Resumed:
     data_position: dict
     path: Path
     rng_restored: bool  # False when the checkpoint was saved under another layout
+    skipped: tuple[str, ...] = ()  # newer checkpoints passed over: "iter_<step> (why)"
 
 
 def step_dir(root: str | Path, step: int) -> Path:
@@ -110,7 +120,9 @@ def save_checkpoint(root: str | Path, step: int, trainable, data_position: dict[
     dist_checkpointing.save(state, str(tmp), sharded_strategy=get_default_save_sharded_strategy(FORMAT),
                             async_sharded_save=False)
     torch.distributed.barrier()
+    files = _gather_shares({name: _file_record(tmp / name) for name in _share(_file_names(tmp))})
     if rank0:
+        _write_completion_record(tmp, step, files)
         _publish(tmp, final, step)
     torch.distributed.barrier()
     log.info("saved checkpoint %s", final)
@@ -118,7 +130,8 @@ def save_checkpoint(root: str | Path, step: int, trainable, data_position: dict[
 
 
 def load_checkpoint(root: str | Path, trainable, step: int | None = None) -> Resumed:
-    """Restore ``trainable`` from ``root/iter_<step>`` (default: the step ``root/latest`` names).
+    """Restore ``trainable`` from ``root/iter_<step>`` (default: the newest complete checkpoint
+    under ``root``, see :func:`newest_complete`).
 
     Collective. Raises :class:`CheckpointError` for a missing or incomplete checkpoint and for
     one whose model differs from ``trainable``'s (layer count, sizes, experts).
@@ -126,7 +139,7 @@ def load_checkpoint(root: str | Path, trainable, step: int | None = None) -> Res
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
-    path = _resolve(Path(root), step)
+    path, skipped = _resolve(Path(root), step)
     try:
         common = dist_checkpointing.load_common_state_dict(str(path))
     except _READ_ERRORS as exc:
@@ -156,7 +169,89 @@ def load_checkpoint(root: str | Path, trainable, step: int | None = None) -> Res
         log.warning("%s was saved under layout %s, not %s: RNG states not restored",
                     path, saved["layout"], _layout_signature())
     log.info("loaded checkpoint %s (step %d)", path, saved["step"])
-    return Resumed(step=saved["step"], data_position=saved["data_position"], path=path, rng_restored=rng_restored)
+    return Resumed(step=saved["step"], data_position=saved["data_position"], path=path, rng_restored=rng_restored,
+                   skipped=skipped)
+
+
+def newest_complete(root: Path) -> tuple[Path, tuple[str, ...]]:
+    """The newest checkpoint under ``root`` whose files all match its ``complete.json``, and the
+    newer ones skipped, each as "iter_<step> (why)"; warns once (rank 0) when it skipped any.
+
+    Collective: every rank checks a share of each candidate's files and all agree on the answer.
+    Raises :class:`CheckpointError` naming ``root`` when no checkpoint there is complete.
+    """
+    skipped = []
+    for path in sorted(root.glob("iter_" + "[0-9]" * 7), reverse=True):
+        problem = _verify(path)
+        if problem is None:
+            if skipped and torch.distributed.get_rank() == 0:
+                log.warning("resuming from %s, the newest complete checkpoint; skipped %s", path,
+                            "; ".join(skipped))
+            return path, tuple(skipped)
+        skipped.append(f"{path.name} ({problem})")
+    found = f": {'; '.join(skipped)}" if skipped else " (no iter_<step> directory)"
+    raise CheckpointError(f"{root} holds no complete checkpoint{found}")
+
+
+def _verify(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint (a file missing, truncated or corrupted, or no
+    ``complete.json``), or None when every file it lists matches. Collective."""
+    try:
+        listed = json.loads((path / COMPLETE).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {COMPLETE}: its save did not finish"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"unreadable {COMPLETE} ({type(exc).__name__}: {exc})"
+    problems = _gather_shares({name: _file_problem(path / name, listed[name]) for name in _share(sorted(listed))})
+    return next((problems[name] for name in sorted(problems) if problems[name] is not None), None)
+
+
+def _file_problem(file: Path, expected: dict) -> str | None:
+    """What is wrong with ``file`` against its record ``expected`` ({"size", "xxh3_64"}), or None."""
+    if not file.is_file():
+        return f"{file.name} is missing"
+    size = file.stat().st_size
+    if size != expected["size"]:
+        return f"{file.name} has {size} bytes, {expected['size']} were written"
+    if _file_record(file)["xxh3_64"] != expected["xxh3_64"]:
+        return f"{file.name} does not match its checksum"
+    return None
+
+
+def _file_record(file: Path) -> dict:
+    """``file``'s size in bytes and xxh3-64 checksum (hex)."""
+    digest = xxhash.xxh3_64()
+    with open(file, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return {"size": file.stat().st_size, "xxh3_64": digest.hexdigest()}
+
+
+def _file_names(directory: Path) -> list[str]:
+    """The files under ``directory`` (paths relative to it), sorted: the same list on every rank."""
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
+
+
+def _share(names: list[str]) -> list[str]:
+    """This rank's share of ``names``: every world_size-th, from its rank on."""
+    return names[torch.distributed.get_rank()::torch.distributed.get_world_size()]
+
+
+def _gather_shares(mine: dict) -> dict:
+    """Every rank's ``mine`` merged into one dict, on every rank (collective)."""
+    shares = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(shares, mine)
+    return {key: value for share in shares for key, value in share.items()}
+
+
+def _write_completion_record(directory: Path, step: int, files: dict) -> None:
+    """Write ``directory/complete.json`` (write-then-rename, synced): the checkpoint is complete."""
+    staged = directory / (COMPLETE + ".tmp")
+    with open(staged, "w") as f:
+        json.dump({"step": step, "files": files}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(staged, directory / COMPLETE)
 
 
 def _publish(tmp: Path, final: Path, step: int) -> None:
@@ -181,21 +276,19 @@ def _publish(tmp: Path, final: Path, step: int) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _resolve(root: Path, step: int | None) -> Path:
-    from megatron.core.dist_checkpointing import check_is_distributed_checkpoint
-
+def _resolve(root: Path, step: int | None) -> tuple[Path, tuple[str, ...]]:
+    """The checkpoint to load (``step``'s, else the newest complete one) and the newer ones skipped."""
     if not root.is_dir():
         raise CheckpointError(f"checkpoint root {root} does not exist")
     if step is None:
-        step = latest_step(root)
-        if step is None:
-            raise CheckpointError(f"{root} has no '{LATEST}' file: no complete checkpoint was saved there")
+        return newest_complete(root)
     path = step_dir(root, step)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if not check_is_distributed_checkpoint(str(path)):
-        raise CheckpointError(f"{path} is not a complete {FORMAT} checkpoint (no metadata.json)")
-    return path
+    problem = _verify(path)
+    if problem is not None:
+        raise CheckpointError(f"{path} is not a complete checkpoint: {problem}")
+    return path, ()
 
 
 def _model_key(trainable, index: int) -> str:

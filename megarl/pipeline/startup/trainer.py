@@ -58,14 +58,19 @@ def start_trainer(cfg: DictConfig, layout: Layout, stack: contextlib.AsyncExitSt
 
 
 async def build_and_resume(trainer: TrainerGroup, cfg: DictConfig, start_checkpoint: str) -> Resumed:
-    """Build the model and optimizer on every rank from ``start_checkpoint``, then load the run's latest
-    checkpoint when ``trainer.resume`` is set and there is one; where the run starts."""
+    """Build the model and optimizer on every rank from ``start_checkpoint``, then load the run's newest
+    complete checkpoint when ``trainer.resume`` is set and one was saved (``latest`` exists: a
+    CheckpointError naming the directory when none of its checkpoints is complete); where the run starts."""
     t = cfg.trainer
     await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg, updates_per_step=t.updates_per_step),
                         ModelSettings.from_config(cfg))
     if not (t.resume and latest_step(checkpoint_dir(cfg)) is not None):
         return Resumed()
     loaded = await trainer.load_checkpoint(str(checkpoint_dir(cfg)))
-    log.info("resuming at step %d from %s", loaded.step, loaded.path)
+    if loaded.skipped:  # newer checkpoints failed their completion record's check
+        log.warning("resuming at step %d from %s, the newest complete checkpoint; skipped %s", loaded.step,
+                    loaded.path, "; ".join(loaded.skipped))
+    else:
+        log.info("resuming at step %d from %s", loaded.step, loaded.path)
     return Resumed(step=loaded.step, ledger=Ledger.from_state_dict(loaded.data_position["ledger"]),
                    position=loaded.data_position)
