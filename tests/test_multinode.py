@@ -26,6 +26,7 @@ from pathlib import Path
 import netns
 import pytest
 
+from megarl.engines.server import API_KEY_ENV
 from megarl.metrics.sink import read_metrics
 
 FAKE_NODE_COUNT = 3
@@ -165,13 +166,13 @@ def run_python_env(node: netns.Node, script: str, **env: str) -> dict:
 
 def test_client_sends_the_key_on_every_call(tiny_checkpoint):
     """SGLangClient authenticates generation, control and weight-update calls alike; the key is
-    not in the settings' repr and reaches the server's command line as --api-key."""
+    not in the settings' repr nor on the server's command line: it reaches the server in its environment."""
     import asyncio
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from megarl.engines.client import SGLangClient
-    from megarl.engines.server import EngineSettings, SGLangEngine
+    from megarl.engines.server import API_KEY_ENV, EngineSettings, SGLangEngine
     from megarl.engines.types import ServedModel
 
     seen: list[tuple[str, str | None]] = []
@@ -220,9 +221,9 @@ def test_client_sends_the_key_on_every_call(tiny_checkpoint):
 
     settings = EngineSettings(model_path=tiny_checkpoint, api_key="k3y")
     assert "k3y" not in repr(settings) and "k3y" not in str(settings)
-    assert "--api-key=k3y" in SGLangEngine(settings).command()
-    assert "--api-key=-k3y" in SGLangEngine(EngineSettings(model_path=tiny_checkpoint, api_key="-k3y")).command()
-    assert not [a for a in SGLangEngine(EngineSettings(model_path=tiny_checkpoint)).command() if "api-key" in a]
+    assert not [a for a in SGLangEngine(settings).command() if "k3y" in a or "api-key" in a]
+    assert SGLangEngine(settings).environment()[API_KEY_ENV] == "k3y"
+    assert API_KEY_ENV not in SGLangEngine(EngineSettings(model_path=tiny_checkpoint)).environment()
     assert SGLangEngine(settings).url.startswith("http://127.0.0.1:")  # no Ray cluster: loopback
 
 
@@ -465,14 +466,16 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tmp_path):
         return None
 
     # The engine's node 0 server process (in node 1 or 2: Ray places the engine's nodes), as soon as it
-    # appears: its address, port and key, from its command line; the probe from node 1 starts at once.
+    # appears: its address and port, from its command line, and its key, from its environment; the probe
+    # from node 1 starts at once.
     server = until(lambda: [s for node in (n1, n2) for s in processes_in(node, "megarl.engines.sglang_main")
                             if "--node-rank 0 " in s[1]])
     assert server, f"no engine started in nodes 1-2 (exit {driver.poll()}):\n{out_path.read_text()[-6000:]}"
     argv = server[0][1].split()
     flags = dict(zip(argv, argv[1:])) | dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
-    key = flags.get("--api-key")
-    assert key, "the engine was started without --api-key"
+    environ = Path(f"/proc/{server[0][0]}/environ").read_bytes().split(b"\0")
+    key = dict(v.decode().split("=", 1) for v in environ if b"=" in v).get(API_KEY_ENV)
+    assert key and key not in server[0][1], "the engine was started without its key in the environment"
     probe = n1.popen([PYTHON, "-c", ENGINE_PROBE, f"http://{flags['--host']}:{flags['--port']}", key, "600"],
                      env=node_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -30,6 +30,9 @@ from megarl.platform import sglang_cpu
 
 log = logging.getLogger(__name__)
 SCRATCH_PREFIX = "megarl-sglang-"  # a running server's TMPDIR, under the system's temporary directory
+# The server's API key travels in this environment variable (readable by its user alone, unlike a
+# command line, which every user of the node sees in ps); megarl.engines.sglang_main hands it to SGLang.
+API_KEY_ENV = "MEGARL_ENGINE_API_KEY"
 
 
 class EngineStartError(RuntimeError):
@@ -47,7 +50,8 @@ class EngineSettings:
     host None binds the loopback address, or this node's routable address when the Ray cluster
     has more than one node (:func:`megarl.parallel.rendezvous_host`, resolved where the server
     starts). port None picks a free port on ``host``. ``api_key``: the bearer token every request
-    but ``/health`` must carry (SGLang's ``--api-key``; kept out of the repr). device None means
+    but ``/health`` must carry (SGLang's ``--api-key``; kept out of the repr and off every command
+    line: the server gets it in its environment, see ``API_KEY_ENV``). device None means
     "cpu" when no GPU is present, else "cuda". log_path None writes the server log to a temporary
     file (see ``SGLangEngine.log_path``).
 
@@ -203,7 +207,7 @@ class SGLangEngine:
         return f"http://{self.settings.host}:{self.port}"
 
     def command(self) -> list[str]:
-        """The server's command line."""
+        """The server's command line (without the API key: see :meth:`environment`)."""
         s = self.settings
         cmd = [
             sys.executable, "-m", "megarl.engines.sglang_main",
@@ -243,8 +247,6 @@ class SGLangEngine:
             cmd += ["--attn-dp-size", str(s.tp)]
         if s.nnodes > 1:
             cmd += ["--nnodes", str(s.nnodes), "--node-rank", str(s.node_rank), "--dist-init-addr", s.dist_init_addr]
-        if s.api_key:
-            cmd.append(f"--api-key={s.api_key}")  # one word: a key may start with "-" (token_urlsafe)
         return cmd + list(s.extra_args)
 
     def _gpu_args(self) -> list[str]:
@@ -261,8 +263,11 @@ class SGLangEngine:
     def environment(self) -> dict[str, str]:
         """The server's environment: this process's, with ``TMPDIR`` a directory of the server's own
         once started, plus on CPU the ranks it starts on this node (megarl's SGLang CPU layer binds
-        each its cores, see ``sglang_cpu``)."""
+        each its cores, see ``sglang_cpu``), and the API key in ``API_KEY_ENV`` when there is one."""
         env = dict(os.environ)
+        env.pop(API_KEY_ENV, None)
+        if self.settings.api_key:
+            env[API_KEY_ENV] = self.settings.api_key
         if self._scratch is not None:
             # SGLang names its ZMQ sockets with NamedTemporaryFile(delete=False) and never removes them
             # (five or more files a start); multiprocessing leaves pymp-* directories: all go in a

@@ -12,17 +12,23 @@ variables it inherits); on CPU they are forked from this process (``sglang_cpu``
 ``spawn_reimports_sglang``) and inherit all of it.
 
 The server leads its own process group (see ``SGLangEngine``), so nothing reaches it when its owner
-is killed with SIGKILL; a watcher thread ends the group when the owner's process goes away, and a
-killed driver leaves no server behind.
+is killed with SIGKILL; a watcher thread ends the group when the owner's process goes away (SIGTERM,
+then SIGKILL after ``OWNER_GONE_GRACE_S``), and a killed driver leaves no server behind. The watch
+is on the owner process (a pidfd), not on the thread that started the server, as
+``PR_SET_PDEATHSIG`` would be: an engine actor's threads come and go, the process stays.
+
+The API key comes in the environment variable ``API_KEY_ENV`` (never on a command line, which
+every user of the node can read), removed from the environment and handed to SGLang as
+``--api-key`` in this process's own argument list.
 """
 from __future__ import annotations
 
 import os
 import runpy
+import select
 import signal
 import sys
 import threading
-import time
 
 from megarl.engines import model_registry
 from megarl.gc_pause import gc_paused
@@ -36,16 +42,40 @@ with gc_paused():  # most of SGLang is imported here
     sglang_ipc.install()
     pipelined_load.install()
 
-OWNER_POLL_S = 1.0
+from megarl.engines.server import API_KEY_ENV  # noqa: E402  (after SGLang's set-up above)
+
+OWNER_GONE_GRACE_S = 3.0  # SIGTERM's time to unlink SGLang's shared memory before the group is killed
 
 
-def _end_with_owner(owner: int) -> None:
-    """Poll the owner's pid; when this process is re-parented (the owner died), SIGTERM the group."""
-    while os.getppid() == owner:
-        time.sleep(OWNER_POLL_S)
+def _end_with_owner(owner_pidfd: int) -> None:
+    """Block until the owner process exits, then end this server's process group: SIGTERM, and
+    SIGKILL for whatever is left after ``OWNER_GONE_GRACE_S``."""
+    select.select([owner_pidfd], [], [])
     os.killpg(os.getpgrp(), signal.SIGTERM)
+    threading.Event().wait(OWNER_GONE_GRACE_S)
+    os.killpg(os.getpgrp(), signal.SIGKILL)
+
+
+def _watch_owner() -> None:
+    """Start the owner watch; a parent already gone (this process re-parented) ends the group at once."""
+    owner = os.getppid()
+    try:
+        owner_pidfd = os.pidfd_open(owner)
+    except ProcessLookupError:
+        owner_pidfd = None
+    if owner_pidfd is None or os.getppid() != owner:  # the owner died before the pidfd was opened
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    threading.Thread(target=_end_with_owner, args=(owner_pidfd,), daemon=True, name="owner-watch").start()
+
+
+def _api_key_into_args() -> None:
+    """Move the API key from the environment into SGLang's arguments (this process's list only)."""
+    key = os.environ.pop(API_KEY_ENV, None)
+    if key:
+        sys.argv.append(f"--api-key={key}")  # one word: a key may start with "-" (token_urlsafe)
 
 
 if __name__ == "__main__":
-    threading.Thread(target=_end_with_owner, args=(os.getppid(),), daemon=True, name="owner-watch").start()
+    _watch_owner()
+    _api_key_into_args()
     runpy.run_module("sglang.launch_server", run_name="__main__")
