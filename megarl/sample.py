@@ -7,8 +7,10 @@ Shapes, for P prompt tokens, R response tokens and T = P + R:
 ``sampling_mask`` CSR over the R response positions or None (None = full vocabulary),
 ``token_advantages`` float32 [R] or None (added to ``advantage`` at each response token: on-policy
 distillation, per-turn rewards), ``teacher_logprobs`` float32 [R] or None (a teacher's log-prob of each
-response token), ``turn_ends`` the response offsets (exclusive) where each policy turn of a multi-turn
-episode ends (empty for a single turn).
+response token), ``mixed_versions`` bool [R] or None (True where the token was sampled from a forward
+that mixed two weight versions: new weights over the KV cache the previous ones computed, after an
+``in_place`` pause with a weight update; None = no token mixed), ``turn_ends`` the response offsets
+(exclusive) where each policy turn of a multi-turn episode ends (empty for a single turn).
 """
 from __future__ import annotations
 
@@ -96,6 +98,7 @@ class RolloutSample:
     role: str = ""  # multi-agent episodes: the role whose turns these are ("" = the one policy)
     # agent episodes: the episode's answers whose text held tool calls, "parsed" / "unparsable" -> count
     tool_calls: dict[str, int] | None = None
+    mixed_versions: np.ndarray | None = None  # per token: sampled from a forward mixing two weight versions
 
     def __post_init__(self):
         r = len(self.response_ids)
@@ -114,6 +117,9 @@ class RolloutSample:
             value = getattr(self, name)
             if value is not None and (value.dtype != np.float32 or value.shape != (r,)):
                 raise ValueError(f"{name} must be float32 [{r}], got {value.dtype} {value.shape}")
+        mixed = self.mixed_versions
+        if mixed is not None and (mixed.dtype != np.bool_ or mixed.shape != (r,)):
+            raise ValueError(f"mixed_versions must be bool [{r}], got {mixed.dtype} {mixed.shape}")
         if any(b <= a for a, b in zip((0, *self.turn_ends), self.turn_ends)) or any(e > r for e in self.turn_ends):
             raise ValueError(f"turn_ends must increase within the response of {r} tokens, got {self.turn_ends}")
         if self.turn_rewards and len(self.turn_rewards) != len(self.turn_ends):

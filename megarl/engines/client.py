@@ -5,11 +5,20 @@ engine's memory (colocated placement).
 Weight versions are integers in megarl (the trainer step that produced the weights); the engine
 holds them as strings (``--weight-version``, ``/update_weight_version``) and reports the version of
 every generated token as spans, which become ``RolloutSample.model_version``.
+
+A request paused ``in_place`` across a weight update keeps the KV cache the previous weights computed,
+so its later tokens come from a forward that mixes two versions; so may a request started after it
+that reuses a cached prefix (an ``in_place`` update leaves the prefix cache unflushed, until the
+next :meth:`SGLangClient.flush_cache`). The client remembers which version labels it set while the
+engine was paused in place and marks those tokens (``RolloutSample.mixed_versions``,
+:func:`mixed_version_tokens`); a ``retract`` pause recomputes the cache under the new weights, so
+tokens after it are not mixed. Pauses and weight updates must go through the client that generates
+(``EnginePool`` and ``megarl.sync`` use the pool's clients).
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -82,6 +91,22 @@ def _model_versions(meta: dict, num_response: int) -> np.ndarray:
     return versions
 
 
+def mixed_version_tokens(versions: np.ndarray, entered_in_place: Mapping[int, bool],
+                         cached_prefix: bool) -> np.ndarray | None:
+    """bool [R] over a response's per-token ``versions`` (int32 [R]): True from each change into a
+    version that ``entered_in_place`` says was labelled while the engine was paused in place (and
+    its cache not flushed since) up to the next change into one that was not, and from the first
+    token when that is of such a version and the request reused a ``cached_prefix``; None when no
+    token is mixed."""
+    mixed = np.zeros(len(versions), dtype=bool)
+    changes = np.flatnonzero(np.diff(versions)) + 1
+    if cached_prefix and len(versions):
+        changes = np.concatenate([[0], changes])
+    for start, end in zip(changes, [*changes[1:], len(versions)]):
+        mixed[start:end] = entered_in_place.get(int(versions[start]), False)
+    return mixed if mixed.any() else None
+
+
 class SGLangClient:
     """Async client of one SGLang HTTP server. Use ``async with`` or call ``aclose()``.
 
@@ -98,6 +123,11 @@ class SGLangClient:
         self.adapter: LoraAdapter | None = None
         # concurrent generate_batch calls go out as one request; a rejection is retried call by call
         self._batches = BatchCoalescer(self._generate_batch_now, isolate=_rejected_by_the_engine)
+        self._paused: PauseMode | None = None  # the mode of the pause in force, None while generating
+        # weight version -> whether it was last labelled while paused in place, its cache not flushed
+        # since (mixed_version_tokens); and the version labelled last
+        self._entered_in_place: dict[int, bool] = {}
+        self._label: int | None = None
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -243,14 +273,14 @@ class SGLangClient:
                 raise EngineError(f"request {meta.get('id')} asked for routed experts but got none "
                                   "(is the server started with --enable-return-routed-experts?)")
             routing = decode_routed_experts(meta["routed_experts"], len(prompt_ids) + r, self.model)
+        # a request keeps the adapter it named to its end: every token is that adapter's version
+        versions = _model_versions(meta, r) if adapter is None else np.full(r, adapter.version, dtype=np.int32)
         return RolloutSample(
             prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=np.ones(r, dtype=np.uint8),
             rollout_logprobs=np.asarray(logprobs, dtype=np.float32),
-            # a request keeps the adapter it named to its end: every token is that adapter's version
-            model_version=(_model_versions(meta, r) if adapter is None
-                           else np.full(r, adapter.version, dtype=np.int32)),
-            routed_experts=routing, sampling_mask=mask, finish_reason=_FINISH_REASONS[finish["type"]],
-            group_id=group_id, episode_id=episode_id,
+            model_version=versions, routed_experts=routing, sampling_mask=mask,
+            finish_reason=_FINISH_REASONS[finish["type"]], group_id=group_id, episode_id=episode_id,
+            mixed_versions=mixed_version_tokens(versions, self._entered_in_place, meta.get("cached_tokens", 0) > 0),
         )
 
     async def pause_generation(self, mode: PauseMode = PauseMode.ABORT) -> None:
@@ -259,10 +289,12 @@ class SGLangClient:
         polls its request lock once a second until they have returned); RETRACT and IN_PLACE
         return once the scheduler has paused."""
         await self._post("/pause_generation", {"mode": PauseMode(mode).value})
+        self._paused = PauseMode(mode)
         log.info("%s: generation paused (%s)", self.base_url, PauseMode(mode).value)
 
     async def continue_generation(self) -> None:
         await self._post("/continue_generation", {})
+        self._paused = None
         log.info("%s: generation continued", self.base_url)
 
     async def abort_request(self, rid: str) -> None:
@@ -283,6 +315,14 @@ class SGLangClient:
         """Label the engine's current weights ``version`` (for tokens generated from now on)."""
         await self._post("/update_weight_version",
                          {"new_version": str(int(version)), "abort_all_requests": abort_all_requests})
+        self._labelled(version)
+
+    def _labelled(self, version: int | None) -> None:
+        """Note that the engine's weights now carry ``version`` (None: the label stayed), and
+        whether the engine was paused in place when they took it."""
+        if version is not None:
+            self._label = int(version)
+            self._entered_in_place[self._label] = self._paused is PauseMode.IN_PLACE
 
     async def update_weights_from_disk(self, model_path: str | Path, version: int, flush_cache: bool = True) -> None:
         """Load an HF checkpoint directory into the engine and label it ``version``.
@@ -297,6 +337,7 @@ class SGLangClient:
                 "model_path": str(model_path), "weight_version": str(int(version)), "flush_cache": flush_cache})
         finally:
             await self._post("/end_weight_update", {})
+        self._labelled(version)
         log.info("%s: weights from %s loaded as version %d", self.base_url, model_path, version)
 
     # --- weight-update session primitives (megarl.sync drives them) --------------------------------
@@ -311,6 +352,8 @@ class SGLangClient:
     async def flush_cache(self) -> None:
         """Drop the radix/KV cache computed by the previous weights (refused while requests run)."""
         await self._post("/flush_cache", {})
+        if self._label is not None:  # no request and no cached prefix left from earlier weights
+            self._entered_in_place[self._label] = False
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, group_name: str, backend: str) -> None:
@@ -336,6 +379,7 @@ class SGLangClient:
         await self._post("/update_weights_from_distributed", {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
             "load_format": load_format, **_update_fields(weight_version, flush_cache)})
+        self._labelled(weight_version)
 
     async def update_weights_from_tensor(self, serialized: list[str], load_format: str | None = None,
                                          weight_version: int | None = None, flush_cache: bool = False) -> None:
@@ -344,12 +388,14 @@ class SGLangClient:
         await self._post("/update_weights_from_tensor", {
             "serialized_named_tensors": serialized, "load_format": load_format,
             **_update_fields(weight_version, flush_cache)})
+        self._labelled(weight_version)
 
     async def load_weights_from_disk(self, model_path: str | Path, weight_version: int | None = None,
                                      flush_cache: bool = False) -> None:
         """Load an HF checkpoint directory."""
         await self._post("/update_weights_from_disk", {"model_path": str(model_path),
                                                        **_update_fields(weight_version, flush_cache)})
+        self._labelled(weight_version)
 
     # --- LoRA adapters (engines started with --enable-lora; megarl.sync.adapter drives them) -------
     async def load_lora_adapter(self, name: str, path: str | Path) -> None:

@@ -162,6 +162,7 @@ class _Episode:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    mixed: list[bool] = field(default_factory=list)  # per token: sampled from a forward mixing two versions
     mask_rows: list[list[int]] = field(default_factory=list)
     routing: np.ndarray | None = None  # rows of every token fed to the engine so far, by the turn that fed it
     turn_ends: list[int] = field(default_factory=list)
@@ -187,6 +188,7 @@ class _Episode:
         self.loss_mask += turn.loss_mask.tolist()
         self.logprobs += turn.rollout_logprobs.tolist()
         self.versions += turn.model_version.tolist()
+        self.mixed += [False] * r if turn.mixed_versions is None else turn.mixed_versions.tolist()
         if turn.sampling_mask is not None:
             self.mask_rows += [turn.sampling_mask.row(i).tolist() for i in range(r)]
         self.turn_ends.append(len(self.response))
@@ -198,12 +200,13 @@ class _Episode:
         self.loss_mask += [0] * len(tokens)
         self.logprobs += [0.0] * len(tokens)
         self.versions += [self.versions[-1]] * len(tokens)
+        self.mixed += [False] * len(tokens)
         self.mask_rows += [[t] for t in tokens]
         self.observation = len(tokens)
 
     def _drop_observation(self) -> None:
         if self.observation:
-            for field_ in (self.response, self.loss_mask, self.logprobs, self.versions, self.mask_rows):
+            for field_ in (self.response, self.loss_mask, self.logprobs, self.versions, self.mixed, self.mask_rows):
                 del field_[-self.observation:]
             self.observation = 0
 
@@ -219,7 +222,7 @@ class _Episode:
             routed_experts=self.routing if routing else None,
             sampling_mask=SamplingMask.from_rows(self.mask_rows) if sampling_mask else None,
             finish_reason=self.finish, group_id=group_id, episode_id=episode_id, turn_ends=tuple(self.turn_ends),
-            episode_end=self.end or "max_turns")
+            episode_end=self.end or "max_turns", mixed_versions=np.asarray(self.mixed) if any(self.mixed) else None)
 
 
 class EnvEpisodes:

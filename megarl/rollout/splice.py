@@ -10,8 +10,8 @@ def splice_continuation(prefix: RolloutSample, continuation: RolloutSample) -> R
     """One sample from an aborted ``prefix`` and the ``continuation`` generated for the prompt
     ``prefix.prompt_ids + prefix.response_ids``.
 
-    Response, log-probs, per-token model versions, loss mask and sampling-mask rows are
-    concatenated (the prefix's from the engine that made them); the routing keeps the prefix's rows
+    Response, log-probs, per-token model versions, mixed-version flags, loss mask and sampling-mask
+    rows are concatenated (the prefix's from the engine that made them); the routing keeps the prefix's rows
     for the prompt and prefix tokens it fed and takes the continuation's rows from the last prefix
     token on (the prefix's final token was never fed before the abort, so it has no row there).
     """
@@ -40,4 +40,13 @@ def splice_continuation(prefix: RolloutSample, continuation: RolloutSample) -> R
         model_version=np.concatenate([prefix.model_version, continuation.model_version]),
         routed_experts=routing, sampling_mask=mask, finish_reason=continuation.finish_reason,
         group_id=prefix.group_id, episode_id=prefix.episode_id,
+        mixed_versions=joined_mixed_versions([prefix, continuation]),
     )
+
+
+def joined_mixed_versions(parts: list[RolloutSample]) -> np.ndarray | None:
+    """The ``mixed_versions`` of the samples' responses back to back (bool [sum R]); None when none is mixed."""
+    if all(p.mixed_versions is None for p in parts):
+        return None
+    return np.concatenate([np.zeros(len(p.response_ids), bool) if p.mixed_versions is None else p.mixed_versions
+                           for p in parts])

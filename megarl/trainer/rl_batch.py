@@ -22,7 +22,10 @@ from megarl.trainer.logprobs import CsrMask
 @dataclass
 class RLBatch:
     """B samples, N positions in all. Per position: ``tokens``/``targets`` int64 [N],
-    ``loss_mask`` float32 [N] (1 where the policy generated the target), ``rollout_logprobs``
+    ``loss_mask`` float32 [N] (1 where the policy generated the target from one weight version),
+    ``mixed_versions`` bool [N] or None (True where the policy generated the target from a forward
+    that mixed two weight versions: left out of the loss, ``loss_mask`` 0 there, and counted by
+    :attr:`mixed_tokens`), ``rollout_logprobs``
     float32 [N] (0 outside the response), ``staleness`` int32 [N] (the trainer's weight version
     minus the ``model_version`` of the target on response positions, 0 elsewhere),
     ``routed_experts`` int16 [N, L, k] or None, the sampling mask as CSR over the N positions
@@ -42,9 +45,15 @@ class RLBatch:
     sampling_mask: Optional[CsrMask]
     token_advantages: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None
+    mixed_versions: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return len(self.advantages)
+
+    @property
+    def mixed_tokens(self) -> int:
+        """Targets left out of the loss because their forward mixed two weight versions."""
+        return 0 if self.mixed_versions is None else int(self.mixed_versions.sum())
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -69,7 +78,8 @@ class RLBatch:
                        self.rollout_logprobs[positions], self.staleness[positions], cu, self.advantages[idx],
                        None if self.routed_experts is None else self.routed_experts[positions], mask,
                        None if self.token_advantages is None else self.token_advantages[positions],
-                       None if self.old_logprobs is None else self.old_logprobs[positions])
+                       None if self.old_logprobs is None else self.old_logprobs[positions],
+                       None if self.mixed_versions is None else self.mixed_versions[positions])
 
     def to(self, device: torch.device) -> RLBatch:
         """This batch with every tensor on ``device``."""
@@ -97,12 +107,14 @@ def build_rl_batch(samples: Sequence[RolloutSample], with_routing: bool = True, 
                    with_advantages: bool = True, trainer_version: int | None = None) -> RLBatch:
     """The :class:`RLBatch` of ``samples`` (advantages filled, or 0 without ``with_advantages``).
     ``trainer_version``: the weight version the trainer holds, for ``staleness`` (None: every token
-    counts as fresh, staleness 0). Raises ValueError for a sample without advantage, with
+    counts as fresh, staleness 0). Tokens a sample marks in ``mixed_versions`` get loss mask 0 (no
+    weight version gives their log-prob or routes). Raises ValueError for a sample without advantage, with
     inconsistent per-token fields, or with a token newer than ``trainer_version``."""
     if not samples:
         raise ValueError("an RL batch needs at least one sample")
     tokens, targets, loss_mask, logprobs, staleness, routed, mask_counts, mask_ids = [], [], [], [], [], [], [], []
-    token_advantages = []
+    token_advantages, mixed = [], []
+    use_mixed = any(s.mixed_versions is not None for s in samples)
     use_token_advantages = with_advantages and any(s.token_advantages is not None for s in samples)
     use_routing = with_routing and all(s.routed_experts is not None for s in samples)
     use_mask = with_sampling_mask and any(s.sampling_mask is not None for s in samples)
@@ -119,6 +131,12 @@ def build_rl_batch(samples: Sequence[RolloutSample], with_routing: bool = True, 
         tokens.append(seq[:-1])
         targets.append(seq[1:])
         loss_mask.append(np.concatenate([np.zeros(P - 1, np.float32), np.asarray(sample.loss_mask, np.float32)]))
+        if use_mixed:
+            flags = np.zeros(P + R - 1, bool)
+            if sample.mixed_versions is not None:
+                flags[P - 1:] = sample.mixed_versions & (sample.loss_mask != 0)
+                loss_mask[-1][flags] = 0.0
+            mixed.append(flags)
         logprobs.append(np.concatenate([np.zeros(P - 1, np.float32), np.asarray(sample.rollout_logprobs, np.float32)]))
         stale = np.zeros(P + R - 1, np.int32)
         if trainer_version is not None:
@@ -164,7 +182,8 @@ def build_rl_batch(samples: Sequence[RolloutSample], with_routing: bool = True, 
         cu_seqlens=cu, advantages=torch.tensor([float(s.advantage) if with_advantages else 0.0 for s in samples],
                                                 dtype=torch.float32),
         routed_experts=torch.from_numpy(np.concatenate(routed)) if use_routing else None, sampling_mask=mask,
-        token_advantages=torch.from_numpy(np.concatenate(token_advantages)) if use_token_advantages else None)
+        token_advantages=torch.from_numpy(np.concatenate(token_advantages)) if use_token_advantages else None,
+        mixed_versions=torch.from_numpy(np.concatenate(mixed)) if use_mixed else None)
 
 
 def check_routing(routed: torch.Tensor, num_layers: int, num_experts: int) -> None:
