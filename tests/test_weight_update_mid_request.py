@@ -30,6 +30,7 @@ from megarl.trainer.rl_batch import build_rl_batch
 
 LOGPROB_TOLERANCE = 1e-5
 NEW_TOKENS = 40
+ATTEMPTS = 5
 PAUSES = {"retract": PauseMode.RETRACT, "in_place": PauseMode.IN_PLACE, "abort_resubmit": PauseMode.ABORT}
 
 
@@ -75,13 +76,13 @@ def logprob_error(sample: RolloutSample, logprobs: torch.Tensor, tokens: range) 
     return worst
 
 
-async def _update_mid_generation(client, engine_url, manager, prompt, noisy_checkpoint, mode: str, duration: float):
-    """One group generated with a pause + load of B (version 1) ~40% of the way into it."""
+async def _update_mid_generation(client, engine_url, manager, prompt, noisy_checkpoint, mode: str, delay: float):
+    """One group generated with a pause + load of B (version 1) ``delay`` seconds after it runs."""
     task = asyncio.create_task(manager.generate_group(prompt, "g"))
     async for running, _ in engine_loads(engine_url):
         if running or task.done():
             break
-    await asyncio.sleep(duration * 0.4)
+    await asyncio.sleep(delay)
     await client.pause_generation(PAUSES[mode])
     try:
         await client.update_weights_from_disk(noisy_checkpoint, version=1, flush_cache=mode != "in_place")
@@ -101,16 +102,17 @@ def test_tokens_keep_the_routes_and_logprobs_they_were_sampled_with(mode, engine
     async def body():
         t0 = time.monotonic()
         await manager.generate_group(prompt, "warm")
-        duration = time.monotonic() - t0
-        print(f"undisturbed group: {duration:.2f} s")
+        delay = (time.monotonic() - t0) * 0.3
         try:
-            for _ in range(3):  # again when a loaded machine let every request end before the pause
+            for _ in range(ATTEMPTS):  # again, earlier or later, when the machine's load moved the pause off
                 samples = await _update_mid_generation(client, engine.url, manager, prompt, noisy_checkpoint, mode,
-                                                       duration)
-                if any(set(s.model_version.tolist()) == {0, 1} for s in samples):
+                                                       delay)
+                versions = [set(s.model_version.tolist()) for s in samples]
+                if {0, 1} in versions:
                     return samples
+                delay = delay / 2 if {0} in versions else delay * 1.5  # every request ended before it, or none began
                 await client.update_weights_from_disk(tiny_checkpoint, version=0)
-            raise AssertionError("no request spanned the weight update in 3 attempts")
+            raise AssertionError(f"no request spanned the weight update in {ATTEMPTS} attempts")
         finally:
             await client.update_weights_from_disk(tiny_checkpoint, version=0)
 
