@@ -129,7 +129,8 @@ class Pipeline:
         groups split, in order, into as many mini-batches of near-equal size, one ``rl_step`` each
         (:func:`combine_updates` joins their results). With several and ``algorithm.old_policy=recompute``
         the trainer's log-probs of the whole batch are taken once before the first: every update's PPO
-        ratio (and ``mismatch/*``) is against the policy before the step."""
+        ratio (and ``mismatch/*``) is against the policy before the step. ``rollout/mixed_version_tokens``
+        counts the response tokens left out of the loss because their forward mixed two weight versions."""
         parts = split_evenly(batch.groups, self.cfg.trainer.updates_per_step)
         whole = self.rl_batch([s for g in batch.groups for s in g.samples], step)
         if len(parts) > 1 and self.cfg.algorithm.old_policy == "recompute":
@@ -140,7 +141,9 @@ class Pipeline:
             results.append(await self.trainer.rl_step(whole.select(range(start, start + count)), self.cfg.algorithm,
                                                       **self.step_kwargs()))
             start += count
-        return combine_updates(results)
+        combined = combine_updates(results)
+        combined.metrics["rollout/mixed_version_tokens"] = float(whole.mixed_tokens)
+        return combined
 
     def rl_batch(self, samples: list[RolloutSample], step: int) -> RLBatch:
         """The trainer's tensors for ``samples`` (advantages filled) at ``step``, where the trainer
