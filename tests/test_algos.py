@@ -14,6 +14,8 @@ from megarl.algos.off_policy import correction, masked_is, off_policy_sequence_m
 from megarl.algos.policy_loss import cispo, gspo, policy_loss_fn, ppo
 from megarl.config.schema import AlgorithmConfig
 
+pytestmark = pytest.mark.unit
+
 f64 = torch.float64
 ln = math.log
 

@@ -22,6 +22,8 @@ from megarl.algos.policy_loss import cispo, ppo, sapo
 from megarl.config.schema import AlgorithmConfig
 from megarl.sample import FinishReason, RolloutSample
 
+pytestmark = pytest.mark.unit
+
 f64 = torch.float64
 
 

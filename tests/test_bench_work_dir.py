@@ -4,6 +4,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.processes
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import sys

@@ -38,6 +38,7 @@ def rank(tiny_checkpoint):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.processes
 def test_a_rank_imports_the_checkpoints_family_alone_and_builds_with_it(rank, tiny_checkpoint):
     config = json.loads(open(f"{tiny_checkpoint}/config.json").read())
     assert rank["provider"] == "GPTModelProvider" and rank["layers"] == config["num_hidden_layers"]
@@ -48,11 +49,13 @@ def test_a_rank_imports_the_checkpoints_family_alone_and_builds_with_it(rank, ti
     assert is_auto_bridge and 1 <= registered < 10  # qwen's bridges only
 
 
+@pytest.mark.processes
 def test_the_full_registry_comes_back_when_asked_for(rank):
     is_auto_bridge, registered = rank["full"]
     assert is_auto_bridge and registered > 50 and registered == len(rank["agreement"])
 
 
+@pytest.mark.processes
 def test_registering_module_is_the_module_each_bridge_is_registered_from(rank):
     found = rank["agreement"]
     assert found["Qwen3MoeForCausalLM"] == ["megatron.bridge.models.qwen.qwen3_moe_bridge"] * 2
@@ -64,6 +67,7 @@ def test_registering_module_is_the_module_each_bridge_is_registered_from(rank):
     assert sum(ours is None for _, ours in found.values()) <= 5
 
 
+@pytest.mark.unit
 def test_an_unknown_or_unregistered_architecture_takes_the_full_registry():
     from megarl.models.bridge_registry import registering_module
 

@@ -14,6 +14,8 @@ from megarl.pipeline.producer import RolloutProducer
 from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.prompts import BadPrompt
 
+pytestmark = pytest.mark.unit
+
 
 def sample(versions, reward=1.0, finish=FinishReason.STOP):
     r = len(versions)

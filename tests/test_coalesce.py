@@ -30,6 +30,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
+@pytest.mark.unit
 def test_the_calls_of_one_turn_go_as_one_request_and_come_back_split_in_order():
     recorder = Recorder()
     coalescer = BatchCoalescer(recorder.send, isolate=lambda e: True)
@@ -43,6 +44,7 @@ def test_the_calls_of_one_turn_go_as_one_request_and_come_back_split_in_order():
     assert answers == [[([i, 0], f"g{i}"), ([i, 1], f"g{i}")] for i in range(5)]
 
 
+@pytest.mark.unit
 def test_different_keys_and_later_turns_are_separate_requests():
     recorder = Recorder()
     coalescer = BatchCoalescer(recorder.send, isolate=lambda e: True)
@@ -57,6 +59,7 @@ def test_different_keys_and_later_turns_are_separate_requests():
     assert first == [[([1], "a")], [([2], "b")]] and second == [([3], "c")]
 
 
+@pytest.mark.unit
 def test_a_rejected_joint_request_is_retried_call_by_call():
     recorder = Recorder(bad=[7])
     coalescer = BatchCoalescer(recorder.send, isolate=lambda e: isinstance(e, ValueError))
@@ -71,6 +74,7 @@ def test_a_rejected_joint_request_is_retried_call_by_call():
     assert [len(prompts) for prompts, _ in recorder.requests] == [4, 2, 1, 1]  # joint, then each alone
 
 
+@pytest.mark.unit
 def test_an_error_of_the_whole_request_fails_every_call_once():
     recorder = Recorder(bad=[7], error=ConnectionError)
     coalescer = BatchCoalescer(recorder.send, isolate=lambda e: isinstance(e, ValueError))
@@ -83,6 +87,7 @@ def test_an_error_of_the_whole_request_fails_every_call_once():
     assert len(recorder.requests) == 1  # not retried: the caller (the engine pool) resubmits
 
 
+@pytest.mark.unit
 def test_a_cancelled_caller_leaves_the_others_their_answers():
     recorder = Recorder()
     coalescer = BatchCoalescer(recorder.send, isolate=lambda e: True)

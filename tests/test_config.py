@@ -15,12 +15,14 @@ from megarl.train import main
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.unit
 def test_tiny_recipe_composes_with_overrides():
     cfg = load_config(["recipe=tiny_moe_cpu", "trainer.lr=3e-4", "parallel.world_size=2", "parallel.ep=2"])
     assert cfg.trainer.lr == 3e-4 and cfg.parallel.ep == 2
     assert cfg.logging.run_dir == "runs/tiny_moe_cpu"  # interpolation resolved
 
 
+@pytest.mark.processes
 def test_cfg_job_prints_the_resolved_config():
     result = subprocess.run([sys.executable, "-m", "megarl.train", "recipe=tiny_moe_cpu", "--cfg", "job",
                              "warmup.steps=7"], capture_output=True, text=True, timeout=120)
@@ -133,6 +135,7 @@ BAD_INPUTS = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overrides, key, why", BAD_INPUTS, ids=[b[1] for b in BAD_INPUTS])
 def test_bad_input_exits_with_one_line_naming_the_key(overrides, key, why, capsys):
     assert main(["recipe=tiny_moe_cpu", *overrides]) == 2
@@ -142,17 +145,20 @@ def test_bad_input_exits_with_one_line_naming_the_key(overrides, key, why, capsy
     assert why in err
 
 
+@pytest.mark.unit
 def test_unknown_recipe_lists_the_known_ones(capsys):
     assert main(["recipe=no_such_recipe"]) == 2
     err = capsys.readouterr().err
     assert "no_such_recipe" in err and "tiny_moe_cpu" in err
 
 
+@pytest.mark.unit
 def test_recipe_arch_must_agree_with_the_checkpoint(tiny_checkpoint):
     with pytest.raises(ConfigError, match="model.arch.num_layers: the recipe says 4"):
         load_config(["recipe=tiny_moe_cpu", f"model.hf_path={tiny_checkpoint}", "model.arch.num_layers=4"])
 
 
+@pytest.mark.processes
 def test_bad_input_exits_non_zero_from_the_command_line():
     result = subprocess.run([sys.executable, "-m", "megarl.train", "recipe=tiny_moe_cpu", "parallel.tp=two"],
                             capture_output=True, text=True, timeout=120)
@@ -182,6 +188,7 @@ def _companions(key: str, name: str, tmp_path) -> list[str]:
     return []
 
 
+@pytest.mark.unit
 def test_the_big_recipes_run_rl_from_their_checkpoint():
     """Recipes without a ``mode`` or ``warmup`` section (the big models') run RL, async, from
     ``model.hf_path``: the warm-up is the tiny demos' start on arithmetic problems (it was the default,
@@ -193,6 +200,7 @@ def test_the_big_recipes_run_rl_from_their_checkpoint():
         assert (cfg.mode, cfg.warmup.steps) == ("async", 0), recipe
 
 
+@pytest.mark.unit
 def test_transport_auto_follows_the_placement():
     assert load_config(["recipe=tiny_moe_cpu"]).sync.transport == "distributed"
     assert load_config(["recipe=tiny_moe_cpu", "placement=colocated"]).sync.transport == "tensor"
@@ -218,6 +226,7 @@ def _registries() -> dict[str, tuple]:
     return dict(walk(MegarlConfig, ""))
 
 
+@pytest.mark.unit
 def test_every_registered_name_loads_and_the_defaults_are_registered(tmp_path):
     from megarl.config.load import default_config
 
@@ -232,6 +241,7 @@ def test_every_registered_name_loads_and_the_defaults_are_registered(tmp_path):
             load_config(["recipe=tiny_moe_cpu", f"{key}={name}", *_companions(key, name, tmp_path)])
 
 
+@pytest.mark.unit
 def test_every_name_valued_algorithm_key_has_a_registry():
     """A misspelt algorithm name fails at load with the valid names only if its field declares them."""
     import dataclasses
@@ -256,6 +266,7 @@ def _write_jsonl(path, rows):
     return path
 
 
+@pytest.mark.unit
 def test_dataset_fields_are_checked_from_the_first_rows(tmp_path):
     dataset = ["task.name=jsonl", "warmup.steps=0", "reward.type=exact_match"]
     load_config(["recipe=tiny_moe_cpu", *dataset, "task.path=/nope.jsonl"])  # the planner: files are elsewhere
@@ -274,6 +285,7 @@ def test_dataset_fields_are_checked_from_the_first_rows(tmp_path):
     loaded(["recipe=tiny_moe_cpu", *dataset, f"task.path={tmp_path / 'array.json'}"])  # read later
 
 
+@pytest.mark.unit
 def test_a_chat_template_is_asked_of_a_tokenizer_that_has_one(tiny_checkpoint, tmp_path):
     import shutil
 
@@ -291,6 +303,7 @@ def test_a_chat_template_is_asked_of_a_tokenizer_that_has_one(tiny_checkpoint, t
         loaded([*base, f"model.hf_path={plain}"])
 
 
+@pytest.mark.unit
 def test_a_frozen_roles_model_has_the_policys_tokenizer(tiny_checkpoint, tmp_path):
     """The gateway tokenizes a frozen role's calls with the policy's tokenizer and chat template."""
     import shutil
@@ -307,6 +320,7 @@ def test_a_frozen_roles_model_has_the_policys_tokenizer(tiny_checkpoint, tmp_pat
         loaded([*base, f"task.role_engines=[{{role:verifier,hf_path:'{other}'}}]"])
 
 
+@pytest.mark.unit
 def test_parquet_fields_come_from_the_schema(tmp_path):
     import datasets
 
@@ -321,6 +335,7 @@ def test_parquet_fields_come_from_the_schema(tmp_path):
         loaded([*base[:4], f"task.path={_write_jsonl(tmp_path / 'rows.jsonl', [{'a': 1}])}"])
 
 
+@pytest.mark.unit
 def test_max_new_tokens_is_checked_against_the_checkpoint_context(tiny_checkpoint, tmp_path):
     base = ["recipe=tiny_moe_cpu", f"model.hf_path={tiny_checkpoint}", f"warmup.save_hf_path={tmp_path / 'sft'}"]
     loaded([*base, "rollout.max_new_tokens=63"])
@@ -335,6 +350,7 @@ def test_max_new_tokens_is_checked_against_the_checkpoint_context(tiny_checkpoin
 
 # --- one reader of an HF config.json ---------------------------------------------------------------
 
+@pytest.mark.unit
 def test_hf_config_of_the_tiny_checkpoint_feeds_the_served_model(tiny_checkpoint):
     from megarl.engines.types import ServedModel
     from megarl.models.hf_config import read_hf_config
@@ -347,6 +363,7 @@ def test_hf_config_of_the_tiny_checkpoint_feeds_the_served_model(tiny_checkpoint
                                                                       num_experts=8, context_length=64)
 
 
+@pytest.mark.unit
 def test_hf_config_naming_variants_and_text_config(tmp_path):
     from megarl.engines.types import ServedModel
     from megarl.models.hf_config import HfConfig
@@ -374,6 +391,7 @@ def test_hf_config_naming_variants_and_text_config(tmp_path):
 
 # --- settings built from the config ----------------------------------------------------------------
 
+@pytest.mark.unit
 def test_engine_and_sync_settings_from_the_config(tiny_checkpoint):
     from megarl.config.topology import RunTopology, pool_engine_settings
     from megarl.platform.description import Platform
@@ -390,6 +408,7 @@ def test_engine_and_sync_settings_from_the_config(tiny_checkpoint):
         ("distributed", 64, "/tmp/r/weight_sync", 600.0, 1)
 
 
+@pytest.mark.processes
 def test_checking_a_config_loads_no_agent_runtime():
     """megarl.config checks ``task.agent`` through megarl.agents.spec: a process that only loads configs
     (every driver, tool and scenario) does not import openai or the gateway's aiohttp (~0.7 s)."""
@@ -400,6 +419,7 @@ def test_checking_a_config_loads_no_agent_runtime():
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.unit
 def test_optimizer_offload_reaches_megatron_cores_optimizer():
     """``trainer.optimizer_cpu_offload`` (the 30B recipe plans its Adam state in host memory) becomes
     megatron-core's OptimizerConfig for its HybridDeviceOptimizer: every parameter's state on the host,
@@ -438,6 +458,7 @@ def _schema_keys(cls=None, prefix=""):
             yield f"{prefix}{f.name}"
 
 
+@pytest.mark.unit
 def test_every_config_key_is_read_by_the_run_or_is_a_planner_input():
     """A key nothing but the config's checks and the planner reads is a setting users change for nothing
     (rollout.mem_fraction_static and trainer.optimizer_cpu_offload were): each key's name is read (an

@@ -2,9 +2,12 @@
 import importlib.util
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from megarl.config.schema import MegarlConfig
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -30,6 +30,7 @@ from megarl.trainer.rl_step import local_replay_indices
 CP = 2
 
 
+@pytest.mark.unit
 def test_bshd_indices_are_chunks_r_and_2cp_minus_1_minus_r():
     assert [bshd_partitioned_indices(8, 2, r).tolist() for r in range(2)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
     assert [bshd_partitioned_indices(8, 4, r).tolist() for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
@@ -38,6 +39,7 @@ def test_bshd_indices_are_chunks_r_and_2cp_minus_1_minus_r():
         bshd_partitioned_indices(6, 2, 0)
 
 
+@pytest.mark.unit
 def test_thd_indices_take_both_chunks_of_every_sequence_in_turn():
     # sequences of 4 and 8 (chunks of 1 and 2 at cp=2)
     cu = torch.tensor([0, 4, 12], dtype=torch.int32)
@@ -78,6 +80,7 @@ def _te_kernel(cu_seqlens, total_tokens, world_size, rank):
     return out
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])
 def test_thd_indices_equal_transformer_engines_kernel(cp):
     gen = torch.Generator().manual_seed(cp)
@@ -89,6 +92,7 @@ def test_thd_indices_equal_transformer_engines_kernel(cp):
             assert thd_partitioned_indices(cu, total, cp, r).tolist() == _te_kernel(cu.tolist(), total, cp, r)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("cp", [2, 4])
 def test_every_position_is_held_by_exactly_one_rank(cp):
     for split in (bshd_split(3, 16, ContextParallelRank(cp, 0)),
@@ -96,6 +100,7 @@ def test_every_position_is_held_by_exactly_one_rank(cp):
         assert torch.equal(split.positions.reshape(-1).sort().values, torch.arange(split.positions.numel()))
 
 
+@pytest.mark.unit
 def test_token_count_shares_add_up_to_the_count():
     for size in (1, 2, 3, 8):
         for count in (0, 1, 5, 17):
@@ -104,12 +109,14 @@ def test_token_count_shares_add_up_to_the_count():
             assert sum(shares) == count and max(shares) - min(shares) <= 1
 
 
+@pytest.mark.unit
 def test_row_length_multiple():
     assert [row_length_multiple(1, 4, False), row_length_multiple(1, 4, True)] == [1, 4]  # as without CP
     assert [row_length_multiple(2, 4, False), row_length_multiple(2, 4, True), row_length_multiple(4, 2, True)] == [
         4, 8, 8]
 
 
+@pytest.mark.unit
 def test_packed_input_of_each_cp_rank():
     """[11 12 13] and [21 22] at cp=2: padded to 4 each, a tail of 4 to the row's 12."""
     cu, tokens = torch.tensor([0, 3, 5]), torch.tensor([11, 12, 13, 21, 22])
@@ -126,6 +133,7 @@ def test_packed_input_of_each_cp_rank():
         model_input(cu, tokens, pad_id=0, length=6, packed=True, cp=ContextParallelRank(2, 0))
 
 
+@pytest.mark.unit
 def test_padded_rows_of_the_cp_ranks_put_together_are_the_whole_rows():
     cu, tokens = torch.tensor([0, 3, 5]), torch.tensor([11, 12, 13, 21, 22])
     whole = model_input(cu, tokens, pad_id=0, length=8, packed=False)
@@ -145,6 +153,7 @@ def _ragged_case(seed=0, lengths=(5, 3, 6), layers=2, k=2):
     return cu, torch.randint(1, 50, (n,), generator=gen), torch.randint(0, 8, (n, layers, k), generator=gen)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("packed", [True, False])
 def test_replay_ids_and_per_token_fields_follow_their_tokens(packed):
     """Each rank's replay ids are those of the tokens it feeds the model, in megatron's
@@ -168,6 +177,7 @@ def test_replay_ids_and_per_token_fields_follow_their_tokens(packed):
         assert torch.equal(replay.view(s, b, 2), grid[:, :, 1].transpose(0, 1))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("packed", [True, False])
 def test_a_cp_input_moves_to_the_model_device_with_its_split(packed):
     cu, tokens, routed = _ragged_case()
@@ -178,6 +188,7 @@ def test_a_cp_input_moves_to_the_model_device_with_its_split(packed):
         assert mi.packed_seq_params.cu_seqlens_q_padded.is_meta
 
 
+@pytest.mark.unit
 def test_packed_plan_counts_each_sequence_at_its_padded_length():
     lengths = torch.tensor([5, 3, 6, 1])
     plan = plan_micro_batches(lengths, 1, 16, pack=True, cp=2, length_multiple=row_length_multiple(2, 1, False))
@@ -281,6 +292,7 @@ def cp2(tmp_path_factory):
     return [torch.load(results / f"rank{r}.pt") for r in range(CP)]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("packed", [True, False])
 def test_gather_returns_the_whole_input_and_each_rank_its_own_gradient(cp2, packed):
     for out in cp2:
@@ -289,10 +301,12 @@ def test_gather_returns_the_whole_input_and_each_rank_its_own_gradient(cp2, pack
         assert torch.equal(case["grad"], case["own_weights"])
 
 
+@pytest.mark.processes
 def test_the_bshd_split_is_megatrons(cp2):
     assert all(out["megatron_bshd"] == (True, True) for out in cp2)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("packed", [True, False])
 def test_dp_cp_reduced_gradient_equals_the_cp1_gradient(cp2, packed):
     """Whole loss on every CP rank, unscaled, and the token count split over the ranks: megatron's
@@ -310,6 +324,7 @@ def _cfg(cp, impl):
     return OmegaConf.create({"parallel": {"cp": cp}, "model": {"transformer_impl": impl}})
 
 
+@pytest.mark.unit
 def test_cp_needs_transformer_engines_attention():
     no_te = Platform.cuda(importable=tuple(m for m in GPU_MODULES if m != "transformer_engine.pytorch"))
     for cfg, platform, key, why in [

@@ -137,6 +137,7 @@ def synthetic_samples(seed: int) -> list[RolloutSample]:
     return samples
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("estimator", ["opd", "grpo"])
 def test_the_token_advantage_is_slimes_formula(estimator):
     samples, coef = synthetic_samples(seed=3), 0.7
@@ -169,6 +170,7 @@ def tinker_incorporate_kl_penalty(sampled: list[torch.Tensor], base: list[torch.
     return [coef * m * (avg - d) for d, m in zip(diffs, masks)]
 
 
+@pytest.mark.unit
 def test_the_batch_mean_baseline_is_tinker_cookbooks_formula():
     samples, coef = synthetic_samples(seed=5), 0.7
     fill_advantages(samples, "opd")
@@ -186,6 +188,7 @@ def test_the_batch_mean_baseline_is_tinker_cookbooks_formula():
         fill_distill_advantages(synthetic_samples(seed=5), coef, "median")
 
 
+@pytest.mark.unit
 def test_the_advantage_refuses_unscored_samples_and_bad_shapes():
     samples = synthetic_samples(seed=4)
     samples[2].teacher_logprobs = None
@@ -202,6 +205,7 @@ def config(tmp_path, *overrides):
                         f"warmup.save_hf_path={tmp_path / 'sft'}", f"logging.run_dir={tmp_path / 'run'}", *overrides])
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overrides, key, why", [
     (["algorithm.advantage=opd", "algorithm.opd_coef=1.0"], "teacher.hf_path", "advantage=opd distils from a teacher"),
     (["teacher.hf_path=/t", "algorithm.opd_coef=-0.5"], "algorithm.opd_coef", "must be >= 0, got -0.5"),
@@ -220,6 +224,7 @@ def test_config_errors_name_the_key(tmp_path, overrides, key, why):
     assert str(err.value).startswith(f"{key}: ") and why in str(err.value), str(err.value)
 
 
+@pytest.mark.unit
 def test_the_teacher_checkpoint_is_checked_before_a_run(tmp_path, tiny_checkpoint):
     student = tmp_path / "base"
     shutil.copytree(tiny_checkpoint, student)

@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -12,6 +14,7 @@ def _bench(tmp_path, *args) -> subprocess.CompletedProcess:
                           cwd=REPO, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.processes
 def test_a_recipe_without_a_distillation_weight_fails_before_the_warm_up(tmp_path):
     # tiny_moe_calculator has opd_coef 0: its opd run (the recipe plus a teacher) is not a valid config
     (tmp_path / "teacher").mkdir()
@@ -24,6 +27,7 @@ def test_a_recipe_without_a_distillation_weight_fails_before_the_warm_up(tmp_pat
     assert not (tmp_path / "out.json").exists()
 
 
+@pytest.mark.processes
 def test_the_first_bad_run_is_named_after_the_good_ones_loaded(tmp_path):
     # the default recipe's warm-up, opd and grpo runs load; the combined run's negative weight does not
     done = _bench(tmp_path, "--variants", "opd,grpo,grpo_opd", "--combined-coef", "-1", "--seeds", "0,1")
@@ -32,6 +36,7 @@ def test_the_first_bad_run_is_named_after_the_good_ones_loaded(tmp_path):
     assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.processes
 def test_the_answer_probability_is_refused_for_a_multi_turn_task(tmp_path):
     done = _bench(tmp_path, "--recipe", "tiny_moe_calculator", "--teacher", str(tmp_path))
     assert done.returncode != 0
@@ -39,6 +44,7 @@ def test_the_answer_probability_is_refused_for_a_multi_turn_task(tmp_path):
     assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.processes
 def test_a_teacher_is_made_only_for_the_recipe_whose_teacher_is_the_demo(tmp_path):
     done = _bench(tmp_path, "--recipe", "tiny_moe_opd_two_digit_cpu")
     assert done.returncode != 0
@@ -46,6 +52,7 @@ def test_a_teacher_is_made_only_for_the_recipe_whose_teacher_is_the_demo(tmp_pat
     assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.processes
 def test_a_teacher_that_is_not_a_checkpoint_is_refused_at_once(tmp_path):
     done = _bench(tmp_path, "--teacher", str(tmp_path / "missing"))
     assert done.returncode != 0
@@ -53,6 +60,7 @@ def test_a_teacher_that_is_not_a_checkpoint_is_refused_at_once(tmp_path):
     assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.processes
 def test_an_override_for_one_variant_reaches_that_variants_runs_only(tmp_path):
     done = _bench(tmp_path, "--variants", "grpo,opd", "--variant-set", "opd:algorithm.opd_coef=-1", "--seeds", "0")
     assert done.returncode != 0  # grpo's run, checked first, is untouched; opd's gets the bad weight
@@ -68,6 +76,7 @@ def test_an_override_for_one_variant_reaches_that_variants_runs_only(tmp_path):
     assert not (tmp_path / "work").exists()
 
 
+@pytest.mark.unit
 def test_a_teacher_made_here_is_the_demo_from_its_own_warm_up(tmp_path):
     # The recipe's student is a shorter warm-up than the demo's; the teacher made here must be the demo's
     # RL run (its recipe, its 60-step warm-up in a directory of its own), not RL from the student's warm-up.

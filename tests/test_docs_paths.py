@@ -12,6 +12,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 REPO_DIRS = ("megarl", "tests", "tools", "recipes", "launch", "slurm", "docs")
 SOURCE_DIRS = ("megarl", "tests", "tools")

@@ -44,6 +44,7 @@ def flag(cmd: list[str], name: str) -> str | None:
 
 # --- dtype and attention backend -------------------------------------------------------------------
 
+@pytest.mark.unit
 @pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)])
 @pytest.mark.parametrize("mla", [False, True])
 @pytest.mark.parametrize("flashinfer", [True, False])
@@ -61,6 +62,7 @@ def test_attention_backend_is_the_one_sglang_picks(capability, mla, flashinfer):
     assert attention_backend(Platform.cuda(capability, importable=importable), mla) == expected
 
 
+@pytest.mark.unit
 def test_gpu_engine_is_launched_in_bfloat16_with_an_explicit_attention_backend(tiny_checkpoint):
     cfg = tiny("model.dtype=bfloat16")
     cmd = command_of(policy_settings(cfg, tiny_checkpoint, HOPPER)[0])
@@ -74,6 +76,7 @@ def test_gpu_engine_is_launched_in_bfloat16_with_an_explicit_attention_backend(t
         policy_settings(tiny(), tiny_checkpoint, HOPPER)[0]  # float32 on CUDA
 
 
+@pytest.mark.unit
 def test_float32_engines_on_cuda_are_refused_at_load(tmp_path, monkeypatch, capsys):
     from megarl.train import main
 
@@ -92,6 +95,7 @@ def test_float32_engines_on_cuda_are_refused_at_load(tmp_path, monkeypatch, caps
 
 # --- CUDA IPC payloads and where they can be opened -------------------------------------------------
 
+@pytest.mark.unit
 def test_each_engine_rank_gets_its_own_serialisation_of_the_bucket(monkeypatch):
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
@@ -118,6 +122,7 @@ def test_each_engine_rank_gets_its_own_serialisation_of_the_bucket(monkeypatch):
             assert torch.equal(rebuilt[name], tensor)
 
 
+@pytest.mark.unit
 def test_tensor_transport_into_disaggregated_engines_is_refused_on_cuda_only():
     cfg = tiny("model.dtype=bfloat16", "sync.transport=tensor")  # the tiny recipe is disaggregated
     with pytest.raises(ConfigError, match=r"^sync\.transport: tensor with placement=disaggregated: .*CUDA IPC"):
@@ -128,6 +133,7 @@ def test_tensor_transport_into_disaggregated_engines_is_refused_on_cuda_only():
 
 # --- colocated engines: their own GPUs, their memory saver -------------------------------------------
 
+@pytest.mark.unit
 def test_colocated_engines_each_take_their_own_gpus_of_the_trainers(tiny_checkpoint):
     from megarl.planner.placement import place
 
@@ -150,6 +156,7 @@ def test_colocated_engines_each_take_their_own_gpus_of_the_trainers(tiny_checkpo
     assert "--base-gpu-id" not in command_of(cpu[0]) and "--enable-memory-saver" not in command_of(cpu[0])
 
 
+@pytest.mark.unit
 def test_colocated_on_cuda_without_the_memory_saver_is_refused(tiny_checkpoint):
     cfg = tiny("model.dtype=bfloat16", "placement=colocated")
     with pytest.raises(ConfigError, match=r"^placement: .*torch_memory_saver \(not installed\)"):
@@ -192,6 +199,7 @@ def _colocated_step(colocation: Colocation, calls: list[str]) -> None:
     asyncio.run(body())
 
 
+@pytest.mark.unit
 def test_on_cuda_the_engines_release_before_training_and_the_trainer_before_they_resume():
     calls = []
 
@@ -211,6 +219,7 @@ def test_on_cuda_the_engines_release_before_training_and_the_trainer_before_they
                                    release_trainer=release_trainer), [])
 
 
+@pytest.mark.unit
 def test_on_the_cpu_there_is_nothing_to_release_and_it_says_so(caplog):
     calls = []
 
@@ -225,6 +234,7 @@ def test_on_the_cpu_there_is_nothing_to_release_and_it_says_so(caplog):
     assert calls == ["engines hold", "trainer trains", "sync", "engines continue"]
 
 
+@pytest.mark.unit
 def test_trainer_release_asks_every_rank_in_order():
     from megarl.pipeline.colocate import empty_trainer_cache, trainer_release
 

@@ -44,6 +44,7 @@ def flag_values(cmd: list[str]) -> dict[str, str | None]:
     return out
 
 
+@pytest.mark.unit
 def test_command_passes_the_parallelism(tiny_checkpoint):
     plain = flag_values(SGLangEngine(settings(tiny_checkpoint)).command())
     assert not {"--tp-size", "--ep-size", "--attn-dp-size", "--nnodes"} & set(plain)
@@ -67,6 +68,7 @@ def test_command_passes_the_parallelism(tiny_checkpoint):
     assert multi.environment()["CUDA_VISIBLE_DEVICES"] == ""  # a CPU engine never sees a GPU
 
 
+@pytest.mark.unit
 def test_an_engine_never_started_leaves_no_log_file(tiny_checkpoint, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where a default log goes
     engine = SGLangEngine(settings(tiny_checkpoint))
@@ -77,6 +79,7 @@ def test_an_engine_never_started_leaves_no_log_file(tiny_checkpoint, tmp_path, m
     assert engine.log_path == first and list(tmp_path.iterdir()) == [first]  # once
 
 
+@pytest.mark.unit
 def test_the_topology_gives_the_engines_their_parallelism(tiny_checkpoint, tmp_path):
     from megarl.config.topology import RunTopology, pool_engine_settings
     from megarl.platform.description import Platform
@@ -101,6 +104,7 @@ def test_the_topology_gives_the_engines_their_parallelism(tiny_checkpoint, tmp_p
     assert "--max-loras-per-batch" in SGLangEngine(lora).command()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kwargs, message", [
     ({"tp": 0}, "tp and ep must be >= 1"),
     ({"tp": 2, "ep": 4}, "ep=4 must divide tp=2"),
@@ -117,6 +121,7 @@ def test_parallelism_rules(tiny_checkpoint, kwargs, message):
         settings(tiny_checkpoint, **kwargs)
 
 
+@pytest.mark.unit
 def test_omp_threads_bind_splits_the_cores_evenly():
     assert sglang_cpu.omp_threads_bind(2, [0, 1]) == "0|1"
     assert sglang_cpu.omp_threads_bind(4, [0, 1]) == "0|0|1|1"  # more ranks than cores: neighbours share

@@ -24,6 +24,7 @@ def both(argv, tmp_path, **env):
     return expected, fresh_python.run(command, env=environment, cwd=tmp_path, timeout=60)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", list(COMMANDS))
 def test_a_run_answers_as_a_new_interpreter_does(name, tmp_path):
     expected, got = both(COMMANDS[name], tmp_path, FRESH_VALUE="x")
@@ -31,6 +32,7 @@ def test_a_run_answers_as_a_new_interpreter_does(name, tmp_path):
     assert got.stderr.splitlines()[-1:] == expected.stderr.splitlines()[-1:]
 
 
+@pytest.mark.processes
 def test_a_script_sees_its_directory_first_on_the_path(tmp_path):
     script = tmp_path / "script.py"
     script.write_text(SCRIPT.format(where=str(tmp_path)))
@@ -39,12 +41,14 @@ def test_a_script_sees_its_directory_first_on_the_path(tmp_path):
         0, f"[{str(script)!r}, 'arg'] {tmp_path} y True\n", "")
 
 
+@pytest.mark.processes
 def test_only_the_preloaded_libraries_are_imported_before_the_run():
     code = ("import sys\n"
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'megarl', 'megatron', 'sglang'}))")
     assert fresh_python.run([sys.executable, "-c", code], timeout=60).stdout == "['torch']\n"
 
 
+@pytest.mark.processes
 def test_a_run_past_its_timeout_is_killed_with_what_it_wrote():
     with pytest.raises(subprocess.TimeoutExpired) as killed:
         fresh_python.run([sys.executable, "-c", "import time\nprint('started', flush=True)\ntime.sleep(60)"],
@@ -52,6 +56,7 @@ def test_a_run_past_its_timeout_is_killed_with_what_it_wrote():
     assert killed.value.output == "started\n"
 
 
+@pytest.mark.unit
 def test_another_interpreter_is_refused():
     with pytest.raises(ValueError, match="not a run of this interpreter"):
         fresh_python.run(["/bin/echo", "hi"])

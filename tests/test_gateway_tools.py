@@ -92,6 +92,7 @@ def call(loop, gateway_args, requests):
     return loop.run_until_complete(body())
 
 
+@pytest.mark.unit
 def test_the_tiny_model_family_reads_qwen_tool_calls(tiny_checkpoint):
     assert tool_call_parser(None, read_hf_config(tiny_checkpoint).model_type) == PARSER
 

@@ -5,6 +5,8 @@ import pytest
 
 from megarl.gc_pause import gc_paused
 
+pytestmark = pytest.mark.unit
+
 
 def test_collector_is_off_inside_and_restored_after_even_on_error():
     assert gc.isenabled()

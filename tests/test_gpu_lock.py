@@ -62,6 +62,7 @@ def read_lock(path: Path) -> dict[str, tuple[str, str]]:
     return pins
 
 
+@pytest.mark.unit
 def test_read_lock_refuses_ranges_and_repeats(tmp_path):
     for text, error in (("torch>=2.14\n", "is not an exact pin"), ("torch==2.14.1\nTorch==2.14.1\n", "pinned twice"),
                         ("ninja\n", "is not an exact pin")):
@@ -70,6 +71,7 @@ def test_read_lock_refuses_ranges_and_repeats(tmp_path):
             read_lock(tmp_path / "x.lock")
 
 
+@pytest.mark.unit
 def test_gpu_lock_pins_exactly_what_the_cpu_lock_does_not():
     cpu, gpu = read_lock(CPU_LOCK), read_lock(GPU_LOCK)
     repeated = sorted(f"{gpu[name][0]}=={gpu[name][1]} (requirements.lock: =={cpu[name][1]})"

@@ -15,6 +15,10 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Lowest first. Keep in step with the table in docs/architecture.md ("Packages").

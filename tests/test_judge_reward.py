@@ -118,6 +118,7 @@ def text_sample(tokenizer, text: str, loss_mask=None, turn_ends=()) -> RolloutSa
 
 # --- config and pieces without the engine ---------------------------------------------------------
 
+@pytest.mark.unit
 def test_engine_settings_come_from_the_config(cfg, judge_checkpoint):
     settings = judge_engine_settings(cfg, api_key="secret-judge-key")
     assert settings.model_path == judge_checkpoint and settings.dtype == "float32" and settings.tp == 1
@@ -132,6 +133,7 @@ def test_the_judge_engine_runs_with_the_configured_ranks_and_memory_share(engine
     assert info["mem_fraction_static"] == cfg.rollout.mem_fraction_static
 
 
+@pytest.mark.unit
 def test_bad_judge_configs_are_refused_naming_the_key(tiny_checkpoint, judge_checkpoint, tmp_path):
     base = ["recipe=tiny_moe_cpu", f"model.hf_path={tiny_checkpoint}", f"logging.run_dir={tmp_path}"]
     with_judge = [*base, f"reward.judge.hf_path={judge_checkpoint}"]
@@ -147,6 +149,7 @@ def test_bad_judge_configs_are_refused_naming_the_key(tiny_checkpoint, judge_che
             load_config(overrides)
 
 
+@pytest.mark.unit
 def test_template_is_filled_in_one_pass_and_reward_needs_its_judge(judge_checkpoint):
     assert render("{prompt}|{response}|{answer}|{other}", "p", "r {answer}", "a") == "p|r {answer}|a|{other}"
     with pytest.raises(ValueError, match="uses {answer} but the prompt '1\\+1=' has none"):
@@ -157,6 +160,7 @@ def test_template_is_filled_in_one_pass_and_reward_needs_its_judge(judge_checkpo
         make_reward(RewardConfig(), judge=object())
 
 
+@pytest.mark.unit
 def test_the_judge_reads_the_prompt_as_the_dataset_wrote_it(tokenizer, judge_checkpoint, tmp_path):
     """With task.chat_template the policy gets the template's rendering; the judge's {prompt} is the
     row's own text (one message's content, several as role-named paragraphs), not the template's markers."""

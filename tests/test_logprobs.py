@@ -105,6 +105,7 @@ def tp2(tmp_path_factory):
     return [torch.load(results / f"rank{r}.pt") for r in range(TP)]
 
 
+@pytest.mark.processes
 def test_masked_logprobs_and_grad_match_dense_reference_under_tp2(tp2):
     logits, targets, _, rows, w_logp, w_ent = _case()
     ref_logp, ref_ent, ref_grad = _dense_reference(logits, targets, rows, w_logp, w_ent)
@@ -119,6 +120,7 @@ def test_masked_logprobs_and_grad_match_dense_reference_under_tp2(tp2):
     assert (tp2[0]["masked"][0] - plain)[[i for i, r in enumerate(rows) if r]].abs().min() > 1e-3
 
 
+@pytest.mark.processes
 def test_entropy_is_unmasked_and_no_mask_is_plain_log_softmax_under_tp2(tp2):
     logits, targets, _, _, w_logp, w_ent = _case()
     ref_logp, ref_ent, ref_grad = _dense_reference(logits, targets, [[]] * N, w_logp, w_ent)
@@ -132,6 +134,7 @@ def test_entropy_is_unmasked_and_no_mask_is_plain_log_softmax_under_tp2(tp2):
     assert (grad - ref_grad).abs().max() < 1e-6
 
 
+@pytest.mark.processes
 def test_target_outside_its_mask_is_kept_and_counted_on_every_rank_under_tp2(tp2):
     """The log-prob (and gradient) is that over the mask plus the target, computed densely."""
     logits, targets, _, rows, w_logp, w_ent = _case()
@@ -149,11 +152,13 @@ def test_target_outside_its_mask_is_kept_and_counted_on_every_rank_under_tp2(tp2
     assert (grad - ref_grad).abs().max() < 1e-6
 
 
+@pytest.mark.processes
 def test_target_outside_the_vocabulary_raises_on_every_rank_under_tp2(tp2):
     for rank_out in tp2:
         assert "outside the vocabulary" in rank_out["outside_vocab"]
 
 
+@pytest.mark.unit
 def test_single_shard_without_group_matches_reference():
     logits, targets, mask, rows, w_logp, w_ent = _case()
     ref_logp, ref_ent, ref_grad = _dense_reference(logits, targets, rows, w_logp, w_ent)
@@ -163,6 +168,7 @@ def test_single_shard_without_group_matches_reference():
     assert (grad - ref_grad).abs().max() < 1e-6
 
 
+@pytest.mark.unit
 def test_float32_close_to_float64_reference():
     logits, targets, mask, rows, w_logp, w_ent = _case()
     ref_logp, ref_ent, _ = _dense_reference(logits, targets, rows, w_logp, w_ent)
@@ -174,6 +180,7 @@ def test_float32_close_to_float64_reference():
     assert vocab_parallel_logprobs(logits, 0, targets).outside_mask.item() == 0
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "ids, offsets, match",
     [
@@ -188,6 +195,7 @@ def test_malformed_mask_raises(ids, offsets, match):
         vocab_parallel_logprobs(torch.zeros(2, 4, dtype=torch.float64), 0, torch.tensor([1, 2]), mask)
 
 
+@pytest.mark.unit
 def test_csr_rows_takes_the_chosen_rows_in_their_order():
     from megarl.trainer.logprobs import csr_rows
 

@@ -12,6 +12,8 @@ from megarl.metrics.gpu import GpuStats
 from megarl.metrics.plot import plot_run
 from megarl.metrics.sink import MetricsFile, read_metrics
 
+pytestmark = pytest.mark.unit
+
 
 def test_rows_round_trip_and_non_finite_values_become_null(tmp_path):
     sink = MetricsFile(tmp_path)

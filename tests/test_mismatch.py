@@ -4,6 +4,8 @@ import torch
 
 from megarl.trainer.mismatch import MAXED, SUMMED, mismatch_metrics, mismatch_sums, reduce_mismatch
 
+pytestmark = pytest.mark.unit
+
 # positions:          0     1     2     3     4     5
 TRAINER = torch.tensor([-1.0, -0.5, -2.0, -0.1, -3.0, -0.7])
 ROLLOUT = torch.tensor([-1.1, -0.5, -1.8, -0.3, -3.0, -0.2])

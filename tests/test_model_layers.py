@@ -11,6 +11,8 @@ from megarl.models.layers import APEX_WGRAD_MODULE, TE_MODULE, choose_layers, la
 from megarl.platform import megatron_cpu
 from megarl.platform.description import GPU_MODULES, Platform
 
+pytestmark = pytest.mark.unit
+
 megatron_cpu.apply()  # before megatron-bridge is imported, as every megarl process does
 
 TE_NO_APEX = Platform.cuda(importable=tuple(m for m in GPU_MODULES if m != APEX_WGRAD_MODULE))

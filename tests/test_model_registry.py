@@ -38,6 +38,7 @@ def server(tiny_checkpoint):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.processes
 def test_the_served_architecture_comes_from_its_module_alone(server):
     assert server["installed"] == "sglang.srt.models.qwen3_moe"
     # qwen3_moe and what it imports (SGLang's own registry imports all ~260 modules)
@@ -46,12 +47,14 @@ def test_the_served_architecture_comes_from_its_module_alone(server):
     assert (cls, arch, registered) == ("sglang.srt.models.qwen3_moe.Qwen3MoeForCausalLM", "Qwen3MoeForCausalLM", 1)
 
 
+@pytest.mark.processes
 def test_another_architecture_resolves_through_sglangs_full_registry(server):
     # Dots3's model lives in a subpackage, which the source scan does not read: SGLang imports every model
     cls, arch, registered = server["resolved"]["Dots3NoteForCausalLM"]
     assert cls == "sglang.srt.models.dots3_common.modeling.Dots3NoteForCausalLM" and registered > 200
 
 
+@pytest.mark.processes
 def test_defining_module_is_the_module_sglangs_registry_takes_each_architecture_from(server):
     found = server["agreement"]
     assert len(found) > 200 and found["DeepseekV3ForCausalLM"] == ["sglang.srt.models.deepseek_v2"] * 2
@@ -63,6 +66,7 @@ def test_defining_module_is_the_module_sglangs_registry_takes_each_architecture_
     assert all(theirs.count(".") > 3 for theirs, ours in found.values() if ours is None)
 
 
+@pytest.mark.unit
 def test_served_architectures_reads_the_override_then_the_checkpoint(tiny_checkpoint):
     assert served_architectures(["--model-path", tiny_checkpoint]) == ["Qwen3MoeForCausalLM"]
     assert served_architectures([f"--model-path={tiny_checkpoint}", "--json-model-override-args",
@@ -73,6 +77,7 @@ def test_served_architectures_reads_the_override_then_the_checkpoint(tiny_checkp
             served_architectures(["--model-path", tiny_checkpoint, "--json-model-override-args", bad])
 
 
+@pytest.mark.unit
 def test_a_hub_id_or_a_users_own_model_package_leaves_sglang_as_it_is(tiny_checkpoint, monkeypatch):
     monkeypatch.delenv("SGLANG_EXTERNAL_MODEL_PACKAGE", raising=False)
     monkeypatch.delenv(MODULE_VARIABLE, raising=False)

@@ -164,6 +164,7 @@ def run_python_env(node: netns.Node, script: str, **env: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.unit
 def test_client_sends_the_key_on_every_call(tiny_checkpoint):
     """SGLangClient authenticates generation, control and weight-update calls alike; the key is
     not in the settings' repr nor on the server's command line: it reaches the server in its environment."""

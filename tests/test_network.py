@@ -2,7 +2,11 @@
 take them, free when drawn, and the kernel's choice when that range is unusable."""
 import socket
 
+import pytest
+
 from megarl.parallel import network
+
+pytestmark = pytest.mark.unit
 
 
 def test_free_ports_are_outside_ray_and_the_ephemeral_range_and_bindable():

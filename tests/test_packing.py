@@ -8,6 +8,8 @@ import torch
 from megarl.models.packed_attention import varlen_causal_attention
 from megarl.trainer.packing import balanced_partition, model_input, plan_micro_batches, to_grid
 
+pytestmark = pytest.mark.unit
+
 
 def long_tailed_lengths(n: int = 512, longest: int = 1024, seed: int = 0) -> torch.Tensor:
     """Most sequences short (prompt + a short answer), a tenth at the maximum length."""

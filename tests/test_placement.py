@@ -21,6 +21,8 @@ def place(cfg):
     return place_topology(RunTopology.from_config(cfg))
 
 
+pytestmark = pytest.mark.unit
+
 # Qwen3-30B-A3B's numbers on two nodes of 4 devices: 4 trainer ranks (TP2 x PP2), 2 engines x TP2.
 TWO_NODES = ["recipe=qwen3_30b_a3b", "cluster.gpus_per_node=4", "parallel.world_size=4", "parallel.tp=2",
              "parallel.pp=2", "parallel.ep=2", "rollout.num_engines=2", "rollout.engine_tp=2"]

@@ -20,6 +20,8 @@ from megarl.planner.params import count_params
 from megarl.planner.trainer_memory import trainer_memory
 from megarl.planner.units import GIB
 
+pytestmark = pytest.mark.unit
+
 BIG_RECIPES = ["qwen3_30b_a3b", "qwen3_235b_a22b", "glm45_355b_a32b", "deepseek_v3_671b"]
 FULL_SIZE = BIG_RECIPES + ["qwen3_30b_a3b_lora"]  # recipes that state every architecture number
 

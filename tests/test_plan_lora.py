@@ -44,6 +44,7 @@ def bridge_counts(tiny_checkpoint) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("name", list(TARGETS))
 def test_tiny_adapter_count_equals_the_bridge_model(name, bridge_counts, tiny_checkpoint):
     """Trainable parameters of the bridge's LoRA model (per target and in all), and the PEFT tensors
@@ -66,6 +67,7 @@ def test_tiny_adapter_count_equals_the_bridge_model(name, bridge_counts, tiny_ch
           f"of {plan.model_bytes:,}: ratio {plan.ratio:.4f}")
 
 
+@pytest.mark.unit
 def test_tiny_lora_recipe_syncs_the_adapter_and_trains_it_alone(tiny_checkpoint):
     cfg = tiny_lora_config(tiny_checkpoint, "recipe")
     plan = plan_layout(cfg)
@@ -79,6 +81,7 @@ def test_tiny_lora_recipe_syncs_the_adapter_and_trains_it_alone(tiny_checkpoint)
     assert stage.activations == full.activations
 
 
+@pytest.mark.unit
 def test_30b_lora_recipe_plans_adapter_bytes_far_below_the_model(tmp_path, capsys):
     out = tmp_path / "plan.json"
     assert main(["recipe=qwen3_30b_a3b_lora", "--json", str(out)]) == 0, capsys.readouterr().err
@@ -103,6 +106,7 @@ def test_30b_lora_recipe_plans_adapter_bytes_far_below_the_model(tmp_path, capsy
     assert written["engine"]["lora_slots"] == ENGINE_ADAPTER_SLOTS == 3 and written["engine"]["lora_buffers"] > 0
 
 
+@pytest.mark.unit
 def test_30b_lora_layout_does_not_fit_full_fine_tuning(capsys):
     """The recipe's 2 GPUs hold the frozen base and the adapters' state, not every weight's gradients."""
     assert main(["recipe=qwen3_30b_a3b_lora", "lora.enabled=false", "trainer.optimizer_cpu_offload=true"]) == \
@@ -110,6 +114,7 @@ def test_30b_lora_layout_does_not_fit_full_fine_tuning(capsys):
     assert "trainer.gpu_memory_gb: a trainer GPU of pipeline stage 0 needs 100.2 GB" in capsys.readouterr().err
 
 
+@pytest.mark.unit
 def test_merged_sync_moves_the_model_and_serves_no_adapters():
     cfg = load_config(["recipe=qwen3_30b_a3b_lora", "lora.sync=merged"])
     plan = plan_layout(cfg)
@@ -117,12 +122,14 @@ def test_merged_sync_moves_the_model_and_serves_no_adapters():
     assert plan.engine.lora_buffers == 0 and plan.lora.synced_bytes < plan.lora.model_bytes
 
 
+@pytest.mark.unit
 def test_layer_patterns_target_the_layers_they_name():
     cfg = load_config(["recipe=qwen3_30b_a3b_lora", "lora.target_modules=[*.layers.0.*.linear_qkv]"])
     one = lora_plan(resolve_arch(cfg), cfg)
     assert one.adapted_linears == 1 and one.trainer_params == 32 * (2048 + 32 * 128 + 2 * 4 * 128)
 
 
+@pytest.mark.unit
 def test_targets_the_architecture_lacks_are_an_error_naming_the_key():
     """As the trainer refuses them (megarl.models.lora.apply_lora): Qwen3 has no latent attention."""
     cfg = load_config(["recipe=qwen3_30b_a3b_lora", "lora.target_modules=[linear_qkv,linear_kv_up_proj]"])

@@ -47,6 +47,7 @@ def run_scenario(name, hf_path, out_dir, off="") -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(name, 0, repr(losses), "")
 
 
+@pytest.mark.unit
 def test_every_workaround_has_a_scenario():
     assert set(NEEDED_BY) == set(PREVENTS)
 
@@ -58,6 +59,7 @@ def test_scenario_fails_without_workaround(workaround, tiny_checkpoint, tmp_path
     assert PREVENTS[workaround] in result.stderr + result.stdout, result.stderr[-3000:]
 
 
+@pytest.mark.processes
 def test_compiling_at_first_call_keeps_the_loss_and_inductor_out(tiny_checkpoint, tmp_path):
     """The speed-up ``torch_compile_imports_inductor``: the same training step, bit for bit, without
     TorchInductor imported; with it off, megatron's import brings TorchInductor in."""
@@ -70,6 +72,7 @@ def test_compiling_at_first_call_keeps_the_loss_and_inductor_out(tiny_checkpoint
     assert inductor == ("inductor imported: False", "inductor imported: True")
 
 
+@pytest.mark.unit
 def test_unknown_workaround_name_is_rejected(monkeypatch):
     monkeypatch.setenv(megatron_cpu.OFF_ENV, "no_such_workaround")
     monkeypatch.setattr(megatron_cpu, "_applied", [])
@@ -77,6 +80,7 @@ def test_unknown_workaround_name_is_rejected(monkeypatch):
         megatron_cpu.apply()
 
 
+@pytest.mark.processes
 def test_only_missing_packages_are_worked_around_when_cuda_is_available():
     code = (
         "import torch\n"

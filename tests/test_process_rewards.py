@@ -15,6 +15,8 @@ from megarl.algos.process import fill_process_advantages, process_advantages
 from megarl.sample import FinishReason, RolloutSample
 from megarl.trainer.rl_batch import build_rl_batch
 
+pytestmark = pytest.mark.unit
+
 
 def prime_returns(rm_scores, rm_mask, acc, eos_mask, valid_response_length, n_samples, dpo_coef, gt_coef):
     """verl's ``compute_rloo_advantage_return`` up to ``returns`` (before ``masked_whiten``), written

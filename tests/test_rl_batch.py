@@ -7,6 +7,8 @@ from megarl.sample import FinishReason, RolloutSample, SamplingMask
 from megarl.trainer.logprobs import vocab_parallel_logprobs
 from megarl.trainer.rl_batch import build_rl_batch, check_routing
 
+pytestmark = pytest.mark.unit
+
 
 def sample(prompt, response, routed=True, mask_rows=None, advantage=1.0, L=2, k=2, versions=None):
     T = len(prompt) + len(response)

@@ -15,6 +15,8 @@ from megarl.tasks.prompts import (
     make_prompt_source,
 )
 
+pytestmark = pytest.mark.unit
+
 ROWS = [{"question": f"q{i}", "solution": i * 10, "level": i % 3} for i in range(7)]
 
 

@@ -103,6 +103,7 @@ def _synthetic(prompt, response, routing_rows_from, version, first_id):
         finish_reason=FinishReason.ABORTED, group_id="g")
 
 
+@pytest.mark.unit
 def test_splice_keeps_the_prefix_rows_and_appends_the_continuation():
     from megarl.rollout.group import splice_continuation
 
@@ -173,6 +174,7 @@ def test_abort_resubmit_splices_prefix_and_continuation(engine, client, tokenize
 
 # --- multi-turn: the calculator -------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_calculator_evaluates_arithmetic_only():
     assert calculate("3+4*2") == 11 and calculate(" (1+2)/4 ") == 0.75 and calculate("-7 // 2") == -4
     for bad in ["__import__('os')", "2**10", "x+1", "", "1/0", "1" * 201]:
@@ -180,6 +182,7 @@ def test_calculator_evaluates_arithmetic_only():
             calculate(bad)
 
 
+@pytest.mark.unit
 def test_calculator_env_calls_and_final_answer(loop):
     env = CalculatorEnv(max_calls=2)
 

@@ -23,6 +23,8 @@ from megarl.tasks.rewards import (
     math_reward,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def make_input(response: str, answer: str | None = "7", ended: bool = True, prompt: str = "3+4=",
                plain_text: str | None = None) -> RewardInput:

@@ -7,6 +7,8 @@ import sys
 import fresh_python
 import pytest
 
+pytestmark = pytest.mark.processes
+
 # A save in a fresh gloo process of one rank: megatron-core's torch_dist save of one sharded tensor,
 # loaded back; prints the processes the save left running under this one, and whether it equals.
 SAVE = """

@@ -6,6 +6,8 @@ import torch
 
 from megarl.platform import sglang_cpu, sglang_cpu_attention
 
+pytestmark = pytest.mark.unit
+
 HEADS, KV_HEADS, DIM, SCALE = 4, 2, 16, 0.25
 
 

@@ -132,6 +132,7 @@ def run_ranks(code: str, off: list[str], model_path: str) -> list[subprocess.Com
     return results
 
 
+@pytest.mark.unit
 def test_every_workaround_has_a_scenario():
     assert not set(SCENARIOS) & set(RANK_SCENARIOS)
     assert not (set(SCENARIOS) | set(RANK_SCENARIOS)) & set(FOR_TIME)
@@ -139,6 +140,7 @@ def test_every_workaround_has_a_scenario():
     assert all((Path(__file__).parents[1] / path).is_file() for path in FOR_TIME.values())
 
 
+@pytest.mark.processes
 def test_all_scenarios_run_with_every_workaround(tiny_checkpoint):
     stand_in_check = (
         "import sgl_kernel\n"
@@ -156,6 +158,7 @@ def test_all_scenarios_run_with_every_workaround(tiny_checkpoint):
             assert result.returncode == 0 and "SCENARIO_OK" in result.stderr, f"rank {rank}: {result.stderr[-3000:]}"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workaround", sorted(SCENARIOS))
 def test_scenario_fails_without_workaround(workaround):
     result = run_with_workarounds(SCENARIOS[workaround], off=[workaround] + ALSO_OFF.get(workaround, []))
@@ -163,12 +166,14 @@ def test_scenario_fails_without_workaround(workaround):
     assert PREVENTS[workaround] in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.unit
 def test_unknown_workaround_name_is_rejected(monkeypatch):
     monkeypatch.setenv(sglang_cpu.OFF_ENV, "sgl_kernel,no_such_workaround")
     with pytest.raises(ValueError, match="no_such_workaround"):
         sglang_cpu.apply()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("workaround", sorted(RANK_SCENARIOS))
 def test_rank_scenario_fails_without_workaround(workaround, tiny_checkpoint, monkeypatch):
     """Every rank fails, one with the named error; tests/test_engine_parallel.py shows the TP2 and

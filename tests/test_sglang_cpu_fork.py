@@ -9,7 +9,8 @@ import pytest
 from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.platform import sglang_cpu
 
-pytestmark = pytest.mark.skipif(not sglang_cpu.needed(), reason="the work-arounds are inactive on GPU machines")
+pytestmark = [pytest.mark.processes,
+              pytest.mark.skipif(not sglang_cpu.needed(), reason="the work-arounds are inactive on GPU machines")]
 
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
 

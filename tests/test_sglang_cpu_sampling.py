@@ -6,6 +6,8 @@ import torch
 
 from megarl.platform import sglang_cpu, sglang_cpu_sampling
 
+pytestmark = pytest.mark.unit
+
 VOCAB, MAX_TOP_K = 384, 20
 
 

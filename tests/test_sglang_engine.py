@@ -127,6 +127,7 @@ def check_against_hf(sample, hf_model, with_mask=True, temperature=1.0):
 
 # --- decoding and validation, no server ---------------------------------------------------------
 
+@pytest.mark.unit
 def test_sampling_mask_csr_round_trip_and_validation():
     rows = [[5, 1, 9], [], [7]]
     mask = SamplingMask.from_rows(rows)
@@ -138,6 +139,7 @@ def test_sampling_mask_csr_round_trip_and_validation():
         SamplingMask(ids=mask.ids.astype(np.int64), offsets=mask.offsets)
 
 
+@pytest.mark.unit
 def test_routed_experts_decoding_checks_shape_and_range():
     model = ServedModel(vocab_size=16, num_layers=2, topk=2, num_experts=8, context_length=32)
     ids = np.arange(3 * 2 * 2, dtype=np.int32) % 8  # 4 tokens -> 3 rows
@@ -152,6 +154,7 @@ def test_routed_experts_decoding_checks_shape_and_range():
     assert big.routing_dtype == np.int32
 
 
+@pytest.mark.unit
 def test_rollout_sample_rejects_inconsistent_shapes():
     ok = dict(prompt_ids=[1, 2], response_ids=[3, 4, 5], loss_mask=np.ones(3, np.uint8),
               rollout_logprobs=np.zeros(3, np.float32), model_version=np.zeros(3, np.int32),
@@ -166,6 +169,7 @@ def test_rollout_sample_rejects_inconsistent_shapes():
         RolloutSample(**{**ok, "sampling_mask": SamplingMask.from_rows([[3], [4]])})
 
 
+@pytest.mark.unit
 def test_settings_and_model_reading_name_what_is_wrong(tmp_path):
     with pytest.raises(ValueError, match="has no config.json"):
         EngineSettings(model_path=str(tmp_path))
@@ -483,6 +487,7 @@ def test_partial_rollout_across_a_weight_update_carries_both_versions(engine, ch
     print(f"\n[measured] partial rollout: tokens of version 0 and 5 per sample {counts}")
 
 
+@pytest.mark.processes
 def test_start_failure_reports_the_server_log(checkpoint, tmp_path):
     settings = EngineSettings(model_path=str(checkpoint), extra_args=("--no-such-flag",),
                               log_path=str(tmp_path / "server.log"))
@@ -492,6 +497,7 @@ def test_start_failure_reports_the_server_log(checkpoint, tmp_path):
     assert engine.pid is None and servers_on_port(engine.port) == []
 
 
+@pytest.mark.processes
 def test_start_timeout_stops_the_server(checkpoint, tmp_path):
     settings = EngineSettings(model_path=str(checkpoint), startup_timeout_s=2.0, log_path=str(tmp_path / "server.log"))
     engine = SGLangEngine(settings)
@@ -500,6 +506,7 @@ def test_start_timeout_stops_the_server(checkpoint, tmp_path):
     assert engine.pid is None and servers_on_port(engine.port) == []
 
 
+@pytest.mark.processes
 def test_stopping_an_engine_actor_while_its_server_loads_cancels_the_start(checkpoint, tmp_path):
     """A run that fails or is interrupted while its engines load (minutes for a big checkpoint) stops
     them at once: ``EngineActor.stop`` makes the start under way give up (it held the actor's lock,
@@ -571,6 +578,7 @@ def _pgid(process):
         return None
 
 
+@pytest.mark.processes
 def test_orphaned_scratch_is_removed_and_a_live_or_starting_servers_is_kept(tmp_path, monkeypatch):
     import tempfile
 
@@ -602,6 +610,7 @@ def test_orphaned_scratch_is_removed_and_a_live_or_starting_servers_is_kept(tmp_
             Path("/dev/shm", segment).unlink(missing_ok=True)
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
 def test_sglangs_segments_of_a_gone_process_go_but_mapped_or_live_ones_stay():
     import mmap

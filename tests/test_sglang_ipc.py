@@ -11,6 +11,8 @@ import textwrap
 import fresh_python
 import pytest
 
+pytestmark = pytest.mark.processes
+
 
 def run_python(code: str) -> str:
     done = fresh_python.run([sys.executable, "-c", textwrap.dedent(code)], timeout=300)

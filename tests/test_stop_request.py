@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.processes
+
 SCENARIO = """
 import asyncio, os, signal, sys
 from megarl.pipeline.signals import StopRequest

@@ -40,6 +40,7 @@ def finished_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.processes
 def test_a_sender_lists_the_segments_it_makes():
     proc = subprocess.Popen([sys.executable, "-c", SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -54,6 +55,7 @@ def test_a_sender_lists_the_segments_it_makes():
     assert not (SHARED_MEMORY / f"{MANIFEST_PREFIX}{proc.pid}").exists()
 
 
+@pytest.mark.processes
 def test_a_gone_senders_segments_are_unlinked_but_not_one_still_mapped():
     pid = finished_pid()
     names = orphan(pid, 3)
@@ -72,6 +74,7 @@ def test_a_gone_senders_segments_are_unlinked_but_not_one_still_mapped():
         manifest.unlink(missing_ok=True)
 
 
+@pytest.mark.unit
 def test_a_running_senders_and_foreign_files_stay():
     names = orphan(1, 1)  # pid 1 is alive
     foreign = SHARED_MEMORY / f"{MANIFEST_PREFIX}not-a-pid"

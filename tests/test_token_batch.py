@@ -4,6 +4,8 @@ import pytest
 from megarl.trainer.packing import model_input, plan_micro_batches
 from megarl.trainer.token_batch import token_batch
 
+pytestmark = pytest.mark.unit
+
 
 def test_batch_shifts_labels_and_masks_only_the_answer():
     batch = token_batch([[1, 5, 6, 7, 2], [1, 8, 2]], loss_starts=[3, 2])

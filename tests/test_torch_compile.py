@@ -6,8 +6,11 @@ import os
 import sys
 
 import fresh_python
+import pytest
 
 from megarl.platform import sglang_cpu
+
+pytestmark = pytest.mark.processes
 
 FIRST_CALL = """
 import sys
