@@ -6,6 +6,10 @@ import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# tests/tiers.py: every test is marked unit or known to start processes (`pytest -m unit` runs the unit tier).
+# pytester: for tests/test_tiers.py.
+pytest_plugins = ("tiers", "pytester")
+
 # The files that take longest (per-file test time of a full run, 2026-12-03 after tests/fresh_python.py:
 # weight sync 176 s, the fake nodes 113 s, the platform scenarios 99 s, most end-to-end runs 30-80 s),
 # longest first. launch/test.sh hands out whole files to two workers in collection order (pytest-xdist
