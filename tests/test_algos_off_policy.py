@@ -22,6 +22,8 @@ from megarl.algos.rejection import CRITERIA, parse_criteria, rejection_keep
 from megarl.algos.value_loss import clipped_value_loss
 from megarl.config.schema import AlgorithmConfig
 
+pytestmark = pytest.mark.unit
+
 f64 = torch.float64
 
 

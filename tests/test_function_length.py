@@ -6,6 +6,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 60
 CHECKED = ("megarl/pipeline",)

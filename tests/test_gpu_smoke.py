@@ -32,6 +32,7 @@ def test_the_plan_fits_the_lent_machine(tmp_path):
     assert "tiny_moe/config.json" in plan["carried"]
 
 
+@pytest.mark.processes
 def test_without_a_gpu_every_step_is_skipped_saying_why(tmp_path):
     import os
 

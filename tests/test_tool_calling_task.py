@@ -17,6 +17,8 @@ from megarl.tasks import tool_calling
 from megarl.tasks.arithmetic import Problem
 from megarl.trainer.warmup import chat_episode_batch
 
+pytestmark = pytest.mark.unit
+
 PROBLEM = Problem("23+58=", "81")
 
 
