@@ -14,6 +14,8 @@ from megarl.config.schema import MegarlConfig
 from megarl.fields import bounds_of
 from megarl.train import main
 
+pytestmark = pytest.mark.unit
+
 LOAD_LIMIT_S = 10.0
 # keys inside a list's entries are set through the list: one entry holding the bad value
 LIST_ENTRY = {"task.role_engines": "role:verifier"}

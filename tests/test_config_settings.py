@@ -5,11 +5,15 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+import pytest
+
 from megarl.config.schema import MegarlConfig, OptimizerConfig, TrainerConfig, WarmupConfig
 from megarl.models.lora import LoraConfig
 from megarl.sync.settings import SyncConfig, SyncSettings
 from megarl.trainer.optimizer import OptimizerSettings
 from megarl.trainer.warmup import WarmupJob
+
+pytestmark = pytest.mark.unit
 
 # settings class -> the schema node whose fields it carries
 DERIVED = {SyncSettings: SyncConfig, OptimizerSettings: OptimizerConfig, TrainerConfig: OptimizerConfig,

@@ -9,6 +9,8 @@ import pytest
 
 from megarl.engines.server import EngineSettings, SGLangEngine
 
+pytestmark = pytest.mark.processes
+
 
 @pytest.fixture(scope="module")
 def keyed(tiny_checkpoint, tmp_path_factory):
