@@ -152,6 +152,7 @@ def test_tokens_keep_the_routes_and_logprobs_they_were_sampled_with(mode, engine
           f"{worst:.1e}")
 
 
+@pytest.mark.unit
 def test_mixed_tokens_run_from_an_in_place_version_change_to_the_next_recompute():
     entered_in_place = {1: True, 2: False, 3: True}
     versions = np.array([0, 0, 1, 1, 2, 2, 3], np.int32)
@@ -172,6 +173,7 @@ def _sample(prompt, response, mixed=None, version=0):
                          mixed_versions=None if mixed is None else np.array(mixed, bool))
 
 
+@pytest.mark.unit
 def test_mixed_flags_survive_a_splice_and_leave_the_loss():
     prefix = _sample([1, 2], [3, 4])
     spliced = splice_continuation(prefix, _sample([1, 2, 3, 4], [5, 6, 7], mixed=[False, True, True], version=1))
@@ -186,6 +188,7 @@ def test_mixed_flags_survive_a_splice_and_leave_the_loss():
     assert batch.select([1]).mixed_tokens == 0 and batch.select([0]).mixed_tokens == 2
 
 
+@pytest.mark.unit
 def test_kept_routes_replace_the_recomputed_rows_they_cover():
     from megarl.platform.sglang_retracted_routes import overlay_kept_routes
 
