@@ -20,6 +20,7 @@ from megarl.config.topology import RunTopology, check_role_engines, check_topolo
 from megarl.fields import out_of_bounds
 from megarl.models.lora import LoraConfig
 from megarl.parallel import PipelineSplitError, stage_layer_counts
+from megarl.sync.settings import delta_refusal
 from megarl.tasks.judge import check_judge_config
 from megarl.tasks.prompts import DATASET_TASKS
 from megarl.tasks.rewards import check_reward_url
@@ -40,6 +41,8 @@ def validate(cfg: DictConfig) -> None:
     if cfg.placement == "colocated" and cfg.sync.transport != "tensor":
         fail("sync.transport", f"colocated placement needs sync.transport=tensor (the engines load the buckets "
             f"from the trainer's memory on the same devices), got {cfg.sync.transport!r}")
+    if cfg.sync.delta and (why := delta_refusal(cfg.sync.transport, cfg.lora.sync if cfg.lora.enabled else None)):
+        fail("sync.delta", why)
     _check_rollout(cfg, arch)
     _check_algorithm(cfg)
     _check_distillation(cfg)

@@ -29,6 +29,14 @@ fault per 4 KiB, ~50 ms per 256 MiB here).
 
 Colocated buckets (``/update_weights_from_tensor`` from host shared memory) keep their mapping: see
 :func:`load_flattened_bucket`.
+
+Delta-mode buckets (``sync.delta``; load format ``megarl_delta`` over the distributed path, a flagged
+bucket dict over the tensor path; the format is :mod:`megarl.engines.weight_delta`'s) are decoded
+against this process's baseline, the HF tensors as last loaded (a scatter of the new values into
+them), and the full tensors each bucket touches go through SGLang's own ``load_weights``, exactly as
+a whole bucket's do: the engine ends bit-identical to a full sync. Memory: the baseline is one host
+copy of the whole model in the export dtype per engine rank (each rank receives every bucket), held
+from the first delta-mode sync on.
 """
 from __future__ import annotations
 
@@ -36,6 +44,9 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+
+from megarl.engines.weight_delta import BUCKET_FLAG, decode
+from megarl.engines.weight_delta import LOAD_FORMAT as DELTA_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +61,7 @@ class _Received:
     weights: list[tuple[str, torch.Tensor]]
     buffer: torch.Tensor
     selector: str
+    delta: bool = False  # a delta-mode bucket: decoded against the baseline before its load
 
 
 @dataclass
@@ -73,6 +85,13 @@ class _Session:
 _sessions: dict[int, _Session] = {}  # by id() of SGLang's per-rank weight-update manager (slots: no attributes)
 _mapped: list[torch.Tensor] = []  # the colocated sender's last shared buckets, mapped in this process
 MAPPED_KEPT = 2  # the sender alternates between two bucket buffers, and keeps them between syncs
+_baseline: dict[str, torch.Tensor] = {}  # HF name -> tensor as last loaded by a delta-mode bucket (host)
+
+
+def full_tensors(pieces: list[tuple[str, torch.Tensor]], device) -> list[tuple[str, torch.Tensor]]:
+    """A delta-mode bucket's pieces applied to the baseline: (HF name, the full new tensor on ``device``,
+    a copy SGLang's loaders may keep) for each tensor the bucket carries."""
+    return [(name, tensor.to(device, copy=True)) for name, tensor in decode(pieces, _baseline)]
 
 
 def _load(manager, received: _Received) -> tuple[bool, str]:
@@ -80,8 +99,14 @@ def _load(manager, received: _Received) -> tuple[bool, str]:
     import msgspec
 
     success, message = True, "Succeeded to update parameter online."
+    weights = received.weights
+    if received.delta:
+        try:
+            weights = full_tensors(weights, manager.tp_worker.model_runner.weight_updater.device)
+        except Exception as e:
+            return False, f"Failed to apply the weight delta: {e}"
     for _, runner in manager._select_runners(received.selector):
-        success, message = runner.weight_updater.load_weights_from_distributed(received.weights)
+        success, message = runner.weight_updater.load_weights_from_distributed(weights)
         if not success:
             return success, message
     manager._session = msgspec.structs.replace(manager._session, loaded_weights=True)
@@ -102,7 +127,12 @@ def _load_waiting(manager, session: _Session) -> tuple[bool, str]:
 def update_weights_from_distributed(manager, recv_req, original):
     """SGLang's ``update_weights_from_distributed`` with the receive of this bucket overlapping the
     load of the previous one (see the module docstring); ``original`` serves every other call."""
-    if recv_req.load_format != FORMAT or manager._session is None:
+    if recv_req.load_format not in (FORMAT, DELTA_FORMAT) or manager._session is None:
+        if recv_req.load_format == DELTA_FORMAT:
+            from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqOutput
+
+            return UpdateWeightsFromDistributedReqOutput(
+                success=False, message="a delta-mode bucket loads only inside begin/end_weight_update")
         return original(manager, recv_req)
     from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqOutput
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
@@ -138,7 +168,8 @@ def update_weights_from_distributed(manager, recv_req, original):
             log.error(message)
             return UpdateWeightsFromDistributedReqOutput(success=False, message=message)
         received = FlattenedTensorBucket(flattened_tensor=buffer[:nbytes], metadata=layout.metadata)
-        session.waiting = _Received(received.reconstruct_tensors(), buffer, recv_req.selector)
+        session.waiting = _Received(received.reconstruct_tensors(), buffer, recv_req.selector,
+                                    delta=recv_req.load_format == DELTA_FORMAT)
         if recv_req.weight_version is not None or recv_req.flush_cache:
             success, message = _load_waiting(manager, session)
             if success:
@@ -155,12 +186,19 @@ def load_flattened_bucket(updater, bucket: dict, original):
     sync and the next, into the same two buffers (:mod:`megarl.sync.transports.tensor`), and torch
     maps a handle it still holds a tensor of only once (its ``shared_cache``), so they are read
     without mapping and faulting their pages again. Costs: two buckets of shared memory stay
-    mapped after the last colocated sync. CUDA IPC buckets are not kept (the trainer's memory)."""
+    mapped after the last colocated sync. CUDA IPC buckets are not kept (the trainer's memory).
+    A delta-mode bucket (flagged) is decoded against the baseline and its full tensors loaded."""
     tensor = bucket["flattened_tensor"]
     if tensor.device.type == "cpu":
         _mapped.append(tensor)
         del _mapped[:-MAPPED_KEPT]
-    return original(updater, bucket)
+    if not bucket.get(BUCKET_FLAG):
+        return original(updater, bucket)
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    pieces = FlattenedTensorBucket(flattened_tensor=tensor, metadata=bucket["metadata"]).reconstruct_tensors()
+    updater.get_model().load_weights(full_tensors(pieces, updater.device))
+    return True, "Success"
 
 
 def end_weight_update(manager, recv_req, original):

@@ -48,7 +48,8 @@ class BucketIndex:
 
     ``stage`` is the pipeline stage that sent it, ``seq`` its position in that stage's stream,
     ``last`` whether it is that stream's final bucket (the driver's last engine call carries the
-    new weight version).
+    new weight version). ``delta``: a bucket of a delta-mode sync, whose entries may be encoded
+    pieces (:mod:`megarl.engines.weight_delta`) and which the engine records as its baseline.
     """
 
     stage: int
@@ -56,6 +57,7 @@ class BucketIndex:
     entries: tuple[TensorEntry, ...]
     nbytes: int
     last: bool = False
+    delta: bool = False
 
     @property
     def dtype(self) -> str:

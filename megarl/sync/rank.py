@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from megarl.sync.buckets import Bucket, BucketIndex, BucketPacker
+from megarl.sync.delta import DeltaEncoder, DeltaPlan, KeptWeights
 from megarl.sync.gather import is_stage_sender, pipeline_stage, stage_hf_stream
 from megarl.sync.transports import Sender, SenderSpec, make_sender
 
@@ -45,6 +46,10 @@ class SenderStats:
     peak_bucket_bytes: int = 0
     largest_tensor_bytes: int = 0
     capacity: int = 0
+    delta: bool = False  # the buckets carried changed elements (a delta-mode sync against a kept copy)
+    elements: int = 0  # delta mode: elements of every tensor; the changed ones; the bytes sent whole
+    changed_elements: int = 0
+    dense_bytes: int = 0
 
 
 class RankSync:
@@ -62,6 +67,8 @@ class RankSync:
         self._inflight: tuple[threading.Thread, Bucket, list] | None = None
         self._stats: SenderStats | None = None
         self._spare: list = []  # the buffer of the bucket sent last, for the next bucket to reuse
+        self._kept = KeptWeights()  # delta mode: what this sender last sent (megarl.sync.delta)
+        self._encoder: DeltaEncoder | None = None
 
     # --- the link -------------------------------------------------------------------------------
     def address(self) -> dict | None:
@@ -89,8 +96,9 @@ class RankSync:
             sender.close()
 
     # --- one sync -------------------------------------------------------------------------------
-    def begin(self, kind: str, version: int, capacity: int) -> None:
-        """Start a sync to ``version`` through ``kind`` with buckets of ``capacity`` bytes."""
+    def begin(self, kind: str, version: int, capacity: int, delta: DeltaPlan | None = None) -> None:
+        """Start a sync to ``version`` through ``kind`` with buckets of ``capacity`` bytes; with a
+        ``delta`` plan, in delta mode (:mod:`megarl.sync.delta`)."""
         if self._packer is not None:
             raise RuntimeError("a weight sync is already running on this rank (finish or abort it first)")
         sender = None
@@ -102,6 +110,9 @@ class RankSync:
         self._sender = sender
         self._stats = SenderStats(stage=self.stage, capacity=capacity)
         kwargs = {"allocate": self._allocate, "adopt": sender.adopt} if sender is not None else {}
+        if sender is not None and delta is not None:
+            self._encoder = DeltaEncoder(self._kept, delta, version)
+            kwargs["adopt"] = lambda tensor: None  # the encoded bucket is written over its own buffer
         self._packer = BucketPacker(stage_hf_stream(self.model), capacity, self.stage, keep=sender is not None,
                                     **kwargs)
 
@@ -124,6 +135,8 @@ class RankSync:
             if self._sender is not None:
                 self._sender.release(unused)
             return None
+        if self._encoder is not None:
+            item = self._encoder.encode(item)
         self._ready = item
         alive = item.held_bytes + (self._inflight[1].held_bytes if self._inflight else 0)
         self._stats.peak_bucket_bytes = max(self._stats.peak_bucket_bytes, alive)
@@ -182,6 +195,12 @@ class RankSync:
                 stats.gather_s = self._packer.stats.gather_s
                 stats.convert_s = self._packer.stats.convert_s
                 stats.largest_tensor_bytes = self._packer.stats.largest_tensor_bytes
+            if self._encoder is not None:
+                self._encoder.finish()
+                stats.delta = self._encoder.delta
+                stats.elements = self._encoder.stats.elements
+                stats.changed_elements = self._encoder.stats.changed
+                stats.dense_bytes = self._encoder.stats.dense_bytes
         finally:
             self._reset()
         return asdict(stats) if self.is_sender and stats is not None else None
@@ -206,3 +225,4 @@ class RankSync:
         self._sender = None
         self._stats = None
         self._spare = []
+        self._encoder = None

@@ -15,6 +15,9 @@ class SyncReport:
     buffers there, ``send_s`` the sender's transfers, ``load_s`` the driver's wait for the engines
     to receive and load. ``total_s`` is pause to continue; ``gbps`` is bytes / total_s / 1e9.
     ``peak_bucket_bytes``: the most bucket memory alive at once on a sending rank.
+    ``delta``: the buckets carried the changed elements only (``sync.delta``, engines at the trainer's
+    previous version); in delta mode, ``elements`` of every tensor, ``changed_elements`` among them
+    (all of them in a whole sync) and ``dense_bytes``, what the buckets would have held whole.
     """
 
     version: int
@@ -30,6 +33,10 @@ class SyncReport:
     total_s: float
     peak_bucket_bytes: int
     largest_tensor_bytes: int
+    delta: bool = False
+    elements: int = 0
+    changed_elements: int = 0
+    dense_bytes: int = 0
 
     @property
     def gbps(self) -> float:

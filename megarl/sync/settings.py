@@ -19,6 +19,10 @@ class SyncConfig:
     work_dir: str = "${logging.run_dir}/weight_sync"  # disk transport, recovery checkpoints (seen by trainer + engines)
     # a sync running longer fails (WeightSyncError) and leaves the engines consistent
     timeout_s: float = setting(600.0, gt=0)
+    # send only the elements that changed since the engines' version (megarl/sync/delta.py); distributed | tensor
+    delta: bool = False
+    # a bucket whose delta exceeds this fraction of its bytes travels whole
+    delta_max_fraction: float = setting(0.5, gt=0, le=1)
 
     @property
     def bucket_bytes(self) -> int:
@@ -37,8 +41,22 @@ class SyncSettings(SyncConfig):
         check_bounds(self, "sync.")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"sync.transport: {self.transport!r} is not one of {', '.join(TRANSPORTS)}")
+        if self.delta and (why := delta_refusal(self.transport)) is not None:
+            raise ValueError(f"sync.delta: {why}")
 
     @classmethod
     def from_config(cls, sync, engine_tp: int = 1) -> SyncSettings:
         """The config's ``sync`` section (``cfg.sync``) for engines of ``engine_tp`` ranks."""
         return cls(**{f.name: getattr(sync, f.name) for f in fields(SyncConfig)}, engine_tp=engine_tp)
+
+
+def delta_refusal(transport: str, lora_sync: str | None = None) -> str | None:
+    """Why ``sync.delta`` cannot run with resolved ``transport`` and LoRA synced as ``lora_sync`` (None:
+    no LoRA); None when it can."""
+    if transport == "disk":
+        return ("the disk transport writes whole checkpoints that the engines load from disk; delta syncs "
+                "go through sync.transport=distributed or tensor")
+    if lora_sync == "adapter":
+        return ("lora.sync=adapter moves the adapters alone (already a small fraction of the model); delta "
+                "syncs apply to whole weights, e.g. lora.sync=merged")
+    return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from megarl.sync.buckets import BucketIndex
+from megarl.sync.delta import DeltaPlan
 from megarl.sync.transports.base import SenderSpec
 
 
@@ -23,8 +24,10 @@ class WeightSyncTrainer(Protocol):
     async def weight_sync_disconnect(self, kind: str) -> list[None]:
         """Every sender closes its ``kind`` link."""
 
-    async def weight_sync_begin(self, kind: str, version: int, capacity: int) -> list[None]:
-        """Start a sync to ``version`` through ``kind`` with buckets of ``capacity`` bytes."""
+    async def weight_sync_begin(self, kind: str, version: int, capacity: int,
+                                delta: DeltaPlan | None = None) -> list[None]:
+        """Start a sync to ``version`` through ``kind`` with buckets of ``capacity`` bytes (in delta
+        mode with a ``delta`` plan)."""
 
     async def weight_sync_next(self) -> list[BucketIndex | None]:
         """Gather and pack each stage's next bucket: its index on the sender, None elsewhere or at the end."""

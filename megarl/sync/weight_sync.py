@@ -10,6 +10,11 @@ computed, except for ``in_place`` pauses, whose frozen requests still hold their
 continue, so the version and the flush riding on the last load are the same as separate calls
 after ``end_weight_update``.
 
+Delta mode (``sync.delta``, :mod:`megarl.sync.delta`): a sync sends only the elements that changed
+when every engine holds, as its baseline, the version the trainer's senders sent last; otherwise
+(the first sync of this object: an engine (re)started; after a failed sync, a recovery, or a version
+gap) it sends the weights whole, marked so that the engines record them as their next baseline.
+
 Failure (an engine error, a dead engine, a trainer error, or the sync running past
 ``timeout_s``): the trainer drops its buckets and links; engines that received no bucket end their
 update session and resume on their previous weights and version; engines that may hold part of
@@ -29,6 +34,7 @@ from typing import Any
 
 from megarl.engines.types import PauseMode
 from megarl.sync.buckets import BucketIndex
+from megarl.sync.delta import DeltaPlan
 from megarl.sync.report import SyncReport
 from megarl.sync.settings import SyncSettings
 from megarl.sync.trainer_protocol import WeightSyncTrainer
@@ -81,6 +87,7 @@ class WeightSync:
         self._disk = (self._transport if isinstance(self._transport, DiskEngineSide)
                       else DiskEngineSide(self.settings.work_dir))
         self._linked: set[str] = set()  # transports whose link is formed with the current engines
+        self._engine_base: int | None = None  # delta mode: the version every engine holds as its baseline
         self._lock = asyncio.Lock()
 
     # --- public API ---------------------------------------------------------------------------------
@@ -97,10 +104,13 @@ class WeightSync:
             engines = list(self.engines)
             progress = _Progress()
             try:
-                return await asyncio.wait_for(self._sync(engines, version, PauseMode(pause_mode), progress),
-                                              self.settings.timeout_s)
+                report = await asyncio.wait_for(self._sync(engines, version, PauseMode(pause_mode), progress),
+                                                self.settings.timeout_s)
             except BaseException as e:
+                self._engine_base = None
                 raise await self._fail(engines, version, progress, e) from e
+            self._engine_base = version if self.settings.delta else None
+            return report
 
     async def recover(self, client) -> None:
         """Bring ``client``'s engine (held after a failed sync, restarted, or new) to the current
@@ -129,6 +139,7 @@ class WeightSync:
                 await client.end_weight_update()
             await client.continue_generation()
             self.engines = [c for c in self.engines if c.base_url != client.base_url] + [client]
+            self._engine_base = None  # it holds no delta baseline: the next sync goes whole
             if self._transport.name in self._linked:  # formed again, with this engine, at the next sync
                 await self._transport.disconnect(self.trainer, self.engines)
                 self._linked.discard(self._transport.name)
@@ -163,8 +174,9 @@ class WeightSync:
         await asyncio.gather(*(begin(i, c) for i, c in enumerate(engines)))
         finish = Finish(weight_version=version, flush_cache=mode is not PauseMode.IN_PLACE)
         per_bucket = self._transport.loads_per_bucket
+        plan = DeltaPlan(self._engine_base, self.settings.delta_max_fraction) if self.settings.delta else None
         indices, payloads, stats, load_s = await self._stream(self._transport, engines, version, progress.touched,
-                                                              finish if per_bucket else None)
+                                                              finish if per_bucket else None, plan)
         t_commit = time.perf_counter()
         progress.touched.update(range(len(engines)))
         await self._transport.commit(engines, version, indices, payloads, None if per_bucket else finish)
@@ -178,6 +190,9 @@ class WeightSync:
             convert_s=max(s["convert_s"] for s in stats), send_s=max(s["send_s"] for s in stats), load_s=load_s,
             total_s=time.perf_counter() - t0, peak_bucket_bytes=max(s["peak_bucket_bytes"] for s in stats),
             largest_tensor_bytes=max(s["largest_tensor_bytes"] for s in stats),
+            delta=any(s["delta"] for s in stats), elements=sum(s["elements"] for s in stats),
+            changed_elements=sum(s["changed_elements"] for s in stats),
+            dense_bytes=sum(s["dense_bytes"] for s in stats),
         )
         log.info("weights of version %d synced into %d engines via %s: %.1f MB in %d buckets, %.2f s (%.2f GB/s)",
                  version, len(engines), report.transport, report.bytes / 1e6, report.buckets, report.total_s,
@@ -185,12 +200,13 @@ class WeightSync:
         return report
 
     async def _stream(self, side: EngineSide, engines: list, version: int, touched: set[int],
-                      finish: Finish | None):
+                      finish: Finish | None, delta: DeltaPlan | None = None):
         """Every stage's buckets, loaded by ``engines`` as they come; the next bucket is gathered
         while the engines load the previous one. ``finish`` rides on the last load (the batch in
-        which every stage sends its last bucket). Returns (indices, payloads, sender stats, load seconds)."""
+        which every stage sends its last bucket); ``delta``: a delta-mode sync's plan. Returns
+        (indices, payloads, sender stats, load seconds)."""
         side.before_sync(version)
-        await self.trainer.weight_sync_begin(side.name, version, self.settings.bucket_bytes)
+        await self.trainer.weight_sync_begin(side.name, version, self.settings.bucket_bytes, delta)
         indices: list[BucketIndex] = []
         payloads: list[Any] = []
         load_s = 0.0

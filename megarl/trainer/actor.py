@@ -170,8 +170,8 @@ class TrainerRank:
     def weight_sync_disconnect(self, kind: str) -> None:
         self._rank_sync().disconnect(kind)
 
-    def weight_sync_begin(self, kind: str, version: int, capacity: int) -> None:
-        self._rank_sync().begin(kind, version, capacity)
+    def weight_sync_begin(self, kind: str, version: int, capacity: int, delta=None) -> None:
+        self._rank_sync().begin(kind, version, capacity, delta)
 
     def weight_sync_next(self):
         return self._rank_sync().next()
@@ -310,8 +310,8 @@ class TrainerGroup:
     async def weight_sync_disconnect(self, kind: str) -> list[None]:
         return await self._call_all("weight_sync_disconnect", kind)
 
-    async def weight_sync_begin(self, kind: str, version: int, capacity: int) -> list[None]:
-        return await self._call_all("weight_sync_begin", kind, version, capacity)
+    async def weight_sync_begin(self, kind: str, version: int, capacity: int, delta=None) -> list[None]:
+        return await self._call_all("weight_sync_begin", kind, version, capacity, delta)
 
     async def weight_sync_next(self) -> list:
         return await self._call_all("weight_sync_next")

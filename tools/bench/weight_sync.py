@@ -107,8 +107,8 @@ class LocalTrainer:
     async def weight_sync_disconnect(self, kind: str) -> list:
         return await self._run(self.rank_sync.disconnect, kind)
 
-    async def weight_sync_begin(self, kind: str, version: int, capacity: int) -> list:
-        return await self._run(self.rank_sync.begin, kind, version, capacity)
+    async def weight_sync_begin(self, kind: str, version: int, capacity: int, delta=None) -> list:
+        return await self._run(self.rank_sync.begin, kind, version, capacity, delta)
 
     async def weight_sync_next(self) -> list:
         return await self._run(self.rank_sync.next)

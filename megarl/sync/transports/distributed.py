@@ -5,7 +5,9 @@ engines' ranks follow (``engine_tp`` ranks per engine, joined through SGLang's
 ``/init_weights_update_group``). gloo on CPU, NCCL on GPU. Each bucket goes as SGLang's
 ``flattened_bucket`` load format (supported by SGLang 0.5.23's receive path,
 ``_receive_bucketed_weights_from_distributed``): the engine allocates one flat byte buffer from the
-bucket's names/dtypes/shapes, receives it in one broadcast and loads the views.
+bucket's names/dtypes/shapes, receives it in one broadcast and loads the views. A delta-mode bucket
+(``sync.delta``) goes the same way as load format ``megarl_delta``
+(:mod:`megarl.engines.weight_delta`), which megarl's engine-side load decodes.
 
 The sender joins with ``sglang.srt.utils.common.init_custom_process_group``, the rendezvous SGLang
 uses itself (a plain ``torch.distributed.init_process_group`` does not match it and hangs).
@@ -20,6 +22,7 @@ from typing import Any
 
 import torch
 
+from megarl.engines.weight_delta import LOAD_FORMAT as DELTA_LOAD_FORMAT
 from megarl.sync.buckets import Bucket, BucketIndex
 from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, finish_fields
 
@@ -118,6 +121,7 @@ class DistributedEngineSide(EngineSide):
         dtypes = [e.dtype for e in index.entries]
         shapes = [list(e.shape) for e in index.entries]
         name = group_name(self._prefix, index.stage)
+        load_format = DELTA_LOAD_FORMAT if index.delta else LOAD_FORMAT
         await asyncio.gather(*(client.update_weights_from_distributed(names, dtypes, shapes, group_name=name,
-                                                                      load_format=LOAD_FORMAT, **finish_fields(finish))
+                                                                      load_format=load_format, **finish_fields(finish))
                                for client in engines))

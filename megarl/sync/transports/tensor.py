@@ -6,7 +6,8 @@ memory on GPU (serialised as a CUDA IPC handle) and in POSIX shared memory on CP
 strategy sends descriptors over a socket that SGLang's HTTP path does not carry, and the server
 rejects the payload). The payload is SGLang's ``flattened_bucket`` dict (``flattened_tensor`` +
 ``FlattenedTensorMetadata`` list) pickled with SGLang's ``MultiprocessingSerializer``, base64 over
-HTTP to ``/update_weights_from_tensor``: only handles travel, the bytes are read in place. The
+HTTP to ``/update_weights_from_tensor``: only handles travel, the bytes are read in place. A
+delta-mode bucket's dict also holds ``megarl_delta: True`` (:mod:`megarl.engines.weight_delta`). The
 buffer stays alive until the engine has answered (the protocol reuses it for the bucket after next).
 Each engine TP rank gets a serialisation of its own (SGLang's tp_worker deserialises the payload at
 its rank's index): every serialisation of a CUDA tensor takes one reference in the sender's CUDA-IPC
@@ -35,6 +36,7 @@ import psutil
 import torch
 
 from megarl.engines.shared_memory import SHARED_MEMORY, mapped_segments, unlink_unmapped
+from megarl.engines.weight_delta import BUCKET_FLAG
 from megarl.platform.description import Platform, detect
 from megarl.sync.buckets import DTYPES, Bucket, BucketIndex
 from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, finish_fields
@@ -80,8 +82,10 @@ class TensorSender(Sender):
         metadata = [FlattenedTensorMetadata(name=e.name, shape=torch.Size(e.shape), dtype=DTYPES[e.dtype],
                                             start_idx=e.offset, end_idx=e.offset + e.nbytes, numel=e.nbytes)
                     for e in bucket.index.entries]
-        return [MultiprocessingSerializer.serialize({"flattened_tensor": bucket.buffer, "metadata": metadata},
-                                                    output_str=True) for _ in range(self.engine_tp)]
+        payload = {"flattened_tensor": bucket.buffer, "metadata": metadata}
+        if bucket.index.delta:
+            payload[BUCKET_FLAG] = True
+        return [MultiprocessingSerializer.serialize(payload, output_str=True) for _ in range(self.engine_tp)]
 
     def transfer(self, bucket: Bucket) -> None:
         """Nothing moves: the engine reads the buffer in place while it loads."""
