@@ -8,6 +8,7 @@ import torch
 
 from megarl.engines.weight_delta import (
     BITMAP,
+    GAPS,
     INDICES,
     VALUES,
     changed_mask,
@@ -15,6 +16,7 @@ from megarl.engines.weight_delta import (
     decode,
     encode,
     encoded_sizes,
+    largest_gap,
     pack_bits,
     unpack_bits,
 )
@@ -36,12 +38,23 @@ def changed_copy(tensor: torch.Tensor, count: int, seed: int) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("changed, expected", [(10, "sparse"), (100, "bitmap"), (1000, "dense"), (1024, "dense")])
-def test_the_smallest_encoding_is_chosen(changed, expected):
-    """bf16, 1024 elements: sparse 6 bytes per change, bitmap 128 + 2 per change, dense 2048."""
+@pytest.mark.parametrize("changed, max_gap, expected", [
+    (10, 2**17, "sparse"), (10, 2**16, "gaps"), (40, 100, "gaps"), (100, 30, "bitmap"), (1000, 2, "dense"),
+    (1024, 1, "dense")])
+def test_the_smallest_encoding_is_chosen(changed, max_gap, expected):
+    """bf16, 1024 elements: gaps 4 bytes per change (steps up to 2**16), sparse 6, bitmap 128 + 2 per
+    change, dense 2048."""
     by_hand = {"sparse": changed * 6, "bitmap": 128 + changed * 2, "dense": 2048}
-    assert encoded_sizes(1024, changed, 2) == by_hand
-    assert choose(1024, changed, 2) == expected == min(by_hand, key=by_hand.get)
+    if max_gap <= 2**16:
+        by_hand["gaps"] = changed * 4
+    assert encoded_sizes(1024, changed, 2, max_gap) == by_hand
+    assert choose(1024, changed, 2, max_gap) == expected == min(by_hand, key=by_hand.get)
+
+
+def test_largest_gap_counts_from_minus_one():
+    mask = torch.zeros(200_000, dtype=torch.bool)
+    mask[[4, 70_000, 70_001]] = True
+    assert largest_gap(mask) == 69_996 and largest_gap(torch.zeros(3, dtype=torch.bool)) == 0
 
 
 def test_bitmap_packs_eight_elements_a_byte():
@@ -56,13 +69,14 @@ def test_changed_means_other_bits():
     assert changed_mask(new, old).tolist() == [True, False, False, True]
 
 
-@pytest.mark.parametrize("kind", ["sparse", "bitmap", "dense"])
+@pytest.mark.parametrize("kind", ["gaps", "sparse", "bitmap", "dense"])
 def test_each_encoding_round_trips_bit_exact(kind):
-    old = torch.randn(37, 19, dtype=torch.bfloat16)
+    old = torch.randn(300, 400, dtype=torch.bfloat16)  # 120,000 elements: steps past 2**15 (int16's sign bit)
     new = changed_copy(old, 50, seed=1)
+    new.view(-1)[-1] = -old.view(-1)[-1]
     new.view(-1)[0] = -0.0 if old.view(-1)[0] == 0 else -old.view(-1)[0]
     pieces = encode("w", new, changed_mask(new, old), kind)
-    suffixes = {"sparse": {INDICES, VALUES}, "bitmap": {BITMAP, VALUES}, "dense": {""}}[kind]
+    suffixes = {"gaps": {GAPS, VALUES}, "sparse": {INDICES, VALUES}, "bitmap": {BITMAP, VALUES}, "dense": {""}}[kind]
     assert {name[1:] for name, _ in pieces} == suffixes
     baseline = {"w": old.clone()}
     (name, decoded), = decode(pieces, baseline)

@@ -5,8 +5,11 @@ Both halves use it: the trainer's senders encode (:mod:`megarl.sync.delta`), the
 and NaN payloads count, and the engine ends bit-identical to a full sync). A tensor of ``n`` elements,
 ``k`` of them changed, of ``s`` bytes each, travels as the smallest of
 
-- sparse: ``{name}:delta.indices`` (int32, or int64 past 2**31 elements; ``k`` flat row-major indices)
-  and ``{name}:delta.values`` (its dtype, ``k`` values): ``k * (4 + s)`` bytes;
+- gaps: ``{name}:delta.gaps`` (``k`` 16-bit steps from one changed flat row-major index to the next,
+  the first from -1, each stored minus one as int16 bits; only when every step is at most 2**16) and
+  ``{name}:delta.values`` (its dtype, ``k`` values): ``k * (2 + s)`` bytes;
+- sparse: ``{name}:delta.indices`` (int32, or int64 past 2**31 elements; ``k`` flat indices) and
+  ``{name}:delta.values``: ``k * (4 + s)`` bytes;
 - bitmap: ``{name}:delta.bitmap`` (uint8, ``ceil(n / 8)``, bit ``i % 8`` of byte ``i // 8`` set when
   element ``i`` changed) and ``{name}:delta.values``: ``ceil(n / 8) + k * s`` bytes;
 - dense: the tensor under its own name and shape: ``n * s`` bytes;
@@ -26,8 +29,9 @@ import torch
 
 LOAD_FORMAT = "megarl_delta"  # a delta-mode bucket over /update_weights_from_distributed (flat, like flattened_bucket)
 BUCKET_FLAG = "megarl_delta"  # the key marking a delta-mode bucket dict over /update_weights_from_tensor
-INDICES, VALUES, BITMAP = ":delta.indices", ":delta.values", ":delta.bitmap"
-SUFFIXES = (INDICES, VALUES, BITMAP)
+INDICES, GAPS, VALUES, BITMAP = ":delta.indices", ":delta.gaps", ":delta.values", ":delta.bitmap"
+SUFFIXES = (INDICES, GAPS, VALUES, BITMAP)
+MAX_GAP = 2**16
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> integer view
 
 
@@ -43,16 +47,26 @@ def index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
-def encoded_sizes(numel: int, changed: int, element_size: int) -> dict[str, int]:
-    """Bytes of each encoding of a tensor of ``numel`` elements with ``changed`` of them changed."""
-    return {"dense": numel * element_size,
-            "sparse": changed * (index_dtype(numel).itemsize + element_size),
-            "bitmap": math.ceil(numel / 8) + changed * element_size}
+def encoded_sizes(numel: int, changed: int, element_size: int, max_gap: int | None = None) -> dict[str, int]:
+    """Bytes of each encoding of a tensor of ``numel`` elements with ``changed`` of them changed, the
+    largest step between changed indices being ``max_gap`` (None: unknown, no gaps encoding)."""
+    sizes = {"dense": numel * element_size,
+             "sparse": changed * (index_dtype(numel).itemsize + element_size),
+             "bitmap": math.ceil(numel / 8) + changed * element_size}
+    if max_gap is not None and max_gap <= MAX_GAP:
+        sizes["gaps"] = changed * (2 + element_size)
+    return sizes
 
 
-def choose(numel: int, changed: int, element_size: int) -> str:
+def largest_gap(mask: torch.Tensor) -> int:
+    """The largest step between successive changed indices of flat ``mask`` (the first from -1)."""
+    indices = mask.nonzero().reshape(-1)
+    return int(torch.diff(indices, prepend=indices.new_tensor([-1])).max()) if indices.numel() else 0
+
+
+def choose(numel: int, changed: int, element_size: int, max_gap: int | None = None) -> str:
     """The smallest encoding (dense on a tie: no decode work)."""
-    sizes = encoded_sizes(numel, changed, element_size)
+    sizes = encoded_sizes(numel, changed, element_size, max_gap)
     return min(sizes, key=lambda kind: (sizes[kind], kind != "dense"))
 
 
@@ -78,6 +92,10 @@ def encode(name: str, new: torch.Tensor, mask: torch.Tensor, kind: str) -> list[
     values = flat[mask]
     if kind == "sparse":
         return [(name + INDICES, mask.nonzero().reshape(-1).to(index_dtype(flat.numel()))), (name + VALUES, values)]
+    if kind == "gaps":
+        indices = mask.nonzero().reshape(-1)
+        steps = torch.diff(indices, prepend=indices.new_tensor([-1])) - 1
+        return [(name + GAPS, steps.to(torch.int32).to(torch.int16)), (name + VALUES, values)]
     if kind == "bitmap":
         return [(name + BITMAP, pack_bits(mask)), (name + VALUES, values)]
     raise ValueError(f"unknown delta encoding {kind!r}")
@@ -121,6 +139,8 @@ def decode(pieces: list[tuple[str, torch.Tensor]], baseline: dict[str, torch.Ten
         values = part[VALUES].to("cpu")
         if INDICES in part:
             flat[part[INDICES].to("cpu").long()] = values
+        elif GAPS in part:
+            flat[torch.cumsum((part[GAPS].to("cpu").long() & 0xFFFF) + 1, 0) - 1] = values
         else:
             flat[unpack_bits(part[BITMAP].to("cpu"), flat.numel())] = values
         out.append((name, held))

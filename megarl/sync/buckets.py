@@ -20,7 +20,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-               torch.float64: "float64", torch.int64: "int64", torch.int32: "int32", torch.uint8: "uint8"}
+               torch.float64: "float64", torch.int64: "int64", torch.int32: "int32", torch.int16: "int16",
+               torch.uint8: "uint8"}
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.engines.weight_delta import INDICES, VALUES, aligned_order, changed_mask, choose, encode
+from megarl.engines.weight_delta import INDICES, VALUES, aligned_order, changed_mask, choose, encode, largest_gap
 from megarl.sync.buckets import DTYPE_NAMES, Bucket, BucketIndex, TensorEntry
 
 
@@ -108,7 +108,7 @@ class DeltaEncoder:
                     if old is None or old.shape != new.shape or old.dtype != new.dtype else changed_mask(new, old))
             changed = int(mask.sum())
             self.stats.changed += changed
-            kind = choose(new.numel(), changed, new.element_size()) if changed else None
+            kind = choose(new.numel(), changed, new.element_size(), largest_gap(mask)) if changed else None
             encoded = encode(name, new, mask, kind) if kind not in (None, "dense") else []
             held = self.kept.keep(name, new)
             pieces += [(name, held)] if kind == "dense" else encoded  # dense: the copy, not the buffer's view

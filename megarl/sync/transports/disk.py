@@ -28,7 +28,7 @@ from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, 
 log = logging.getLogger(__name__)
 
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64",
-                      "int64": "I64", "int32": "I32", "uint8": "U8"}
+                      "int64": "I64", "int32": "I32", "int16": "I16", "uint8": "U8"}
 INDEX_NAME = "model.safetensors.index.json"
 
 
