@@ -15,6 +15,9 @@ uses. Measured, each as GB/s of model bytes:
   idle / in_flight     distributed 256 MiB syncs, alternating: on an idle engine, and with a
                        generation load running on it (requests in flight at the pause, resumed
                        after the sync), in ``--pause-mode`` (retract: the async driver's default)
+  delta                delta syncs (``sync.delta``, distributed, 256 MiB buckets) after one Adam step
+                       of the model (fp32 master weights, bf16 parameters, a random gradient) at lr 1e-6,
+                       then after one at the demo's lr 5e-4
   lora                 adapter-only syncs (megarl.sync.AdapterSync) of a rank ``--lora-rank`` LoRA
                        on the attention projections of the same model, into an engine started with
                        LoRA serving (SGLang's CPU path serves no expert adapters)
@@ -29,10 +32,13 @@ broadcast into fresh buffers, ``fraction_of_fresh_buffer_broadcast``),
 ``fraction_of_memcpy_colocated`` (tensor / memcpy), and ``sync_seconds_idle``,
 ``sync_seconds_in_flight`` (best of ``--repeats`` each) and their ratio ``in_flight_over_idle``;
 ``lora_sync_seconds`` beside ``full_sync_seconds`` (the best bucketed distributed sync), their ratio
-``lora_over_full_seconds`` and ``lora_bytes_fraction`` (adapter bytes / model bytes).
+``lora_over_full_seconds`` and ``lora_bytes_fraction`` (adapter bytes / model bytes);
+``delta_bytes_fraction_lr1e-6`` (a delta sync's bytes on the wire / a whole sync's) and
+``delta_changed_fraction_lr1e-6`` (changed elements / elements) after the lr 1e-6 step,
+``delta_changed_fraction_demo`` after the lr 5e-4 one. ``--delta-only`` runs the delta syncs alone.
 
 Usage: python tools/bench/weight_sync.py --json FILE [--layers 4 --experts 64 --hidden 1024 --moe-ffn 768
-       --repeats 2 --pause-mode retract --lora-rank 16]
+       --repeats 2 --pause-mode retract --lora-rank 16 --delta-only]
 """
 from __future__ import annotations
 
@@ -268,6 +274,48 @@ async def run_in_flight(trainer, engine, work_dir: Path, repeats: int, mode: str
             "requests_across_syncs": across}
 
 
+def adam_step(model, lr: float, seed: int) -> None:
+    """One Adam step of every parameter the way a bf16 Megatron run takes it: fp32 master copies of the
+    bf16 parameters, a random gradient, the update rounded back into the parameters."""
+    import torch
+
+    params = [p for chunk in model.chunks for p in chunk.parameters()]
+    masters = [p.detach().float().clone().requires_grad_(True) for p in params]
+    g = torch.Generator().manual_seed(seed)
+    for master in masters:
+        master.grad = torch.randn(master.shape, generator=g) * 1e-3
+    torch.optim.Adam(masters, lr=lr).step()
+    with torch.no_grad():
+        for param, master in zip(params, masters):
+            param.copy_(master)
+
+
+async def run_delta_syncs(trainer, model, engine, work_dir: Path) -> dict:
+    """A whole delta-mode sync, then a delta sync after an Adam step at lr 1e-6 and one after lr 5e-4."""
+    from megarl.engines.client import SGLangClient
+    from megarl.engines.types import PauseMode
+    from megarl.sync import WeightSync
+
+    out = {}
+    async with SGLangClient(engine.url, engine.model, request_timeout_s=1800) as client:
+        settings = dataclasses.replace(_settings("distributed", 256, work_dir), delta=True)
+        sync = WeightSync(settings, trainer, [client], initial_version=200)
+        await sync.setup()
+        whole = await sync.update(201, PauseMode.ABORT)
+        for version, (name, lr) in enumerate((("lr1e-6", 1e-6), ("demo", 5e-4)), start=202):
+            await asyncio.to_thread(adam_step, model, lr, version)
+            report = await sync.update(version, PauseMode.ABORT)
+            assert report.delta and await client.weight_version() == version
+            out[name] = {"lr": lr, "bytes": report.bytes, "whole_bytes": whole.bytes, "seconds": report.total_s,
+                         "whole_seconds": whole.total_s, "changed_elements": report.changed_elements,
+                         "elements": report.elements}
+            log.info("delta after an Adam step at lr %g: %.2f MB of %.2f MB, %.5f of the elements changed, %.2f s",
+                     lr, report.bytes / 1e6, whole.bytes / 1e6, report.changed_elements / report.elements,
+                     report.total_s)
+        await sync.close()
+    return out
+
+
 async def run_lora_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
     from megarl.engines.client import SGLangClient
     from megarl.engines.types import PauseMode
@@ -287,74 +335,67 @@ async def run_lora_syncs(trainer, engine, work_dir: Path, repeats: int) -> dict:
             "all_seconds": [r.total_s for r in reports]}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--json", required=True)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--experts", type=int, default=64)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--moe-ffn", type=int, default=768)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--pause-mode", default="retract", choices=("abort", "retract", "in_place"),
-                        help="pause of the idle / in-flight syncs")
-    parser.add_argument("--lora-rank", type=int, default=16, help="rank of the adapter-only syncs' LoRA")
-    args = parser.parse_args(argv)
+def _engine(model_dir: Path, log_path: Path, **kwargs):
+    from megarl.engines.server import EngineSettings, SGLangEngine
 
-    from megarl.log import setup_logging
+    engine = SGLangEngine(EngineSettings(model_path=str(model_dir), dtype="bfloat16", max_total_tokens=512,
+                                         startup_timeout_s=900, log_path=str(log_path), **kwargs))
+    engine.start()
+    return engine
 
-    setup_logging()
-    import torch
 
-    torch.set_num_threads(1)
-    from megarl.engines.server import EngineSettings, SGLangEngine, lora_serving
+def run_full_model(tmp: Path, args, delta_only: bool) -> dict:
+    """The syncs of the whole model (bucketed, per tensor, colocated, in flight; the delta syncs)."""
     from megarl.models.bridge import build_megatron_model
-    from megarl.models.lora import LoraConfig
     from megarl.parallel import Layout, free_port
     from megarl.sync.rank import RankSync
     from megarl.trainer.distributed import init_rank
 
-    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
-        tmp = Path(tmp)
-        t0 = time.perf_counter()
-        nbytes = build_checkpoint(tmp / "model", args.layers, args.experts, args.hidden, args.moe_ffn)
-        log.info("synthetic Qwen3-MoE: %.2f GB of bf16 parameters (%.0f s)", nbytes / 1e9, time.perf_counter() - t0)
-        results = {"model_bytes": nbytes, "memcpy_gbps_runs": [memcpy_gbps(nbytes)],
-                   "raw_broadcast_gbps_runs": [raw_broadcast_gbps(nbytes)]}
-
-        init_rank(0, Layout(), "127.0.0.1", free_port(), backend="gloo")
-        model = build_megatron_model(tmp / "model", Layout(), dtype="bfloat16", transformer_impl="local")
-        trainer = LocalTrainer(RankSync(model))
-        engine = SGLangEngine(EngineSettings(model_path=str(tmp / "model"), dtype="bfloat16", max_total_tokens=512,
-                                             startup_timeout_s=900, log_path=str(tmp / "server.log")))
-        engine.start()
-        try:
+    init_rank(0, Layout(), "127.0.0.1", free_port(), backend="gloo")
+    model = build_megatron_model(tmp / "model", Layout(), dtype="bfloat16", transformer_impl="local")
+    trainer = LocalTrainer(RankSync(model))
+    engine = _engine(tmp / "model", tmp / "server.log")
+    results = {}
+    try:
+        if not delta_only:
             results["syncs"] = asyncio.run(run_syncs(trainer, engine, tmp / "sync", args.repeats))
             results["in_flight"] = asyncio.run(run_in_flight(trainer, engine, tmp / "sync", args.repeats,
                                                              args.pause_mode, version=100))
-        finally:
-            engine.stop()
-        del model, trainer
-        lora = LoraConfig(enabled=True, rank=args.lora_rank, alpha=2 * args.lora_rank, dropout=0.0,
-                            target_modules=("linear_qkv", "linear_proj"), sync="adapter")
-        lora_model = build_megatron_model(tmp / "model", Layout(), dtype="bfloat16", transformer_impl="local",
-                                          lora=lora)
-        engine = SGLangEngine(EngineSettings(model_path=str(tmp / "model"), dtype="bfloat16", max_total_tokens=512,
-                                             startup_timeout_s=900, log_path=str(tmp / "server_lora.log"),
-                                             **lora_serving(lora)))
-        engine.start()
-        try:
-            results["lora"] = asyncio.run(run_lora_syncs(LocalAdapterTrainer(lora_model, lora), engine, tmp / "lora",
-                                                         args.repeats))
-        finally:
-            engine.stop()
-        results["memcpy_gbps_runs"].append(memcpy_gbps(nbytes))
-        results["raw_broadcast_gbps_runs"].append(raw_broadcast_gbps(nbytes))
+        results["delta"] = asyncio.run(run_delta_syncs(trainer, model, engine, tmp / "sync"))
+    finally:
+        engine.stop()
+    return results
+
+
+def run_lora(tmp: Path, args) -> dict:
+    from megarl.engines.server import lora_serving
+    from megarl.models.bridge import build_megatron_model
+    from megarl.models.lora import LoraConfig
+    from megarl.parallel import Layout
+
+    lora = LoraConfig(enabled=True, rank=args.lora_rank, alpha=2 * args.lora_rank, dropout=0.0,
+                      target_modules=("linear_qkv", "linear_proj"), sync="adapter")
+    lora_model = build_megatron_model(tmp / "model", Layout(), dtype="bfloat16", transformer_impl="local", lora=lora)
+    engine = _engine(tmp / "model", tmp / "server_lora.log", **lora_serving(lora))
+    try:
+        return asyncio.run(run_lora_syncs(LocalAdapterTrainer(lora_model, lora), engine, tmp / "lora", args.repeats))
+    finally:
+        engine.stop()
+
+
+def summarize(results: dict, nbytes: int) -> None:
+    """The top-level figures (see the module docstring), into ``results``."""
+    delta = results["delta"]
+    results["delta_bytes_fraction_lr1e-6"] = delta["lr1e-6"]["bytes"] / delta["lr1e-6"]["whole_bytes"]
+    results["delta_changed_fraction_lr1e-6"] = delta["lr1e-6"]["changed_elements"] / delta["lr1e-6"]["elements"]
+    results["delta_changed_fraction_demo"] = delta["demo"]["changed_elements"] / delta["demo"]["elements"]
+    if "syncs" not in results:
+        return
     results["memcpy_gbps"] = max(results["memcpy_gbps_runs"])
     results["raw_broadcast_gbps"] = max(max(run) for run in results["raw_broadcast_gbps_runs"])
     # the first broadcast of a run also faults the receiver's buffer in: what a sync into fresh buffers gets
     results["raw_broadcast_fresh_buffer_gbps"] = max(run[0] for run in results["raw_broadcast_gbps_runs"])
     log.info("memcpy %.2f GB/s, raw gloo broadcast %.3f GB/s", results["memcpy_gbps"], results["raw_broadcast_gbps"])
-
     syncs = results["syncs"]
     best = max(v["gbps"] for k, v in syncs.items() if k.endswith("mb"))
     results["speedup_vs_per_tensor"] = best / syncs["distributed_per_tensor"]["gbps"]
@@ -368,8 +409,44 @@ def main(argv=None) -> int:
     results["lora_sync_seconds"] = results["lora"]["seconds"]
     results["lora_over_full_seconds"] = results["lora_sync_seconds"] / results["full_sync_seconds"]
     results["lora_bytes_fraction"] = results["lora"]["bytes"] / nbytes
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--moe-ffn", type=int, default=768)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--pause-mode", default="retract", choices=("abort", "retract", "in_place"),
+                        help="pause of the idle / in-flight syncs")
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of the adapter-only syncs' LoRA")
+    parser.add_argument("--delta-only", action="store_true", help="only the delta syncs (and their whole one)")
+    args = parser.parse_args(argv)
+
+    from megarl.log import setup_logging
+
+    setup_logging()
+    import torch
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="bench-weight-sync-") as tmp:
+        tmp = Path(tmp)
+        t0 = time.perf_counter()
+        nbytes = build_checkpoint(tmp / "model", args.layers, args.experts, args.hidden, args.moe_ffn)
+        log.info("synthetic Qwen3-MoE: %.2f GB of bf16 parameters (%.0f s)", nbytes / 1e9, time.perf_counter() - t0)
+        results = {"model_bytes": nbytes}
+        if not args.delta_only:
+            results.update(memcpy_gbps_runs=[memcpy_gbps(nbytes)], raw_broadcast_gbps_runs=[raw_broadcast_gbps(nbytes)])
+        results.update(run_full_model(tmp, args, args.delta_only))
+        if not args.delta_only:
+            results["lora"] = run_lora(tmp, args)
+            results["memcpy_gbps_runs"].append(memcpy_gbps(nbytes))
+            results["raw_broadcast_gbps_runs"].append(raw_broadcast_gbps(nbytes))
+    summarize(results, nbytes)
     Path(args.json).write_text(json.dumps(results, indent=2))
-    print(json.dumps({k: v for k, v in results.items() if k not in ("syncs", "in_flight", "lora")}, indent=2))
+    print(json.dumps({k: v for k, v in results.items() if k not in ("syncs", "in_flight", "lora", "delta")}, indent=2))
     return 0
 
 
