@@ -23,6 +23,7 @@ from megarl.config.errors import PlacementError
 from megarl.planner.layout import AuxiliaryPlan, LayoutPlan, broken_limits, gib_dict, plan_layout
 from megarl.planner.lora import LoraPlan
 from megarl.planner.placement import PlacementPlan, ranges, span
+from megarl.planner.weight_sync import WeightSyncPlan
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,23 @@ def render(plan: LayoutPlan, console: Console) -> None:
         sync.add_column(col, justify="right")
     sync.add_row(_bytes(w.bytes_per_sync), str(w.buckets), _bytes(w.largest_tensor_bytes), f"{w.seconds:.3g}")
     console.print(sync)
+    render_sync_paths(w, console)
     render_placement(plan.placement, console)
+
+
+def render_sync_paths(w: WeightSyncPlan, console: Console) -> None:
+    """Each sync path's projected seconds and the inputs of its formula; the recipe's path marked."""
+    table = Table(title=f"weight sync paths (transfer only; this recipe: {w.path})")
+    for col in ("path", "bytes on the links", "seconds", "formula", "inputs"):
+        table.add_column(col, justify="right" if col in ("bytes on the links", "seconds") else "left")
+    for name, p in w.paths.items():
+        label = name + (" *" if name == w.path else "") + ("" if p.built else " (not built)")
+        inputs = ", ".join(f"{k}={_bytes(v) if 'bytes' in k else f'{v:g}'}" for k, v in p.inputs.items())
+        table.add_row(label, _bytes(p.bytes), f"{p.seconds:.3g}", p.formula, inputs)
+    console.print(table)
+    if w.delta_host_bytes:
+        console.print(f"sync.delta keeps {_bytes(w.delta_host_bytes)} in host memory on each engine rank (its "
+                      "baseline) and the same over the trainer's stage senders (what they last sent)")
 
 
 def render_auxiliary(auxiliary: list[AuxiliaryPlan], console: Console) -> None:

@@ -10,6 +10,14 @@ With LoRA synced as adapters (``lora.enabled``, ``lora.sync=adapter``) an engine
 adapters alone, in HF PEFT form (:mod:`megarl.planner.lora`): one ``adapter_model.safetensors``
 the trainer writes and every engine loads (megarl/sync/adapter.py), not bucketed. The time is
 projected the same way, at ``sync.link_gbps``. ``lora.sync=merged`` moves the full model.
+
+Each way a sync can go is projected beside it (:class:`SyncPath`, transfer time only, with the
+inputs of its formula): ``broadcast`` (the above), ``delta`` (``sync.delta``: the changed elements
+alone at a change fraction, :func:`delta_wire_fraction`, after each stage's sender compares its stage
+with the host copy it kept, read to the GPU at ``h2d_gbps``), ``colocated_ipc`` (the engines map the
+trainer's buckets through CUDA IPC and each engine GPU copies its share at device-copy speed) and
+``sharded_p2p`` (each engine GPU receives only its shard from the trainer ranks holding it, over
+concurrent links: not built in megarl, a projection). ``path`` names the one the recipe uses.
 """
 from __future__ import annotations
 
@@ -19,12 +27,28 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from megarl.config.errors import ConfigError
+from megarl.engines.weight_delta import MAX_GAP
 from megarl.planner.arch import Arch
 from megarl.planner.lora import LoraPlan
 from megarl.planner.params import count_params, embedding_params, expert_params, head_params
 from megarl.planner.units import dtype_bytes
 
 MIB = 2**20
+DELTA_CHANGE_FRACTION = 5e-4  # bf16 elements changed by one Adam step at RL learning rates (verl: 0.02-0.05%)
+H2D_GBPS = 400.0  # host-to-device copy (pinned, PCIe Gen5 x16), Gbit/s: each stage's sender reads its kept copy
+IPC_COPY_GBPS = 8000.0  # device-to-device copy on an H100/H200-class GPU, Gbit/s (~1 TB/s)
+
+
+@dataclass(frozen=True)
+class SyncPath:
+    """One way a sync can go: ``seconds`` to move ``bytes`` (what crosses its links, per engine),
+    ``inputs`` of its formula, ``built``: whether megarl has it."""
+
+    bytes: int
+    seconds: float
+    formula: str
+    inputs: dict
+    built: bool = True
 
 
 @dataclass(frozen=True)
@@ -34,6 +58,10 @@ class WeightSyncPlan:
     largest_tensor_bytes: int
     seconds: float  # transfer time at link_gbps
     payload: str = "model"  # model | adapter (LoRA adapters alone) | merged (the model with LoRA merged)
+    path: str = "broadcast"  # the path the recipe uses (a key of paths)
+    paths: dict[str, SyncPath] | None = None
+    sync_seconds: dict[str, float] | None = None  # each path's seconds
+    delta_host_bytes: int = 0  # sync.delta: host bytes of an engine rank's baseline (and of the senders' copies)
 
 
 def largest_tensor_params(arch: Arch) -> int:
@@ -54,5 +82,39 @@ def weight_sync_plan(arch: Arch, cfg: DictConfig, lora: LoraPlan | None = None) 
         nbytes = count_params(arch).total * size
         buckets, largest = math.ceil(nbytes / bucket), largest_tensor_params(arch) * size
         payload = "model" if lora is None else "merged"
+    paths = sync_paths(nbytes, size, cfg)
+    path = ("colocated_ipc" if cfg.placement == "colocated" else "delta" if cfg.sync.delta else "broadcast")
     return WeightSyncPlan(bytes_per_sync=nbytes, buckets=buckets, largest_tensor_bytes=largest,
-                          seconds=nbytes * 8 / (cfg.sync.link_gbps * 1e9), payload=payload)
+                          seconds=paths["broadcast"].seconds, payload=payload, path=path, paths=paths,
+                          sync_seconds={name: p.seconds for name, p in paths.items()},
+                          delta_host_bytes=nbytes if cfg.sync.delta else 0)
+
+
+def delta_wire_fraction(changed: float, element_size: int) -> float:
+    """Bytes a delta sync moves over a whole sync's when a fraction ``changed`` of the elements changed
+    (evenly spread, so steps between changes of about ``1 / changed``): per tensor the smallest of gaps
+    (a 16-bit step + value per change, while the steps fit in 16 bits), sparse (int32 index + value),
+    bitmap (one bit per element + value per change) and whole (:mod:`megarl.engines.weight_delta`)."""
+    index_bytes = 2 if changed > 0 and 1 / changed <= MAX_GAP else 4
+    return min(changed * (index_bytes + element_size), 1 / 8 + changed * element_size, element_size) / element_size
+
+
+def sync_paths(nbytes: int, element_size: int, cfg: DictConfig) -> dict[str, SyncPath]:
+    """Every path's projection for ``nbytes`` per engine (see the module docstring)."""
+    gbps = cfg.sync.link_gbps
+    engine_gpus, stages = cfg.rollout.engine_tp, cfg.parallel.pp
+    wire = delta_wire_fraction(DELTA_CHANGE_FRACTION, element_size)
+    links = engine_gpus  # one link (NIC) per engine GPU, each fed by the trainer ranks holding its shard
+    return {
+        "broadcast": SyncPath(nbytes, nbytes * 8 / (gbps * 1e9), "bytes * 8 / link_gbps",
+                              {"bytes": nbytes, "link_gbps": gbps}),
+        "delta": SyncPath(int(nbytes * wire), (nbytes * wire * 8 / gbps + nbytes / stages * 8 / H2D_GBPS) / 1e9,
+                          "bytes * wire_fraction * 8 / link_gbps + bytes / pp * 8 / h2d_gbps",
+                          {"bytes": nbytes, "change_fraction": DELTA_CHANGE_FRACTION, "wire_fraction": wire,
+                           "link_gbps": gbps, "pp": stages, "h2d_gbps": H2D_GBPS}),
+        "colocated_ipc": SyncPath(nbytes, nbytes / engine_gpus * 8 / (IPC_COPY_GBPS * 1e9),
+                                  "bytes / engine_gpus * 8 / ipc_copy_gbps",
+                                  {"bytes": nbytes, "engine_gpus": engine_gpus, "ipc_copy_gbps": IPC_COPY_GBPS}),
+        "sharded_p2p": SyncPath(nbytes, nbytes * 8 / (links * gbps * 1e9), "bytes * 8 / (links * link_gbps)",
+                                {"bytes": nbytes, "links": links, "link_gbps": gbps}, built=False),
+    }
