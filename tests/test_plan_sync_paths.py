@@ -10,6 +10,7 @@ from megarl.planner.layout import plan_layout
 from megarl.planner.weight_sync import DELTA_CHANGE_FRACTION, H2D_GBPS, IPC_COPY_GBPS, delta_wire_fraction
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("changed, expected", [
     (0.0005, 0.0005 * 4 / 2),  # bf16: gaps (steps of ~2000 fit in 16 bits), 4 bytes per change over 2 per element
     (1e-6, 1e-6 * 6 / 2),  # steps of ~10**6: sparse, int32 indices
@@ -20,6 +21,7 @@ def test_delta_wire_fraction_is_the_smallest_encoding(changed, expected):
     assert delta_wire_fraction(changed, 2) == pytest.approx(expected)
 
 
+@pytest.mark.unit
 def test_every_path_is_projected_from_its_inputs():
     cfg = load_config(["recipe=qwen3_235b_a22b"])
     sync = plan_layout(cfg).sync
@@ -37,6 +39,7 @@ def test_every_path_is_projected_from_its_inputs():
     assert plan_layout(load_config(["recipe=glm45_355b_a32b"])).sync.path == "colocated_ipc"
 
 
+@pytest.mark.processes
 def test_plan_json_has_each_paths_seconds(tmp_path):
     out = tmp_path / "plan.json"
     subprocess.run([sys.executable, "-m", "megarl.plan", "recipe=qwen3_235b_a22b", "sync.delta=true", "--json",

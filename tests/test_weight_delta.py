@@ -23,6 +23,8 @@ from megarl.engines.weight_delta import (
 from megarl.sync.buckets import pack, unpack
 from megarl.sync.delta import DeltaEncoder, DeltaPlan, KeptWeights
 
+pytestmark = pytest.mark.unit
+
 
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.int16)
