@@ -13,8 +13,10 @@ LOSS_MASK = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0])  # position 4 is not tr
 STALENESS = torch.tensor([0, 0, 1, 2, 0, 0], dtype=torch.int32)  # fresh: 0, 1, 5; stale: 2, 3
 
 
-def _sums(trainer=TRAINER, rollout=ROLLOUT, loss_mask=LOSS_MASK, staleness=STALENESS, outside=0):
-    return mismatch_sums(trainer, rollout, loss_mask, staleness, torch.tensor(outside))
+def _sums(trainer=TRAINER, rollout=ROLLOUT, loss_mask=LOSS_MASK, staleness=STALENESS, outside=0, cu_seqlens=None):
+    """Each position a sample of its own unless ``cu_seqlens`` says otherwise."""
+    cu = torch.arange(len(trainer) + 1) if cu_seqlens is None else cu_seqlens
+    return mismatch_sums(trainer, rollout, loss_mask, staleness, torch.tensor(outside), cu)
 
 
 def test_sums_and_maxima_by_hand():
@@ -69,5 +71,21 @@ def test_kl_of_nearly_equal_float32_log_probs_is_not_rounded_away():
     """k3 ~ x^2 / 2 far below float32 resolution: computed in float64 with expm1."""
     trainer = torch.tensor([-1.0], dtype=torch.float32)
     rollout = trainer + 2.0 ** -20
-    sums = mismatch_sums(trainer, rollout, torch.ones(1), torch.zeros(1, dtype=torch.int32), torch.tensor(0))
+    sums = _sums(trainer, rollout, torch.ones(1), torch.zeros(1, dtype=torch.int32))
     assert sums["fresh_kl"].item() == pytest.approx(2.0 ** -40 / 2, rel=1e-5)
+
+
+def test_fresh_tokens_after_older_ones_in_their_sample_are_boundary_tokens():
+    """Samples [0, 1, 2, 3] (two tokens of the older version, then two of the trainer's: continued across
+    a weight update) and [4, 5] (untrained 4, fresh 5): a token of the trainer's version is fresh only
+    when its sample holds no older token."""
+    staleness = torch.tensor([1, 1, 0, 0, 0, 0], dtype=torch.int32)  # sample 0: two old tokens, then two new
+    sums = _sums(staleness=staleness, cu_seqlens=torch.tensor([0, 4, 6]))
+    # stale: 0, 1 (|diff| 0.1, 0); boundary: 2, 3 (0.2, 0.2); fresh: 5 (0.5)
+    assert (sums["stale_tokens"].item(), sums["boundary_tokens"].item(), sums["fresh_tokens"].item()) == (2, 2, 1)
+    assert sums["boundary_abs_diff"].item() == pytest.approx(0.4, abs=1e-6)
+    metrics = mismatch_metrics(reduce_mismatch([sums]))
+    assert metrics["mismatch/logprob_abs_diff"] == pytest.approx(0.5, abs=1e-6)
+    assert metrics["staleness/boundary_logprob_diff"] == pytest.approx(0.2, abs=1e-6)
+    assert metrics["staleness/boundary_tokens"] == pytest.approx(2 / 5)
+    assert metrics["mismatch/fresh_tokens"] == pytest.approx(1 / 5)

@@ -443,7 +443,7 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
                      "entropy_tokens": flat_ent.detach()[mb.loss_mask > 0].sum()}
             sums = torch.stack([parts[k].double() for k in sum_keys])
             before = flat_lp if mb.old_logprobs is None else mb.old_logprobs  # the policy before the step
-            mismatch = mismatch_sums(before, mb.rollout_logprobs, mb.loss_mask, mb.staleness, outside)
+            mismatch = mismatch_sums(before, mb.rollout_logprobs, mb.loss_mask, mb.staleness, outside, mb.cu_seqlens)
             num_tokens = out.denominator_share.round().to(torch.int)
             if mi.split is not None:  # every CP rank holds the whole loss: split its count (context_parallel)
                 num_tokens = token_count_share(num_tokens, mi.split.cp)
