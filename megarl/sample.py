@@ -99,6 +99,10 @@ class RolloutSample:
     # agent episodes: the episode's answers whose text held tool calls, "parsed" / "unparsable" -> count
     tool_calls: dict[str, int] | None = None
     mixed_versions: np.ndarray | None = None  # per token: sampled from a forward mixing two weight versions
+    # prompt tokens sent to the engines for this sample (each request's, summed over turns and continuations),
+    # and how many of them the engine served from its prefix cache (SGLang's ``cached_tokens``)
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
 
     def __post_init__(self):
         r = len(self.response_ids)

@@ -123,6 +123,23 @@ def test_splice_keeps_the_prefix_rows_and_appends_the_continuation():
         splice_continuation(prefix, _synthetic([1, 2, 3], [6], 0, 1, 0))
 
 
+@pytest.mark.unit
+def test_prefix_cache_counts_add_up_over_continuations_and_samples():
+    from megarl.pipeline.bookkeeping import prefix_cache_metrics
+    from megarl.rollout.group import splice_continuation
+
+    prefix = _synthetic([1, 2, 3], [4, 5], routing_rows_from=0, version=0, first_id=100)
+    continuation = _synthetic([1, 2, 3, 4, 5], [6], routing_rows_from=1000, version=1, first_id=200)
+    prefix.prefill_tokens, prefix.cached_tokens = 3, 0
+    continuation.prefill_tokens, continuation.cached_tokens = 5, 4
+    spliced = splice_continuation(prefix, continuation)
+    assert (spliced.prefill_tokens, spliced.cached_tokens) == (8, 4)
+    other = _synthetic([9], [8], routing_rows_from=0, version=0, first_id=0)
+    other.prefill_tokens, other.cached_tokens = 2, 2
+    assert prefix_cache_metrics([spliced, other]) == {"rollout/cached_token_frac": 6 / 10}
+    assert prefix_cache_metrics([_synthetic([9], [8], 0, 0, 0)]) == {}  # nothing reached an engine
+
+
 NEW = 48
 
 
@@ -248,6 +265,12 @@ def test_calculator_episode_is_one_sample_with_env_tokens_masked(client, tokeniz
             assert following == tokenizer.encode(expected, add_special_tokens=False)
     assert (sample.model_version == 3).all()  # env tokens carry the version of the policy token before them
     hf_oracle.assert_sample_matches_hf(sample, hf_model(eos_or_seven_checkpoint), LOGPROB_TOLERANCE)
+    # turn k was fed the prompt and the response before it; from turn 2 on the engine had computed all
+    # of that but the previous turn's last token (its KV is made when it is fed)
+    starts = [int(end - len(t)) for (kind, t), end in zip(segments, ends) if kind == 1]
+    p = len(sample.prompt_ids)
+    assert sample.prefill_tokens == sum(p + start for start in starts)
+    assert sum(p + end - 1 for end in sample.turn_ends[:-1]) <= sample.cached_tokens <= sample.prefill_tokens
     print(f"\n[measured] calculator episode: segments {[(k, len(t)) for k, t in segments]}, "
           f"text {tokenizer.decode(sample.response_ids)!r}")
 

@@ -30,7 +30,8 @@ class FakeClient:
         self.requests: list[list[str]] = []
         self.calls: list[str] = []
 
-    async def generate_batch(self, prompts, params, *, group_ids, return_routed_experts, return_sampling_mask):
+    async def generate_batch(self, prompts, params, *, group_ids, return_routed_experts=True,
+                             return_sampling_mask=True):
         self.requests.append(list(group_ids))
         if self.fail_times > 0:
             self.fail_times -= 1
@@ -150,6 +151,63 @@ def test_a_subset_places_and_resubmits_among_its_engines_only():
 def test_a_subset_of_engines_the_pool_does_not_have_is_refused(indices):
     with pytest.raises(ValueError, match=r"distinct, at least one, each in \[0, 3\)"):
         EnginePool([FakeClient() for _ in range(3)]).subset(indices)
+
+
+def test_an_episodes_next_turn_goes_to_the_engine_that_served_its_last():
+    clients = [FakeClient(), FakeClient()]
+    pool = EnginePool(clients)
+    keys = ["e0", "e1", "e2", "e3"]
+
+    async def body():
+        await pool.generate_batch([[1]] * 4, PARAMS, group_ids=keys, affinity=keys)  # least-loaded: 0 1 0 1
+        # the next turns in another order: least-loaded alone would put e3 and e1 on engine 0
+        await pool.generate_batch([[2]] * 4, PARAMS, group_ids=keys[::-1], affinity=keys[::-1])
+        await pool.generate_batch([[3]] * 2, PARAMS, group_ids=["x", "y"])  # no keys: least-loaded
+
+    asyncio.run(body())
+    assert clients[0].requests == [["e0", "e2"], ["e2", "e0"], ["x"]]
+    assert clients[1].requests == [["e1", "e3"], ["e3", "e1"], ["y"]]
+    assert (pool.affinity.kept, pool.affinity.moved) == (4, 0)
+
+
+def test_a_turn_leaves_an_engine_busier_than_the_slack():
+    clients = [FakeClient(delay=0.3), FakeClient(delay=0.05)]
+    pool = EnginePool(clients, affinity_slack=1)
+
+    async def body():
+        await pool.generate_batch([[1]], PARAMS, group_ids=["e"], affinity=["e"])  # engine 0 (tie)
+        busy = asyncio.create_task(pool.generate_batch([[1]] * 3, PARAMS, group_ids=["b0", "b1", "b2"]))
+        await asyncio.sleep(0.1)  # engine 0 holds b0, b2; engine 1 answered b1: 2 > 0 + slack
+        await pool.generate_batch([[2]], PARAMS, group_ids=["e"], affinity=["e"])
+        await pool.generate_batch([[3]], PARAMS, group_ids=["e"], affinity=["e"])  # stays where it moved
+        await busy
+
+    asyncio.run(body())
+    assert clients[0].requests == [["e"], ["b0", "b2"]]
+    assert clients[1].requests == [["b1"], ["e"], ["e"]]
+    assert (pool.affinity.kept, pool.affinity.moved) == (1, 1)
+
+
+def test_affinity_keys_are_checked_and_bounded():
+    from megarl.engines.affinity import EngineAffinity
+
+    pool = EnginePool([FakeClient()])
+    with pytest.raises(ValueError, match="2 prompts but 1 affinity keys"):
+        asyncio.run(pool.generate_batch([[1], [2]], PARAMS, group_ids=["a", "b"], affinity=["a"]))
+    with pytest.raises(ValueError, match="slack must be >= 0"):
+        EngineAffinity(-1)
+
+    class Engine:
+        def __init__(self, index):
+            self.index, self.in_flight = index, 0
+
+    engines = [Engine(0), Engine(1)]
+    affinity = EngineAffinity(slack=0, capacity=2)
+    affinity.place(engines, [0, 1, 2], ["a", "b", "c"])  # a -> 0, b -> 1, c -> 0; a is forgotten
+    engines[0].in_flight = 2
+    placed = affinity.place(engines, [0, 1], ["a", "c"])  # a: least-loaded (1); c: its engine 0 is 1 busier
+    assert [(e.index, part) for e, part in placed] == [(1, [0, 1])]
+    assert (affinity.kept, affinity.moved) == (0, 1)
 
 
 # --- one real engine under a Ray actor ------------------------------------------------------------

@@ -140,5 +140,6 @@ def segment_sample(segment: Segment, *, group_id: str, episode_id: str, routing:
         routed_experts=last.routed_experts if routing else None,
         sampling_mask=SamplingMask.from_rows(rows) if sampling_mask else None,
         finish_reason=last.finish_reason, group_id=group_id, episode_id=episode_id, turn_ends=tuple(turn_ends),
-        role=segment.role,
+        role=segment.role, prefill_tokens=sum(c.sample.prefill_tokens for c in segment.calls),
+        cached_tokens=sum(c.sample.cached_tokens for c in segment.calls),
     )

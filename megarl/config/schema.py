@@ -288,6 +288,9 @@ class RolloutConfig:
     # engine KV-cache capacity in tokens; None = SGLang sizes it from memory
     max_total_tokens: Optional[int] = setting(None, ge=1)
     prefix_cache: bool = True  # SGLang's radix prefix cache (false: --disable-radix-cache)
+    # an episode's next turn goes to the engine that served its last one (which holds its prefix) unless that
+    # engine has this many more prompts in flight than the least-loaded one
+    affinity_slack: int = setting(64, ge=0)
     prompts_per_step: int = setting(64, ge=1)
     samples_per_prompt: int = setting(8, ge=1)  # G, the GRPO group size
     max_new_tokens: int = setting(3, ge=1)

@@ -194,8 +194,8 @@ class SGLangClient:
                                adapter)
 
     async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
-                                     return_routed_experts: bool = True,
-                                     return_sampling_mask: bool = True) -> BatchResult:
+                                     return_routed_experts: bool = True, return_sampling_mask: bool = True,
+                                     affinity: Sequence[str | None] | None = None) -> BatchResult:
         """:meth:`generate_batch` as a :class:`BatchResult` (one engine resubmits nothing)."""
         samples = await self.generate_batch(prompts, params, group_ids=group_ids,
                                             return_routed_experts=return_routed_experts,
@@ -210,10 +210,12 @@ class SGLangClient:
         group_ids: list[str],
         return_routed_experts: bool = True,
         return_sampling_mask: bool = True,
+        affinity: Sequence[str | None] | None = None,
     ) -> list[RolloutSample]:
         """One response per prompt, sent as one request (SGLang batches it), joined with the other calls of
         this event-loop turn that share ``params`` and the flags (:mod:`megarl.engines.coalesce`).
-        Same contract as :meth:`generate`."""
+        Same contract as :meth:`generate`; ``affinity`` keys are met by construction (one engine serves
+        every request)."""
         if len(group_ids) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(group_ids)} group ids")
         for prompt_ids in prompts:
@@ -281,6 +283,7 @@ class SGLangClient:
             model_version=versions, routed_experts=routing, sampling_mask=mask,
             finish_reason=_FINISH_REASONS[finish["type"]], group_id=group_id, episode_id=episode_id,
             mixed_versions=mixed_version_tokens(versions, self._entered_in_place, meta.get("cached_tokens", 0) > 0),
+            prefill_tokens=len(prompt_ids), cached_tokens=int(meta.get("cached_tokens", 0)),
         )
 
     async def pause_generation(self, mode: PauseMode = PauseMode.ABORT) -> None:

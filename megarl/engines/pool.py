@@ -3,7 +3,10 @@ and recovery when an engine dies mid-batch.
 
 Placement: each prompt goes to the engine with the fewest in-flight prompts (requests sent and
 not yet answered, counted per prompt; ties go to the lower index), and each engine's share of a
-batch is sent as one request (SGLang batches it). sglang-router (the Rust cache-aware router) is
+batch is sent as one request (SGLang batches it). A prompt with an affinity key (an episode's next
+turn) goes back to the engine that served the key last, which holds its prefix, unless that engine
+is ``affinity_slack`` prompts busier than the least-loaded one (:mod:`megarl.engines.affinity`).
+sglang-router (the Rust cache-aware router) is
 detected with :func:`sglang_router_available` but not used by this pool: it is not installed on
 the CPU machines megarl is tested on, and routing through it would hide which engine lost a
 request, which the recovery below needs. Placing through sglang-router on GPU clusters is left to do.
@@ -34,6 +37,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from megarl.engines.actor import EngineInfo
+from megarl.engines.affinity import EngineAffinity
 from megarl.engines.client import SGLangClient
 from megarl.engines.types import BatchResult, EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.sample import RolloutSample
@@ -80,25 +84,14 @@ class _Engine:
         self.recovery = asyncio.Lock()  # one recovery at a time; the others wait for its on_restart
 
 
-def _place(engines: list[_Engine], indices: list[int]) -> list[tuple[_Engine, list[int]]]:
-    """Least-loaded placement of prompt ``indices`` on ``engines``: [(engine, its indices)], engines
-    with none omitted."""
-    load = [e.in_flight for e in engines]
-    parts: list[list[int]] = [[] for _ in engines]
-    for i in indices:
-        best = min(range(len(load)), key=load.__getitem__)
-        parts[best].append(i)
-        load[best] += 1
-    return [(engines[k], part) for k, part in enumerate(parts) if part]
-
-
 class EnginePool:
     """N engines behind one least-loaded dispatcher. ``clients[i]`` talks to engine i (weight sync
     goes to every client); ``supervisors[i]`` (optional) restarts engine i when it dies. Use a pool
-    from one asyncio event loop: its HTTP connections belong to the loop that opened them."""
+    from one asyncio event loop: its HTTP connections belong to the loop that opened them.
+    ``affinity_slack``: see the module docstring."""
 
     def __init__(self, clients: Sequence[SGLangClient], supervisors: Sequence[EngineSupervisor] | None = None,
-                 *, on_restart: RestartHook | None = None, max_attempts: int = 3):
+                 *, on_restart: RestartHook | None = None, max_attempts: int = 3, affinity_slack: int = 64):
         if not clients:
             raise ValueError("an EnginePool needs at least one engine")
         if supervisors is not None and len(supervisors) != len(clients):
@@ -108,6 +101,7 @@ class EnginePool:
             raise ValueError(f"the engines serve different models: {models}")
         self._engines = [_Engine(i, c, supervisors[i] if supervisors else None) for i, c in enumerate(clients)]
         self.on_restart, self.max_attempts = on_restart, max_attempts
+        self.affinity = EngineAffinity(affinity_slack)
         self.resubmitted = 0  # prompts resubmitted after an engine died, over the pool's life
         self._paused: PauseMode | None = None
         self._actors: list = []  # Ray actors this pool launched (removed by aclose)
@@ -193,21 +187,22 @@ class EnginePool:
     # --- generation ---------------------------------------------------------------------------
 
     async def generate_batch(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
-                             return_routed_experts: bool = True,
-                             return_sampling_mask: bool = True) -> list[RolloutSample]:
+                             return_routed_experts: bool = True, return_sampling_mask: bool = True,
+                             affinity: Sequence[str | None] | None = None) -> list[RolloutSample]:
         """One sample per prompt, in order; the contract of ``SGLangClient.generate_batch``, spread
-        over the engines and surviving engine deaths (see the module docstring)."""
+        over the engines and surviving engine deaths (see the module docstring); ``affinity[i]``:
+        prompt ``i``'s affinity key (None: none)."""
         result = await self.generate_batch_counted(prompts, params, group_ids=group_ids,
                                                    return_routed_experts=return_routed_experts,
-                                                   return_sampling_mask=return_sampling_mask)
+                                                   return_sampling_mask=return_sampling_mask, affinity=affinity)
         return result.samples
 
     async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
-                                     return_routed_experts: bool = True,
-                                     return_sampling_mask: bool = True) -> BatchResult:
+                                     return_routed_experts: bool = True, return_sampling_mask: bool = True,
+                                     affinity: Sequence[str | None] | None = None) -> BatchResult:
         """:meth:`generate_batch` that also says how many prompts were resubmitted."""
         return await self._generate(self._engines, prompts, params, group_ids, return_routed_experts,
-                                    return_sampling_mask)
+                                    return_sampling_mask, affinity)
 
     def subset(self, indices: Sequence[int]) -> PoolSubset:
         """Engines ``indices`` of this pool as engines of their own (see the module docstring);
@@ -220,10 +215,13 @@ class EnginePool:
         return PoolSubset(self, [self._engines[i] for i in indices])
 
     async def _generate(self, engines: list[_Engine], prompts: list[list[int]], params: SamplingParams,
-                        group_ids: list[str], return_routed_experts: bool, return_sampling_mask: bool) -> BatchResult:
+                        group_ids: list[str], return_routed_experts: bool, return_sampling_mask: bool,
+                        affinity: Sequence[str | None] | None = None) -> BatchResult:
         """:meth:`generate_batch_counted` placed among ``engines`` (all of the pool's, or a subset's)."""
         if len(group_ids) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(group_ids)} group ids")
+        if affinity is not None and len(affinity) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(affinity)} affinity keys")
         samples: list[RolloutSample | None] = [None] * len(prompts)
         resubmitted = 0
 
@@ -253,9 +251,11 @@ class EnginePool:
             await self._recover(engine)
             resubmitted += len(indices)
             self.resubmitted += len(indices)
-            await asyncio.gather(*(run(e, part, attempt + 1) for e, part in _place(engines, indices)))
+            await asyncio.gather(*(run(e, part, attempt + 1)
+                                   for e, part in self.affinity.place(engines, indices, affinity)))
 
-        await asyncio.gather(*(run(e, part, 1) for e, part in _place(engines, list(range(len(prompts))))))
+        await asyncio.gather(*(run(e, part, 1)
+                               for e, part in self.affinity.place(engines, list(range(len(prompts))), affinity)))
         assert all(s is not None for s in samples)
         return BatchResult(samples=samples, resubmitted=resubmitted)
 
@@ -427,8 +427,8 @@ class PoolSubset:
     generate_batch = EnginePool.generate_batch  # the samples of this class's generate_batch_counted
 
     async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
-                                     return_routed_experts: bool = True,
-                                     return_sampling_mask: bool = True) -> BatchResult:
+                                     return_routed_experts: bool = True, return_sampling_mask: bool = True,
+                                     affinity: Sequence[str | None] | None = None) -> BatchResult:
         """:meth:`EnginePool.generate_batch_counted` on these engines only."""
         return await self.pool._generate(self._engines, prompts, params, group_ids, return_routed_experts,
-                                         return_sampling_mask)
+                                         return_sampling_mask, affinity)

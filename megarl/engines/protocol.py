@@ -1,6 +1,7 @@
 """What rollout code needs from the engines: one client or a pool of them look the same."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from megarl.engines.types import BatchResult, SamplingParams, ServedModel
@@ -13,13 +14,15 @@ class Engines(Protocol):
     model: ServedModel
 
     async def generate_batch(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
-                             return_routed_experts: bool = True,
-                             return_sampling_mask: bool = True) -> list[RolloutSample]:
-        """One sample per prompt, in order."""
+                             return_routed_experts: bool = True, return_sampling_mask: bool = True,
+                             affinity: Sequence[str | None] | None = None) -> list[RolloutSample]:
+        """One sample per prompt, in order. ``affinity[i]``: a key naming prompt ``i``'s episode (its
+        next request goes where this one went, see :mod:`megarl.engines.affinity`), or None."""
         ...
 
     async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *,
                                      group_ids: list[str], return_routed_experts: bool = True,
-                                     return_sampling_mask: bool = True) -> BatchResult:
+                                     return_sampling_mask: bool = True,
+                                     affinity: Sequence[str | None] | None = None) -> BatchResult:
         """:meth:`generate_batch` that also says how many prompts were resubmitted."""
         ...

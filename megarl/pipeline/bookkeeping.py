@@ -62,6 +62,14 @@ def episode_metrics(samples: list[RolloutSample]) -> dict[str, float]:
             **{f"episode/end_{end}_frac": n / len(episodes) for end, n in sorted(ends.items())}, **tools}
 
 
+def prefix_cache_metrics(samples: list[RolloutSample]) -> dict[str, float]:
+    """``rollout/cached_token_frac``: of the prompt tokens the samples' requests sent to the engines
+    (every turn and continuation), the share the engines served from their prefix cache; empty when
+    no sample counted any (samples that never reached an engine)."""
+    sent = sum(s.prefill_tokens for s in samples)
+    return {"rollout/cached_token_frac": sum(s.cached_tokens for s in samples) / sent} if sent else {}
+
+
 def truncate_jsonl(path: Path, last_step: int) -> None:
     """Drop the RL rows of ``path`` after ``last_step`` (what a resumed run redoes); warm-up rows stay."""
     if path.is_file():
@@ -119,7 +127,8 @@ class StepBooks:
                "perf/tokens_per_s": (generated_tokens - c["produced"]) / (now - c["started"]),
                "perf/trainer_idle_frac": wait_s / (now - c["train_start"] + wait_s),
                "time/wait_s": wait_s, "time/train_s": c["sync_start"] - c["train_start"],
-               "sync/seconds": now - c["sync_start"], **more, **episode_metrics(batch.samples), **stats.metrics,
+               "sync/seconds": now - c["sync_start"], **more, **episode_metrics(batch.samples),
+               **prefix_cache_metrics(batch.samples), **stats.metrics,
                **self._gpu.sample()}
         self.metrics.log(step, row)
         log.info("step %d: reward %.3f, mismatch %s (fresh tokens), drift %s (stale), staleness %.2f, wait %.1fs "

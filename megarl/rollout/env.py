@@ -158,6 +158,7 @@ class _Episode:
     env: Environment
     prompt_ids: list[int]
     budget: int  # response tokens the episode may hold
+    key: str  # the episode's id: its turns' engine affinity key
     response: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -170,12 +171,16 @@ class _Episode:
     observation: int = 0  # environment tokens at the end of the response, not yet followed by a policy turn
     finish: FinishReason = FinishReason.STOP
     end: str | None = None
+    prefill_tokens: int = 0  # prompt tokens of the turns' requests, and those served from the prefix cache
+    cached_tokens: int = 0
 
     def absorb(self, turn: RolloutSample) -> None:
         """Append one policy turn generated from ``prompt_ids + response``. Routing rows of the tokens
         fed before stay those of the turn that fed them; the turn's rows start at the first token it fed."""
         r = len(turn.response_ids)
         self.finish = turn.finish_reason
+        self.prefill_tokens += turn.prefill_tokens
+        self.cached_tokens += turn.cached_tokens
         if r == 0:  # aborted before it ran: the episode ends with the policy turn before the observation
             self._drop_observation()
             return
@@ -222,7 +227,8 @@ class _Episode:
             routed_experts=self.routing if routing else None,
             sampling_mask=SamplingMask.from_rows(self.mask_rows) if sampling_mask else None,
             finish_reason=self.finish, group_id=group_id, episode_id=episode_id, turn_ends=tuple(self.turn_ends),
-            episode_end=self.end or "max_turns", mixed_versions=np.asarray(self.mixed) if any(self.mixed) else None)
+            episode_end=self.end or "max_turns", mixed_versions=np.asarray(self.mixed) if any(self.mixed) else None,
+            prefill_tokens=self.prefill_tokens, cached_tokens=self.cached_tokens)
 
 
 class EnvEpisodes:
@@ -248,10 +254,10 @@ class EnvEpisodes:
         """``n`` episodes of ``prompt`` (episode ids ``<group_id>.<i>``) and the number of turn requests
         sent again after an abort."""
         episodes = []
-        for _ in range(n):
+        for i in range(n):
             env = self.make_env()
             ids = self.tokenizer(await env.reset(prompt))["input_ids"]
-            episodes.append(_Episode(env=env, prompt_ids=ids, budget=min(
+            episodes.append(_Episode(env=env, prompt_ids=ids, key=f"{group_id}.{i}", budget=min(
                 self.limits.max_response_tokens, self.target.model.context_length - len(ids))))
         resubmitted = 0
         for turn in range(self.limits.max_turns):
@@ -279,8 +285,8 @@ class EnvEpisodes:
                         stepping.append(e)
             await self._step(stepping, last_turn=turn == self.limits.max_turns - 1)
         samples = []
-        for i, e in enumerate(episodes):
-            sample = e.sample(group_id, f"{group_id}.{i}", self.routing, self.sampling_mask)
+        for e in episodes:
+            sample = e.sample(group_id, e.key, self.routing, self.sampling_mask)
             self.ends[sample.episode_end.split(":")[0]] += 1
             samples.append(sample)
         return samples, resubmitted
@@ -293,7 +299,8 @@ class EnvEpisodes:
         contexts = [e.prompt_ids + e.response for e in batch]
         turns = await self.target.generate_batch(contexts, params, group_ids=[group_id] * len(batch),
                                                  return_routed_experts=self.routing,
-                                                 return_sampling_mask=self.sampling_mask)
+                                                 return_sampling_mask=self.sampling_mask,
+                                                 affinity=[e.key for e in batch])
         resubmitted = 0
         while self.abort_resubmit:
             todo = [i for i, t in enumerate(turns)
@@ -304,7 +311,8 @@ class EnvEpisodes:
                 rest = dataclasses.replace(params, max_new_tokens=budget - len(turns[i].response_ids))
                 [more] = await self.target.generate_batch([contexts[i] + turns[i].response_ids], rest,
                                                           group_ids=[group_id], return_routed_experts=self.routing,
-                                                          return_sampling_mask=self.sampling_mask)
+                                                          return_sampling_mask=self.sampling_mask,
+                                                          affinity=[batch[i].key])
                 turns[i] = splice_continuation(turns[i], more)
             resubmitted += len(todo)
         for turn in turns:  # aborted exactly at the budget: the turn is complete

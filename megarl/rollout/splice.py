@@ -41,6 +41,8 @@ def splice_continuation(prefix: RolloutSample, continuation: RolloutSample) -> R
         routed_experts=routing, sampling_mask=mask, finish_reason=continuation.finish_reason,
         group_id=prefix.group_id, episode_id=prefix.episode_id,
         mixed_versions=joined_mixed_versions([prefix, continuation]),
+        prefill_tokens=prefix.prefill_tokens + continuation.prefill_tokens,
+        cached_tokens=prefix.cached_tokens + continuation.cached_tokens,
     )
 
 

@@ -28,11 +28,12 @@ log = logging.getLogger(__name__)
 class EnginePlan:
     """The run's engine pools before they launch: pool name (``policy``, then each auxiliary pool's name)
     -> its engines' settings, and the GPUs each engine of it reserves through Ray; ``topology``: the run's
-    pools and devices they were built from."""
+    pools and devices they were built from; ``affinity_slack``: each pool's (``rollout.affinity_slack``)."""
 
     settings: dict[str, list[EngineSettings]]
     gpus: dict[str, float]
     topology: RunTopology
+    affinity_slack: int = 64
 
     @property
     def colocated(self) -> bool:
@@ -51,17 +52,20 @@ def plan_engines(cfg: DictConfig, start_checkpoint: str, api_key: str, platform:
                 for p in topology.pools}
     gpus = {p.name: engine_launch(topology, p, 0, platform, settings[p.name][0].model_path).ray_gpus
             for p in topology.pools}
-    return EnginePlan(settings=settings, gpus=gpus, topology=topology)
+    return EnginePlan(settings=settings, gpus=gpus, topology=topology, affinity_slack=cfg.rollout.affinity_slack)
 
 
 def launch_engines(plan: EnginePlan, stack: contextlib.AsyncExitStack) -> dict[str, asyncio.Task]:
     """Pool name -> the task launching that pool (:meth:`EnginePool.launch`); when ``stack`` closes, a
     launch still under way is cancelled (which stops what it started) and a launched pool is closed."""
-    return {name: _launch(stack, settings, plan.gpus[name]) for name, settings in plan.settings.items()}
+    return {name: _launch(stack, settings, plan.gpus[name], plan.affinity_slack)
+            for name, settings in plan.settings.items()}
 
 
-def _launch(stack: contextlib.AsyncExitStack, settings: list[EngineSettings], num_gpus: float) -> asyncio.Task:
-    launch = asyncio.ensure_future(EnginePool.launch(settings, num_cpus=0.5, num_gpus=num_gpus))
+def _launch(stack: contextlib.AsyncExitStack, settings: list[EngineSettings], num_gpus: float,
+            affinity_slack: int) -> asyncio.Task:
+    launch = asyncio.ensure_future(EnginePool.launch(settings, num_cpus=0.5, num_gpus=num_gpus,
+                                                     affinity_slack=affinity_slack))
 
     async def stop() -> None:
         launch.cancel()
