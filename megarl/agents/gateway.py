@@ -436,7 +436,7 @@ class AgentGateway:
                 [sample] = await target.generate_batch(
                     [fed], dataclasses.replace(params, max_new_tokens=left), group_ids=[session.group_id],
                     return_routed_experts=self.routing and trained, return_sampling_mask=self.sampling_mask and trained,
-                    affinity=[session.id])
+                    affinity=[session.group_id])
             except EngineUnreachable as e:
                 session.engine_failure = e
                 raise GatewayError(503, f"engine unreachable: {e}", "engine_unreachable") from e

@@ -288,8 +288,8 @@ class RolloutConfig:
     # engine KV-cache capacity in tokens; None = SGLang sizes it from memory
     max_total_tokens: Optional[int] = setting(None, ge=1)
     prefix_cache: bool = True  # SGLang's radix prefix cache (false: --disable-radix-cache)
-    # an episode's next turn goes to the engine that served its last one (which holds its prefix) unless that
-    # engine has this many more prompts in flight than the least-loaded one
+    # a prompt group's requests (every turn of its episodes) go to the engine that served the group (which holds
+    # their prefixes) unless that engine has this many more prompts in flight than the least-loaded one
     affinity_slack: int = setting(64, ge=0)
     prompts_per_step: int = setting(64, ge=1)
     samples_per_prompt: int = setting(8, ge=1)  # G, the GRPO group size

@@ -1,12 +1,13 @@
-"""Prefix affinity: the next request of an episode goes to the engine that served its previous one.
+"""Prefix affinity: the requests that share a prefix go to the engine that served the first of them.
 
-A multi-turn episode's turn ``k + 1`` is fed its turn ``k``'s prompt and answer: the engine that
-served turn ``k`` holds that prefix in its radix cache, any other engine computes it again. The pool
-places each prompt that carries an affinity key (an episode's or an agent session's id) on the engine
-that served that key last, unless the engine is not among those allowed or holds more than ``slack``
-in-flight prompts above the least-loaded allowed engine; then the prompt is placed least-loaded and
-the key follows it. Keys are kept for the ``capacity`` most recently used (dropping the oldest loses
-only a cache hit).
+A multi-turn episode's turn ``k + 1`` is fed its turn ``k``'s prompt and answer, and the episodes of
+one prompt group share their prompt: the engine that served them holds those prefixes in its radix
+cache, any other engine computes them again. Rollout gives each request an affinity key (its prompt
+group's id: every turn of every episode of the group), and the pool places each keyed prompt on the
+engine that served that key last, unless the engine is not among those allowed or holds more than
+``slack`` in-flight prompts above the least-loaded allowed engine; then the prompt is placed
+least-loaded and the key follows it. Keys are kept for the ``capacity`` most recently used (dropping
+the oldest loses only a cache hit).
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@ and recovery when an engine dies mid-batch.
 
 Placement: each prompt goes to the engine with the fewest in-flight prompts (requests sent and
 not yet answered, counted per prompt; ties go to the lower index), and each engine's share of a
-batch is sent as one request (SGLang batches it). A prompt with an affinity key (an episode's next
-turn) goes back to the engine that served the key last, which holds its prefix, unless that engine
-is ``affinity_slack`` prompts busier than the least-loaded one (:mod:`megarl.engines.affinity`).
+batch is sent as one request (SGLang batches it). A prompt with an affinity key (its prompt group's
+id) goes to the engine that served the key last, which holds the group's prefixes, unless that
+engine is ``affinity_slack`` prompts busier than the least-loaded one (:mod:`megarl.engines.affinity`).
 sglang-router (the Rust cache-aware router) is
 detected with :func:`sglang_router_available` but not used by this pool: it is not installed on
 the CPU machines megarl is tested on, and routing through it would hide which engine lost a

@@ -16,8 +16,8 @@ class Engines(Protocol):
     async def generate_batch(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
                              return_routed_experts: bool = True, return_sampling_mask: bool = True,
                              affinity: Sequence[str | None] | None = None) -> list[RolloutSample]:
-        """One sample per prompt, in order. ``affinity[i]``: a key naming prompt ``i``'s episode (its
-        next request goes where this one went, see :mod:`megarl.engines.affinity`), or None."""
+        """One sample per prompt, in order. ``affinity[i]``: a key naming the requests that share prompt
+        ``i``'s prefix (its group: they go where it went, see :mod:`megarl.engines.affinity`), or None."""
         ...
 
     async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *,

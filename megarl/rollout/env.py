@@ -158,7 +158,7 @@ class _Episode:
     env: Environment
     prompt_ids: list[int]
     budget: int  # response tokens the episode may hold
-    key: str  # the episode's id: its turns' engine affinity key
+    key: str  # the episode's id
     response: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -300,7 +300,7 @@ class EnvEpisodes:
         turns = await self.target.generate_batch(contexts, params, group_ids=[group_id] * len(batch),
                                                  return_routed_experts=self.routing,
                                                  return_sampling_mask=self.sampling_mask,
-                                                 affinity=[e.key for e in batch])
+                                                 affinity=[group_id] * len(batch))
         resubmitted = 0
         while self.abort_resubmit:
             todo = [i for i, t in enumerate(turns)
@@ -312,7 +312,7 @@ class EnvEpisodes:
                 [more] = await self.target.generate_batch([contexts[i] + turns[i].response_ids], rest,
                                                           group_ids=[group_id], return_routed_experts=self.routing,
                                                           return_sampling_mask=self.sampling_mask,
-                                                          affinity=[batch[i].key])
+                                                          affinity=[group_id])
                 turns[i] = splice_continuation(turns[i], more)
             resubmitted += len(todo)
         for turn in turns:  # aborted exactly at the budget: the turn is complete

@@ -106,7 +106,7 @@ class RolloutManager:
                         group_ids: list[str]) -> tuple[list[RolloutSample], int]:
         result = await self.target.generate_batch_counted(prompts, params, group_ids=group_ids,
                                                           return_routed_experts=self.routing,
-                                                          return_sampling_mask=self.sampling_mask)
+                                                          return_sampling_mask=self.sampling_mask, affinity=group_ids)
         return result.samples, result.resubmitted
 
     def _refusal(self, prompt: Prompt, prompt_ids: list[int]) -> tuple[str, str] | None:

@@ -1,5 +1,5 @@
-"""Async vs sync RL on the same long-tailed workload, side by side in one run, with the engine and
-the trainer pinned to different cores: the disaggregated case async models (generation and
+"""Async vs sync RL on a long-tailed workload and on the demo's, side by side in one run, with the
+engine and the trainer pinned to different cores: the disaggregated case async models (generation and
 training on hardware of their own), so that the comparison shows overlap and not core sharing.
 
 Pinning (the same in both modes): the SGLang server (its HTTP/tokenizer process, scheduler and
@@ -12,31 +12,31 @@ megarl's CPU path, also sets the CPU affinity of every thread of those processes
 are caught). Each process gets one torch/OpenMP thread per core it is given (``OMP_NUM_THREADS``;
 the trainer rank sets 1 itself).
 
-The workload is long-tailed: the warmed-up tiny model ends most answers after 2-3 tokens (at
-temperature 1.0 to 3.0 none of 512 samples reached 48 tokens), and every ``--long-every``-th
-request the driver sends (a tenth by default) asks SGLang to ignore the end-of-sequence token, so
-it runs to ``--max-new-tokens``: the few long answers that hold a synchronous rollout up. The
-per-sample length distribution (p50, p90, max, the fraction at the maximum) is recorded from the
-trained batches of each mode.
+Two workloads, each run ``--repeats`` times as a sync run then an async run (figures: the medians):
 
-Both modes train the same number of steps on the same number of samples from the same starting
-checkpoint, at an RL learning rate (``--lr``, default 1e-7) that keeps the policy where the warm-up
-left it: the optimizer does all its work, but neither run's answers drift, so both modes generate
-the same length distribution and the ratio compares pipelines, not where two policies went (at the
-recipe's 5e-4 the two policies' answer lengths drift apart, and tokens/s and steps/s then disagree;
-``--lr 5e-4`` gives that comparison back).
-The figures cover the steady state: the first ``--skip-steps`` steps of each mode
+  long_tail  the warmed-up tiny model ends most answers after 2-3 tokens, and every ``--long-every``-th
+             request the driver sends (a tenth by default) asks SGLang to ignore the end-of-sequence
+             token, so it runs to ``--max-new-tokens`` (48 of the model's 64-token context): the few
+             long answers that hold a synchronous rollout up. Six optimizer steps per RL step
+             (``trainer.updates_per_step=6``, PPO mini-batches as slime's ``--num-steps-per-rollout``)
+             at an RL learning rate (``--lr``, 1e-7) that keeps the policy where the warm-up left it,
+             so both modes generate the same length distribution and the ratio compares pipelines.
+  demo       the demo recipe's own step: answers of at most 3 tokens, one update at the recipe's lr.
+
+Both modes of a workload train the same number of steps on the same number of samples from the same
+checkpoint. The figures cover the steady state: the first ``--skip-steps`` steps of each run
 (engine and trainer warming up, the async pipeline filling) are left out, and the rest are timed by
 the wall clock between the metrics rows of the last skipped and the last step:
 
   tokens/s            generated response tokens of the counted steps' trained samples / their seconds
   trainer idle frac   seconds the trainer waited for data in the counted steps / their seconds
+  overlap_bound       what perfect overlap would give over the sync run: (rollout_s + train_s) /
+                      max(rollout_s, train_s), rollout_s the sync trainer's mean wait for its rollout,
+                      train_s its mean training + weight-sync seconds a step
+  async_over_bound    async's speed-up over sync in steps/s / overlap_bound (1.0: perfect overlap)
 
-Defaults: 60 steps of 64 prompts x 8 samples, at most 32 new tokens, six optimizer steps per RL
-step (``trainer.updates_per_step=6``, PPO mini-batches as slime's ``--num-steps-per-rollout``): with
-the engine on one core and the trainer on the other, six updates take about as long as the rollout
-(in sync mode), the balance between generation and training hardware that a disaggregated deployment
-is sized for and async is built for. The first 5 steps are skipped.
+The per-sample length distribution (p50, p90, max, the fraction at the maximum) is recorded from the
+trained batches of each run.
 
 Usage: python tools/bench/async_vs_sync.py --json FILE [--steps N --prompts P --samples G ...]
 """
@@ -57,8 +57,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 PIN_INTERVAL_S = 0.25
-THROUGHPUT_GOAL = 1.5  # async over sync tokens/s that async's overlap should reach on this workload
-IDLE_GOAL = 0.2  # at that throughput, the async trainer's idle fraction should stay below this
+BOUND_GOAL = 0.9  # async's speed-up over sync should reach this share of perfect overlap's (overlap_bound)
 
 
 def cpu_list(text: str) -> list[int]:
@@ -206,20 +205,81 @@ def loop_figures(run_dir: Path, skip: int, lengths: list[list[int]], max_new_tok
             "lengths_all_steps": length_figures([n for step in lengths for n in step], max_new_tokens)}
 
 
+def overlap_bound(sync: dict) -> float:
+    """Perfect overlap's speed-up over this sync run: ``(rollout_s + train_s) / max(rollout_s, train_s)``,
+    rollout_s the trainer's mean wait for the step's rollout, train_s its mean training + weight-sync time."""
+    rollout_s, train_s = sync["wait_s_mean"], sync["train_s_mean"] + sync["sync_s_mean"]
+    return (rollout_s + train_s) / max(rollout_s, train_s)
+
+
+def run_mode(mode: str, run_dir: Path, overrides: list[str], roles: dict, long_every: int, skip: int,
+             max_new_tokens: int) -> dict:
+    """One run of ``recipe=tiny_moe_cpu`` in ``mode``: its steady-state figures and CPU seconds by role."""
+    import psutil
+
+    from megarl.train import main as train
+
+    pinner, recorder, tail = CorePinner(roles), LengthRecorder(), LongTail(long_every)
+    pinner.start()
+    driver_cpu = sum(psutil.Process().cpu_times()[:2])
+    try:
+        code = train(["recipe=tiny_moe_cpu", f"mode={mode}", f"logging.run_dir={run_dir}", *overrides])
+    finally:
+        recorder.close()
+        tail.close()
+        pinning = pinner.stop()
+        pinning["driver"] = {"cpus": "unpinned", "processes": 1,
+                             "cpu_s": round(sum(psutil.Process().cpu_times()[:2]) - driver_cpu, 1)}
+    if code != 0:
+        raise RuntimeError(f"the {mode} run in {run_dir} failed")
+    return {**loop_figures(run_dir, skip, recorder.steps, max_new_tokens), "cpu_by_role": pinning}
+
+
+def compare(sync: dict, asyn: dict) -> dict:
+    """One repeat's async-over-sync figures and its overlap bound."""
+    steps_ratio = sync["step_s_mean"] / asyn["step_s_mean"]  # same steps of the same samples
+    bound = overlap_bound(sync)
+    return {"async_over_sync_throughput": asyn["tokens_per_s"] / sync["tokens_per_s"],
+            "async_over_sync_steps_per_s": steps_ratio, "overlap_bound": bound,
+            "async_over_bound": steps_ratio / bound, "trainer_idle_frac_async": asyn["trainer_idle_frac"],
+            "trainer_idle_frac_sync": sync["trainer_idle_frac"]}
+
+
+def run_workload(name: str, work: Path, overrides: list[str], roles: dict, args, long_every: int,
+                 max_new_tokens: int) -> dict:
+    """``args.repeats`` sync + async pairs of one workload; the medians of their comparisons."""
+    repeats = []
+    for r in range(args.repeats):
+        runs = {mode: run_mode(mode, work / f"{name}-{mode}{r}", overrides, roles, long_every, args.skip_steps,
+                               max_new_tokens) for mode in ("sync", "async")}
+        repeats.append({**compare(runs["sync"], runs["async"]), **runs})
+        f = repeats[-1]
+        print(f"{name} #{r}: async/sync {f['async_over_sync_steps_per_s']:.2f}x in steps/s "
+              f"({f['async_over_sync_throughput']:.2f}x tokens/s), bound {f['overlap_bound']:.2f}x, "
+              f"async_over_bound {f['async_over_bound']:.2f}; sync wait {f['sync']['wait_s_mean']:.2f} train "
+              f"{f['sync']['train_s_mean']:.2f} sync {f['sync']['sync_s_mean']:.2f} s/step; lengths p50 "
+              f"{f['sync']['lengths']['p50']} p90 {f['sync']['lengths']['p90']} max {f['sync']['lengths']['max']}")
+    keys = [k for k, v in repeats[0].items() if isinstance(v, float)]
+    return {**{k: statistics.median(r[k] for r in repeats) for k in keys},
+            "workload": {"max_new_tokens": max_new_tokens, "ignore_eos_every": long_every,
+                         "overrides": overrides}, "repeats": repeats}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_workload_arguments(parser, steps=60, prompts=64, max_new_tokens=32)
+    add_workload_arguments(parser, steps=60, prompts=64, max_new_tokens=48)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--long-every", type=int, default=10,
-                        help="every N-th sample ignores end-of-sequence (runs to --max-new-tokens); 0: none")
+                        help="long_tail: every N-th sample ignores end-of-sequence (runs to --max-new-tokens)")
     parser.add_argument("--skip-steps", type=int, default=5, help="steps left out of the figures (start-up)")
     parser.add_argument("--trainer-cpus", default="0", help="cpulist of the trainer rank; '' leaves it unpinned")
     parser.add_argument("--engine-cpus", default="1", help="cpulist of the SGLang server; '' leaves it unpinned")
-    parser.add_argument("--modes", default="sync,async")
+    parser.add_argument("--workloads", default="long_tail,demo", help="long_tail and/or demo (see above)")
+    parser.add_argument("--repeats", type=int, default=3, help="sync + async pairs per workload; medians reported")
     parser.add_argument("--updates-per-step", type=int, default=6,
-                        help="optimizer steps per RL step (trainer.updates_per_step)")
+                        help="long_tail: optimizer steps per RL step (trainer.updates_per_step)")
     parser.add_argument("--lr", type=float, default=1e-7,
-                        help="RL learning rate (trainer.lr); the default holds the workload fixed (see above)")
+                        help="long_tail: RL learning rate (trainer.lr); the default holds the workload fixed")
     parser.add_argument("--override", action="append", default=[], help="more config overrides (repeatable)")
     args = parser.parse_args()
 
@@ -229,68 +289,35 @@ def main() -> int:
         os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = args.engine_cpus
         os.environ["OMP_NUM_THREADS"] = str(len(roles["engine"]))
 
-    import psutil
-
     from megarl.log import setup_logging
     from megarl.train import main as train
 
     setup_logging()
     work = work_directory(args.work_dir, "megarl-bench-")
-    common = [*workload_overrides(work, args), f"rollout.temperature={args.temperature}",
-              f"trainer.updates_per_step={args.updates_per_step}", f"trainer.lr={args.lr}", *args.override]
+    common = [*workload_overrides(work, args), f"rollout.temperature={args.temperature}", *args.override]
     if not (work / "warm" / "config.json").is_file():
         if train(["recipe=tiny_moe_cpu", "mode=warmup", f"logging.run_dir={work / 'warmup'}", *common]) != 0:
             return 1
-    figures, pinning = {}, {}
-    modes = args.modes.split(",")
-    for mode in modes:
-        run_dir = work / mode
-        pinner, recorder, tail = CorePinner(roles), LengthRecorder(), LongTail(args.long_every)
-        pinner.start()
-        driver_cpu = sum(psutil.Process().cpu_times()[:2])
-        try:
-            code = train(["recipe=tiny_moe_cpu", f"mode={mode}", f"logging.run_dir={run_dir}", *common])
-        finally:
-            recorder.close()
-            tail.close()
-            pinning[mode] = pinner.stop()
-            pinning[mode]["driver"] = {"cpus": "unpinned", "processes": 1,
-                                       "cpu_s": round(sum(psutil.Process().cpu_times()[:2]) - driver_cpu, 1)}
-        if code != 0:
-            return 1
-        figures[mode] = loop_figures(run_dir, args.skip_steps, recorder.steps, args.max_new_tokens)
-        figures[mode]["cpu_by_role"] = pinning[mode]
-    result = {
-        "workload": {"steps": args.steps, "skipped_steps": args.skip_steps, "prompts_per_step": args.prompts,
-                     "samples_per_prompt": args.samples, "max_new_tokens": args.max_new_tokens,
-                     "temperature": args.temperature, "ignore_eos_every": args.long_every,
-                     "updates_per_step": args.updates_per_step, "lr": args.lr,
-                     "overrides": args.override},
-        "pinning": {"trainer_cpus": roles.get("trainer"), "engine_cpus": roles.get("engine"),
-                    "others": "unpinned (driver, Ray)", "SGLANG_CPU_OMP_THREADS_BIND":
-                    os.environ.get("SGLANG_CPU_OMP_THREADS_BIND"), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
-                    "host_cpus": sorted(os.sched_getaffinity(0)), "load_avg_at_end": os.getloadavg()},
-        **figures,
-    }
-    if {"sync", "async"} <= set(figures):
-        ratio = figures["async"]["tokens_per_s"] / figures["sync"]["tokens_per_s"]
-        idle = figures["async"]["trainer_idle_frac"]
-        # the same steps of the same number of samples: the ratio of step rates, whatever the lengths
-        steps_ratio = figures["sync"]["step_s_mean"] / figures["async"]["step_s_mean"]
-        result = {"async_over_sync_throughput": ratio, "async_over_sync_steps_per_s": steps_ratio,
-                  "trainer_idle_frac_async": idle,
-                  "trainer_idle_frac_sync": figures["sync"]["trainer_idle_frac"],
-                  "goal": {"throughput_at_least": THROUGHPUT_GOAL, "async_idle_below": IDLE_GOAL,
-                           "met": ratio >= THROUGHPUT_GOAL and idle < IDLE_GOAL}, **result}
-    for mode in modes:
-        f, n = figures[mode], figures[mode]["lengths"]
-        print(f"{mode:>5}: {f['tokens_per_s']:8.1f} tokens/s, trainer idle {f['trainer_idle_frac']:.2f}, "
-              f"{f['seconds']:.1f} s for {f['steps_counted']} steps (wait {f['wait_s_mean']:.2f} train "
-              f"{f['train_s_mean']:.2f} sync {f['sync_s_mean']:.2f} s/step); lengths p50 {n['p50']} p90 {n['p90']} "
-              f"max {n['max']}, {n['frac_at_max']:.1%} at max")
-    if "async_over_sync_throughput" in result:
-        print(f"async / sync throughput: {result['async_over_sync_throughput']:.2f}x in tokens/s, "
-              f"{result['async_over_sync_steps_per_s']:.2f}x in steps/s")
+    specs = {"long_tail": ([*common, f"trainer.updates_per_step={args.updates_per_step}", f"trainer.lr={args.lr}"],
+                           args.long_every, args.max_new_tokens),
+             "demo": ([o for o in common if not o.startswith("rollout.max_new_tokens=")] + ["rollout.max_new_tokens=3"],
+                      0, 3)}
+    result = {name: run_workload(name, work, *specs[name][:1], roles, args, *specs[name][1:])
+              for name in args.workloads.split(",")}
+    result = {**{f"{k}_{name}": w[k] for name, w in result.items()
+                 for k in ("async_over_bound", "overlap_bound", "async_over_sync_steps_per_s")},
+              "goal": {"async_over_bound_at_least": BOUND_GOAL,
+                       "met": all(w["async_over_bound"] >= BOUND_GOAL for w in result.values())},
+              "steps": args.steps, "skipped_steps": args.skip_steps, "prompts_per_step": args.prompts,
+              "samples_per_prompt": args.samples, "temperature": args.temperature,
+              "pinning": {"trainer_cpus": roles.get("trainer"), "engine_cpus": roles.get("engine"),
+                          "others": "unpinned (driver, Ray)", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+                          "host_cpus": sorted(os.sched_getaffinity(0)), "load_avg_at_end": os.getloadavg()},
+              **result}
+    for name in args.workloads.split(","):
+        print(f"{name}: medians of {args.repeats}: async_over_bound {result[f'async_over_bound_{name}']:.2f} "
+              f"(async/sync {result[f'async_over_sync_steps_per_s_{name}']:.2f}x, bound "
+              f"{result[f'overlap_bound_{name}']:.2f}x)")
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 

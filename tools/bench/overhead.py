@@ -1,4 +1,4 @@
-"""megarl's sync-mode RL step against a bare torch + transformers loop doing the same work, in one run.
+"""megarl's RL step, sync and async, against a bare torch + transformers loop doing the same work, in one run.
 
 The work of a step (the demo's): ``--prompts`` addition problems x ``--samples`` answers of at most
 ``--max-new-tokens`` tokens sampled at temperature 1 with top-k 20 from the warmed-up tiny MoE, the
@@ -7,21 +7,22 @@ response tokens and one Adam step on every weight. megarl does it through its wh
 actors, the SGLang engine, the trainer rank, the weight sync into the engine, metrics); the bare loop
 does it in this process with ``transformers``' ``generate`` and ``torch.optim.Adam``, nothing else.
 
-  megarl step s     median seconds between consecutive steps' metrics rows (``time``), start-up and
-                    the first ``--skip`` steps excluded
-  bare step s       median seconds of a bare step over both bare runs, each without its first
-                    ``--skip`` steps
-  overhead_ratio    megarl step s / bare step s
+  megarl step s          median seconds between consecutive steps' metrics rows (``time``), start-up
+                         and the first ``--skip`` steps excluded; ``mode=sync`` and ``mode=async``
+  bare step s            median seconds of a bare step over both bare runs of a repeat, each without
+                         its first ``--skip`` steps
+  overhead_ratio         sync step s / bare step s
+  async_overhead_ratio   async step s / bare step s
+  cpu_s_per_step         CPU seconds a step by process role (:mod:`process_cpu`), over the counted steps
 
-Both run on the same warmed-up checkpoint; the bare loop runs ``--steps`` steps before megarl and
-``--steps`` after it, so a drift of the machine's speed during the run (a third within an hour
-here) moves both sides alike instead of deciding the ratio (``bare_step_s_before`` /
-``bare_step_s_after`` show it). The bare loop uses every core
-(``torch.set_num_threads(os.cpu_count())``, whatever ``OMP_NUM_THREADS`` says: with one thread its
-step takes ~40% longer and the ratio flatters megarl), megarl its own placement (engine and trainer
-one thread each).
+Each of ``--repeats`` repeats runs the bare loop, megarl sync, megarl async and the bare loop again on
+the same warmed-up checkpoint, so a drift of the machine's speed during the run moves both sides alike
+(``bare_step_s_before`` / ``bare_step_s_after`` show it); the top-level ratios are the medians over
+the repeats. The bare loop uses every core (``torch.set_num_threads(os.cpu_count())``: with one
+thread its step takes ~40% longer and the ratio flatters megarl), megarl its own placement (engine
+and trainer one thread each).
 
-Usage: python tools/bench/overhead.py --json FILE [--steps N --prompts P --samples G ...]
+Usage: python tools/bench/overhead.py --json FILE [--repeats R --steps N --prompts P --samples G ...]
 """
 from __future__ import annotations
 
@@ -35,18 +36,18 @@ import time
 from pathlib import Path
 
 from demo_workload import add_workload_arguments, workload_overrides
+from process_cpu import CpuSampler
 from work_dir import work_directory
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 
-def megarl_step_seconds(run_dir: Path, skip: int) -> list[float]:
-    """Seconds between consecutive RL steps' metrics rows, the first ``skip`` steps left out."""
+def megarl_step_times(run_dir: Path, skip: int) -> list[float]:
+    """Wall-clock times of the RL steps' metrics rows, the first ``skip`` steps left out."""
     from megarl.metrics.sink import read_metrics
 
-    times = [r["time"] for r in read_metrics(run_dir) if "reward/mean" in r]
-    return [b - a for a, b in zip(times[skip:], times[skip + 1:])]
+    return [r["time"] for r in read_metrics(run_dir) if "reward/mean" in r][skip:]
 
 
 def bare_loop(checkpoint: Path, steps: int, prompts: int, samples: int, max_new_tokens: int, lr: float,
@@ -100,11 +101,46 @@ def bare_loop(checkpoint: Path, steps: int, prompts: int, samples: int, max_new_
     return seconds, rewards
 
 
+def megarl_run(mode: str, run_dir: Path, common: list[str], skip: int) -> dict:
+    """One megarl run in ``mode`` (sync | async): its median step seconds and CPU seconds a step by role."""
+    from megarl.train import main as train
+
+    sampler = CpuSampler()
+    sampler.start()
+    try:
+        if train(["recipe=tiny_moe_cpu", f"mode={mode}", f"logging.run_dir={run_dir}", *common]) != 0:
+            raise RuntimeError(f"the {mode} run in {run_dir} failed")
+    finally:
+        sampler.stop()
+    times = megarl_step_times(run_dir, skip)
+    seconds = [b - a for a, b in zip(times, times[1:])]
+    return {"step_s": statistics.median(seconds), "step_seconds": seconds,
+            "cpu_s_per_step": sampler.per_step(times[0], times[-1], len(seconds))}
+
+
+def one_repeat(work: Path, index: int, common: list[str], bare, skip: int) -> dict:
+    """Bare loop, megarl sync, megarl async, bare loop: the figures of one repeat."""
+    bare_before, rewards_before = bare()
+    runs = {mode: megarl_run(mode, work / f"{mode}{index}", common, skip) for mode in ("sync", "async")}
+    bare_after, rewards_after = bare()
+    bare_step = statistics.median(bare_before[skip:] + bare_after[skip:])
+    return {"overhead_ratio": runs["sync"]["step_s"] / bare_step,
+            "async_overhead_ratio": runs["async"]["step_s"] / bare_step,
+            "megarl_step_s": runs["sync"]["step_s"], "megarl_async_step_s": runs["async"]["step_s"],
+            "bare_step_s": bare_step, "bare_step_s_before": statistics.median(bare_before[skip:]),
+            "bare_step_s_after": statistics.median(bare_after[skip:]), "megarl": runs,
+            "bare_step_seconds_before": bare_before, "bare_step_seconds_after": bare_after,
+            "bare_reward_mean_before": rewards_before, "bare_reward_mean_after": rewards_after}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(parser, steps=20, prompts=64, max_new_tokens=3)
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the medians")
+    parser.add_argument("--repeats", type=int, default=3, help="repeats; the ratios are their medians")
     args = parser.parse_args()
+
+    import torch
 
     from megarl.config import load_config
     from megarl.log import setup_logging
@@ -121,33 +157,20 @@ def main() -> int:
         return bare_loop(work / "warm", args.steps, args.prompts, args.samples, args.max_new_tokens, cfg.trainer.lr,
                          cfg.algorithm.clip_high, cfg.task.seed)
 
-    bare_before, rewards_before = bare()
-    if train(["recipe=tiny_moe_cpu", "mode=sync", f"logging.run_dir={work / 'sync'}", *common]) != 0:
-        return 1
-    bare_after, rewards_after = bare()
-    megarl_seconds = megarl_step_seconds(work / "sync", args.skip)
-    megarl_step = statistics.median(megarl_seconds)
-    bare_step = statistics.median(bare_before[args.skip:] + bare_after[args.skip:])
-    import torch
-
-    result = {
-        "overhead_ratio": megarl_step / bare_step,
-        "megarl_step_s": megarl_step,
-        "bare_step_s": bare_step,
-        "bare_step_s_before": statistics.median(bare_before[args.skip:]),
-        "bare_step_s_after": statistics.median(bare_after[args.skip:]),
-        "megarl_step_seconds": megarl_seconds,
-        "bare_step_seconds_before": bare_before,
-        "bare_step_seconds_after": bare_after,
-        "bare_reward_mean_before": rewards_before,
-        "bare_reward_mean_after": rewards_after,
-        "bare_torch_threads": torch.get_num_threads(),
-        "workload": {"steps": args.steps, "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
-                     "max_new_tokens": args.max_new_tokens, "skip": args.skip},
-    }
-    print(f"megarl sync step {megarl_step:.3f} s, bare loop {bare_step:.3f} s "
-          f"(before {result['bare_step_s_before']:.3f}, after {result['bare_step_s_after']:.3f}): "
-          f"overhead_ratio {result['overhead_ratio']:.2f} (medians over steps {args.skip + 1}-{args.steps})")
+    repeats = [one_repeat(work, i, common, bare, args.skip) for i in range(args.repeats)]
+    keys = ("overhead_ratio", "async_overhead_ratio", "megarl_step_s", "megarl_async_step_s", "bare_step_s")
+    result = {**{k: statistics.median(r[k] for r in repeats) for k in keys},
+              "cpu_s_per_step": {mode: repeats[len(repeats) // 2]["megarl"][mode]["cpu_s_per_step"]
+                                 for mode in ("sync", "async")},
+              "repeats": repeats, "bare_torch_threads": torch.get_num_threads(),
+              "workload": {"steps": args.steps, "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
+                           "max_new_tokens": args.max_new_tokens, "skip": args.skip, "repeats": args.repeats}}
+    for r in repeats:
+        print(f"sync step {r['megarl_step_s']:.3f} s, async {r['megarl_async_step_s']:.3f} s, bare loop "
+              f"{r['bare_step_s']:.3f} s (before {r['bare_step_s_before']:.3f}, after {r['bare_step_s_after']:.3f}): "
+              f"overhead_ratio {r['overhead_ratio']:.2f}, async_overhead_ratio {r['async_overhead_ratio']:.2f}")
+    print(f"medians of {args.repeats}: overhead_ratio {result['overhead_ratio']:.2f}, async_overhead_ratio "
+          f"{result['async_overhead_ratio']:.2f}; CPU s a sync step by role {result['cpu_s_per_step']['sync']}")
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 

@@ -6,9 +6,11 @@ usage: python tools/bench/rollout.py [--json FILE] [--checkpoint DIR] [--new-tok
 
 For batch sizes 1, 8 and 32 it times ``SGLangClient.generate_batch`` (one request per batch,
 ``ignore_eos`` so every sample has exactly N new tokens) ``repeats`` times after one warm-up batch
-and reports generated tokens per second (the median over repeats). The JSON has one row per
-(batch size, metadata on/off) and the top-level ``metadata_overhead_ratio``: tokens/s without
-metadata over tokens/s with it, at batch 32 (> 1 means the metadata costs throughput).
+each way, a batch without the metadata then one with it in every repeat (so a drift of the machine
+moves both alike), and reports generated tokens per second (the median over repeats). The JSON has
+one row per (batch size, metadata on/off) and the top-level ``metadata_overhead_ratio``: the median
+over repeats of tokens/s without metadata over tokens/s with it, at batch 32 (> 1 means the
+metadata costs throughput).
 """
 from __future__ import annotations
 
@@ -28,22 +30,29 @@ BATCH_SIZES = (1, 8, 32)
 log = logging.getLogger("bench.rollout")
 
 
-async def measure(client, prompts, params, batch_size: int, metadata: bool, repeats: int) -> dict:
+async def measure(client, prompts, params, batch_size: int, repeats: int) -> list[dict]:
+    """Rows without and with the metadata at ``batch_size``, the two timed alternately; each row's
+    ``tokens_per_s_by_repeat`` keeps the repeats in order."""
     batch = [prompts[i % len(prompts)] for i in range(batch_size)]
-    kwargs = dict(group_ids=[str(i) for i in range(batch_size)], return_routed_experts=metadata,
-                  return_sampling_mask=metadata)
-    await client.generate_batch(batch, params, **kwargs)  # warm-up
-    rates, seconds = [], []
+    rows = []
+    for metadata in (False, True):
+        rows.append({"batch_size": batch_size, "metadata": metadata, "new_tokens": params.max_new_tokens,
+                     "repeats": repeats, "tokens_per_s_by_repeat": [], "seconds_by_repeat": [],
+                     "kwargs": dict(group_ids=[str(i) for i in range(batch_size)], return_routed_experts=metadata,
+                                    return_sampling_mask=metadata)})
+        await client.generate_batch(batch, params, **rows[-1]["kwargs"])  # warm-up
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        samples = await client.generate_batch(batch, params, **kwargs)
-        dt = time.perf_counter() - t0
-        tokens = sum(len(s.response_ids) for s in samples)
-        rates.append(tokens / dt)
-        seconds.append(dt)
-    return {"batch_size": batch_size, "metadata": metadata, "tokens_per_s": statistics.median(rates),
-            "seconds_per_batch": statistics.median(seconds), "new_tokens": params.max_new_tokens,
-            "repeats": repeats}
+        for row in rows:
+            t0 = time.perf_counter()
+            samples = await client.generate_batch(batch, params, **row["kwargs"])
+            dt = time.perf_counter() - t0
+            row["tokens_per_s_by_repeat"].append(sum(len(s.response_ids) for s in samples) / dt)
+            row["seconds_by_repeat"].append(dt)
+    for row in rows:
+        del row["kwargs"]
+        row["tokens_per_s"] = statistics.median(row["tokens_per_s_by_repeat"])
+        row["seconds_per_batch"] = statistics.median(row["seconds_by_repeat"])
+    return rows
 
 
 async def run(checkpoint: str, new_tokens: int, repeats: int, max_total_tokens: int, log_path: str) -> dict:
@@ -63,14 +72,14 @@ async def run(checkpoint: str, new_tokens: int, repeats: int, max_total_tokens: 
     with SGLangEngine(settings) as engine:
         async with SGLangClient(engine.url, engine.model) as client:
             for batch_size in BATCH_SIZES:
-                for metadata in (False, True):
-                    row = await measure(client, prompts, params, batch_size, metadata, repeats)
-                    log.info("batch %2d metadata %-5s: %8.1f tokens/s", batch_size, metadata, row["tokens_per_s"])
+                for row in await measure(client, prompts, params, batch_size, repeats):
+                    log.info("batch %2d metadata %-5s: %8.1f tokens/s", batch_size, row["metadata"],
+                             row["tokens_per_s"])
                     rows.append(row)
         startup_s = engine.startup_s
-    rate = {(r["batch_size"], r["metadata"]): r["tokens_per_s"] for r in rows}
+    bare, kept = (r["tokens_per_s_by_repeat"] for r in rows if r["batch_size"] == 32)
     return {
-        "metadata_overhead_ratio": rate[(32, False)] / rate[(32, True)],
+        "metadata_overhead_ratio": statistics.median(a / b for a, b in zip(bare, kept)),
         "results": rows,
         "engine": {"device": engine.device, "startup_s": startup_s, "checkpoint": checkpoint,
                    "max_total_tokens": max_total_tokens},

@@ -1,0 +1,70 @@
+"""CPU seconds per process role while a bench's run goes, sampled from /proc, to say where a step's CPU goes.
+
+A :class:`CpuSampler` thread reads the CPU time (user + system) of this process and every descendant
+every ``interval_s`` and keeps the samples with their wall-clock time; :meth:`CpuSampler.per_step`
+then gives, per role, the CPU seconds used between two wall-clock times divided by the steps run
+between them (the metrics rows' ``time``). Roles, by command line: the SGLang server's HTTP and
+tokenizer process (``sglang_http``), its scheduler (``sglang_scheduler``) and detokenizer
+(``sglang_detokenizer``), the trainer rank (``trainer``), the engine's Ray actor (``engine_actor``),
+Ray's own processes (``ray``), this process (``driver``) and the rest (``other``).
+"""
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+
+ROLES = (("sglang::scheduler", "sglang_scheduler"), ("sglang::detokenizer", "sglang_detokenizer"),
+         ("megarl.engines.sglang_main", "sglang_http"), ("ray::TrainerRank", "trainer"),
+         ("ray::EngineActor", "engine_actor"), ("ray", "ray"), ("gcs_server", "ray"), ("raylet", "ray"))
+
+
+def role_of(cmdline: str) -> str:
+    """The role of a process with this command line (the module docstring's names)."""
+    return next((role for marker, role in ROLES if marker in cmdline), "other")
+
+
+class CpuSampler(threading.Thread):
+    """Samples (time.time(), {pid: (role, cpu seconds)}) of this process tree until :meth:`stop`."""
+
+    def __init__(self, interval_s: float = 0.2):
+        super().__init__(name="cpu-sampler", daemon=True)
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while True:
+            self.sample_once()
+            if self._halt.wait(self.interval_s):
+                self.sample_once()
+                return
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+    def sample_once(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        seen: dict[int, tuple[str, float]] = {}
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                times = proc.cpu_times()
+                role = "driver" if proc.pid == me.pid else role_of(" ".join(proc.cmdline()) or proc.name())
+                seen[proc.pid] = (role, times.user + times.system)
+            except psutil.Error:
+                continue  # ended meanwhile
+        self.samples.append((time.time(), seen))
+
+    def per_step(self, start: float, end: float, steps: int) -> dict[str, float]:
+        """Role -> CPU seconds a step between wall-clock ``start`` and ``end`` (the samples nearest
+        inside them); a process that ended or started between them counts what was seen of it."""
+        times = [t for t, _ in self.samples]
+        first = self.samples[min(bisect.bisect_left(times, start), len(times) - 1)][1]
+        last = self.samples[max(bisect.bisect_right(times, end) - 1, 0)][1]
+        used: dict[str, float] = {}
+        for pid, (role, cpu) in last.items():
+            used[role] = used.get(role, 0.0) + cpu - first.get(pid, (role, 0.0))[1]
+        return {role: round(s / steps, 4) for role, s in sorted(used.items())}
