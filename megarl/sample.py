@@ -15,6 +15,7 @@ that mixed two weight versions: new weights over the KV cache the previous ones 
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,7 +63,7 @@ class SamplingMask:
         np.cumsum(lengths, out=offsets[1:])
         if offsets[-1] > np.iinfo(np.int32).max:
             raise ValueError(f"sampling mask has {offsets[-1]} entries, more than int32 offsets can index")
-        ids = np.fromiter((i for r in rows for i in r), dtype=np.int32, count=int(offsets[-1]))
+        ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=int(offsets[-1]))
         return cls(ids=ids, offsets=offsets.astype(np.int32))
 
     @property

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import orjson
 import pybase64
 
 from megarl.engines.coalesce import BatchCoalescer
@@ -81,6 +82,9 @@ def decode_routed_experts(b64: str, num_tokens: int, model: ServedModel) -> np.n
 
 def _model_versions(meta: dict, num_response: int) -> np.ndarray:
     """Per-token int32 versions from the engine's spans [{"version", "start", "end"}, ...]."""
+    spans = meta["weight_versions"]
+    if len(spans) == 1 and spans[0]["start"] == 0 and spans[0]["end"] == num_response:  # one version throughout
+        return np.full(num_response, parse_weight_version(spans[0]["version"]), dtype=np.int32)
     versions = np.zeros(num_response, dtype=np.int32)
     covered = np.zeros(num_response, dtype=bool)
     for span in meta["weight_versions"]:
@@ -98,6 +102,8 @@ def mixed_version_tokens(versions: np.ndarray, entered_in_place: Mapping[int, bo
     its cache not flushed since) up to the next change into one that was not, and from the first
     token when that is of such a version and the request reused a ``cached_prefix``; None when no
     token is mixed."""
+    if not any(entered_in_place.values()):  # no version was labelled in place: nothing can be mixed
+        return None
     mixed = np.zeros(len(versions), dtype=bool)
     changes = np.flatnonzero(np.diff(versions)) + 1
     if cached_prefix and len(versions):
@@ -236,7 +242,7 @@ class SGLangClient:
         if return_sampling_mask:
             payload["sampling_logprobs_mode"] = "selected"
         adapter = self._name_adapter(payload)
-        outs = (await self._post("/generate", payload)).json()
+        outs = orjson.loads((await self._post("/generate", payload)).content)
         return [self._to_sample(p, out, return_routed_experts, return_sampling_mask, g, "", adapter)
                 for p, out, g in zip(prompts, outs, group_ids)]
 

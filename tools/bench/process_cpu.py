@@ -27,7 +27,7 @@ def role_of(cmdline: str) -> str:
 class CpuSampler(threading.Thread):
     """Samples (time.time(), {pid: (role, cpu seconds)}) of this process tree until :meth:`stop`."""
 
-    def __init__(self, interval_s: float = 0.2):
+    def __init__(self, interval_s: float = 1.0):
         super().__init__(name="cpu-sampler", daemon=True)
         self.interval_s = interval_s
         self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
