@@ -51,7 +51,7 @@ async def rl(cfg: DictConfig, start_checkpoint: str) -> None:
             penalties = await pipe.kl_penalties(batch.samples, step)  # KL to the reference, when in the reward
             # outcome, per-turn and (with a teacher: on-policy distillation) the teacher's token advantages
             stats = assign_advantages(batch.samples, cfg.algorithm, penalties, distill=pipe.teacher is not None)
-            result = await pipe.train(batch, step)  # trainer.updates_per_step optimizer steps
+            result = await pipe.train(batch, step, penalties)  # trainer.updates_per_step optimizer steps
             synced = await pipe.sync_weights(step)
             await pipe.end_step(step, batch, stats, result, synced)
 

@@ -76,7 +76,6 @@ BAD_INPUTS = [
     (["algorithm.is_threshold_low=1.5"], "algorithm.is_threshold_low", "must be in [0, 1]"),
     (["algorithm.off_policy_veto_threshold=0"], "algorithm.off_policy_veto_threshold", "must be in (0, 1]"),
     (["algorithm.off_policy_veto_threshold_high=0.5"], "algorithm.off_policy_veto_threshold_high", "must be >= 1"),
-    (["algorithm.advantage=gae"], "algorithm.advantage", "gae needs a critic (per-token values), not built yet"),
     (["algorithm.old_policy=engine"], "algorithm.old_policy", "'engine' is not one of recompute, rollout"),
     (["algorithm.old_policy=rollout", "algorithm.off_policy_correction=tis"], "algorithm.off_policy_correction",
      "the PPO ratio to the rollout policy is the correction"),

@@ -22,6 +22,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 
 from megarl.algos.distill import fill_distill_advantages
+from megarl.algos.gae import CRITIC_ADVANTAGES
 from megarl.algos.process import fill_process_advantages
 from megarl.algos.registry import choose
 from megarl.sample import RolloutSample
@@ -135,16 +136,19 @@ def fill_advantages(samples: list[RolloutSample], estimator: str,
                     penalties: Sequence[float] | None = None) -> BatchStats:
     """Set each sample's advantage with the configured estimator over its prompt group, from its
     reward minus its penalty (e.g. the KL to the reference); the stats are of the rewards. Token-weighted
-    estimators get each sample's trained tokens (``loss_mask`` sum) as ``token_counts``."""
+    estimators get each sample's trained tokens (``loss_mask`` sum) as ``token_counts``. A critic's estimator
+    (gae) sets 0: its per-token advantages come with the critic's values, in the step
+    (:func:`megarl.algos.gae.ragged_gae`)."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     groups = group_index([s.group_id for s in samples])
     scores = rewards if penalties is None else rewards - torch.tensor(list(penalties), dtype=torch.float64)
-    fn = advantage_fn(estimator)
-    if estimator in TOKEN_WEIGHTED:
+    if estimator in CRITIC_ADVANTAGES:
+        advantages = torch.zeros_like(scores)
+    elif estimator in TOKEN_WEIGHTED:
         counts = torch.tensor([int(s.loss_mask.sum()) for s in samples], dtype=torch.float64)
-        advantages = fn(scores, groups, token_counts=counts)
+        advantages = advantage_fn(estimator)(scores, groups, token_counts=counts)
     else:
-        advantages = fn(scores, groups)
+        advantages = advantage_fn(estimator)(scores, groups)
     for sample, value in zip(samples, advantages.tolist()):
         sample.advantage = value
     group_min = torch.full((int(groups.max()) + 1,), float("inf"),

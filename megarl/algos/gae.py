@@ -13,7 +13,11 @@ variance. This is verl's ``compute_gae_advantage_return`` (``verl/trainer/ppo/co
 PPO trainer, with its ``masked_whiten``); verl's rows hold the response only, as ``loss_mask`` rows do here.
 Untrained positions get 0 in both outputs.
 
-``algorithm.advantage=gae`` needs the critic that gives ``values``; it is refused at load until one exists.
+``algorithm.advantage=gae`` needs the critic that gives ``values`` (``critic.enabled``, :mod:`megarl.trainer.critic`).
+A step's batch is ragged (samples back to back): :func:`ragged_gae` puts each sample's reward on its last
+trained token (verl's convention: its reward managers, ``verl/workers/reward_manager/naive.py``, write the
+score at ``valid_response_length - 1``, a token-level reward that is 0 elsewhere) and runs :func:`gae` on
+the rows.
 """
 from __future__ import annotations
 
@@ -49,3 +53,36 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tens
         picked = advantages[trained]
         whitened = (advantages - picked.mean()) * torch.rsqrt(picked.var(unbiased=True) + 1e-8)
         return torch.where(trained, whitened, torch.zeros_like(values)), returns
+
+
+def _rows(flat: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ragged [N] -> zero-padded rows [B, T], and the flat index of every ragged position in them."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    width = max(int(lengths.max()), 1) if len(lengths) else 1
+    row = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    index = row * width + torch.arange(len(flat)) - cu_seqlens[:-1][row]
+    grid = flat.new_zeros(len(lengths) * width)
+    grid[index] = flat
+    return grid.view(len(lengths), width), index
+
+
+def ragged_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
+               gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(whitened advantages, returns), float32 [N], of a ragged batch: ``rewards`` float [B] (each sample's
+    sequence reward, placed on its last trained token), ``values`` and ``loss_mask`` float [N] and
+    ``cu_seqlens`` int64 [B + 1] as :class:`megarl.trainer.rl_batch.RLBatch` holds them; :func:`gae` on the rows.
+    A sample without a trained token is an error (its reward would be lost)."""
+    if rewards.dim() != 1 or len(cu_seqlens) != len(rewards) + 1 or values.shape != loss_mask.shape:
+        raise ValueError(f"need rewards [B], cu_seqlens [B + 1] and values, loss_mask [N]; got {tuple(rewards.shape)}, "
+                         f"{tuple(cu_seqlens.shape)}, {tuple(values.shape)}, {tuple(loss_mask.shape)}")
+    values64, mask = _rows(values.double(), cu_seqlens)[0], _rows(loss_mask.double(), cu_seqlens)[0]
+    trained = mask > 0
+    if not trained.any(1).all():
+        raise ValueError(f"samples {(~trained.any(1)).nonzero().flatten().tolist()} have no trained token: "
+                         "GAE puts the reward on a sample's last trained token")
+    last = mask.shape[1] - 1 - trained.flip(1).int().argmax(1)
+    token_rewards = torch.zeros_like(values64)
+    token_rewards[torch.arange(len(rewards)), last] = rewards.double()
+    advantages, returns = gae(token_rewards, values64, mask, gamma, lam)
+    index = _rows(values, cu_seqlens)[1]
+    return advantages.flatten()[index].float(), returns.flatten()[index].float()

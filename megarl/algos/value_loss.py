@@ -10,6 +10,8 @@ with ``c`` the clip range; clipped where the clipped term is the larger. This is
 ``compute_value_loss`` (``verl/trainer/ppo/core_algos.py``, after TRL's PPO trainer): its loss is
 ``0.5 * agg_loss(max(...))``, which is the aggregation of ``L`` here (:mod:`megarl.algos.aggregation`),
 and its ``vf_clipfrac`` the mean of ``clipped`` over the mask.
+
+:func:`value_metrics` says how well the critic's values fit the returns.
 """
 from __future__ import annotations
 
@@ -38,3 +40,17 @@ def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: 
     trained = loss_mask > 0
     per_token = 0.5 * torch.maximum(plain, bounded)
     return ValueLoss(torch.where(trained, per_token, torch.zeros_like(per_token)), (bounded > plain) & trained)
+
+
+def value_metrics(values: torch.Tensor, returns: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
+    """Over the trained tokens (``loss_mask > 0``; all three tensors of one shape): ``critic/explained_variance``
+    ``1 - Var(R - v) / Var(R)`` (verl's ``critic/vf_explained_var``, ``verl/trainer/ppo/metric_utils.py``,
+    unbiased variances and its 1e-5 in the denominator), ``critic/value_error`` ``mean((v - R)^2)`` and
+    ``critic/values_mean``. Needs at least two trained tokens."""
+    trained = loss_mask > 0
+    if int(trained.sum()) < 2:
+        raise ValueError(f"value metrics need at least 2 trained tokens, got {int(trained.sum())}")
+    v, r = values[trained].double(), returns[trained].double()
+    explained = 1.0 - (r - v).var() / (r.var() + 1e-5)
+    return {"critic/explained_variance": float(explained), "critic/value_error": float(((v - r) ** 2).mean()),
+            "critic/values_mean": float(v.mean())}

@@ -19,6 +19,7 @@ from omegaconf import II, MISSING
 from megarl.algos.advantages import ADVANTAGES
 from megarl.algos.aggregation import AGGREGATIONS
 from megarl.algos.distill import OPD_BASELINES
+from megarl.algos.gae import CRITIC_ADVANTAGES
 from megarl.algos.kl import KL_ESTIMATORS
 from megarl.algos.off_policy import CORRECTIONS, LEVELS, OLD_POLICIES
 from megarl.algos.policy_loss import POLICY_LOSSES
@@ -170,6 +171,17 @@ class TrainerConfig(OptimizerConfig):
 
 
 @dataclass
+class CriticConfig(OptimizerConfig):
+    """PPO's value model (``algorithm.advantage=gae``, megarl/trainer/critic.py): the policy's architecture with a
+    scalar head, on the trainer ranks beside the policy (same layout), with the optimizer keys above of its own
+    and a checkpoint beside the policy's in every run checkpoint."""
+
+    enabled: bool = False  # build and train the critic (required by, and only with, algorithm.advantage=gae)
+    hf_path: Optional[str] = None  # HF checkpoint of its backbone (the head starts fresh); None = the policy's start
+    value_clip: float = setting(0.5, gt=0)  # clip range of the value loss around the values before the step
+
+
+@dataclass
 class WarmupConfig:
     """Supervised warm-up on synthetic arithmetic problems (task.name=arithmetic; the tiny demos'
     starting point). Off by default: RL starts from model.hf_path."""
@@ -315,9 +327,12 @@ class AlgorithmConfig:
     ``off_policy_level``; rejected tokens (mis, off_policy_rejection, the vetoes, off_policy_mask_kl) leave the
     loss and its denominator."""
 
-    # grpo | dr_grpo | rloo | reinforce_pp (REINFORCE++-baseline, whitened over tokens) | opd (0: the teacher's alone);
-    # gae (verl's compute_gae_advantage_return, megarl/algos/gae.py) is refused: it needs a critic, not built yet
-    advantage: str = setting("grpo", choices=tuple(ADVANTAGES))
+    # grpo | dr_grpo | rloo | reinforce_pp (REINFORCE++-baseline, whitened over tokens) | opd (0: the teacher's alone)
+    # | gae (PPO with a value model: verl's compute_gae_advantage_return over the critic's values, needs
+    # critic.enabled; megarl/algos/gae.py)
+    advantage: str = setting("grpo", choices=(*ADVANTAGES, *CRITIC_ADVANTAGES))
+    gamma: float = setting(1.0, ge=0, le=1)  # gae: discount per token
+    lam: float = setting(1.0, ge=0, le=1)  # gae: the lambda of GAE (1: Monte-Carlo returns minus values)
     policy_loss: str = setting("ppo", choices=tuple(POLICY_LOSSES))  # ppo | gspo | cispo | sapo
     # the PPO ratio's old policy: recompute (the trainer's log-probs before the step's first update, one
     # forward-only pass when trainer.updates_per_step > 1) | rollout (the engine's log-probs: verl's bypass mode,
@@ -399,6 +414,7 @@ class MegarlConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)

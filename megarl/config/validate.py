@@ -11,7 +11,6 @@ from __future__ import annotations
 from omegaconf import DictConfig
 
 from megarl.agents.parsers import tool_call_parser
-from megarl.algos.advantages import ADVANTAGES
 from megarl.algos.gae import CRITIC_ADVANTAGES
 from megarl.algos.rejection import rejection_config_error
 from megarl.config.errors import ConfigError, PlacementError, fail, one_line
@@ -29,9 +28,6 @@ __all__ = ["PlacementError", "checkpoint_arch", "validate"]
 
 
 def validate(cfg: DictConfig) -> None:
-    if cfg.algorithm.advantage in CRITIC_ADVANTAGES:  # before the names: say why, not only that it is unknown
-        fail("algorithm.advantage", f"{cfg.algorithm.advantage} needs a critic (per-token values), not built yet; "
-             f"choose one of {', '.join(ADVANTAGES)}")
     found = out_of_bounds(cfg, MegarlConfig)
     if found is not None:
         fail(*found)
@@ -45,6 +41,7 @@ def validate(cfg: DictConfig) -> None:
         fail("sync.delta", why)
     _check_rollout(cfg, arch)
     _check_algorithm(cfg)
+    _check_critic(cfg)
     _check_distillation(cfg)
     if cfg.task.name in DATASET_TASKS and not cfg.task.path:
         fail("task.path", f"task {cfg.task.name} needs the dataset file")
@@ -174,6 +171,29 @@ def _check_algorithm(cfg: DictConfig) -> None:
         if a.policy_loss != "ppo":
             fail("algorithm.dual_clip", f"applies to the ppo policy loss only, not {a.policy_loss}")
     _check_rejection(a)
+
+
+def _check_critic(cfg: DictConfig) -> None:
+    """GAE and the critic go together; what the critic is not built for is refused."""
+    gae, critic = cfg.algorithm.advantage in CRITIC_ADVANTAGES, cfg.critic.enabled
+    if gae and not critic:
+        fail("critic.enabled", f"algorithm.advantage={cfg.algorithm.advantage} needs a critic's per-token values: "
+             "set critic.enabled=true (PPO with a value model)")
+    if critic and not gae:
+        fail("algorithm.advantage", f"critic.enabled trains a value model that only gae uses, not "
+             f"{cfg.algorithm.advantage}: set algorithm.advantage=gae or critic.enabled=false")
+    if not critic:
+        return
+    if cfg.lora.enabled:
+        fail("critic.enabled", "the critic is not built with LoRA: it trains all its weights; set lora.enabled=false")
+    if cfg.parallel.cp > 1:
+        fail("critic.enabled", f"the critic does not run under context parallelism (parallel.cp={cfg.parallel.cp}); "
+             "use parallel.cp=1")
+    if cfg.algorithm.off_policy_mask_kl is not None:
+        fail("algorithm.off_policy_mask_kl", "needs per-sequence advantages; gae gives per-token ones")
+    if cfg.teacher.hf_path:
+        fail("algorithm.advantage", "gae takes the sequence reward alone; on-policy distillation's per-token "
+             "advantages (teacher.hf_path) do not combine with it")
 
 
 def _check_rejection(a: DictConfig) -> None:

@@ -62,7 +62,8 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
                          transformer_impl: str = "auto", dispatcher: str = "alltoall",
                          ddp_config=None, routing_replay: bool = False,
                          moe_aux_loss_coeff: float = 0.0, load_weights: bool = True, recompute: str = "none",
-                         recompute_num_layers: int | None = None, lora: LoraConfig | None = None) -> MegatronModel:
+                         recompute_num_layers: int | None = None, lora: LoraConfig | None = None,
+                         value_head: bool = False) -> MegatronModel:
     """Build this rank's Megatron chunks for ``layout`` and load the HF weights into them.
 
     ``recompute``: megatron's activation recompute, ``none`` | ``selective`` (see
@@ -74,6 +75,8 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
     ``load_weights=False`` builds the architecture only (for weights loaded from a Megatron checkpoint).
     ``lora``: freeze the base and add LoRA adapters (:func:`megarl.models.lora.apply_lora`) after
     the weights are loaded and before the DDP wrap, so DDP and the optimizer see the adapters only.
+    ``value_head``: the critic's model, a scalar head in place of the output layer
+    (:func:`megarl.models.value_head.attach_value_head`), added at the same point.
     """
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
@@ -106,6 +109,10 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
     provider.finalize()
     if lora is not None:
         provider.register_pre_wrap_hook(lambda chunks: apply_lora(chunks, lora))  # after the bridge's weight load
+    if value_head:
+        from megarl.models.value_head import attach_value_head
+
+        provider.register_pre_wrap_hook(attach_value_head)
     chunks = provider.provide_distributed_model(
         ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None,
         use_cpu_initialization=not platform.is_cuda,

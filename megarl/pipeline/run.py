@@ -26,11 +26,14 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from omegaconf import DictConfig
 from rich.progress import Progress
 from transformers import AutoTokenizer
 
 from megarl.algos.advantages import BatchStats
+from megarl.algos.gae import ragged_gae
+from megarl.algos.value_loss import value_metrics
 from megarl.config.topology import RunTopology
 from megarl.engines.pool import EnginePool
 from megarl.engines.types import PauseMode
@@ -124,26 +127,58 @@ class Pipeline:
         wait_s = self.books.training_started() - t0
         return Batch(groups=taken.groups, staleness=taken.staleness, wait_s=wait_s)
 
-    async def train(self, batch: Batch, step: int) -> RLStepResult:
+    async def train(self, batch: Batch, step: int, penalties: list[float] | None = None) -> RLStepResult:
         """``trainer.updates_per_step`` optimizer steps on ``batch`` (advantages filled): its prompt
         groups split, in order, into as many mini-batches of near-equal size, one ``rl_step`` each
         (:func:`combine_updates` joins their results). With several and ``algorithm.old_policy=recompute``
         the trainer's log-probs of the whole batch are taken once before the first: every update's PPO
-        ratio (and ``mismatch/*``) is against the policy before the step. ``rollout/mixed_version_tokens``
-        counts the response tokens left out of the loss because their forward mixed two weight versions."""
+        ratio (and ``mismatch/*``) is against the policy before the step. With a critic, its values of the
+        whole batch come first and give the GAE advantages (:meth:`gae_targets`, ``penalties``: what
+        :meth:`kl_penalties` took from each reward), and the critic trains on each mini-batch after the
+        policy. ``rollout/mixed_version_tokens`` counts the response tokens left out of the loss because
+        their forward mixed two weight versions."""
         parts = split_evenly(batch.groups, self.cfg.trainer.updates_per_step)
-        whole = self.rl_batch([s for g in batch.groups for s in g.samples], step)
+        samples = [s for g in batch.groups for s in g.samples]
+        whole = self.rl_batch(samples, step)
+        fit = await self.gae_targets(whole, samples, penalties) if self.cfg.critic.enabled else {}
         if len(parts) > 1 and self.cfg.algorithm.old_policy == "recompute":
             whole.old_logprobs = await self.trainer.policy_logprobs(whole, **self.step_kwargs())
         results, start = [], 0
         for groups in parts:
             count = sum(len(g.samples) for g in groups)
-            results.append(await self.trainer.rl_step(whole.select(range(start, start + count)), self.cfg.algorithm,
-                                                      **self.step_kwargs()))
+            results.append(await self._update(whole.select(range(start, start + count))))
             start += count
         combined = combine_updates(results)
-        combined.metrics["rollout/mixed_version_tokens"] = float(whole.mixed_tokens)
+        combined.metrics |= fit | {"rollout/mixed_version_tokens": float(whole.mixed_tokens)}
         return combined
+
+    async def _update(self, mini: RLBatch) -> RLStepResult:
+        """One policy update on the mini-batch ``mini``, then, with a critic, one critic update on it (its
+        ``critic/*`` metrics join the result's)."""
+        result = await self.trainer.rl_step(mini, self.cfg.algorithm, **self.step_kwargs())
+        if self.cfg.critic.enabled:
+            fitted = await self.trainer.critic_step(mini, value_clip=self.cfg.critic.value_clip,
+                                                    **self.critic_kwargs())
+            result.metrics |= fitted.metrics
+        return result
+
+    async def gae_targets(self, whole: RLBatch, samples: list[RolloutSample],
+                          penalties: list[float] | None) -> dict[str, float]:
+        """Fill ``whole``'s ``old_values`` (the critic's, before the step), ``returns`` and ``token_advantages``
+        (GAE at ``algorithm.gamma`` / ``lam``, whitened, :func:`megarl.algos.gae.ragged_gae`) from each
+        sample's reward minus its penalty; the values' fit to the returns (:func:`value_metrics`)."""
+        if whole.token_advantages is not None:
+            raise ValueError("algorithm.advantage=gae takes the sequence reward alone, but the batch has per-token "
+                             "advantages (turn rewards)")
+        a = self.cfg.algorithm
+        values = await self.trainer.critic_values(whole, **self.critic_kwargs())
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        if penalties is not None:
+            rewards -= torch.tensor(penalties, dtype=torch.float64)
+        whole.token_advantages, whole.returns = ragged_gae(rewards, values, whole.loss_mask, whole.cu_seqlens,
+                                                           a.gamma, a.lam)
+        whole.old_values = values
+        return value_metrics(values, whole.returns, whole.loss_mask)
 
     def rl_batch(self, samples: list[RolloutSample], step: int) -> RLBatch:
         """The trainer's tensors for ``samples`` (advantages filled) at ``step``, where the trainer
@@ -166,6 +201,12 @@ class Pipeline:
         return dict(vocab_size=self.vocab_size, max_tokens_per_microbatch=self.cfg.trainer.max_tokens_per_microbatch,
                     keep_routing=r.keep_routing, sequence_parallel=p.sequence_parallel, temperature=r.temperature,
                     pack=self.cfg.trainer.pack_sequences, pad_id=self.pad_id)
+
+    def critic_kwargs(self) -> dict:
+        """The critic_values / critic_step arguments that come from the config."""
+        return dict(max_tokens_per_microbatch=self.cfg.trainer.max_tokens_per_microbatch,
+                    sequence_parallel=self.cfg.parallel.sequence_parallel, pack=self.cfg.trainer.pack_sequences,
+                    pad_id=self.pad_id)
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         """Sync the trainer's weights into the engines as ``version`` and let generation use them;

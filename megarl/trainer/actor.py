@@ -36,6 +36,7 @@ class TrainerRank:
         self.layout: Layout | None = None
         self.trainable = None
         self.reference = None
+        self.critic = None
         self._weight_sync = None
 
     def join(self, rank: int, layout: Layout, master_addr: str, master_port: int, backend: str, seed: int,
@@ -60,7 +61,7 @@ class TrainerRank:
 
         if self._weight_sync is not None:
             self._weight_sync.abort()  # closes its links
-        self._weight_sync = self.trainable = self.reference = None
+        self._weight_sync = self.trainable = self.reference = self.critic = None
         self.rank = self.layout = None
         forget_groups()
         # Tensors of the last forward that megatron keeps on its modules (the MoE token dispatcher's) hold
@@ -77,10 +78,11 @@ class TrainerRank:
         gc.collect()
         return os.getpid()
 
-    def build(self, hf_path: str, optimizer, model) -> int:
+    def build(self, hf_path: str, optimizer, model, critic=None) -> int:
         """Build model, DDP and optimizer from the HF checkpoint (``optimizer``: OptimizerSettings,
-        ``model``: model_setup.ModelSettings), and the KL reference from the same weights when
-        asked; returns this rank's parameter count."""
+        ``model``: model_setup.ModelSettings), the KL reference from the same weights when asked, and
+        the critic with ``critic`` (critic.CriticSettings); returns this rank's policy parameter count."""
+        from megarl.trainer.critic import build_critic
         from megarl.trainer.model_setup import build_trainable
         from megarl.trainer.reference import ReferenceWeights
 
@@ -89,6 +91,7 @@ class TrainerRank:
                                          moe_aux_loss_coeff=model.moe_aux_loss_coeff, recompute=model.recompute,
                                          recompute_num_layers=model.recompute_num_layers, lora=model.lora)
         self.reference = ReferenceWeights(self.trainable.chunks) if model.reference else None
+        self.critic = None if critic is None else build_critic(critic, self.layout, model)
         return sum(p.numel() for chunk in self.trainable.chunks for p in chunk.parameters())
 
     def is_reporter(self) -> bool:
@@ -127,6 +130,24 @@ class TrainerRank:
             raise ValueError("algorithm.kl_in_reward needs the reference policy (built when algorithm.kl_coef != 0)")
         return sequence_kl(self.trainable.chunks, batch, algo.kl_type, self.reference, **kwargs)
 
+    def critic_values(self, batch, **kwargs):
+        """The critic's values of ``batch`` before the step's updates (``megarl.trainer.critic.critic_values``)."""
+        from megarl.trainer.critic import critic_values
+
+        return critic_values(self._built_critic().chunks, batch, **kwargs)
+
+    def critic_step(self, batch, **kwargs):
+        """One critic update (``megarl.trainer.critic.critic_step``); its ``RLStepResult``."""
+        from megarl.trainer.critic import critic_step
+
+        c = self._built_critic()
+        return critic_step(c.chunks, c.optimizer, c.scheduler, batch, **kwargs)
+
+    def _built_critic(self):
+        if self.critic is None:
+            raise ValueError("no critic on this trainer (critic.enabled is false)")
+        return self.critic
+
     def save_hf(self, out_dir: str) -> str:
         """Gather every shard into an HF checkpoint at ``out_dir`` (all ranks take part)."""
         from megarl.models.bridge import save_hf_checkpoint
@@ -145,13 +166,14 @@ class TrainerRank:
         """Save model, optimizer, scheduler and RNG at ``step`` with the driver's data position (collective)."""
         from megarl.trainer.checkpoint import save_checkpoint
 
-        return str(save_checkpoint(root, step, self.trainable, data_position))
+        return str(save_checkpoint(root, step, self.trainable, data_position, critic=self.critic))
 
     def load_checkpoint(self, root: str):
-        """Restore the latest checkpoint under ``root`` (collective); returns its checkpoint.Resumed."""
+        """Restore the latest checkpoint under ``root``, the critic too when there is one (collective); returns
+        its checkpoint.Resumed."""
         from megarl.trainer.checkpoint import load_checkpoint
 
-        return load_checkpoint(root, self.trainable)
+        return load_checkpoint(root, self.trainable, critic=self.critic)
 
     # --- weight sync (megarl.sync.rank.RankSync holds the state; see it for each step's contract) ---
     def _rank_sync(self):
@@ -263,9 +285,9 @@ class TrainerGroup:
             raise
 
     # --- trainer calls: each runs on every rank and returns the reporting rank's result ---------
-    async def build(self, hf_path: str, optimizer, model) -> int:
+    async def build(self, hf_path: str, optimizer, model, critic=None) -> int:
         """:meth:`TrainerRank.build` on every rank; the reporting rank's parameter count."""
-        return await self._call("build", hf_path, optimizer, model)
+        return await self._call("build", hf_path, optimizer, model, critic)
 
     async def rl_step(self, batch, algo, **kwargs):
         """One RL optimizer step over ``batch`` (``megarl.trainer.rl_step.rl_step``); its ``RLStepResult``."""
@@ -275,6 +297,14 @@ class TrainerGroup:
         """The trainer's log-probs of ``batch`` before an update, float32 [N] (``rl_step.policy_logprobs``):
         the PPO ratio's old policy of a step's mini-batches."""
         return await self._call("policy_logprobs", batch, **kwargs)
+
+    async def critic_values(self, batch, **kwargs):
+        """The critic's values of ``batch``, float32 [N] (``megarl.trainer.critic.critic_values``)."""
+        return await self._call("critic_values", batch, **kwargs)
+
+    async def critic_step(self, batch, **kwargs):
+        """One critic update on ``batch`` (``megarl.trainer.critic.critic_step``); its ``RLStepResult``."""
+        return await self._call("critic_step", batch, **kwargs)
 
     async def sequence_kl(self, batch, algo, **kwargs) -> list[float]:
         """Per sample, the summed KL of the policy to the reference (``rl_step.sequence_kl``)."""

@@ -5,11 +5,14 @@ it reshards across TP/PP/EP/DP layouts), the LR schedule, every RNG (python, num
 CUDA when present, megatron's RNG tracker), the step and the caller's data position (a small
 dict of ints, floats, strings, e.g. ``{"consumed_prompts": 512, "rng_seed": 7}``). A LoRA model's
 checkpoint holds its adapters (and their optimizer state) only; the base is rebuilt from its HF
-checkpoint.
+checkpoint. With a critic (:mod:`megarl.trainer.critic`) its model, optimizer state and LR schedule are
+a second dist_checkpointing checkpoint in the ``critic/`` subdirectory, covered by the same
+``complete.json``.
 
 Layout on disk, under a root directory::
 
     root/iter_0000012/                one checkpoint: dist_checkpointing files, metadata.json and
+    root/iter_0000012/critic/         the critic's dist_checkpointing files (runs with a critic)
     root/iter_0000012/complete.json   every file's size and xxh3-64 checksum, written last
     root/latest                       the step of the newest checkpoint saved, as text
 
@@ -45,6 +48,7 @@ from megarl.trainer import save_results_queue
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
+CRITIC_DIR = "critic"  # the critic's checkpoint inside a step's directory
 COMPLETE = "complete.json"  # a checkpoint's completion record: {"step": int, "files": {name: {size, xxh3_64}}}
 _HASH_CHUNK = 16 << 20  # bytes read at a time while checksumming
 FORMAT = "torch_dist"
@@ -89,8 +93,9 @@ def latest_step(root: str | Path) -> int | None:
     return int(text)
 
 
-def save_checkpoint(root: str | Path, step: int, trainable, data_position: dict[str, Any]) -> Path:
-    """Save this rank's share of ``trainable`` (a model_setup.TrainableModel) at ``step``.
+def save_checkpoint(root: str | Path, step: int, trainable, data_position: dict[str, Any], critic=None) -> Path:
+    """Save this rank's share of ``trainable`` (a model_setup.TrainableModel) at ``step``, and of ``critic``
+    (another, the value model) when given.
 
     Collective: every rank calls it with the same ``root``, ``step`` and ``data_position``.
     Returns the final ``root/iter_<step>`` directory once ``latest`` names it.
@@ -109,9 +114,7 @@ def save_checkpoint(root: str | Path, step: int, trainable, data_position: dict[
         shutil.rmtree(tmp, ignore_errors=True)  # a stale one from an earlier crash
         tmp.mkdir(parents=True)
     torch.distributed.barrier()
-    state = _model_state(trainable)
-    optimizer = _OptimizerState(trainable.optimizer, state, is_loading=False)
-    state["optimizer"] = optimizer.shards
+    state, optimizer = _trainer_state(trainable, is_loading=False)
     state["rng_state"] = _rng_object(_rng_state())
     state["megarl"] = {"step": step, "data_position": data_position, "model": _model_signature(trainable),
                        "layout": _layout_signature(), "optimizer": optimizer.common()}
@@ -120,6 +123,8 @@ def save_checkpoint(root: str | Path, step: int, trainable, data_position: dict[
     dist_checkpointing.save(state, str(tmp), sharded_strategy=get_default_save_sharded_strategy(FORMAT),
                             async_sharded_save=False)
     torch.distributed.barrier()
+    if critic is not None:
+        _save_critic(tmp / CRITIC_DIR, critic)
     files = _gather_shares({name: _file_record(tmp / name) for name in _share(_file_names(tmp))})
     if rank0:
         _write_completion_record(tmp, step, files)
@@ -129,15 +134,15 @@ def save_checkpoint(root: str | Path, step: int, trainable, data_position: dict[
     return final
 
 
-def load_checkpoint(root: str | Path, trainable, step: int | None = None) -> Resumed:
-    """Restore ``trainable`` from ``root/iter_<step>`` (default: the newest complete checkpoint
-    under ``root``, see :func:`newest_complete`).
+def load_checkpoint(root: str | Path, trainable, step: int | None = None, critic=None) -> Resumed:
+    """Restore ``trainable`` (and ``critic`` when given) from ``root/iter_<step>`` (default: the newest
+    complete checkpoint under ``root``, see :func:`newest_complete`).
 
-    Collective. Raises :class:`CheckpointError` for a missing or incomplete checkpoint and for
-    one whose model differs from ``trainable``'s (layer count, sizes, experts).
+    Collective. Raises :class:`CheckpointError` for a missing or incomplete checkpoint, for one whose
+    model differs from ``trainable``'s (layer count, sizes, experts), and, with ``critic``, for one
+    without a critic or with another critic model.
     """
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 
     path, skipped = _resolve(Path(root), step)
     try:
@@ -149,20 +154,9 @@ def load_checkpoint(root: str | Path, trainable, step: int | None = None) -> Res
     saved = common["megarl"]
     _check_model(path, saved["model"], _model_signature(trainable))
     rng_restored = saved["layout"] == _layout_signature()
-    state = _model_state(trainable)
-    optimizer = _OptimizerState(trainable.optimizer, state, is_loading=True)
-    state["optimizer"] = optimizer.shards
-    if rng_restored:
-        state["rng_state"] = _rng_object(None)
-    try:
-        loaded = dist_checkpointing.load(state, str(path),
-                                         sharded_strategy=get_default_load_sharded_strategy(str(path)))
-        for index, module in enumerate(_modules(trainable)):  # a LoRA model's base stays as built
-            module.load_state_dict(loaded[_model_key(trainable, index)], strict=trainable.lora is None)
-        optimizer.load(loaded["optimizer"], saved["optimizer"])
-        trainable.scheduler.load_state_dict(loaded["scheduler"])
-    except _READ_ERRORS as exc:
-        raise CheckpointError(f"{path}: cannot load into this model ({type(exc).__name__}: {exc})") from exc
+    loaded = _load_trainer_state(path, trainable, saved["optimizer"], rng_restored)
+    if critic is not None:
+        _load_critic(path / CRITIC_DIR, critic)
     if rng_restored:
         _set_rng_state(loaded["rng_state"])
     else:
@@ -171,6 +165,68 @@ def load_checkpoint(root: str | Path, trainable, step: int | None = None) -> Res
     log.info("loaded checkpoint %s (step %d)", path, saved["step"])
     return Resumed(step=saved["step"], data_position=saved["data_position"], path=path, rng_restored=rng_restored,
                    skipped=skipped)
+
+
+def _trainer_state(trainable, is_loading: bool) -> tuple[dict, _OptimizerState]:
+    """The sharded state of ``trainable``'s model chunks and optimizer (under "optimizer"), and the latter's
+    :class:`_OptimizerState`."""
+    state = _model_state(trainable)
+    optimizer = _OptimizerState(trainable.optimizer, state, is_loading=is_loading)
+    state["optimizer"] = optimizer.shards
+    return state, optimizer
+
+
+def _load_trainer_state(path: Path, trainable, optimizer_common: dict, with_rng: bool) -> dict:
+    """Load model chunks, optimizer and LR schedule of ``trainable`` from the checkpoint at ``path``
+    (``optimizer_common``: its saved :meth:`_OptimizerState.common`); what was loaded (with the RNG
+    states when ``with_rng``). Collective."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+
+    state, optimizer = _trainer_state(trainable, is_loading=True)
+    if with_rng:
+        state["rng_state"] = _rng_object(None)
+    try:
+        loaded = dist_checkpointing.load(state, str(path),
+                                         sharded_strategy=get_default_load_sharded_strategy(str(path)))
+        for index, module in enumerate(_modules(trainable)):  # a LoRA model's base stays as built
+            module.load_state_dict(loaded[_model_key(trainable, index)], strict=trainable.lora is None)
+        optimizer.load(loaded["optimizer"], optimizer_common)
+        trainable.scheduler.load_state_dict(loaded["scheduler"])
+    except _READ_ERRORS as exc:
+        raise CheckpointError(f"{path}: cannot load into this model ({type(exc).__name__}: {exc})") from exc
+    return loaded
+
+
+def _save_critic(directory: Path, critic) -> None:
+    """Save the critic (a model_setup.TrainableModel) as a checkpoint of its own at ``directory``. Collective."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    if torch.distributed.get_rank() == 0:
+        directory.mkdir()
+    torch.distributed.barrier()
+    state, optimizer = _trainer_state(critic, is_loading=False)
+    state["megarl"] = {"model": _model_signature(critic), "optimizer": optimizer.common()}
+    state["scheduler"] = critic.scheduler.state_dict()
+    dist_checkpointing.save(state, str(directory), sharded_strategy=get_default_save_sharded_strategy(FORMAT),
+                            async_sharded_save=False)
+    torch.distributed.barrier()
+
+
+def _load_critic(directory: Path, critic) -> None:
+    """Restore the critic from its checkpoint at ``directory`` (:func:`_save_critic`). Collective."""
+    from megatron.core import dist_checkpointing
+
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory.parent} holds no critic (its run trained none): a run with "
+                              "critic.enabled cannot resume from it")
+    try:
+        saved = dist_checkpointing.load_common_state_dict(str(directory))["megarl"]
+    except _READ_ERRORS as exc:
+        raise CheckpointError(f"{directory}: unreadable critic checkpoint ({type(exc).__name__}: {exc})") from exc
+    _check_model(directory, saved["model"], _model_signature(critic))
+    _load_trainer_state(directory, critic, saved["optimizer"], with_rng=False)
 
 
 def newest_complete(root: Path) -> tuple[Path, tuple[str, ...]]:

@@ -48,7 +48,10 @@ class TrainableModel:
 def build_trainable(hf_path: str, layout: Layout, settings: OptimizerSettings, *, transformer_impl: str = "auto",
                     dispatcher: str = "alltoall", routing_replay: bool = False,
                     moe_aux_loss_coeff: float = 0.0, recompute: str = "none",
-                    recompute_num_layers: int | None = None, lora: LoraConfig | None = None) -> TrainableModel:
+                    recompute_num_layers: int | None = None, lora: LoraConfig | None = None,
+                    value_head: bool = False) -> TrainableModel:
+    """The model (``value_head``: the critic's, :func:`megarl.models.bridge.build_megatron_model`), its
+    DDP and its optimizer and LR schedule on this rank."""
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.utils import get_model_config
 
@@ -59,7 +62,7 @@ def build_trainable(hf_path: str, layout: Layout, settings: OptimizerSettings, *
     model = build_megatron_model(hf_path, layout, dtype=settings.dtype, transformer_impl=transformer_impl,
                                  dispatcher=dispatcher, ddp_config=ddp, routing_replay=routing_replay,
                                  moe_aux_loss_coeff=moe_aux_loss_coeff, recompute=recompute,
-                                 recompute_num_layers=recompute_num_layers, lora=lora)
+                                 recompute_num_layers=recompute_num_layers, lora=lora, value_head=value_head)
     # The schedules call this after the last backward: DP/EP gradient all-reduce, the TP all-reduce
     # of sequence-parallel norm weights, and the division by the global token count.
     get_model_config(model.chunks[0]).finalize_model_grads_func = finalize_model_grads

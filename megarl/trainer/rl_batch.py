@@ -32,7 +32,9 @@ class RLBatch:
     (empty rows = full vocabulary) or None, ``token_advantages`` float32 [N] (added to the sample's
     advantage on response positions, 0 elsewhere) or None, ``old_logprobs`` float32 [N] (the trainer's
     log-probs before the step's first update, :func:`megarl.trainer.rl_step.policy_logprobs`; 0 off the
-    trained positions) or None. Per sample: ``cu_seqlens`` int64 [B + 1], ``advantages`` float32 [B]."""
+    trained positions) or None, ``old_values`` and ``returns`` float32 [N] (the critic's values before the
+    step and the GAE returns, :mod:`megarl.algos.gae`; 0 off the trained positions) or None. Per sample:
+    ``cu_seqlens`` int64 [B + 1], ``advantages`` float32 [B]."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
@@ -46,6 +48,8 @@ class RLBatch:
     token_advantages: Optional[torch.Tensor] = None
     old_logprobs: Optional[torch.Tensor] = None
     mixed_versions: Optional[torch.Tensor] = None
+    old_values: Optional[torch.Tensor] = None
+    returns: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return len(self.advantages)
@@ -74,12 +78,9 @@ class RLBatch:
             new_offsets = torch.zeros(len(positions) + 1, dtype=torch.long)
             torch.cumsum(counts, 0, out=new_offsets[1:])
             mask = CsrMask(self.sampling_mask.ids[_ranges(offsets[:-1][positions], counts)], new_offsets)
-        return RLBatch(self.tokens[positions], self.targets[positions], self.loss_mask[positions],
-                       self.rollout_logprobs[positions], self.staleness[positions], cu, self.advantages[idx],
-                       None if self.routed_experts is None else self.routed_experts[positions], mask,
-                       None if self.token_advantages is None else self.token_advantages[positions],
-                       None if self.old_logprobs is None else self.old_logprobs[positions],
-                       None if self.mixed_versions is None else self.mixed_versions[positions])
+        per_position = {name: None if getattr(self, name) is None else getattr(self, name)[positions]
+                        for name in _PER_POSITION}
+        return RLBatch(**per_position, cu_seqlens=cu, advantages=self.advantages[idx], sampling_mask=mask)
 
     def to(self, device: torch.device) -> RLBatch:
         """This batch with every tensor on ``device``."""
@@ -94,6 +95,10 @@ class RLBatch:
         """The advantage at every position, float32 [N]: the sample's, plus its token advantage."""
         per_sample = torch.repeat_interleave(self.advantages, self.lengths, output_size=len(self.tokens))
         return per_sample if self.token_advantages is None else per_sample + self.token_advantages
+
+
+_PER_POSITION = ("tokens", "targets", "loss_mask", "rollout_logprobs", "staleness", "routed_experts",
+                 "token_advantages", "old_logprobs", "mixed_versions", "old_values", "returns")
 
 
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

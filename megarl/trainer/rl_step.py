@@ -206,7 +206,9 @@ def local_micro_batches(batch: RLBatch, max_tokens: int, *, pack: bool, sequence
     return plan, dp_rank, micro_batches(batch, plan, dp_rank, pad_id, device, cp)
 
 
-def _forward_backward(chunks, micro: list, forward_step, forward_only: bool, length: int):
+def forward_backward(chunks, micro: list, forward_step, forward_only: bool, length: int):
+    """megatron's pipeline schedule over ``micro`` ((batch, ModelInput, ...) tuples) of rows of ``length``;
+    its per-micro-batch loss-function outputs (last PP stage)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     b = micro[0][1].shape[0]
@@ -244,7 +246,7 @@ def reference_logprobs(chunks: list, micro: list, *, vocab_size: int, temperatur
 
     try:
         with torch.no_grad():
-            _forward_backward(chunks, micro, forward_step, True, micro[0][1].row_length)
+            forward_backward(chunks, micro, forward_step, True, micro[0][1].row_length)
     finally:
         if replayer is not None:
             replayer.close()
@@ -279,11 +281,11 @@ def sequence_kl(chunks: list, batch: RLBatch, kl_type: str, reference: Reference
             lp, rlp = to_grid(mine, mb.cu_seqlens), to_grid(theirs, mb.cu_seqlens)
             per_token = kl_penalty(kl_type, lp, rlp, lp) * to_grid(mb.loss_mask, mb.cu_seqlens)
             local.update(zip(indices, per_token.sum(1).tolist()))
-    merged = _merge_over_dp(local)
+    merged = merge_over_dp(local)
     return [merged[i] for i in range(len(batch))]
 
 
-def _merge_over_dp(local: dict) -> dict:
+def merge_over_dp(local: dict) -> dict:
     """The union of every data-parallel rank's ``local`` {sample index: value} (a collective of the DP group)."""
     from megatron.core import parallel_state
 
@@ -313,7 +315,7 @@ def policy_logprobs(chunks: list, batch: RLBatch, *, vocab_size: int, max_tokens
     for indices, (mb, _), flat in zip(plan.per_rank[dp_rank], micro, per_micro):
         rows = flat.float().cpu().split(mb.lengths.tolist())
         local.update(zip(indices, rows))
-    merged = _merge_over_dp(local)
+    merged = merge_over_dp(local)
     return torch.cat([merged[i] for i in range(len(batch))])
 
 
@@ -461,7 +463,7 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
         elif not keep_routing:
             RouterReplay.clear_global_router_replay_action()
     try:
-        reduced = _forward_backward(chunks, micro, forward_step, False, plan.length)
+        reduced = forward_backward(chunks, micro, forward_step, False, plan.length)
     finally:
         if replayer is not None:
             agreement = [replayer.agreement.matched, replayer.agreement.total]

@@ -19,6 +19,7 @@ from megarl.pipeline.ledger import Ledger
 from megarl.tasks.prompts import Prompt
 from megarl.trainer.actor import TrainerGroup
 from megarl.trainer.checkpoint import latest_step
+from megarl.trainer.critic import CriticSettings
 from megarl.trainer.model_setup import ModelSettings
 from megarl.trainer.optimizer import OptimizerSettings
 
@@ -58,12 +59,13 @@ def start_trainer(cfg: DictConfig, layout: Layout, stack: contextlib.AsyncExitSt
 
 
 async def build_and_resume(trainer: TrainerGroup, cfg: DictConfig, start_checkpoint: str) -> Resumed:
-    """Build the model and optimizer on every rank from ``start_checkpoint``, then load the run's newest
+    """Build the model and optimizer on every rank from ``start_checkpoint`` (and the critic with
+    ``critic.enabled``), then load the run's newest
     complete checkpoint when ``trainer.resume`` is set and one was saved (``latest`` exists: a
     CheckpointError naming the directory when none of its checkpoints is complete); where the run starts."""
     t = cfg.trainer
     await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg, updates_per_step=t.updates_per_step),
-                        ModelSettings.from_config(cfg))
+                        ModelSettings.from_config(cfg), CriticSettings.from_config(cfg, start_checkpoint))
     if not (t.resume and latest_step(checkpoint_dir(cfg)) is not None):
         return Resumed()
     loaded = await trainer.load_checkpoint(str(checkpoint_dir(cfg)))
