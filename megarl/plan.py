@@ -46,12 +46,14 @@ def render(plan: LayoutPlan, console: Console) -> None:
         render_lora(plan.lora, console)
 
     trainer = Table(title=f"trainer: per-GPU memory (GB), {plan.trainer_gpus} GPUs")
-    for col in ("stage", "layers", "weights", "grads", "optimizer", "activations", "reserved", "total", "host optim."):
+    parts = ["weights", "grads", "optimizer", "activations", "reserved", "total", "host_optimizer"]
+    if any(s.critic for s in plan.trainer):  # PPO's value model beside the policy (critic.enabled)
+        parts.insert(5, "critic")
+    for col in ("stage", "layers", *parts[:-1], "host optim."):
         trainer.add_column(col, justify="right")
     for s in plan.trainer:
         g = gib_dict(s)
-        trainer.add_row(str(s.stage), str(s.layers), *(f"{g[k]:.1f}" for k in
-                        ("weights", "grads", "optimizer", "activations", "reserved", "total", "host_optimizer")))
+        trainer.add_row(str(s.stage), str(s.layers), *(f"{g[k]:.1f}" for k in parts))
     console.print(trainer)
 
     e = plan.engine

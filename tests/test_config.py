@@ -182,6 +182,8 @@ def _companions(key: str, name: str, tmp_path) -> list[str]:
                 "function": ["reward.path=megarl.tasks.rewards.exact_match_reward"]}.get(name, [])
     if (key, name) == ("algorithm.advantage", "opd"):  # distils from a teacher (checked at load, not read)
         return [f"teacher.hf_path={tmp_path / 'teacher'}", "algorithm.opd_coef=1.0"]
+    if (key, name) == ("algorithm.advantage", "gae"):  # GAE over a critic's values
+        return ["critic.enabled=true"]
     if (key, name) == ("algorithm.old_policy", "rollout"):  # the PPO ratio is the correction: no IS weight on top
         return ["algorithm.off_policy_correction=none"]
     return []

@@ -131,5 +131,5 @@ def _engine_limits(e: EngineMemory, cfg: DictConfig, what: str, key: str | None)
 
 def gib_dict(stage: StageMemory) -> dict[str, float]:
     """A stage's memory parts in GiB (for tables)."""
-    parts = ("weights", "grads", "optimizer", "activations", "reserved", "total", "host_optimizer")
+    parts = ("weights", "grads", "optimizer", "activations", "reserved", "critic", "total", "host_optimizer")
     return {k: getattr(stage, k) / GIB for k in parts}

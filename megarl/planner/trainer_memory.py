@@ -36,6 +36,12 @@ Model (Megatron-LM's own accounting, Korthikanti et al. 2022 for activations):
   the rest over TP and ``world / (tp * pp)``); the adapters' weights, in ``model.dtype``, add to the
   base's. Activations are planned as without LoRA: each adapter's rank-wide intermediate adds
   ``rank`` elements a token (about 1% of a Qwen3-30B-A3B layer's at rank 32), not modelled.
+- with a critic (``critic.enabled``: PPO's value model, the policy's architecture with a scalar head on the
+  same ranks) each stage also holds the critic's weights, gradients and Adam state (``critic``; sharded as
+  the policy's, by ``critic.use_distributed_optimizer``, in host memory with ``critic.optimizer_cpu_offload``):
+  its last stage has a replicated ``[1, hidden] + 1`` head instead of the vocabulary projection. Its
+  activations are not added: the critic runs after the policy's backward, on the same micro-batches, and
+  keeps less (no logits).
 """
 from __future__ import annotations
 
@@ -68,10 +74,11 @@ class StageMemory:
     activations: int
     reserved: int
     adapter_params: int = 0  # LoRA adapter parameters held by one GPU of this stage (the trained ones)
+    critic: int = 0  # the critic's weights, gradients and (on the device) optimizer state on one GPU
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.reserved
+        return self.weights + self.grads + self.optimizer + self.activations + self.reserved + self.critic
 
 
 def layer_activation_bytes(arch: Arch, layer: int, tokens: float, dtype_size: int, selective: bool,
@@ -129,43 +136,65 @@ def _optimizer_bytes_per_param(dtype_size: int) -> int:
     return master + 2 * FP32  # Adam exp_avg, exp_avg_sq
 
 
-def stage_memory(arch: Arch, cfg: DictConfig, stage: int) -> StageMemory:
-    """Per-GPU memory of one rank on pipeline ``stage`` for the trainer layout of ``cfg``."""
-    p, t = cfg.parallel, cfg.trainer
-    vpp = p.vpp or 1
-    etp = p.etp or p.tp
-    size = dtype_bytes(cfg.model.dtype)
-    layers = stage_layers(arch.num_layers, p.pp, vpp, stage, p.first_stage_layers, p.last_stage_layers)
+def _stage_params(arch: Arch, p: DictConfig, stage: int, layers: list[int], head: float) -> tuple[float, float]:
+    """(dense, routed-expert) parameters one GPU of pipeline ``stage`` holds; ``head``: those of the output
+    layer on the last stage (besides the final norm)."""
     counts = [layer_params(arch, i) for i in layers]
     dense = sum(c.tp_split for c in counts) / p.tp + sum(c.replicated for c in counts)
     if stage == 0:
         dense += embedding_params(arch) / p.tp
     if stage == p.pp - 1:
-        dense += head_params(arch) / p.tp + arch.hidden_size
-    experts = sum(c.experts for c in counts) / (p.ep * etp)
+        dense += head + arch.hidden_size
+    return dense, sum(c.experts for c in counts) / (p.ep * (p.etp or p.tp))
+
+
+def _optimizer_state_bytes(p: DictConfig, distributed: bool, dense: float, experts: float, size: int) -> float:
+    """Adam state of ``dense`` and routed-expert trained parameters on one GPU (``distributed``: sharded over
+    the data-parallel ranks by the distributed optimizer)."""
+    per_param = _optimizer_bytes_per_param(size)
+    if not distributed:
+        return per_param * (dense + experts)
+    dense_dp = p.world_size // (p.tp * p.pp)
+    expert_dp = p.world_size // (p.pp * p.ep * (p.etp or p.tp))
+    return per_param * (dense / dense_dp + experts / expert_dp)
+
+
+def critic_bytes(arch: Arch, cfg: DictConfig, stage: int, layers: list[int]) -> tuple[float, float]:
+    """(device, host) bytes of the critic on one GPU of ``stage``: weights, fp32 gradients and Adam state
+    (the latter in host memory with ``critic.optimizer_cpu_offload``); (0, 0) without a critic."""
+    c = cfg.critic
+    if not c.enabled:
+        return 0.0, 0.0
+    size = dtype_bytes(cfg.model.dtype)
+    dense, experts = _stage_params(arch, cfg.parallel, stage, layers, head=arch.hidden_size + 1)
+    optimizer = _optimizer_state_bytes(cfg.parallel, c.use_distributed_optimizer, dense, experts, size)
+    on_device = (size + FP32) * (dense + experts) + (0 if c.optimizer_cpu_offload else optimizer)
+    return on_device, optimizer if c.optimizer_cpu_offload else 0.0
+
+
+def stage_memory(arch: Arch, cfg: DictConfig, stage: int) -> StageMemory:
+    """Per-GPU memory of one rank on pipeline ``stage`` for the trainer layout of ``cfg``."""
+    p, t = cfg.parallel, cfg.trainer
+    size = dtype_bytes(cfg.model.dtype)
+    layers = stage_layers(arch.num_layers, p.pp, p.vpp or 1, stage, p.first_stage_layers, p.last_stage_layers)
+    dense, experts = _stage_params(arch, p, stage, layers, head=head_params(arch) / p.tp)
     params = dense + experts
     lora = LoraConfig.when_enabled(cfg.lora)
     if lora is not None:  # the base is frozen: only the adapters have gradients and optimizer state
         adapters = adapter_count(arch, lora, layers)
-        dense, experts = adapters.tp_split / p.tp, adapters.experts / (p.ep * etp)
+        dense, experts = adapters.tp_split / p.tp, adapters.experts / (p.ep * (p.etp or p.tp))
     trained = dense + experts
-
-    dense_dp = p.world_size // (p.tp * p.pp)
-    expert_dp = p.world_size // (p.pp * p.ep * etp)
-    opt_per_param = _optimizer_bytes_per_param(size)
-    if t.use_distributed_optimizer:
-        optimizer = opt_per_param * (dense / dense_dp + experts / expert_dp)
-    else:
-        optimizer = opt_per_param * trained
+    optimizer = _optimizer_state_bytes(p, t.use_distributed_optimizer, dense, experts, size)
     host_optimizer = optimizer if t.optimizer_cpu_offload else 0
+    critic, critic_host = critic_bytes(arch, cfg, stage, layers)
 
     activations = _activation_bytes(arch, cfg, stage, layers, size)
     adapter_params = trained if lora is not None else 0
     return StageMemory(
         stage=stage, layers=len(layers), params=round(params), weights=round(size * (params + adapter_params)),
         grads=round(FP32 * trained), optimizer=0 if t.optimizer_cpu_offload else round(optimizer),
-        host_optimizer=round(host_optimizer), activations=round(activations),
-        reserved=round(t.reserved_memory_gb * GIB), adapter_params=round(adapter_params),
+        host_optimizer=round(host_optimizer + critic_host), activations=round(activations),
+        reserved=round(t.reserved_memory_gb * GIB), adapter_params=round(adapter_params), critic=round(critic),
     )
 
 
