@@ -65,6 +65,8 @@ BAD_INPUTS = [
     (["parallel.world_size=2", "parallel.cp=2"], "parallel.cp", "needs transformer-engine's attention"),
     (["sync.transport=carrier_pigeon"], "sync.transport", "not one of auto, distributed, tensor, disk"),
     (["buffer.partial_rollout=later"], "buffer.partial_rollout", "'later' is not one of continue, abort_resubmit"),
+    (["buffer.partial_rollout=in_place", "placement=colocated"], "buffer.partial_rollout",
+     "colocated placement holds none"),
     (["algorithm.advantage=ppo"], "algorithm.advantage", "'ppo' is not one of grpo, dr_grpo, rloo, reinforce_pp"),
     (["algorithm.policy_loss=ppoo"], "algorithm.policy_loss", "'ppoo' is not one of ppo, gspo, cispo"),
     (["algorithm.loss_agg=sum"], "algorithm.loss_agg", "is not one of token_mean, seq_mean_token_mean"),

@@ -385,7 +385,9 @@ class AlgorithmConfig:
 class BufferConfig:
     max_staleness: int = setting(1, ge=0)
     max_buffer_batches: int = setting(2, ge=1)
-    partial_rollout: str = setting("continue", choices=PARTIAL_ROLLOUT_MODES)  # continue | abort_resubmit
+    # continue (retract: requests resume on the new weights) | abort_resubmit | in_place (requests keep their KV
+    # cache across the sync; tokens the new weights sample over the old cache are left out of the loss)
+    partial_rollout: str = setting("continue", choices=PARTIAL_ROLLOUT_MODES)
 
 
 @dataclass

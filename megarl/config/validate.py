@@ -105,7 +105,8 @@ def _check_parallel(cfg: DictConfig, arch: dict) -> None:
 
 def _check_rollout(cfg: DictConfig, arch: dict) -> None:
     """The sampling mask needs a finite top-k within the vocabulary (a larger one masks nothing, and the
-    engine would send whole-vocabulary masks); the tool-call parser is one SGLang has."""
+    engine would send whole-vocabulary masks); the tool-call parser is one SGLang has; in-place pauses need
+    requests in flight across a sync (not colocated)."""
     r, vocab = cfg.rollout, arch["vocab_size"]
     if r.keep_sampling_mask and r.top_k < 1:
         fail("rollout.top_k", "Keep Sampling Mask needs a finite top_k > 0 (the engine returns at most top_k ids)")
@@ -113,6 +114,10 @@ def _check_rollout(cfg: DictConfig, arch: dict) -> None:
         fail("rollout.top_k", f"{r.top_k} is not below the model's vocabulary of {vocab} tokens: top-k would keep "
             f"every token, so the sampling mask would be off; set a top_k < {vocab}, or -1 for no top-k "
             "(with rollout.keep_sampling_mask=false)")
+    if cfg.buffer.partial_rollout == "in_place" and cfg.placement == "colocated":
+        fail("buffer.partial_rollout", "in_place keeps requests running across a weight sync; colocated placement "
+             "holds none (its engines finish or abort them and release their memory while training): use "
+             "continue or abort_resubmit")
     try:
         tool_call_parser(r.tool_call_parser, None)
     except ValueError as exc:  # the message names rollout.tool_call_parser

@@ -14,7 +14,8 @@ from omegaconf import DictConfig
 
 from megarl.engines.types import PauseMode
 
-PAUSE_FOR_PARTIAL_ROLLOUT = {"continue": PauseMode.RETRACT, "abort_resubmit": PauseMode.ABORT}
+PAUSE_FOR_PARTIAL_ROLLOUT = {"continue": PauseMode.RETRACT, "abort_resubmit": PauseMode.ABORT,
+                             "in_place": PauseMode.IN_PLACE}
 
 
 def lag_and_capacity(cfg: DictConfig) -> tuple[int, int, int]:

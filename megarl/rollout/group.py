@@ -17,7 +17,8 @@ Every outcome is counted, none is fatal:
 - with ``partial_rollout="abort_resubmit"`` a sample that comes back aborted (``pause(ABORT)``,
   e.g. for a weight update) is resubmitted as prompt + its response so far and the two parts are
   spliced into one sample (:func:`splice_continuation`); with ``"continue"`` it is kept as it is
-  (the driver pauses with retract / in_place, and requests resume under the new weights).
+  (the driver pauses with retract, and requests resume under the new weights), and so with ``"in_place"``
+  (the driver pauses in place: requests keep their KV cache; the tokens that mix versions are marked).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from megarl.tasks.rewards import RewardScorer
 
 log = logging.getLogger(__name__)
 
-PARTIAL_ROLLOUT_MODES = ("continue", "abort_resubmit")
+PARTIAL_ROLLOUT_MODES = ("continue", "abort_resubmit", "in_place")
 
 
 @dataclass
