@@ -30,6 +30,13 @@ def test_gae_and_the_critic_require_each_other(overrides, key, why):
     assert message.startswith(f"{key}: ") and why in message and "\n" not in message, message
 
 
+def test_the_critics_checkpoint_is_checked_before_the_run(tmp_path):
+    from megarl.config.inputs import check_inputs
+
+    with pytest.raises(ConfigError, match=r"^critic.hf_path: .*/nowhere is not an HF checkpoint directory"):
+        check_inputs(load_config([*PPO, f"critic.hf_path={tmp_path / 'nowhere'}"]))
+
+
 def test_the_ppo_recipe_loads_with_gae_and_a_critic():
     cfg = load_config(PPO)
     assert cfg.algorithm.advantage == "gae" and cfg.critic.enabled and cfg.critic.hf_path is None
@@ -116,11 +123,11 @@ def test_value_metrics_against_numpy():
 
 def test_the_planner_adds_the_critics_weights_gradients_and_adam_state(tmp_path, capsys):
     """The tiny model's critic: every parameter but the vocabulary head, plus a [1, hidden] head and its bias,
-    each with an fp32 weight, fp32 gradient and two fp32 Adam moments (float32: no master copy; one rank)."""
-    from megarl.models.tiny_moe import make_tiny_moe
+    each with an fp32 weight, fp32 gradient and two fp32 Adam moments (float32: no master copy; one rank).
+    The recipes' architecture numbers are complete: no checkpoint is read."""
     from megarl.plan import main
 
-    ckpt = make_tiny_moe(tmp_path / "tiny")
+    ckpt = tmp_path / "absent"
     out, plain_out = tmp_path / "ppo.json", tmp_path / "grpo.json"
     assert main([*PPO, f"model.hf_path={ckpt}", "--json", str(out)]) == 0
     assert "critic" in capsys.readouterr().out

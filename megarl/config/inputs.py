@@ -1,6 +1,6 @@
 """What an RL run reads, checked before it starts anything, as far as that is cheap: the dataset file and
-its fields, the reward function's and the agent program's imports, the teacher's and frozen roles'
-checkpoints against the policy's vocabulary, the rollout length against the checkpoint's context. The
+its fields, the reward function's and the agent program's imports, the teacher's, the critic's and frozen
+roles' checkpoints against the policy's vocabulary, the rollout length against the checkpoint's context. The
 driver runs it (:func:`megarl.config.platform_rules.refuse_what_is_not_built`); the planner does not (it
 plans for machines whose files live elsewhere). Each check raises :class:`ConfigError` naming the key.
 """
@@ -39,6 +39,9 @@ def check_inputs(cfg: DictConfig) -> None:
              "(no chat_template.jinja, nor a chat_template in tokenizer_config.json)")
     if cfg.teacher.hf_path:
         _check_teacher(cfg.teacher.hf_path, checkpoint)
+    if cfg.critic.enabled and cfg.critic.hf_path:
+        _check_same_vocabulary("critic.hf_path", "the critic", cfg.critic.hf_path, checkpoint,
+                               "it values the policy's token ids")
     for i, entry in enumerate(cfg.task.role_engines if cfg.task.agent is not None else ()):
         if entry.hf_path is not None:
             _check_frozen_role(f"task.role_engines[{i}].hf_path", entry.role, entry.hf_path, checkpoint)
