@@ -85,12 +85,17 @@ def test_ragged_gae_puts_the_reward_on_the_last_trained_token(seed, gamma, lam):
     np.testing.assert_allclose(returns.numpy(), ref_ret, atol=1e-5)
 
 
-def test_ragged_gae_refuses_a_sample_without_trained_tokens():
-    cu, mask = torch.tensor([0, 3, 6]), torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
-    with pytest.raises(ValueError, match=r"samples \[1\] have no trained token"):
-        ragged_gae(torch.ones(2), torch.zeros(6), mask, cu, 1.0, 1.0)
+def test_ragged_gae_leaves_a_sample_without_trained_tokens_out():
+    """Its reward goes nowhere and its positions get 0; the other samples' numbers are theirs alone."""
+    cu, mask = torch.tensor([0, 3, 6, 8]), torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    values = torch.linspace(-1, 1, 8)
+    advantages, returns = ragged_gae(torch.tensor([1.0, 5.0, -1.0]), values, mask, cu, 1.0, 1.0)
+    alone_adv, alone_ret = ragged_gae(torch.tensor([1.0, -1.0]), values[[0, 1, 2, 6, 7]], mask[[0, 1, 2, 6, 7]],
+                                      torch.tensor([0, 3, 5]), 1.0, 1.0)
+    assert advantages[3:6].abs().max() == 0 and returns[3:6].abs().max() == 0
+    assert torch.equal(advantages[[0, 1, 2, 6, 7]], alone_adv) and torch.equal(returns[[0, 1, 2, 6, 7]], alone_ret)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        ragged_gae(torch.ones(3), torch.zeros(6), mask, cu, 1.0, 1.0)
+        ragged_gae(torch.ones(2), values, mask, cu, 1.0, 1.0)
 
 
 def test_ragged_gae_equals_gae_on_padded_rows():

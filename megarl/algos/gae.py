@@ -71,18 +71,17 @@ def ragged_gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Ten
     """(whitened advantages, returns), float32 [N], of a ragged batch: ``rewards`` float [B] (each sample's
     sequence reward, placed on its last trained token), ``values`` and ``loss_mask`` float [N] and
     ``cu_seqlens`` int64 [B + 1] as :class:`megarl.trainer.rl_batch.RLBatch` holds them; :func:`gae` on the rows.
-    A sample without a trained token is an error (its reward would be lost)."""
+    A sample without a trained token (e.g. every token of it mixed two weight versions) trains nothing: its
+    reward is placed nowhere and its advantages and returns are 0."""
     if rewards.dim() != 1 or len(cu_seqlens) != len(rewards) + 1 or values.shape != loss_mask.shape:
         raise ValueError(f"need rewards [B], cu_seqlens [B + 1] and values, loss_mask [N]; got {tuple(rewards.shape)}, "
                          f"{tuple(cu_seqlens.shape)}, {tuple(values.shape)}, {tuple(loss_mask.shape)}")
     values64, mask = _rows(values.double(), cu_seqlens)[0], _rows(loss_mask.double(), cu_seqlens)[0]
     trained = mask > 0
-    if not trained.any(1).all():
-        raise ValueError(f"samples {(~trained.any(1)).nonzero().flatten().tolist()} have no trained token: "
-                         "GAE puts the reward on a sample's last trained token")
+    rewarded = trained.any(1).nonzero().flatten()
     last = mask.shape[1] - 1 - trained.flip(1).int().argmax(1)
     token_rewards = torch.zeros_like(values64)
-    token_rewards[torch.arange(len(rewards)), last] = rewards.double()
+    token_rewards[rewarded, last[rewarded]] = rewards.double()[rewarded]
     advantages, returns = gae(token_rewards, values64, mask, gamma, lam)
     index = _rows(values, cu_seqlens)[1]
     return advantages.flatten()[index].float(), returns.flatten()[index].float()
