@@ -8,7 +8,9 @@
 - repeated critic updates on one batch lower its clipped value loss;
 - a checkpoint holds the critic under the completion record; a fresh policy and critic restored from it give
   the same values, and one more update of each copy gives the same values again (optimizer state and LR
-  schedule restored); a checkpoint without a critic cannot resume a run with one.
+  schedule restored); a checkpoint without a critic cannot resume a run with one;
+- under TP2 with sequence parallelism (the head replicated, the sequence gathered before it) the values, and
+  the values after one update, equal the single rank's.
 """
 import asyncio
 import dataclasses
@@ -25,14 +27,20 @@ pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for 
 KWARGS = dict(max_tokens_per_microbatch=24, sequence_parallel=False)
 
 
-def _build(hf_path, layout, settings):
+def _critic(hf_path, layout, settings):
+    """The critic of ``hf_path`` for ``layout``, built as the trainer ranks build it (local layers, no replay)."""
     from megarl.trainer.critic import CriticSettings, build_critic
-    from megarl.trainer.model_setup import ModelSettings, build_trainable
+    from megarl.trainer.model_setup import ModelSettings
 
     model = ModelSettings(transformer_impl="local", dispatcher="alltoall", routing_replay=False, recompute="none",
                           recompute_num_layers=None, moe_aux_loss_coeff=0.0, reference=False)
-    policy = build_trainable(hf_path, layout, settings, transformer_impl="local")
-    return policy, build_critic(CriticSettings(hf_path=hf_path, optimizer=settings), layout, model)
+    return build_critic(CriticSettings(hf_path=hf_path, optimizer=settings), layout, model)
+
+
+def _build(hf_path, layout, settings):
+    from megarl.trainer.model_setup import build_trainable
+
+    return build_trainable(hf_path, layout, settings, transformer_impl="local"), _critic(hf_path, layout, settings)
 
 
 def _head(critic) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +82,13 @@ def critic_checks(rank, layout, hf_path, settings, cfg, algo, root):
     out["half"] = half
     out["policy"] = rl_step(policy.chunks, policy.optimizer, policy.scheduler, half, algo,
                             vocab_size=hf.config.vocab_size, keep_routing=False, **KWARGS).metrics
-    out["losses"] = [critic_step(critic.chunks, critic.optimizer, critic.scheduler, whole, value_clip=10.0,
-                                 **KWARGS).metrics["critic/value_loss"] for _ in range(4)]
+    def update():
+        return critic_step(critic.chunks, critic.optimizer, critic.scheduler, whole, value_clip=10.0,
+                           **KWARGS).metrics["critic/value_loss"]
+
+    out["losses"] = [update()]
+    out["after_one"] = critic_values(critic.chunks, whole, **KWARGS)
+    out["losses"] += [update() for _ in range(3)]
     save_checkpoint(root, 1, policy, {"position": 1}, critic=critic)
     out["saved"] = critic_values(critic.chunks, whole, **KWARGS)
     fresh_policy, fresh_critic = _build(hf_path, layout, settings)
@@ -93,6 +106,17 @@ def critic_checks(rank, layout, hf_path, settings, cfg, algo, root):
     return out
 
 
+def one_update(rank, layout, hf_path, settings, batch, value_clip):
+    """This layout's critic values of ``batch`` (which carries the single rank's returns), and after one update."""
+    from megarl.trainer.critic import critic_step, critic_values
+
+    critic = _critic(hf_path, layout, settings)
+    kwargs = dict(KWARGS, sequence_parallel=layout.sequence_parallel)
+    before = critic_values(critic.chunks, batch, **kwargs)
+    critic_step(critic.chunks, critic.optimizer, critic.scheduler, batch, value_clip=value_clip, **kwargs)
+    return before, critic_values(critic.chunks, batch, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def checks(tiny_checkpoint, tmp_path_factory):
     from omegaconf import OmegaConf
@@ -105,7 +129,7 @@ def checks(tiny_checkpoint, tmp_path_factory):
     algo = dataclasses.replace(OmegaConf.to_object(cfg.algorithm), off_policy_correction="none")
     root = tmp_path_factory.mktemp("critic") / "checkpoints"
     return run_ranks(critic_checks, Layout(), tiny_checkpoint, settings, cfg, algo, str(root))[0] | {
-        "root": root, "hf_path": tiny_checkpoint, "cfg": cfg}
+        "root": root, "hf_path": tiny_checkpoint, "cfg": cfg, "settings": settings}
 
 
 def _hf_values(hf_path, batch, head) -> torch.Tensor:
@@ -165,3 +189,11 @@ def test_checkpoint_round_trip_restores_the_critic(checks):
     assert not torch.equal(mine, checks["saved"])
     torch.testing.assert_close(theirs, mine, atol=1e-6, rtol=0)
     assert "holds no critic" in checks["no_critic"]
+
+
+def test_tp2_with_sequence_parallelism_equals_one_rank(checks):
+    layout = Layout(world_size=2, tp=2, sequence_parallel=True)
+    before, after = run_ranks(one_update, layout, checks["hf_path"], checks["settings"], checks["batch"], 10.0)[0]
+    torch.testing.assert_close(before, checks["batch"].old_values, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(after, before, atol=1e-4)
+    torch.testing.assert_close(after, checks["after_one"], atol=1e-5, rtol=1e-5)
