@@ -221,6 +221,11 @@ class FakeNodes:
         _remove([n.namespace for n in self.nodes if n.namespace in existing], [*self._veths, self.bridge],
                 [n.namespace for n in self.nodes])
 
+    def set_link(self, index: int, up: bool) -> None:
+        """Bring node ``index``'s link to the bridge (the root-side end of its veth) up or down: down,
+        the node is cut off as by a pulled cable (packets dropped, no reset); up, it is back."""
+        _ip("link", "set", self._veths[index], "up" if up else "down")
+
     def leftovers(self) -> list[str]:
         """What of this cluster still exists (namespaces, links, shared-memory directories); [] after
         :meth:`down`."""

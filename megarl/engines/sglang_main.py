@@ -4,7 +4,8 @@ Points SGLang's model registry at the served architecture's module alone
 (:mod:`megarl.engines.model_registry`), applies megarl's SGLang CPU work-arounds (only when no GPU
 is present), keeps SGLang's inter-process tensors on torch's own unpickler
 (:mod:`megarl.platform.sglang_ipc`, every platform) and overlaps the receive and the load of
-weight-sync buckets (:mod:`megarl.engines.pipelined_load`), keeps the routed experts a retracted
+weight-sync buckets (:mod:`megarl.engines.pipelined_load`), bounds its weight-update groups by the
+driver's ``sync.timeout_s`` (:mod:`megarl.engines.update_group`), keeps the routed experts a retracted
 request's tokens were generated with (:mod:`megarl.platform.sglang_retracted_routes`), then runs SGLang's own
 ``sglang.launch_server`` main with the same arguments. All are applied at import time on purpose: on
 GPU SGLang starts its scheduler and detokenizer with the "spawn" start method, and a spawned child
@@ -36,12 +37,13 @@ from megarl.gc_pause import gc_paused
 
 with gc_paused():  # most of SGLang is imported here
     model_registry.install(sys.argv[1:])  # before anything imports SGLang's registry
-    from megarl.engines import pipelined_load
+    from megarl.engines import pipelined_load, update_group
     from megarl.platform import sglang_cpu, sglang_ipc, sglang_retracted_routes
 
     sglang_cpu.apply()
     sglang_ipc.install()
     pipelined_load.install()
+    update_group.install()
     sglang_retracted_routes.install()
 
 from megarl.engines.server import API_KEY_ENV  # noqa: E402  (after SGLang's set-up above)

@@ -26,6 +26,7 @@ from typing import Any
 
 from megarl.sync.buckets import Bucket, BucketIndex, BucketPacker
 from megarl.sync.delta import DeltaEncoder, DeltaPlan, KeptWeights
+from megarl.sync.errors import WeightSyncError
 from megarl.sync.gather import is_stage_sender, pipeline_stage, stage_hf_stream
 from megarl.sync.transports import Sender, SenderSpec, make_sender
 
@@ -155,19 +156,11 @@ class RankSync:
         bucket, self._ready = self._ready, None
         payload = self._sender.prepare(bucket)
         errors: list = []
-        thread = threading.Thread(target=self._transfer, args=(bucket, errors), name="weight-sync-send", daemon=True)
+        thread = threading.Thread(target=_transfer, args=(self._sender, self._stats, bucket, errors),
+                                  name="weight-sync-send", daemon=True)
         self._inflight = (thread, bucket, errors)
         thread.start()
         return payload
-
-    def _transfer(self, bucket: Bucket, errors: list) -> None:
-        t0 = time.perf_counter()
-        try:
-            self._sender.transfer(bucket)
-        except BaseException as e:  # re-raised on the rank's main thread by _join
-            errors.append(e)
-        finally:
-            self._stats.send_s += time.perf_counter() - t0
 
     def _join(self) -> None:
         if self._inflight is None:
@@ -179,7 +172,7 @@ class RankSync:
             self._spare.append(bucket.allocation)
         del bucket
         if errors:
-            raise RuntimeError(f"weight-sync transfer failed on stage {self.stage}: {errors[0]}") from errors[0]
+            raise WeightSyncError(f"weight-sync transfer failed on stage {self.stage}: {errors[0]}") from errors[0]
 
     def finish(self) -> dict | None:
         """Wait for the last transfer and end the sync; the sender's :class:`SenderStats` as a dict."""
@@ -206,12 +199,17 @@ class RankSync:
         return asdict(stats) if self.is_sender and stats is not None else None
 
     def abort(self) -> None:
-        """Drop the running sync; the links are closed too (a failed transfer leaves them unusable).
+        """Drop the running sync and close the links (a failed transfer leaves them unusable).
 
-        Waits for a transfer in progress, which the link's timeout bounds."""
+        Returns at once: a transfer still in progress is left to its thread, which the transport
+        bounds (``sync.timeout_s``); its bucket stays alive until then."""
+        if self._inflight is not None and self._inflight[0].is_alive():
+            log.warning("weight sync aborted during the transfer of a bucket on stage %d; its thread ends "
+                        "within the link's timeout", self.stage)
+            self._inflight = None
         try:
             self._join()
-        except RuntimeError as e:
+        except WeightSyncError as e:
             log.warning("weight sync aborted after a failed transfer: %s", e)
         finally:
             self._reset()
@@ -226,3 +224,15 @@ class RankSync:
         self._stats = None
         self._spare = []
         self._encoder = None
+
+
+def _transfer(sender: Sender, stats: SenderStats, bucket: Bucket, errors: list) -> None:
+    """The send thread: ``sender`` moves ``bucket``; an error goes to ``errors`` (re-raised on the rank's
+    main thread by ``RankSync._join``). Holds its own references: an aborted sync may leave it running."""
+    t0 = time.perf_counter()
+    try:
+        sender.transfer(bucket)
+    except BaseException as e:
+        errors.append(e)
+    finally:
+        stats.send_s += time.perf_counter() - t0

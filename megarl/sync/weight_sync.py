@@ -23,6 +23,16 @@ synced engines, and so do engines that failed; :class:`WeightSyncError` names bo
 :meth:`WeightSync.recover` brings such an engine (or a restarted one at the same URL, or a new
 one) to the current version through a disk checkpoint and returns it to the set; the next
 :meth:`WeightSync.update` forms the link again with the engines then in the set.
+
+Never hang: ``timeout_s`` bounds :meth:`WeightSync.setup` and each sync as a whole, and below them
+every group formation and every bucket's collective on both sides of the link (the trainer's
+senders, the engines' joins and receives: :mod:`megarl.sync.transports.distributed`,
+:mod:`megarl.engines.update_group`), so no process waits past it for a peer that is gone; the
+failure path then returns within a few seconds (the trainer's abort leaves a stuck transfer to its
+bounded thread, the engines are probed at once), so the driver's :class:`WeightSyncError` comes about
+``timeout_s`` after a peer is lost. An engine it lists as failed (unreachable, dead) is out of the
+synced set until :meth:`WeightSync.recover`, which also closes the update session the lost sync left
+open on it.
 """
 from __future__ import annotations
 
@@ -35,6 +45,7 @@ from typing import Any
 from megarl.engines.types import PauseMode
 from megarl.sync.buckets import BucketIndex
 from megarl.sync.delta import DeltaPlan
+from megarl.sync.errors import WeightSyncError, past_bound
 from megarl.sync.report import SyncReport
 from megarl.sync.settings import SyncSettings
 from megarl.sync.trainer_protocol import WeightSyncTrainer
@@ -45,6 +56,7 @@ from megarl.sync.transports.disk import DiskEngineSide
 log = logging.getLogger(__name__)
 
 CLEANUP_TIMEOUT_S = 30.0  # per engine call on the failure path (a dead engine answers at once)
+PROBE_TIMEOUT_S = 3.0  # the failure path's liveness probe of an engine (/model_info, no scheduler work)
 
 
 @dataclass
@@ -53,18 +65,6 @@ class _Progress:
 
     began: set[int] = field(default_factory=set)
     touched: set[int] = field(default_factory=set)
-
-
-class WeightSyncError(RuntimeError):
-    """A sync failed. ``failed``: URLs of engines that errored or could not be reached;
-    ``held``: URLs of live engines that may hold part of the new weights and stay paused until
-    :meth:`WeightSync.recover`. Engines in neither kept their previous weights and resumed."""
-
-    def __init__(self, message: str, version: int, failed: list[str], held: list[str]):
-        super().__init__(message)
-        self.version = version
-        self.failed = failed
-        self.held = held
 
 
 class WeightSync:
@@ -88,13 +88,19 @@ class WeightSync:
                       else DiskEngineSide(self.settings.work_dir))
         self._linked: set[str] = set()  # transports whose link is formed with the current engines
         self._engine_base: int | None = None  # delta mode: the version every engine holds as its baseline
+        self._open_sessions: set[str] = set()  # URLs of failed engines whose update session may still be open
         self._lock = asyncio.Lock()
 
     # --- public API ---------------------------------------------------------------------------------
     async def setup(self) -> None:
-        """Form the link between the trainer's sending ranks and the engines."""
+        """Form the link between the trainer's sending ranks and the engines; WeightSyncError when
+        it does not form within ``timeout_s`` (the trainer's half of it is dropped)."""
         async with self._lock:
-            await self._connect(self._transport, self.engines)
+            try:
+                await self._connect(self._transport, self.engines)
+            except Exception as e:
+                await _quietly(self.trainer.weight_sync_abort())
+                raise WeightSyncError(f"the weight-sync link did not form: {e}", self.version) from e
 
     async def update(self, version: int, pause_mode: PauseMode = PauseMode.ABORT) -> SyncReport:
         """Sync the trainer's current weights into every engine as ``version``; see the module
@@ -132,6 +138,9 @@ class WeightSync:
                     raise
                 path = self._disk.finalize(self.version, indices, payloads)
             await client.pause_generation(PauseMode.RETRACT)
+            if client.base_url in self._open_sessions:  # a sync lost the engine inside its update session
+                await _quietly(client.end_weight_update())  # (a restarted engine has none: refused, ignored)
+                self._open_sessions.discard(client.base_url)
             await client.begin_weight_update()
             try:
                 await client.load_weights_from_disk(path, weight_version=self.version, flush_cache=True)
@@ -249,24 +258,15 @@ class WeightSync:
     # --- failure ------------------------------------------------------------------------------------
     async def _fail(self, engines: list, version: int, progress: _Progress, cause: BaseException) -> WeightSyncError:
         timed_out = isinstance(cause, (asyncio.TimeoutError, TimeoutError))
-        reason = "timed out" if timed_out else f"{type(cause).__name__}: {cause}"
+        reason = past_bound("the sync", self.settings.timeout_s) if timed_out else f"{type(cause).__name__}: {cause}"
         log.error("weight sync to version %d failed (%s); cleaning up", version, reason)
-        try:
-            await asyncio.wait_for(self.trainer.weight_sync_abort(),
-                                   self.settings.timeout_s + CLEANUP_TIMEOUT_S)
-        except BaseException as e:
-            log.error("trainer could not abort the weight sync: %s", e)
-        failed, held = [], []
-        for i, client in enumerate(engines):
-            if not await _quietly(client.weight_version()):  # dead or stuck
-                failed.append(client.base_url)
-                continue
-            if i in progress.began:
-                await _quietly(client.end_weight_update())
-            if i in progress.touched:
-                held.append(client.base_url)  # stays paused: it may hold part of the new weights
-            elif not await _quietly(client.continue_generation()):
-                failed.append(client.base_url)
+        if not await _quietly(self.trainer.weight_sync_abort()):  # returns at once: transfers are left running
+            log.error("trainer could not abort the weight sync")
+        outcomes = await asyncio.gather(*(self._settle(i, c, progress) for i, c in enumerate(engines)))
+        failed = [c.base_url for c, outcome in zip(engines, outcomes) if outcome == "failed"]
+        self._open_sessions.update(c.base_url for i, c in enumerate(engines)
+                                   if outcomes[i] == "failed" and i in progress.began)
+        held = [c.base_url for c, outcome in zip(engines, outcomes) if outcome == "held"]
         if self._transport.name in self._linked:
             live = [c for c in engines if c.base_url not in failed]
             await _quietly(self._transport.disconnect(self.trainer, live))
@@ -281,14 +281,27 @@ class WeightSync:
         )
 
 
+    @staticmethod
+    async def _settle(i: int, client, progress: _Progress) -> str:
+        """After a failed sync: "failed" for an engine that is dead or does not answer, "held" for one
+        that may hold part of the new weights (it stays paused), else "resumed" on its old weights."""
+        if not await _quietly(client.weight_version(), PROBE_TIMEOUT_S):  # dead, stuck or unreachable
+            return "failed"
+        if i in progress.began:
+            await _quietly(client.end_weight_update())
+        if i in progress.touched:
+            return "held"
+        return "resumed" if await _quietly(client.continue_generation()) else "failed"
+
+
 async def _each(engines: list, call) -> None:
     await asyncio.gather(*(call(client) for client in engines))
 
 
-async def _quietly(awaitable) -> bool:
-    """Await a best-effort cleanup call; False (logged) when it fails or takes too long."""
+async def _quietly(awaitable, timeout_s: float = CLEANUP_TIMEOUT_S) -> bool:
+    """Await a best-effort cleanup call; False (logged) when it fails or takes longer than ``timeout_s``."""
     try:
-        await asyncio.wait_for(awaitable, CLEANUP_TIMEOUT_S)
+        await asyncio.wait_for(awaitable, timeout_s)
         return True
     except BaseException as e:
         log.warning("weight-sync cleanup call failed: %s", e)

@@ -11,19 +11,33 @@ bucket's names/dtypes/shapes, receives it in one broadcast and loads the views. 
 
 The sender joins with ``sglang.srt.utils.common.init_custom_process_group``, the rendezvous SGLang
 uses itself (a plain ``torch.distributed.init_process_group`` does not match it and hangs).
+
+Bounds (``sync.timeout_s``, carried in the group name to the engines: :mod:`megarl.engines.update_group`):
+either side may start first, and the group forms once both have, or both fail after the bound; the
+sender waits for each bucket's broadcast at most the bound (``Work.wait`` with a timeout blocks the
+CPU on gloo and NCCL alike) and then raises :class:`~megarl.sync.errors.WeightSyncError`, as does a
+group that does not form. A gloo broadcast cannot be cancelled: its worker thread ends at the group's
+own timeout, the same bound. On NCCL the sender's group is made with the watchdog's error handling
+off (:func:`group_environment`), so a timed-out weight-sync collective does not end the trainer's
+process; the sender aborts the communicator itself (:meth:`DistributedSender.close`).
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import logging
+import os
 import uuid
 from typing import Any
 
 import torch
 
+from megarl.engines.update_group import timed_name
 from megarl.engines.weight_delta import LOAD_FORMAT as DELTA_LOAD_FORMAT
+from megarl.platform.description import Platform, detect
 from megarl.sync.buckets import Bucket, BucketIndex
+from megarl.sync.errors import WeightSyncError, past_bound
 from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, finish_fields
 
 log = logging.getLogger(__name__)
@@ -31,29 +45,60 @@ log = logging.getLogger(__name__)
 LOAD_FORMAT = "flattened_bucket"
 
 
-def group_name(prefix: str, stage: int) -> str:
-    return f"{prefix}-pp{stage}"
+def group_name(prefix: str, stage: int, timeout_s: float) -> str:
+    """Stage ``stage``'s group of the link ``prefix``, marked with its bound for the engines."""
+    return timed_name(f"{prefix}-pp{stage}", timeout_s)
 
 
-def link_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def link_backend(platform: Platform | None = None) -> str:
+    """The link's backend on ``platform`` (default: this process's): NCCL on CUDA, else gloo."""
+    return "nccl" if (detect() if platform is None else platform).is_cuda else "gloo"
+
+
+def group_environment(backend: str) -> dict[str, str]:
+    """Environment variables in force while the sender's group is made: NCCL's watchdog reads its
+    error handling when a group is constructed; off (``0``, as torch's ``_abort_process_group``
+    asks) it leaves a timed-out collective to the sender instead of ending the trainer's process."""
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"} if backend == "nccl" else {}
+
+
+@contextlib.contextmanager
+def _environment(overrides: dict[str, str]):
+    saved = {key: os.environ.get(key) for key in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class DistributedSender(Sender):
-    """Rank 0 of its stage's group; joins it in the constructor (blocks until the engines join)."""
+    """Rank 0 of its stage's group; joins it in the constructor (blocks until the engines join, at
+    most ``spec.timeout_s``: WeightSyncError)."""
 
-    def __init__(self, spec: SenderSpec, stage: int, host: str, port: int):
+    def __init__(self, spec: SenderSpec, stage: int, host: str, port: int, platform: Platform | None = None):
         from sglang.srt.utils.common import init_custom_process_group
 
         super().__init__()
-        cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.name = group_name(spec.group_prefix, stage)
-        self.group = init_custom_process_group(
-            backend=link_backend(), init_method=f"tcp://{host}:{port}", world_size=1 + spec.engine_ranks, rank=0,
-            group_name=self.name, timeout=datetime.timedelta(seconds=spec.timeout_s),
-        )
-        log.info("weight-sync group %s joined (%d engine ranks, %s)", self.name, spec.engine_ranks, link_backend())
+        platform = detect() if platform is None else platform
+        backend = link_backend(platform)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if platform.is_cuda else torch.device("cpu")
+        self.name = group_name(spec.group_prefix, stage, spec.timeout_s)
+        self.timeout = datetime.timedelta(seconds=spec.timeout_s)
+        self.group = None
+        try:
+            with _environment(group_environment(backend)):
+                self.group = init_custom_process_group(
+                    backend=backend, init_method=f"tcp://{host}:{port}", world_size=1 + spec.engine_ranks, rank=0,
+                    group_name=self.name, timeout=self.timeout)
+        except Exception as e:
+            what = f"weight-sync group {self.name} ({spec.engine_ranks} engine ranks at {host}:{port})"
+            raise WeightSyncError(f"{past_bound(what, spec.timeout_s)}: {e}") from e
+        log.info("weight-sync group %s joined (%d engine ranks, %s)", self.name, spec.engine_ranks, backend)
 
     def new_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
@@ -65,15 +110,23 @@ class DistributedSender(Sender):
         return None
 
     def transfer(self, bucket: Bucket) -> None:
+        """Broadcast the bucket; WeightSyncError when it is not done within the bound."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        torch.distributed.broadcast(bucket.buffer, group=self.group, group_src=0)
+        work = torch.distributed.broadcast(bucket.buffer, group=self.group, group_src=0, async_op=True)
+        try:
+            work.wait(self.timeout)
+        except Exception as e:
+            what = f"broadcast of bucket {bucket.index.seq} on group {self.name}"
+            raise WeightSyncError(f"{past_bound(what, self.timeout.total_seconds())}: {e}") from e
 
     def close(self) -> None:
+        """Abort the group: local (never waits for the engines, which may be gone) and, on NCCL,
+        the end of a collective still queued on it."""
         super().close()
         group, self.group = self.group, None
         if group is not None:
-            torch.distributed.destroy_process_group(group)
+            torch.distributed.distributed_c10d._abort_process_group(group)
 
 
 class DistributedEngineSide(EngineSide):
@@ -99,11 +152,15 @@ class DistributedEngineSide(EngineSide):
         world = 1 + spec.engine_ranks
         joins = [client.init_weights_update_group(
                      master_address=a["host"], master_port=a["port"], rank_offset=1 + i * self.engine_tp,
-                     world_size=world, group_name=group_name(self._prefix, a["stage"]), backend=a["backend"])
+                     world_size=world, group_name=group_name(self._prefix, a["stage"], self.timeout_s),
+                     backend=a["backend"])
                  for a in sorted(addresses, key=lambda a: a["stage"]) for i, client in enumerate(engines)]
-        await asyncio.wait_for(asyncio.gather(trainer.weight_sync_connect(spec), *joins),
-                               self.timeout_s)
-        self._groups = [group_name(self._prefix, a["stage"]) for a in addresses]
+        try:
+            await asyncio.wait_for(asyncio.gather(trainer.weight_sync_connect(spec), *joins), self.timeout_s)
+        except asyncio.TimeoutError:
+            what = f"forming the weight-sync groups of {len(addresses)} stages with {len(engines)} engines"
+            raise WeightSyncError(past_bound(what, self.timeout_s)) from None
+        self._groups = [group_name(self._prefix, a["stage"], self.timeout_s) for a in addresses]
         log.info("weight-sync groups %s: %d stage senders, %d engines", self._groups, len(addresses), len(engines))
 
     async def disconnect(self, trainer, engines: list) -> None:
@@ -120,7 +177,7 @@ class DistributedEngineSide(EngineSide):
         names = [e.name for e in index.entries]
         dtypes = [e.dtype for e in index.entries]
         shapes = [list(e.shape) for e in index.entries]
-        name = group_name(self._prefix, index.stage)
+        name = group_name(self._prefix, index.stage, self.timeout_s)
         load_format = DELTA_LOAD_FORMAT if index.delta else LOAD_FORMAT
         await asyncio.gather(*(client.update_weights_from_distributed(names, dtypes, shapes, group_name=name,
                                                                       load_format=load_format, **finish_fields(finish))

@@ -1,0 +1,353 @@
+"""Weight-sync groups never hang: every group formation and collective is bounded by ``sync.timeout_s``.
+
+The driver's bounds run against peers that never answer (in process); group formation against no
+peer at all (real gloo rendezvous, in process); the two sides of a group as small processes
+(tests/sync_peers.py: the trainer's real ``DistributedSender``, the engine's real join) form their
+group whichever starts first, 20 tries in shuffled order; and on fake nodes (tests/netns.py) an
+engine node's link cut mid-sync makes every sending rank and the engine's receive raise within the
+bound, and the two form a new group and move a bucket intact once the link is back.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+import queue
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+from megarl.engines import update_group
+from megarl.engines.types import EngineUnreachable
+from megarl.platform.description import Platform
+from megarl.sync import SyncSettings, WeightSync, WeightSyncError
+from megarl.sync.buckets import BucketIndex, TensorEntry
+from megarl.sync.errors import TIMEOUT_KEY
+from megarl.sync.transports.base import SenderSpec
+from megarl.sync.transports.distributed import DistributedSender, group_environment, link_backend
+
+ROOT = Path(__file__).resolve().parents[1]
+PEERS = str(ROOT / "tests" / "sync_peers.py")
+FAKE_NODE_COUNT = 2
+BOUND_SLACK_S = 5.0  # the acceptance's margin over sync.timeout_s
+JOIN_SLACK_S = 2.5  # torch's rendezvous gives up a second or so after its timeout (whole seconds, a retry)
+
+
+# --- engine-side bound, carried in the group name ---------------------------------------------------
+
+@pytest.mark.unit
+def test_group_name_carries_the_bound_to_the_engines():
+    name = update_group.timed_name("megarl-abc-pp1", 12.5)
+    assert update_group.timeout_of(name).total_seconds() == 12.5
+    assert update_group.timeout_of("weight_update_group") is None  # SGLang's default name: torch's default
+    with pytest.raises(ValueError, match="timeout"):
+        update_group.timed_name("g", 0)
+
+
+@pytest.mark.unit
+def test_link_configuration_per_platform():
+    """NCCL on CUDA with the watchdog's error handling off for the sender's group, as torch's
+    ``_abort_process_group`` (the sender's teardown) asks; gloo on CPU, nothing to set."""
+    import torch.distributed.distributed_c10d as c10d
+
+    assert link_backend(Platform.cuda()) == "nccl" and link_backend(Platform.cpu()) == "gloo"
+    assert group_environment("nccl") == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+    assert group_environment("gloo") == {}
+    doc = " ".join(inspect.getdoc(c10d._abort_process_group).split())
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING` turned off (i.e. set to 0)" in doc
+
+
+@pytest.mark.unit
+def test_sender_group_without_engines_fails_within_the_bound():
+    import sglang.srt.utils.common  # noqa: F401  (imported before the clock starts)
+
+    spec = SenderSpec(kind="distributed", group_prefix="alone", engine_ranks=1, timeout_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match=f"{TIMEOUT_KEY}=1 s"):
+        DistributedSender(spec, 0, "127.0.0.1", _free_port(), Platform.cpu())
+    assert time.monotonic() - t0 < 1.0 + JOIN_SLACK_S
+
+
+@pytest.mark.unit
+def test_engine_join_without_sender_fails_within_the_bound():
+    """SGLang's join, as megarl's engines run it, answers failure once the bound passes."""
+    import sglang.srt.utils.common  # noqa: F401  (imported before the clock starts)
+
+    updater = type("Updater", (), {"tp_rank": 0, "_model_update_group": {}})()
+    name = update_group.timed_name("nobody-pp0", 1.0)
+    t0 = time.monotonic()
+    ok, message = update_group.init_weights_update_group(updater, "127.0.0.1", _free_port(), 1, 2, name, "gloo")
+    assert not ok and "Failed to initialize" in message and updater._model_update_group == {}
+    assert time.monotonic() - t0 < 1.0 + JOIN_SLACK_S
+
+
+# --- the driver's bounds ---------------------------------------------------------------------------
+
+class SilentPeers:
+    """A one-stage trainer (two buckets) and one engine, driven by WeightSync, whose call ``hang`` never
+    returns the first time it is made (a peer that never arrives); every other call answers at once."""
+
+    def __init__(self, hang: str):
+        self.hang, self.base_url, self.calls = hang, "http://engine", []
+        entry = TensorEntry("w", "float32", (4,), 0)
+        self.buckets = [BucketIndex(0, 0, (entry,), 16), BucketIndex(0, 1, (entry,), 16, last=True), None]
+
+    def __getattr__(self, name: str):
+        async def call(*args, **kwargs):
+            self.calls.append(name)
+            if name == self.hang and self.calls.count(name) == 1:
+                await asyncio.Event().wait()
+            return self._answer(name)
+        return call
+
+    def _answer(self, name: str):
+        if name == "weight_sync_address":
+            return [{"stage": 0, "host": "127.0.0.1", "port": 1, "backend": "gloo"}]
+        if name == "weight_sync_next":
+            return [self.buckets[self.calls.count(name) - 1]]
+        if name == "weight_sync_finish":
+            return [dict(stage=0, bytes=32, buckets=2, tensors=2, gather_s=0.0, convert_s=0.0, send_s=0.0,
+                         peak_bucket_bytes=16, largest_tensor_bytes=16, capacity=16, delta=False, elements=0,
+                         changed_elements=0, dense_bytes=0)]
+        return 0 if name == "weight_version" else [None]
+
+
+HANGS = {  # the bounded operation: the call that never returns
+    "group creation, engine": "init_weights_update_group",
+    "group creation, trainer": "weight_sync_connect",
+    "bucket collective, trainer": "weight_sync_send",
+    "bucket collective, engine": "update_weights_from_distributed",
+    "finish": "weight_sync_finish",
+    "commit": "end_weight_update",
+}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("operation", HANGS)
+def test_each_bounded_operation_raises_within_the_bound(operation, tmp_path):
+    peers = SilentPeers(HANGS[operation])
+    settings = SyncSettings(transport="distributed", timeout_s=1.0, work_dir=str(tmp_path))
+    sync = WeightSync(settings, peers, [peers])
+
+    async def run():
+        if operation.startswith("group creation"):
+            await sync.setup()
+        return await sync.update(1)
+
+    t0 = time.monotonic()
+    with pytest.raises(WeightSyncError, match=f"{TIMEOUT_KEY}=1 s") as failure:
+        asyncio.run(run())
+    assert time.monotonic() - t0 < 1.0 + 1.5
+    assert "weight_sync_abort" in peers.calls  # the trainer dropped its half
+    touched = operation in ("bucket collective, engine", "finish", "commit")  # a bucket load had started
+    assert failure.value.held == (["http://engine"] if touched else []) and failure.value.failed == []
+
+
+# --- the two sides as processes --------------------------------------------------------------------
+
+class Peer:
+    """A tests/sync_peers.py process: ``send`` writes a command, ``expect`` waits for an event."""
+
+    def __init__(self, role: str, popen=subprocess.Popen, env: dict | None = None):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+        self.process = popen([sys.executable, PEERS, role], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=env, cwd=ROOT)
+        self.events: queue.Queue = queue.Queue()
+        self.backlog: list[dict] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                self.events.put(json.loads(line))
+
+    def send(self, **command) -> None:
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+
+    def expect(self, op: str, timeout: float = 60.0, **match) -> dict:
+        """The first event ``op`` with the fields ``match`` (others wait in the backlog); an ``error``
+        event of the same stage fails the wait."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for event in self.backlog:
+                if event["op"] == op and all(event.get(k) == v for k, v in match.items()):
+                    self.backlog.remove(event)
+                    return event
+                if event["op"] == "error" and op != "error" and event.get("stage") == match.get("stage"):
+                    raise AssertionError(f"waiting for {op} {match}: {event}")
+            try:
+                self.backlog.append(self.events.get(timeout=0.5))
+            except queue.Empty:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"no {op} {match} within {timeout} s (exit code "
+                                         f"{self.process.poll()})") from None
+
+    def exit(self, timeout: float = 30.0) -> int:
+        self.send(op="exit")
+        return self.process.wait(timeout)
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    from megarl.parallel import free_port
+
+    return free_port(host)
+
+
+def _form_and_move(sender: Peer, receiver: Peer, host: str, port: int, prefix: str, stage: int, seed: int,
+                   timeout_s: float, delays=(0.0, 0.0)) -> dict:
+    """Join both sides of ``prefix``'s group of ``stage`` (each after its delay) and move one bucket."""
+    sender.send(op="join", prefix=prefix, stage=stage, host=host, port=port, ranks=1, timeout_s=timeout_s,
+                delay_s=delays[0])
+    receiver.send(op="join", prefix=prefix, stage=stage, host=host, port=port, rank=1, world=2,
+                  timeout_s=timeout_s, delay_s=delays[1])
+    sender.expect("joined", stage=stage)
+    receiver.expect("joined", stage=stage)
+    receiver.send(op="recv", stage=stage, nbytes=1 << 16, seed=seed, count=1)
+    sender.send(op="send", stage=stage, nbytes=1 << 16, seed=seed, count=1)
+    sender.expect("sent", stage=stage, seed=seed)
+    return receiver.expect("received", stage=stage, seed=seed)
+
+
+@pytest.fixture(scope="module")
+def peers(fake_nodes):
+    """Two stage senders on node 0 (the trainer's) and an engine rank on node 1, imported and ready."""
+    env = {"GLOO_SOCKET_IFNAME": fake_nodes[0].iface}
+    senders = [Peer("sender", fake_nodes[0].popen, env) for _ in range(2)]
+    receiver = Peer("receiver", fake_nodes[1].popen, env)
+    for peer in (*senders, receiver):
+        peer.expect("ready", timeout=180)
+    yield senders, receiver
+    for peer in (*senders, receiver):
+        peer.process.kill()
+
+
+PORTS = iter(range(29611, 29999))  # in node 0's own network namespace, where nothing else listens
+
+
+def test_groups_form_whichever_side_starts_first(fake_nodes, peers):
+    """20 tries across the two nodes, each with one side joining up to half a second after the other
+    (which one: random)."""
+    (sender, _), receiver = peers
+    rng = random.Random(7)
+    for attempt in range(20):
+        late = rng.uniform(0.0, 0.5)
+        delays = (late, 0.0) if rng.random() < 0.5 else (0.0, late)
+        got = _form_and_move(sender, receiver, fake_nodes[0].address, next(PORTS), f"order{attempt}", 0, attempt,
+                             10.0, delays)
+        assert got["intact"], (attempt, delays)
+        sender.send(op="close", stage=0)
+        receiver.send(op="close", stage=0)
+        sender.expect("closed")
+        receiver.expect("closed")
+
+
+def test_engine_node_cut_off_mid_sync(fake_nodes, peers):
+    """Two stage senders on node 0 stream buckets to an engine rank on node 1 when node 1's link goes
+    down: both senders and both of the engine's receives raise within sync.timeout_s + 5 s; with the
+    link back, new groups form and a bucket arrives intact; every process then exits."""
+    timeout_s, trainer, engine = 5.0, fake_nodes[0], fake_nodes[1]
+    senders, receiver = peers
+    for stage, sender in enumerate(senders):
+        assert _form_and_move(sender, receiver, trainer.address, next(PORTS), "cut", stage, 0, timeout_s)["intact"]
+    for stage, sender in enumerate(senders):
+        receiver.send(op="recv", stage=stage, nbytes=4 << 20, seed=100, count=10_000)
+        sender.send(op="send", stage=stage, nbytes=4 << 20, seed=100, count=10_000)
+    for stage in range(2):
+        receiver.expect("received", stage=stage, seed=101)
+    fake_nodes.set_link(engine.index, up=False)
+    cut = time.time()
+    try:
+        raised = [sender.expect("error", timeout=timeout_s + 30, stage=s) for s, sender in enumerate(senders)]
+        raised += [receiver.expect("error", timeout=timeout_s + 30, stage=s) for s in range(2)]
+    finally:
+        fake_nodes.set_link(engine.index, up=True)
+    late = [round(e["t"] - cut, 1) for e in raised]
+    print(f"\n[measured] link cut: errors after {late} s (sync.timeout_s={timeout_s:g})")
+    assert all(t <= timeout_s + BOUND_SLACK_S for t in late), late
+    assert all(e["error"] == "WeightSyncError" and TIMEOUT_KEY in e["message"] for e in raised[:2]), raised
+    for stage, sender in enumerate(senders):
+        sender.send(op="close", stage=stage)
+        receiver.send(op="close", stage=stage)
+        sender.expect("closed")
+        receiver.expect("closed")
+        assert _form_and_move(sender, receiver, trainer.address, next(PORTS), "back", stage, 7, timeout_s)["intact"]
+        sender.send(op="close", stage=stage)
+        receiver.send(op="close", stage=stage)
+    t0 = time.monotonic()
+    assert [p.exit(timeout=timeout_s + 30) for p in (*senders, receiver)] == [0, 0, 0]
+    print(f"[measured] every peer exited {time.monotonic() - t0:.1f} s later")
+
+
+class LostEngine:
+    """A real engine's client behind a link that is lost during the first bucket: the group calls
+    succeed without a peer, the bucket's load never returns, and the engine is unreachable for the
+    failure path's probe; every other call reaches the engine."""
+
+    def __init__(self, client):
+        self.client, self.probes = client, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.client, name)
+
+    async def init_weights_update_group(self, **kwargs) -> None:
+        pass
+
+    async def destroy_weights_update_group(self, name: str) -> None:
+        pass
+
+    async def update_weights_from_distributed(self, *args, **kwargs) -> None:
+        await asyncio.Event().wait()
+
+    async def weight_version(self) -> int:
+        self.probes += 1
+        if self.probes == 1:
+            raise EngineUnreachable(f"{self.client.base_url}: link down")
+        return await self.client.weight_version()
+
+
+def test_engine_lost_inside_its_update_session_is_recovered(client, loop, tiny_checkpoint, tmp_path):
+    """A sync loses the engine after it opened its update session (left open, the engine paused):
+    the sync fails naming it, and recover() brings it to the version from a checkpoint and resumes it."""
+    checkpoint = tmp_path / "v1"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    with safe_open(checkpoint / "model.safetensors", "pt") as weights:
+        index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in weights.keys()}}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+    peers, lost = SilentPeers(hang=""), LostEngine(client)
+    sync = WeightSync(SyncSettings(transport="distributed", timeout_s=2.0, work_dir=str(tmp_path)), peers, [lost])
+
+    async def body():
+        with pytest.raises(WeightSyncError, match=TIMEOUT_KEY) as failure:
+            await sync.update(1)
+        assert failure.value.failed == [client.base_url] and sync.engines == []
+        await sync.recover(client)
+        version = await client.weight_version()
+        await client.update_weights_from_disk(tiny_checkpoint, version=0)  # the shared engine as it was
+        return version
+
+    assert loop.run_until_complete(body()) == 1
+    assert [c.base_url for c in sync.engines] == [client.base_url]
+
+
+def test_engine_join_is_bounded_by_the_group_name(client, loop):
+    """A real engine asked to join a group whose sender never comes answers failure within the bound
+    its name carries (SGLang alone would wait torch's 30 min), and serves on."""
+    from megarl.engines.types import EngineError
+
+    name = update_group.timed_name("nobody-pp0", 2.0)
+    t0 = time.monotonic()
+    with pytest.raises(EngineError, match="Failed to initialize custom process group"):
+        loop.run_until_complete(client.init_weights_update_group(
+            master_address="127.0.0.1", master_port=_free_port(), rank_offset=1, world_size=2, group_name=name,
+            backend="gloo"))
+    assert time.monotonic() - t0 < 2.0 + JOIN_SLACK_S
+    assert loop.run_until_complete(client.weight_version()) == 0
