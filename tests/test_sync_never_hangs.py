@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 
 from megarl.engines import update_group
@@ -31,7 +32,7 @@ from megarl.platform.description import Platform
 from megarl.sync import SyncSettings, WeightSync, WeightSyncError
 from megarl.sync.buckets import BucketIndex, TensorEntry
 from megarl.sync.errors import TIMEOUT_KEY
-from megarl.sync.transports.base import SenderSpec
+from megarl.sync.transports.base import Sender, SenderSpec
 from megarl.sync.transports.distributed import DistributedSender, group_environment, link_backend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -351,3 +352,47 @@ def test_engine_join_is_bounded_by_the_group_name(client, loop):
             backend="gloo"))
     assert time.monotonic() - t0 < 2.0 + JOIN_SLACK_S
     assert loop.run_until_complete(client.weight_version()) == 0
+
+
+class StuckSender(Sender):
+    """A sending rank's transport whose transfer waits until ``release`` is set (a peer gone silent)."""
+
+    def __init__(self):
+        super().__init__()
+        self.release, self.closed = threading.Event(), False
+
+    def new_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def prepare(self, bucket) -> None:
+        return None
+
+    def transfer(self, bucket) -> None:
+        self.release.wait()
+
+    def close(self) -> None:
+        super().close()
+        self.closed = True
+
+
+@pytest.mark.unit
+def test_rank_abort_returns_at_once_during_a_stuck_transfer(monkeypatch):
+    """The trainer rank's abort does not wait for a transfer stuck on a silent peer: it closes the
+    link and returns; the transfer's thread ends later on its own, without error."""
+    from megarl.sync import rank
+
+    monkeypatch.setattr(rank, "pipeline_stage", lambda: 0)
+    monkeypatch.setattr(rank, "is_stage_sender", lambda: True)
+    monkeypatch.setattr(rank, "stage_hf_stream", lambda model: iter([("w", torch.ones(64)), ("v", torch.ones(64))]))
+    sync, sender = rank.RankSync(model=None), StuckSender()
+    sync._senders["stuck"] = sender
+    sync.begin("stuck", version=1, capacity=256)
+    assert sync.next() is not None
+    sync.send()
+    thread = next(t for t in threading.enumerate() if t.name == "weight-sync-send")
+    t0 = time.monotonic()
+    sync.abort()
+    assert time.monotonic() - t0 < 0.5 and sender.closed and thread.is_alive()
+    sender.release.set()
+    thread.join(5)
+    assert not thread.is_alive()

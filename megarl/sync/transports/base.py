@@ -29,9 +29,10 @@ class SenderSpec:
     """What a sending rank needs to build its :class:`Sender` (pickled to the trainer ranks).
 
     kind: transport name. group_prefix/engine_ranks/timeout_s: the distributed link (one group
-    per pipeline stage, named ``{group_prefix}-pp{stage}``, the sender is rank 0 and the engines'
-    ranks follow). engine_tp: ranks per engine (payload copies for ``tensor``). work_dir: where
-    ``disk`` writes checkpoints.
+    per pipeline stage, named ``{group_prefix}-pp{stage}`` with ``timeout_s`` marked for the
+    engines, :func:`megarl.engines.update_group.timed_name`; the sender is rank 0 and the engines'
+    ranks follow; ``timeout_s`` bounds the group's formation and each broadcast). engine_tp: ranks
+    per engine (payload copies for ``tensor``). work_dir: where ``disk`` writes checkpoints.
     """
 
     kind: str

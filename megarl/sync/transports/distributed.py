@@ -1,8 +1,8 @@
 """``distributed``: one broadcast per bucket from each stage's sending rank to every engine.
 
-One process group per pipeline stage (``{prefix}-pp{stage}``): the stage's sender is rank 0, the
-engines' ranks follow (``engine_tp`` ranks per engine, joined through SGLang's
-``/init_weights_update_group``). gloo on CPU, NCCL on GPU. Each bucket goes as SGLang's
+One process group per pipeline stage (``{prefix}-pp{stage}`` with its bound, :func:`group_name`): the
+stage's sender is rank 0, the engines' ranks follow (``engine_tp`` ranks per engine, joined through
+SGLang's ``/init_weights_update_group``). gloo on CPU, NCCL on GPU. Each bucket goes as SGLang's
 ``flattened_bucket`` load format (supported by SGLang 0.5.23's receive path,
 ``_receive_bucketed_weights_from_distributed``): the engine allocates one flat byte buffer from the
 bucket's names/dtypes/shapes, receives it in one broadcast and loads the views. A delta-mode bucket
