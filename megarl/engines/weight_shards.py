@@ -1,0 +1,157 @@
+"""The wire format of sharded resharding: HF tensor slices moved point to point, trainer rank -> engine rank.
+
+Both halves use it: the trainer ranks send (:mod:`megarl.sync.transports.sharded`), each engine rank
+receives the slices it loads and nothing else. One bucket is a list of :class:`~megarl.sync.slices.Transfer`
+(which trainer rank sends which :class:`~megarl.sync.slices.Piece` to which engine rank, ranks of the
+link's one process group); every rank that takes part in it exchanges one flat byte buffer with each
+peer (the pieces of that pair concatenated in plan order, row-major, no padding), all pairs at once
+through ``torch.distributed.batch_isend_irecv`` (gloo on CPU, NCCL on GPU).
+
+Over ``/update_weights_from_distributed`` a bucket travels as load format :data:`LOAD_FORMAT`: one entry per
+transfer to that engine, its name ``{hf_name}:shard.{src}.{dst}.{dim}.{start}.{stop}`` (``dim`` -1: the
+whole tensor), its dtype and the full HF shape. Each engine rank keeps the entries whose ``dst`` is its own
+rank in the group.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+LOAD_FORMAT = "megarl_sharded"
+ENTRY = re.compile(r"^(?P<name>.+):shard\.(?P<src>\d+)\.(?P<dst>\d+)\.(?P<dim>-?\d+)\.(?P<start>\d+)\.(?P<stop>\d+)$")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Rows ``[start, stop)`` along ``dim`` of the HF tensor ``name`` of full ``shape`` and dtype
+    ``dtype`` (a ``torch`` attribute name); ``dim`` None: the whole tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    dim: int | None
+    start: int = 0
+    stop: int = 0
+
+    @classmethod
+    def whole(cls, name: str, dtype: str, shape: tuple[int, ...]) -> Piece:
+        return cls(name, dtype, tuple(shape), None, 0, 0)
+
+    @property
+    def slice_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            return self.shape
+        return self.shape[: self.dim] + (self.stop - self.start,) + self.shape[self.dim + 1:]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.slice_shape:
+            numel *= size
+        return numel * getattr(torch, self.dtype).itemsize
+
+    def bounds(self, dim: int) -> tuple[int, int]:
+        """[start, stop) of this piece along ``dim`` (the whole extent when it is not split there)."""
+        return (self.start, self.stop) if self.dim == dim else (0, self.shape[dim])
+
+    def narrow(self, tensor, held: Piece | None = None):
+        """This piece of ``tensor``, which holds ``held`` (None: the whole tensor)."""
+        if self.dim is None:
+            return tensor
+        start = self.start - (held.bounds(self.dim)[0] if held is not None else 0)
+        return tensor.narrow(self.dim, start, self.stop - self.start)
+
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """``piece`` goes from trainer rank ``src`` (which holds ``held``) to engine rank ``dst``."""
+
+    src: int
+    dst: int
+    piece: Piece
+    held: Piece
+
+
+
+
+def entry_name(transfer: Transfer) -> str:
+    """The request entry name of ``transfer`` (see the module docstring)."""
+    p = transfer.piece
+    dim = -1 if p.dim is None else p.dim
+    return f"{p.name}:shard.{transfer.src}.{transfer.dst}.{dim}.{p.start}.{p.stop}"
+
+
+def parse_entries(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[tuple[int, int, Piece]]:
+    """(src, dst, piece) of each request entry; ValueError naming an entry not in the format."""
+    out = []
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        match = ENTRY.match(name)
+        if match is None:
+            raise ValueError(f"{name!r} is not a {LOAD_FORMAT} entry (name:shard.src.dst.dim.start.stop)")
+        dim = int(match["dim"])
+        piece = Piece(match["name"], dtype, tuple(shape), None if dim < 0 else dim, int(match["start"]),
+                      int(match["stop"]))
+        out.append((int(match["src"]), int(match["dst"]), piece))
+    return out
+
+
+def peers(transfers: list[Transfer], rank: int) -> dict[int, list[Transfer]]:
+    """The transfers ``rank`` takes part in, by peer (ascending), in plan order."""
+    out: dict[int, list[Transfer]] = {}
+    for t in transfers:
+        if rank in (t.src, t.dst) and t.src != t.dst:
+            out.setdefault(t.dst if t.src == rank else t.src, []).append(t)
+    return dict(sorted(out.items()))
+
+
+def pack_pair(pieces: list[torch.Tensor], device) -> torch.Tensor:
+    """One flat uint8 buffer of ``pieces`` (row-major, back to back) on ``device``."""
+    nbytes = sum(p.numel() * p.element_size() for p in pieces)
+    buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    offset = 0
+    for p in pieces:
+        n = p.numel() * p.element_size()
+        buffer[offset: offset + n].view(p.dtype).view(p.shape).copy_(p)
+        offset += n
+    return buffer
+
+
+def unpack_pair(buffer: torch.Tensor, pieces: list[Piece]) -> list[torch.Tensor]:
+    """Views of a received pair buffer as ``pieces`` (their slice shapes, in order)."""
+    out, offset = [], 0
+    for p in pieces:
+        out.append(buffer[offset: offset + p.nbytes].view(getattr(torch, p.dtype)).view(p.slice_shape))
+        offset += p.nbytes
+    return out
+
+
+def exchange(rank: int, transfers: list[Transfer], outgoing, group, device) -> list[tuple[Piece, torch.Tensor]]:
+    """Run ``rank``'s part of one bucket: send each peer its pieces (``outgoing(transfer)``: the piece's
+    values, from what this rank holds) and receive this rank's, all pairs at once. Returns (piece,
+    values) of every piece received, in plan order; ranks of ``group``'s own numbering."""
+    ops, received = [], []
+    for peer, pair in peers(transfers, rank).items():
+        if pair[0].src == rank:
+            buffer = pack_pair([outgoing(t) for t in pair], device)
+            ops.append(torch.distributed.P2POp(torch.distributed.isend, buffer, group=group, group_peer=peer))
+        else:
+            buffer = torch.empty(sum(t.piece.nbytes for t in pair), dtype=torch.uint8, device=device)
+            ops.append(torch.distributed.P2POp(torch.distributed.irecv, buffer, group=group, group_peer=peer))
+            received.append((pair, buffer))
+    for work in torch.distributed.batch_isend_irecv(ops) if ops else []:
+        work.wait()
+    return [(t.piece, values) for pair, buffer in received
+            for t, values in zip(pair, unpack_pair(buffer, [t.piece for t in pair]))]
+
+
+def placed(piece: Piece, values: torch.Tensor) -> torch.Tensor:
+    """A tensor of the piece's full HF shape holding ``values`` at the piece's rows, the rest left
+    uninitialised: what SGLang's weight loader of the receiving rank narrows to exactly those rows."""
+    if piece.dim is None:
+        return values
+    full = torch.empty(piece.shape, dtype=values.dtype, device=values.device)
+    full.narrow(piece.dim, piece.start, piece.stop - piece.start).copy_(values)
+    return full

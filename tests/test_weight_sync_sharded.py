@@ -1,0 +1,162 @@
+"""Sharded resharding's slice map and point-to-point exchange (megarl/sync/slices.py,
+megarl/engines/weight_shards.py), against the full tensors sliced another way.
+
+A Qwen3-MoE-shaped tensor table (the tiny demo model's sizes) is split as a TP2xEP2 trainer holds it;
+the engine ranks' parts follow SGLang's loaders. The unit tests apply the planned transfers in memory
+(trainer and engine TP equal and unequal, KV heads replicated over engine ranks); the process test runs
+the exchange over gloo between four trainer ranks and one TP2+EP2 engine (two ranks) and checks every
+received slice bit for bit and the bytes each engine rank received.
+"""
+import json
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from megarl.engines.weight_shards import Piece, entry_name, exchange, parse_entries, placed
+from megarl.sync.slices import EngineRank, Split, chunk, engine_piece, plan_transfers
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, MOE_FFN, VOCAB, LAYERS = 64, 4, 2, 16, 8, 128, 384, 2
+
+
+def qwen3_moe_table() -> dict[str, tuple[tuple[int, ...], Split]]:
+    """HF name -> (shape, split) of a Qwen3-MoE with the tiny demo model's sizes (test fixture data:
+    the transport reads splits from megatron-bridge's mappings instead)."""
+    table = {"model.embed_tokens.weight": ((VOCAB, HIDDEN), Split(0, vocab=True)),
+             "lm_head.weight": ((VOCAB, HIDDEN), Split(0, vocab=True)),
+             "model.norm.weight": ((HIDDEN,), Split(None))}
+    for layer in range(LAYERS):
+        p = f"model.layers.{layer}."
+        table[p + "self_attn.q_proj.weight"] = ((HEADS * HEAD_DIM, HIDDEN), Split(0))
+        table[p + "self_attn.k_proj.weight"] = ((KV_HEADS * HEAD_DIM, HIDDEN), Split(0, kv_heads=KV_HEADS))
+        table[p + "self_attn.v_proj.weight"] = ((KV_HEADS * HEAD_DIM, HIDDEN), Split(0, kv_heads=KV_HEADS))
+        table[p + "self_attn.o_proj.weight"] = ((HIDDEN, HEADS * HEAD_DIM), Split(1))
+        for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+            table[p + norm + ".weight"] = ((HEAD_DIM,), Split(None))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            table[p + norm + ".weight"] = ((HIDDEN,), Split(None))
+        table[p + "mlp.gate.weight"] = ((EXPERTS, HIDDEN), Split(None))
+        for e in range(EXPERTS):
+            for proj, shape, dim in (("gate_proj", (MOE_FFN, HIDDEN), 0), ("up_proj", (MOE_FFN, HIDDEN), 0),
+                                     ("down_proj", (HIDDEN, MOE_FFN), 1)):
+                table[f"{p}mlp.experts.{e}.{proj}.weight"] = (shape, Split(dim, expert=e))
+    return table
+
+
+def full_tensors(table) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {name: torch.randn(shape, generator=gen) for name, (shape, _) in table.items()}
+
+
+def trainer_holdings(table, tp: int, ep: int, world: int) -> list[tuple[int, Piece]]:
+    """What each rank of a trainer of ``world`` ranks holds with TP ``tp`` (TP rank ``r % tp``), experts
+    over ``ep`` ranks (EP rank ``r % ep``) whole; data-parallel copies repeat."""
+    out = []
+    for rank in range(world):
+        tp_rank, ep_rank = rank % tp, rank % ep
+        for name, (shape, split) in table.items():
+            if split.expert is not None:
+                if split.expert // (EXPERTS // ep) == ep_rank:
+                    out.append((rank, Piece.whole(name, "float32", shape)))
+            elif split.dim is None or tp == 1:
+                out.append((rank, Piece.whole(name, "float32", shape)))
+            else:
+                start, stop = chunk(shape[split.dim], tp, tp_rank)
+                out.append((rank, Piece(name, "float32", shape, split.dim, start, stop)))
+    return out
+
+
+def engine_wants(table, tp: int, ep: int, offset: int) -> list[tuple[int, Piece]]:
+    return [(offset + r, piece) for r in range(tp) for name, (shape, split) in table.items()
+            if (piece := engine_piece(name, "float32", shape, split, EngineRank(r, tp, ep), EXPERTS)) is not None]
+
+
+def check_in_memory(trainer_tp: int, engine_tp: int, engine_ep: int):
+    """Apply the planned transfers in memory; every engine rank's wanted part must equal the full tensor's."""
+    table, full = qwen3_moe_table(), None
+    full = full_tensors(table)
+    wants = engine_wants(table, engine_tp, engine_ep, offset=4)
+    transfers = plan_transfers(trainer_holdings(table, trainer_tp, 2, 4), wants)
+    got: dict[tuple[int, str], torch.Tensor] = {}
+    for t in transfers:
+        held_values = t.held.narrow(full[t.piece.name])
+        values = t.piece.narrow(held_values, t.held)
+        target = got.setdefault((t.dst, t.piece.name), torch.full(full[t.piece.name].shape, float("nan")))
+        t.piece.narrow(target).copy_(values)
+    for dst, wanted in wants:
+        assert torch.equal(wanted.narrow(got[dst, wanted.name]), wanted.narrow(full[wanted.name])), (dst, wanted)
+    return transfers, wants
+
+
+@pytest.mark.unit
+def test_tp2_ep2_trainer_into_tp2_ep2_engine_moves_about_half_the_model_per_engine_rank():
+    transfers, wants = check_in_memory(trainer_tp=2, engine_tp=2, engine_ep=2)
+    model_bytes = sum(Piece.whole(n, "float32", s).nbytes for n, (s, _) in qwen3_moe_table().items())
+    for dst in (4, 5):
+        received = sum(t.piece.nbytes for t in transfers if t.dst == dst)
+        assert received == sum(p.nbytes for d, p in wants if d == dst)
+        assert received <= 0.55 * model_bytes, f"engine rank {dst} receives {received / model_bytes:.3f} of the model"
+    assert {t.src for t in transfers} == {0, 1, 2, 3}  # every trainer rank sends, none gathers
+
+
+@pytest.mark.unit
+def test_trainer_tp_differs_from_engine_tp_and_kv_heads_replicate():
+    transfers, wants = check_in_memory(trainer_tp=2, engine_tp=4, engine_ep=2)
+    k0 = {d: p for d, p in wants if p.name == "model.layers.0.self_attn.k_proj.weight"}
+    assert (k0[4].start, k0[4].stop) == (k0[5].start, k0[5].stop) == (0, HEAD_DIM)  # 2 KV heads over 4 ranks
+    assert (k0[6].start, k0[6].stop) == (HEAD_DIM, 2 * HEAD_DIM)
+    q0 = [t for t in transfers if t.piece.name == "model.layers.0.self_attn.q_proj.weight" and t.dst == 5]
+    assert [(t.src % 2, t.piece.start, t.piece.stop) for t in q0] == [(0, HEAD_DIM, 2 * HEAD_DIM)]
+    check_in_memory(trainer_tp=4, engine_tp=2, engine_ep=1)  # an engine rank's chunk from two trainer ranks
+
+
+@pytest.mark.unit
+def test_plan_refuses_a_part_no_trainer_rank_holds():
+    table = qwen3_moe_table()
+    holdings = [(r, p) for r, p in trainer_holdings(table, 2, 2, 4) if not (r % 2 == 1 and p.name == "lm_head.weight")]
+    with pytest.raises(ValueError, match="lm_head.weight: the trainer ranks hold 0 of the"):
+        plan_transfers(holdings, engine_wants(table, 2, 1, offset=4))
+
+
+@pytest.mark.unit
+def test_vocab_rows_pad_to_sglang_padding_and_entries_round_trip():
+    assert chunk(100, 2, 0, pad_to=64) == (0, 64) and chunk(100, 2, 1, pad_to=64) == (64, 100)
+    with pytest.raises(ValueError, match="do not split into 3 equal chunks"):
+        chunk(64, 3, 0)
+    transfers, _ = check_in_memory(trainer_tp=2, engine_tp=2, engine_ep=2)
+    names = [entry_name(t) for t in transfers]
+    parsed = parse_entries(names, [t.piece.dtype for t in transfers], [list(t.piece.shape) for t in transfers])
+    assert parsed == [(t.src, t.dst, t.piece) for t in transfers]
+    with pytest.raises(ValueError, match="is not a megarl_sharded entry"):
+        parse_entries(["model.norm.weight"], ["float32"], [[HIDDEN]])
+    piece = Piece("w", "float32", (4, 6), 1, 2, 5)
+    values = torch.arange(12.0).view(4, 3)
+    assert torch.equal(piece.narrow(placed(piece, values)), values)
+
+
+def _exchange_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    table = qwen3_moe_table()
+    full = full_tensors(table)
+    holdings = trainer_holdings(table, 2, 2, 4)
+    transfers = plan_transfers(holdings, engine_wants(table, 2, 2, offset=4))
+    received = exchange(rank, transfers, lambda t: t.piece.narrow(t.held.narrow(full[t.piece.name]), t.held),
+                        None, torch.device("cpu"))
+    wrong = [p.name for p, values in received if not torch.equal(values, p.narrow(full[p.name]))]
+    nbytes = sum(p.nbytes for p, _ in received)
+    with open(f"{out_dir}/{rank}.json", "w") as f:
+        json.dump({"wrong": wrong, "bytes": nbytes, "pieces": len(received)}, f)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.processes
+def test_exchange_over_gloo_moves_each_slice_once_to_its_engine_rank(tmp_path):
+    from megarl.parallel import free_port
+
+    mp.spawn(_exchange_worker, args=(6, free_port("127.0.0.1"), str(tmp_path)), nprocs=6, join=True)
+    results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(6)]
+    model_bytes = sum(Piece.whole(n, "float32", s).nbytes for n, (s, _) in qwen3_moe_table().items())
+    assert all(not r["wrong"] for r in results), [r["wrong"][:3] for r in results]
+    assert [r["pieces"] for r in results[:4]] == [0] * 4  # trainer ranks receive nothing
+    for r in results[4:]:
+        assert 0.45 * model_bytes < r["bytes"] <= 0.55 * model_bytes, r["bytes"] / model_bytes
