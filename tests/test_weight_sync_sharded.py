@@ -160,3 +160,46 @@ def test_exchange_over_gloo_moves_each_slice_once_to_its_engine_rank(tmp_path):
     assert [r["pieces"] for r in results[:4]] == [0] * 4  # trainer ranks receive nothing
     for r in results[4:]:
         assert 0.45 * model_bytes < r["bytes"] <= 0.55 * model_bytes, r["bytes"] / model_bytes
+
+
+def _local_export_worker(rank: int, port: int, checkpoint: str, out_dir: str) -> None:
+    from megarl.models.bridge import build_megatron_model, export_hf_state
+    from megarl.parallel import Layout
+    from megarl.sync.local_export import local_tasks, task_slices
+    from megarl.trainer.distributed import init_rank, shutdown_rank
+
+    layout = Layout(world_size=4, tp=2, ep=2)
+    init_rank(rank, layout, "127.0.0.1", port, backend="gloo")
+    torch.set_num_threads(1)
+    model = build_megatron_model(checkpoint, layout, transformer_impl="local")
+    groups = model.bridge.hf_pretrained.config.num_key_value_heads
+    slices = [s for task in local_tasks(model) for s in task_slices(task, groups)]
+    reference = export_hf_state(model)  # megatron-bridge's gathered export
+    wrong = [s.piece.name for s in slices if not torch.equal(s.tensor.cpu(), s.piece.narrow(reference[s.piece.name]))]
+    torch.save({"wrong": wrong, "held": [(rank, s.piece, s.split) for s in slices],
+                "shapes": {n: tuple(t.shape) for n, t in reference.items()}}, f"{out_dir}/{rank}.pt")
+    shutdown_rank()
+
+
+@pytest.mark.processes
+def test_trainer_ranks_local_slices_equal_the_gathered_export_and_cover_every_engine_rank(tiny_checkpoint,
+                                                                                          tmp_path):
+    """TP2xEP2 trainer: each rank's HF slices (bridge mappings over its own groups) are bit-equal to the
+    full export's rows; together they cover what every rank of a TP2+EP2 engine loads."""
+    from megarl.parallel import free_port
+
+    mp.spawn(_local_export_worker, args=(free_port("127.0.0.1"), tiny_checkpoint, str(tmp_path)), nprocs=4, join=True)
+    results = [torch.load(tmp_path / f"{r}.pt", weights_only=False) for r in range(4)]
+    assert all(not r["wrong"] for r in results), [r["wrong"][:3] for r in results]
+    held = [(rank, piece) for r in results for rank, piece, _ in r["held"]]
+    splits = {piece.name: split for r in results for _, piece, split in r["held"]}
+    shapes = results[0]["shapes"]
+    assert set(splits) == set(shapes)
+    assert splits["model.layers.0.self_attn.o_proj.weight"].dim == 1 and splits["lm_head.weight"].vocab
+    assert splits["model.layers.1.mlp.experts.5.down_proj.weight"].expert == 5
+    assert any(p.dim == 0 and p.stop - p.start < shapes[p.name][0] for _, p in held)  # some slices are partial
+    wants = [(4 + r, piece) for r in range(2) for name, split in splits.items()
+             if (piece := engine_piece(name, "float32", shapes[name], split, EngineRank(r, 2, 2), EXPERTS))]
+    transfers = plan_transfers(held, wants)  # raises when an engine rank's part is not held
+    model_bytes = sum(Piece.whole(n, "float32", s).nbytes for n, s in shapes.items())
+    assert max(sum(t.piece.nbytes for t in transfers if t.dst == d) for d in (4, 5)) <= 0.55 * model_bytes
