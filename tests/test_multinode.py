@@ -400,13 +400,14 @@ def processes_in(node: netns.Node, marker: str) -> list[tuple[int, str]]:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(fake_nodes, tmp_path_factory):
+def ray_cluster(fake_nodes, tmp_path_factory, request):
     """A Ray cluster over the fake nodes, shared by the module's runs: the head on node 0, a worker on
-    nodes 1 and 2, each with two CPUs and its roles' custom resources (``ROLES``). Yields the head's
-    address and Ray's temp dir.
+    nodes 1 and 2, each with two CPUs and its roles' custom resources (the module's ``ROLES``, by default
+    this one's). Yields the head's address and Ray's temp dir.
 
     The nodes join one after the other: they share the file system, and two raylets starting at
     once in the one session directory can pick the same socket name (bind: address in use)."""
+    roles = getattr(request.module, "ROLES", ROLES)
     temp_dir = f"/tmp/mrl_mn_{os.getpid()}"  # short: Ray's socket paths must stay under 107 bytes
     head = f"{fake_nodes[0].address}:{RAY_PORT}"
     common = ["--num-cpus=2", "--object-store-memory=100000000", "--disable-usage-stats", "--block"]
@@ -418,7 +419,7 @@ def ray_cluster(fake_nodes, tmp_path_factory):
             where = (["--head", f"--port={RAY_PORT}", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
                      if node.index == 0 else [f"--address={head}"])
             argv = [RAY, "start", *where, f"--node-ip-address={node.address}",
-                    f"--resources={json.dumps(ROLES[node.index])}", *common]
+                    f"--resources={json.dumps(roles[node.index])}", *common]
             with open(logs[node.index], "w") as log:
                 starts.append(node.popen(argv, env=node_env(RAY_raylet_start_wait_time_s="120"), stdout=log,
                                          stderr=subprocess.STDOUT))

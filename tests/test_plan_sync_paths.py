@@ -7,7 +7,13 @@ import pytest
 
 from megarl.config import load_config
 from megarl.planner.layout import plan_layout
-from megarl.planner.weight_sync import DELTA_CHANGE_FRACTION, H2D_GBPS, IPC_COPY_GBPS, delta_wire_fraction
+from megarl.planner.weight_sync import (
+    DELTA_CHANGE_FRACTION,
+    H2D_GBPS,
+    IPC_COPY_GBPS,
+    delta_wire_fraction,
+    engine_rank_params,
+)
 
 
 @pytest.mark.unit
@@ -24,7 +30,8 @@ def test_delta_wire_fraction_is_the_smallest_encoding(changed, expected):
 @pytest.mark.unit
 def test_every_path_is_projected_from_its_inputs():
     cfg = load_config(["recipe=qwen3_235b_a22b"])
-    sync = plan_layout(cfg).sync
+    plan = plan_layout(cfg)
+    sync = plan.sync
     nbytes, gbps = sync.bytes_per_sync, cfg.sync.link_gbps
     assert sync.path == "broadcast" and set(sync.sync_seconds) == {"broadcast", "delta", "colocated_ipc",
                                                                    "sharded_p2p"}
@@ -32,9 +39,11 @@ def test_every_path_is_projected_from_its_inputs():
     by_hand = {"broadcast": nbytes * 8 / (gbps * 1e9),
                "delta": nbytes * wire * 8 / (gbps * 1e9) + nbytes / cfg.parallel.pp * 8 / (H2D_GBPS * 1e9),
                "colocated_ipc": nbytes / cfg.rollout.engine_tp * 8 / (IPC_COPY_GBPS * 1e9),
-               "sharded_p2p": nbytes * 8 / (cfg.rollout.engine_tp * gbps * 1e9)}
+               "sharded_p2p": engine_rank_params(plan.arch, cfg.rollout.engine_tp) * 2 * 8 / (gbps * 1e9)}
     assert sync.sync_seconds == pytest.approx(by_hand)
-    assert not sync.paths["sharded_p2p"].built and sync.paths["delta"].bytes == int(nbytes * wire)
+    assert sync.paths["sharded_p2p"].built and sync.paths["delta"].bytes == int(nbytes * wire)
+    one_stage = ["recipe=qwen3_235b_a22b", "sync.transport=sharded", "parallel.pp=1"]
+    assert plan_layout(load_config(one_stage)).sync.path == "sharded_p2p"
     assert plan_layout(load_config(["recipe=qwen3_235b_a22b", "sync.delta=true"])).sync.path == "delta"
     assert plan_layout(load_config(["recipe=glm45_355b_a32b"])).sync.path == "colocated_ipc"
 

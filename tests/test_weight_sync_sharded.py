@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megarl.engines.weight_shards import Piece, entry_name, exchange, parse_entries, placed
+from megarl.engines.weight_shards import Piece, assemble, entry_name, exchange, parse_entries
 from megarl.sync.slices import EngineRank, Split, chunk, engine_piece, plan_transfers
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, MOE_FFN, VOCAB, LAYERS = 64, 4, 2, 16, 8, 128, 384, 2
@@ -129,9 +129,11 @@ def test_vocab_rows_pad_to_sglang_padding_and_entries_round_trip():
     assert parsed == [(t.src, t.dst, t.piece) for t in transfers]
     with pytest.raises(ValueError, match="is not a megarl_sharded entry"):
         parse_entries(["model.norm.weight"], ["float32"], [[HIDDEN]])
-    piece = Piece("w", "float32", (4, 6), 1, 2, 5)
-    values = torch.arange(12.0).view(4, 3)
-    assert torch.equal(piece.narrow(placed(piece, values)), values)
+    full = torch.arange(24.0).view(4, 6)
+    halves = [Piece("w", "float32", (4, 6), 1, 0, 2), Piece("w", "float32", (4, 6), 1, 2, 6)]
+    whole = Piece.whole("b", "float32", (6,))
+    (w, assembled), (b, bias) = assemble([(p, p.narrow(full)) for p in halves] + [(whole, full[0])])
+    assert (w, b) == ("w", "b") and torch.equal(assembled, full) and torch.equal(bias, full[0])
 
 
 def _exchange_worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -203,3 +205,40 @@ def test_trainer_ranks_local_slices_equal_the_gathered_export_and_cover_every_en
     transfers = plan_transfers(held, wants)  # raises when an engine rank's part is not held
     model_bytes = sum(Piece.whole(n, "float32", s).nbytes for n, s in shapes.items())
     assert max(sum(t.piece.nbytes for t in transfers if t.dst == d) for d in (4, 5)) <= 0.55 * model_bytes
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides, message", [
+    (["sync.delta=true"], r"^sync.delta: sync.transport=sharded sends each engine rank its slices whole"),
+    (["parallel.pp=2", "parallel.world_size=2"], r"^sync.transport: sharded resharding plans one pipeline stage"),
+    (["lora.enabled=true"], r"^sync.transport: sharded resharding sends the base weights' slices"),
+])
+def test_config_refuses_what_sharded_resharding_does_not_do(overrides, message):
+    from megarl.config import ConfigError, load_config
+
+    assert load_config(["recipe=tiny_moe_cpu", "sync.transport=sharded"]).sync.transport == "sharded"
+    with pytest.raises(ConfigError, match=message):
+        load_config(["recipe=tiny_moe_cpu", "sync.transport=sharded", *overrides])
+
+
+@pytest.mark.unit
+def test_bytes_per_engine_rank_sums_the_senders_counters_per_destination():
+    from megarl.sync.report import most_bytes_per_engine_rank
+
+    stats = [{"bytes": 10, "per_engine_rank": {4: 6, 5: 3}}, {"bytes": 10, "per_engine_rank": {4: 1, 5: 7}}]
+    assert most_bytes_per_engine_rank(stats, whole=20) == 10
+    assert most_bytes_per_engine_rank([{"bytes": 20}], whole=20) == 20  # broadcast: every rank gets it all
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("engine_tp, engine_ep", [(2, 2), (4, 2), (4, 4)])
+def test_planner_counts_what_the_slice_map_sends_each_engine_rank(engine_tp, engine_ep):
+    from megarl.config import load_config
+    from megarl.planner.arch import resolve_arch
+    from megarl.planner.weight_sync import engine_rank_params
+
+    arch = resolve_arch(load_config(["recipe=tiny_moe_cpu"]))  # the sizes of qwen3_moe_table
+    assert (arch.hidden_size, arch.num_experts, arch.num_query_groups) == (HIDDEN, EXPERTS, KV_HEADS)
+    wants = engine_wants(qwen3_moe_table(), engine_tp, engine_ep, offset=0)
+    per_rank = {sum(p.nbytes for d, p in wants if d == rank) // 4 for rank in range(engine_tp)}
+    assert per_rank == {engine_rank_params(arch, engine_tp)}

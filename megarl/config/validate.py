@@ -39,6 +39,8 @@ def validate(cfg: DictConfig) -> None:
             f"from the trainer's memory on the same devices), got {cfg.sync.transport!r}")
     if cfg.sync.delta and (why := delta_refusal(cfg.sync.transport, cfg.lora.sync if cfg.lora.enabled else None)):
         fail("sync.delta", why)
+    if cfg.sync.transport == "sharded":
+        _check_sharded(cfg)
     _check_rollout(cfg, arch)
     _check_algorithm(cfg)
     _check_critic(cfg)
@@ -62,6 +64,17 @@ def validate(cfg: DictConfig) -> None:
             f"{cfg.trainer.updates_per_step}")
     _check_warmup(cfg)
     _check_optimizer_offload(cfg)
+
+
+def _check_sharded(cfg: DictConfig) -> None:
+    """sync.transport=sharded: every trainer rank sends its own slices, planned on one pipeline stage, of the
+    base weights (megarl/sync/sharded_rank.py)."""
+    if cfg.parallel.pp > 1:
+        fail("sync.transport", f"sharded resharding plans one pipeline stage, got parallel.pp={cfg.parallel.pp}; "
+             "use sync.transport=distributed")
+    if cfg.lora.enabled:
+        fail("sync.transport", "sharded resharding sends the base weights' slices, not merged LoRA adapters "
+             "(lora.enabled); use sync.transport=distributed")
 
 
 def _arch_numbers(cfg: DictConfig) -> dict:

@@ -423,6 +423,11 @@ class SGLangClient:
         response = await self._request("GET", "/server_info")
         return bool(response.json().get("enable_memory_saver", False))
 
+    async def parallel_sizes(self) -> tuple[int, int]:
+        """(tensor-parallel, expert-parallel) ranks of the engine (SGLang's ``tp_size``, ``ep_size``)."""
+        info = (await self._request("GET", "/server_info")).json()
+        return int(info["tp_size"]), int(info.get("ep_size") or 1)
+
     async def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Free the memory regions ``tags`` (``weights``, ``kv_cache``) until :meth:`resume_memory`.
         The engine must be paused with nothing running (SGLang asserts it is idle). Released

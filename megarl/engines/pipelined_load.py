@@ -27,6 +27,8 @@ reads it. Memory: two bucket buffers per engine rank during a session (SGLang: o
 device buffers are freed at its end, host buffers stay for the next session (new host pages cost a
 fault per 4 KiB, ~50 ms per 256 MiB here).
 
+Sharded-resharding buckets (load format ``megarl_sharded``) are served by :mod:`megarl.engines.sharded_load`.
+
 Colocated buckets (``/update_weights_from_tensor`` from host shared memory) keep their mapping: see
 :func:`load_flattened_bucket`.
 
@@ -45,8 +47,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megarl.engines.sharded_load import update_weights_from_sharded
 from megarl.engines.weight_delta import BUCKET_FLAG, decode
 from megarl.engines.weight_delta import LOAD_FORMAT as DELTA_FORMAT
+from megarl.engines.weight_shards import LOAD_FORMAT as SHARDED_FORMAT
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +130,10 @@ def _load_waiting(manager, session: _Session) -> tuple[bool, str]:
 
 def update_weights_from_distributed(manager, recv_req, original):
     """SGLang's ``update_weights_from_distributed`` with the receive of this bucket overlapping the
-    load of the previous one (see the module docstring); ``original`` serves every other call."""
+    load of the previous one (see the module docstring); a sharded bucket goes to
+    :mod:`megarl.engines.sharded_load`; ``original`` serves every other call."""
+    if recv_req.load_format == SHARDED_FORMAT:
+        return update_weights_from_sharded(manager, recv_req)
     if recv_req.load_format not in (FORMAT, DELTA_FORMAT) or manager._session is None:
         if recv_req.load_format == DELTA_FORMAT:
             from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqOutput

@@ -14,6 +14,7 @@ rank in the group.
 """
 from __future__ import annotations
 
+import datetime
 import re
 from dataclasses import dataclass
 
@@ -128,10 +129,12 @@ def unpack_pair(buffer: torch.Tensor, pieces: list[Piece]) -> list[torch.Tensor]
     return out
 
 
-def exchange(rank: int, transfers: list[Transfer], outgoing, group, device) -> list[tuple[Piece, torch.Tensor]]:
+def exchange(rank: int, transfers: list[Transfer], outgoing, group, device,
+             timeout: datetime.timedelta | None = None) -> list[tuple[Piece, torch.Tensor]]:
     """Run ``rank``'s part of one bucket: send each peer its pieces (``outgoing(transfer)``: the piece's
-    values, from what this rank holds) and receive this rank's, all pairs at once. Returns (piece,
-    values) of every piece received, in plan order; ranks of ``group``'s own numbering."""
+    values, from what this rank holds) and receive this rank's, all pairs at once, each wait bounded by
+    ``timeout`` (None: the group's). Returns (piece, values) of every piece received, in plan order;
+    ranks of ``group``'s own numbering."""
     ops, received = [], []
     for peer, pair in peers(transfers, rank).items():
         if pair[0].src == rank:
@@ -142,16 +145,26 @@ def exchange(rank: int, transfers: list[Transfer], outgoing, group, device) -> l
             ops.append(torch.distributed.P2POp(torch.distributed.irecv, buffer, group=group, group_peer=peer))
             received.append((pair, buffer))
     for work in torch.distributed.batch_isend_irecv(ops) if ops else []:
-        work.wait()
+        work.wait() if timeout is None else work.wait(timeout)
     return [(t.piece, values) for pair, buffer in received
             for t, values in zip(pair, unpack_pair(buffer, [t.piece for t in pair]))]
 
 
-def placed(piece: Piece, values: torch.Tensor) -> torch.Tensor:
-    """A tensor of the piece's full HF shape holding ``values`` at the piece's rows, the rest left
-    uninitialised: what SGLang's weight loader of the receiving rank narrows to exactly those rows."""
-    if piece.dim is None:
-        return values
-    full = torch.empty(piece.shape, dtype=values.dtype, device=values.device)
-    full.narrow(piece.dim, piece.start, piece.stop - piece.start).copy_(values)
-    return full
+def assemble(received: list[tuple[Piece, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """(HF name, tensor of the full HF shape) per tensor of ``received``, its pieces at their rows and the
+    rest left uninitialised: what SGLang's weight loader of the receiving rank narrows to exactly those
+    rows (the pieces of one tensor, from several senders, go into one tensor: loaded one by one, each
+    would overwrite the others' rows). A whole piece is its own tensor."""
+    by_name: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
+    for piece, values in received:
+        by_name.setdefault(piece.name, []).append((piece, values))
+    out = []
+    for name, parts in by_name.items():
+        if len(parts) == 1 and parts[0][0].dim is None:
+            out.append((name, parts[0][1]))
+            continue
+        full = torch.empty(parts[0][0].shape, dtype=parts[0][1].dtype, device=parts[0][1].device)
+        for piece, values in parts:
+            piece.narrow(full).copy_(values)
+        out.append((name, full))
+    return out

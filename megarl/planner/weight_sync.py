@@ -16,8 +16,9 @@ inputs of its formula): ``broadcast`` (the above), ``delta`` (``sync.delta``: th
 alone at a change fraction, :func:`delta_wire_fraction`, after each stage's sender compares its stage
 with the host copy it kept, read to the GPU at ``h2d_gbps``), ``colocated_ipc`` (the engines map the
 trainer's buckets through CUDA IPC and each engine GPU copies its share at device-copy speed) and
-``sharded_p2p`` (each engine GPU receives only its shard from the trainer ranks holding it, over
-concurrent links: not built in megarl, a projection). ``path`` names the one the recipe uses.
+``sharded_p2p`` (``sync.transport=sharded``: each engine GPU receives only the slices it loads,
+:func:`engine_rank_params`, from the trainer ranks holding them, every engine GPU over its own link at
+once). ``path`` names the one the recipe uses.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from megarl.config.errors import ConfigError
 from megarl.engines.weight_delta import MAX_GAP
 from megarl.planner.arch import Arch
 from megarl.planner.lora import LoraPlan
-from megarl.planner.params import count_params, embedding_params, expert_params, head_params
+from megarl.planner.params import ShardedCount, count_params, embedding_params, expert_params, head_params, layer_params
 from megarl.planner.units import dtype_bytes
 
 MIB = 2**20
@@ -82,12 +83,37 @@ def weight_sync_plan(arch: Arch, cfg: DictConfig, lora: LoraPlan | None = None) 
         nbytes = count_params(arch).total * size
         buckets, largest = math.ceil(nbytes / bucket), largest_tensor_params(arch) * size
         payload = "model" if lora is None else "merged"
-    paths = sync_paths(nbytes, size, cfg)
-    path = ("colocated_ipc" if cfg.placement == "colocated" else "delta" if cfg.sync.delta else "broadcast")
+    rank_bytes = nbytes // cfg.rollout.engine_tp if payload == "adapter" else engine_rank_params(
+        arch, cfg.rollout.engine_tp) * size
+    paths = sync_paths(nbytes, size, cfg, rank_bytes)
+    path = ("colocated_ipc" if cfg.placement == "colocated" else "delta" if cfg.sync.delta
+            else "sharded_p2p" if cfg.sync.transport == "sharded" else "broadcast")
     return WeightSyncPlan(bytes_per_sync=nbytes, buckets=buckets, largest_tensor_bytes=largest,
                           seconds=paths["broadcast"].seconds, payload=payload, path=path, paths=paths,
                           sync_seconds={name: p.seconds for name, p in paths.items()},
                           delta_host_bytes=nbytes if cfg.sync.delta else 0)
+
+
+def engine_rank_params(arch: Arch, engine_tp: int) -> int:
+    """Parameters one rank of an engine of ``engine_tp`` ranks loads (what sharded resharding sends it,
+    :mod:`megarl.sync.slices`): TP-split weights, embedding and head over ``engine_tp``; routed experts
+    over EP x MoE-TP = ``engine_tp``; replicated ones (norms, router, MLA down-projections) whole; K and V
+    over ``min(kv_heads, engine_tp)`` ranks (SGLang replicates KV heads over the ranks when they are fewer)."""
+    counts = sum((layer_params(arch, i) for i in range(arch.num_layers)), ShardedCount())
+    split = counts.tp_split + counts.experts + embedding_params(arch) + head_params(arch)
+    per_rank = split / engine_tp + counts.replicated + arch.hidden_size  # + the final norm
+    if not arch.mla and arch.num_query_groups < engine_tp:
+        kv = 2 * arch.hidden_size * arch.num_query_groups * arch.head_dim * arch.num_layers
+        per_rank += kv / arch.num_query_groups - kv / engine_tp
+    return round(per_rank)
+
+
+def sharded_path(rank_bytes: int, nbytes: int, engine_tp: int, gbps: float) -> SyncPath:
+    """``sharded_p2p``: each of the ``engine_tp`` engine ranks receives its ``rank_bytes`` over its own link,
+    all at once; ``bytes`` is what crosses one engine's links."""
+    return SyncPath(rank_bytes * engine_tp, rank_bytes * 8 / (gbps * 1e9), "bytes_per_engine_rank * 8 / link_gbps",
+                    {"bytes_per_engine_rank": rank_bytes, "links": engine_tp, "model_bytes": nbytes,
+                     "link_gbps": gbps})
 
 
 def delta_wire_fraction(changed: float, element_size: int) -> float:
@@ -99,12 +125,12 @@ def delta_wire_fraction(changed: float, element_size: int) -> float:
     return min(changed * (index_bytes + element_size), 1 / 8 + changed * element_size, element_size) / element_size
 
 
-def sync_paths(nbytes: int, element_size: int, cfg: DictConfig) -> dict[str, SyncPath]:
-    """Every path's projection for ``nbytes`` per engine (see the module docstring)."""
+def sync_paths(nbytes: int, element_size: int, cfg: DictConfig, rank_bytes: int) -> dict[str, SyncPath]:
+    """Every path's projection for ``nbytes`` per engine, ``rank_bytes`` of them loaded by each engine rank
+    (see the module docstring)."""
     gbps = cfg.sync.link_gbps
     engine_gpus, stages = cfg.rollout.engine_tp, cfg.parallel.pp
     wire = delta_wire_fraction(DELTA_CHANGE_FRACTION, element_size)
-    links = engine_gpus  # one link (NIC) per engine GPU, each fed by the trainer ranks holding its shard
     return {
         "broadcast": SyncPath(nbytes, nbytes * 8 / (gbps * 1e9), "bytes * 8 / link_gbps",
                               {"bytes": nbytes, "link_gbps": gbps}),
@@ -115,6 +141,5 @@ def sync_paths(nbytes: int, element_size: int, cfg: DictConfig) -> dict[str, Syn
         "colocated_ipc": SyncPath(nbytes, nbytes / engine_gpus * 8 / (IPC_COPY_GBPS * 1e9),
                                   "bytes / engine_gpus * 8 / ipc_copy_gbps",
                                   {"bytes": nbytes, "engine_gpus": engine_gpus, "ipc_copy_gbps": IPC_COPY_GBPS}),
-        "sharded_p2p": SyncPath(nbytes, nbytes * 8 / (links * gbps * 1e9), "bytes * 8 / (links * link_gbps)",
-                                {"bytes": nbytes, "links": links, "link_gbps": gbps}, built=False),
+        "sharded_p2p": sharded_path(rank_bytes, nbytes, engine_gpus, gbps),
     }

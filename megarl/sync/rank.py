@@ -21,36 +21,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from megarl.sync.buckets import Bucket, BucketIndex, BucketPacker
 from megarl.sync.delta import DeltaEncoder, DeltaPlan, KeptWeights
 from megarl.sync.errors import WeightSyncError
 from megarl.sync.gather import is_stage_sender, pipeline_stage, stage_hf_stream
+from megarl.sync.report import SenderStats
+from megarl.sync.sharded_rank import ShardedRank
 from megarl.sync.transports import Sender, SenderSpec, make_sender
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SenderStats:
-    """One sending rank's numbers for one sync (seconds, bytes)."""
-
-    stage: int
-    bytes: int = 0
-    buckets: int = 0
-    tensors: int = 0
-    gather_s: float = 0.0
-    convert_s: float = 0.0
-    send_s: float = 0.0
-    peak_bucket_bytes: int = 0
-    largest_tensor_bytes: int = 0
-    capacity: int = 0
-    delta: bool = False  # the buckets carried changed elements (a delta-mode sync against a kept copy)
-    elements: int = 0  # delta mode: elements of every tensor; the changed ones; the bytes sent whole
-    changed_elements: int = 0
-    dense_bytes: int = 0
 
 
 class RankSync:
@@ -70,6 +52,8 @@ class RankSync:
         self._spare: list = []  # the buffer of the bucket sent last, for the next bucket to reuse
         self._kept = KeptWeights()  # delta mode: what this sender last sent (megarl.sync.delta)
         self._encoder: DeltaEncoder | None = None
+        self._sharded: ShardedRank | None = None  # the sharded link: every rank takes part (sharded_rank.py)
+        self._sharded_sync = False  # the running sync goes through it
 
     # --- the link -------------------------------------------------------------------------------
     def address(self) -> dict | None:
@@ -85,13 +69,23 @@ class RankSync:
         return dict(self._address)
 
     def connect(self, spec: SenderSpec) -> None:
-        """Build this rank's sender for ``spec.kind`` (replacing an older one); no-op off senders."""
+        """Build this rank's sender for ``spec.kind`` (replacing an older one); no-op off senders, except
+        for ``sharded``, whose link every rank joins."""
+        if spec.kind == "sharded":
+            self.disconnect(spec.kind)
+            self._sharded = ShardedRank(self.model, spec)
+            return
         if not self.is_sender:
             return
         self.disconnect(spec.kind)
         self._senders[spec.kind] = make_sender(spec, self.stage, self.model.bridge.hf_pretrained.config, self._address)
 
     def disconnect(self, kind: str) -> None:
+        if kind == "sharded":
+            link, self._sharded = self._sharded, None
+            if link is not None:
+                link.close()
+            return
         sender = self._senders.pop(kind, None)
         if sender is not None:
             sender.close()
@@ -100,8 +94,14 @@ class RankSync:
     def begin(self, kind: str, version: int, capacity: int, delta: DeltaPlan | None = None) -> None:
         """Start a sync to ``version`` through ``kind`` with buckets of ``capacity`` bytes; with a
         ``delta`` plan, in delta mode (:mod:`megarl.sync.delta`)."""
-        if self._packer is not None:
+        if self._packer is not None or self._sharded_sync:
             raise RuntimeError("a weight sync is already running on this rank (finish or abort it first)")
+        if kind == "sharded":
+            if self._sharded is None or delta is not None:
+                raise RuntimeError("no sharded weight-sync link on this rank (connect first), or a delta plan for it")
+            self._sharded.begin(capacity)
+            self._sharded_sync = True
+            return
         sender = None
         if self.is_sender:
             sender = self._senders.get(kind)
@@ -126,6 +126,8 @@ class RankSync:
 
     def next(self) -> BucketIndex | None:
         """Gather and pack this stage's next bucket; its index on the sender, None elsewhere or at the end."""
+        if self._sharded_sync:
+            return self._sharded.next()
         if self._packer is None:
             raise RuntimeError("no weight sync running on this rank: begin first")
         if self._ready is not None:
@@ -148,6 +150,8 @@ class RankSync:
     def send(self) -> Any:
         """Start the transfer of the bucket ``next`` packed (after the previous one finished and
         was freed); returns the transport's payload for the driver (None off senders)."""
+        if self._sharded_sync:
+            return self._sharded.send()
         if self._sender is None:
             return None
         self._join()
@@ -176,6 +180,9 @@ class RankSync:
 
     def finish(self) -> dict | None:
         """Wait for the last transfer and end the sync; the sender's :class:`SenderStats` as a dict."""
+        if self._sharded_sync:
+            self._sharded_sync = False
+            return self._sharded.finish()
         try:
             self._join()
             if self._ready is not None or (self._packer is not None and self._packer.next_bucket() is not None):
@@ -209,11 +216,14 @@ class RankSync:
             self._inflight = None
         try:
             self._join()
+            if self._sharded_sync:
+                self._sharded.abort()
         except WeightSyncError as e:
             log.warning("weight sync aborted after a failed transfer: %s", e)
         finally:
+            self._sharded_sync = False
             self._reset()
-            for kind in list(self._senders):
+            for kind in [*self._senders, "sharded"]:
                 self.disconnect(kind)
 
     def _reset(self) -> None:

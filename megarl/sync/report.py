@@ -1,7 +1,7 @@
 """The numbers of one weight sync."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,8 @@ class SyncReport:
     ``delta``: the buckets carried the changed elements only (``sync.delta``, engines at the trainer's
     previous version); in delta mode, ``elements`` of every tensor, ``changed_elements`` among them
     (all of them in a whole sync) and ``dense_bytes``, what the buckets would have held whole.
+    ``bytes_per_engine_rank``: the most bytes one engine rank received (``bytes`` when every engine rank
+    receives every bucket; ``sharded``: its slices only, counted by the senders per destination).
     """
 
     version: int
@@ -37,6 +39,7 @@ class SyncReport:
     elements: int = 0
     changed_elements: int = 0
     dense_bytes: int = 0
+    bytes_per_engine_rank: int = 0
 
     @property
     def gbps(self) -> float:
@@ -47,3 +50,34 @@ class SyncReport:
         out = {f"{prefix}{k}": float(v) for k, v in asdict(self).items() if k != "transport"}
         out[f"{prefix}gbps"] = self.gbps
         return out
+
+
+@dataclass
+class SenderStats:
+    """One sending rank's numbers for one sync (seconds, bytes)."""
+
+    stage: int
+    bytes: int = 0
+    buckets: int = 0
+    tensors: int = 0
+    gather_s: float = 0.0
+    convert_s: float = 0.0
+    send_s: float = 0.0
+    peak_bucket_bytes: int = 0
+    largest_tensor_bytes: int = 0
+    capacity: int = 0
+    delta: bool = False  # the buckets carried changed elements (a delta-mode sync against a kept copy)
+    elements: int = 0  # delta mode: elements of every tensor; the changed ones; the bytes sent whole
+    changed_elements: int = 0
+    dense_bytes: int = 0
+    per_engine_rank: dict[int, int] = field(default_factory=dict)  # sharded: bytes sent to each engine rank
+
+
+def most_bytes_per_engine_rank(stats: list[dict], whole: int) -> int:
+    """The most bytes one engine rank received, from the senders' ``per_engine_rank`` counters summed over
+    senders; ``whole`` (every rank receives every bucket) when no sender counted per rank."""
+    per_rank: dict[int, int] = {}
+    for s in stats:
+        for rank, nbytes in s.get("per_engine_rank", {}).items():
+            per_rank[rank] = per_rank.get(rank, 0) + nbytes
+    return max(per_rank.values()) if per_rank else whole

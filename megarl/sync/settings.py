@@ -12,7 +12,8 @@ MIB = 2**20
 
 @dataclass
 class SyncConfig:
-    # auto (tensor when colocated, else distributed) | distributed | tensor | disk
+    # auto (tensor when colocated, else distributed) | distributed | tensor | disk | sharded (each engine rank
+    # receives only the slices it loads, point to point from the trainer ranks holding them; parallel.pp=1)
     transport: str = setting("auto", choices=("auto", *TRANSPORTS))
     bucket_mb: int = setting(512, ge=0)  # MiB per bucket (0: one engine call per tensor)
     link_gbps: float = setting(400.0, gt=0)  # planner: trainer->engine link bandwidth, Gbit/s
@@ -31,7 +32,7 @@ class SyncConfig:
 
 @dataclass
 class SyncSettings(SyncConfig):
-    """A :class:`SyncConfig` (``transport`` resolved: distributed | tensor | disk; ``bucket_mb`` 0: one
+    """A :class:`SyncConfig` (``transport`` resolved: distributed | tensor | disk | sharded; ``bucket_mb`` 0: one
     tensor per bucket, i.e. one engine call per tensor; ``timeout_s`` also bounds each group formation)
     for engines of ``engine_tp`` ranks (the ranks per engine in the update group)."""
 
@@ -53,6 +54,9 @@ class SyncSettings(SyncConfig):
 def delta_refusal(transport: str, lora_sync: str | None = None) -> str | None:
     """Why ``sync.delta`` cannot run with resolved ``transport`` and LoRA synced as ``lora_sync`` (None:
     no LoRA); None when it can."""
+    if transport == "sharded":
+        return ("sync.transport=sharded sends each engine rank its slices whole (no kept copy to diff against); "
+                "delta syncs go through sync.transport=distributed or tensor")
     if transport == "disk":
         return ("the disk transport writes whole checkpoints that the engines load from disk; delta syncs "
                 "go through sync.transport=distributed or tensor")

@@ -46,7 +46,7 @@ from megarl.engines.types import PauseMode
 from megarl.sync.buckets import BucketIndex
 from megarl.sync.delta import DeltaPlan
 from megarl.sync.errors import WeightSyncError, past_bound
-from megarl.sync.report import SyncReport
+from megarl.sync.report import SyncReport, most_bytes_per_engine_rank
 from megarl.sync.settings import SyncSettings
 from megarl.sync.trainer_protocol import WeightSyncTrainer
 from megarl.sync.transports import make_engine_side
@@ -202,6 +202,7 @@ class WeightSync:
             delta=any(s["delta"] for s in stats), elements=sum(s["elements"] for s in stats),
             changed_elements=sum(s["changed_elements"] for s in stats),
             dense_bytes=sum(s["dense_bytes"] for s in stats),
+            bytes_per_engine_rank=most_bytes_per_engine_rank(stats, sum(s["bytes"] for s in stats)),
         )
         log.info("weights of version %d synced into %d engines via %s: %.1f MB in %d buckets, %.2f s (%.2f GB/s)",
                  version, len(engines), report.transport, report.bytes / 1e6, report.buckets, report.total_s,

@@ -18,6 +18,9 @@ uses. Measured, each as GB/s of model bytes:
   delta                delta syncs (``sync.delta``, distributed, 256 MiB buckets) after one Adam step
                        of the model (fp32 master weights, bf16 parameters, a random gradient) at lr 1e-6,
                        then after one at the demo's lr 5e-4
+  sharded              into an engine of two ranks (TP2, experts EP2): one ``distributed`` sync (every
+                       engine rank receives every bucket) and one ``sharded`` sync (each rank receives only
+                       the slices it loads), 256 MiB buckets, bytes per engine rank as the transports count
   lora                 adapter-only syncs (megarl.sync.AdapterSync) of a rank ``--lora-rank`` LoRA
                        on the attention projections of the same model, into an engine started with
                        LoRA serving (SGLang's CPU path serves no expert adapters)
@@ -35,10 +38,12 @@ broadcast into fresh buffers, ``fraction_of_fresh_buffer_broadcast``),
 ``lora_over_full_seconds`` and ``lora_bytes_fraction`` (adapter bytes / model bytes);
 ``delta_bytes_fraction_lr1e-6`` (a delta sync's bytes on the wire / a whole sync's) and
 ``delta_changed_fraction_lr1e-6`` (changed elements / elements) after the lr 1e-6 step,
-``delta_changed_fraction_demo`` after the lr 5e-4 one. ``--delta-only`` runs the delta syncs alone.
+``delta_changed_fraction_demo`` after the lr 5e-4 one; ``sharded_over_broadcast_bytes_per_engine_rank``
+(the most bytes an engine rank received through ``sharded`` / through ``distributed``, the two syncs of
+``sharded`` in one run). ``--delta-only`` runs the delta syncs alone, ``--sharded-only`` the sharded pair.
 
 Usage: python tools/bench/weight_sync.py --json FILE [--layers 4 --experts 64 --hidden 1024 --moe-ffn 768
-       --repeats 2 --pause-mode retract --lora-rank 16 --delta-only]
+       --repeats 2 --pause-mode retract --lora-rank 16 --delta-only --sharded-only]
 """
 from __future__ import annotations
 
@@ -345,7 +350,8 @@ def _engine(model_dir: Path, log_path: Path, **kwargs):
 
 
 def run_full_model(tmp: Path, args, delta_only: bool) -> dict:
-    """The syncs of the whole model (bucketed, per tensor, colocated, in flight; the delta syncs)."""
+    """The syncs of the whole model (bucketed, per tensor, colocated, in flight; the delta syncs; the sharded
+    pair into an engine of two ranks)."""
     from megarl.models.bridge import build_megatron_model
     from megarl.parallel import Layout, free_port
     from megarl.sync.rank import RankSync
@@ -354,6 +360,8 @@ def run_full_model(tmp: Path, args, delta_only: bool) -> dict:
     init_rank(0, Layout(), "127.0.0.1", free_port(), backend="gloo")
     model = build_megatron_model(tmp / "model", Layout(), dtype="bfloat16", transformer_impl="local")
     trainer = LocalTrainer(RankSync(model))
+    if args.sharded_only:
+        return {"sharded": run_sharded(tmp, trainer)}
     engine = _engine(tmp / "model", tmp / "server.log")
     results = {}
     try:
@@ -364,7 +372,39 @@ def run_full_model(tmp: Path, args, delta_only: bool) -> dict:
         results["delta"] = asyncio.run(run_delta_syncs(trainer, model, engine, tmp / "sync"))
     finally:
         engine.stop()
+    if not delta_only:
+        results["sharded"] = run_sharded(tmp, trainer)
     return results
+
+
+async def run_sharded_pair(trainer, engine, work_dir: Path) -> dict:
+    """One ``distributed`` and one ``sharded`` sync into ``engine`` (two ranks): their numbers."""
+    from megarl.engines.client import SGLangClient
+    from megarl.engines.types import PauseMode
+    from megarl.sync import WeightSync
+
+    out = {}
+    async with SGLangClient(engine.url, engine.model, request_timeout_s=1800) as client:
+        for version, transport in enumerate(("distributed", "sharded"), start=200):
+            sync = WeightSync(dataclasses.replace(_settings(transport, 256, work_dir), engine_tp=2), trainer, [client])
+            await sync.setup()
+            try:
+                report = await sync.update(version, PauseMode.ABORT)
+            finally:
+                await sync.close()
+            out[transport] = {"bytes_per_engine_rank": report.bytes_per_engine_rank, "seconds": report.total_s,
+                              "bytes": report.bytes, "buckets": report.buckets}
+            log.info("%s into TP2+EP2: %.1f MB per engine rank, %.1f s", transport,
+                     report.bytes_per_engine_rank / 1e6, report.total_s)
+    return out
+
+
+def run_sharded(tmp: Path, trainer) -> dict:
+    engine = _engine(tmp / "model", tmp / "server_tp2.log", tp=2, ep=2)
+    try:
+        return asyncio.run(run_sharded_pair(trainer, engine, tmp / "sharded"))
+    finally:
+        engine.stop()
 
 
 def run_lora(tmp: Path, args) -> dict:
@@ -385,6 +425,12 @@ def run_lora(tmp: Path, args) -> dict:
 
 def summarize(results: dict, nbytes: int) -> None:
     """The top-level figures (see the module docstring), into ``results``."""
+    if "sharded" in results:
+        pair = results["sharded"]
+        results["sharded_over_broadcast_bytes_per_engine_rank"] = (pair["sharded"]["bytes_per_engine_rank"]
+                                                                   / pair["distributed"]["bytes_per_engine_rank"])
+    if "delta" not in results:
+        return
     delta = results["delta"]
     results["delta_bytes_fraction_lr1e-6"] = delta["lr1e-6"]["bytes"] / delta["lr1e-6"]["whole_bytes"]
     results["delta_changed_fraction_lr1e-6"] = delta["lr1e-6"]["changed_elements"] / delta["lr1e-6"]["elements"]
@@ -423,6 +469,7 @@ def main(argv=None) -> int:
                         help="pause of the idle / in-flight syncs")
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of the adapter-only syncs' LoRA")
     parser.add_argument("--delta-only", action="store_true", help="only the delta syncs (and their whole one)")
+    parser.add_argument("--sharded-only", action="store_true", help="only the sharded pair (distributed, sharded)")
     args = parser.parse_args(argv)
 
     from megarl.log import setup_logging
@@ -437,16 +484,17 @@ def main(argv=None) -> int:
         nbytes = build_checkpoint(tmp / "model", args.layers, args.experts, args.hidden, args.moe_ffn)
         log.info("synthetic Qwen3-MoE: %.2f GB of bf16 parameters (%.0f s)", nbytes / 1e9, time.perf_counter() - t0)
         results = {"model_bytes": nbytes}
-        if not args.delta_only:
+        if not (args.delta_only or args.sharded_only):
             results.update(memcpy_gbps_runs=[memcpy_gbps(nbytes)], raw_broadcast_gbps_runs=[raw_broadcast_gbps(nbytes)])
         results.update(run_full_model(tmp, args, args.delta_only))
-        if not args.delta_only:
+        if not (args.delta_only or args.sharded_only):
             results["lora"] = run_lora(tmp, args)
             results["memcpy_gbps_runs"].append(memcpy_gbps(nbytes))
             results["raw_broadcast_gbps_runs"].append(raw_broadcast_gbps(nbytes))
     summarize(results, nbytes)
     Path(args.json).write_text(json.dumps(results, indent=2))
-    print(json.dumps({k: v for k, v in results.items() if k not in ("syncs", "in_flight", "lora", "delta")}, indent=2))
+    print(json.dumps({k: v for k, v in results.items() if k not in ("syncs", "in_flight", "lora", "delta", "sharded")},
+                     indent=2))
     return 0
 
 

@@ -14,10 +14,11 @@ from megarl.sync.transports.base import EngineSide, Sender, SenderSpec
 
 @dataclass(frozen=True)
 class Transport:
-    """``sender(spec, stage, hf_config, address)`` builds a sending rank's half;
+    """``sender(spec, stage, hf_config, address)`` builds a sending rank's half (None: every trainer rank
+    takes part, through its own module: ``sharded``, :mod:`megarl.sync.sharded_rank`);
     ``engine_side(settings)`` the driver's half from a :class:`megarl.sync.settings.SyncSettings`."""
 
-    sender: Callable[[SenderSpec, int, Any, dict | None], Sender]
+    sender: Callable[[SenderSpec, int, Any, dict | None], Sender] | None
     engine_side: Callable[[Any], EngineSide]
 
 
@@ -59,10 +60,17 @@ def _disk_engine_side(settings) -> EngineSide:
     return DiskEngineSide(settings.work_dir)
 
 
+def _sharded_engine_side(settings) -> EngineSide:
+    from megarl.sync.transports.sharded import ShardedEngineSide
+
+    return ShardedEngineSide(settings.timeout_s, settings.engine_tp)
+
+
 REGISTRY: dict[str, Transport] = {
     "distributed": Transport(_distributed_sender, _distributed_engine_side),
     "tensor": Transport(_tensor_sender, _tensor_engine_side),
     "disk": Transport(_disk_sender, _disk_engine_side),
+    "sharded": Transport(None, _sharded_engine_side),
 }
 TRANSPORTS = tuple(REGISTRY)  # the valid names of sync.transport
 
@@ -77,7 +85,10 @@ def _transport(name: str) -> Transport:
 def make_sender(spec: SenderSpec, stage: int, hf_config, address: dict | None) -> Sender:
     """The trainer-rank half for ``spec.kind``; ``address`` is the rank's reserved host/port
     (``distributed`` only), ``hf_config`` the model's HF config (``disk`` writes it)."""
-    return _transport(spec.kind).sender(spec, stage, hf_config, address)
+    sender = _transport(spec.kind).sender
+    if sender is None:
+        raise ValueError(f"weight transport {spec.kind!r} has no stage sender: every trainer rank takes part")
+    return sender(spec, stage, hf_config, address)
 
 
 def make_engine_side(settings) -> EngineSide:

@@ -33,6 +33,9 @@ class SenderSpec:
     engines, :func:`megarl.engines.update_group.timed_name`; the sender is rank 0 and the engines'
     ranks follow; ``timeout_s`` bounds the group's formation and each broadcast). engine_tp: ranks
     per engine (payload copies for ``tensor``). work_dir: where ``disk`` writes checkpoints.
+    expert_ranks/rendezvous/trainer_ranks: the ``sharded`` link (one group of every trainer rank and
+    every engine rank, meeting at trainer rank 0's ``host:port``; the engines' experts split over
+    ``expert_ranks`` of an engine's ranks).
     """
 
     kind: str
@@ -41,6 +44,9 @@ class SenderSpec:
     timeout_s: float = 600.0
     engine_tp: int = 1
     work_dir: str = ""
+    expert_ranks: int = 1
+    rendezvous: str = ""
+    trainer_ranks: int = 0
 
 
 @dataclass(frozen=True)

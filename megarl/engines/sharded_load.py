@@ -1,0 +1,70 @@
+"""Engine-side load of a sharded-resharding bucket (load format ``megarl_sharded``; runs in SGLang's scheduler
+of every engine rank, routed here by :mod:`megarl.engines.pipelined_load`).
+
+The request lists the bucket's transfers into this engine (:mod:`megarl.engines.weight_shards`); this rank
+keeps those addressed to its own rank of the update group, receives them from the trainer ranks that send
+them (one buffer per sender, all at once) and loads each tensor through SGLang's own ``load_weights``: its
+slices sit at their rows of an uninitialised tensor of the full HF shape, and the parameter's weight loader
+narrows that tensor to the rows this rank owns, which are exactly the slices', so SGLang's fused-QKV,
+gate/up and expert mappings apply unchanged and nothing is sliced twice. A piece arrives whole when the
+loader reads the whole tensor (replicated weights). The receive and the load are one step (no overlap:
+the buckets are each engine rank's share, not the model).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from megarl.engines.weight_shards import Transfer, assemble, exchange, parse_entries
+
+log = logging.getLogger(__name__)
+
+
+def own_transfers(names: list[str], dtypes: list[str], shapes: list[list[int]], rank: int) -> list[Transfer]:
+    """The request entries addressed to update-group rank ``rank``, in plan order."""
+    return [Transfer(src, dst, piece, piece) for src, dst, piece in parse_entries(names, dtypes, shapes) if dst == rank]
+
+
+def receive(recv_req, group, device) -> list[tuple[str, torch.Tensor]]:
+    """This rank's slices of the request's bucket, received over ``group``, as (HF name, full-shape tensor
+    holding the slice) for SGLang's ``load_weights``."""
+    rank = group.rank()  # its rank in the update group (get_rank(group) maps this process's default rank)
+    transfers = own_transfers(recv_req.names, recv_req.dtypes, recv_req.shapes, rank)
+    return assemble(exchange(rank, transfers, None, group, device))
+
+
+def update_weights_from_sharded(manager, recv_req):
+    """Serve one ``megarl_sharded`` ``/update_weights_from_distributed`` call on this engine rank:
+    receive, load into every runner the selector names, then record the version and flush the cache
+    when the call carries them (the sync's last bucket)."""
+    import msgspec
+    from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqOutput
+
+    if manager._session is None:
+        return UpdateWeightsFromDistributedReqOutput(
+            success=False, message="a sharded bucket loads only inside begin/end_weight_update")
+    with manager._observe_weight_load("distributed"):
+        target = manager.tp_worker.model_runner.weight_updater
+        group = target._model_update_group.get(recv_req.group_name)
+        if group is None:
+            return UpdateWeightsFromDistributedReqOutput(
+                success=False, message=f"no weight-update group {recv_req.group_name!r}: "
+                                       "call init_weights_update_group first")
+        try:
+            weights = receive(recv_req, group, target.device)
+        except Exception as e:
+            return UpdateWeightsFromDistributedReqOutput(success=False, message=f"Failed to receive weights: {e}")
+        success, message = True, "Succeeded to update parameter online."
+        for _, runner in manager._select_runners(recv_req.selector):
+            success, message = runner.weight_updater.load_weights_from_distributed(weights)
+            if not success:
+                break
+        if success:
+            manager._session = msgspec.structs.replace(manager._session, loaded_weights=True)
+        if success and (recv_req.weight_version is not None or recv_req.flush_cache):
+            manager.record_weight_version_after_update(recv_req.weight_version)
+            success, message = manager.flush_cache_after_weight_update(recv_req, success, message)
+        if not success:
+            log.error(message)
+        return UpdateWeightsFromDistributedReqOutput(success=success, message=message)
