@@ -3,9 +3,10 @@
 bridge: every trainer rank sends its own slices straight to the engine rank that loads them).
 
 The trainer starts from the tiny checkpoint with its head sharpened, the engine from the plain one, so the
-engine answers differently until the sync. After it the engine's greedy tokens, routed experts and
+engine's log-probs differ until the sync. After it the engine's greedy tokens, routed experts and
 log-probs equal those of an HF model built from the trainer's gathered export, and each engine rank
-received at most 0.55 of the model's bytes (the senders' counters, in the sync report). Placement: Ray
+received at most 0.55 of the model's bytes (the senders' counters, in the sync report); a ``distributed``
+sync of the same weights then gives the same answers with the whole model per engine rank. Placement: Ray
 custom resources ``megarl_trainer`` (two) on nodes 0 and 1, ``megarl_engine`` on node 2."""
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from test_multinode import PYTHON, ROOT, node_env, ray_cluster  # noqa: F401
 
 ROLES = {0: {"megarl_trainer": 2}, 1: {"megarl_trainer": 2}, 2: {"megarl_engine": 1}}  # read by ray_cluster
+LM_HEAD_SCALE = 5.0  # the trainer's head: log-probs move visibly, logits stay small (float32 rounding)
 LOGPROB_TOLERANCE = 2e-6
 MOST_PER_ENGINE_RANK = 0.55
 
@@ -58,13 +60,14 @@ async def main():
                "before": await answer(client)}
         save_file(await group.export_hf_state(), out_dir + "/model.safetensors", metadata={"format": "pt"})
         base = SyncSettings.from_config(load_config(["recipe=tiny_moe_cpu"]).sync, engine_tp=2)
-        sync = WeightSync(dataclasses.replace(base, transport="sharded", bucket_mb=0.25, work_dir=out_dir + "/sync",
-                                              timeout_s=300), group, [client])
-        await sync.setup()
-        report = await sync.update(1, PauseMode.ABORT)
-        await sync.close()
-        out.update(after=await answer(client), transport=report.transport, bytes=report.bytes,
-                   bytes_per_engine_rank=report.bytes_per_engine_rank, seconds=report.total_s)
+        for version, transport in enumerate(("sharded", "distributed"), start=1):
+            sync = WeightSync(dataclasses.replace(base, transport=transport, bucket_mb=0.25, timeout_s=300,
+                                                  work_dir=out_dir + "/sync"), group, [client], version - 1)
+            await sync.setup()
+            report = await sync.update(version, PauseMode.ABORT)
+            await sync.close()
+            out[transport] = {"answer": await answer(client), "bytes_per_engine_rank": report.bytes_per_engine_rank,
+                              "seconds": report.total_s, "transport": report.transport}
     finally:
         await pool.aclose()
         group.shutdown()
@@ -80,7 +83,8 @@ def test_tp2_ep2_trainer_on_two_nodes_into_tp2_ep2_engine_on_a_third(fake_nodes,
     from safetensors.torch import load_file
     from transformers import AutoTokenizer
 
-    trainer_model = str(sharpened_checkpoint(tiny_checkpoint, tmp_path / "sharp", 25.0))
+    (tmp_path / "sharp").mkdir()
+    trainer_model = str(sharpened_checkpoint(tiny_checkpoint, tmp_path / "sharp", LM_HEAD_SCALE))
     prompt = AutoTokenizer.from_pretrained(tiny_checkpoint).encode("3+4=")
     started = time.monotonic()
     argv = [PYTHON, "-c", DRIVER, trainer_model, tiny_checkpoint, json.dumps(prompt), str(tmp_path)]
@@ -92,21 +96,26 @@ def test_tp2_ep2_trainer_on_two_nodes_into_tp2_ep2_engine_on_a_third(fake_nodes,
     result = json.loads(next(line for line in driver.stdout.splitlines() if line.startswith("RESULT "))[7:])
     addresses = [node.address for node in fake_nodes]
     assert sorted(result["trainer_nodes"]) == sorted(addresses[:2] * 2) and result["engine_node"] == addresses[2]
+    after, whole = result["sharded"]["answer"], result["distributed"]["answer"]
     reference = load_file(tmp_path / "model.safetensors")
     shutil.copy(f"{trainer_model}/config.json", tmp_path / "config.json")
     hf = load_hf(str(tmp_path))  # the trainer's gathered export
-    ids = torch.tensor(prompt + result["after"]["tokens"])
+    ids = torch.tensor(prompt + after["tokens"])
     with torch.no_grad():
-        log_probs = torch.log_softmax(hf(ids[None, :-1]).logits[0].double(), dim=-1)[len(prompt) - 1:]
-    assert result["after"]["tokens"] == log_probs.argmax(-1).tolist()
-    assert result["before"]["tokens"] != result["after"]["tokens"], "the engine served the trainer's weights already"
+        log_probs = torch.log_softmax(hf(ids[None, :-1]).logits[0].float(), dim=-1)[len(prompt) - 1:]
+    assert after["tokens"] == log_probs.argmax(-1).tolist()
+    moved = max(abs(a - b) for a, b in zip(result["before"]["logprobs"], after["logprobs"]))
+    assert moved > 1e-3, "the engine served the trainer's weights before the sync: the check would be vacuous"
     expected = log_probs.gather(1, ids[len(prompt):, None]).squeeze(1).tolist()
-    diff = max(abs(a - b) for a, b in zip(result["after"]["logprobs"], expected))
+    diff = max(abs(a - b) for a, b in zip(after["logprobs"], expected))
     assert diff < LOGPROB_TOLERANCE, f"engine vs HF log-probs differ by {diff}"
     routed = router_topk(hf, ids[:-1]).sort(-1).values.numpy()
-    np.testing.assert_array_equal(np.sort(np.array(result["after"]["experts"]), -1), routed)
+    np.testing.assert_array_equal(np.sort(np.array(after["experts"]), -1), routed)
+    assert whole == after, "the engine answers differently after a distributed sync of the same weights"
     model_bytes = sum(t.numel() * t.element_size() for t in reference.values())
-    assert result["transport"] == "sharded"
-    assert result["bytes_per_engine_rank"] <= MOST_PER_ENGINE_RANK * model_bytes, result["bytes_per_engine_rank"]
-    print(f"[measured] bytes per engine rank: {result['bytes_per_engine_rank'] / model_bytes:.3f} of the model; "
-          f"sync {result['seconds']:.1f} s; max |engine - HF| log-prob {diff:.1e}")
+    sharded, broadcast = result["sharded"], result["distributed"]
+    assert sharded["transport"] == "sharded" and broadcast["bytes_per_engine_rank"] == model_bytes
+    assert sharded["bytes_per_engine_rank"] <= MOST_PER_ENGINE_RANK * model_bytes, sharded["bytes_per_engine_rank"]
+    print(f"[measured] bytes per engine rank: {sharded['bytes_per_engine_rank'] / model_bytes:.3f} of the model "
+          f"(distributed: 1.0); sync {sharded['seconds']:.1f} s (distributed {broadcast['seconds']:.1f} s); "
+          f"max |engine - HF| log-prob {diff:.1e}")

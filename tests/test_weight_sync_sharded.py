@@ -7,6 +7,7 @@ the engine ranks' parts follow SGLang's loaders. The unit tests apply the planne
 the exchange over gloo between four trainer ranks and one TP2+EP2 engine (two ranks) and checks every
 received slice bit for bit and the bytes each engine rank received.
 """
+import dataclasses
 import json
 
 import pytest
@@ -242,3 +243,21 @@ def test_planner_counts_what_the_slice_map_sends_each_engine_rank(engine_tp, eng
     wants = engine_wants(qwen3_moe_table(), engine_tp, engine_ep, offset=0)
     per_rank = {sum(p.nbytes for d, p in wants if d == rank) // 4 for rank in range(engine_tp)}
     assert per_rank == {engine_rank_params(arch, engine_tp)}
+
+
+@pytest.mark.unit
+def test_buckets_cut_by_parameter_bytes_and_each_engine_rank_keeps_its_entries():
+    from megarl.engines.sharded_load import own_transfers
+    from megarl.sync.sharded_rank import cut
+    from megarl.sync.transports.sharded import entries_by_engine
+
+    assert cut([4, 4, 4, 10, 1], 8) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+    assert cut([4, 4], 0) == [range(0, 1), range(1, 2)] and cut([], 8) == []
+    table = qwen3_moe_table()
+    transfers = plan_transfers(trainer_holdings(table, 2, 2, 4), engine_wants(table, 2, 2, 4) +
+                               engine_wants(table, 2, 2, 6))  # two engines of two ranks
+    per_engine = entries_by_engine(transfers, trainer_ranks=4, engine_tp=2, num_engines=2)
+    for engine, (names, dtypes, shapes) in enumerate(per_engine):
+        for rank in (4 + 2 * engine, 5 + 2 * engine):
+            assert own_transfers(names, dtypes, shapes, rank) == [
+                dataclasses.replace(t, held=t.piece) for t in transfers if t.dst == rank]

@@ -1,8 +1,9 @@
 """Sharded resharding (``sync.transport=sharded``) from a TP2xEP2 trainer (Ray actors) into a real TP2+EP2
 SGLang engine (CPU), on one machine: after the sync the engine's greedy tokens, routed experts and
-log-probs equal an HF model built from the trainer's gathered export, and each engine rank received at
-most 0.55 of the model's bytes (the senders' counters), against all of it through ``distributed`` in the
-same run. The engine and the checkpoint are tests/test_weight_sync.py's module fixtures.
+log-probs equal an HF model built from the trainer's gathered export (and, bit for bit, the engine's after
+a ``distributed`` sync of the same weights), and each engine rank received at most 0.55 of the model's
+bytes (the senders' counters), against all of it through ``distributed`` in the same run. The engine and
+the checkpoint are tests/test_weight_sync.py's module fixtures.
 """
 import asyncio
 import dataclasses
@@ -53,7 +54,7 @@ def test_tp2_ep2_trainer_into_tp2_ep2_engine_sends_each_rank_its_slices(checkpoi
         reference = asyncio.run(group.export_hf_state())
         hf = hf_from_state(checkpoint, reference, tmp_path)
         hf_tokens, hf_logprobs = hf_greedy(hf, prompt, NEW_TOKENS)
-        whole, _ = asyncio.run(sync_and_generate(sharded_engine, group, "distributed", 30, tmp_path, prompt))
+        whole, broadcast = asyncio.run(sync_and_generate(sharded_engine, group, "distributed", 30, tmp_path, prompt))
         report, sample = asyncio.run(sync_and_generate(sharded_engine, group, "sharded", 31, tmp_path, prompt))
     finally:
         group.shutdown()
@@ -61,6 +62,9 @@ def test_tp2_ep2_trainer_into_tp2_ep2_engine_sends_each_rank_its_slices(checkpoi
     diff = max(abs(a - b) for a, b in zip(sample.rollout_logprobs.tolist(), hf_logprobs))
     assert diff < LOGPROB_TOLERANCE, f"engine vs HF log-probs differ by {diff}"
     assert sample.model_version.tolist() == [31] * NEW_TOKENS
+    assert sample.response_ids == broadcast.response_ids  # the same weights as through distributed: bit for bit
+    np.testing.assert_array_equal(sample.rollout_logprobs, broadcast.rollout_logprobs)
+    np.testing.assert_array_equal(sample.routed_experts, broadcast.routed_experts)
     fed = prompt + sample.response_ids[:-1]
     np.testing.assert_array_equal(np.sort(sample.routed_experts, -1), hf_routes(hf, fed))
     model_bytes = sum(t.numel() * t.element_size() for t in reference.values())

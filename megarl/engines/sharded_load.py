@@ -16,9 +16,11 @@ import logging
 
 import torch
 
-from megarl.engines.weight_shards import Transfer, assemble, exchange, parse_entries
+from megarl.engines.weight_shards import Transfer, assemble, exchange, join_all, parse_entries
 
 log = logging.getLogger(__name__)
+
+_joined: set[str] = set()  # update groups this process took part in a first all-reduce of (join_all)
 
 
 def own_transfers(names: list[str], dtypes: list[str], shapes: list[list[int]], rank: int) -> list[Transfer]:
@@ -30,6 +32,9 @@ def receive(recv_req, group, device) -> list[tuple[str, torch.Tensor]]:
     """This rank's slices of the request's bucket, received over ``group``, as (HF name, full-shape tensor
     holding the slice) for SGLang's ``load_weights``."""
     rank = group.rank()  # its rank in the update group (get_rank(group) maps this process's default rank)
+    if recv_req.group_name not in _joined:
+        join_all(group, device)
+        _joined.add(recv_req.group_name)
     transfers = own_transfers(recv_req.names, recv_req.dtypes, recv_req.shapes, rank)
     return assemble(exchange(rank, transfers, None, group, device))
 

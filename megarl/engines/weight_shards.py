@@ -129,6 +129,14 @@ def unpack_pair(buffer: torch.Tensor, pieces: list[Piece]) -> list[torch.Tensor]
     return out
 
 
+def join_all(group, device, timeout: datetime.timedelta | None = None) -> None:
+    """One all-reduce of one element over ``group``, bounded by ``timeout`` (None: the group's): every rank
+    of the group calls it once before its first :func:`exchange` (NCCL creates the group's communicator in
+    a call every rank takes part in; a ``batch_isend_irecv`` of only some ranks must not be that call)."""
+    work = torch.distributed.all_reduce(torch.zeros(1, device=device), group=group, async_op=True)
+    work.wait() if timeout is None else work.wait(timeout)
+
+
 def exchange(rank: int, transfers: list[Transfer], outgoing, group, device,
              timeout: datetime.timedelta | None = None) -> list[tuple[Piece, torch.Tensor]]:
     """Run ``rank``'s part of one bucket: send each peer its pieces (``outgoing(transfer)``: the piece's

@@ -19,7 +19,7 @@ from dataclasses import asdict
 
 import torch
 
-from megarl.engines.weight_shards import exchange
+from megarl.engines.weight_shards import exchange, join_all
 from megarl.sync.buckets import BucketIndex, TensorEntry
 from megarl.sync.errors import WeightSyncError, past_bound
 from megarl.sync.local_export import LocalSlice, local_tasks, task_slices
@@ -63,6 +63,7 @@ class ShardedRank:
         self._inflight: tuple[threading.Thread, list] | None = None
         self._stats: SenderStats | None = None
         self._seq = 0
+        self._joined = False  # join_all ran on the link (before its first exchange)
 
     def begin(self, capacity: int) -> None:
         if self._tasks is None:
@@ -137,8 +138,13 @@ class ShardedRank:
         def run():
             t0 = time.perf_counter()
             try:
-                exchange(self.rank, transfers, outgoing, self.group, self.device,
-                         datetime.timedelta(seconds=self.spec.timeout_s))
+                bound = datetime.timedelta(seconds=self.spec.timeout_s)
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)
+                if not self._joined:
+                    join_all(self.group, self.device, bound)
+                    self._joined = True
+                exchange(self.rank, transfers, outgoing, self.group, self.device, bound)
             except BaseException as e:  # re-raised on the rank's main thread by _join
                 errors.append(e)
             finally:
