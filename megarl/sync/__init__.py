@@ -4,7 +4,9 @@
 -> :class:`SyncReport`, ``await recover(client)``, ``await close()``; failures raise
 :class:`WeightSyncError`. ``weight_sync.py`` drives the protocol from the driver,
 ``trainer_protocol.py`` says what it needs from a trainer, ``rank.py`` is the trainer ranks' side,
-``gather.py`` the per-stage gather, ``buckets.py`` the bucket format, ``transports/`` the links,
+``gather.py`` the per-stage gather, ``buckets.py`` the bucket format, ``transports/`` the links
+(``sharded``: ``local_export.py`` a rank's own slices, ``slices.py`` the slice map and transfer plan,
+``sharded_rank.py`` a trainer rank's part),
 ``settings.py`` and ``report.py`` its settings and metrics. ``AdapterSync`` (same calls) moves LoRA
 adapters only (``adapter.py``).
 """

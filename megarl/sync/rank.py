@@ -5,7 +5,9 @@ ranks through a :class:`megarl.sync.trainer_protocol.WeightSyncTrainer`, such as
 ``TrainerGroup``): ``begin``, then ``next``/``send`` until
 ``next`` reports the end on every stage, then ``finish`` (or ``abort``). Every rank pulls its
 stage's HF stream (the gathers are collectives); only the stage's sending rank packs buckets and
-owns a transport :class:`~megarl.sync.transports.base.Sender`.
+owns a transport :class:`~megarl.sync.transports.base.Sender`. The ``sharded`` transport has no
+stage sender: every rank sends its own slices (:mod:`megarl.sync.sharded_rank`), and these calls hand
+over to it.
 
 Memory bound on a sending rank: at most two buckets are alive (the one in transfer on the send
 thread and the one being packed), plus at most one gathered tensor outside them (the one that did
