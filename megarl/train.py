@@ -5,6 +5,8 @@ and one line naming the key. ``mode=warmup`` runs the tiny recipes' supervised w
 their RL starting checkpoint; the RL modes (``sync``, ``one_step_off``, ``async``) run it first when
 ``warmup.steps`` > 0 and its checkpoint is missing, else start from ``model.hf_path``. A run
 directory with a checkpoint resumes from it (``trainer.resume``);
+A trainer node that leaves the Ray cluster ends the run with one line naming it and status 75
+(:mod:`megarl.pipeline.node_watch`).
 SIGTERM or SIGUSR1 makes the run checkpoint after the current step and exit (during start-up: exit
 at once, status 0), and so does Ctrl-C during the RL steps; a second Ctrl-C, or one before the steps
 begin, stops at once (exit status 130, one line saying where the same command would start again).
@@ -20,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from megarl.config import ConfigError, load_config
 from megarl.log import setup_logging
+from megarl.pipeline.node_watch import NODE_LOST_EXIT, TrainerNodeLost
 
 log = logging.getLogger("megarl.train")
 
@@ -133,19 +136,29 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"megarl: interrupted{'' if cfg is None else '; ' + what_a_rerun_does(cfg)}", file=sys.stderr)
         return 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
+    except TrainerNodeLost as exc:
+        print(f"megarl: {exc}; {what_a_rerun_does(cfg)}", file=sys.stderr)
+        return NODE_LOST_EXIT  # slurm/megarl.sbatch requeues the job on it
     return 0
 
 
 def what_a_rerun_does(cfg: DictConfig) -> str:
-    """After a run was interrupted: where the same command would start."""
-    from megarl.trainer.checkpoint import latest_step
+    """After a run was interrupted: where the same command would start (the newest complete
+    checkpoint, as a resume takes it)."""
+    from megarl.trainer.checkpoint import CheckpointError, latest_step, newest_complete
 
     if cfg.mode == "warmup":
         return "the warm-up saves its checkpoint at its end only: the same command starts it over"
-    step = latest_step(Path(cfg.logging.run_dir) / "checkpoints")
-    if step is None or not cfg.trainer.resume:
+    root = Path(cfg.logging.run_dir) / "checkpoints"
+    if latest_step(root) is None or not cfg.trainer.resume:
         return "no checkpoint to resume from: the same command starts the run over"
-    return f"the same command resumes after step {step} (the run's last checkpoint)"
+    try:
+        path, skipped = newest_complete(root)
+    except CheckpointError as e:
+        return f"{e}: the same command cannot resume (move the checkpoints aside to start over)"
+    step = int(path.name.removeprefix("iter_"))
+    passed = f"; newer ones are incomplete: {'; '.join(skipped)}" if skipped else ""
+    return f"the same command resumes after step {step} (the run's newest complete checkpoint{passed})"
 
 
 if __name__ == "__main__":

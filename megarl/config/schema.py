@@ -318,6 +318,16 @@ class RolloutConfig:
     # SGLang's parser of the tool calls an agent's model writes (task.agent's gateway); null: the model family's
     # (megarl/agents/parsers.py, e.g. qwen3_moe -> qwen25)
     tool_call_parser: Optional[str] = None
+    # seconds between the driver's probes of each policy engine (its weight version, answered within this)
+    engine_health_check_s: float = setting(5.0, gt=0)
+    # seconds an engine may stay silent (or take to restart) while another engine serves before it is lost:
+    # its requests go to the other engines and it rejoins with a full weight sync once it answers again
+    engine_lost_s: float = setting(60.0, gt=0)
+    # engines may join the running job up to this many, one per free megarl_engine unit of the Ray cluster
+    # (docs/elastic_engines.md); None = the pool never grows beyond num_engines
+    max_engines: Optional[int] = setting(None, ge=1)
+    # seconds a leaving engine's requests may run before they are resubmitted to the other engines
+    engine_drain_s: float = setting(60.0, ge=0)
 
 
 @dataclass
@@ -399,6 +409,9 @@ class ClusterConfig:
     # ranks spans engine_tp / gpus_per_node whole nodes (SGLang --nnodes: a server a node, HTTP on the first)
     gpus_per_node: int = setting(8, ge=1)
     num_nodes: Optional[int] = setting(None, ge=1)  # nodes available; None = as many as the layout needs
+    # seconds between the driver's checks that every trainer rank's node is alive in Ray; a lost one ends the
+    # run (exit status 75) within this plus Ray's own node-death detection, its last checkpoint intact
+    node_check_s: float = setting(5.0, gt=0)
 
 
 @dataclass

@@ -135,6 +135,21 @@ def _check_rollout(cfg: DictConfig, arch: dict) -> None:
         tool_call_parser(r.tool_call_parser, None)
     except ValueError as exc:  # the message names rollout.tool_call_parser
         raise ConfigError(one_line(str(exc))) from exc
+    _check_elastic(cfg)
+
+
+def _check_elastic(cfg: DictConfig) -> None:
+    """Engines join only a disaggregated policy pool, never beyond what it starts with below."""
+    r = cfg.rollout
+    if r.max_engines is None:
+        return
+    if r.max_engines < r.num_engines:
+        fail("rollout.max_engines", f"{r.max_engines} is below rollout.num_engines ({r.num_engines}): the pool "
+            "starts with num_engines and grows up to max_engines")
+    if cfg.placement == "colocated":
+        fail("rollout.max_engines", "engines join a disaggregated pool only: colocated engines share the "
+            "trainer's devices, which a joining node does not have (set placement=disaggregated or leave "
+            "max_engines unset)")
 
 
 def _check_lora(cfg: DictConfig) -> None:

@@ -24,6 +24,15 @@ Subsets: :meth:`EnginePool.subset` gives some of the pool's engines as engines o
 (:class:`PoolSubset`: placement, and resubmission after a death, among those engines only; the
 pool's hold and recovery apply), e.g. one multi-agent role per group of engines.
 
+Membership: an engine is *active* (takes prompts), *leaving* (takes none; what it holds runs to its
+end), *lost* (silent for ``lost_after_s``, or its restart did not come within that bound while
+another engine serves: what it held is resubmitted to the others, once) or *gone* (stopped, or its
+actor died with its node). :meth:`EnginePool.watch` probes every engine each period and marks the
+silent ones lost (never the last active one: with no other engine the pool waits for it, as
+before). A lost engine that answers again rejoins (:meth:`EnginePool.rejoin`) through ``on_restart`` (a
+full weight sync), and so does an engine started while the pool runs (:meth:`EnginePool.start_engine`
+then :meth:`EnginePool.admit`); :meth:`EnginePool.remove` drains an engine and stops it.
+
 Hold (colocated placement, :mod:`megarl.pipeline.colocate`): while the pool is held no request
 reaches an engine (new and resubmitted ones wait in the pool), and :meth:`EnginePool.hold` returns
 once none is in flight; the engines' weights and KV cache can then be released and resumed.
@@ -33,7 +42,9 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from megarl.engines.actor import EngineInfo
@@ -57,23 +68,58 @@ class EngineSupervisor(Protocol):
         """Return once the engine runs (restarting it if it died); raise EngineUnreachable if it cannot."""
         ...
 
+    async def gone(self, timeout_s: float) -> bool:
+        """True when the owner is gone for good (e.g. its actor died with its node); False while it
+        runs or cannot be asked within ``timeout_s``."""
+        ...
+
+    async def stop(self, timeout_s: float) -> None:
+        """Stop the engine (best effort within ``timeout_s``: its node may be gone) and release its owner."""
+        ...
+
 
 class RayEngineSupervisor:
     """:class:`EngineSupervisor` over an ``EngineActor`` Ray actor handle."""
 
-    def __init__(self, actor):
-        self.actor = actor
+    def __init__(self, actor, placement=None):
+        self.actor, self.placement = actor, placement
 
     async def ensure_healthy(self) -> EngineInfo:
+        from ray.exceptions import RayActorError
+
         from megarl.engines.server import EngineDiedError
 
         try:
             return await self.actor.ensure_healthy.remote()
         except EngineDiedError as e:  # Ray re-raises the actor's exception as a subclass of its type
             raise EngineUnreachable(f"the engine actor gave up: {e}") from e
+        except RayActorError as e:
+            raise EngineUnreachable(f"the engine actor is gone (its node lost?): {e}") from e
+
+    async def gone(self, timeout_s: float) -> bool:
+        from ray.exceptions import ActorDiedError
+
+        try:
+            await asyncio.wait_for(self.actor.info.remote(), timeout_s)
+        except ActorDiedError:
+            return True
+        except Exception:  # unavailable for now (its node unreachable) or slow: not known gone
+            return False
+        return False
+
+    async def stop(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self.actor.stop.remote(), timeout_s)
+        except Exception as e:  # its node is gone, or it does not answer: killed below
+            log.warning("stopping an engine actor: %s", e)
+        finally:
+            _remove([self.actor], [self.placement])
 
 
 RestartHook = Callable[[int, SGLangClient, EngineInfo], Awaitable[None]]
+
+
+ACTIVE, LEAVING, LOST, GONE = "active", "leaving", "lost", "gone"  # an engine's membership (module docstring)
 
 
 class _Engine:
@@ -82,6 +128,29 @@ class _Engine:
         self.in_flight = 0
         self.incarnation: int | None = None  # last seen EngineInfo.incarnation
         self.recovery = asyncio.Lock()  # one recovery at a time; the others wait for its on_restart
+        self.state = ACTIVE
+        self.cut = asyncio.Event()  # set when it is lost: its requests in flight are resubmitted elsewhere
+        self.silent_since: float | None = None  # monotonic time of the first unanswered probe in a row
+        self.answers = True  # the last probe's outcome
+
+
+def _active(engines: list[_Engine]) -> list[_Engine]:
+    return [e for e in engines if e.state == ACTIVE]
+
+
+async def _unless_cut(engine: _Engine, request: Awaitable):
+    """``request``'s result, or EngineUnreachable (the request cancelled) once ``engine`` is cut off."""
+    task, cut = asyncio.ensure_future(request), asyncio.ensure_future(engine.cut.wait())
+    try:
+        await asyncio.wait([task, cut], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        cut.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        await asyncio.gather(task, return_exceptions=True)  # let the cancelled request close
+        raise EngineUnreachable(f"engine {engine.index} at {engine.client.base_url} was cut off ({engine.state})")
+    return task.result()
 
 
 class EnginePool:
@@ -91,7 +160,8 @@ class EnginePool:
     ``affinity_slack``: see the module docstring."""
 
     def __init__(self, clients: Sequence[SGLangClient], supervisors: Sequence[EngineSupervisor] | None = None,
-                 *, on_restart: RestartHook | None = None, max_attempts: int = 3, affinity_slack: int = 64):
+                 *, on_restart: RestartHook | None = None, max_attempts: int = 3, affinity_slack: int = 64,
+                 lost_after_s: float = 60.0):
         if not clients:
             raise ValueError("an EnginePool needs at least one engine")
         if supervisors is not None and len(supervisors) != len(clients):
@@ -100,7 +170,7 @@ class EnginePool:
         if len(models) != 1:
             raise ValueError(f"the engines serve different models: {models}")
         self._engines = [_Engine(i, c, supervisors[i] if supervisors else None) for i, c in enumerate(clients)]
-        self.on_restart, self.max_attempts = on_restart, max_attempts
+        self.on_restart, self.max_attempts, self.lost_after_s = on_restart, max_attempts, lost_after_s
         self.affinity = EngineAffinity(affinity_slack)
         self.resubmitted = 0  # prompts resubmitted after an engine died, over the pool's life
         self._paused: PauseMode | None = None
@@ -113,7 +183,23 @@ class EnginePool:
 
     @property
     def clients(self) -> list[SGLangClient]:
+        """The clients of the engines not gone (weight sync and control go to these)."""
+        return [e.client for e in self._engines if e.state != GONE]
+
+    @property
+    def all_clients(self) -> list[SGLangClient]:
+        """Every engine's client by index, gone ones included (aligned with :attr:`states`)."""
         return [e.client for e in self._engines]
+
+    @property
+    def states(self) -> list[str]:
+        """Each engine's membership (``active``, ``leaving``, ``lost``, ``gone``), by index."""
+        return [e.state for e in self._engines]
+
+    @property
+    def size(self) -> int:
+        """The engines taking prompts now (active)."""
+        return len(_active(self._engines))
 
     @property
     def model(self) -> ServedModel:
@@ -133,38 +219,21 @@ class EnginePool:
         engine's actor (``num_gpus`` GPUs, ``num_cpus`` CPUs each) within the engines' startup timeout
         (``EngineSettings.startup_timeout_s``), else EngineStartError says what they need and what Ray
         has free. On failure or cancellation the engines started are stopped before the error propagates."""
-        import ray
-
-        from megarl.engines.actor import engine_nodes, launch_engine_actor
-
-        placements = [engine_nodes(s, num_cpus=num_cpus, num_gpus=num_gpus) for s in settings]
-        actors = [launch_engine_actor(s, num_cpus=num_cpus, num_gpus=num_gpus, poll_interval_s=poll_interval_s,
-                                      max_restarts=max_restarts, unresponsive_restart_s=unresponsive_restart_s,
-                                      nodes=nodes)
-                  for s, nodes in zip(settings, placements)]
-        try:
-            await _placed(actors, max(s.startup_timeout_s for s in settings), num_cpus, num_gpus)
-        except BaseException:
-            _remove(actors, placements)  # an actor never placed cannot be asked to stop
-            raise
-        try:
-            infos = await asyncio.gather(*(a.start.remote() for a in actors))
-        except BaseException:
-            try:
-                ray.get([a.stop.remote() for a in actors])  # blocking: a cancelled task must not leave servers behind
-            finally:
-                _remove(actors, placements)
-            raise
-        # info.url: where the engine's node serves it (its node address on a multi-node cluster)
-        clients = [SGLangClient(info.url, ServedModel.from_hf_config(s.model_path), request_timeout_s,
-                                api_key=s.api_key) for info, s in zip(infos, settings)]
-        pool = cls(clients, [RayEngineSupervisor(a) for a in actors], **pool_kwargs)
-        pool._actors, pool._placements = actors, placements
-        for engine, info in zip(pool._engines, infos):
-            engine.incarnation = info.incarnation
-        log.info("engine pool: %d engines at %s (nodes %s)", len(actors), [i.url for i in infos],
-                 [i.node for i in infos])
+        launched = await _start(settings, num_cpus=num_cpus, num_gpus=num_gpus, poll_interval_s=poll_interval_s,
+                                max_restarts=max_restarts, unresponsive_restart_s=unresponsive_restart_s,
+                                request_timeout_s=request_timeout_s)
+        pool = cls([e.client for e in launched], [e.supervisor for e in launched], **pool_kwargs)
+        pool._actors, pool._placements = [e.actor for e in launched], [e.placement for e in launched]
+        for engine, started in zip(pool._engines, launched):
+            engine.incarnation = started.info.incarnation
+        log.info("engine pool: %d engines at %s (nodes %s)", len(launched), [e.info.url for e in launched],
+                 [e.info.node for e in launched])
         return pool
+
+    @staticmethod
+    async def start_engine(settings, **launch_kwargs) -> StartedEngine:
+        """Start one more engine (``settings``; :meth:`launch`'s keyword arguments) for :meth:`admit`."""
+        return (await _start([settings], **launch_kwargs))[0]
 
     @property
     def actors(self) -> list:
@@ -228,19 +297,22 @@ class EnginePool:
         async def run(engine: _Engine, indices: list[int], attempt: int) -> None:
             nonlocal resubmitted
             await self._open.wait()  # not while the pool is held (colocated: the trainer has the devices)
+            if engine.state not in (ACTIVE, LEAVING):  # lost while this request waited: not sent, placed again
+                await asyncio.gather(*(run(e, part, attempt) for e, part in self._place(engines, indices, affinity)))
+                return
             engine.in_flight += len(indices)
             try:
-                out = await engine.client.generate_batch(
+                out = await _unless_cut(engine, engine.client.generate_batch(
                     [prompts[i] for i in indices], params, group_ids=[group_ids[i] for i in indices],
-                    return_routed_experts=return_routed_experts, return_sampling_mask=return_sampling_mask)
+                    return_routed_experts=return_routed_experts, return_sampling_mask=return_sampling_mask))
             except EngineUnreachable as e:
-                if engine.supervisor is None:
+                if engine.supervisor is None and not engine.cut.is_set():
                     raise  # nobody restarts this engine
                 if attempt >= self.max_attempts:
                     raise EngineError(f"engine {engine.index} lost {len(indices)} prompts {attempt} times "
                                       f"(max_attempts): {e}") from e
-                log.warning("engine %d lost a request of %d prompts (%s); waiting for its restart to resubmit",
-                            engine.index, len(indices), e)
+                log.warning("engine %d lost a request of %d prompts (%s); resubmitting it", engine.index,
+                            len(indices), e)
             else:
                 for i, sample in zip(indices, out):
                     samples[i] = sample
@@ -252,27 +324,54 @@ class EnginePool:
             resubmitted += len(indices)
             self.resubmitted += len(indices)
             await asyncio.gather(*(run(e, part, attempt + 1)
-                                   for e, part in self.affinity.place(engines, indices, affinity)))
+                                   for e, part in self._place(engines, indices, affinity)))
 
         await asyncio.gather(*(run(e, part, 1)
-                               for e, part in self.affinity.place(engines, list(range(len(prompts))), affinity)))
+                               for e, part in self._place(engines, list(range(len(prompts))), affinity)))
         assert all(s is not None for s in samples)
         return BatchResult(samples=samples, resubmitted=resubmitted)
 
+    def _place(self, engines: list[_Engine], indices: list[int],
+               affinity: Sequence[str | None] | None) -> list[tuple[_Engine, list[int]]]:
+        """Placement (:class:`EngineAffinity`) among the active ones of ``engines``; EngineUnreachable when
+        none is."""
+        active = _active(engines)
+        if not active:
+            raise EngineUnreachable(f"no engine left to take prompts: engines {[e.index for e in engines]} are "
+                                    f"{[e.state for e in engines]}")
+        return self.affinity.place(active, indices, affinity)
+
     async def _recover(self, engine: _Engine) -> None:
         """Wait until ``engine`` runs again; after a restart, re-pause it and run ``on_restart``
-        (every request that lost its engine waits for both before it is resubmitted)."""
+        (every request that lost its engine waits for both before it is resubmitted). While another
+        engine is active the wait is bounded by ``lost_after_s``: past it, or when the engine cannot
+        come back, it is lost (its prompts go to the others); the last active engine is waited for."""
         async with engine.recovery:
-            info = await engine.supervisor.ensure_healthy()
-            if info.incarnation == engine.incarnation:
-                return  # no restart since the last recovery (or a dropped connection): resubmit as it is
-            log.warning("engine %d restarted (incarnation %d, %d restarts)", engine.index, info.incarnation,
-                        info.restarts)
-            if self._paused is not None:
-                await engine.client.pause_generation(self._paused)
-            if self.on_restart is not None:
-                await self.on_restart(engine.index, engine.client, info)
-            engine.incarnation = info.incarnation
+            if engine.state != ACTIVE:
+                return  # lost, leaving or gone: the prompts go to the others
+            others = len(_active(self._engines)) > 1
+            try:
+                info = await asyncio.wait_for(engine.supervisor.ensure_healthy(),
+                                              self.lost_after_s if others else None)
+            except (TimeoutError, EngineUnreachable) as e:
+                if not others:
+                    raise
+                self.mark_lost(engine.index, f"no restart within {self.lost_after_s:g} s ({type(e).__name__}: {e})")
+                return
+            await self._restarted(engine, info)
+
+    async def _restarted(self, engine: _Engine, info: EngineInfo) -> None:
+        """After ``ensure_healthy`` gave ``info`` (under ``engine.recovery``): if the engine restarted,
+        re-pause it when the pool is paused and run ``on_restart``."""
+        if info.incarnation == engine.incarnation:
+            return  # no restart since the last recovery (or a dropped connection): resubmit as it is
+        log.warning("engine %d restarted (incarnation %d, %d restarts)", engine.index, info.incarnation,
+                    info.restarts)
+        if self._paused is not None:
+            await engine.client.pause_generation(self._paused)
+        if self.on_restart is not None:
+            await self.on_restart(engine.index, engine.client, info)
+        engine.incarnation = info.incarnation
 
     # --- control ------------------------------------------------------------------------------
 
@@ -284,9 +383,12 @@ class EnginePool:
                 if engine.supervisor is None:
                     raise
                 await self._recover(engine)
+                if engine.state not in (ACTIVE, LEAVING):
+                    return None  # lost meanwhile: it rejoins through a full sync (rejoin)
                 return await call(engine.client)
 
-        return list(await asyncio.gather(*(one(e) for e in self._engines)))
+        live = [e for e in self._engines if e.state in (ACTIVE, LEAVING)]
+        return list(await asyncio.gather(*(one(e) for e in live)))
 
     async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
         """Pause every engine (see ``SGLangClient.pause_generation``); an engine restarted while the
@@ -297,6 +399,119 @@ class EnginePool:
     async def continue_generation(self) -> None:
         await self._on_every_engine(lambda c: c.continue_generation())
         self._paused = None
+
+    # --- membership: lost, returned, joined and leaving engines ---------------------------------
+
+    def mark_lost(self, index: int, why: str) -> None:
+        """Engine ``index`` takes no more prompts and its requests in flight are resubmitted to the others."""
+        engine = self._engines[index]
+        if engine.state in (LOST, GONE):
+            return
+        engine.state = LOST
+        engine.cut.set()
+        log.warning("engine %d at %s lost: %s; its requests go to the other %d engines", index,
+                    engine.client.base_url, why, self.size)
+
+    async def watch(self, period_s: float) -> None:
+        """Probe every engine each ``period_s`` (its weight version, answered within the period); an
+        active one silent for ``lost_after_s`` while another is active is lost. Runs until cancelled."""
+        while True:
+            await asyncio.sleep(period_s)
+            await asyncio.gather(*(self._probe(e, period_s) for e in self._engines if e.state in (ACTIVE, LOST)))
+
+    async def _probe(self, engine: _Engine, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(engine.client.weight_version(), timeout_s)
+            engine.answers, engine.silent_since = True, None
+            return
+        except Exception:  # silent, refused or broken alike: not answering
+            engine.answers = False
+        now = time.monotonic()
+        engine.silent_since = engine.silent_since or now
+        silent_s = now - engine.silent_since
+        if engine.state == ACTIVE and silent_s >= self.lost_after_s and len(_active(self._engines)) > 1:
+            self.mark_lost(engine.index, f"no answer for {silent_s:.0f} s (lost_after_s {self.lost_after_s:g})")
+
+    def returned(self) -> list[int]:
+        """The lost engines that answered their last probe (for :meth:`rejoin`)."""
+        return [e.index for e in self._engines if e.state == LOST and e.answers and e.silent_since is None]
+
+    async def rejoin(self, index: int) -> None:
+        """Lost engine ``index``, answering again, takes prompts again after ``on_restart`` (a full sync);
+        re-paused first when the pool is paused."""
+        engine = self._engines[index]
+        async with engine.recovery:
+            if engine.supervisor is not None:
+                info = await engine.supervisor.ensure_healthy()
+                engine.incarnation = info.incarnation
+            else:
+                info = None
+            if self._paused is not None:
+                await engine.client.pause_generation(self._paused)
+            if self.on_restart is not None:
+                await self.on_restart(index, engine.client, info)
+            engine.state, engine.cut = ACTIVE, asyncio.Event()
+        log.warning("engine %d at %s rejoined; %d engines take prompts", index, engine.client.base_url, self.size)
+
+    async def admit(self, started: StartedEngine) -> int:
+        """Add an engine started while the pool runs (:meth:`start_engine`): ``on_restart`` brings it to
+        the current weights (paused first when the pool is), then it takes prompts. Its index."""
+        if started.client.model != self.model:
+            raise ValueError(f"the engine at {started.client.base_url} serves {started.client.model}, "
+                             f"the pool {self.model}")
+        engine = _Engine(len(self._engines), started.client, started.supervisor)
+        engine.incarnation, engine.state = started.info.incarnation, LEAVING  # takes no prompt before its sync
+        self._engines.append(engine)
+        self._actors.append(started.actor)
+        self._placements.append(started.placement)
+        async with engine.recovery:
+            if self._paused is not None:
+                await engine.client.pause_generation(self._paused)
+            if self.on_restart is not None:
+                await self.on_restart(engine.index, engine.client, started.info)
+            engine.state = ACTIVE
+        log.info("engine %d joined at %s (node %s); %d engines take prompts", engine.index, started.info.url,
+                 started.info.node, self.size)
+        return engine.index
+
+    async def remove(self, index: int, drain_s: float) -> None:
+        """Engine ``index`` leaves: it takes no more prompts, its requests in flight run up to ``drain_s``
+        (then they are resubmitted to the others), then it is stopped. ValueError for the last active engine."""
+        engine = self._engines[index]
+        if engine.state == ACTIVE and self.size == 1:
+            raise ValueError(f"engine {index} is the last one taking prompts: it cannot leave")
+        if engine.state == ACTIVE:
+            engine.state = LEAVING
+        async with self._idle:
+            try:
+                await asyncio.wait_for(self._idle.wait_for(lambda: engine.in_flight == 0), drain_s)
+            except TimeoutError:
+                log.warning("engine %d still had %d prompts after %g s of drain: resubmitting them", index,
+                            engine.in_flight, drain_s)
+        engine.cut.set()
+        await self.discard(index)
+
+    async def discard(self, index: int, timeout_s: float = 30.0) -> None:
+        """Stop engine ``index`` (best effort: its node may be gone) and forget it."""
+        engine = self._engines[index]
+        if engine.state == GONE:
+            return
+        engine.state = GONE
+        engine.cut.set()
+        await engine.client.aclose()
+        if engine.supervisor is not None and hasattr(engine.supervisor, "stop"):
+            await engine.supervisor.stop(timeout_s)
+            if isinstance(engine.supervisor, RayEngineSupervisor) and engine.supervisor.actor in self._actors:
+                at = self._actors.index(engine.supervisor.actor)
+                del self._actors[at], self._placements[at]
+        log.info("engine %d at %s stopped and left the pool; %d engines take prompts", index,
+                 engine.client.base_url, self.size)
+
+    async def gone(self, timeout_s: float) -> list[int]:
+        """The lost engines whose owner is gone for good (their actor died with their node)."""
+        lost = [e for e in self._engines if e.state == LOST and e.supervisor is not None]
+        found = await asyncio.gather(*(e.supervisor.gone(timeout_s) for e in lost))
+        return [e.index for e, is_gone in zip(lost, found) if is_gone]
 
     # --- hold and memory release (colocated placement: megarl.pipeline.colocate) ----------------
 
@@ -364,12 +579,60 @@ class EnginePool:
         await asyncio.gather(*(one(e) for e in self._engines))
 
     async def weight_versions(self) -> list[int]:
-        """The weight version each engine serves."""
-        return await self._on_every_engine(lambda c: c.weight_version())
+        """The weight version each engine serves (active or leaving)."""
+        return [v for v in await self._on_every_engine(lambda c: c.weight_version()) if v is not None]
 
     async def weight_version(self) -> int:
         """The oldest weight version any engine serves (all equal outside a weight sync)."""
         return min(await self.weight_versions())
+
+
+@dataclass
+class StartedEngine:
+    """An engine started and healthy (:func:`_start`), not yet in a pool: its actor, the placement
+    group of an engine over several nodes (else None), its info and a client."""
+
+    actor: object
+    placement: object
+    info: EngineInfo
+    client: SGLangClient
+
+    @property
+    def supervisor(self) -> RayEngineSupervisor:
+        return RayEngineSupervisor(self.actor, self.placement)
+
+
+async def _start(settings: Sequence, *, num_cpus: float = 0.5, num_gpus: float = 0, poll_interval_s: float = 0.5,
+                 max_restarts: int = 3, unresponsive_restart_s: float = 60.0,
+                 request_timeout_s: float = 600.0) -> list[StartedEngine]:
+    """One healthy engine per ``settings`` (see :meth:`EnginePool.launch`); on failure or cancellation
+    the engines started are stopped before the error propagates."""
+    import ray
+
+    from megarl.engines.actor import engine_nodes, launch_engine_actor
+
+    placements = [engine_nodes(s, num_cpus=num_cpus, num_gpus=num_gpus) for s in settings]
+    actors = [launch_engine_actor(s, num_cpus=num_cpus, num_gpus=num_gpus, poll_interval_s=poll_interval_s,
+                                  max_restarts=max_restarts, unresponsive_restart_s=unresponsive_restart_s,
+                                  nodes=nodes)
+              for s, nodes in zip(settings, placements)]
+    try:
+        await _placed(actors, max(s.startup_timeout_s for s in settings), num_cpus, num_gpus)
+    except BaseException:
+        _remove(actors, placements)  # an actor never placed cannot be asked to stop
+        raise
+    try:
+        infos = await asyncio.gather(*(a.start.remote() for a in actors))
+    except BaseException:
+        try:
+            ray.get([a.stop.remote() for a in actors])  # blocking: a cancelled task must not leave servers behind
+        finally:
+            _remove(actors, placements)
+        raise
+    # info.url: where the engine's node serves it (its node address on a multi-node cluster)
+    return [StartedEngine(actor, placement, info, SGLangClient(info.url, ServedModel.from_hf_config(s.model_path),
+                                                               request_timeout_s, api_key=s.api_key))
+            for actor, placement, info, s in zip(actors, placements, infos, settings)]
 
 
 async def _placed(actors: list, timeout_s: float, num_cpus: float, num_gpus: float) -> None:

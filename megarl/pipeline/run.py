@@ -42,10 +42,12 @@ from megarl.pipeline.bookkeeping import StepBooks, combine_updates
 from megarl.pipeline.buffer import Batch, RolloutBuffer
 from megarl.pipeline.colocate import Colocation, trainer_release
 from megarl.pipeline.ledger import Ledger
+from megarl.pipeline.membership import Membership
 from megarl.pipeline.modes import PAUSE_FOR_PARTIAL_ROLLOUT
+from megarl.pipeline.node_watch import cancel_on_loss, loss_of, watch_trainer_nodes
 from megarl.pipeline.producer import RolloutProducer
 from megarl.pipeline.signals import StopRequest
-from megarl.pipeline.startup.engines import engines_ready, launch_engines, plan_engines
+from megarl.pipeline.startup.engines import ENGINE_CPUS, EnginePlan, engines_ready, launch_engines, plan_engines
 from megarl.pipeline.startup.rollout import start_rollout
 from megarl.pipeline.startup.sync import start_sync
 from megarl.pipeline.startup.trainer import build_and_resume, checkpoint_dir, start_trainer
@@ -59,6 +61,8 @@ from megarl.trainer.rl_batch import RLBatch, build_rl_batch
 from megarl.trainer.rl_step import RLStepResult
 
 log = logging.getLogger(__name__)
+
+LOSS_TEARDOWN_S = 60.0  # the most a run waits for its teardown after a trainer node was lost
 
 
 def split_evenly(items: list, parts: int) -> list[list]:
@@ -85,6 +89,7 @@ class Pipeline:
     start_step: int  # the last completed step (0 for a new run)
     colocation: Colocation | None = None  # placement=colocated: engines and trainer take turns
     teacher: TeacherScorer | None = None  # on-policy distillation (teacher.hf_path): scores every sample
+    membership: Membership | None = None  # disaggregated: engines lost, returned, joining and leaving
     _progress: Progress | None = field(default=None, repr=False)
 
     @property
@@ -212,11 +217,16 @@ class Pipeline:
         """Sync the trainer's weights into the engines as ``version`` and let generation use them;
         the sync's metrics. A failed sync is reported and survived: engines held with partial
         weights are brought to ``version`` from disk, dead ones when their supervisor has
-        restarted them (``pool.on_restart``)."""
+        restarted them (``pool.on_restart``). Disaggregated engines come and go around it
+        (:mod:`megarl.pipeline.membership`; ``rollout/engines`` in the metrics)."""
         self.books.sync_started()
         if self.colocation is not None:  # the engines get their memory back around the sync
             synced = await self.colocation.after_training(lambda: self._sync(version))
             synced.update(self.colocation.metrics())
+        elif self.membership is not None:
+            await self.membership.before_sync()
+            synced = await self._sync(version)
+            synced.update(await self.membership.after_sync())
         else:
             synced = await self._sync(version)
         await self.producer.set_engine_version(version)
@@ -261,16 +271,40 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
     A stop request during start-up cancels it (:meth:`StopRequest.cancels_the_start_up`)."""
     layout = Layout.from_config(cfg.parallel)
     stack = contextlib.AsyncExitStack()
+    watch = None
     try:
         stack.enter_context(ray_for_run(layout.world_size + RunTopology.from_config(cfg).engine_count))
         StopRequest.install()  # again: ray.init replaced the handlers with its own (which just die)
         with StopRequest.cancels_the_start_up():
             pipe = await _start_pipeline(cfg, start_checkpoint, layout, stack)
+        watch = await _watch_trainer_nodes(pipe.trainer, cfg.cluster.node_check_s, stack)
         async with stack:
             yield pipe
     except BaseException as e:
-        await stack.__aexit__(type(e), e, e.__traceback__)  # a no-op when `async with` closed it
-        raise
+        lost = loss_of(watch)
+        if lost is None:
+            await stack.__aexit__(type(e), e, e.__traceback__)  # a no-op when `async with` closed it
+            raise
+        await _close_after_loss(stack, lost)
+        raise lost from None
+
+
+async def _watch_trainer_nodes(trainer: TrainerGroup, period_s: float,
+                               stack: contextlib.AsyncExitStack) -> asyncio.Task:
+    """Watch the trainer ranks' nodes (:mod:`megarl.pipeline.node_watch`): the loss of one cancels this task."""
+    watch = asyncio.create_task(watch_trainer_nodes(await trainer.node_addresses(), period_s))
+    cancel_on_loss(watch, asyncio.current_task())
+    stack.callback(watch.cancel)
+    return watch
+
+
+async def _close_after_loss(stack: contextlib.AsyncExitStack, lost: BaseException) -> None:
+    """Stop what the run holds after a trainer node was lost, within ``LOSS_TEARDOWN_S``: calls to its
+    ranks fail or hang, so errors there are logged, not raised."""
+    try:
+        await asyncio.wait_for(stack.__aexit__(type(lost), lost, None), LOSS_TEARDOWN_S)
+    except BaseException as e:  # the lost node's share of the teardown
+        log.warning("teardown after the trainer node loss: %s: %s", type(e).__name__, e)
 
 
 async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout,
@@ -299,12 +333,25 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     rollout = start_rollout(cfg, start_checkpoint, tokenizer, pools, resumed, api_key, stack)
     colocation = Colocation(pool, abort=cfg.buffer.partial_rollout == "abort_resubmit", platform=platform,
                             release_trainer=lambda: trainer_release(trainer)) if plan.colocated else None
+    membership = None if plan.colocated else _membership(cfg, plan, pool, sync, stack)
     pipe = Pipeline(cfg=cfg, trainer=trainer, pool=pool, sync=sync, buffer=rollout.buffer, producer=rollout.producer,
                     ledger=resumed.ledger, books=StepBooks(Path(cfg.logging.run_dir), resumed.step, stack),
                     pad_id=tokenizer.pad_token_id, vocab_size=pool.model.vocab_size, start_step=resumed.step,
-                    colocation=colocation, teacher=rollout.teacher)
+                    colocation=colocation, teacher=rollout.teacher, membership=membership)
     _run_in_background(rollout.producer, stack)
     return pipe
+
+
+def _membership(cfg: DictConfig, plan: EnginePlan, pool: EnginePool, sync,
+                stack: contextlib.AsyncExitStack) -> Membership:
+    """The policy pool's membership, its engines under watch (``rollout.engine_*``, ``rollout.max_engines``)."""
+    r = cfg.rollout
+    pool.lost_after_s = r.engine_lost_s
+    membership = Membership(pool, sync, template=plan.settings["policy"][0],
+                            launch={"num_cpus": ENGINE_CPUS, "num_gpus": plan.gpus["policy"]},
+                            run_dir=Path(cfg.logging.run_dir), max_engines=r.max_engines, drain_s=r.engine_drain_s)
+    membership.start(r.engine_health_check_s, stack)
+    return membership
 
 
 def _run_in_background(producer: RolloutProducer, stack: contextlib.AsyncExitStack) -> None:

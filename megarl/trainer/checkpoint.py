@@ -233,14 +233,15 @@ def newest_complete(root: Path) -> tuple[Path, tuple[str, ...]]:
     """The newest checkpoint under ``root`` whose files all match its ``complete.json``, and the
     newer ones skipped, each as "iter_<step> (why)"; warns once (rank 0) when it skipped any.
 
-    Collective: every rank checks a share of each candidate's files and all agree on the answer.
+    Collective: every rank checks a share of each candidate's files and all agree on the answer (a
+    process outside a process group checks them all).
     Raises :class:`CheckpointError` naming ``root`` when no checkpoint there is complete.
     """
     skipped = []
     for path in sorted(root.glob("iter_" + "[0-9]" * 7), reverse=True):
         problem = _verify(path)
         if problem is None:
-            if skipped and torch.distributed.get_rank() == 0:
+            if skipped and _rank_and_world()[0] == 0:
                 log.warning("resuming from %s, the newest complete checkpoint; skipped %s", path,
                             "; ".join(skipped))
             return path, tuple(skipped)
@@ -288,13 +289,23 @@ def _file_names(directory: Path) -> list[str]:
     return sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())
 
 
+def _rank_and_world() -> tuple[int, int]:
+    """This process's rank and the world size; (0, 1) outside a process group (a check run alone)."""
+    if not torch.distributed.is_initialized():
+        return 0, 1
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
 def _share(names: list[str]) -> list[str]:
     """This rank's share of ``names``: every world_size-th, from its rank on."""
-    return names[torch.distributed.get_rank()::torch.distributed.get_world_size()]
+    rank, world = _rank_and_world()
+    return names[rank::world]
 
 
 def _gather_shares(mine: dict) -> dict:
-    """Every rank's ``mine`` merged into one dict, on every rank (collective)."""
+    """Every rank's ``mine`` merged into one dict, on every rank (collective; ``mine`` alone outside a group)."""
+    if not torch.distributed.is_initialized():
+        return dict(mine)
     shares = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(shares, mine)
     return {key: value for share in shares for key, value in share.items()}

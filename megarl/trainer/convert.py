@@ -142,16 +142,20 @@ def describe(layout: Layout) -> str:
 
 
 def checkpoint_dir(path: str | Path) -> Path:
-    """A ``torch_dist`` checkpoint directory: ``path`` itself, or the step a trainer root's ``latest`` names."""
-    from megarl.trainer.checkpoint import latest_step, step_dir
+    """A ``torch_dist`` checkpoint directory: ``path`` itself, or a trainer root's newest complete
+    checkpoint (the one a resume takes: every file its ``complete.json`` lists intact; newer ones
+    skipped with a warning naming why)."""
+    from megarl.trainer.checkpoint import CheckpointError, newest_complete
 
     path = Path(path)
     if (path / "metadata.json").is_file():
         return path
-    step = latest_step(path) if path.is_dir() else None
-    if step is not None and (step_dir(path, step) / "metadata.json").is_file():
-        return step_dir(path, step)
-    raise ConversionError(f"{path}: not a {FORMAT} checkpoint (no metadata.json, no 'latest' naming one)")
+    if path.is_dir() and any(path.glob("iter_*")):
+        try:
+            return newest_complete(path)[0]
+        except CheckpointError as e:
+            raise ConversionError(str(e)) from e
+    raise ConversionError(f"{path}: not a {FORMAT} checkpoint (no metadata.json, no iter_<step> under it)")
 
 
 def check_checkpoint_matches(ckpt: Path, hf_path: str | Path, architecture: str, signature: dict) -> None:

@@ -23,6 +23,8 @@ from megarl.trainer.actor import TrainerGroup
 
 log = logging.getLogger(__name__)
 
+ENGINE_CPUS = 0.5  # the Ray CPU reservation of each engine's actor (the server process is not accounted)
+
 
 @dataclass(frozen=True)
 class EnginePlan:
@@ -64,7 +66,7 @@ def launch_engines(plan: EnginePlan, stack: contextlib.AsyncExitStack) -> dict[s
 
 def _launch(stack: contextlib.AsyncExitStack, settings: list[EngineSettings], num_gpus: float,
             affinity_slack: int) -> asyncio.Task:
-    launch = asyncio.ensure_future(EnginePool.launch(settings, num_cpus=0.5, num_gpus=num_gpus,
+    launch = asyncio.ensure_future(EnginePool.launch(settings, num_cpus=ENGINE_CPUS, num_gpus=num_gpus,
                                                      affinity_slack=affinity_slack))
 
     async def stop() -> None:

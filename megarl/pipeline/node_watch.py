@@ -1,0 +1,68 @@
+"""The trainer ranks' nodes under watch: a run whose trainer node leaves the Ray cluster ends at once.
+
+A rank's collective with a rank on a dead node waits for its own timeout (minutes to hours), so the
+driver does not wait for it: every ``cluster.node_check_s`` it asks Ray which nodes are alive, and the
+first trainer node Ray reports dead cancels the run with :class:`TrainerNodeLost` naming it. The run's
+last checkpoint is intact (a save is published by a rename once complete); the driver exits with
+:data:`NODE_LOST_EXIT`, on which ``slurm/megarl.sbatch`` requeues the job, and the requeued run resumes
+from that checkpoint.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+log = logging.getLogger(__name__)
+
+NODE_LOST_EXIT = 75  # EX_TEMPFAIL: the job can run again (the SLURM script requeues it)
+
+
+class TrainerNodeLost(RuntimeError):
+    """A node holding a trainer rank left the Ray cluster; the message names it."""
+
+
+def node_ids(addresses: list[str], nodes: list[dict]) -> dict[str, str]:
+    """Address -> the Ray node id of the alive node at that address, for each of ``addresses``
+    (``nodes``: ``ray.nodes()``); ValueError naming an address no alive node has."""
+    alive = {n["NodeManagerAddress"]: n["NodeID"] for n in nodes if n["Alive"]}
+    missing = sorted(set(addresses) - set(alive))
+    if missing:
+        raise ValueError(f"no alive Ray node at {missing}")
+    return {a: alive[a] for a in addresses}
+
+
+def dead_nodes(watched: dict[str, str], nodes: list[dict]) -> list[str]:
+    """The addresses of ``watched`` (address -> node id) whose node ``nodes`` reports dead or no longer lists."""
+    alive = {n["NodeID"] for n in nodes if n["Alive"]}
+    return sorted(address for address, node_id in watched.items() if node_id not in alive)
+
+
+async def watch_trainer_nodes(addresses: list[str], period_s: float) -> None:
+    """Raise :class:`TrainerNodeLost` once Ray reports a node of ``addresses`` dead (checked every
+    ``period_s``); runs until then or until cancelled."""
+    import ray
+
+    watched = node_ids(sorted(set(addresses)), await asyncio.to_thread(ray.nodes))
+    while True:
+        await asyncio.sleep(period_s)
+        dead = dead_nodes(watched, await asyncio.to_thread(ray.nodes))
+        if dead:
+            raise TrainerNodeLost(f"trainer node {', '.join(dead)} left the Ray cluster (its ranks are gone)")
+
+
+def cancel_on_loss(watch: asyncio.Task, task: asyncio.Task) -> None:
+    """When ``watch`` ends with an error, cancel ``task`` (the run), which then raises that error
+    (:func:`loss_of`)."""
+    def done(finished: asyncio.Task) -> None:
+        if not finished.cancelled() and finished.exception() is not None:
+            log.error("%s", finished.exception())
+            task.cancel()
+
+    watch.add_done_callback(done)
+
+
+def loss_of(watch: asyncio.Task | None) -> BaseException | None:
+    """The error ``watch`` ended with (None while it runs, when cancelled or when it was never started)."""
+    if watch is None or not watch.done() or watch.cancelled():
+        return None
+    return watch.exception()
