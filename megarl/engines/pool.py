@@ -407,7 +407,7 @@ class EnginePool:
         engine = self._engines[index]
         if engine.state in (LOST, GONE):
             return
-        engine.state = LOST
+        engine.state, engine.answers = LOST, False  # it returns once a probe gets an answer again
         engine.cut.set()
         log.warning("engine %d at %s lost: %s; its requests go to the other %d engines", index,
                     engine.client.base_url, why, self.size)
