@@ -81,10 +81,12 @@ def namespace_pids(namespace: str) -> list[int]:
     return [int(p) for p in result.stdout.split() if p.isdigit()]
 
 
-def kill_namespace_processes(namespace: str, grace_s: float = 5.0) -> list[int]:
-    """SIGTERM every process in ``namespace``, SIGKILL what is left after ``grace_s``; their pids."""
+def kill_namespace_processes(namespace: str, grace_s: float = 5.0, hard: bool = False) -> list[int]:
+    """SIGTERM every process in ``namespace``, SIGKILL what is left after ``grace_s``; their pids.
+    ``hard``: SIGKILL at once (a node that dies, rather than one shut down)."""
     pids = namespace_pids(namespace)
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+    signals = ((signal.SIGKILL, 5.0),) if hard else ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0))
+    for sig, wait in signals:
         for pid in namespace_pids(namespace):
             try:
                 os.kill(pid, sig)

@@ -4,11 +4,20 @@ slurm/megarl.sbatch requeues; the requeued run, the conversion tool and the reru
 newest *complete* checkpoint, never the ``latest`` pointer alone."""
 import asyncio
 import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
+import netns
 import pytest
 from omegaconf import OmegaConf
+from test_multinode import PYTHON, RAY, ROOT, node_env
 
+from megarl.metrics.sink import read_metrics
 from megarl.pipeline.node_watch import TrainerNodeLost, cancel_on_loss, dead_nodes, loss_of, node_ids
 from megarl.trainer.checkpoint import _file_record, _write_completion_record, step_dir
 from megarl.trainer.convert import ConversionError, checkpoint_dir
@@ -81,3 +90,264 @@ def test_conversion_and_the_rerun_message_take_the_newest_complete_checkpoint(tm
     with pytest.raises(ConversionError, match="holds no complete checkpoint"):
         checkpoint_dir(root)
     assert "holds no complete checkpoint" in what_a_rerun_does(cfg)
+
+
+# --- on fake nodes: a Ray cluster, a driver, and nodes that fail -----------------------------------------
+
+FAKE_NODE_COUNT = 4  # the fake_nodes fixture (tests/conftest.py)
+RAY_PORT = 6379
+# node 0: the head, the driver and a trainer rank; nodes 1 and 2: an engine each; node 3: a trainer rank
+ROLES = {0: {"megarl_trainer": 1}, 1: {"megarl_engine": 1}, 2: {"megarl_engine": 1}, 3: {"megarl_trainer": 1}}
+
+
+class RayOnNodes:
+    """A Ray cluster over the fake nodes (one ``ray start --block`` a node, ``ROLES`` as custom resources);
+    a node whose processes were killed joins again with :meth:`start`."""
+
+    def __init__(self, nodes, log_dir: Path):
+        self.nodes, self.log_dir = nodes, log_dir
+        self.temp_dir = f"/tmp/mrl_mf_{os.getpid()}"  # short: Ray's socket paths must stay under 107 bytes
+        self.head = f"{nodes[0].address}:{RAY_PORT}"
+        self.processes: dict[int, subprocess.Popen] = {}
+
+    def start(self, index: int) -> None:
+        """Start node ``index``'s Ray (the head for node 0) and wait until the cluster has every node alive."""
+        node = self.nodes[index]
+        where = (["--head", f"--port={RAY_PORT}", "--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
+                 if index == 0 else [f"--address={self.head}"])
+        argv = [RAY, "start", *where, f"--node-ip-address={node.address}", f"--resources={json.dumps(ROLES[index])}",
+                "--num-cpus=2", "--object-store-memory=100000000", "--disable-usage-stats", "--block"]
+        with open(self.log_dir / f"ray-node{index}.log", "a") as log:
+            self.processes[index] = node.popen(argv, env=node_env(RAY_raylet_start_wait_time_s="120"), stdout=log,
+                                               stderr=subprocess.STDOUT)
+        ready = self.nodes[0].run(
+            [PYTHON, str(ROOT / "slurm" / "wait_for_ray.py"), "--address", self.head, "--nodes",
+             str(len(self.processes)), "--timeout", "180", "--watch", str(self.processes[index].pid)],
+            env=node_env(), capture_output=True, text=True, timeout=240)
+        assert ready.returncode == 0, ready.stdout + ready.stderr
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            process.send_signal(signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        for node in self.nodes:
+            netns.kill_namespace_processes(node.namespace)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(fake_nodes, tmp_path_factory):
+    """The module's Ray cluster over the fake nodes (``ROLES``); nodes killed by a test are back after it."""
+    ray_nodes = RayOnNodes(fake_nodes, tmp_path_factory.mktemp("ray_nodes"))
+    try:
+        for node in fake_nodes:
+            ray_nodes.start(node.index)
+        yield ray_nodes
+    finally:
+        ray_nodes.stop()
+
+
+class Driver:
+    """``python -m megarl.train`` in node 0 against the cluster, with the tiny checkpoint and no warm-up."""
+
+    def __init__(self, cluster: RayOnNodes, run: Path, tiny_checkpoint: str, *overrides: str):
+        self.run, self.log = run, run.parent / f"{run.name}-driver.log"
+        args = ["recipe=tiny_moe_cpu", "mode=sync", "placement=disaggregated", "warmup.steps=0",
+                f"model.hf_path={tiny_checkpoint}", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+                "sync.transport=distributed", "sync.timeout_s=120", f"logging.run_dir={run}", *overrides]
+        with open(self.log, "a") as out:
+            self.process = cluster.nodes[0].popen([PYTHON, "-m", "megarl.train", *args], cwd=ROOT, stdout=out,
+                                                  stderr=subprocess.STDOUT,
+                                                  env=node_env(RAY_ADDRESS=cluster.head))
+
+    def rows(self) -> list[dict]:
+        if not (self.run / "metrics.jsonl").is_file():
+            return []
+        return [r for r in read_metrics(self.run) if "reward/mean" in r]
+
+    def until(self, found, timeout: float, what: str):
+        """Poll ``found()`` every 0.5 s while the driver runs; its first true value, else fail naming ``what``."""
+        deadline = time.monotonic() + timeout
+        while self.process.poll() is None and time.monotonic() < deadline:
+            value = found()
+            if value:
+                return value
+            time.sleep(0.5)
+        self.kill()
+        pytest.fail(f"{what}: not within {timeout:g} s (driver exit {self.process.poll()}):\n{self.output()[-6000:]}")
+
+    def engines_after(self, count: int, since: float) -> dict | None:
+        """The first step row logged after unix time ``since`` with ``count`` engines taking prompts."""
+        return next((r for r in self.rows() if r["time"] > since and r["rollout/engines"] == count), None)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(30)
+
+
+def trained_prompts(run: Path) -> list[int]:
+    """Every prompt index trained in the run's lineage, in order (duplicates kept)."""
+    lines = (run / "trained_prompts.jsonl").read_text().splitlines()
+    return [i for line in lines for i in json.loads(line)["prompts"]]
+
+
+def assert_ledger_adds_up(row: dict) -> None:
+    """The step row's sample counts: started == ended + in flight + buffered."""
+    ended = sum(v for k, v in row.items() if k.startswith("buffer/") and not k.startswith("buffer/prompts_")
+                and k not in ("buffer/samples_started", "buffer/samples_buffered", "buffer/samples_in_flight"))
+    assert row["buffer/samples_started"] == ended + row["buffer/samples_in_flight"] + row["buffer/samples_buffered"]
+
+
+@pytest.mark.network
+def test_engine_nodes_killed_return_join_and_leave_a_running_job(cluster, tiny_checkpoint, tmp_path):
+    """Engines on nodes 1 and 2. Node 2 is killed mid-run (every process: raylet, engine actor, server):
+    the pool loses it within the bound, its prompts go to node 1's engine and the run goes on. Node 2
+    joins the Ray cluster again: an engine starts there, gets a full sync and takes prompts (every
+    later batch comes from the current weights). Then node 1's engine is asked to leave: it drains and
+    stops. A stop request ends the run: every prompt trained once, the ledger adds up at every step."""
+    n1, n2 = cluster.nodes[1], cluster.nodes[2]
+    run = tmp_path / "run"
+    started = time.monotonic()
+    driver = Driver(cluster, run, tiny_checkpoint, "steps=100000", "rollout.num_engines=2", "rollout.max_engines=2",
+                    "rollout.engine_lost_s=10", "rollout.engine_health_check_s=1", "rollout.engine_drain_s=20")
+    try:
+        driver.until(lambda: driver.engines_after(2, 0), 600, "a step with both engines")
+        killed_at = time.time()
+        netns.kill_namespace_processes(n2.namespace, hard=True)
+        lost = driver.until(lambda: driver.engines_after(1, killed_at), 180, "the killed node's engine lost")
+        lost_s = lost["time"] - killed_at
+        cluster.start(2)  # node 2 comes back
+        back_at = time.time()
+        joined = driver.until(lambda: driver.engines_after(2, back_at), 400, "an engine on the returned node")
+        (run / "leave_engines").write_text(f"{n1.address}\n")
+        asked_at = time.time()
+        left = driver.until(lambda: driver.engines_after(1, asked_at), 180, "node 1's engine gone")
+        after = driver.until(lambda: [r for r in driver.rows() if r["step"] > left["step"]], 180, "a step after")
+        driver.process.send_signal(signal.SIGTERM)
+        driver.process.wait(180)
+    finally:
+        driver.kill()
+        if cluster.processes[2].poll() is not None:
+            cluster.start(2)
+    output = driver.output()
+    print(f"\n[measured] engine node killed, back, joined, left: {time.monotonic() - started:.0f} s; "
+          f"lost after {lost_s:.0f} s")
+    assert driver.process.returncode == 0, output[-8000:]
+    rows = driver.rows()
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    prompts = trained_prompts(run)
+    assert len(prompts) == len(set(prompts)) == 2 * len(rows)  # every prompt trained once, none lost
+    for row in rows:
+        assert_ledger_adds_up(row)
+    assert lost_s < 10 + 60, lost_s  # the bound, plus the step it shows in
+    assert re.search(rf"engine 1 at http://{re.escape(n2.address)}:\d+ lost", output), output[-6000:]
+    assert joined["sync/engines"] == 2 and re.search(rf"engine 2 joined at http://{re.escape(n2.address)}:", output)
+    for row in [r for r in rows if r["step"] > joined["step"]]:
+        assert row["staleness/max"] == 0, row  # sync mode: the joined engine generated from the current weights
+    assert after[0]["sync/engines"] == 1 and "engine 0 at http://" in output and "stopped and left the pool" in output
+
+
+@pytest.mark.network
+def test_a_killed_trainer_node_ends_the_run_and_the_requeue_resumes_exactly(cluster, tiny_checkpoint, tmp_path):
+    """Trainer ranks on nodes 0 and 3 (DP2), a checkpoint every step. Node 3 is killed mid-run: the
+    driver ends within the bound, exit status 75 (what slurm/megarl.sbatch requeues on) and one line
+    naming node 3; the newest complete checkpoint is intact. Node 3 back, the same command (the
+    requeue) resumes from that checkpoint and finishes: step numbers continue, no prompt trained twice."""
+    n3 = cluster.nodes[3]
+    run = tmp_path / "run"
+    overrides = ("parallel.world_size=2", "trainer.save_interval=1", "cluster.node_check_s=1", "steps=6")
+    started = time.monotonic()
+    first = Driver(cluster, run, tiny_checkpoint, *overrides)
+    try:
+        first.until(lambda: len(first.rows()) >= 2, 600, "two steps")
+        killed = time.monotonic()
+        netns.kill_namespace_processes(n3.namespace, hard=True)
+        first.process.wait(240)
+        ended_s = time.monotonic() - killed
+    finally:
+        first.kill()
+        cluster.start(3)
+    output = first.output()
+    assert first.process.returncode == 75, output[-8000:]
+    assert ended_s < 1 + 60 + 60, ended_s  # the check period, Ray's node-death detection, the teardown
+    last = [line for line in output.splitlines() if line.startswith("megarl: ")]
+    assert len(last) == 1 and f"trainer node {n3.address} left the Ray cluster" in last[0], output[-4000:]
+    kept = int(re.search(r"resumes after step (\d+)", last[0]).group(1))
+    assert kept >= 2 and checkpoint_dir(run / "checkpoints") == step_dir(run / "checkpoints", kept)
+
+    again = Driver(cluster, run, tiny_checkpoint, *overrides)  # the requeued job: the same command
+    try:
+        again.process.wait(900)
+    finally:
+        again.kill()
+    print(f"\n[measured] trainer node killed after step {kept}, driver ended in {ended_s:.0f} s, requeue finished: "
+          f"{time.monotonic() - started:.0f} s")
+    assert again.process.returncode == 0, again.output()[-8000:]
+    assert f"resuming at step {kept}" in again.output()
+    assert [r["step"] for r in again.rows()] == list(range(1, 7))
+    prompts = trained_prompts(run)
+    assert len(prompts) == len(set(prompts)) == 6 * 2  # every prompt trained once over both runs
+
+
+@pytest.mark.network
+def test_an_engine_nodes_link_down_for_30_s_and_back(cluster, tiny_checkpoint, tmp_path):
+    """Engines on nodes 1 and 2; node 2's link to the bridge goes down for 30 s (its processes run on,
+    unreachable). Its engine is lost within the bound and its prompts go to node 1's; when the link is
+    back the engine returns with the current weights: it rejoins through a full sync if Ray kept its
+    node, else Ray's node returns (the raylet, marked dead, exits; it is started again as a node's
+    service manager would) and a new engine joins there. Either way every later batch comes from the
+    current weights, every prompt is trained once and the ledger adds up."""
+    n2 = cluster.nodes[2]
+    run = tmp_path / "run"
+    started = time.monotonic()
+    driver = Driver(cluster, run, tiny_checkpoint, "steps=100000", "rollout.num_engines=2", "rollout.max_engines=2",
+                    "rollout.engine_lost_s=10", "rollout.engine_health_check_s=1")
+    try:
+        driver.until(lambda: driver.engines_after(2, 0), 600, "a step with both engines")
+        down_at = time.time()
+        cluster.nodes.set_link(2, up=False)
+        try:
+            lost = driver.until(lambda: driver.engines_after(1, down_at), 60, "the unreachable engine lost")
+            time.sleep(max(0.0, down_at + 30 - time.time()))
+        finally:
+            cluster.nodes.set_link(2, up=True)
+        up_at = time.time()
+
+        def back():
+            if cluster.processes[2].poll() is not None:  # Ray marked the node dead and its raylet left
+                cluster.start(2)
+            return driver.engines_after(2, up_at)
+
+        returned = driver.until(back, 400, "node 2's engine back")
+        after = driver.until(lambda: [r for r in driver.rows() if r["step"] > returned["step"] + 1], 120, "more steps")
+        driver.process.send_signal(signal.SIGTERM)
+        driver.process.wait(180)
+    finally:
+        driver.kill()
+        cluster.nodes.set_link(2, up=True)
+        if cluster.processes[2].poll() is not None:
+            cluster.start(2)
+    output = driver.output()
+    how = "rejoined" if re.search(r"engine 1 at \S+ rejoined", output) else "joined anew"
+    print(f"\n[measured] engine node link down 30 s: lost after {lost['time'] - down_at:.0f} s, back ({how}) "
+          f"{returned['time'] - up_at:.0f} s after the link; {time.monotonic() - started:.0f} s in all")
+    assert driver.process.returncode == 0, output[-8000:]
+    assert lost["time"] - down_at < 10 + 30, lost  # the bound, plus the step it shows in
+    assert re.search(rf"engine 1 at http://{re.escape(n2.address)}:\d+ lost", output), output[-6000:]
+    assert re.search(rf"engine (1 at http://{re.escape(n2.address)}:\d+ rejoined|2 joined at http://"
+                     rf"{re.escape(n2.address)}:)", output), output[-6000:]
+    rows = driver.rows()
+    for row in [r for r in rows if r["step"] > returned["step"]]:
+        assert row["staleness/max"] == 0 and row["sync/engines"] == 2, row  # it serves the current weights
+    prompts = trained_prompts(run)
+    assert len(prompts) == len(set(prompts)) == 2 * len(rows) and len(after) >= 1
+    for row in rows:
+        assert_ledger_adds_up(row)

@@ -356,7 +356,8 @@ class EnginePool:
             except (TimeoutError, EngineUnreachable) as e:
                 if not others:
                     raise
-                self.mark_lost(engine.index, f"no restart within {self.lost_after_s:g} s ({type(e).__name__}: {e})")
+                self.mark_lost(engine.index, f"no restart within {self.lost_after_s:g} s" if isinstance(e, TimeoutError)
+                               else f"it cannot come back ({e})")
                 return
             await self._restarted(engine, info)
 

@@ -42,7 +42,11 @@ async def watch_trainer_nodes(addresses: list[str], period_s: float) -> None:
     ``period_s``); runs until then or until cancelled."""
     import ray
 
-    watched = node_ids(sorted(set(addresses)), await asyncio.to_thread(ray.nodes))
+    try:
+        watched = node_ids(sorted(set(addresses)), await asyncio.to_thread(ray.nodes))
+    except ValueError as e:  # the ranks report addresses Ray's node table does not hold: nothing to watch by
+        log.warning("the trainer nodes are not watched: %s", e)
+        return
     while True:
         await asyncio.sleep(period_s)
         dead = dead_nodes(watched, await asyncio.to_thread(ray.nodes))
@@ -51,10 +55,10 @@ async def watch_trainer_nodes(addresses: list[str], period_s: float) -> None:
 
 
 def cancel_on_loss(watch: asyncio.Task, task: asyncio.Task) -> None:
-    """When ``watch`` ends with an error, cancel ``task`` (the run), which then raises that error
-    (:func:`loss_of`)."""
+    """When ``watch`` ends with :class:`TrainerNodeLost`, cancel ``task`` (the run), which then raises
+    it (:func:`loss_of`)."""
     def done(finished: asyncio.Task) -> None:
-        if not finished.cancelled() and finished.exception() is not None:
+        if not finished.cancelled() and isinstance(finished.exception(), TrainerNodeLost):
             log.error("%s", finished.exception())
             task.cancel()
 
