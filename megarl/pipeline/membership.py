@@ -6,7 +6,8 @@ Around each weight sync (:meth:`Membership.before_sync`, :meth:`Membership.after
 training step, so that a full sync exports the weights of the version it names:
 
 - before: leave requests are served (the file ``<run_dir>/leave_engines``, one engine a line: its URL
-  or its node's address; each drains up to ``rollout.engine_drain_s`` and stops), lost engines whose
+  or its node's address; each drains up to ``rollout.engine_drain_s`` and stops, and the pool's
+  ceiling, ``rollout.max_engines``, goes down by one, so that it is not replaced), lost engines whose
   actor died with their node are stopped, and lost or gone engines leave the weight sync;
 - after: lost engines that answer again rejoin, and an engine started on new capacity joins, each
   through a full sync (``pool.on_restart``: :meth:`megarl.sync.WeightSync.recover`). New capacity is a
@@ -72,6 +73,9 @@ class Membership:
                 await self.pool.remove(index, self.drain_s)
             except ValueError as e:  # the last engine taking prompts stays
                 log.warning("leave request refused: %s", e)
+                continue
+            if self.max_engines is not None:  # not replaced: the pool's ceiling goes down with it
+                self.max_engines = max(1, self.max_engines - 1)
         for index in await self.pool.gone(timeout_s=5.0):
             await self.pool.discard(index, timeout_s=5.0)
         out = {c.base_url for c, s in zip(self.pool.all_clients, self.pool.states) if s in (LOST, GONE)}
@@ -94,6 +98,14 @@ class Membership:
             self._joining = asyncio.ensure_future(EnginePool.start_engine(settings, **self.launch))
             log.info("free engine capacity in the Ray cluster: starting engine %d", len(self.pool.states))
         return {"rollout/engines": float(self.pool.size)}
+
+    async def sync_engine_lost(self, period_s: float = 0.5) -> None:
+        """Return once an engine of the weight sync's set is lost (checked every ``period_s``)."""
+        while True:
+            synced = {c.base_url for c in self.sync.engines}
+            if any(c.base_url in synced and s in (LOST, GONE) for c, s in zip(self.pool.all_clients, self.pool.states)):
+                return
+            await asyncio.sleep(period_s)
 
     def _room(self) -> bool:
         return self.max_engines is not None and self.pool.size < self.max_engines

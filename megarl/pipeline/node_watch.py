@@ -2,8 +2,9 @@
 
 A rank's collective with a rank on a dead node waits for its own timeout (minutes to hours), so the
 driver does not wait for it: every ``cluster.node_check_s`` it asks Ray which nodes are alive, and the
-first trainer node Ray reports dead cancels the run with :class:`TrainerNodeLost` naming it. The run's
-last checkpoint is intact (a save is published by a rename once complete); the driver exits with
+first trainer node Ray reports dead cancels the run with :class:`TrainerNodeLost` naming it (a rank's
+collective that broke first, its peer gone, is held until Ray reports the node: :func:`confirmed_loss`).
+The run's last checkpoint is intact (a save is published by a rename once complete); the driver exits with
 :data:`NODE_LOST_EXIT`, on which ``slurm/megarl.sbatch`` requeues the job, and the requeued run resumes
 from that checkpoint.
 """
@@ -70,3 +71,18 @@ def loss_of(watch: asyncio.Task | None) -> BaseException | None:
     if watch is None or not watch.done() or watch.cancelled():
         return None
     return watch.exception()
+
+
+async def confirmed_loss(watch: asyncio.Task | None, error: BaseException, wait_s: float) -> BaseException | None:
+    """After the run failed with ``error``: when it is a Ray error (a rank's collective broke as its
+    peer's node went, before Ray reported the node dead), wait up to ``wait_s`` for ``watch`` to report
+    a lost trainer node; that loss, else None."""
+    from ray.exceptions import RayError
+
+    if watch is None or watch.done() or not isinstance(error, RayError):
+        return loss_of(watch)
+    try:
+        await asyncio.wait([watch], timeout=wait_s)
+    except asyncio.CancelledError:  # the loss, cancelling this task (cancel_on_loss): reported below
+        asyncio.current_task().uncancel()
+    return loss_of(watch)

@@ -44,7 +44,7 @@ from megarl.pipeline.colocate import Colocation, trainer_release
 from megarl.pipeline.ledger import Ledger
 from megarl.pipeline.membership import Membership
 from megarl.pipeline.modes import PAUSE_FOR_PARTIAL_ROLLOUT
-from megarl.pipeline.node_watch import cancel_on_loss, loss_of, watch_trainer_nodes
+from megarl.pipeline.node_watch import cancel_on_loss, confirmed_loss, loss_of, watch_trainer_nodes
 from megarl.pipeline.producer import RolloutProducer
 from megarl.pipeline.signals import StopRequest
 from megarl.pipeline.startup.engines import ENGINE_CPUS, EnginePlan, engines_ready, launch_engines, plan_engines
@@ -63,6 +63,7 @@ from megarl.trainer.rl_step import RLStepResult
 log = logging.getLogger(__name__)
 
 LOSS_TEARDOWN_S = 60.0  # the most a run waits for its teardown after a trainer node was lost
+LOSS_CONFIRM_S = 60.0  # after a trainer call failed in Ray, how long Ray may take to report a node dead
 
 
 def split_evenly(items: list, parts: int) -> list[list]:
@@ -233,14 +234,40 @@ class Pipeline:
         return synced
 
     async def _sync(self, version: int) -> dict[str, float]:
+        """One sync to ``version``; after a failure, held engines are recovered, and when an engine failed
+        (it died mid-sync) the others, resumed on their previous weights, are synced again once: the next
+        batch must come from ``version`` (sync mode waits for it)."""
+        for attempt in (1, 2):
+            try:
+                synced = (await self._update(version)).metrics()
+                return synced | ({"sync/retried": 1.0} if attempt > 1 else {})
+            except WeightSyncError as exc:
+                log.error("%s", exc)
+                for client in self.pool.clients:
+                    if client.base_url in exc.held:
+                        await self.sync.recover(client)
+                if not (exc.failed and self.sync.engines):
+                    break
+        return {"sync/failed": 1.0}
+
+    async def _update(self, version: int):
+        """``sync.update`` to ``version``, ended early (WeightSyncError naming the failed engines) when one of
+        its engines is lost meanwhile, rather than at ``sync.timeout_s``."""
+        update = asyncio.ensure_future(self.sync.update(version, self.pause_mode))
+        if self.membership is None:
+            return await update
+        lost = asyncio.ensure_future(self.membership.sync_engine_lost())
         try:
-            return (await self.sync.update(version, self.pause_mode)).metrics()
-        except WeightSyncError as exc:
-            log.error("%s", exc)
-            for client in self.pool.clients:
-                if client.base_url in exc.held:
-                    await self.sync.recover(client)
-            return {"sync/failed": 1.0}
+            await asyncio.wait([update, lost], return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            update.cancel()
+            raise
+        finally:
+            lost.cancel()
+        if not update.done():
+            log.warning("an engine of the weight sync to version %d was lost: ending the sync", version)
+            update.cancel()
+        return await update
 
     async def end_step(self, step: int, batch: Batch, stats: BatchStats, result: RLStepResult,
                        synced: dict[str, float]) -> None:
@@ -268,33 +295,39 @@ class Pipeline:
 async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator[Pipeline]:
     """Build (or resume) the run's pipeline; everything is stopped when the block exits. Engines
     start with the trainer ranks and load while the ranks build (colocated ones once they are built).
-    A stop request during start-up cancels it (:meth:`StopRequest.cancels_the_start_up`)."""
+    A stop request during start-up cancels it (:meth:`StopRequest.cancels_the_start_up`). A trainer node
+    lost while the block runs ends it with :class:`~megarl.pipeline.node_watch.TrainerNodeLost`."""
     layout = Layout.from_config(cfg.parallel)
     stack = contextlib.AsyncExitStack()
-    watch = None
     try:
         stack.enter_context(ray_for_run(layout.world_size + RunTopology.from_config(cfg).engine_count))
         StopRequest.install()  # again: ray.init replaced the handlers with its own (which just die)
         with StopRequest.cancels_the_start_up():
             pipe = await _start_pipeline(cfg, start_checkpoint, layout, stack)
-        watch = await _watch_trainer_nodes(pipe.trainer, cfg.cluster.node_check_s, stack)
-        async with stack:
-            yield pipe
+        watch = await _watch_trainer_nodes(pipe.trainer, cfg.cluster.node_check_s)
     except BaseException as e:
-        lost = loss_of(watch)
+        await stack.__aexit__(type(e), e, e.__traceback__)
+        raise
+    try:
+        yield pipe
+    except BaseException as e:
+        lost = loss_of(watch) or await confirmed_loss(watch, e, LOSS_CONFIRM_S)
+        watch.cancel()
         if lost is None:
-            await stack.__aexit__(type(e), e, e.__traceback__)  # a no-op when `async with` closed it
+            await stack.__aexit__(type(e), e, e.__traceback__)
             raise
+        if isinstance(e, asyncio.CancelledError):  # the watch cancelled the run: the loss is the error
+            asyncio.current_task().uncancel()
         await _close_after_loss(stack, lost)
         raise lost from None
+    watch.cancel()
+    await stack.aclose()
 
 
-async def _watch_trainer_nodes(trainer: TrainerGroup, period_s: float,
-                               stack: contextlib.AsyncExitStack) -> asyncio.Task:
+async def _watch_trainer_nodes(trainer: TrainerGroup, period_s: float) -> asyncio.Task:
     """Watch the trainer ranks' nodes (:mod:`megarl.pipeline.node_watch`): the loss of one cancels this task."""
     watch = asyncio.create_task(watch_trainer_nodes(await trainer.node_addresses(), period_s))
     cancel_on_loss(watch, asyncio.current_task())
-    stack.callback(watch.cancel)
     return watch
 
 
