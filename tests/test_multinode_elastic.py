@@ -196,11 +196,13 @@ class RecordingSync:
 
 
 def test_the_leave_file_names_engines_by_url_or_node_and_lost_ones_leave_the_sync(tmp_path: Path):
+    """Node 10.0.0.3's engine leaves (an unknown URL is ignored), engine 2 is lost: both leave the weight
+    sync, whose link is formed again without them; the pool's ceiling drops by the one that left."""
     clients = [StandIn(f"http://10.0.0.{i}:1") for i in (2, 3, 4)]
     pool = EnginePool(clients, [Owner(), Owner(), Owner()])
     sync = RecordingSync(clients)
     membership = Membership(pool, sync, template=SimpleNamespace(nnodes=1), launch={}, run_dir=tmp_path,
-                            max_engines=None, drain_s=1.0)
+                            max_engines=3, drain_s=1.0)
     (tmp_path / LEAVE_FILE).write_text("10.0.0.3\nhttp://10.0.0.9:1\n")
     pool.mark_lost(2, "a test")
 
@@ -212,3 +214,4 @@ def test_the_leave_file_names_engines_by_url_or_node_and_lost_ones_leave_the_syn
     assert pool.states == [ACTIVE, GONE, LOST] and not (tmp_path / LEAVE_FILE).exists()
     assert [c.base_url for c in sync.engines] == ["http://10.0.0.2:1"] and sync.closed == 1
     assert metrics == {"rollout/engines": 1.0}
+    assert membership.max_engines == 2  # the engine that left is not replaced; the lost one may be

@@ -357,7 +357,7 @@ def test_a_killed_trainer_node_ends_the_run_and_the_requeue_resumes_exactly(clus
     last = [line for line in output.splitlines() if line.startswith("megarl: ")]
     assert len(last) == 1 and f"trainer node {n3.address} left the Ray cluster" in last[0], output[-4000:]
     kept = int(re.search(r"resumes after step (\d+)", last[0]).group(1))
-    assert kept >= 2 and checkpoint_dir(run / "checkpoints") == step_dir(run / "checkpoints", kept)
+    assert kept >= 1 and checkpoint_dir(run / "checkpoints") == step_dir(run / "checkpoints", kept)
 
     again = Driver(cluster, run, tiny_checkpoint, *overrides)  # the requeued job: the same command
     try:
