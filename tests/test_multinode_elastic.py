@@ -12,7 +12,7 @@ import pytest
 
 from megarl.engines.actor import EngineInfo
 from megarl.engines.pool import ACTIVE, GONE, LEAVING, LOST, EnginePool, StartedEngine
-from megarl.engines.types import SamplingParams, ServedModel
+from megarl.engines.types import EngineError, SamplingParams, ServedModel
 from megarl.pipeline.membership import LEAVE_FILE, Membership
 from megarl.sample import FinishReason, RolloutSample
 
@@ -32,6 +32,7 @@ class StandIn:
         self.link.set()
         self.requests: list[list[str]] = []
         self.closed = False
+        self.update_open = False  # a weight-update session begun and not ended
 
     async def _answer_or_hang(self):
         await self.link.wait()
@@ -48,6 +49,12 @@ class StandIn:
     async def weight_version(self) -> int:
         await self._answer_or_hang()
         return 0
+
+    async def end_weight_update(self):
+        self.requests.append(["end_weight_update"])
+        if not self.update_open:
+            raise EngineError("no weight-update session is open (stand-in)")
+        self.update_open = False
 
     async def aclose(self):
         self.closed = True
@@ -85,6 +92,7 @@ def test_a_silent_engine_is_lost_within_the_bound_and_rejoins_through_a_full_syn
     async def body():
         watch = asyncio.create_task(pool.watch(0.05))
         clients[1].link.clear()  # its link goes down before it answers
+        clients[1].update_open = True  # a sync began on it, and its cleanup could not reach it
         t0 = asyncio.get_running_loop().time()
         result = await pool.generate_batch_counted([[i] for i in range(6)], PARAMS, group_ids=list("abcdef"))
         waited = asyncio.get_running_loop().time() - t0
@@ -104,6 +112,7 @@ def test_a_silent_engine_is_lost_within_the_bound_and_rejoins_through_a_full_syn
     assert states == [ACTIVE, LOST] and silent_returned == [] and returned == [1]
     assert clients[0].requests[:2] == [list("ace"), list("bdf")]  # its own, then engine 1's
     assert synced == [1] and pool.states == [ACTIVE, ACTIVE] and pool.size == 2
+    assert not clients[1].update_open and ["end_weight_update"] in clients[1].requests  # closed before the sync
     assert answers(again) == [(g, [i]) for i, g in enumerate("wxyz")]
     assert clients[1].requests[-1] == ["x", "z"]  # the returned engine takes prompts again
 

@@ -134,6 +134,17 @@ class _Engine:
         self.answers = True  # the last probe's outcome
 
 
+async def _end_open_update(client: SGLangClient) -> None:
+    """End the weight-update session a sync left open on ``client``'s engine when it was cut off (the
+    engine refuses when none is open: nothing to end)."""
+    try:
+        await client.end_weight_update()
+    except EngineUnreachable:
+        raise
+    except EngineError:
+        pass
+
+
 def _active(engines: list[_Engine]) -> list[_Engine]:
     return [e for e in engines if e.state == ACTIVE]
 
@@ -439,7 +450,8 @@ class EnginePool:
 
     async def rejoin(self, index: int) -> None:
         """Lost engine ``index``, answering again, takes prompts again after ``on_restart`` (a full sync);
-        re-paused first when the pool is paused."""
+        a weight-update session a sync cut off left open on it is ended first, and it is re-paused when
+        the pool is paused."""
         engine = self._engines[index]
         async with engine.recovery:
             if engine.supervisor is not None:
@@ -447,6 +459,7 @@ class EnginePool:
                 engine.incarnation = info.incarnation
             else:
                 info = None
+            await _end_open_update(engine.client)
             if self._paused is not None:
                 await engine.client.pause_generation(self._paused)
             if self.on_restart is not None:

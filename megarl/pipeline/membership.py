@@ -86,7 +86,10 @@ class Membership:
     async def after_sync(self) -> dict[str, float]:
         """Returned engines rejoin, a started one joins, one more starts on free capacity; the metrics."""
         for index in self.pool.returned():
-            await self.pool.rejoin(index)
+            try:
+                await self.pool.rejoin(index)
+            except Exception as e:  # still lost: tried again at the next boundary while it answers
+                log.warning("engine %d did not rejoin: %s: %s", index, type(e).__name__, e)
         if self._joining is not None and self._joining.done():
             joining, self._joining = self._joining, None
             try:
