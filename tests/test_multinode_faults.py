@@ -90,7 +90,7 @@ def test_a_sync_that_lost_an_engine_is_done_again_for_the_others_once():
 
     def pipeline(sync):
         pipe = SimpleNamespace(sync=sync, pool=SimpleNamespace(clients=clients), pause_mode=None, membership=None)
-        pipe._update = lambda version: Pipeline._update(pipe, version)
+        pipe._sync_update = lambda version: Pipeline._sync_update(pipe, version)
         return pipe
 
     died = FailingSync(["a", "b", "c"], [(["a"], ["b"])])
@@ -124,7 +124,7 @@ def test_a_sync_is_cut_short_when_one_of_its_engines_is_lost():
     async def body():
         t0 = asyncio.get_running_loop().time()
         with pytest.raises(WeightSyncError, match="cut short") as error:
-            await Pipeline._update(pipe, 4)
+            await Pipeline._sync_update(pipe, 4)
         return asyncio.get_running_loop().time() - t0, error.value.failed
 
     took, failed = asyncio.run(body())

@@ -239,7 +239,7 @@ class Pipeline:
         batch must come from ``version`` (sync mode waits for it)."""
         for attempt in (1, 2):
             try:
-                synced = (await self._update(version)).metrics()
+                synced = (await self._sync_update(version)).metrics()
                 return synced | ({"sync/retried": 1.0} if attempt > 1 else {})
             except WeightSyncError as exc:
                 log.error("%s", exc)
@@ -250,7 +250,7 @@ class Pipeline:
                     break
         return {"sync/failed": 1.0}
 
-    async def _update(self, version: int):
+    async def _sync_update(self, version: int):
         """``sync.update`` to ``version``, ended early (WeightSyncError naming the failed engines) when one of
         its engines is lost meanwhile, rather than at ``sync.timeout_s``."""
         update = asyncio.ensure_future(self.sync.update(version, self.pause_mode))
