@@ -411,6 +411,21 @@ def test_engine_and_sync_settings_from_the_config(tiny_checkpoint):
         ("distributed", 64, "/tmp/r/weight_sync", 600.0, 1)
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("overrides, tokenizer", [([], False), (["task.env=calculator"], True), ([AGENT], True)])
+def test_only_a_single_turn_runs_policy_engines_start_without_their_tokenizer(tiny_checkpoint, overrides, tokenizer):
+    """Multi-turn episodes send stop strings and grammars, which need the engine's tokenizer."""
+    from megarl.config.topology import RunTopology, pool_engine_settings
+    from megarl.engines.server import SGLangEngine
+    from megarl.platform.description import Platform
+
+    cfg = load_config(["recipe=tiny_moe_cpu", "logging.run_dir=/tmp/r", *overrides])
+    topology = RunTopology.from_config(cfg)
+    engine = pool_engine_settings(cfg, topology, topology.policy, Platform.cpu(), None, tiny_checkpoint)[0]
+    assert engine.tokenizer is tokenizer
+    assert ("--skip-tokenizer-init" in SGLangEngine(engine).command()) is not tokenizer
+
+
 @pytest.mark.processes
 def test_checking_a_config_loads_no_agent_runtime():
     """megarl.config checks ``task.agent`` through megarl.agents.spec: a process that only loads configs

@@ -1,8 +1,11 @@
 """One real SGLang server (CPU on machines without a GPU) for the whole module, checked against an
 HF transformers forward pass over the same tokens: routing (Keep Routing), sampling masks and
 masked log-probs (Keep Sampling Mask), pause/abort, bad prompts, weight versions, death and stop.
+The server runs without its tokenizer (a single-turn run's policy engine; the session's shared
+engine keeps it), so every check here holds on that path too.
 """
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -25,6 +28,7 @@ from megarl.sample import FinishReason, RolloutSample, SamplingMask
 
 LM_HEAD_SCALE = 25.0  # the random-init head gives near-uniform logits; scaled, top-p masks bite
 LOGPROB_TOLERANCE = 1e-3
+CONFIG_EOS = 1  # config.json's and generation_config.json's EOS in the module's checkpoint; the tokenizer's is 2
 PROMPTS = ["3+4=", "9+9=", "0+1=", "7+2=", "5+5=", "1+8="]
 
 
@@ -40,6 +44,9 @@ def checkpoint(tiny_checkpoint, tmp_path_factory):
     weights = load_file(weights_file)
     weights["lm_head.weight"] = weights["lm_head.weight"] * LM_HEAD_SCALE
     save_file(weights, weights_file, metadata={"format": "pt"})
+    for name in ("config.json", "generation_config.json"):  # an EOS other than the tokenizer's
+        config = json.loads((path / name).read_text())
+        (path / name).write_text(json.dumps({**config, "eos_token_id": CONFIG_EOS}))
     return path
 
 
@@ -49,7 +56,7 @@ def engine(checkpoint, tmp_path_factory):
     # no prefix cache (the session's shared engine keeps SGLang's default), so both paths serve the tests.
     settings = EngineSettings(
         model_path=str(checkpoint), dtype="float32", max_total_tokens=4096, max_running_requests=1, prefix_cache=False,
-        log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"),
+        tokenizer=False, log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"),
     )
     eng = SGLangEngine(settings)
     eng.start()
@@ -194,7 +201,7 @@ def test_routing_mask_and_logprobs_equal_the_hf_forward(engine, hf_model, tokeni
         if sample.finish_reason is FinishReason.LENGTH:
             assert len(sample.response_ids) == params.max_new_tokens
         else:
-            assert sample.response_ids[-1] == tokenizer.eos_token_id
+            assert sample.response_ids[-1] in (tokenizer.eos_token_id, CONFIG_EOS)
         assert (sample.model_version == 0).all() and (sample.loss_mask == 1).all()
         mask_sizes += np.diff(sample.sampling_mask.offsets).tolist()
         d, n = check_against_hf(sample, hf_model)
@@ -395,6 +402,32 @@ def test_mask_without_finite_top_k_is_rejected(engine):
 
     with pytest.raises(ValueError, match="finite top_k"):
         run_client(engine, body)
+
+
+def test_an_engine_without_its_tokenizer_refuses_stop_strings_and_grammars(engine):
+    async def body(client):
+        for params in (SamplingParams(max_new_tokens=4, top_k=5, stop=("</call>",)),
+                       SamplingParams(max_new_tokens=4, top_k=5, grammar=(("ebnf", 'root ::= "a"'),))):
+            with pytest.raises(ValueError, match="without its tokenizer"):
+                await client.generate_batch([[1, 5]], params, group_ids=["g"])
+
+    run_client(engine, body)
+
+
+def test_an_engine_without_its_tokenizer_stops_at_the_tokenizers_eos(engine, tokenizer):
+    """SGLang reads only config.json's EOS without the tokenizer; megarl's layer adds the tokenizer's."""
+    assert tokenizer.eos_token_id != CONFIG_EOS
+    params = SamplingParams(max_new_tokens=32, temperature=1.0, top_k=20)
+    prompts = [tokenizer.encode(t) for t in PROMPTS] * 4
+
+    async def body(client):
+        return await client.generate_batch(prompts, params, group_ids=["g"] * len(prompts))
+
+    samples = run_client(engine, body)
+    ends = {s.response_ids[-1] for s in samples if s.finish_reason is FinishReason.STOP}
+    assert tokenizer.eos_token_id in ends, f"no response ended at the tokenizer's EOS: {ends}"
+    for s in samples:  # no response runs past either EOS
+        assert not set(s.response_ids[:-1]) & {tokenizer.eos_token_id, CONFIG_EOS}
 
 
 def test_weight_version_labels_every_generated_token(engine, tokenizer):

@@ -284,7 +284,8 @@ def pool_engine_settings(cfg, topology: RunTopology, pool: EnginePoolSpec, platf
     rollout's KV-cache size and memory share, its seed ``task.seed`` + its run-wide index and its log in
     the run directory (``engine-<i>.log`` for the policy's, ``<name>.log`` else). The policy's and the
     frozen models' (teacher, roles) take sampling masks up to ``rollout.top_k`` tokens and the prefix-cache
-    setting, the judge SGLang's defaults; only the policy's serve the LoRA adapters (nothing else is synced)."""
+    setting, the judge SGLang's defaults; only the policy's serve the LoRA adapters (nothing else is synced),
+    and only a single-turn run's policy engines start without their tokenizer (:func:`multi_turn`)."""
     model_path = pool.hf_path if model_path is None else model_path
     refusal = dtype_refusal(platform, cfg.model.dtype)
     if refusal is not None:
@@ -303,5 +304,13 @@ def pool_engine_settings(cfg, topology: RunTopology, pool: EnginePoolSpec, platf
             dp_attention=pool.dp_attention, nnodes=nodes_of(pool.tp, topology.gpus_per_node), api_key=api_key,
             log_path=str(run_dir / (f"engine-{index}.log" if policy else f"{pool.name}.log")),
             **(dict(sampling_mask_max_tokens=max(r.top_k, 1), prefix_cache=r.prefix_cache) if like_policy else {}),
+            tokenizer=not policy or multi_turn(cfg),
             **(lora_serving(LoraConfig.when_enabled(cfg.lora)) if policy else {})))
     return out
+
+
+def multi_turn(cfg) -> bool:
+    """Whether the run's episodes have several turns (``task.env`` or ``task.agent``): only they send the
+    policy's engines stop strings and grammars, which need the engine's tokenizer; single-turn prompts
+    go as token ids with the rollout's plain sampling parameters, so those engines start without it."""
+    return cfg.task.env is not None or cfg.task.agent is not None

@@ -134,6 +134,7 @@ class SGLangClient:
         # since (mixed_version_tokens); and the version labelled last
         self._entered_in_place: dict[int, bool] = {}
         self._label: int | None = None
+        self._has_tokenizer: bool | None = None  # the engine's, read from /server_info by the first need
 
     async def __aenter__(self) -> SGLangClient:
         return self
@@ -156,6 +157,18 @@ class SGLangClient:
         if response.status_code != 200:
             raise EngineError(f"{self.base_url}{path}: HTTP {response.status_code}: {_error_message(response)}")
         return response
+
+    async def _check_text_params(self, params: SamplingParams) -> None:
+        """Refuse ``params`` with stop strings or a grammar (ValueError) when the engine runs without its
+        tokenizer (``EngineSettings.tokenizer`` False), which both need."""
+        if not (params.stop or params.grammar):
+            return
+        if self._has_tokenizer is None:
+            info = (await self._request("GET", "/server_info")).json()
+            self._has_tokenizer = not info.get("skip_tokenizer_init", False)
+        if not self._has_tokenizer:
+            raise ValueError(f"{self.base_url} runs without its tokenizer (--skip-tokenizer-init, a single-turn "
+                             f"run's policy engine): it cannot apply stop strings {list(params.stop)} or a grammar")
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
         if len(prompt_ids) == 0:
@@ -180,12 +193,14 @@ class SGLangClient:
         (softmax of logits / temperature), renormalised over the sampling mask when it is returned.
 
         Raises ValueError for bad input (empty prompt, ids outside the vocabulary, a mask without a
-        finite top_k) and EngineError when the engine rejects the request (e.g. a prompt longer
-        than the context) or is unreachable. An aborted request returns its partial response.
+        finite top_k, stop strings or a grammar for an engine without its tokenizer) and EngineError
+        when the engine rejects the request (e.g. a prompt longer than the context) or is unreachable.
+        An aborted request returns its partial response.
         """
         self._validate_prompt(prompt_ids)
         if return_sampling_mask and params.top_k <= 0:
             raise ValueError("return_sampling_mask needs a finite top_k (<= the engine's --sampling-mask-max-tokens)")
+        await self._check_text_params(params)
         payload = {
             "input_ids": list(prompt_ids), "sampling_params": params.to_json(), "return_logprob": True,
             "return_routed_experts": return_routed_experts, "return_sampling_mask": return_sampling_mask,
@@ -228,6 +243,7 @@ class SGLangClient:
             self._validate_prompt(prompt_ids)
         if return_sampling_mask and params.top_k <= 0:
             raise ValueError("return_sampling_mask needs a finite top_k (<= the engine's --sampling-mask-max-tokens)")
+        await self._check_text_params(params)
         return await self._batches.submit([list(p) for p in prompts], list(group_ids),
                                           (params, return_routed_experts, return_sampling_mask))
 

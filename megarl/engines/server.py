@@ -27,6 +27,7 @@ from megarl.engines.types import ServedModel
 from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraConfig
 from megarl.parallel import free_port, rendezvous_host
 from megarl.platform import sglang_cpu
+from megarl.platform.sglang_tokenizer_stops import SKIP_TOKENIZER_FLAG
 
 log = logging.getLogger(__name__)
 SCRATCH_PREFIX = "megarl-sglang-"  # a running server's TMPDIR, under the system's temporary directory
@@ -76,6 +77,10 @@ class EngineSettings:
     mem_fraction_static: float | None = None
     max_running_requests: int | None = None
     prefix_cache: bool = True  # SGLang's radix cache of computed prefixes; False: --disable-radix-cache
+    # False: --skip-tokenizer-init, for engines that only get token ids and no stop strings or grammar
+    # (the scheduler sends its output to the HTTP process directly, without the detokenizer's hop);
+    # responses still end at the tokenizer's EOS (megarl.platform.sglang_tokenizer_stops)
+    tokenizer: bool = True
     random_seed: int = 0
     tp: int = 1
     ep: int = 1
@@ -239,6 +244,8 @@ class SGLangEngine:
             cmd += ["--max-running-requests", str(s.max_running_requests)]
         if not s.prefix_cache:
             cmd.append("--disable-radix-cache")
+        if not s.tokenizer:
+            cmd.append(SKIP_TOKENIZER_FLAG)
         if s.tp > 1:
             cmd += ["--tp-size", str(s.tp)]
         if s.ep > 1:

@@ -38,13 +38,15 @@ from megarl.gc_pause import gc_paused
 with gc_paused():  # most of SGLang is imported here
     model_registry.install(sys.argv[1:])  # before anything imports SGLang's registry
     from megarl.engines import pipelined_load, update_group
-    from megarl.platform import sglang_cpu, sglang_ipc, sglang_retracted_routes
+    from megarl.platform import sglang_cpu, sglang_ipc, sglang_retracted_routes, sglang_tokenizer_stops
 
     sglang_cpu.apply()
     sglang_ipc.install()
     pipelined_load.install()
     update_group.install()
     sglang_retracted_routes.install()
+    if sglang_tokenizer_stops.SKIP_TOKENIZER_FLAG in sys.argv:
+        sglang_tokenizer_stops.install()
 
 from megarl.engines.server import API_KEY_ENV  # noqa: E402  (after SGLang's set-up above)
 
