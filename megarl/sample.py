@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
 
 class FinishReason(str, enum.Enum):
     """Why a response ended."""
@@ -49,7 +51,7 @@ class SamplingMask:
             raise ValueError(
                 f"SamplingMask.offsets must be int32 [R+1], got {self.offsets.dtype} {self.offsets.shape}"
             )
-        if self.offsets[0] != 0 or self.offsets[-1] != self.ids.size or (np.diff(self.offsets) < 0).any():
+        if self.offsets[0] != 0 or self.offsets[-1] != self.ids.size or (self.offsets[1:] < self.offsets[:-1]).any():
             raise ValueError(
                 f"SamplingMask.offsets must start at 0, never decrease and end at nnz={self.ids.size}; "
                 f"got first={self.offsets[0]} last={self.offsets[-1]}"
@@ -58,13 +60,13 @@ class SamplingMask:
     @classmethod
     def from_rows(cls, rows: Sequence[Sequence[int]]) -> SamplingMask:
         """CSR from one list of kept vocab ids per response position."""
-        lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-        offsets = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        if offsets[-1] > np.iinfo(np.int32).max:
-            raise ValueError(f"sampling mask has {offsets[-1]} entries, more than int32 offsets can index")
-        ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=int(offsets[-1]))
-        return cls(ids=ids, offsets=offsets.astype(np.int32))
+        lengths = list(map(len, rows))
+        nnz = sum(lengths)
+        if nnz > _INT32_MAX:
+            raise ValueError(f"sampling mask has {nnz} entries, more than int32 offsets can index")
+        offsets = np.fromiter(itertools.accumulate(lengths, initial=0), dtype=np.int32, count=len(rows) + 1)
+        ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=nnz)
+        return cls(ids=ids, offsets=offsets)
 
     @property
     def num_rows(self) -> int:

@@ -142,8 +142,12 @@ def test_sampling_mask_csr_round_trip_and_validation():
     assert [mask.row(i).tolist() for i in range(mask.num_rows)] == rows
     with pytest.raises(ValueError, match="end at nnz=4"):
         SamplingMask(ids=mask.ids, offsets=np.array([0, 3, 3, 5], dtype=np.int32))
+    with pytest.raises(ValueError, match="never decrease"):
+        SamplingMask(ids=mask.ids, offsets=np.array([0, 3, 2, 4], dtype=np.int32))
     with pytest.raises(ValueError, match="int32"):
         SamplingMask(ids=mask.ids.astype(np.int64), offsets=mask.offsets)
+    empty = SamplingMask.from_rows([])
+    assert empty.offsets.tolist() == [0] and empty.ids.size == 0
 
 
 @pytest.mark.unit
@@ -157,6 +161,8 @@ def test_routed_experts_decoding_checks_shape_and_range():
         decode_routed_experts(pybase64.b64encode(ids.tobytes()).decode(), num_tokens=5, model=model)
     with pytest.raises(EngineError, match="outside"):
         decode_routed_experts(pybase64.b64encode((ids + 8).tobytes()).decode(), num_tokens=4, model=model)
+    with pytest.raises(EngineError, match="outside"):  # negative ids too
+        decode_routed_experts(pybase64.b64encode((ids - 1).tobytes()).decode(), num_tokens=4, model=model)
     big = ServedModel(vocab_size=16, num_layers=2, topk=2, num_experts=40000, context_length=32)
     assert big.routing_dtype == np.int32
 

@@ -75,7 +75,8 @@ def decode_routed_experts(b64: str, num_tokens: int, model: ServedModel) -> np.n
     shape = (num_tokens - 1, model.num_layers, model.topk)
     if flat.size != shape[0] * shape[1] * shape[2]:
         raise EngineError(f"routed_experts holds {flat.size} ids, expected {shape} for {num_tokens} tokens")
-    if flat.size and (flat.min() < 0 or flat.max() >= model.num_experts):
+    # one pass: a negative id read as uint32 is above every expert
+    if flat.size and flat.view(np.uint32).max() >= model.num_experts:
         raise EngineError(f"routed_experts ids outside [0, {model.num_experts}): {flat.min()}..{flat.max()}")
     return flat.reshape(shape).astype(model.routing_dtype)
 
