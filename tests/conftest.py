@@ -17,7 +17,9 @@ pytest_plugins = ("tiers", "pytester")
 # both workers, not on one worker's long file while the other idles. Files not listed follow in their own
 # order. A scheduling hint only: a stale list costs time, never a test.
 LONGEST_FIRST = (
-    "test_weight_sync.py", "test_multinode.py", "test_platform_cpu.py", "test_rl_resume.py", "test_slurm.py",
+    "test_multinode_faults.py", "test_weight_sync.py", "test_multinode.py", "test_weight_sync_sharded_engine.py",
+    "test_multinode_sharded.py", "test_critic.py", "test_weight_sync_sharded.py", "test_critic_run.py",
+    "test_sync_never_hangs.py", "test_platform_cpu.py", "test_rl_resume.py", "test_slurm.py",
     "test_rl_resume_lora.py", "test_rl_episodes.py", "test_sglang_cpu_fork.py", "test_engine_parallel.py",
     "test_sglang_engine.py", "test_rank_pool.py", "test_rl_sync.py", "test_lora.py", "test_rollout_pool.py",
     "test_sglang_cpu_compat.py", "test_layouts.py", "test_config.py", "test_colocated.py", "test_checkpoint.py",
