@@ -210,7 +210,6 @@ def test_trainer_ranks_local_slices_equal_the_gathered_export_and_cover_every_en
 
 @pytest.mark.unit
 @pytest.mark.parametrize("overrides, message", [
-    (["sync.delta=true"], r"^sync.delta: sync.transport=sharded sends each engine rank its slices whole"),
     (["parallel.pp=2", "parallel.world_size=2"], r"^sync.transport: sharded resharding plans one pipeline stage"),
     (["lora.enabled=true"], r"^sync.transport: sharded resharding sends the base weights' slices"),
 ])
@@ -261,3 +260,95 @@ def test_buckets_cut_by_parameter_bytes_and_each_engine_rank_keeps_its_entries()
         for rank in (4 + 2 * engine, 5 + 2 * engine):
             assert own_transfers(names, dtypes, shapes, rank) == [
                 dataclasses.replace(t, held=t.piece) for t in transfers if t.dst == rank]
+
+
+def sharded_delta_sync(full, transfers, senders, baselines, loaded, plan, version):
+    """One delta-mode sync of ``full`` over ``transfers`` in memory (trainer ranks 0-3 -> one engine):
+    each sender's :class:`SliceDelta` encodes its slices, each engine rank applies what it receives to its
+    :class:`SliceBaseline` and "loads" its part of every tensor it is handed into ``loaded``. Returns (the
+    stats, whether the sync sent changed elements, bytes on the wire)."""
+    from megarl.engines.sharded_load import SliceBaseline, own_transfers
+    from megarl.engines.weight_shards import assemble
+    from megarl.sync.report import SenderStats
+    from megarl.sync.transports.sharded import entries_by_engine
+
+    stats, wire, deltas = SenderStats(stage=0), {}, set()
+    for src, sender in enumerate(senders):
+        deltas.add(sender.begin(plan, version))
+        mine = {t: t.piece.narrow(t.held.narrow(full[t.piece.name]), t.held) for t in transfers if t.src == src}
+        wire.update(sender.encode(mine, lambda dst: True, stats))
+    (delta,) = deltas
+    values = {entry_name(t): tensor for t, tensor in wire.items()}
+    engine_tp = len({t.dst for t in transfers})
+    ((names, dtypes, shapes),) = entries_by_engine(list(wire), trainer_ranks=4, engine_tp=engine_tp, num_engines=1)
+    for rank in range(4, 4 + engine_tp):
+        own = own_transfers(names, dtypes, shapes, rank)
+        received = [(t.piece, values[entry_name(t)].clone()) for t in own]
+        baseline = baselines.setdefault(rank, SliceBaseline())
+        for name, tensor in assemble(baseline.apply(own, received, not delta, "cpu")):
+            loaded[(rank, name)] = tensor
+    for sender in senders:
+        sender.finish()
+    return stats, delta, sum(t.numel() * t.element_size() for t in values.values())
+
+
+def engine_parts(loaded, wants) -> dict:
+    return {(rank, piece.name): piece.narrow(loaded[(rank, piece.name)]) for rank, piece in wants}
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("engine_tp, engine_ep", [(2, 2), (1, 1)])
+def test_delta_over_sharded_slices_loads_what_a_full_sync_loads(engine_tp, engine_ep):
+    """Trainer TP2xEP2 -> engine TP2+EP2, or TP1 (each tensor from two senders) in memory: after syncs that
+    change 1 in 1000 elements, none, and all of them, each engine rank's part of every tensor equals the
+    trainer's, bit for bit; the small changes travel in a small fraction of the bytes, all changed whole."""
+    from megarl.sync.delta import DeltaPlan
+    from megarl.sync.sharded_rank import SliceDelta
+
+    table = qwen3_moe_table()
+    full, wants = full_tensors(table), engine_wants(table, engine_tp, engine_ep, offset=4)
+    transfers = plan_transfers(trainer_holdings(table, 2, 2, 4), wants)
+    whole = sum(t.piece.nbytes for t in transfers)
+    senders, baselines, loaded, gen = [SliceDelta() for _ in range(4)], {}, {}, torch.Generator().manual_seed(1)
+    history = []
+    for version, fraction in enumerate([1.0, 1e-3, 0.0, 1e-3, 1.0, 1e-3], start=1):
+        for tensor in full.values():
+            changed = torch.rand(tensor.shape, generator=gen) < fraction
+            tensor[changed] += 1.0
+        stats, delta, nbytes = sharded_delta_sync(full, transfers, senders, baselines, loaded,
+                                                  DeltaPlan(version - 1 if version > 1 else None, 0.5), version)
+        expected = {(rank, piece.name): piece.narrow(full[piece.name]) for rank, piece in wants}
+        got = engine_parts(loaded, wants)
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], expected[k]) for k in expected), f"version {version}: engine parts differ"
+        history.append((delta, nbytes, stats.changed_elements / stats.elements))
+    assert [delta for delta, _, _ in history] == [False, True, True, True, True, True]
+    assert history[0][1] == whole and history[4][1] == whole  # first sync; every element changed: whole
+    assert history[2][1] == 0 and history[2][2] == 0  # nothing changed: nothing travels
+    for _, nbytes, changed in (history[1], history[3], history[5]):
+        assert 0 < nbytes < 0.02 * whole and 0 < changed < 0.01
+
+
+@pytest.mark.unit
+def test_sharded_delta_after_a_failed_sync_goes_whole_and_a_delta_needs_a_baseline():
+    from megarl.engines.sharded_load import SliceBaseline
+    from megarl.engines.weight_shards import Piece, Transfer
+    from megarl.sync.delta import DeltaPlan
+    from megarl.sync.report import SenderStats
+    from megarl.sync.sharded_rank import SliceDelta
+
+    sender, piece = SliceDelta(), Piece("w", "float32", (4, 2), 0, 0, 2)
+    transfer = Transfer(0, 1, piece, piece)
+    assert sender.begin(DeltaPlan(None, 0.5), 1) is False
+    sender.encode({transfer: torch.zeros(2, 2)}, lambda dst: True, SenderStats(stage=0))
+    sender.finish()
+    assert sender.begin(DeltaPlan(1, 0.5), 2) is True  # the engines hold version 1, which it sent
+    sender.encode({transfer: torch.ones(2, 2)}, lambda dst: True, SenderStats(stage=0))  # ... and the sync fails here
+    assert sender.begin(DeltaPlan(1, 0.5), 3) is False  # its copy is partly version 2's: whole
+    wire = sender.encode({transfer: torch.eye(2)}, lambda dst: True, SenderStats(stage=0))
+    assert list(wire) == [transfer]
+    with pytest.raises(KeyError, match="holds no baseline"):  # a restarted engine rank handed a delta
+        values = Piece.whole(entry_name(transfer) + ":delta.values", "float32", (1,))
+        indices = Piece.whole(entry_name(transfer) + ":delta.indices", "int32", (1,))
+        SliceBaseline().apply([Transfer(0, 1, values, values), Transfer(0, 1, indices, indices)],
+                              [(values, torch.ones(1)), (indices, torch.zeros(1, dtype=torch.int32))], False, "cpu")

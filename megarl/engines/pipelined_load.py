@@ -50,7 +50,7 @@ import torch
 from megarl.engines.sharded_load import update_weights_from_sharded
 from megarl.engines.weight_delta import BUCKET_FLAG, decode
 from megarl.engines.weight_delta import LOAD_FORMAT as DELTA_FORMAT
-from megarl.engines.weight_shards import LOAD_FORMAT as SHARDED_FORMAT
+from megarl.engines.weight_shards import FORMATS as SHARDED_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def update_weights_from_distributed(manager, recv_req, original):
     """SGLang's ``update_weights_from_distributed`` with the receive of this bucket overlapping the
     load of the previous one (see the module docstring); a sharded bucket goes to
     :mod:`megarl.engines.sharded_load`; ``original`` serves every other call."""
-    if recv_req.load_format == SHARDED_FORMAT:
+    if recv_req.load_format in SHARDED_FORMATS:
         return update_weights_from_sharded(manager, recv_req)
     if recv_req.load_format not in (FORMAT, DELTA_FORMAT) or manager._session is None:
         if recv_req.load_format == DELTA_FORMAT:

@@ -9,6 +9,12 @@ narrows that tensor to the rows this rank owns, which are exactly the slices', s
 gate/up and expert mappings apply unchanged and nothing is sliced twice. A piece arrives whole when the
 loader reads the whole tensor (replicated weights). The receive and the load are one step (no overlap:
 the buckets are each engine rank's share, not the model).
+
+Delta mode (``sync.delta``, load formats ``megarl_sharded_base`` / ``megarl_sharded_delta``): each engine
+rank keeps, in host memory, a baseline of only its own slices as last loaded (:class:`SliceBaseline`: the
+bytes this rank loads, not the model's), applies the changed elements to them in place
+(:func:`megarl.engines.weight_delta.decode`), and loads every slice of each tensor that changed (a tensor
+split over several senders is loaded whole on this rank: its unchanged slices come from the baseline).
 """
 from __future__ import annotations
 
@@ -16,11 +22,61 @@ import logging
 
 import torch
 
-from megarl.engines.weight_shards import Transfer, assemble, exchange, join_all, parse_entries
+from megarl.engines.weight_delta import decode
+from megarl.engines.weight_shards import (
+    BASE_FORMAT,
+    LOAD_FORMAT,
+    Piece,
+    Transfer,
+    assemble,
+    entry_name,
+    exchange,
+    hf_name,
+    join_all,
+    parse_entries,
+)
 
 log = logging.getLogger(__name__)
 
 _joined: set[str] = set()  # update groups this process took part in a first all-reduce of (join_all)
+
+
+class SliceBaseline:
+    """One engine rank's slices as last loaded in delta mode: slice entry name -> host tensor (the slice's
+    shape and dtype), and per HF name the slices of it this rank loads."""
+
+    def __init__(self):
+        self.slices: dict[str, torch.Tensor] = {}
+        self.members: dict[str, dict[str, Piece]] = {}
+
+    def apply(self, transfers: list[Transfer], received: list[tuple[Piece, torch.Tensor]], base: bool,
+              device) -> list[tuple[Piece, torch.Tensor]]:
+        """Apply a delta-mode bucket's ``received`` (piece, values) of this rank's ``transfers`` (request
+        order); ``base``: a full sync's bucket, whose slices replace the baseline of their tensors. Returns
+        (piece, slice on ``device``) of every slice of each tensor the bucket changed, for :func:`assemble`.
+        KeyError names a slice changed without a baseline (the engine needs a full sync)."""
+        if base:
+            fresh: set[str] = set()
+            for t in transfers:
+                name = t.piece.name
+                if name not in fresh:
+                    for old in self.members.pop(name, {}):
+                        self.slices.pop(old, None)
+                    fresh.add(name)
+                self.members.setdefault(name, {})[entry_name(t)] = t.piece
+        wires = {t.piece: entry_name(t) for t in transfers}
+        touched = dict.fromkeys(hf_name(entry) for entry, _ in decode(
+            [(wires[piece], values) for piece, values in received], self.slices))
+        out = []
+        for name in touched:
+            if name not in self.members:
+                raise KeyError(f"{name}: a delta arrived for a tensor this engine rank holds no baseline of "
+                               "(the engine needs a full sync)")
+            out += [(piece, self.slices[entry].to(device, copy=True)) for entry, piece in self.members[name].items()]
+        return out
+
+
+_baseline = SliceBaseline()  # this engine rank's (one scheduler process per rank)
 
 
 def own_transfers(names: list[str], dtypes: list[str], shapes: list[list[int]], rank: int) -> list[Transfer]:
@@ -36,7 +92,10 @@ def receive(recv_req, group, device) -> list[tuple[str, torch.Tensor]]:
         join_all(group, device)
         _joined.add(recv_req.group_name)
     transfers = own_transfers(recv_req.names, recv_req.dtypes, recv_req.shapes, rank)
-    return assemble(exchange(rank, transfers, None, group, device))
+    received = exchange(rank, transfers, None, group, device)
+    if recv_req.load_format == LOAD_FORMAT:
+        return assemble(received)
+    return assemble(_baseline.apply(transfers, received, recv_req.load_format == BASE_FORMAT, device))
 
 
 def update_weights_from_sharded(manager, recv_req):

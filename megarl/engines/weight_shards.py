@@ -11,6 +11,12 @@ Over ``/update_weights_from_distributed`` a bucket travels as load format :data:
 transfer to that engine, its name ``{hf_name}:shard.{src}.{dst}.{dim}.{start}.{stop}`` (``dim`` -1: the
 whole tensor), its dtype and the full HF shape. Each engine rank keeps the entries whose ``dst`` is its own
 rank in the group.
+
+Delta mode (``sync.delta``): a bucket travels as :data:`BASE_FORMAT` (a full sync: every slice whole, which
+the engine rank keeps as its baseline) or :data:`DELTA_FORMAT`, where a slice travels whole, not at all
+(unchanged), or as its changed elements in :mod:`megarl.engines.weight_delta`'s encodings: one entry per
+encoded part, named ``{slice entry}{suffix}`` (e.g. ``...:shard.0.4.0.0.64:delta.values``), its dtype and
+flat 1-D shape. A part's :class:`Piece` is whole and named by that entry.
 """
 from __future__ import annotations
 
@@ -20,7 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from megarl.engines.weight_delta import base_name
+
 LOAD_FORMAT = "megarl_sharded"
+BASE_FORMAT = "megarl_sharded_base"  # delta mode, a full sync: the slices become the engine ranks' baselines
+DELTA_FORMAT = "megarl_sharded_delta"  # delta mode: slices whole or as encoded parts, applied to the baselines
+FORMATS = (LOAD_FORMAT, BASE_FORMAT, DELTA_FORMAT)
 ENTRY = re.compile(r"^(?P<name>.+):shard\.(?P<src>\d+)\.(?P<dst>\d+)\.(?P<dim>-?\d+)\.(?P<start>\d+)\.(?P<stop>\d+)$")
 
 
@@ -81,6 +92,8 @@ class Transfer:
 def entry_name(transfer: Transfer) -> str:
     """The request entry name of ``transfer`` (see the module docstring)."""
     p = transfer.piece
+    if base_name(p.name) != p.name:  # a delta part, named by its entry
+        return p.name
     dim = -1 if p.dim is None else p.dim
     return f"{p.name}:shard.{transfer.src}.{transfer.dst}.{dim}.{p.start}.{p.stop}"
 
@@ -89,14 +102,21 @@ def parse_entries(names: list[str], dtypes: list[str], shapes: list[list[int]]) 
     """(src, dst, piece) of each request entry; ValueError naming an entry not in the format."""
     out = []
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        match = ENTRY.match(name)
+        match = ENTRY.match(base_name(name))
         if match is None:
-            raise ValueError(f"{name!r} is not a {LOAD_FORMAT} entry (name:shard.src.dst.dim.start.stop)")
+            raise ValueError(f"{name!r} is not a {LOAD_FORMAT} entry (name:shard.src.dst.dim.start.stop, "
+                             "optionally followed by a delta suffix)")
         dim = int(match["dim"])
-        piece = Piece(match["name"], dtype, tuple(shape), None if dim < 0 else dim, int(match["start"]),
-                      int(match["stop"]))
+        piece = (Piece.whole(name, dtype, tuple(shape)) if base_name(name) != name else
+                 Piece(match["name"], dtype, tuple(shape), None if dim < 0 else dim, int(match["start"]),
+                       int(match["stop"])))
         out.append((int(match["src"]), int(match["dst"]), piece))
     return out
+
+
+def hf_name(entry: str) -> str:
+    """The HF tensor name of a slice entry (or of a delta part's)."""
+    return ENTRY.match(base_name(entry))["name"]
 
 
 def peers(transfers: list[Transfer], rank: int) -> dict[int, list[Transfer]]:

@@ -103,15 +103,10 @@ class DeltaEncoder:
         with no change re-sends one element: an engine load needs a non-empty bucket)."""
         pieces = []
         for name, new in views:
-            old = self.kept.tensors.get(name)
-            mask = (torch.ones(new.numel(), dtype=torch.bool, device=new.device)
-                    if old is None or old.shape != new.shape or old.dtype != new.dtype else changed_mask(new, old))
-            changed = int(mask.sum())
+            changed, encoded = changed_pieces(name, new, self.kept.tensors.get(name))
             self.stats.changed += changed
-            kind = choose(new.numel(), changed, new.element_size(), largest_gap(mask)) if changed else None
-            encoded = encode(name, new, mask, kind) if kind not in (None, "dense") else []
             held = self.kept.keep(name, new)
-            pieces += [(name, held)] if kind == "dense" else encoded  # dense: the copy, not the buffer's view
+            pieces += [(name, held)] if encoded is None else encoded  # dense: the copy, not the buffer's view
         if not pieces:
             name, new = views[0]
             pieces = [(name + INDICES, torch.zeros(1, dtype=torch.int32)), (name + VALUES, new.reshape(-1)[:1].clone())]
@@ -119,6 +114,19 @@ class DeltaEncoder:
 
     def finish(self) -> None:
         self.kept.version = self.version
+
+
+def changed_pieces(name: str, new: torch.Tensor, old: torch.Tensor | None) -> tuple[int, list | None]:
+    """The elements of ``new`` that differ from ``old`` (None, or another shape or dtype: all of them) and
+    their smallest encoding under ``name`` (:func:`megarl.engines.weight_delta.choose`): (changed count,
+    (piece name, tensor) pieces: [] when nothing changed, None when ``new`` travels whole)."""
+    mask = (torch.ones(new.numel(), dtype=torch.bool, device=new.device)
+            if old is None or old.shape != new.shape or old.dtype != new.dtype else changed_mask(new, old))
+    changed = int(mask.sum())
+    if not changed:
+        return 0, []
+    kind = choose(new.numel(), changed, new.element_size(), largest_gap(mask))
+    return changed, None if kind == "dense" else encode(name, new, mask, kind)
 
 
 def _marked(bucket: Bucket, entries: tuple[TensorEntry, ...], nbytes: int) -> Bucket:

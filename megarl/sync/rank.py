@@ -99,9 +99,9 @@ class RankSync:
         if self._packer is not None or self._sharded_sync:
             raise RuntimeError("a weight sync is already running on this rank (finish or abort it first)")
         if kind == "sharded":
-            if self._sharded is None or delta is not None:
-                raise RuntimeError("no sharded weight-sync link on this rank (connect first), or a delta plan for it")
-            self._sharded.begin(capacity)
+            if self._sharded is None:
+                raise RuntimeError("no sharded weight-sync link on this rank: connect first")
+            self._sharded.begin(capacity, version, delta)
             self._sharded_sync = True
             return
         sender = None

@@ -20,7 +20,7 @@ class SyncConfig:
     work_dir: str = "${logging.run_dir}/weight_sync"  # disk transport, recovery checkpoints (seen by trainer + engines)
     # a sync running longer fails (WeightSyncError) and leaves the engines consistent
     timeout_s: float = setting(600.0, gt=0)
-    # send only the elements that changed since the engines' version (megarl/sync/delta.py); distributed | tensor
+    # send only the elements changed since the engines' version (megarl/sync/delta.py); any transport but disk
     delta: bool = False
     # a bucket whose delta exceeds this fraction of its bytes travels whole
     delta_max_fraction: float = setting(0.5, gt=0, le=1)
@@ -54,12 +54,9 @@ class SyncSettings(SyncConfig):
 def delta_refusal(transport: str, lora_sync: str | None = None) -> str | None:
     """Why ``sync.delta`` cannot run with resolved ``transport`` and LoRA synced as ``lora_sync`` (None:
     no LoRA); None when it can."""
-    if transport == "sharded":
-        return ("sync.transport=sharded sends each engine rank its slices whole (no kept copy to diff against); "
-                "delta syncs go through sync.transport=distributed or tensor")
     if transport == "disk":
         return ("the disk transport writes whole checkpoints that the engines load from disk; delta syncs "
-                "go through sync.transport=distributed or tensor")
+                "go through sync.transport=distributed, tensor or sharded")
     if lora_sync == "adapter":
         return ("lora.sync=adapter moves the adapters alone (already a small fraction of the model); delta "
                 "syncs apply to whole weights, e.g. lora.sync=merged")

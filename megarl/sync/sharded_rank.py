@@ -9,6 +9,15 @@ group), and plans the transfers into every engine rank (:mod:`megarl.sync.slices
 rank); ``send`` starts this rank's sends on the send thread and returns, on rank 0, the entries the driver
 posts to each engine. Memory: a bucket's slices (views of the parameters, or their HF conversion) and one
 send buffer per destination rank of this rank's share.
+
+Delta mode (``sync.delta``, :class:`~megarl.sync.delta.DeltaPlan`): the rank keeps a host copy of every
+slice it sends, once per distinct slice (engines at one version receive the same values; the slices' dtype,
+the one they travel in): this rank's share of the model. When the engines' baseline is the version of that
+copy, each slice travels as its changed elements (:func:`megarl.sync.delta.changed_pieces`), whole, or not
+at all, and ``next`` gathers every rank's encoded parts (metadata) so that rank 0 can post them; a bucket
+whose encoding on this rank exceeds ``max_fraction`` of its slices' bytes travels whole from this rank.
+Otherwise (first sync, after a failure or recovery, a version gap) the slices travel whole and the engine
+ranks keep them as their baseline (:mod:`megarl.engines.sharded_load`).
 """
 from __future__ import annotations
 
@@ -19,8 +28,18 @@ from dataclasses import asdict
 
 import torch
 
-from megarl.engines.weight_shards import exchange, join_all
+from megarl.engines.weight_shards import (
+    BASE_FORMAT,
+    DELTA_FORMAT,
+    LOAD_FORMAT,
+    Piece,
+    Transfer,
+    entry_name,
+    exchange,
+    join_all,
+)
 from megarl.sync.buckets import BucketIndex, TensorEntry
+from megarl.sync.delta import DeltaPlan, KeptWeights, changed_pieces
 from megarl.sync.errors import WeightSyncError, past_bound
 from megarl.sync.local_export import LocalSlice, local_tasks, task_slices
 from megarl.sync.report import SenderStats
@@ -41,6 +60,53 @@ def cut(sizes: list[int], capacity: int) -> list[range]:
     if sizes:
         runs.append(range(start, len(sizes)))
     return runs
+
+
+class SliceDelta:
+    """A trainer rank's delta-mode state over the ``sharded`` link: a host copy of each distinct slice it
+    sent (keyed by HF name and bounds, in the slices' dtype) and the version they all are of (None while a
+    sync runs or after one failed)."""
+
+    def __init__(self):
+        self.kept = KeptWeights()
+        self.plan: DeltaPlan | None = None
+        self.delta = False  # the running sync sends changed elements (else whole)
+        self.version = 0
+
+    def begin(self, plan: DeltaPlan, version: int) -> bool:
+        """Start a sync to ``version``; whether it sends changed elements (the engines' baseline ``plan.base``
+        is the kept copy's version)."""
+        self.plan, self.version = plan, version
+        self.delta = plan.base is not None and plan.base == self.kept.version
+        self.kept.version = None  # partly refreshed until finish
+        return self.delta
+
+    def encode(self, values: dict[Transfer, torch.Tensor], counted, stats: SenderStats) -> dict[Transfer, torch.Tensor]:
+        """This rank's transfers of one bucket (transfer -> its slice) as they travel: each slice whole, as
+        its changed elements (parts named by their entries: :mod:`megarl.engines.weight_shards`) or not at all;
+        all whole when the parts exceed ``plan.max_fraction`` of the slices' bytes. Refreshes the kept
+        copies; counts elements, changed elements and whole bytes of the transfers to ranks ``counted(dst)``."""
+        encoded: dict[str, tuple[int, list | None]] = {}
+        wire: dict[Transfer, torch.Tensor] = {}
+        for t, new in values.items():
+            key = f"{t.piece.name}:{t.piece.dim}.{t.piece.start}.{t.piece.stop}"
+            if key not in encoded:
+                old = self.kept.tensors.get(key)
+                encoded[key] = changed_pieces("", new, old) if self.delta else (new.numel(), None)
+                self.kept.keep(key, new)
+            changed, parts = encoded[key]
+            if counted(t.dst):
+                stats.elements += new.numel()
+                stats.changed_elements += changed
+                stats.dense_bytes += t.piece.nbytes
+            for suffix, part in [("", new)] if parts is None else parts:
+                piece = Piece.whole(entry_name(t) + suffix, str(part.dtype).removeprefix("torch."), tuple(part.shape))
+                wire[t if parts is None else Transfer(t.src, t.dst, piece, piece)] = part
+        sent = sum(p.numel() * p.element_size() for p in wire.values())
+        return values if sent > self.plan.max_fraction * sum(t.piece.nbytes for t in values) else wire
+
+    def finish(self) -> None:
+        self.kept.version = self.version
 
 
 class ShardedRank:
@@ -64,13 +130,20 @@ class ShardedRank:
         self._stats: SenderStats | None = None
         self._seq = 0
         self._joined = False  # join_all ran on the link (before its first exchange)
+        self._delta = SliceDelta()  # delta mode: what this rank last sent
+        self._plan_delta: DeltaPlan | None = None
 
-    def begin(self, capacity: int) -> None:
+    def begin(self, capacity: int, version: int = 0, delta: DeltaPlan | None = None) -> None:
+        """Start a sync to ``version`` in buckets of ``capacity`` bytes of parameters; with a ``delta`` plan,
+        in delta mode (see the module docstring)."""
         if self._tasks is None:
             self._tasks = local_tasks(self.model)
         self._runs = cut([t.param_weight.numel() * t.param_weight.element_size() for t in self._tasks], capacity)
         self._stats = SenderStats(stage=0, capacity=capacity)
         self._seq = 0
+        self._plan_delta = delta
+        if delta is not None:
+            self._stats.delta = self._delta.begin(delta, version)
 
     def next(self) -> BucketIndex | None:
         """Plan the next bucket; its index on rank 0 (None elsewhere, and everywhere at the end)."""
@@ -83,15 +156,27 @@ class ShardedRank:
         slices = [s for i in run for s in task_slices(self._tasks[i], self.kv_heads)]
         self._stats.convert_s += time.perf_counter() - t0
         transfers, shapes = self._plan(slices)
+        held = {s.piece: s for s in slices}
+        outgoing = {t: t.piece.narrow(held[t.held].tensor, t.held) for t in transfers if t.src == self.rank}
+        if self._plan_delta is not None:
+            outgoing = self._delta.encode(outgoing, self._into_first_engine, self._stats)
+        everyone = transfers if self._plan_delta is None else self._gather_wire(list(outgoing))
         self._stats.gather_s += time.perf_counter() - t0
-        self._ready = (transfers, {s.piece: s for s in slices})
-        self._count(transfers, len(shapes))
+        self._ready = (outgoing, everyone)
+        self._count(list(outgoing), len(shapes))
         if self.rank != 0:
             return None
         entries = tuple(TensorEntry(name, dtype, shape, 0) for name, (dtype, shape) in shapes.items())
-        nbytes = sum(t.piece.nbytes for t in transfers if self._into_first_engine(t.dst))
+        nbytes = sum(t.piece.nbytes for t in everyone if self._into_first_engine(t.dst))
         self._seq += 1
-        return BucketIndex(0, self._seq - 1, entries, nbytes, last=not self._runs)
+        return BucketIndex(0, self._seq - 1, entries, nbytes, last=not self._runs, delta=self._plan_delta is not None)
+
+    def _gather_wire(self, mine: list[Transfer]) -> list[Transfer]:
+        """Every rank's transfers of the bucket as they travel (rank order; metadata gathered over the
+        trainer's group)."""
+        everyone: list = [None] * self.spec.trainer_ranks
+        torch.distributed.all_gather_object(everyone, [(t.src, t.dst, t.piece) for t in mine])
+        return [Transfer(src, dst, piece, piece) for held in everyone for src, dst, piece in held]
 
     def _into_first_engine(self, dst: int) -> bool:
         return dst < self.spec.trainer_ranks + self.spec.engine_tp
@@ -129,11 +214,8 @@ class ShardedRank:
         self._join()
         if self._ready is None:
             raise RuntimeError("no planned sharded bucket to send: call next first")
-        (transfers, held), self._ready = self._ready, None
-        errors: list = []
-
-        def outgoing(transfer):
-            return transfer.piece.narrow(held[transfer.held].tensor, transfer.held)
+        (outgoing, everyone), self._ready = self._ready, None
+        transfers, errors = list(outgoing), []
 
         def run():
             t0 = time.perf_counter()
@@ -144,7 +226,7 @@ class ShardedRank:
                 if not self._joined:
                     join_all(self.group, self.device, bound)
                     self._joined = True
-                exchange(self.rank, transfers, outgoing, self.group, self.device, bound)
+                exchange(self.rank, transfers, outgoing.__getitem__, self.group, self.device, bound)
             except BaseException as e:  # re-raised on the rank's main thread by _join
                 errors.append(e)
             finally:
@@ -155,8 +237,9 @@ class ShardedRank:
         thread.start()
         if self.rank != 0:
             return None
-        return entries_by_engine(transfers, self.spec.trainer_ranks, self.spec.engine_tp,
-                                 self.spec.engine_ranks // self.spec.engine_tp)
+        fmt = LOAD_FORMAT if self._plan_delta is None else DELTA_FORMAT if self._stats.delta else BASE_FORMAT
+        return fmt, entries_by_engine(everyone, self.spec.trainer_ranks, self.spec.engine_tp,
+                                      self.spec.engine_ranks // self.spec.engine_tp)
 
     def _join(self) -> None:
         if self._inflight is None:
@@ -173,6 +256,8 @@ class ShardedRank:
             self._join()
             if self._ready is not None or self._runs:
                 raise RuntimeError("sharded weight sync finished before every bucket was sent")
+            if self._plan_delta is not None:
+                self._delta.finish()
             return asdict(self._stats)
         finally:
             self._ready, self._runs, self._stats = None, [], None

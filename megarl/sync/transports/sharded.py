@@ -13,8 +13,9 @@ the group's formation and each bucket's exchange fail after ``sync.timeout_s`` w
 
 Each bucket (:mod:`megarl.sync.sharded_rank` on the trainer ranks) is a plan of transfers
 (:mod:`megarl.sync.slices`); the driver posts each engine the entries addressed to its ranks as one
-``/update_weights_from_distributed`` call in load format ``megarl_sharded``
-(:mod:`megarl.engines.weight_shards`, served by :mod:`megarl.engines.sharded_load`), while the trainer
+``/update_weights_from_distributed`` call in load format ``megarl_sharded`` (in delta mode, ``sync.delta``:
+``megarl_sharded_base`` or ``megarl_sharded_delta``, the changed elements of each slice;
+:mod:`megarl.engines.weight_shards`, served by :mod:`megarl.engines.sharded_load`), while the trainer
 ranks send.
 """
 from __future__ import annotations
@@ -28,7 +29,6 @@ from typing import Any
 import torch
 
 from megarl.engines.update_group import timed_name
-from megarl.engines.weight_shards import LOAD_FORMAT
 from megarl.platform.description import detect
 from megarl.sync.buckets import BucketIndex
 from megarl.sync.errors import WeightSyncError, past_bound
@@ -122,10 +122,11 @@ class ShardedEngineSide(EngineSide):
                 log.warning("%s: destroying group %s failed: %s", client.base_url, self._group, e)
 
     async def load(self, engines: list, index: BucketIndex, payload: Any, finish: Finish | None = None) -> None:
-        """``payload``: per engine, the (names, dtypes, shapes) of its entries of this bucket."""
+        """``payload``: (load format, per engine the (names, dtypes, shapes) of its entries of this bucket)."""
+        load_format, entries = payload
         await asyncio.gather(*(client.update_weights_from_distributed(
-            names, dtypes, shapes, group_name=self._group, load_format=LOAD_FORMAT,
-            **finish_fields(finish)) for client, (names, dtypes, shapes) in zip(engines, payload, strict=True)))
+            names, dtypes, shapes, group_name=self._group, load_format=load_format,
+            **finish_fields(finish)) for client, (names, dtypes, shapes) in zip(engines, entries, strict=True)))
 
 
 def entries_by_engine(transfers: list, trainer_ranks: int, engine_tp: int, num_engines: int) -> list[tuple]:
