@@ -2,6 +2,7 @@
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +14,7 @@ from megarl.planner.weight_sync import (
     IPC_COPY_GBPS,
     delta_wire_fraction,
     engine_rank_params,
+    trainer_rank_params,
 )
 
 
@@ -34,18 +36,38 @@ def test_every_path_is_projected_from_its_inputs():
     sync = plan.sync
     nbytes, gbps = sync.bytes_per_sync, cfg.sync.link_gbps
     assert sync.path == "broadcast" and set(sync.sync_seconds) == {"broadcast", "delta", "colocated_ipc",
-                                                                   "sharded_p2p"}
+                                                                   "sharded_p2p", "delta_sharded"}
     wire = DELTA_CHANGE_FRACTION * 4 / 2
+    rank_bytes = engine_rank_params(plan.arch, cfg.rollout.engine_tp) * 2
     by_hand = {"broadcast": nbytes * 8 / (gbps * 1e9),
                "delta": nbytes * wire * 8 / (gbps * 1e9) + nbytes / cfg.parallel.pp * 8 / (H2D_GBPS * 1e9),
                "colocated_ipc": nbytes / cfg.rollout.engine_tp * 8 / (IPC_COPY_GBPS * 1e9),
-               "sharded_p2p": engine_rank_params(plan.arch, cfg.rollout.engine_tp) * 2 * 8 / (gbps * 1e9)}
+               "sharded_p2p": rank_bytes * 8 / (gbps * 1e9),
+               "delta_sharded": rank_bytes * wire * 8 / (gbps * 1e9)
+               + trainer_rank_params(plan.arch, cfg.parallel) * 2 * 8 / (H2D_GBPS * 1e9)}
     assert sync.sync_seconds == pytest.approx(by_hand)
     assert sync.paths["sharded_p2p"].built and sync.paths["delta"].bytes == int(nbytes * wire)
+    assert sync.paths["delta_sharded"].bytes == int(rank_bytes * cfg.rollout.engine_tp * wire)
     one_stage = ["recipe=qwen3_235b_a22b", "sync.transport=sharded", "parallel.pp=1"]
     assert plan_layout(load_config(one_stage)).sync.path == "sharded_p2p"
+    both = plan_layout(load_config([*one_stage, "sync.delta=true"])).sync
+    assert both.path == "delta_sharded" and both.delta_host_bytes == rank_bytes
     assert plan_layout(load_config(["recipe=qwen3_235b_a22b", "sync.delta=true"])).sync.path == "delta"
     assert plan_layout(load_config(["recipe=glm45_355b_a32b"])).sync.path == "colocated_ipc"
+
+
+@pytest.mark.unit
+def test_trainer_rank_params_split_the_model_over_the_layout():
+    from megarl.planner.params import count_params, layer_params
+
+    arch = plan_layout(load_config(["recipe=qwen3_235b_a22b"])).arch
+    total = count_params(arch).total
+    assert trainer_rank_params(arch, SimpleNamespace(tp=1, pp=1, ep=1, etp=None)) == total  # one rank holds it all
+    assert trainer_rank_params(arch, SimpleNamespace(tp=1, pp=2, ep=1, etp=None)) == round(total / 2)
+    routed = count_params(arch).routed_experts  # an MoE's bulk: over ep * etp, the rest over tp
+    assert trainer_rank_params(arch, SimpleNamespace(tp=2, pp=1, ep=4, etp=1)) == round(
+        (total - routed) / 2 + routed / 4 + sum(layer_params(arch, i).replicated for i in range(arch.num_layers)) / 2
+        + arch.hidden_size / 2)
 
 
 @pytest.mark.processes

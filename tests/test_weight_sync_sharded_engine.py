@@ -4,16 +4,25 @@ log-probs equal an HF model built from the trainer's gathered export (and, bit f
 a ``distributed`` sync of the same weights), and each engine rank received at most 0.55 of the model's
 bytes (the senders' counters), against all of it through ``distributed`` in the same run. The engine and
 the checkpoint are tests/test_weight_sync.py's module fixtures.
+
+Delta over sharded (``sync.delta``): after each delta-sharded sync (float32 trainer and engine, the
+fixture's dtype) the engine's parameters (SGLang's own per-parameter hashes, ``/weights_checker``) equal
+those a whole sync of the same weights gives (``distributed`` after each step, a whole ``sharded`` sync
+after the last), over a step that changes most elements (each rank's buckets then travel whole) and steps
+that change a few per cent (in float32: an update at ``TINY_LR`` moves only the elements it is larger
+than half a unit in the last place of).
 """
 import asyncio
 import dataclasses
 
+import httpx
 import numpy as np
 import pytest
 import torch
 from hf_oracle import hf_from_state, hf_greedy
-from test_weight_sync import LAYOUTS, NEW_TOKENS, checkpoint, prompt, settings, sharded_engine, trained_group  # noqa: F401
+from test_weight_sync import LAYOUTS, NEW_TOKENS, checkpoint, prompt, rl_steps, settings, sharded_engine, trained_group  # noqa: F401
 
+from megarl.config import default_config
 from megarl.engines.client import SGLangClient
 from megarl.engines.types import PauseMode, SamplingParams
 from megarl.sync import WeightSync
@@ -21,6 +30,7 @@ from megarl.sync import WeightSync
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 LOGPROB_TOLERANCE = 2e-6
+TINY_LR = 1e-10  # the LR after the first step (float32: a few per cent of the elements change)
 MOST_PER_ENGINE_RANK = 0.55  # of the model's bytes
 
 
@@ -72,3 +82,75 @@ def test_tp2_ep2_trainer_into_tp2_ep2_engine_sends_each_rank_its_slices(checkpoi
     assert report.transport == "sharded" and report.bytes_per_engine_rank <= MOST_PER_ENGINE_RANK * model_bytes
     print(f"\n[measured] bytes per engine rank, sharded / distributed: "
           f"{report.bytes_per_engine_rank / whole.bytes_per_engine_rank:.3f}; max |engine - HF| log-prob {diff:.1e}")
+
+
+async def rank_hashes(client: SGLangClient) -> list[dict[str, str]]:
+    """SGLang's hash of every parameter each engine rank holds (``/weights_checker``, action ``checksum``)."""
+    async with httpx.AsyncClient(base_url=client.base_url, timeout=120) as http:
+        response = await http.post("/weights_checker", json={"action": "checksum"})
+    response.raise_for_status()
+    return [rank["checksums"] for rank in response.json()["ranks"]]
+
+
+def scheduled_group(hf_path: str):
+    """A TP2xEP2 TrainerGroup whose first RL step runs at lr 1e-2 and every later one at ``TINY_LR``."""
+    from megarl.trainer.actor import TrainerGroup
+    from megarl.trainer.model_setup import ModelSettings
+    from megarl.trainer.optimizer import OptimizerSettings
+
+    group = TrainerGroup(LAYOUTS["tp2_ep2"])
+    model = ModelSettings("local", "alltoall", routing_replay=False, recompute="none", recompute_num_layers=None,
+                          moe_aux_loss_coeff=0.0, reference=False)
+    optimizer = dataclasses.replace(OptimizerSettings.from_config(default_config(), lr=1e-2), min_lr=TINY_LR,
+                                    lr_decay_style="linear", lr_decay_steps=1, lr_warmup_steps=0)
+    asyncio.run(group.build(hf_path, optimizer, model))
+    return group
+
+
+async def delta_then_whole(engine, group, hf_path: str, tmp_path, steps: int) -> tuple[list, tuple]:
+    """A delta-sharded sync of the initial weights and after each of ``steps`` RL steps, each followed by a
+    whole ``distributed`` sync; then a whole ``sharded`` one. Returns per sync (report, hashes after the delta
+    sync, after the whole one), and (report, hashes) of the last whole sharded sync."""
+    def sync_settings(transport, delta):
+        return dataclasses.replace(settings(tmp_path, transport, engine_tp=2, delta=delta), bucket_mb=0.25)
+
+    async with SGLangClient(engine.url, engine.model) as client:
+        delta = WeightSync(sync_settings("sharded", True), group, [client])
+        whole = WeightSync(sync_settings("distributed", False), group, [client])
+        results = []
+        for version in range(40, 41 + steps):
+            if version > 40:
+                await asyncio.to_thread(rl_steps, group, LAYOUTS["tp2_ep2"], hf_path, 1, version)
+            report = await delta.update(version, PauseMode.ABORT)
+            after_delta = await rank_hashes(client)
+            await whole.update(version, PauseMode.ABORT)
+            results.append((report, after_delta, await rank_hashes(client)))
+        await delta.close()
+        await whole.close()
+        sharded = WeightSync(sync_settings("sharded", False), group, [client])
+        last = await sharded.update(40 + steps, PauseMode.ABORT)
+        await sharded.close()
+        return results, (last, await rank_hashes(client))
+
+
+def test_delta_sharded_syncs_leave_the_engine_as_whole_syncs_do(checkpoint, sharded_engine, tmp_path):  # noqa: F811
+    group = scheduled_group(checkpoint)
+    try:
+        results, (whole, after_whole) = asyncio.run(delta_then_whole(sharded_engine, group, checkpoint, tmp_path, 3))
+    finally:
+        group.shutdown()
+    previous = None
+    for version, (report, after_delta, after_reference) in enumerate(results, start=40):
+        assert report.transport == "sharded"
+        assert after_delta == after_reference, f"version {version}: delta-synced parameters differ from a whole sync's"
+        assert after_delta != previous, f"version {version}: the weights did not change (a vacuous comparison)"
+        previous = after_delta
+        print(f"[measured] version {version}: delta={report.delta} {report.bytes / 1e3:.1f} kB of "
+              f"{report.dense_bytes / 1e3:.1f} kB, {report.changed_elements / report.elements:.4f} of the elements")
+    assert after_whole == results[-1][1]  # the last delta sync's parameters, through a whole sharded sync
+    first, most, *tiny = [report for report, _, _ in results]
+    assert not first.delta and first.bytes == whole.bytes  # no baseline yet: whole
+    assert most.delta and most.changed_elements > 0.5 * most.elements and most.bytes == whole.bytes  # fallback
+    for report in tiny:
+        assert report.delta and 0 < report.changed_elements < 0.1 * report.elements
+        assert report.bytes < 0.25 * whole.bytes and report.bytes_per_engine_rank < 0.25 * whole.bytes_per_engine_rank

@@ -18,7 +18,9 @@ with the host copy it kept, read to the GPU at ``h2d_gbps``), ``colocated_ipc`` 
 trainer's buckets through CUDA IPC and each engine GPU copies its share at device-copy speed) and
 ``sharded_p2p`` (``sync.transport=sharded``: each engine GPU receives only the slices it loads,
 :func:`engine_rank_params`, from the trainer ranks holding them, every engine GPU over its own link at
-once). ``path`` names the one the recipe uses.
+once) and ``delta_sharded`` (both: each engine GPU receives the changed elements of its slices, after each
+trainer rank compares the slices it holds, :func:`trainer_rank_params`, with its kept copy). ``path`` names
+the one the recipe uses.
 """
 from __future__ import annotations
 
@@ -85,13 +87,25 @@ def weight_sync_plan(arch: Arch, cfg: DictConfig, lora: LoraPlan | None = None) 
         payload = "model" if lora is None else "merged"
     rank_bytes = nbytes // cfg.rollout.engine_tp if payload == "adapter" else engine_rank_params(
         arch, cfg.rollout.engine_tp) * size
-    paths = sync_paths(nbytes, size, cfg, rank_bytes)
-    path = ("colocated_ipc" if cfg.placement == "colocated" else "delta" if cfg.sync.delta
-            else "sharded_p2p" if cfg.sync.transport == "sharded" else "broadcast")
+    paths = sync_paths(nbytes, size, cfg, rank_bytes, trainer_rank_params(arch, cfg.parallel) * size)
+    sharded = cfg.sync.transport == "sharded"
+    path = ("colocated_ipc" if cfg.placement == "colocated" else
+            ("delta_sharded" if sharded else "delta") if cfg.sync.delta else "sharded_p2p" if sharded else "broadcast")
     return WeightSyncPlan(bytes_per_sync=nbytes, buckets=buckets, largest_tensor_bytes=largest,
                           seconds=paths["broadcast"].seconds, payload=payload, path=path, paths=paths,
                           sync_seconds={name: p.seconds for name, p in paths.items()},
-                          delta_host_bytes=nbytes if cfg.sync.delta else 0)
+                          delta_host_bytes=(rank_bytes if sharded else nbytes) if cfg.sync.delta else 0)
+
+
+def trainer_rank_params(arch: Arch, parallel) -> int:
+    """Parameters one trainer rank holds (``parallel``: the config's ``parallel`` section): TP-split
+    weights, embedding and head over ``tp``, routed experts over ``ep * etp``, replicated ones whole, each
+    over the ``pp`` stages (evenly)."""
+    counts = sum((layer_params(arch, i) for i in range(arch.num_layers)), ShardedCount())
+    etp = parallel.etp or parallel.tp
+    per_rank = ((counts.tp_split + embedding_params(arch) + head_params(arch)) / parallel.tp
+                + counts.experts / (parallel.ep * etp) + counts.replicated + arch.hidden_size)
+    return round(per_rank / parallel.pp)
 
 
 def engine_rank_params(arch: Arch, engine_tp: int) -> int:
@@ -125,9 +139,10 @@ def delta_wire_fraction(changed: float, element_size: int) -> float:
     return min(changed * (index_bytes + element_size), 1 / 8 + changed * element_size, element_size) / element_size
 
 
-def sync_paths(nbytes: int, element_size: int, cfg: DictConfig, rank_bytes: int) -> dict[str, SyncPath]:
-    """Every path's projection for ``nbytes`` per engine, ``rank_bytes`` of them loaded by each engine rank
-    (see the module docstring)."""
+def sync_paths(nbytes: int, element_size: int, cfg: DictConfig, rank_bytes: int,
+               trainer_rank_bytes: int) -> dict[str, SyncPath]:
+    """Every path's projection for ``nbytes`` per engine, ``rank_bytes`` of them loaded by each engine rank,
+    ``trainer_rank_bytes`` held by each trainer rank (see the module docstring)."""
     gbps = cfg.sync.link_gbps
     engine_gpus, stages = cfg.rollout.engine_tp, cfg.parallel.pp
     wire = delta_wire_fraction(DELTA_CHANGE_FRACTION, element_size)
@@ -142,4 +157,10 @@ def sync_paths(nbytes: int, element_size: int, cfg: DictConfig, rank_bytes: int)
                                   "bytes / engine_gpus * 8 / ipc_copy_gbps",
                                   {"bytes": nbytes, "engine_gpus": engine_gpus, "ipc_copy_gbps": IPC_COPY_GBPS}),
         "sharded_p2p": sharded_path(rank_bytes, nbytes, engine_gpus, gbps),
+        "delta_sharded": SyncPath(
+            int(rank_bytes * engine_gpus * wire),
+            (rank_bytes * wire * 8 / gbps + trainer_rank_bytes * 8 / H2D_GBPS) / 1e9,
+            "bytes_per_engine_rank * wire_fraction * 8 / link_gbps + trainer_rank_bytes * 8 / h2d_gbps",
+            {"bytes_per_engine_rank": rank_bytes, "links": engine_gpus, "change_fraction": DELTA_CHANGE_FRACTION,
+             "wire_fraction": wire, "link_gbps": gbps, "trainer_rank_bytes": trainer_rank_bytes, "h2d_gbps": H2D_GBPS}),
     }
