@@ -268,7 +268,7 @@ def sharded_delta_sync(full, transfers, senders, baselines, loaded, plan, versio
     :class:`SliceBaseline` and "loads" its part of every tensor it is handed into ``loaded``. Returns (the
     stats, whether the sync sent changed elements, bytes on the wire)."""
     from megarl.engines.sharded_load import SliceBaseline, own_transfers
-    from megarl.engines.weight_shards import assemble
+    from megarl.engines.weight_shards import assemble, pack_pair, unpack_pair
     from megarl.sync.report import SenderStats
     from megarl.sync.transports.sharded import entries_by_engine
 
@@ -282,8 +282,11 @@ def sharded_delta_sync(full, transfers, senders, baselines, loaded, plan, versio
     engine_tp = len({t.dst for t in transfers})
     ((names, dtypes, shapes),) = entries_by_engine(list(wire), trainer_ranks=4, engine_tp=engine_tp, num_engines=1)
     for rank in range(4, 4 + engine_tp):
-        own = own_transfers(names, dtypes, shapes, rank)
-        received = [(t.piece, values[entry_name(t)].clone()) for t in own]
+        own, received = own_transfers(names, dtypes, shapes, rank), []
+        for src in range(4):  # each pair's pieces packed flat by the sender, unpacked by the receiver
+            pair = [t for t in own if t.src == src]
+            buffer = pack_pair([values[entry_name(t)] for t in pair], "cpu")
+            received += zip([t.piece for t in pair], unpack_pair(buffer, [t.piece for t in pair]))
         baseline = baselines.setdefault(rank, SliceBaseline())
         for name, tensor in assemble(baseline.apply(own, received, not delta, "cpu")):
             loaded[(rank, name)] = tensor

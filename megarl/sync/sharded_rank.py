@@ -28,6 +28,7 @@ from dataclasses import asdict
 
 import torch
 
+from megarl.engines.weight_delta import aligned_order
 from megarl.engines.weight_shards import (
     BASE_FORMAT,
     DELTA_FORMAT,
@@ -84,7 +85,8 @@ class SliceDelta:
     def encode(self, values: dict[Transfer, torch.Tensor], counted, stats: SenderStats) -> dict[Transfer, torch.Tensor]:
         """This rank's transfers of one bucket (transfer -> its slice) as they travel: each slice whole, as
         its changed elements (parts named by their entries: :mod:`megarl.engines.weight_shards`) or not at all;
-        all whole when the parts exceed ``plan.max_fraction`` of the slices' bytes. Refreshes the kept
+        all whole when the parts exceed ``plan.max_fraction`` of the slices' bytes; ordered by element size,
+        largest first (each pair's pieces are packed flat in this order). Refreshes the kept
         copies; counts elements, changed elements and whole bytes of the transfers to ranks ``counted(dst)``."""
         encoded: dict[str, tuple[int, list | None]] = {}
         wire: dict[Transfer, torch.Tensor] = {}
@@ -103,7 +105,9 @@ class SliceDelta:
                 piece = Piece.whole(entry_name(t) + suffix, str(part.dtype).removeprefix("torch."), tuple(part.shape))
                 wire[t if parts is None else Transfer(t.src, t.dst, piece, piece)] = part
         sent = sum(p.numel() * p.element_size() for p in wire.values())
-        return values if sent > self.plan.max_fraction * sum(t.piece.nbytes for t in values) else wire
+        if sent > self.plan.max_fraction * sum(t.piece.nbytes for t in values):
+            return values
+        return dict(aligned_order(list(wire.items())))  # each pair's flat buffer: every piece starts aligned
 
     def finish(self) -> None:
         self.kept.version = self.version
