@@ -376,7 +376,8 @@ class AgentGateway:
                                      temperature=self._temperature(role, call.temperature),
                                      stop=tuple(self.params.stop) + call.stop, grammar=self._grammar(call))
         try:
-            pieces = await self._engine_call(session, target, prompt_ids, params, trained=role not in self.frozen_roles)
+            pieces = await self._engine_call(session, target, prompt_ids, params, role,
+                                             trained=role not in self.frozen_roles)
         finally:
             segment.pending = False
         if session.closed:
@@ -426,9 +427,10 @@ class AgentGateway:
         return Answer(call.model, content, calls, finish, usage, logprobs)
 
     async def _engine_call(self, session: Session, target: Engines, prompt_ids: list[int],
-                           params: SamplingParams, trained: bool) -> list[RolloutSample]:
+                           params: SamplingParams, role: str, trained: bool) -> list[RolloutSample]:
         """The engine's sample(s) of one call: one, or with abort_resubmit the aborted parts and their
-        continuation, each fed the previous one's prompt + tokens. Routing and masks only when ``trained``."""
+        continuation, each fed the previous one's prompt + tokens. Routing and masks only when ``trained``;
+        the calls of one role of one prompt group share an engine (their prefixes; affinity key)."""
         pieces: list[RolloutSample] = []
         fed, left = prompt_ids, params.max_new_tokens
         while True:
@@ -436,7 +438,7 @@ class AgentGateway:
                 [sample] = await target.generate_batch(
                     [fed], dataclasses.replace(params, max_new_tokens=left), group_ids=[session.group_id],
                     return_routed_experts=self.routing and trained, return_sampling_mask=self.sampling_mask and trained,
-                    affinity=[session.group_id])
+                    affinity=[f"{session.group_id}/{role}"])
             except EngineUnreachable as e:
                 session.engine_failure = e
                 raise GatewayError(503, f"engine unreachable: {e}", "engine_unreachable") from e

@@ -3,7 +3,8 @@
 A multi-turn episode's turn ``k + 1`` is fed its turn ``k``'s prompt and answer, and the episodes of
 one prompt group share their prompt: the engine that served them holds those prefixes in its radix
 cache, any other engine computes them again. Rollout gives each request an affinity key (its prompt
-group's id: every turn of every episode of the group), and the pool places each keyed prompt on the
+group's id: every turn of every episode of the group; an agent's calls add their role, whose prefixes
+differ), and the pool places each keyed prompt on the
 engine that served that key last, unless the engine is not among those allowed or holds more than
 ``slack`` in-flight prompts above the least-loaded allowed engine; then the prompt is placed
 least-loaded and the key follows it. Keys are kept for the ``capacity`` most recently used (dropping

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.engines.sharded_load import update_weights_from_sharded
+from megarl.engines.sharded_load import missing_group_reply, named_update_group, update_weights_from_sharded
 from megarl.engines.weight_delta import BUCKET_FLAG, decode
 from megarl.engines.weight_delta import LOAD_FORMAT as DELTA_FORMAT
 from megarl.engines.weight_shards import FORMATS as SHARDED_FORMATS
@@ -145,12 +145,9 @@ def update_weights_from_distributed(manager, recv_req, original):
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     with manager._observe_weight_load("distributed"):
-        target = manager.tp_worker.model_runner.weight_updater
-        group = target._model_update_group.get(recv_req.group_name)
+        target, group = named_update_group(manager, recv_req)
         if group is None:
-            return UpdateWeightsFromDistributedReqOutput(
-                success=False, message=f"no weight-update group {recv_req.group_name!r}: "
-                                       "call init_weights_update_group first")
+            return missing_group_reply(recv_req)
         session = _sessions.setdefault(id(manager), _Session())
         buffer = None
         try:

@@ -41,6 +41,21 @@ log = logging.getLogger(__name__)
 _joined: set[str] = set()  # update groups this process took part in a first all-reduce of (join_all)
 
 
+def named_update_group(manager, recv_req):
+    """(this rank's SGLang weight updater, the weight-update group ``recv_req.group_name`` names; None when
+    no such group was initialised)."""
+    target = manager.tp_worker.model_runner.weight_updater
+    return target, target._model_update_group.get(recv_req.group_name)
+
+
+def missing_group_reply(recv_req):
+    """SGLang's failed-update reply for a request naming a group this rank never joined."""
+    from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqOutput
+
+    return UpdateWeightsFromDistributedReqOutput(
+        success=False, message=f"no weight-update group {recv_req.group_name!r}: call init_weights_update_group first")
+
+
 class SliceBaseline:
     """One engine rank's slices as last loaded in delta mode: slice entry name -> host tensor (the slice's
     shape and dtype), and per HF name the slices of it this rank loads."""
@@ -109,12 +124,9 @@ def update_weights_from_sharded(manager, recv_req):
         return UpdateWeightsFromDistributedReqOutput(
             success=False, message="a sharded bucket loads only inside begin/end_weight_update")
     with manager._observe_weight_load("distributed"):
-        target = manager.tp_worker.model_runner.weight_updater
-        group = target._model_update_group.get(recv_req.group_name)
+        target, group = named_update_group(manager, recv_req)
         if group is None:
-            return UpdateWeightsFromDistributedReqOutput(
-                success=False, message=f"no weight-update group {recv_req.group_name!r}: "
-                                       "call init_weights_update_group first")
+            return missing_group_reply(recv_req)
         try:
             weights = receive(recv_req, group, target.device)
         except Exception as e:
