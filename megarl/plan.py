@@ -94,8 +94,10 @@ def render_sync_paths(w: WeightSyncPlan, console: Console) -> None:
         table.add_row(label, _bytes(p.bytes), f"{p.seconds:.3g}", p.formula, inputs)
     console.print(table)
     if w.delta_host_bytes:
+        senders = ("each trainer rank keeps the slices it sends (its share of the model)" if w.path == "delta_sharded"
+                   else "the same over the trainer's stage senders (what they last sent)")
         console.print(f"sync.delta keeps {_bytes(w.delta_host_bytes)} in host memory on each engine rank (its "
-                      "baseline) and the same over the trainer's stage senders (what they last sent)")
+                      f"baseline); {senders}")
 
 
 def render_auxiliary(auxiliary: list[AuxiliaryPlan], console: Console) -> None:
