@@ -17,15 +17,23 @@ sent bucket is reused by the next bucket packed (no fresh allocation and page fa
 or freed right after it; at the end of a sync the transport's sender gets the buffers back
 (:meth:`~megarl.sync.transports.base.Sender.release`: host buffers are kept for the next sync of
 the same link, device buffers freed).
+
+Abort from another thread (the trainer actor runs :meth:`RankSync.abort` in a concurrency group of its
+own): a call blocked on a transfer stuck on a lost peer (``send``/``finish`` waiting for the previous
+bucket) sees the abort at once and raises (:mod:`megarl.sync.abort`); the abort then drops the sync and the links
+once no other call of this rank runs (at most ``ABORT_WAIT_S``), so the next sync forms new links at
+once while the stuck transfer's thread ends on its own, within the link's bound.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from dataclasses import asdict
 from typing import Any
 
+from megarl.sync.abort import wait_unless_aborted
 from megarl.sync.buckets import Bucket, BucketIndex, BucketPacker
 from megarl.sync.delta import DeltaEncoder, DeltaPlan, KeptWeights
 from megarl.sync.errors import WeightSyncError
@@ -35,6 +43,17 @@ from megarl.sync.sharded_rank import ShardedRank
 from megarl.sync.transports import Sender, SenderSpec, make_sender
 
 log = logging.getLogger(__name__)
+
+ABORT_WAIT_S = 10.0  # an abort waits this long for a running call that is not waiting on a transfer
+
+
+def _exclusive(method):
+    """Run ``method`` holding the rank's call lock (an abort from another thread waits for it)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._busy:
+            return method(self, *args, **kwargs)
+    return locked
 
 
 class RankSync:
@@ -56,8 +75,11 @@ class RankSync:
         self._encoder: DeltaEncoder | None = None
         self._sharded: ShardedRank | None = None  # the sharded link: every rank takes part (sharded_rank.py)
         self._sharded_sync = False  # the running sync goes through it
+        self._busy = threading.Lock()  # held by every call but abort (_exclusive)
+        self._aborting = threading.Event()  # set by abort: a call waiting for a transfer gives up
 
     # --- the link -------------------------------------------------------------------------------
+    @_exclusive
     def address(self) -> dict | None:
         """Reserve a host/port for this stage's group (senders only; None elsewhere): the engines
         join at the sender's node address in a multi-node cluster, on loopback on one node."""
@@ -70,19 +92,25 @@ class RankSync:
         self._address = {"stage": self.stage, "host": host, "port": free_port(host), "backend": link_backend()}
         return dict(self._address)
 
+    @_exclusive
     def connect(self, spec: SenderSpec) -> None:
         """Build this rank's sender for ``spec.kind`` (replacing an older one); no-op off senders, except
         for ``sharded``, whose link every rank joins."""
         if spec.kind == "sharded":
-            self.disconnect(spec.kind)
-            self._sharded = ShardedRank(self.model, spec)
+            self._disconnect(spec.kind)
+            self._sharded = ShardedRank(self.model, spec, self._aborting)
             return
         if not self.is_sender:
             return
-        self.disconnect(spec.kind)
+        self._disconnect(spec.kind)
         self._senders[spec.kind] = make_sender(spec, self.stage, self.model.bridge.hf_pretrained.config, self._address)
 
+    @_exclusive
     def disconnect(self, kind: str) -> None:
+        """Close this rank's ``kind`` link (no-op when it has none)."""
+        self._disconnect(kind)
+
+    def _disconnect(self, kind: str) -> None:
         if kind == "sharded":
             link, self._sharded = self._sharded, None
             if link is not None:
@@ -93,6 +121,7 @@ class RankSync:
             sender.close()
 
     # --- one sync -------------------------------------------------------------------------------
+    @_exclusive
     def begin(self, kind: str, version: int, capacity: int, delta: DeltaPlan | None = None) -> None:
         """Start a sync to ``version`` through ``kind`` with buckets of ``capacity`` bytes; with a
         ``delta`` plan, in delta mode (:mod:`megarl.sync.delta`)."""
@@ -126,6 +155,7 @@ class RankSync:
                 return self._spare.pop(i)
         return self._sender.allocate(nbytes)
 
+    @_exclusive
     def next(self) -> BucketIndex | None:
         """Gather and pack this stage's next bucket; its index on the sender, None elsewhere or at the end."""
         if self._sharded_sync:
@@ -149,6 +179,7 @@ class RankSync:
         self._stats.buckets += 1
         return item.index
 
+    @_exclusive
     def send(self) -> Any:
         """Start the transfer of the bucket ``next`` packed (after the previous one finished and
         was freed); returns the transport's payload for the driver (None off senders)."""
@@ -169,10 +200,14 @@ class RankSync:
         return payload
 
     def _join(self) -> None:
+        """Wait for the bucket in transfer; WeightSyncError when it failed or an abort came meanwhile
+        (the transfer is then left to its thread)."""
         if self._inflight is None:
             return
         thread, bucket, errors = self._inflight
-        thread.join()
+        if not wait_unless_aborted(thread, self._aborting):
+            raise WeightSyncError(f"weight sync aborted during the transfer of bucket {bucket.index.seq} "
+                                  f"on stage {self.stage}")
         self._inflight = None
         if bucket.allocation is not None and bucket.allocation.numel() == self._stats.capacity and not errors:
             self._spare.append(bucket.allocation)
@@ -180,6 +215,7 @@ class RankSync:
         if errors:
             raise WeightSyncError(f"weight-sync transfer failed on stage {self.stage}: {errors[0]}") from errors[0]
 
+    @_exclusive
     def finish(self) -> dict | None:
         """Wait for the last transfer and end the sync; the sender's :class:`SenderStats` as a dict."""
         if self._sharded_sync:
@@ -208,10 +244,26 @@ class RankSync:
         return asdict(stats) if self.is_sender and stats is not None else None
 
     def abort(self) -> None:
-        """Drop the running sync and close the links (a failed transfer leaves them unusable).
+        """Drop the running sync and close the links (a failed transfer leaves them unusable); safe
+        from another thread while a call of this rank runs.
 
-        Returns at once: a transfer still in progress is left to its thread, which the transport
-        bounds (``sync.timeout_s``); its bucket stays alive until then."""
+        Returns at once: a call waiting for a transfer gives up (it raises WeightSyncError), and a
+        transfer still in progress is left to its thread, which the transport bounds
+        (``sync.timeout_s``); its bucket stays alive until then. WeightSyncError when another running
+        call does not return within ``ABORT_WAIT_S``."""
+        self._aborting.set()
+        try:
+            if not self._busy.acquire(timeout=ABORT_WAIT_S):
+                raise WeightSyncError(f"weight-sync abort on stage {self.stage}: a call of this rank still runs "
+                                      f"after {ABORT_WAIT_S:g} s")
+            try:
+                self._drop()
+            finally:
+                self._busy.release()
+        finally:
+            self._aborting.clear()
+
+    def _drop(self) -> None:
         if self._inflight is not None and self._inflight[0].is_alive():
             log.warning("weight sync aborted during the transfer of a bucket on stage %d; its thread ends "
                         "within the link's timeout", self.stage)
@@ -226,7 +278,7 @@ class RankSync:
             self._sharded_sync = False
             self._reset()
             for kind in [*self._senders, "sharded"]:
-                self.disconnect(kind)
+                self._disconnect(kind)
 
     def _reset(self) -> None:
         self._packer = None

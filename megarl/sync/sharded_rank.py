@@ -39,6 +39,7 @@ from megarl.engines.weight_shards import (
     exchange,
     join_all,
 )
+from megarl.sync.abort import wait_unless_aborted
 from megarl.sync.buckets import BucketIndex, TensorEntry
 from megarl.sync.delta import DeltaPlan, KeptWeights, changed_pieces
 from megarl.sync.errors import WeightSyncError, past_bound
@@ -116,8 +117,9 @@ class SliceDelta:
 class ShardedRank:
     """The ``sharded`` link and sync state of one trainer rank over its :class:`megarl.models.bridge.MegatronModel`."""
 
-    def __init__(self, model, spec: SenderSpec):
+    def __init__(self, model, spec: SenderSpec, aborting: threading.Event | None = None):
         self.model = model
+        self.aborting = threading.Event() if aborting is None else aborting  # set: a wait for the exchange gives up
         self.spec = spec
         self.rank = torch.distributed.get_rank()
         self.group = join_link(spec, self.rank)
@@ -219,7 +221,7 @@ class ShardedRank:
         if self._ready is None:
             raise RuntimeError("no planned sharded bucket to send: call next first")
         (outgoing, everyone), self._ready = self._ready, None
-        transfers, errors = list(outgoing), []
+        transfers, errors, group = list(outgoing), [], self.group  # the thread holds the group (see close)
 
         def run():
             t0 = time.perf_counter()
@@ -228,9 +230,9 @@ class ShardedRank:
                 if self.device.type == "cuda":
                     torch.cuda.set_device(self.device)
                 if not self._joined:
-                    join_all(self.group, self.device, bound)
+                    join_all(group, self.device, bound)
                     self._joined = True
-                exchange(self.rank, transfers, outgoing.__getitem__, self.group, self.device, bound)
+                exchange(self.rank, transfers, outgoing.__getitem__, group, self.device, bound)
             except BaseException as e:  # re-raised on the rank's main thread by _join
                 errors.append(e)
             finally:
@@ -249,7 +251,8 @@ class ShardedRank:
         if self._inflight is None:
             return
         (thread, errors), self._inflight = self._inflight, None
-        thread.join()
+        if not wait_unless_aborted(thread, self.aborting):
+            raise WeightSyncError(f"sharded weight sync aborted during an exchange on trainer rank {self.rank}")
         if errors:
             what = f"sharded weight-sync exchange on trainer rank {self.rank}"
             raise WeightSyncError(f"{past_bound(what, self.spec.timeout_s)} or failed: {errors[0]}") from errors[0]
@@ -277,7 +280,8 @@ class ShardedRank:
             self._ready, self._runs, self._stats = None, [], None
 
     def close(self) -> None:
-        """Abort the group locally (never waits for engines, which may be gone)."""
+        """Abort the group locally (never waits for engines, which may be gone); an exchange's thread holds
+        the group until it ends, so the group's destruction (gloo joins its workers) happens there."""
         group, self.group = self.group, None
         if group is not None:
             torch.distributed.distributed_c10d._abort_process_group(group)

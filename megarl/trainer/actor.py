@@ -4,6 +4,10 @@ The torch.distributed group is formed inside the actors; every call goes to all 
 arguments (one object-store copy of a batch). The trainer calls return what the reporting rank
 returned (the last pipeline stage, TP rank 0, DP rank 0); the weight-sync calls return every
 rank's result. The same ranks run the functions of :func:`megarl.trainer.launch.run_ranks`.
+
+A rank runs one call at a time, except ``weight_sync_abort``: it runs in a concurrency group of its own
+(``SYNC_ABORT_GROUP``), so that it reaches a rank whose call waits on a transfer stuck on a lost peer
+(:meth:`megarl.sync.rank.RankSync.abort`).
 """
 from __future__ import annotations
 
@@ -19,6 +23,13 @@ import torch
 from megarl.parallel import Layout, free_port, rendezvous_host, role_resources
 
 log = logging.getLogger(__name__)
+
+SYNC_ABORT_GROUP = "weight_sync_abort"  # the rank's concurrency group for the abort (one thread)
+
+
+def rank_actor(num_cpus: float, num_gpus: float):
+    """:class:`TrainerRank` as a Ray actor class: one call at a time, the weight-sync abort besides."""
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, concurrency_groups={SYNC_ABORT_GROUP: 1})(TrainerRank)
 
 
 class TrainerRank:
@@ -204,8 +215,11 @@ class TrainerRank:
     def weight_sync_finish(self):
         return self._rank_sync().finish()
 
+    @ray.method(concurrency_group=SYNC_ABORT_GROUP)
     def weight_sync_abort(self) -> None:
-        self._rank_sync().abort()
+        """Drop the running sync and the links; runs while another call of this rank waits on a transfer."""
+        if self._weight_sync is not None:  # nothing to drop on a rank that never linked
+            self._weight_sync.abort()
 
     def export_hf_state(self) -> dict:
         """Every HF tensor, gathered by megatron-bridge's full export (all ranks take part)."""
@@ -237,12 +251,13 @@ class TrainerGroup:
     offer the ``megarl_trainer`` resource every bundle asks for a unit of it (docs/architecture.md,
     "Multi-node"). Inside :func:`megarl.trainer.rank_pool.keep_ranks` a group without ``env`` or
     trainer nodes takes kept processes on this node instead (no placement group) and
-    :meth:`shutdown` hands them back.
+    :meth:`shutdown` hands them back. With ``wait=False`` the constructor returns once the ranks are
+    placed and asked to join, before their processes have started: :meth:`joined` waits for them.
     """
 
     def __init__(self, layout: Layout, backend: str = "auto", seed: int = 1234, *,
                  import_paths: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 startup_timeout_s: float = 600.0):
+                 startup_timeout_s: float = 600.0, wait: bool = True):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
@@ -251,6 +266,7 @@ class TrainerGroup:
         self.layout = layout
         self.ranks: list = []
         self.placement = None
+        self._startup_timeout_s = startup_timeout_s
         gpus = 1 if torch.cuda.is_available() else 0
         resources = role_resources("trainer")  # nodes set aside for trainer ranks, when the cluster has any
         self._pool = rank_pool.current() if env is None and not resources else None
@@ -259,7 +275,7 @@ class TrainerGroup:
                 host = rendezvous_host()  # the kept ranks run on this node
                 self.master = (host, free_port(host))
                 here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-                kept = ray.remote(num_cpus=0, num_gpus=gpus)(TrainerRank).options(scheduling_strategy=here)
+                kept = rank_actor(0, gpus).options(scheduling_strategy=here)
                 self.ranks = self._pool.take(layout.world_size, kept.remote)
             else:
                 bundle = {"GPU": 1, "CPU": 1, **resources} if gpus else {"CPU": 1, **resources}
@@ -269,7 +285,7 @@ class TrainerGroup:
                 self.master = ray.get(_rendezvous_point.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=self.placement, placement_group_bundle_index=0)).remote(),
                     timeout=startup_timeout_s)
-                remote = ray.remote(num_cpus=1, num_gpus=gpus)(TrainerRank)
+                remote = rank_actor(1, gpus)
                 self.ranks = [
                     remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.placement, placement_group_bundle_index=r),
@@ -277,12 +293,23 @@ class TrainerGroup:
                     for r in range(layout.world_size)
                 ]
             host, port = self.master
-            reports = ray.get([rank.join.remote(r, layout, host, port, backend, seed, list(import_paths))
-                               for r, rank in enumerate(self.ranks)], timeout=startup_timeout_s)
-            self.reporter = reports.index(True)
+            self._joins = [rank.join.remote(r, layout, host, port, backend, seed, list(import_paths))
+                           for r, rank in enumerate(self.ranks)]
+            if wait:
+                self.reporter = ray.get(self._joins, timeout=startup_timeout_s).index(True)
         except BaseException:
             self.shutdown(keep=False)
             raise
+
+    async def joined(self) -> None:
+        """Return once every rank joined the group (the constructor's wait, for a group made with
+        ``wait=False``); the ranks are removed when one fails to or they take over ``startup_timeout_s``."""
+        try:
+            reports = await asyncio.wait_for(asyncio.gather(*self._joins), self._startup_timeout_s)
+        except BaseException:
+            self.shutdown(keep=False)
+            raise
+        self.reporter = reports.index(True)
 
     # --- trainer calls: each runs on every rank and returns the reporting rank's result ---------
     async def build(self, hf_path: str, optimizer, model, critic=None) -> int:

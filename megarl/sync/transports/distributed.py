@@ -111,9 +111,10 @@ class DistributedSender(Sender):
 
     def transfer(self, bucket: Bucket) -> None:
         """Broadcast the bucket; WeightSyncError when it is not done within the bound."""
+        group = self.group  # held here until the broadcast ends (see close)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        work = torch.distributed.broadcast(bucket.buffer, group=self.group, group_src=0, async_op=True)
+        work = torch.distributed.broadcast(bucket.buffer, group=group, group_src=0, async_op=True)
         try:
             work.wait(self.timeout)
         except Exception as e:
@@ -122,7 +123,9 @@ class DistributedSender(Sender):
 
     def close(self) -> None:
         """Abort the group: local (never waits for the engines, which may be gone) and, on NCCL,
-        the end of a collective still queued on it."""
+        the end of a collective still queued on it. Returns at once during a transfer: the transfer's
+        thread holds the group until its broadcast ends, so that the group's destruction (on gloo it
+        joins the worker threads, one of them in the broadcast) happens there, not here."""
         super().close()
         group, self.group = self.group, None
         if group is not None:
