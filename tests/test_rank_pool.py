@@ -1,6 +1,8 @@
 """megarl/trainer/rank_pool.py: trainer-rank processes kept between groups (the test session keeps them,
 tests/conftest.py ``ray_session``) join each new group as fresh ones would, and only healthy ones are kept."""
+import asyncio
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -8,6 +10,7 @@ import ray
 
 from megarl.parallel import Layout
 from megarl.trainer import rank_pool
+from megarl.trainer.actor import TrainerGroup
 from megarl.trainer.launch import RankFailed, run_ranks
 
 pytestmark = pytest.mark.usefixtures("ray_local")
@@ -104,6 +107,23 @@ def test_a_kept_rank_keeps_nothing_of_the_model_it_trained(tiny_checkpoint):
     assert {pid for pid, _, _ in after} == set(before)
     assert [models for _, models, _ in after] == [0, 0]
     assert {pid: threads for pid, _, threads in after} == before
+
+
+def test_a_group_made_without_waiting_returns_before_its_ranks_joined():
+    """``wait=False`` (a run's trainer: its engines launch meanwhile): the constructor returns while the
+    ranks' processes (of their own: ``env``) still start; ``joined()`` waits for them, and the group then
+    works as one made waiting."""
+    group = TrainerGroup(Layout(), seed=7, import_paths=[str(Path(__file__).parent)],
+                         env={"MEGARL_TEST_FRESH": "1"}, wait=False)
+    try:
+        ready, _ = ray.wait(group._joins, timeout=0)
+        assert ready == []
+        asyncio.run(group.joined())
+        states = ray.get(group.run(rank_state))
+    finally:
+        group.shutdown(keep=False)
+    assert [(s["world"], s["rank"]) for s in states] == [(1, 0)]
+    assert gone([s["pid"] for s in states])
 
 
 def test_ranks_of_a_failed_group_are_not_kept():

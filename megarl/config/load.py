@@ -41,7 +41,10 @@ def _schema_keys() -> DictConfig:
 
 
 def _register_schema() -> None:
-    ConfigStore.instance().store(name=SCHEMA_NAME, node=MegarlConfig)
+    """Put the schema in Hydra's config store, once per process (storing converts the whole schema)."""
+    store = ConfigStore.instance()
+    if f"{SCHEMA_NAME}.yaml" not in store.repo:
+        store.store(name=SCHEMA_NAME, node=MegarlConfig)
 
 
 def _split_recipe(args: list[str]) -> tuple[Path, list[str]]:

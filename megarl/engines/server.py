@@ -34,6 +34,8 @@ SCRATCH_PREFIX = "megarl-sglang-"  # a running server's TMPDIR, under the system
 # The server's API key travels in this environment variable (readable by its user alone, unlike a
 # command line, which every user of the node sees in ps); megarl.engines.sglang_main hands it to SGLang.
 API_KEY_ENV = "MEGARL_ENGINE_API_KEY"
+HEALTH_PROBE_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"  # SGLang's: /health generates a token first
+HEALTH_POLL_S = 0.1  # start()'s interval between /health requests
 
 
 class EngineStartError(RuntimeError):
@@ -270,9 +272,13 @@ class SGLangEngine:
     def environment(self) -> dict[str, str]:
         """The server's environment: this process's, with ``TMPDIR`` a directory of the server's own
         once started, plus on CPU the ranks it starts on this node (megarl's SGLang CPU layer binds
-        each its cores, see ``sglang_cpu``), and the API key in ``API_KEY_ENV`` when there is one."""
+        each its cores, see ``sglang_cpu``), the API key in ``API_KEY_ENV`` when there is one, and
+        ``HEALTH_PROBE_ENV`` off unless this process sets it."""
         env = dict(os.environ)
         env.pop(API_KEY_ENV, None)
+        # /health answers once the server is up (start() polls it), without generating a probe token
+        # first: SGLang's probe waits a whole second before it looks for the token, at every start.
+        env.setdefault(HEALTH_PROBE_ENV, "0")
         if self.settings.api_key:
             env[API_KEY_ENV] = self.settings.api_key
         if self._scratch is not None:
@@ -347,7 +353,7 @@ class SGLangEngine:
                         f"SGLang server not healthy after {self.settings.startup_timeout_s:.0f} s; "
                         f"log tail ({self.log_path}):\n{self.log_tail()}"
                     )
-                self._cancelled.wait(0.5)
+                self._cancelled.wait(HEALTH_POLL_S)
 
     def cancel_start(self) -> None:
         """Make a :meth:`start` under way in another thread give up within half a second: it stops

@@ -51,19 +51,21 @@ def checkpoint_dir(cfg: DictConfig) -> Path:
 
 
 def start_trainer(cfg: DictConfig, layout: Layout, stack: contextlib.AsyncExitStack) -> TrainerGroup:
-    """The trainer ranks of ``layout``, started (not built); shut down when ``stack`` closes, kept warm
-    for a later group only when the run ends without a failure (a rank may be stuck after one)."""
-    trainer = TrainerGroup(layout, backend=cfg.parallel.backend, seed=cfg.trainer.seed)
+    """The trainer ranks of ``layout``, placed and starting (:func:`build_and_resume` waits for them,
+    so that the engines launch meanwhile); shut down when ``stack`` closes, kept warm for a later group
+    only when the run ends without a failure (a rank may be stuck after one)."""
+    trainer = TrainerGroup(layout, backend=cfg.parallel.backend, seed=cfg.trainer.seed, wait=False)
     stack.push(lambda failure, *_: trainer.shutdown(keep=failure is None))
     return trainer
 
 
 async def build_and_resume(trainer: TrainerGroup, cfg: DictConfig, start_checkpoint: str) -> Resumed:
-    """Build the model and optimizer on every rank from ``start_checkpoint`` (and the critic with
-    ``critic.enabled``), then load the run's newest
+    """Once the ranks of :func:`start_trainer` joined, build the model and optimizer on every rank from
+    ``start_checkpoint`` (and the critic with ``critic.enabled``), then load the run's newest
     complete checkpoint when ``trainer.resume`` is set and one was saved (``latest`` exists: a
     CheckpointError naming the directory when none of its checkpoints is complete); where the run starts."""
     t = cfg.trainer
+    await trainer.joined()
     await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg, updates_per_step=t.updates_per_step),
                         ModelSettings.from_config(cfg), CriticSettings.from_config(cfg, start_checkpoint))
     if not (t.resume and latest_step(checkpoint_dir(cfg)) is not None):
