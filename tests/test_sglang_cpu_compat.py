@@ -91,10 +91,12 @@ RANK_SCENARIOS = {"omp_threads_bind": TP_SCHEDULER_START, "tp_group_pynccl": TP_
 FOR_TIME = {"per_request_attention": "tests/test_sglang_cpu_attention.py",
             "sampling_mask_full_sort": "tests/test_sglang_cpu_sampling.py",
             "spawn_reimports_sglang": "tests/test_sglang_cpu_fork.py",
-            "torch_compile_imports_inductor": "tests/test_torch_compile.py"}
+            "torch_compile_imports_inductor": "tests/test_torch_compile.py",
+            "tp_embedding_compiles_at_first_request": "tests/test_torch_compile.py"}
 PREVENTS = {w.name: w.prevents for w in sglang_cpu.WORKAROUNDS}
 # These work-arounds patch sglang modules that themselves import sgl_kernel.
-ALSO_OFF = {"sgl_kernel": ["routed_experts_host_buffer", "tp_group_pynccl", "ep_non_local_experts"]}
+ALSO_OFF = {"sgl_kernel": ["routed_experts_host_buffer", "tp_group_pynccl", "ep_non_local_experts",
+                          "tp_embedding_compiles_at_first_request"]}
 SCENARIO_TIMEOUT_S = 300
 
 

@@ -1,7 +1,8 @@
-"""The CPU speed-up ``torch_compile_imports_inductor`` (megarl/platform/torch_compile.py): a function
-given to ``torch.compile`` is compiled at its first call, with its options, to the same result; SGLang's
-import then leaves TorchInductor out. megatron's side: tests/test_platform_cpu.py (the same training
-step, bit for bit, without TorchInductor)."""
+"""The CPU speed-ups around ``torch.compile``: ``torch_compile_imports_inductor``
+(megarl/platform/torch_compile.py), a function given to ``torch.compile`` is compiled at its first call,
+with its options, to the same result, and SGLang's import then leaves TorchInductor out (megatron's side:
+tests/test_platform_cpu.py, the same training step, bit for bit, without TorchInductor); and
+``tp_embedding_compiles_at_first_request``, a TP engine's vocabulary mask run as written."""
 import os
 import sys
 
@@ -54,3 +55,42 @@ def test_sglang_imports_without_inductor_only_with_the_speed_up():
         assert result.returncode == 0, result.stderr[-3000:]
         imported[off] = result.stdout.split()[-1]
     assert imported == {"": "False", "torch_compile_imports_inductor": "True"}
+
+
+# SGLang's masked lookup of a TP rank's vocabulary shard, called on ids on both sides of the shard and
+# in the added-vocabulary range; the reference is the rule written out id by id
+VOCAB_MASK = """
+import inspect, json, sys
+import torch
+from megarl.platform import sglang_cpu
+sglang_cpu.apply()
+from sglang.srt.layers import vocab_parallel_embedding as vpe
+mask = vpe.get_masked_input_and_mask
+if sys.argv[1] == "compiled":
+    print(json.dumps({"compiled": inspect.unwrap(mask) is not mask}))
+    raise SystemExit
+org, added, padding = (10, 20), (40, 44), 3
+ids = list(range(0, 50))
+masked, outside = mask(torch.tensor(ids), *org, padding, *added)
+expected = [i - org[0] if org[0] <= i < org[1] else i - added[0] + org[1] - org[0] + padding
+            if added[0] <= i < added[1] else 0 for i in ids]
+print(json.dumps({"compiled": inspect.unwrap(mask) is not mask, "equal": masked.tolist() == expected,
+                  "outside": outside.tolist() == [not (org[0] <= i < org[1] or added[0] <= i < added[1]) for i in ids],
+                  "inductor": "torch._inductor.compile_fx" in sys.modules}))
+"""
+
+
+def test_a_tp_engines_vocabulary_mask_runs_as_written_only_with_the_speed_up():
+    """``tp_embedding_compiles_at_first_request``: SGLang's vocabulary-shard mask is its own function, not
+    a compiled one, and its first call gives the ids and mask the rule gives without TorchInductor; with
+    the work-around off it is the ``torch.compile`` wrapper (which would build with TorchInductor)."""
+    import json
+
+    runs = {}
+    for off, arg in (("", "call"), ("tp_embedding_compiles_at_first_request", "compiled")):
+        env = {**os.environ, sglang_cpu.OFF_ENV: off}
+        result = fresh_python.run([sys.executable, "-c", VOCAB_MASK, arg], env=env, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[off] = json.loads(result.stdout.strip().splitlines()[-1])
+    assert runs[""] == {"compiled": False, "equal": True, "outside": True, "inductor": False}, runs
+    assert runs["tp_embedding_compiles_at_first_request"] == {"compiled": True}, runs

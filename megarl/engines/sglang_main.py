@@ -1,9 +1,9 @@
 """Entry point of an SGLang server process: ``python -m megarl.engines.sglang_main <launch_server args>``.
 
-Points SGLang's model registry at the served architecture's module alone
-(:mod:`megarl.engines.model_registry`), applies megarl's SGLang CPU work-arounds (only when no GPU
-is present), keeps SGLang's inter-process tensors on torch's own unpickler
-(:mod:`megarl.platform.sglang_ipc`, every platform) and overlaps the receive and the load of
+Keeps megatron out of the server's imports (:mod:`megarl.engines.import_guard`), points SGLang's model
+registry at the served architecture's module alone (:mod:`megarl.engines.model_registry`), applies
+megarl's SGLang CPU work-arounds (only when no GPU is present), keeps SGLang's inter-process tensors
+on torch's own unpickler (:mod:`megarl.platform.sglang_ipc`, every platform) and overlaps the receive and the load of
 weight-sync buckets (:mod:`megarl.engines.pipelined_load`), bounds its weight-update groups by the
 driver's ``sync.timeout_s`` (:mod:`megarl.engines.update_group`), keeps the routed experts a retracted
 request's tokens were generated with (:mod:`megarl.platform.sglang_retracted_routes`), then runs SGLang's own
@@ -32,9 +32,10 @@ import signal
 import sys
 import threading
 
-from megarl.engines import model_registry
+from megarl.engines import import_guard, model_registry
 from megarl.gc_pause import gc_paused
 
+import_guard.keep_out(import_guard.SERVER_KEPT_OUT, import_guard.SERVER_REASON)
 with gc_paused():  # most of SGLang is imported here
     model_registry.install(sys.argv[1:])  # before anything imports SGLang's registry
     from megarl.engines import pipelined_load, update_group

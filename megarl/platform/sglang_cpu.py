@@ -50,6 +50,11 @@ tests use to show that each one is needed:
 - ``torch_compile_imports_inductor``: not an error but every engine's start: SGLang decorates kernels with
   ``torch.compile`` at import, which imports TorchInductor; its CPU path runs none of them. They are compiled
   at their first call instead (:mod:`megarl.platform.torch_compile`; ``tests/test_torch_compile.py``).
+- ``tp_embedding_compiles_at_first_request``: not an error but the first request of an engine with TP > 1:
+  SGLang's vocabulary-parallel embedding masks the ids outside a rank's shard with a ``torch.compile``'d
+  function (``get_masked_input_and_mask``), whose first call on CPU runs TorchInductor (its import, C++
+  generation and build: seconds, on every rank). On CPU the function runs as written (a few integer
+  element-wise ops: the same outputs, ``tests/test_torch_compile.py``).
 - ``spawn_reimports_sglang``: not an error but every engine's start: SGLang starts its scheduler(s)
   and detokenizer with the "spawn" start method (CUDA cannot be forked), so each child re-imports
   SGLang and torch, about 15 CPU-seconds per engine on top of the server process's own import. With
@@ -61,6 +66,7 @@ from __future__ import annotations
 
 import glob
 import importlib.machinery
+import inspect
 import multiprocessing
 import os
 import sys
@@ -257,6 +263,13 @@ def _sample_masks_from_top_k() -> None:
     sglang_cpu_sampling.install()
 
 
+def _mask_vocab_shards_eagerly() -> None:
+    from sglang.srt.layers import vocab_parallel_embedding
+
+    vocab_parallel_embedding.get_masked_input_and_mask = inspect.unwrap(
+        vocab_parallel_embedding.get_masked_input_and_mask)
+
+
 def _fork_engine_children() -> None:
     from sglang.srt.entrypoints import engine
 
@@ -289,6 +302,9 @@ WORKAROUNDS = (  # torch_compile_imports_inductor first: the others import SGLan
                _batch_attention),
     Workaround("sampling_mask_full_sort", "a full-vocabulary sort per decode step with sampling masks on",
                _sample_masks_from_top_k),
+    Workaround("tp_embedding_compiles_at_first_request",
+               "a TP > 1 engine's first request waits for TorchInductor to build the vocabulary mask",
+               _mask_vocab_shards_eagerly),
     Workaround("spawn_reimports_sglang", "each spawned engine child re-imports SGLang (~15 CPU-seconds a start)",
                _fork_engine_children),
 )
