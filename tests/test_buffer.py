@@ -191,6 +191,15 @@ def test_a_run_whose_every_group_fails_stops_with_the_reason():
     assert ledger.prompts.ended[Outcome.ERROR] >= 64
 
 
+def test_a_run_whose_every_group_raises_stops_with_the_error():
+    from megarl.pipeline.producer import GenerationFailing
+
+    ledger = Ledger()
+    with pytest.raises(GenerationFailing, match="the last 64 prompt groups all failed .last: RuntimeError: engine unr"):
+        asyncio.run(take_once(ScriptedManager(lambda i: "engine_failed"), CountingSource(), ledger, 2))
+    assert ledger.prompts.ended[Outcome.ERROR] >= 64
+
+
 class SourceWithBadRows(CountingSource):
     """Every third draw is a row that is no prompt; ``broken_after`` draws, the source itself fails."""
 

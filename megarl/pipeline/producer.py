@@ -101,6 +101,15 @@ class RolloutProducer:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _count_failed(self, scored: bool, reason: str) -> None:
+        """A group ended with (``scored``) or without a scorable sample; after
+        ``max_consecutive_failed_groups`` failed ones in a row the run fails with ``reason``, the last one's."""
+        self._consecutive_failed = 0 if scored else self._consecutive_failed + 1
+        if self._consecutive_failed >= self.max_consecutive_failed_groups and not self.failure.done():
+            self.failure.set_exception(GenerationFailing(
+                f"the last {self._consecutive_failed} prompt groups all failed (last: {reason}); "
+                "stopping instead of spinning"))
+
     def _bad_prompt(self, exc: BadPrompt) -> None:
         """A row of the source that is no prompt: one prompt ended as error (no samples started)."""
         self.ledger.started(1, 0)
@@ -121,6 +130,7 @@ class RolloutProducer:
         except Exception as exc:  # the engines failed this group for good: count it, carry on
             log.warning("prompt %d: generation failed (%s: %s); dropped as error", index, type(exc).__name__, exc)
             self.ledger.dropped_in_flight(g, Outcome.ERROR)
+            self._count_failed(False, f"{type(exc).__name__}: {exc}")
             self._finished(index)
             await self.buffer.release()
             return
@@ -133,11 +143,7 @@ class RolloutProducer:
         scored = [s for s in result.samples if s.finish_reason != FinishReason.ERROR]
         self.generated_tokens += sum(len(s.response_ids) for s in result.samples)
         self.ledger.returned(1 if scored else 0, len(scored), g - len(scored))
-        self._consecutive_failed = 0 if scored else self._consecutive_failed + 1
-        if self._consecutive_failed >= self.max_consecutive_failed_groups and not self.failure.done():
-            self.failure.set_exception(GenerationFailing(
-                f"the last {self._consecutive_failed} prompt groups all failed (last: "
-                f"{getattr(result, 'rejected', None) or 'every reward errored'}); stopping instead of spinning"))
+        self._count_failed(bool(scored), getattr(result, "rejected", None) or "every reward errored")
         if not scored:
             self._finished(index)
             await self.buffer.release()
