@@ -10,19 +10,21 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # pytester: for tests/test_tiers.py.
 pytest_plugins = ("tiers", "pytester")
 
-# The files that take longest (per-file test time of a full run, 2026-12-03 after tests/fresh_python.py:
-# weight sync 176 s, the fake nodes 113 s, the platform scenarios 99 s, most end-to-end runs 30-80 s),
-# longest first. launch/test.sh hands out whole files to two workers in collection order (pytest-xdist
-# --dist loadfile --no-loadscope-reorder); these go first, so that the run ends on short files that fill
-# both workers, not on one worker's long file while the other idles. Files not listed follow in their own
-# order. A scheduling hint only: a stale list costs time, never a test.
+# The files that take longest (per-file worker seconds of a full run, 2026-12-04: weight sync 156 s, the
+# end-to-end runs 35-100 s, the platform scenarios 77 s; test_gpu_lock.py reads pip's cached reports and
+# the TP2+EP2 engine is one per worker, tp2_ep2_engine), longest first. launch/test.sh hands out whole
+# files to two workers in collection order (pytest-xdist --dist loadfile --no-loadscope-reorder); these go
+# first, so that the run ends on short files that fill both workers, not on one worker's long file while
+# the other idles. Files not listed follow in their own order. A scheduling hint only: a stale list costs
+# time, never a test.
 LONGEST_FIRST = (
-    "test_multinode_faults.py", "test_weight_sync.py", "test_multinode.py", "test_weight_sync_sharded_engine.py",
-    "test_multinode_sharded.py", "test_critic.py", "test_weight_sync_sharded.py", "test_critic_run.py",
-    "test_sync_never_hangs.py", "test_platform_cpu.py", "test_rl_resume.py", "test_slurm.py",
-    "test_rl_resume_lora.py", "test_rl_episodes.py", "test_sglang_cpu_fork.py", "test_engine_parallel.py",
-    "test_sglang_engine.py", "test_rank_pool.py", "test_rl_sync.py", "test_lora.py", "test_rollout_pool.py",
-    "test_sglang_cpu_compat.py", "test_layouts.py", "test_config.py", "test_colocated.py", "test_checkpoint.py",
+    "test_multinode_faults.py", "test_weight_sync.py", "test_multinode.py", "test_rl_episodes.py",
+    "test_rl_resume.py", "test_multinode_sharded.py", "test_platform_cpu.py", "test_slurm.py", "test_critic_run.py",
+    "test_no_orphans.py", "test_sync_never_hangs.py", "test_rl_resume_lora.py", "test_weight_sync_sharded_engine.py",
+    "test_sglang_cpu_fork.py", "test_rank_pool.py", "test_sglang_engine.py", "test_engine_parallel.py",
+    "test_rollout_pool.py", "test_rl_sync.py", "test_config.py", "test_layouts.py", "test_weight_sync_sharded.py",
+    "test_sglang_cpu_compat.py", "test_lora.py", "test_config_keys.py", "test_critic.py",
+    "test_distillation_bench.py", "test_weight_sync_delta.py", "test_colocated.py", "test_checkpoint.py",
     "test_config_errors.py", "test_rollout_manager.py", "test_convert.py",
 )
 
@@ -75,14 +77,45 @@ def tokenizer(tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def tiny_engine(tiny_checkpoint, tmp_path_factory):
-    """One SGLang CPU engine serving the tiny checkpoint (4096 KV tokens), shared by the modules of a
-    session (per pytest-xdist worker). A module that loads other weights into it puts the tiny
-    checkpoint back, as version 0, when it is done."""
+def tiny_engine_started(tiny_checkpoint, tmp_path_factory):
+    """(engine, its :class:`engine_start_cpu.StartUpCpu`) of :func:`tiny_engine`: the start-up CPU is
+    read when it turned healthy, before any test used it (tests/test_sglang_cpu_fork.py compares it)."""
+    from engine_start_cpu import start_up_cpu
+
     from megarl.engines.server import EngineSettings, SGLangEngine
 
     settings = EngineSettings(model_path=tiny_checkpoint, dtype="float32", max_total_tokens=4096,
                               log_path=str(tmp_path_factory.mktemp("sglang") / "server.log"))
+    with SGLangEngine(settings) as eng:
+        yield eng, start_up_cpu(eng.pid)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_engine_started):
+    """One SGLang CPU engine serving the tiny checkpoint (4096 KV tokens), shared by the
+    modules of a session (per pytest-xdist worker). A module that loads other weights into it puts the
+    tiny checkpoint back, as version 0, when it is done."""
+    return tiny_engine_started[0]
+
+
+@pytest.fixture(scope="session")
+def sharp_checkpoint(tiny_checkpoint, tmp_path_factory):
+    """The tiny checkpoint with its lm_head scaled by 25 (tests/hf_oracle.py): greedy has no near-ties."""
+    from hf_oracle import sharpened_checkpoint
+
+    return str(sharpened_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("tiny_moe_sharp"), 25.0))
+
+
+@pytest.fixture(scope="session")
+def tp2_ep2_engine(sharp_checkpoint, tmp_path_factory):
+    """One SGLang engine of two ranks, TP2 with the experts split EP2, serving ``sharp_checkpoint``
+    (float32, 2048 KV tokens, ``mem_fraction_static`` 0.75), shared by the modules of a session as
+    ``tiny_engine`` is: a module that loads other weights puts the checkpoint back, as version 0."""
+    from megarl.engines.server import EngineSettings, SGLangEngine
+
+    settings = EngineSettings(model_path=sharp_checkpoint, dtype="float32", max_total_tokens=2048, tp=2, ep=2,
+                              mem_fraction_static=0.75,
+                              log_path=str(tmp_path_factory.mktemp("sglang_tp2_ep2") / "server.log"))
     with SGLangEngine(settings) as eng:
         yield eng
 

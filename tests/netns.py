@@ -81,21 +81,27 @@ def namespace_pids(namespace: str) -> list[int]:
     return [int(p) for p in result.stdout.split() if p.isdigit()]
 
 
-def kill_namespace_processes(namespace: str, grace_s: float = 5.0, hard: bool = False) -> list[int]:
-    """SIGTERM every process in ``namespace``, SIGKILL what is left after ``grace_s``; their pids.
-    ``hard``: SIGKILL at once (a node that dies, rather than one shut down)."""
-    pids = namespace_pids(namespace)
+def kill_namespace_processes(namespace: str | list[str], grace_s: float = 5.0, hard: bool = False) -> list[int]:
+    """SIGTERM every process in ``namespace`` (one, or several at once: one grace period for all),
+    SIGKILL what is left after ``grace_s``; their pids. ``hard``: SIGKILL at once (a node that dies,
+    rather than one shut down)."""
+    namespaces = [namespace] if isinstance(namespace, str) else list(namespace)
+
+    def running() -> list[int]:
+        return [pid for name in namespaces for pid in namespace_pids(name)]
+
+    pids = running()
     signals = ((signal.SIGKILL, 5.0),) if hard else ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0))
     for sig, wait in signals:
-        for pid in namespace_pids(namespace):
+        for pid in running():
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         deadline = time.monotonic() + wait
-        while namespace_pids(namespace) and time.monotonic() < deadline:
+        while running() and time.monotonic() < deadline:
             time.sleep(0.1)
-        if not namespace_pids(namespace):
+        if not running():
             break
     return pids
 
@@ -227,6 +233,18 @@ class FakeNodes:
         """Bring node ``index``'s link to the bridge (the root-side end of its veth) up or down: down,
         the node is cut off as by a pulled cable (packets dropped, no reset); up, it is back."""
         _ip("link", "set", self._veths[index], "up" if up else "down")
+
+    def limit_rate(self, index: int, mbit: float | None) -> None:
+        """Shape what the bridge sends into node ``index`` to ``mbit`` Mbit/s (a token bucket); None: unshaped."""
+        if mbit is None:
+            subprocess.run(["tc", "qdisc", "del", "dev", self._veths[index], "root"], capture_output=True)
+            return
+        subprocess.run(["tc", "qdisc", "replace", "dev", self._veths[index], "root", "tbf", "rate", f"{mbit}mbit",
+                        "burst", "16kb", "latency", "1s"], check=True, capture_output=True)
+
+    def bytes_into(self, index: int) -> int:
+        """Bytes the bridge has sent into node ``index`` so far (its veth's counter)."""
+        return int(Path(f"/sys/class/net/{self._veths[index]}/statistics/tx_bytes").read_text())
 
     def leftovers(self) -> list[str]:
         """What of this cluster still exists (namespaces, links, shared-memory directories); [] after

@@ -3,8 +3,8 @@ the tiny MoE served by one engine of 2 ranks with TP2 and with TP2 + EP2 (SGLang
 ranks are tensor-parallel ranks, so EP2 needs TP >= 2), checked against HF transformers: greedy
 tokens, log-probs and the routed experts of every token.
 
-Each configuration starts one engine for the module (two ranks on this 2-core machine take 15-25 s
-to start); the prompts are few and short.
+TP2 starts an engine for the module; TP2 + EP2 is the session's (``tp2_ep2_engine``,
+tests/conftest.py, shared with the weight-sync tests). The prompts are few and short.
 """
 import asyncio
 import tempfile
@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from hf_oracle import load_hf, router_topk, sharpened_checkpoint
+from hf_oracle import load_hf, router_topk
 
 from megarl.config import load_config
 from megarl.engines.client import SGLangClient
@@ -22,7 +22,6 @@ from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.engines.types import SamplingParams
 from megarl.platform import sglang_cpu
 
-LM_HEAD_SCALE = 25.0  # the random-init head gives near-uniform logits; scaled, greedy has no near-ties
 LOGPROB_TOLERANCE = 1e-4
 PROMPTS = ["3+4=", "9+9=", "0+1="]
 MAX_NEW_TOKENS = 5
@@ -135,10 +134,9 @@ def test_omp_threads_bind_splits_the_cores_evenly():
 # --- served: TP2 and TP2 + EP2 against HF ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint, tmp_path_factory):
-    """The tiny MoE checkpoint with its lm_head scaled by LM_HEAD_SCALE."""
-    path = sharpened_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("tiny_moe_sharp"), LM_HEAD_SCALE)
-    return path
+def checkpoint(sharp_checkpoint):
+    """The tiny MoE checkpoint with its lm_head sharpened (tests/conftest.py): greedy has no near-ties."""
+    return sharp_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +150,10 @@ def engine(request, checkpoint, tmp_path_factory):
     tp, ep = request.param
     # a GPU engine needs one device per rank; with fewer GPUs the layout runs on the CPU path (CI's case)
     device = "cuda" if torch.cuda.device_count() >= tp else "cpu"
+    shared = request.getfixturevalue("tp2_ep2_engine") if (tp, ep) == (2, 2) else None
+    if shared is not None and shared.device == device:  # the session's (the checkpoint's weights, version 0)
+        yield shared
+        return
     eng = SGLangEngine(EngineSettings(
         model_path=str(checkpoint), device=device, dtype="float32", max_total_tokens=1024, tp=tp, ep=ep,
         mem_fraction_static=0.75,

@@ -6,12 +6,15 @@ GPU machine installing from PyPI gets. Pip's resolver judges the packages instal
 dependencies; the three installed with --no-deps (sglang, megatron-bridge, transformer_engine_torch)
 have their declared requirements checked against the pins here, with the known gaps named below.
 """
+import hashlib
 import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,26 +99,62 @@ def finish(process: subprocess.Popen, report: Path) -> dict[str, dict]:
     """{canonical name: the report's metadata} once ``process`` is done; pip's output on failure."""
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, f"pip (needs https://pypi.org) failed:\n{output[-6000:]}"
+    return read_report(report)
+
+
+def read_report(report: Path) -> dict[str, dict]:
+    """{canonical name: metadata} of the packages a pip ``--report`` file installs."""
     items = json.loads(report.read_text())["install"]
     return {canonicalize_name(item["metadata"]["name"]): item["metadata"] for item in items}
+
+
+# pip's reports are kept this long, per content of both locks (and interpreter, pip and torch version):
+# the same question to PyPI gets the same answer unless a release is yanked or replaced meanwhile.
+RESOLUTION_MAX_AGE_S = 24 * 3600
+
+
+def resolution_cache() -> Path:
+    """The directory of this question's cached reports: under ``$XDG_CACHE_HOME`` (else ~/.cache), named
+    by a hash of both locks' bytes, the interpreter's version and the installed pip and torch (the
+    --no-deps metadata of transformer_engine_torch is computed against this torch)."""
+    from importlib.metadata import version
+
+    key = hashlib.sha256(CPU_LOCK.read_bytes() + b"\0" + GPU_LOCK.read_bytes())
+    key.update(f"{sys.version} pip {version('pip')} torch {version('torch')} {NO_DEPS}".encode())
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "megarl-tests" / "pip-resolution" / key.hexdigest()[:32]
+
+
+def dry_run_reports(work: Path, pins: dict[str, tuple[str, str]]) -> tuple[dict, dict]:
+    """Both dry runs at once (see :func:`resolved`), or their reports from :func:`resolution_cache` when
+    both are younger than RESOLUTION_MAX_AGE_S; a fresh pair is cached once both succeeded."""
+    cache = resolution_cache()
+    names = ("with_deps", "no_deps")
+    if all((cache / f"{name}.json").is_file() and time.time() - (cache / f"{name}.json").stat().st_mtime
+           < RESOLUTION_MAX_AGE_S for name in names):
+        return tuple(read_report(cache / f"{name}.json") for name in names)
+    lines = [f"{name}=={version}" for key, (name, version) in pins.items() if key not in NO_DEPS]
+    (work / "with_deps.txt").write_text("\n".join(lines) + "\n")
+    no_deps = [f"{pins[key][0]}=={pins[key][1]}" for key in NO_DEPS]
+    processes = (start_dry_run(work / "with_deps.json", ["-r", str(work / "with_deps.txt")]),
+                 start_dry_run(work / "no_deps.json", ["--no-deps", "--no-build-isolation", *no_deps]))
+    reports = tuple(finish(process, work / f"{name}.json") for process, name in zip(processes, names))
+    cache.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        shutil.copyfile(work / f"{name}.json", cache / f"{name}.json")
+    return reports
 
 
 @pytest.fixture(scope="module")
 def resolved(tmp_path_factory):
     """Both dry runs at once: ``with_deps`` is pip's resolution of every pin but the --no-deps three,
     ``no_deps`` the metadata of those three (transformer_engine_torch's computed by its setup.py against
-    this environment's torch, as the --no-build-isolation install does)."""
+    this environment's torch, as the --no-build-isolation install does); cached for a day
+    (:func:`dry_run_reports`)."""
     assert (sys.platform, platform.machine(), sys.version_info[:2]) == ("linux", "x86_64", (3, 12)), \
         "the GPU locks are resolved for Linux x86_64 and Python 3.12; run this test there"
-    work = tmp_path_factory.mktemp("gpu_lock")
     pins = {**read_lock(CPU_LOCK), **read_lock(GPU_LOCK)}
-    lines = [f"{name}=={version}" for key, (name, version) in pins.items() if key not in NO_DEPS]
-    (work / "with_deps.txt").write_text("\n".join(lines) + "\n")
-    no_deps = [f"{pins[key][0]}=={pins[key][1]}" for key in NO_DEPS]
-    processes = (start_dry_run(work / "with_deps.json", ["-r", str(work / "with_deps.txt")]),
-                 start_dry_run(work / "no_deps.json", ["--no-deps", "--no-build-isolation", *no_deps]))
-    with_deps, no_deps = (finish(process, work / f"{name}.json")
-                          for process, name in zip(processes, ("with_deps", "no_deps")))
+    with_deps, no_deps = dry_run_reports(tmp_path_factory.mktemp("gpu_lock"), pins)
     return {key: version for key, (_, version) in pins.items()}, with_deps, no_deps
 
 

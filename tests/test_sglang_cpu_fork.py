@@ -1,18 +1,23 @@
 """The ``spawn_reimports_sglang`` work-around (megarl/platform/sglang_cpu.py): an engine whose scheduler
 and detokenizer are forked from the server process answers exactly as one whose children are spawned
 (SGLang's own start method), and its children start on a fraction of the CPU time (they inherit the
-imported SGLang instead of importing it again)."""
-import httpx
-import psutil
-import pytest
+imported SGLang instead of importing it again). The forked engine is the session's ``tiny_engine``,
+whose start-up CPU conftest read when it turned healthy; the spawned one has the same settings."""
+import dataclasses
 
-from megarl.engines.server import EngineSettings, SGLangEngine
+import httpx
+import pytest
+from engine_start_cpu import start_up_cpu
+
+from megarl.engines.server import SGLangEngine
 from megarl.platform import sglang_cpu
 
 pytestmark = [pytest.mark.processes,
               pytest.mark.skipif(not sglang_cpu.needed(), reason="the work-arounds are inactive on GPU machines")]
 
-PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
+# ids no other test's prompt starts with: the shared engine's prefix cache holds none of them, so both
+# engines prefill these prompts from scratch, in the same batch
+PROMPTS = [[301, 302, 303, 304, 305], [307, 308, 309]]
 
 
 def greedy(engine: SGLangEngine) -> list[dict]:
@@ -25,32 +30,20 @@ def greedy(engine: SGLangEngine) -> list[dict]:
             for r in response.json()]
 
 
-def start_up_cpu(engine: SGLangEngine) -> tuple[float, float]:
-    """CPU seconds (user + system) of the server process and of its engine children (scheduler,
-    detokenizer), read right after the engine turned healthy."""
-    server = psutil.Process(engine.pid)
-    children = [p for p in server.children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
-    assert len(children) == 2, [p.cmdline() for p in children]
-    seconds = [sum(p.cpu_times()[:2]) for p in (server, *children)]
-    return seconds[0], sum(seconds[1:])
-
-
-def test_forked_children_answer_as_spawned_ones_on_a_fraction_of_the_start_up_cpu(tiny_checkpoint, tmp_path,
+def test_forked_children_answer_as_spawned_ones_on_a_fraction_of_the_start_up_cpu(tiny_engine_started, tmp_path,
                                                                                    monkeypatch):
-    def run(name: str) -> tuple[tuple[float, float], list[dict]]:
-        settings = EngineSettings(model_path=tiny_checkpoint, dtype="float32", max_total_tokens=1024,
-                                  log_path=str(tmp_path / f"{name}.log"))
-        with SGLangEngine(settings) as engine:
-            cpu = start_up_cpu(engine)
-            return cpu, greedy(engine)
-
-    (forked_server, forked_children), forked = run("forked")
+    forked_engine, forked_cpu = tiny_engine_started
+    forked = greedy(forked_engine)
     monkeypatch.setenv(sglang_cpu.OFF_ENV, "spawn_reimports_sglang")
-    (spawned_server, spawned_children), spawned = run("spawned")
+    with SGLangEngine(dataclasses.replace(forked_engine.settings, log_path=str(tmp_path / "spawned.log"))) as engine:
+        spawned_cpu = start_up_cpu(engine.pid)
+        spawned = greedy(engine)
 
+    for cpu in (forked_cpu, spawned_cpu):
+        assert len(cpu.children) == 2, cpu.children
     assert forked == spawned
     assert all(len(r["ids"]) == 8 for r in forked)
     # Spawned children import SGLang again: together at least the server's own import (~2x here);
     # forked ones only build the model and the caches.
-    assert spawned_children > spawned_server, (spawned_children, spawned_server)
-    assert forked_children < 0.5 * spawned_children, (forked_children, spawned_children)
+    assert spawned_cpu.children_s > spawned_cpu.server_s, spawned_cpu
+    assert forked_cpu.children_s < 0.5 * spawned_cpu.children_s, (forked_cpu, spawned_cpu)

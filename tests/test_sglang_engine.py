@@ -528,10 +528,12 @@ def test_partial_rollout_across_a_weight_update_carries_both_versions(engine, ch
 
 @pytest.mark.processes
 def test_start_failure_reports_the_server_log(checkpoint, tmp_path):
-    settings = EngineSettings(model_path=str(checkpoint), extra_args=("--no-such-flag",),
+    """A server that exits during its start: here at its first argument check, before it imports SGLang
+    (megarl.engines.model_registry reads ``--json-model-override-args``), so the failure costs no import."""
+    settings = EngineSettings(model_path=str(checkpoint), extra_args=("--json-model-override-args", "no-such-json"),
                               log_path=str(tmp_path / "server.log"))
     engine = SGLangEngine(settings)
-    with pytest.raises(EngineStartError, match="(?s)exited with code .*no-such-flag"):
+    with pytest.raises(EngineStartError, match="(?s)exited with code .*is not a JSON object: 'no-such-json'"):
         engine.start()
     assert engine.pid is None and servers_on_port(engine.port) == []
 

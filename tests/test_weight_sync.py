@@ -4,7 +4,8 @@ For each layout the trainer (Ray actors) takes two RL steps, the weights go to t
 the ``distributed`` transport (gloo, flattened buckets), and the engine's greedy continuation and
 log-probs for a fixed prompt must equal those of an HF model built from the trainer's own export
 (megatron-bridge's full gather); the recovery path then writes the same weights as a disk
-checkpoint, whose tensors must equal that export bit for bit. The colocated ``tensor`` transport,
+checkpoint, whose tensors must equal that export bit for bit (the TP2xEP2 trainer's, into a TP2+EP2
+engine, in tests/test_weight_sync_sharded_engine.py). The colocated ``tensor`` transport,
 a failed transfer (engine held paused, then recovered), an engine killed mid-sync (reported,
 restarted, recovered) and the control round trips of a sync run on the single-process trainer.
 The engine is the session's shared one (tests/conftest.py), serving this module's checkpoint; the
@@ -19,19 +20,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_oracle import hf_from_state, hf_greedy, load_hf, make_samples, sharpened_checkpoint
+from hf_oracle import hf_from_state, hf_greedy, load_hf, make_samples
 from in_flight import start_decoding
 
 from megarl.config import default_config, load_config
 from megarl.engines.client import SGLangClient
-from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.engines.types import EngineError, PauseMode, SamplingParams
 from megarl.parallel import Layout
 from megarl.sync import SyncReport, SyncSettings, WeightSync, WeightSyncError
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 
-LM_HEAD_SCALE = 25.0  # sharpen the random-init head: greedy choices are not near-ties
 BUCKET_MB = 0.25  # the tiny model (1.9 MB) travels in ~8 buckets
 NEW_TOKENS = 8
 LOGPROB_TOLERANCE = 1e-4
@@ -39,38 +38,29 @@ LAYOUTS = {
     "tp2_sp": Layout(world_size=2, tp=2, sequence_parallel=True),
     "ep2": Layout(world_size=2, ep=2),
     "pp2": Layout(world_size=2, pp=2),
-    "tp2_ep2": Layout(world_size=4, tp=2, ep=2, sequence_parallel=True),
 }
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint, tmp_path_factory):
-    """The tiny MoE checkpoint with its lm_head scaled by LM_HEAD_SCALE."""
-    path = sharpened_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("tiny_moe_sync"), LM_HEAD_SCALE)
-    return str(path)
+def checkpoint(sharp_checkpoint):
+    """The tiny MoE checkpoint with its lm_head sharpened (``sharp_checkpoint``, tests/conftest.py): greedy
+    choices are not near-ties."""
+    return sharp_checkpoint
 
 
-@pytest.fixture(scope="module")
-def sharded_engine(checkpoint, tmp_path_factory):
-    """An engine of two ranks, TP2 with the experts split EP2 (megarl/platform/sglang_cpu.py)."""
-    settings = EngineSettings(model_path=checkpoint, dtype="float32", max_total_tokens=2048, tp=2, ep=2,
-                              log_path=str(tmp_path_factory.mktemp("sglang_tp2_ep2") / "server.log"))
-    with SGLangEngine(settings) as eng:
-        yield eng
+async def serve(engine, path: str) -> None:
+    """Load the checkpoint at ``path`` into ``engine`` as version 0."""
+    async with SGLangClient(engine.url, engine.model) as client:
+        await client.update_weights_from_disk(path, version=0)
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_engine, checkpoint, tiny_checkpoint):
     """The session's shared engine serving this module's checkpoint (version 0); the tiny
     checkpoint goes back in, as version 0, after the module."""
-
-    async def serve(path):
-        async with SGLangClient(tiny_engine.url, tiny_engine.model) as client:
-            await client.update_weights_from_disk(path, version=0)
-
-    asyncio.run(serve(checkpoint))
+    asyncio.run(serve(tiny_engine, checkpoint))
     yield tiny_engine
-    asyncio.run(serve(tiny_checkpoint))
+    asyncio.run(serve(tiny_engine, tiny_checkpoint))
 
 
 @pytest.fixture(scope="module")
@@ -334,13 +324,12 @@ def test_bucket_waiting_at_session_end_is_loaded(single, engine, checkpoint, pro
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_sync_equals_hf(name, ray_local, engine, checkpoint, prompt, tmp_path, request):
-    """Every trainer layout into the one-rank engine; the TP2xEP2 trainer into a TP2+EP2 engine
-    (every engine rank in the distributed transport's group)."""
+def test_layout_sync_equals_hf(name, ray_local, engine, checkpoint, prompt, tmp_path):
+    """Every trainer layout into the one-rank engine (the TP2xEP2 trainer goes into a TP2+EP2 engine, with
+    the same checks, in tests/test_weight_sync_sharded_engine.py)."""
     group = trained_group(LAYOUTS[name], checkpoint)
-    target = request.getfixturevalue("sharded_engine") if name == "tp2_ep2" else engine
     try:
-        sync_and_compare(group, target, checkpoint, prompt, tmp_path, version=10 + list(LAYOUTS).index(name))
+        sync_and_compare(group, engine, checkpoint, prompt, tmp_path, version=10 + list(LAYOUTS).index(name))
     finally:
         group.shutdown()
 
@@ -373,7 +362,7 @@ def test_failed_transfer_holds_the_engine_until_recovered(single, engine, checkp
             failed_after = time.monotonic() - t0
             print(f"\n[measured] rejected bucket: WeightSyncError after {failed_after:.1f} s")
             waiting = asyncio.ensure_future(engine_greedy(client, prompt))
-            await asyncio.sleep(3.0)
+            await asyncio.sleep(1.0)  # ample for the tiny model's few tokens, were the engine not held
             served_while_held = waiting.done()
             monkeypatch.setattr(client, "update_weights_from_distributed", real)
             await sync.recover(client)

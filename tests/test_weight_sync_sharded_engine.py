@@ -2,8 +2,10 @@
 SGLang engine (CPU), on one machine: after the sync the engine's greedy tokens, routed experts and
 log-probs equal an HF model built from the trainer's gathered export (and, bit for bit, the engine's after
 a ``distributed`` sync of the same weights), and each engine rank received at most 0.55 of the model's
-bytes (the senders' counters), against all of it through ``distributed`` in the same run. The engine and
-the checkpoint are tests/test_weight_sync.py's module fixtures.
+bytes (the senders' counters), against all of it through ``distributed`` in the same run. The same trained
+group first goes through tests/test_weight_sync.py's checks of every layout (``distributed`` into every
+engine rank, equal to HF, the disk recovery's checkpoint equal to the export bit for bit). The checkpoint
+is tests/test_weight_sync.py's module fixture; the engine is the session's TP2+EP2 one.
 
 Delta over sharded (``sync.delta``): after each delta-sharded sync (float32 trainer and engine, the
 fixture's dtype) the engine's parameters (SGLang's own per-parameter hashes, ``/weights_checker``) equal
@@ -20,18 +22,28 @@ import numpy as np
 import pytest
 import torch
 from hf_oracle import hf_from_state, hf_greedy
-from test_weight_sync import LAYOUTS, NEW_TOKENS, checkpoint, prompt, rl_steps, settings, sharded_engine, trained_group  # noqa: F401
+from test_weight_sync import NEW_TOKENS, checkpoint, prompt, rl_steps, serve, settings, sync_and_compare, trained_group  # noqa: F401
 
 from megarl.config import default_config
 from megarl.engines.client import SGLangClient
 from megarl.engines.types import PauseMode, SamplingParams
+from megarl.parallel import Layout
 from megarl.sync import WeightSync
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
+TP2_EP2 = Layout(world_size=4, tp=2, ep=2, sequence_parallel=True)
 LOGPROB_TOLERANCE = 2e-6
 TINY_LR = 1e-10  # the LR after the first step (float32: a few per cent of the elements change)
 MOST_PER_ENGINE_RANK = 0.55  # of the model's bytes
+
+
+@pytest.fixture(scope="module")
+def sharded_engine(tp2_ep2_engine, checkpoint):  # noqa: F811
+    """The session's engine of two ranks, TP2 with the experts split EP2 (megarl/platform/sglang_cpu.py);
+    the module's syncs change its weights, and the checkpoint goes back in, as version 0, after it."""
+    yield tp2_ep2_engine
+    asyncio.run(serve(tp2_ep2_engine, checkpoint))
 
 
 def hf_routes(model, ids: list[int]) -> np.ndarray:
@@ -59,8 +71,9 @@ async def sync_and_generate(engine, group, transport: str, version: int, tmp_pat
 
 def test_tp2_ep2_trainer_into_tp2_ep2_engine_sends_each_rank_its_slices(checkpoint, sharded_engine, prompt,  # noqa: F811
                                                                         tmp_path):
-    group = trained_group(LAYOUTS["tp2_ep2"], checkpoint)
+    group = trained_group(TP2_EP2, checkpoint)
     try:
+        sync_and_compare(group, sharded_engine, checkpoint, prompt, tmp_path, version=13)
         reference = asyncio.run(group.export_hf_state())
         hf = hf_from_state(checkpoint, reference, tmp_path)
         hf_tokens, hf_logprobs = hf_greedy(hf, prompt, NEW_TOKENS)
@@ -98,7 +111,7 @@ def scheduled_group(hf_path: str):
     from megarl.trainer.model_setup import ModelSettings
     from megarl.trainer.optimizer import OptimizerSettings
 
-    group = TrainerGroup(LAYOUTS["tp2_ep2"])
+    group = TrainerGroup(TP2_EP2)
     model = ModelSettings("local", "alltoall", routing_replay=False, recompute="none", recompute_num_layers=None,
                           moe_aux_loss_coeff=0.0, reference=False)
     optimizer = dataclasses.replace(OptimizerSettings.from_config(default_config(), lr=1e-2), min_lr=TINY_LR,
@@ -120,7 +133,7 @@ async def delta_then_whole(engine, group, hf_path: str, tmp_path, steps: int) ->
         results = []
         for version in range(40, 41 + steps):
             if version > 40:
-                await asyncio.to_thread(rl_steps, group, LAYOUTS["tp2_ep2"], hf_path, 1, version)
+                await asyncio.to_thread(rl_steps, group, TP2_EP2, hf_path, 1, version)
             report = await delta.update(version, PauseMode.ABORT)
             after_delta = await rank_hashes(client)
             await whole.update(version, PauseMode.ABORT)

@@ -27,8 +27,8 @@ import sys
 import pytest
 
 # Fixtures that start Ray (and the trainer ranks of ``run_ranks``), SGLang servers or network namespaces.
-PROCESS_FIXTURES = frozenset({"ray_session", "ray_local", "warmed_up", "tiny_engine", "engine", "client",
-                              "fake_nodes"})
+PROCESS_FIXTURES = frozenset({"ray_session", "ray_local", "warmed_up", "tiny_engine", "tp2_ep2_engine", "engine",
+                              "client", "fake_nodes"})
 # Marks that say a test starts processes (or reaches the network) without such a fixture.
 PROCESS_MARKS = ("processes", "network")
 # Audit events of starting a process (https://docs.python.org/3/library/audit_events.html), and ours.

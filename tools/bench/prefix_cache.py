@@ -7,7 +7,11 @@ mean over its steps of ``rollout/cached_token_frac`` (of the prompt tokens the r
 share the engines served from their prefix cache); the JSON has every run's figure, the medians per
 engine count, and ``two_over_one_cached_token_frac`` = the median with two engines / with one: 1.0
 when placing a prompt group's requests on the engine that served the group loses nothing to the
-second engine.
+second engine. The figure also counts prefixes shared across groups (a sum's first token and first
+digit: 2 of a 7-token prompt), whose hits depend on how busy each engine is when a weight update
+flushes its cache, not on placement alone: an engine still busy at the update re-prefills its
+retracted requests first, and the next step's groups, arriving together, then find those prefixes;
+an idle engine prefills the whole burst at once on an empty cache (docs/status.md).
 
 Usage: python tools/bench/prefix_cache.py --json FILE [--steps N --repeats R --mode async|sync --work-dir D]
 """
