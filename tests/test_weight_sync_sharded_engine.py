@@ -33,7 +33,10 @@ from megarl.sync import WeightSync
 pytestmark = pytest.mark.usefixtures("ray_local")
 
 TP2_EP2 = Layout(world_size=4, tp=2, ep=2, sequence_parallel=True)
-LOGPROB_TOLERANCE = 2e-6
+# float32 rounding against HF's single-rank forward with the x25 head: 1.7e-6 to 2.0e-6 seen on the shared
+# engine (its radix cache decides how much of the prompt a forward recomputes); a wrong or misplaced slice
+# moves log-probs by orders of magnitude more, and they equal a `distributed` sync's bit for bit (below).
+LOGPROB_TOLERANCE = 5e-6
 TINY_LR = 1e-10  # the LR after the first step (float32: a few per cent of the elements change)
 MOST_PER_ENGINE_RANK = 0.55  # of the model's bytes
 
