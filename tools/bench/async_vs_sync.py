@@ -34,6 +34,11 @@ the wall clock between the metrics rows of the last skipped and the last step:
                       max(rollout_s, train_s), rollout_s the sync trainer's mean wait for its rollout,
                       train_s its mean training + weight-sync seconds a step
   async_over_bound    async's speed-up over sync in steps/s / overlap_bound (1.0: perfect overlap)
+  machine_busy_MODE   the share of the machine's cores busy (every process: driver and Ray too) over the
+                      counted steps of the sync or async run: near 1.0 a run is bound by the machine's
+                      CPU, so no overlap makes it faster
+  engine_busy_MODE    the same share of the engine's cores used by the SGLang server's processes, and
+  trainer_busy_MODE   of the trainer's cores by the trainer rank (pinned roles only)
 
 The per-sample length distribution (p50, p90, max, the fraction at the maximum) is recorded from the
 trained batches of each run.
@@ -43,11 +48,13 @@ Usage: python tools/bench/async_vs_sync.py --json FILE [--steps N --prompts P --
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 
 from demo_workload import add_workload_arguments, workload_overrides
@@ -71,7 +78,9 @@ def cpu_list(text: str) -> list[int]:
 
 class CorePinner(threading.Thread):
     """Pins the descendants of this process by role, every thread of each, until stopped; keeps the
-    CPU seconds each role used (the last value seen of every process)."""
+    CPU seconds each role used (the last value seen of every process), and after each pass
+    (wall-clock time, {role: CPU seconds so far}) in ``history``, with the whole machine's busy CPU
+    seconds (every process, the driver and Ray's included) as role ``machine``."""
 
     def __init__(self, roles: dict[str, list[int]]):
         super().__init__(name="core-pinner", daemon=True)
@@ -79,6 +88,7 @@ class CorePinner(threading.Thread):
         self._halt = threading.Event()
         self.pids: dict[str, set[int]] = {role: set() for role in roles}
         self._cpu_s: dict[int, float] = {}
+        self.history: list[tuple[float, dict[str, float]]] = []
 
     def run(self) -> None:
         while not self._halt.wait(PIN_INTERVAL_S):
@@ -121,6 +131,22 @@ class CorePinner(threading.Thread):
                     self.pids[role].add(proc.pid)
                 except (OSError, psutil.Error):
                     continue  # the thread or process ended meanwhile
+        machine = psutil.cpu_times()
+        self.history.append((time.time(), {"machine": sum(machine) - machine.idle - machine.iowait,
+                                           **{role: sum(self._cpu_s.get(p, 0.0) for p in pids)
+                                              for role, pids in self.pids.items()}}))
+
+    def busy(self, start: float, end: float) -> dict[str, float]:
+        """Role -> the share of its cores' time it used between wall-clock ``start`` and ``end`` (the
+        passes nearest inside them): 1.0 when its cores never idled."""
+        import psutil
+
+        times = [t for t, _ in self.history]
+        (t0, first), (t1, last) = (self.history[min(bisect.bisect_left(times, start), len(times) - 1)],
+                                   self.history[max(bisect.bisect_right(times, end) - 1, 0)])
+        cores = {"machine": psutil.cpu_count(), **{role: len(cpus) for role, cpus in self.roles.items()}}
+        return {role: round((last[role] - first.get(role, 0.0)) / (cores[role] * (t1 - t0)), 3)
+                for role in last if t1 > t0}
 
 
 class LengthRecorder:
@@ -189,7 +215,8 @@ def loop_figures(run_dir: Path, skip: int, lengths: list[list[int]], max_new_tok
     if len(rows) != len(lengths) or len(rows) <= skip + 1:
         raise RuntimeError(f"{run_dir}: {len(rows)} RL rows, {len(lengths)} recorded batches, {skip} to skip")
     counted, counted_lengths = rows[skip:], [n for step in lengths[skip:] for n in step]
-    seconds = counted[-1]["time"] - rows[skip - 1]["time"] if skip else counted[-1]["time"] - counted[0]["time"]
+    start = rows[skip - 1]["time"] if skip else counted[0]["time"]
+    seconds = counted[-1]["time"] - start
     if not skip:  # no earlier row to time the first step from: count it as its own parts
         seconds += counted[0]["time/wait_s"] + counted[0]["time/train_s"] + counted[0]["sync/seconds"]
     waited = sum(r["time/wait_s"] for r in counted)
@@ -197,6 +224,7 @@ def loop_figures(run_dir: Path, skip: int, lengths: list[list[int]], max_new_tok
     mean = {k: statistics.fmean(r[key] for r in counted)
             for k, key in (("wait_s", "time/wait_s"), ("train_s", "time/train_s"), ("sync_s", "sync/seconds"))}
     return {"steps_run": len(rows), "steps_counted": len(counted), "seconds": seconds,
+            "window": (start, counted[-1]["time"]),
             "response_tokens": tokens, "tokens_per_s": tokens / seconds, "trainer_idle_frac": waited / seconds,
             "step_s_mean": seconds / len(counted), **{f"{k}_mean": v for k, v in mean.items()},
             "reward_first": rows[0]["reward/mean"], "reward_last": rows[-1]["reward/mean"],
@@ -232,7 +260,8 @@ def run_mode(mode: str, run_dir: Path, overrides: list[str], roles: dict, long_e
                              "cpu_s": round(sum(psutil.Process().cpu_times()[:2]) - driver_cpu, 1)}
     if code != 0:
         raise RuntimeError(f"the {mode} run in {run_dir} failed")
-    return {**loop_figures(run_dir, skip, recorder.steps, max_new_tokens), "cpu_by_role": pinning}
+    figures = loop_figures(run_dir, skip, recorder.steps, max_new_tokens)
+    return {**figures, "cpu_by_role": pinning, "busy": pinner.busy(*figures["window"])}
 
 
 def compare(sync: dict, asyn: dict) -> dict:
@@ -242,7 +271,9 @@ def compare(sync: dict, asyn: dict) -> dict:
     return {"async_over_sync_throughput": asyn["tokens_per_s"] / sync["tokens_per_s"],
             "async_over_sync_steps_per_s": steps_ratio, "overlap_bound": bound,
             "async_over_bound": steps_ratio / bound, "trainer_idle_frac_async": asyn["trainer_idle_frac"],
-            "trainer_idle_frac_sync": sync["trainer_idle_frac"]}
+            "trainer_idle_frac_sync": sync["trainer_idle_frac"],
+            **{f"{role}_busy_{mode}": run["busy"][role] for mode, run in (("sync", sync), ("async", asyn))
+               for role in run["busy"]}}
 
 
 def run_workload(name: str, work: Path, overrides: list[str], roles: dict, args, long_every: int,
@@ -257,7 +288,10 @@ def run_workload(name: str, work: Path, overrides: list[str], roles: dict, args,
         print(f"{name} #{r}: async/sync {f['async_over_sync_steps_per_s']:.2f}x in steps/s "
               f"({f['async_over_sync_throughput']:.2f}x tokens/s), bound {f['overlap_bound']:.2f}x, "
               f"async_over_bound {f['async_over_bound']:.2f}; sync wait {f['sync']['wait_s_mean']:.2f} train "
-              f"{f['sync']['train_s_mean']:.2f} sync {f['sync']['sync_s_mean']:.2f} s/step; lengths p50 "
+              f"{f['sync']['train_s_mean']:.2f} sync {f['sync']['sync_s_mean']:.2f} s/step; busy sync/async: machine "
+              f"{f['machine_busy_sync']:.2f}/{f['machine_busy_async']:.2f}, " + ", ".join(
+                  f"{role} {f[f'{role}_busy_sync']:.2f}/{f[f'{role}_busy_async']:.2f}" for role in roles) +
+              f"; lengths p50 "
               f"{f['sync']['lengths']['p50']} p90 {f['sync']['lengths']['p90']} max {f['sync']['lengths']['max']}")
     keys = [k for k, v in repeats[0].items() if isinstance(v, float)]
     return {**{k: statistics.median(r[k] for r in repeats) for k in keys},
@@ -305,7 +339,7 @@ def main() -> int:
     result = {name: run_workload(name, work, *specs[name][:1], roles, args, *specs[name][1:])
               for name in args.workloads.split(",")}
     result = {**{f"{k}_{name}": w[k] for name, w in result.items()
-                 for k in ("async_over_bound", "overlap_bound", "async_over_sync_steps_per_s")},
+                 for k in ("async_over_bound", "overlap_bound", "async_over_sync_steps_per_s", "machine_busy_async")},
               "goal": {"async_over_bound_at_least": BOUND_GOAL,
                        "met": all(w["async_over_bound"] >= BOUND_GOAL for w in result.values())},
               "steps": args.steps, "skipped_steps": args.skip_steps, "prompts_per_step": args.prompts,
@@ -317,7 +351,8 @@ def main() -> int:
     for name in args.workloads.split(","):
         print(f"{name}: medians of {args.repeats}: async_over_bound {result[f'async_over_bound_{name}']:.2f} "
               f"(async/sync {result[f'async_over_sync_steps_per_s_{name}']:.2f}x, bound "
-              f"{result[f'overlap_bound_{name}']:.2f}x)")
+              f"{result[f'overlap_bound_{name}']:.2f}x), machine busy in async "
+              f"{result[f'machine_busy_async_{name}']:.2f}")
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
