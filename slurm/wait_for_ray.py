@@ -15,6 +15,8 @@ import sys
 import time
 
 log = logging.getLogger("wait_for_ray")
+POLL_S = 0.5  # between two reads of the alive nodes (one GCS call each)
+LOG_EVERY_S = 5.0  # at most one "not reachable yet" line in this time
 
 
 def alive(nodes: list[dict]) -> tuple[int, float]:
@@ -45,7 +47,7 @@ def main() -> int:
     import ray
 
     deadline = time.monotonic() + args.timeout
-    nodes, gpus = 0, 0.0
+    nodes, gpus, last_log = 0, 0.0, -LOG_EVERY_S
     while time.monotonic() < deadline:
         gone = [pid for pid in args.watch if exited(pid)]
         if gone:
@@ -58,11 +60,13 @@ def main() -> int:
                 ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False)
             nodes, gpus = alive(ray.nodes())
         except (OSError, RuntimeError) as exc:  # the head is not up yet
-            log.info("head %s not reachable yet (%s)", args.address, type(exc).__name__)
+            if time.monotonic() - last_log >= LOG_EVERY_S:
+                log.info("head %s not reachable yet (%s)", args.address, type(exc).__name__)
+                last_log = time.monotonic()
         if nodes >= args.nodes and gpus >= args.gpus:
             log.info("ray cluster ready: %d/%d nodes, %g/%d GPUs", nodes, args.nodes, gpus, args.gpus)
             return 0
-        time.sleep(2.0)
+        time.sleep(POLL_S)
     log.error("timeout after %.0f s: %d/%d nodes, %g/%d GPUs joined", args.timeout, nodes, args.nodes, gpus, args.gpus)
     return 1
 

@@ -431,7 +431,9 @@ def ray_cluster(fake_nodes, tmp_path_factory, request):
             assert ready.returncode == 0, ready.stdout + ready.stderr + joined
         yield {"address": head, "temp_dir": temp_dir}
     finally:
-        netns.kill_namespace_processes([node.namespace for node in fake_nodes])  # all at once: one grace period
+        # all at once and without a grace period: some of Ray's processes outlive SIGTERM by the whole grace,
+        # and a test cluster has nothing to shut down cleanly (its session directory is removed below)
+        netns.kill_namespace_processes([node.namespace for node in fake_nodes], hard=True)
         for process in starts:
             process.wait(10)
         shutil.rmtree(temp_dir, ignore_errors=True)
