@@ -117,9 +117,9 @@ class SliceDelta:
 class ShardedRank:
     """The ``sharded`` link and sync state of one trainer rank over its :class:`megarl.models.bridge.MegatronModel`."""
 
-    def __init__(self, model, spec: SenderSpec, aborting: threading.Event | None = None):
+    def __init__(self, model, spec: SenderSpec, aborting: threading.Event):
         self.model = model
-        self.aborting = threading.Event() if aborting is None else aborting  # set: a wait for the exchange gives up
+        self.aborting = aborting  # the owning RankSync's: set, a wait for the exchange gives up
         self.spec = spec
         self.rank = torch.distributed.get_rank()
         self.group = join_link(spec, self.rank)
