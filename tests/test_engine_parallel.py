@@ -18,6 +18,7 @@ from hf_oracle import load_hf, router_topk
 
 from megarl.config import load_config
 from megarl.engines.client import SGLangClient
+from megarl.engines.pool import client_of
 from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.engines.types import SamplingParams
 from megarl.platform import sglang_cpu
@@ -98,6 +99,12 @@ def test_the_topology_gives_the_engines_their_parallelism(tiny_checkpoint, tmp_p
     assert policy(*parallel, "cluster.gpus_per_node=1")[1].nnodes == 2
     assert flag_values(SGLangEngine(replace(s, device="cuda")).command())["--mem-fraction-static"] == "0.7"
     assert (s.lora_max_rank, s.lora_target_modules) == (0, ())
+    # the shared prefill reaches the engines' clients, and only where the prefix cache it fills is on
+    assert s.shared_prefill_min_tokens == 0
+    shared = policy("rollout.prefix_cache=true", "rollout.shared_prefill_min_tokens=16")[0]
+    client = client_of(shared, "http://127.0.0.1:1")
+    assert (client.shared_prefill_min_tokens, client.model.vocab_size) == (16, 384)
+    asyncio.run(client.aclose())
     lora = policy(recipe="tiny_moe_lora_cpu")[0]
     assert (lora.lora_max_rank, lora.lora_target_modules) == (8, ("k_proj", "o_proj", "q_proj", "v_proj"))
     assert "--max-loras-per-batch" in SGLangEngine(lora).command()

@@ -14,6 +14,9 @@ engine was paused in place and marks those tokens (``RolloutSample.mixed_version
 :func:`mixed_version_tokens`); a ``retract`` pause recomputes the cache under the new weights, so
 tokens after it are not mixed. Pauses and weight updates must go through the client that generates
 (``EnginePool`` and ``megarl.sync`` use the pool's clients).
+
+A batch that repeats a prompt of ``shared_prefill_min_tokens`` or more (a GRPO group's) is preceded by
+one request that prefills each such prompt once (:meth:`SGLangClient._prefill_shared`).
 """
 from __future__ import annotations
 
@@ -114,6 +117,22 @@ def mixed_version_tokens(versions: np.ndarray, entered_in_place: Mapping[int, bo
     return mixed if mixed.any() else None
 
 
+def shared_prompts(prompts: list[list[int]], min_tokens: int) -> list[int]:
+    """Positions of the first copy of each prompt that occurs more than once in ``prompts`` and has at
+    least ``min_tokens`` tokens, in order; none when ``min_tokens`` is 0 (off)."""
+    if min_tokens == 0:
+        return []
+    first: dict[tuple[int, ...], int] = {}
+    shared: set[int] = set()
+    for i, prompt in enumerate(prompts):
+        if len(prompt) < min_tokens:
+            continue
+        j = first.setdefault(tuple(prompt), i)
+        if j != i:
+            shared.add(j)
+    return sorted(shared)
+
+
 class SGLangClient:
     """Async client of one SGLang HTTP server. Use ``async with`` or call ``aclose()``.
 
@@ -121,9 +140,12 @@ class SGLangClient:
     (generation, control and weight updates alike); it is never logged."""
 
     def __init__(self, base_url: str, model: ServedModel, request_timeout_s: float = 600.0,
-                 api_key: str | None = None):
+                 api_key: str | None = None, shared_prefill_min_tokens: int = 0):
+        if shared_prefill_min_tokens < 0:
+            raise ValueError(f"shared_prefill_min_tokens must be >= 0 (0: off), got {shared_prefill_min_tokens}")
         self.base_url = base_url
         self.model = model
+        self.shared_prefill_min_tokens = shared_prefill_min_tokens  # see _prefill_shared
         self._http = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(request_timeout_s, connect=10.0),
                                        headers=auth_headers(api_key))
         # the LoRA adapter requests name (None: the base weights), set by megarl.sync.adapter
@@ -259,9 +281,29 @@ class SGLangClient:
         if return_sampling_mask:
             payload["sampling_logprobs_mode"] = "selected"
         adapter = self._name_adapter(payload)
+        firsts = shared_prompts(prompts, self.shared_prefill_min_tokens)
+        cached_first = await self._prefill_shared([prompts[i] for i in firsts], adapter) if firsts else []
         outs = orjson.loads((await self._post("/generate", payload)).content)
-        return [self._to_sample(p, out, return_routed_experts, return_sampling_mask, g, "", adapter)
-                for p, out, g in zip(prompts, outs, group_ids)]
+        samples = [self._to_sample(p, out, return_routed_experts, return_sampling_mask, g, "", adapter)
+                   for p, out, g in zip(prompts, outs, group_ids)]
+        for i, cached in zip(firsts, cached_first):  # the prefill's prompt tokens count as the first copy's
+            samples[i].prefill_tokens += len(prompts[i])
+            samples[i].cached_tokens += cached
+        return samples
+
+    async def _prefill_shared(self, prompts: list[list[int]], adapter: LoraAdapter | None) -> list[int]:
+        """Prefill ``prompts`` (each shared by several requests of a batch about to be sent) in one
+        request that generates nothing, so that their copies in the batch find them in the engine's
+        prefix cache: SGLang prefills the requests of one batch side by side (its default ``fcfs``
+        policy shares no prefix inside a batch), so a GRPO group's G copies of a prompt would each
+        compute it. Returns each prompt's ``cached_tokens``. SGLang's parallel sampling (``n`` > 1,
+        tokenizer_manager ``_handle_batch_request``) prefills a prompt first the same way, one prompt
+        at a time."""
+        payload = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 0}}
+        if adapter is not None:  # the adapter is part of the prefix cache's key
+            payload["lora_path"] = adapter.name
+        outs = orjson.loads((await self._post("/generate", payload)).content)
+        return [int(out["meta_info"].get("cached_tokens", 0)) for out in outs]
 
     def _name_adapter(self, payload: dict) -> LoraAdapter | None:
         """Name the current adapter in a generate ``payload``; returns it (None: the base weights)."""

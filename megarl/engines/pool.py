@@ -644,9 +644,14 @@ async def _start(settings: Sequence, *, num_cpus: float = 0.5, num_gpus: float =
             _remove(actors, placements)
         raise
     # info.url: where the engine's node serves it (its node address on a multi-node cluster)
-    return [StartedEngine(actor, placement, info, SGLangClient(info.url, ServedModel.from_hf_config(s.model_path),
-                                                               request_timeout_s, api_key=s.api_key))
+    return [StartedEngine(actor, placement, info, client_of(s, info.url, request_timeout_s))
             for actor, placement, info, s in zip(actors, placements, infos, settings)]
+
+
+def client_of(settings, url: str, request_timeout_s: float = 600.0) -> SGLangClient:
+    """The client of an engine started with ``settings`` (``EngineSettings``) that serves at ``url``."""
+    return SGLangClient(url, ServedModel.from_hf_config(settings.model_path), request_timeout_s,
+                        api_key=settings.api_key, shared_prefill_min_tokens=settings.shared_prefill_min_tokens)
 
 
 async def _placed(actors: list, timeout_s: float, num_cpus: float, num_gpus: float) -> None:

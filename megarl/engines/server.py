@@ -79,6 +79,9 @@ class EngineSettings:
     mem_fraction_static: float | None = None
     max_running_requests: int | None = None
     prefix_cache: bool = True  # SGLang's radix cache of computed prefixes; False: --disable-radix-cache
+    # the client's side: a prompt of at least this many tokens sent more than once in a batch is prefilled
+    # once before it (SGLangClient._prefill_shared); 0: off
+    shared_prefill_min_tokens: int = 0
     # False: --skip-tokenizer-init, for engines that only get token ids and no stop strings or grammar
     # (the scheduler sends its output to the HTTP process directly, without the detokenizer's hop);
     # responses still end at the tokenizer's EOS (megarl.platform.sglang_tokenizer_stops)
