@@ -410,7 +410,8 @@ def ray_cluster(fake_nodes, tmp_path_factory, request):
     roles = getattr(request.module, "ROLES", ROLES)
     temp_dir = f"/tmp/mrl_mn_{os.getpid()}"  # short: Ray's socket paths must stay under 107 bytes
     head = f"{fake_nodes[0].address}:{RAY_PORT}"
-    common = ["--num-cpus=2", "--object-store-memory=100000000", "--disable-usage-stats", "--block"]
+    common = ["--num-cpus=2", "--object-store-memory=100000000", "--disable-usage-stats", "--include-log-monitor=false",
+              "--block"]  # as slurm/megarl.sbatch starts a node
     starts = []
     log_dir = tmp_path_factory.mktemp("ray_cluster")
     logs = [log_dir / f"ray-node{node.index}.log" for node in fake_nodes]

@@ -192,7 +192,8 @@ class RayOnNodes:
         where = (["--head", f"--port={RAY_PORT}", "--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
                  if index == 0 else [f"--address={self.head}"])
         argv = [RAY, "start", *where, f"--node-ip-address={node.address}", f"--resources={json.dumps(ROLES[index])}",
-                "--num-cpus=2", "--object-store-memory=100000000", "--disable-usage-stats", "--block"]
+                "--num-cpus=2", "--object-store-memory=100000000", "--disable-usage-stats",
+                "--include-log-monitor=false", "--block"]
         with open(self.log_dir / f"ray-node{index}.log", "a") as log:
             env = node_env(RAY_raylet_start_wait_time_s="120", **RAY_HEALTH_CHECK)
             self.processes[index] = node.popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
