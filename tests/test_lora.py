@@ -65,6 +65,20 @@ async def engine_greedy(client: SGLangClient, prompt: list[int]):
     return await client.generate(prompt, params, return_routed_experts=True, return_sampling_mask=False)
 
 
+async def shared_prefill_copies(client: SGLangClient, prompt: list[int], copies: int = 3):
+    """Greedy samples of ``copies`` copies of ``prompt`` in one batch, the prompt prefilled once first,
+    on a flushed prefix cache."""
+    client.shared_prefill_min_tokens = 1
+    await client.flush_cache()
+    try:
+        return await client.generate_batch([prompt] * copies, SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0,
+                                                                              ignore_eos=True),
+                                           group_ids=["g"] * copies, return_routed_experts=False,
+                                           return_sampling_mask=False)
+    finally:
+        client.shared_prefill_min_tokens = 0
+
+
 def sync_settings(tmp_path: Path) -> SyncSettings:
     base = SyncSettings.from_config(load_config(["recipe=tiny_moe_lora_cpu"]).sync)
     return SyncSettings(transport=base.transport, bucket_mb=base.bucket_mb, work_dir=str(tmp_path / "sync"),
@@ -83,12 +97,13 @@ def test_synced_adapter_equals_hf_with_the_adapter_merged(name, ray_local, engin
                 sync = AdapterSync(sync_settings(tmp_path), group, [client])
                 report = await sync.update(version, PauseMode.ABORT)
                 synced = await engine_greedy(client, prompt)
+                copies = await shared_prefill_copies(client, prompt)
                 client.adapter = None  # the base model, still served beside the adapter
                 base = await engine_greedy(client, prompt)
                 await sync.update(version + 10, PauseMode.ABORT)  # the next version replaces it
-                return report, synced, base, client.adapter, await client.weight_version()
+                return report, synced, copies, base, client.adapter, await client.weight_version()
 
-        report, synced, base, adapter, engine_version = asyncio.run(body())
+        report, synced, copies, base, adapter, engine_version = asyncio.run(body())
     finally:
         group.shutdown()
     adapter_dir = tmp_path / "sync" / "adapters" / f"v{version + 10}"
@@ -104,6 +119,8 @@ def test_synced_adapter_equals_hf_with_the_adapter_merged(name, ray_local, engin
     hf = hf_from_state(checkpoint, weights, tmp_path)
     hf_tokens, hf_logprobs = hf_greedy(hf, prompt, NEW_TOKENS)
     assert synced.response_ids == hf_tokens
+    # the prompt prefilled once under the adapter: each copy reads it from the cache and answers as HF merged
+    assert [(c.response_ids, c.cached_tokens) for c in copies] == [(hf_tokens, len(prompt) - 1)] * len(copies)
     diff = max(abs(a - b) for a, b in zip(synced.rollout_logprobs.tolist(), hf_logprobs))
     assert diff < LOGPROB_TOLERANCE, f"engine vs HF log-probs differ by {diff}"
     assert synced.model_version.tolist() == [version] * NEW_TOKENS
