@@ -100,11 +100,13 @@ def test_the_topology_gives_the_engines_their_parallelism(tiny_checkpoint, tmp_p
     assert flag_values(SGLangEngine(replace(s, device="cuda")).command())["--mem-fraction-static"] == "0.7"
     assert (s.lora_max_rank, s.lora_target_modules) == (0, ())
     # the shared prefill reaches the engines' clients, and only where the prefix cache it fills is on
-    assert s.shared_prefill_min_tokens == 0
+    off = client_of(s, "http://127.0.0.1:1")
     shared = policy("rollout.prefix_cache=true", "rollout.shared_prefill_min_tokens=16")[0]
     client = client_of(shared, "http://127.0.0.1:1")
+    assert off.shared_prefill_min_tokens == 0
     assert (client.shared_prefill_min_tokens, client.model.vocab_size) == (16, 384)
-    asyncio.run(client.aclose())
+    for c in (off, client):
+        asyncio.run(c.aclose())
     lora = policy(recipe="tiny_moe_lora_cpu")[0]
     assert (lora.lora_max_rank, lora.lora_target_modules) == (8, ("k_proj", "o_proj", "q_proj", "v_proj"))
     assert "--max-loras-per-batch" in SGLangEngine(lora).command()

@@ -301,8 +301,8 @@ class RolloutConfig:
     max_total_tokens: Optional[int] = setting(None, ge=1)
     prefix_cache: bool = True  # SGLang's radix prefix cache (false: --disable-radix-cache)
     # a prompt of at least this many tokens that a batch sends to an engine more than once (a GRPO group's) is
-    # prefilled there once first, so its copies read it from the prefix cache; 0 = off (SGLang prefills
-    # a batch's requests side by side, each copy computing the prompt)
+    # prefilled there once first, so its copies read it from the prefix cache; 0 = off, as it is with
+    # prefix_cache false (SGLang prefills a batch's requests side by side, each copy computing the prompt)
     shared_prefill_min_tokens: int = setting(32, ge=0)
     # a prompt group's requests (every turn of its episodes) go to the engine that served the group (which holds
     # their prefixes) unless that engine has this many more prompts in flight than the least-loaded one

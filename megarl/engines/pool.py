@@ -649,9 +649,11 @@ async def _start(settings: Sequence, *, num_cpus: float = 0.5, num_gpus: float =
 
 
 def client_of(settings, url: str, request_timeout_s: float = 600.0) -> SGLangClient:
-    """The client of an engine started with ``settings`` (``EngineSettings``) that serves at ``url``."""
+    """The client of an engine started with ``settings`` (``EngineSettings``) that serves at ``url``; it
+    prefills shared prompts only where the engine keeps a prefix cache to read them from."""
+    shared = settings.shared_prefill_min_tokens if settings.prefix_cache else 0
     return SGLangClient(url, ServedModel.from_hf_config(settings.model_path), request_timeout_s,
-                        api_key=settings.api_key, shared_prefill_min_tokens=settings.shared_prefill_min_tokens)
+                        api_key=settings.api_key, shared_prefill_min_tokens=shared)
 
 
 async def _placed(actors: list, timeout_s: float, num_cpus: float, num_gpus: float) -> None:

@@ -80,7 +80,7 @@ class EngineSettings:
     max_running_requests: int | None = None
     prefix_cache: bool = True  # SGLang's radix cache of computed prefixes; False: --disable-radix-cache
     # the client's side: a prompt of at least this many tokens sent more than once in a batch is prefilled
-    # once before it (SGLangClient._prefill_shared); 0: off
+    # once before it (SGLangClient._prefill_shared); 0: off, as it is without the prefix cache
     shared_prefill_min_tokens: int = 0
     # False: --skip-tokenizer-init, for engines that only get token ids and no stop strings or grammar
     # (the scheduler sends its output to the HTTP process directly, without the detokenizer's hop);
