@@ -351,6 +351,32 @@ def test_an_idle_engine_leaves_the_cores_alone(engine, tokenizer):
     assert used < 0.6, f"the idle engine's {len(processes)} processes used {used:.2f} s of CPU in 3 s"
 
 
+def test_a_paused_engine_leaves_the_cores_alone_and_wakes_for_the_next_call(engine, tokenizer):
+    """Paused (a weight sync's window), the engine's processes use almost no CPU: SGLang's paused loop
+    polls its sockets without a wait, a whole core, unless :mod:`megarl.platform.sglang_paused_wait`
+    lets it sleep as an idle one does. Control calls and generation answer at once after it."""
+    processes = [psutil.Process(engine.pid), *psutil.Process(engine.pid).children(recursive=True)]
+
+    async def body(client):
+        await client.pause_generation(PauseMode.RETRACT)
+        await asyncio.sleep(0.5)
+        before = sum(sum(p.cpu_times()[:2]) for p in processes)
+        await asyncio.sleep(3.0)
+        used = sum(sum(p.cpu_times()[:2]) for p in processes) - before
+        t0 = time.perf_counter()
+        await client.begin_weight_update()
+        await client.end_weight_update()
+        await client.continue_generation()
+        control_s = time.perf_counter() - t0
+        sample = await client.generate(tokenizer.encode("3+4="), SamplingParams(max_new_tokens=2, top_k=5))
+        return used, control_s, sample
+
+    used, control_s, sample = run_client(engine, body)
+    assert used < 0.6, f"the paused engine's {len(processes)} processes used {used:.2f} s of CPU in 3 s"
+    assert control_s < 0.5, f"three control calls to a paused engine took {control_s:.2f} s"
+    assert sample.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+
+
 def cached_tokens_of_a_repeat(url: str, prompt_ids: list[int]) -> int:
     """SGLang's ``meta_info["cached_tokens"]`` of ``prompt_ids`` sent a second time, after the first finished."""
     for _ in range(2):

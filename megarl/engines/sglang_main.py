@@ -6,7 +6,8 @@ megarl's SGLang CPU work-arounds (only when no GPU is present), keeps SGLang's i
 on torch's own unpickler (:mod:`megarl.platform.sglang_ipc`, every platform) and overlaps the receive and the load of
 weight-sync buckets (:mod:`megarl.engines.pipelined_load`), bounds its weight-update groups by the
 driver's ``sync.timeout_s`` (:mod:`megarl.engines.update_group`), keeps the routed experts a retracted
-request's tokens were generated with (:mod:`megarl.platform.sglang_retracted_routes`), then runs SGLang's own
+request's tokens were generated with (:mod:`megarl.platform.sglang_retracted_routes`), lets a paused
+scheduler wait on its sockets rather than spin (:mod:`megarl.platform.sglang_paused_wait`), then runs SGLang's own
 ``sglang.launch_server`` main with the same arguments. All are applied at import time on purpose: on
 GPU SGLang starts its scheduler and detokenizer with the "spawn" start method, and a spawned child
 re-imports this module (as ``__mp_main__``) before it runs any of SGLang's code (the registry's
@@ -39,13 +40,15 @@ import_guard.keep_out(import_guard.SERVER_KEPT_OUT, import_guard.SERVER_REASON)
 with gc_paused():  # most of SGLang is imported here
     model_registry.install(sys.argv[1:])  # before anything imports SGLang's registry
     from megarl.engines import pipelined_load, update_group
-    from megarl.platform import sglang_cpu, sglang_ipc, sglang_retracted_routes, sglang_tokenizer_stops
+    from megarl.platform import (sglang_cpu, sglang_ipc, sglang_paused_wait, sglang_retracted_routes,
+                                 sglang_tokenizer_stops)
 
     sglang_cpu.apply()
     sglang_ipc.install()
     pipelined_load.install()
     update_group.install()
     sglang_retracted_routes.install()
+    sglang_paused_wait.install()
     if sglang_tokenizer_stops.SKIP_TOKENIZER_FLAG in sys.argv:
         sglang_tokenizer_stops.install()
 
