@@ -225,11 +225,25 @@ def record_calls(client: SGLangClient) -> list:
     return calls
 
 
-def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path):
+def record_trainer_calls(trainer, calls: list, methods=("weight_sync_begin", "weight_sync_next")) -> None:
+    """Record each call of ``trainer``'s ``methods`` in ``calls`` as ("trainer", name), when it is made."""
+    for name in methods:
+        real = getattr(trainer, name)
+
+        async def recorded(*args, _real=real, _name=name, **kwargs):
+            calls.append(("trainer", _name))
+            return await _real(*args, **kwargs)
+
+        setattr(trainer, name, recorded)
+
+
+def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path, monkeypatch):
     """A sync costs each engine four control calls (pause, begin, end, continue) around the bucket
     loads; the version and the cache flush ride on the last load, in flight as well as idle; the
-    disk transport and recovery through disk take the same four around their one load. Tokens generated afterwards
-    carry the new version; a request running across the sync resumes on it (RETRACT)."""
+    disk transport and recovery through disk take the same four around their one load. The trainer
+    begins its side and gathers its first bucket while the engines pause, before their update session.
+    Tokens generated afterwards carry the new version; a request running across the sync resumes on
+    it (RETRACT)."""
     control = ["/pause_generation", "/begin_weight_update", "/end_weight_update", "/continue_generation"]
     long = SamplingParams(max_new_tokens=56, temperature=1.0, ignore_eos=True)
 
@@ -239,6 +253,9 @@ def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path):
             sync = WeightSync(settings(tmp_path), single, [client])
             await sync.setup()
             calls = record_calls(client)
+            for name in ("weight_sync_begin", "weight_sync_next"):
+                monkeypatch.setattr(single, name, getattr(single, name))  # restored after the test
+            record_trainer_calls(single, calls)
             seen = {}
             for version, mode, in_flight in ((4, PauseMode.ABORT, False), (5, PauseMode.RETRACT, True),
                                              (6, PauseMode.IN_PLACE, False)):
@@ -266,6 +283,10 @@ def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path):
 
     seen, recovered, (disk_calls, disk_version, disk_after) = asyncio.run(body())
     for version, (calls, report, running, engine_version, after) in seen.items():
+        first = [path for path, _ in calls[:3]]  # the first buckets are packed while the engines pause
+        assert sorted(first) == ["/pause_generation", "trainer", "trainer"], calls[:4]
+        assert [name for path, name in calls[:3] if path == "trainer"] == ["weight_sync_begin", "weight_sync_next"]
+        calls = [(path, body) for path, body in calls if path != "trainer"]
         loads = [body for path, body in calls if path in LOADS]
         assert [path for path, _ in calls if path not in LOADS] == control, calls
         assert len(loads) == report.buckets > 1
@@ -281,9 +302,12 @@ def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path):
             print(f"\n[measured] {across} of {len(spans)} requests ran across the RETRACT sync "
                   f"({report.total_s * 1e3:.0f} ms in flight)")
     link = ("/destroy_weights_update_group",)  # recover() also drops the link: it forms again at the next sync
+    recovered = [(path, body) for path, body in recovered if path != "trainer"]
     assert [path for path, _ in recovered if path not in LOADS + link] == control, recovered
     [disk_load] = [body for path, body in recovered if path in LOADS]
     assert disk_load["weight_version"] == "6" and disk_load["flush_cache"] is True
+    assert sorted(path for path, _ in disk_calls[:3]) == ["/pause_generation", "trainer", "trainer"], disk_calls
+    disk_calls = [(path, body) for path, body in disk_calls if path != "trainer"]
     assert [path for path, _ in disk_calls] == control[:2] + ["/update_weights_from_disk"] + control[2:], disk_calls
     assert disk_calls[2][1]["weight_version"] == "7" and disk_calls[2][1]["flush_cache"] is True
     assert disk_version == 7 and disk_after.model_version.tolist() == [7] * NEW_TOKENS

@@ -1,9 +1,9 @@
 """The weight-sync protocol between the trainer and the engines, driven from the async driver.
 
-One sync to version ``v``, four control round trips per engine around the buckets:
-pause generation on every engine (mode given by the caller) -> ``begin_weight_update`` -> the
-buckets (every trainer stage gathers and packs its next bucket while the engines load the previous
-one; the sync's last load call, the final bucket's or the disk transport's checkpoint load, also
+One sync to version ``v``, four control round trips per engine around the buckets: pause generation
+on every engine (mode given by the caller; every trainer stage gathers and packs its first bucket
+meanwhile) -> ``begin_weight_update`` -> the buckets (every trainer stage gathers and packs its next
+bucket while the engines load the previous one; the sync's last load call, the final bucket's or the disk transport's checkpoint load, also
 sets the engines' ``weight_version`` to ``v`` and flushes the KV/radix cache the old weights
 computed, except for ``in_place`` pauses, whose frozen requests still hold their cache) ->
 ``end_weight_update`` -> continue generation. Nothing runs on an engine between its pause and its
@@ -131,7 +131,8 @@ class WeightSync:
             if path is None:
                 try:
                     await self._connect(self._disk, [])
-                    indices, payloads, _, _ = await self._stream(self._disk, [], self.version, set(), None)
+                    first = await self._begin_senders(self._disk, self.version)
+                    indices, payloads, _, _ = await self._stream(self._disk, [], first, set(), None)
                 except BaseException:
                     await _quietly(self.trainer.weight_sync_abort())
                     self._linked.clear()
@@ -174,7 +175,13 @@ class WeightSync:
         if not engines:
             raise RuntimeError("no engine to sync (all failed or held: recover them first)")
         await self._connect(self._transport, engines)
-        await _each(engines, lambda c: c.pause_generation(mode))
+        plan = DeltaPlan(self._engine_base, self.settings.delta_max_fraction) if self.settings.delta else None
+        # the trainer packs its first buckets while the engines pause (they end the forward they are running)
+        first, paused = await asyncio.gather(self._begin_senders(self._transport, version, plan),
+                                             _each(engines, lambda c: c.pause_generation(mode)), return_exceptions=True)
+        for outcome in (first, paused):
+            if isinstance(outcome, BaseException):
+                raise outcome
 
         async def begin(i, client):
             await client.begin_weight_update()
@@ -183,9 +190,8 @@ class WeightSync:
         await asyncio.gather(*(begin(i, c) for i, c in enumerate(engines)))
         finish = Finish(weight_version=version, flush_cache=mode is not PauseMode.IN_PLACE)
         per_bucket = self._transport.loads_per_bucket
-        plan = DeltaPlan(self._engine_base, self.settings.delta_max_fraction) if self.settings.delta else None
-        indices, payloads, stats, load_s = await self._stream(self._transport, engines, version, progress.touched,
-                                                              finish if per_bucket else None, plan)
+        indices, payloads, stats, load_s = await self._stream(self._transport, engines, first, progress.touched,
+                                                              finish if per_bucket else None)
         t_commit = time.perf_counter()
         progress.touched.update(range(len(engines)))
         await self._transport.commit(engines, version, indices, payloads, None if per_bucket else finish)
@@ -209,19 +215,24 @@ class WeightSync:
                  report.gbps)
         return report
 
-    async def _stream(self, side: EngineSide, engines: list, version: int, touched: set[int],
-                      finish: Finish | None, delta: DeltaPlan | None = None):
-        """Every stage's buckets, loaded by ``engines`` as they come; the next bucket is gathered
-        while the engines load the previous one. ``finish`` rides on the last load (the batch in
-        which every stage sends its last bucket); ``delta``: a delta-mode sync's plan. Returns
-        (indices, payloads, sender stats, load seconds)."""
+    async def _begin_senders(self, side: EngineSide, version: int, delta: DeltaPlan | None = None):
+        """Start the trainer's side of a sync to ``version`` through ``side`` (``delta``: a delta-mode
+        sync's plan) and gather every stage's first bucket; (rank, index) of each, as :meth:`_next`.
+        It involves no engine: a sync runs it while the engines pause."""
         side.before_sync(version)
         await self.trainer.weight_sync_begin(side.name, version, self.settings.bucket_bytes, delta)
+        return await self._next()
+
+    async def _stream(self, side: EngineSide, engines: list, ready: list[tuple[int, BucketIndex]],
+                      touched: set[int], finish: Finish | None):
+        """Every stage's buckets from the first ones ``ready`` (:meth:`_begin_senders`), loaded by
+        ``engines`` as they come; the next bucket is gathered while the engines load the previous one.
+        ``finish`` rides on the last load (the batch in which every stage sends its last bucket).
+        Returns (indices, payloads, sender stats, load seconds)."""
         indices: list[BucketIndex] = []
         payloads: list[Any] = []
         load_s = 0.0
         finished = finish is None
-        ready = await self._next()
         while ready:
             sent = await self.trainer.weight_sync_send()
             batch = [(index, sent[rank]) for rank, index in ready]
