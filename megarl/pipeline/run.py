@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
+from rich.console import Console
 from rich.progress import Progress
 from transformers import AutoTokenizer
 
@@ -64,6 +65,13 @@ log = logging.getLogger(__name__)
 
 LOSS_TEARDOWN_S = 60.0  # the most a run waits for its teardown after a trainer node was lost
 LOSS_CONFIRM_S = 60.0  # after a trainer call failed in Ray, how long Ray may take to report a node dead
+
+
+def step_progress() -> Progress:
+    """The RL steps' progress bar: redrawn once a second on a terminal; elsewhere (a log file) drawn
+    once at its end, with no refresh thread re-rendering it meanwhile."""
+    console = Console()
+    return Progress(console=console, auto_refresh=console.is_terminal, refresh_per_second=1)
 
 
 def split_evenly(items: list, parts: int) -> list[list]:
@@ -110,7 +118,7 @@ class Pipeline:
         if self.stop_signal is not None:
             log.warning("stopped by %s before the first step", self.stop_signal)
             return
-        with StopRequest.ctrl_c_stops_after_the_step(), Progress() as self._progress:
+        with StopRequest.ctrl_c_stops_after_the_step(), step_progress() as self._progress:
             self._bar = self._progress.add_task(f"RL ({self.cfg.mode})", total=self.cfg.steps,
                                                 completed=self.start_step)
             self.books.start(self.producer.generated_tokens)
