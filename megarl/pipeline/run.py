@@ -160,7 +160,8 @@ class Pipeline:
         results, start = [], 0
         for groups in parts:
             count = sum(len(g.samples) for g in groups)
-            results.append(await self._update(whole.select(range(start, start + count))))
+            mini = whole if len(parts) == 1 else whole.select(range(start, start + count))
+            results.append(await self._update(mini))
             start += count
         combined = combine_updates(results)
         combined.metrics |= fit | {"rollout/mixed_version_tokens": float(whole.mixed_tokens)}
