@@ -40,8 +40,13 @@ import_guard.keep_out(import_guard.SERVER_KEPT_OUT, import_guard.SERVER_REASON)
 with gc_paused():  # most of SGLang is imported here
     model_registry.install(sys.argv[1:])  # before anything imports SGLang's registry
     from megarl.engines import pipelined_load, update_group
-    from megarl.platform import (sglang_cpu, sglang_ipc, sglang_paused_wait, sglang_retracted_routes,
-                                 sglang_tokenizer_stops)
+    from megarl.platform import (
+        sglang_cpu,
+        sglang_ipc,
+        sglang_paused_wait,
+        sglang_retracted_routes,
+        sglang_tokenizer_stops,
+    )
 
     sglang_cpu.apply()
     sglang_ipc.install()

@@ -1,18 +1,19 @@
-"""A paused scheduler waits on its sockets instead of spinning (every platform).
+"""A paused scheduler waits on its sockets instead of spinning (installed on every platform).
 
-SGLang 0.5.23's scheduler loops (``Scheduler.event_loop_normal`` and ``event_loop_overlap``) go
-straight back to ``ingest_requests`` while the engine is paused (``/pause_generation``), without the
-idle sleep that ``--sleep-on-idle`` gives an idle loop (``on_idle`` -> ``maybe_sleep_on_idle``): for
-the whole weight sync, the scheduler burns a core polling its sockets without a wait, the core that
-the server's HTTP process shares with it answers the sync's control calls late (begin/end update,
-continue) and, colocated, the trainer loses it.
+SGLang 0.5.23's scheduler loops (``Scheduler.event_loop_normal``, ``event_loop_overlap`` and the
+prefill/decode-disaggregated ones) go straight back to ``ingest_requests`` while the engine is
+paused (``/pause_generation``), without the idle sleep that ``--sleep-on-idle`` gives an idle loop
+(``on_idle`` -> ``maybe_sleep_on_idle``): for the whole weight sync, the scheduler burns a core
+polling its sockets without a wait, the core that the server's HTTP process shares with it answers
+the sync's control calls late (begin/end update, continue) and, colocated, the trainer loses it.
 
 :func:`install` makes the paused loop wait the way the idle loop does: after SGLang's own
 bookkeeping for a paused engine, a scheduler that has an idle sleeper (``--sleep-on-idle``, the
 receiving rank) and no request left to dispatch blocks in ``IdleSleeper.maybe_sleep`` (a
 ``zmq.Poller`` on the tokenizer's and the RPC sockets, at most 1 s), so the next control request
-(a weight load, continue) wakes it at once. Ranks without a sleeper keep SGLang's loop as it is (they
-wait in the broadcast from the receiving rank).
+(a weight load, continue) wakes it at once. Schedulers without a sleeper keep SGLang's loop as it is:
+the ranks that wait in the broadcast from the receiving rank, and GPU servers, which megarl starts
+without ``--sleep-on-idle`` (SGLang's default there).
 """
 from __future__ import annotations
 
