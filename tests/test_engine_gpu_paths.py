@@ -3,6 +3,7 @@ the dtype and attention backend a GPU engine is launched with (against SGLang's 
 CUDA-IPC payload per engine rank, the tensor transport only where IPC handles open, each colocated
 engine on its own GPUs with its memory saver, the trainer's release before the engines resume, and
 an engine placement Ray cannot satisfy failing in bounded time with what is missing."""
+import argparse
 import asyncio
 import dataclasses
 import logging
@@ -74,6 +75,20 @@ def test_gpu_engine_is_launched_in_bfloat16_with_an_explicit_attention_backend(t
     assert cpu.count("--attention-backend") == 1
     with pytest.raises(ValueError, match="model.dtype=bfloat16"):
         policy_settings(tiny(), tiny_checkpoint, HOPPER)[0]  # float32 on CUDA
+
+
+@pytest.mark.unit
+def test_schedulers_wait_on_their_sockets_when_idle_or_paused_on_gpu_and_cpu(tiny_checkpoint):
+    """``--sleep-on-idle`` on both platforms: without it SGLang's scheduler polls in a busy loop while
+    idle, and the paused loop's wait (:mod:`megarl.platform.sglang_paused_wait`) has no sleeper to use."""
+    from sglang.srt.server_args import ServerArgs
+
+    gpu = command_of(policy_settings(tiny("model.dtype=bfloat16"), tiny_checkpoint, HOPPER)[0])
+    cpu = command_of(policy_settings(tiny(), tiny_checkpoint, Platform.cpu())[0])
+    assert gpu.count("--sleep-on-idle") == cpu.count("--sleep-on-idle") == 1
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    assert parser.parse_args(gpu[3:]).sleep_on_idle is True  # SGLang's own parser, the whole GPU command line
 
 
 @pytest.mark.unit

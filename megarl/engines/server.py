@@ -225,14 +225,16 @@ class SGLangEngine:
             "--dtype", s.dtype, "--random-seed", str(s.random_seed), "--weight-version", str(s.weight_version),
             "--enable-return-routed-experts", "--sampling-mask-max-tokens", str(s.sampling_mask_max_tokens),
             "--skip-server-warmup", "--log-level", "warning",
+            # an idle scheduler otherwise polls its sockets in a busy loop, a whole core taken from the trainer
+            # and the other engines, and so does a paused one (megarl.platform.sglang_paused_wait): a weight
+            # sync's window, a colocated training step; with it, it waits on them (a request wakes it at once)
+            "--sleep-on-idle",
         ]
         if self.device == "cpu":
-            # --sleep-on-idle: an idle scheduler otherwise polls its sockets in a busy loop, a whole core
-            # taken from the trainer and the other engines; with it, it waits on them (a request wakes it at once).
             # --disable-overlap-schedule: overlapping the next batch's scheduling with the forward pays on a
             # GPU; on CPU both take the same cores, and the overlap's bookkeeping slows the rollout down.
             cmd += ["--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
-                    "--sleep-on-idle", "--disable-overlap-schedule"]
+                    "--disable-overlap-schedule"]
         else:
             cmd += self._gpu_args()
         if s.lora_max_rank:

@@ -11,9 +11,8 @@ the sync's control calls late (begin/end update, continue) and, colocated, the t
 bookkeeping for a paused engine, a scheduler that has an idle sleeper (``--sleep-on-idle``, the
 receiving rank) and no request left to dispatch blocks in ``IdleSleeper.maybe_sleep`` (a
 ``zmq.Poller`` on the tokenizer's and the RPC sockets, at most 1 s), so the next control request
-(a weight load, continue) wakes it at once. Schedulers without a sleeper keep SGLang's loop as it is:
-the ranks that wait in the broadcast from the receiving rank, and GPU servers, which megarl starts
-without ``--sleep-on-idle`` (SGLang's default there).
+(a weight load, continue) wakes it at once. Schedulers without a sleeper (the ranks that wait in the
+broadcast from the receiving rank, a server started without ``--sleep-on-idle``) keep SGLang's loop.
 """
 from __future__ import annotations
 
