@@ -336,6 +336,16 @@ def test_engine_generates_after_pause_and_continue(engine, tokenizer):
     assert run_client(engine, body).finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
 
 
+def server_processes(engine) -> list[psutil.Process]:
+    """The engine's server process and its children (scheduler, detokenizer)."""
+    return [psutil.Process(engine.pid), *psutil.Process(engine.pid).children(recursive=True)]
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    """User + system CPU seconds of ``processes`` so far."""
+    return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+
 def test_an_idle_engine_leaves_the_cores_alone(engine, tokenizer):
     """After a request, an idle engine's processes (server, scheduler, detokenizer) use almost no CPU:
     without ``--sleep-on-idle`` the scheduler polls in a busy loop, a whole core (~1 s of CPU a second)."""
@@ -343,11 +353,11 @@ def test_an_idle_engine_leaves_the_cores_alone(engine, tokenizer):
         return await client.generate(tokenizer.encode("2+2="), SamplingParams(max_new_tokens=2, top_k=5))
 
     run_client(engine, body)
-    processes = [psutil.Process(engine.pid), *psutil.Process(engine.pid).children(recursive=True)]
+    processes = server_processes(engine)
     time.sleep(1.0)  # the request's tail (detokenizing, the idle-time bookkeeping) is done
-    before = sum(sum(p.cpu_times()[:2]) for p in processes)
+    before = cpu_seconds(processes)
     time.sleep(3.0)
-    used = sum(sum(p.cpu_times()[:2]) for p in processes) - before
+    used = cpu_seconds(processes) - before
     assert used < 0.6, f"the idle engine's {len(processes)} processes used {used:.2f} s of CPU in 3 s"
 
 
@@ -355,14 +365,14 @@ def test_a_paused_engine_leaves_the_cores_alone_and_wakes_for_the_next_call(engi
     """Paused (a weight sync's window), the engine's processes use almost no CPU: SGLang's paused loop
     polls its sockets without a wait, a whole core, unless :mod:`megarl.platform.sglang_paused_wait`
     lets it sleep as an idle one does. Control calls and generation answer at once after it."""
-    processes = [psutil.Process(engine.pid), *psutil.Process(engine.pid).children(recursive=True)]
+    processes = server_processes(engine)
 
     async def body(client):
         await client.pause_generation(PauseMode.RETRACT)
         await asyncio.sleep(0.5)
-        before = sum(sum(p.cpu_times()[:2]) for p in processes)
+        before = cpu_seconds(processes)
         await asyncio.sleep(3.0)
-        used = sum(sum(p.cpu_times()[:2]) for p in processes) - before
+        used = cpu_seconds(processes) - before
         t0 = time.perf_counter()
         await client.begin_weight_update()
         await client.end_weight_update()

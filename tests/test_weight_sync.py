@@ -225,8 +225,10 @@ def record_calls(client: SGLangClient) -> list:
     return calls
 
 
-def record_trainer_calls(trainer, calls: list, methods=("weight_sync_begin", "weight_sync_next")) -> None:
-    """Record each call of ``trainer``'s ``methods`` in ``calls`` as ("trainer", name), when it is made."""
+def record_trainer_calls(trainer, calls: list, monkeypatch,
+                         methods=("weight_sync_begin", "weight_sync_next")) -> None:
+    """Record each call of ``trainer``'s ``methods`` in ``calls`` as ("trainer", name), when it is made,
+    until ``monkeypatch`` undoes it."""
     for name in methods:
         real = getattr(trainer, name)
 
@@ -234,7 +236,7 @@ def record_trainer_calls(trainer, calls: list, methods=("weight_sync_begin", "we
             calls.append(("trainer", _name))
             return await _real(*args, **kwargs)
 
-        setattr(trainer, name, recorded)
+        monkeypatch.setattr(trainer, name, recorded)
 
 
 def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path, monkeypatch):
@@ -253,9 +255,7 @@ def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path, m
             sync = WeightSync(settings(tmp_path), single, [client])
             await sync.setup()
             calls = record_calls(client)
-            for name in ("weight_sync_begin", "weight_sync_next"):
-                monkeypatch.setattr(single, name, getattr(single, name))  # restored after the test
-            record_trainer_calls(single, calls)
+            record_trainer_calls(single, calls, monkeypatch)
             seen = {}
             for version, mode, in_flight in ((4, PauseMode.ABORT, False), (5, PauseMode.RETRACT, True),
                                              (6, PauseMode.IN_PLACE, False)):
