@@ -99,3 +99,43 @@ def test_bad_routing_is_rejected():
     repeated[0, 0] = torch.tensor([4, 4])
     with pytest.raises(ValueError, match="repeats an expert"):
         check_routing(repeated, num_layers=2, num_experts=8)
+
+
+def test_every_sample_of_a_mixed_batch_reads_back_as_built_on_its_own():
+    """Random samples (lengths, masks, mixed-version flags, token advantages, int16/int32 routes, some
+    without a mask or flags): each sample's slice of the batch holds its own tokens and fields at the
+    positions that predict its response, and nothing else."""
+    rng = np.random.default_rng(0)
+    samples = []
+    for b in range(40):
+        P, R = int(rng.integers(1, 9)), int(rng.integers(1, 6))
+        samples.append(RolloutSample(
+            prompt_ids=rng.integers(0, 384, P).tolist(), response_ids=rng.integers(0, 384, R).tolist(),
+            loss_mask=(rng.random(R) < 0.8).astype(np.uint8), rollout_logprobs=-rng.random(R).astype(np.float32),
+            model_version=rng.integers(3, 8, R).astype(np.int32),
+            routed_experts=rng.integers(0, 8, (P + R - 1, 2, 2)).astype(np.int16 if b % 2 else np.int32),
+            sampling_mask=SamplingMask.from_rows([sorted(rng.choice(384, 3, replace=False).tolist()) for _ in range(R)])
+            if b % 3 else None, finish_reason=FinishReason.STOP, advantage=float(b),
+            mixed_versions=rng.random(R) < 0.4 if b % 4 == 1 else None,
+            token_advantages=rng.random(R).astype(np.float32) if b % 5 == 2 else None))
+    batch = build_rl_batch(samples, trainer_version=8)
+    offsets = batch.sampling_mask.offsets.tolist()
+    for b, s in enumerate(samples):
+        lo, hi = batch.cu_seqlens[b].item(), batch.cu_seqlens[b + 1].item()
+        pad, seq = [0] * (len(s.prompt_ids) - 1), s.prompt_ids + s.response_ids
+        mixed = s.mixed_versions if s.mixed_versions is not None else np.zeros(len(s.response_ids), bool)
+        kept = [0.0 if m else float(x) for x, m in zip(s.loss_mask, mixed & (s.loss_mask != 0))]
+        assert batch.tokens[lo:hi].tolist() == seq[:-1] and batch.targets[lo:hi].tolist() == seq[1:]
+        assert batch.loss_mask[lo:hi].tolist() == pad + kept
+        assert batch.mixed_versions[lo:hi].tolist() == [False] * len(pad) + (mixed & (s.loss_mask != 0)).tolist()
+        assert batch.rollout_logprobs[lo:hi].tolist() == pad + s.rollout_logprobs.tolist()
+        assert batch.staleness[lo:hi].tolist() == pad + (8 - s.model_version).tolist()
+        extra = s.token_advantages.tolist() if s.token_advantages is not None else [0.0] * len(s.response_ids)
+        assert batch.token_advantages[lo:hi].tolist() == pad + extra
+        assert batch.routed_experts[lo:hi].tolist() == s.routed_experts.tolist()
+        rows = [batch.sampling_mask.ids[offsets[i]:offsets[i + 1]].tolist() for i in range(lo, hi)]
+        own = [s.sampling_mask.row(r).tolist() for r in range(len(s.response_ids))] if s.sampling_mask else \
+            [[]] * len(s.response_ids)
+        assert rows == [[]] * len(pad) + own
+    assert batch.advantages.tolist() == [float(b) for b in range(40)]
+    assert batch.routed_experts.dtype == torch.int16 and batch.sampling_mask.ids.dtype == torch.int64

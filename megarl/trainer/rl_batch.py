@@ -8,6 +8,7 @@ micro-batch of them into packed or padded model inputs.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -117,78 +118,103 @@ def build_rl_batch(samples: Sequence[RolloutSample], with_routing: bool = True, 
     inconsistent per-token fields, or with a token newer than ``trainer_version``."""
     if not samples:
         raise ValueError("an RL batch needs at least one sample")
-    tokens, targets, loss_mask, logprobs, staleness, routed, mask_counts, mask_ids = [], [], [], [], [], [], [], []
-    token_advantages, mixed = [], []
-    use_mixed = any(s.mixed_versions is not None for s in samples)
-    use_token_advantages = with_advantages and any(s.token_advantages is not None for s in samples)
-    use_routing = with_routing and all(s.routed_experts is not None for s in samples)
-    use_mask = with_sampling_mask and any(s.sampling_mask is not None for s in samples)
-    shape = None
     for b, sample in enumerate(samples):
-        P, R = len(sample.prompt_ids), len(sample.response_ids)
-        if with_advantages and sample.advantage is None:
-            raise ValueError(f"sample {b} ({sample.group_id}) has no advantage")
-        if len(sample.loss_mask) != R or len(sample.rollout_logprobs) != R:
-            raise ValueError(f"sample {b}: loss_mask/rollout_logprobs must have one entry per response token ({R})")
-        if P < 1 or R < 1:
-            raise ValueError(f"sample {b}: needs at least one prompt and one response token (got {P}, {R})")
-        seq = np.asarray(list(sample.prompt_ids) + list(sample.response_ids), dtype=np.int64)
-        tokens.append(seq[:-1])
-        targets.append(seq[1:])
-        loss_mask.append(np.concatenate([np.zeros(P - 1, np.float32), np.asarray(sample.loss_mask, np.float32)]))
-        if use_mixed:
-            flags = np.zeros(P + R - 1, bool)
-            if sample.mixed_versions is not None:
-                flags[P - 1:] = sample.mixed_versions & (sample.loss_mask != 0)
-                loss_mask[-1][flags] = 0.0
-            mixed.append(flags)
-        logprobs.append(np.concatenate([np.zeros(P - 1, np.float32), np.asarray(sample.rollout_logprobs, np.float32)]))
-        stale = np.zeros(P + R - 1, np.int32)
-        if trainer_version is not None:
-            stale[P - 1:] = trainer_version - np.asarray(sample.model_version, np.int64)
-            if stale.min() < 0:
-                raise ValueError(f"sample {b} has tokens of weight version {int(sample.model_version.max())}, "
-                                 f"newer than the trainer's {trainer_version}")
-        staleness.append(stale)
-        if use_token_advantages:
-            extra = np.zeros(P + R - 1, np.float32)
-            if sample.token_advantages is not None:
-                extra[P - 1:] = sample.token_advantages
-            token_advantages.append(extra)
-        if use_routing:
-            r = np.asarray(sample.routed_experts)
-            shape = shape or r.shape[1:]
-            if r.shape != (P + R - 1, *shape):
-                raise ValueError(f"sample {b}: routed_experts {tuple(r.shape)} must be [T-1={P + R - 1}, "
-                                 f"{shape[0]}, {shape[1]}]")
-            routed.append(r.astype(np.int16))
-        if use_mask:
-            counts = np.zeros(P + R - 1, np.int64)
-            if sample.sampling_mask is not None:
-                m = sample.sampling_mask
-                counts[P - 1:] = np.diff(m.offsets)
-                mask_ids.append(np.asarray(m.ids, np.int64))
-            mask_counts.append(counts)
-    lengths = torch.tensor([len(t) for t in tokens])
+        _check_sample(b, sample, with_advantages)
+    prompt = np.fromiter((len(s.prompt_ids) for s in samples), np.int64, len(samples))
+    response = np.fromiter((len(s.response_ids) for s in samples), np.int64, len(samples))
+    lengths = torch.from_numpy(prompt + response - 1)
     cu = torch.zeros(len(samples) + 1, dtype=torch.long)
     torch.cumsum(lengths, 0, out=cu[1:])
-    mask = None
-    if use_mask:
-        counts = torch.from_numpy(np.concatenate(mask_counts))
-        offsets = torch.zeros(len(counts) + 1, dtype=torch.long)
-        torch.cumsum(counts, 0, out=offsets[1:])
-        mask = CsrMask(torch.from_numpy(np.concatenate(mask_ids)) if mask_ids else torch.zeros(0, dtype=torch.long),
-                       offsets)
+    seq = np.fromiter(itertools.chain.from_iterable(itertools.chain(s.prompt_ids, s.response_ids) for s in samples),
+                      np.int64, int(prompt.sum() + response.sum()))
+    ends = np.cumsum(prompt + response)
+    not_last, not_first = np.ones(len(seq), bool), np.ones(len(seq), bool)
+    not_last[ends - 1], not_first[ends - (prompt + response)] = False, False
+    # response token r of sample b is predicted at position cu[b] + P_b - 1 + r
+    at = _ranges(cu[:-1] + torch.from_numpy(prompt) - 1, torch.from_numpy(response)).numpy()
+    per_position = _scatter_responses(samples, at, len(seq) - len(samples), trainer_version,
+                                      with_advantages=with_advantages)
+    routed = _routing(samples, prompt + response - 1) if with_routing else None
+    mask = _sampling_mask(samples, at, len(seq) - len(samples)) if with_sampling_mask else None
     return RLBatch(
-        tokens=torch.from_numpy(np.concatenate(tokens)), targets=torch.from_numpy(np.concatenate(targets)),
-        loss_mask=torch.from_numpy(np.concatenate(loss_mask)),
-        rollout_logprobs=torch.from_numpy(np.concatenate(logprobs)),
-        staleness=torch.from_numpy(np.concatenate(staleness)),
+        tokens=torch.from_numpy(seq[not_last]), targets=torch.from_numpy(seq[not_first]), **per_position,
         cu_seqlens=cu, advantages=torch.tensor([float(s.advantage) if with_advantages else 0.0 for s in samples],
                                                 dtype=torch.float32),
-        routed_experts=torch.from_numpy(np.concatenate(routed)) if use_routing else None, sampling_mask=mask,
-        token_advantages=torch.from_numpy(np.concatenate(token_advantages)) if use_token_advantages else None,
-        mixed_versions=torch.from_numpy(np.concatenate(mixed)) if use_mixed else None)
+        routed_experts=routed, sampling_mask=mask)
+
+
+def _check_sample(b: int, sample: RolloutSample, with_advantages: bool) -> None:
+    """ValueError naming sample ``b`` if it cannot be trained on."""
+    P, R = len(sample.prompt_ids), len(sample.response_ids)
+    if with_advantages and sample.advantage is None:
+        raise ValueError(f"sample {b} ({sample.group_id}) has no advantage")
+    if len(sample.loss_mask) != R or len(sample.rollout_logprobs) != R:
+        raise ValueError(f"sample {b}: loss_mask/rollout_logprobs must have one entry per response token ({R})")
+    if P < 1 or R < 1:
+        raise ValueError(f"sample {b}: needs at least one prompt and one response token (got {P}, {R})")
+
+
+def _scatter_responses(samples: Sequence[RolloutSample], at: np.ndarray, n: int, trainer_version: int | None, *,
+                       with_advantages: bool) -> dict[str, Optional[torch.Tensor]]:
+    """The per-position fields that come from the response tokens, placed at positions ``at`` of ``n``."""
+    def placed(values: np.ndarray, dtype) -> np.ndarray:
+        out = np.zeros(n, dtype)
+        out[at] = values
+        return out
+
+    response_mask = np.concatenate([s.loss_mask for s in samples])
+    loss_mask = placed(response_mask, np.float32)
+    staleness = np.zeros(n, np.int32)
+    if trainer_version is not None:
+        stale = trainer_version - np.concatenate([s.model_version for s in samples]).astype(np.int64)
+        if stale.min() < 0:
+            first = int(np.flatnonzero(stale < 0)[0])  # the first sample holding a token from the future
+            b = int(np.searchsorted(np.cumsum([len(s.response_ids) for s in samples]), first, side="right"))
+            raise ValueError(f"sample {b} has tokens of weight version {int(samples[b].model_version.max())}, "
+                             f"newer than the trainer's {trainer_version}")
+        staleness[at] = stale
+    mixed = None
+    if any(s.mixed_versions is not None for s in samples):
+        flags = np.concatenate([s.mixed_versions if s.mixed_versions is not None
+                                else np.zeros(len(s.response_ids), bool) for s in samples])
+        mixed = placed(flags & (response_mask != 0), bool)
+        loss_mask[mixed] = 0.0
+    extra = None
+    if with_advantages and any(s.token_advantages is not None for s in samples):
+        extra = placed(np.concatenate([s.token_advantages if s.token_advantages is not None
+                                       else np.zeros(len(s.response_ids), np.float32) for s in samples]), np.float32)
+    logprobs = placed(np.concatenate([s.rollout_logprobs for s in samples]), np.float32)
+    fields = {"loss_mask": loss_mask, "rollout_logprobs": logprobs, "staleness": staleness, "mixed_versions": mixed,
+              "token_advantages": extra}
+    return {name: None if value is None else torch.from_numpy(value) for name, value in fields.items()}
+
+
+def _routing(samples: Sequence[RolloutSample], lengths: np.ndarray) -> Optional[torch.Tensor]:
+    """The samples' routed experts back to back, int16 [N, L, k] (sample b: ``lengths[b]`` rows); None
+    unless every sample has them."""
+    if any(s.routed_experts is None for s in samples):
+        return None
+    shape = samples[0].routed_experts.shape[1:]
+    for b, (sample, t) in enumerate(zip(samples, lengths)):
+        if sample.routed_experts.shape != (t, *shape):
+            raise ValueError(f"sample {b}: routed_experts {tuple(sample.routed_experts.shape)} must be "
+                             f"[T-1={t}, {shape[0]}, {shape[1]}]")
+    return torch.from_numpy(np.concatenate([s.routed_experts for s in samples]).astype(np.int16, copy=False))
+
+
+def _sampling_mask(samples: Sequence[RolloutSample], at: np.ndarray, n: int) -> Optional[CsrMask]:
+    """The samples' sampling masks as one CSR over the ``n`` positions (rows of the prompt positions and of
+    samples without a mask empty); None when no sample has one."""
+    masks = [s.sampling_mask for s in samples]
+    if all(m is None for m in masks):
+        return None
+    counts = np.zeros(n, np.int64)
+    counts[at] = np.concatenate([np.diff(m.offsets) if m is not None else np.zeros(len(s.response_ids), np.int64)
+                                 for s, m in zip(samples, masks)])
+    offsets = torch.zeros(n + 1, dtype=torch.long)
+    torch.cumsum(torch.from_numpy(counts), 0, out=offsets[1:])
+    ids = np.concatenate([m.ids for m in masks if m is not None]).astype(np.int64)
+    return CsrMask(torch.from_numpy(ids), offsets)
 
 
 def check_routing(routed: torch.Tensor, num_layers: int, num_experts: int) -> None:
