@@ -226,7 +226,7 @@ def record_calls(client: SGLangClient) -> list:
 
 
 def record_trainer_calls(trainer, calls: list, monkeypatch,
-                         methods=("weight_sync_begin", "weight_sync_next")) -> None:
+                         methods=("weight_sync_begin", "weight_sync_next", "weight_sync_send")) -> None:
     """Record each call of ``trainer``'s ``methods`` in ``calls`` as ("trainer", name), when it is made,
     until ``monkeypatch`` undoes it."""
     for name in methods:
@@ -243,7 +243,8 @@ def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path, m
     """A sync costs each engine four control calls (pause, begin, end, continue) around the bucket
     loads; the version and the cache flush ride on the last load, in flight as well as idle; the
     disk transport and recovery through disk take the same four around their one load. The trainer
-    begins its side and gathers its first bucket while the engines pause, before their update session.
+    begins its side, gathers its first bucket and starts sending it while the engines pause, before their
+    update session.
     Tokens generated afterwards carry the new version; a request running across the sync resumes on
     it (RETRACT)."""
     control = ["/pause_generation", "/begin_weight_update", "/end_weight_update", "/continue_generation"]
@@ -283,9 +284,11 @@ def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path, m
 
     seen, recovered, (disk_calls, disk_version, disk_after) = asyncio.run(body())
     for version, (calls, report, running, engine_version, after) in seen.items():
-        first = [path for path, _ in calls[:3]]  # the first buckets are packed while the engines pause
-        assert sorted(first) == ["/pause_generation", "trainer", "trainer"], calls[:4]
-        assert [name for path, name in calls[:3] if path == "trainer"] == ["weight_sync_begin", "weight_sync_next"]
+        first = [path for path, _ in calls[:4]]  # the first buckets are packed and sent while the engines pause
+        assert sorted(first) == ["/pause_generation", "trainer", "trainer", "trainer"], calls[:5]
+        assert [name for path, name in calls[:4] if path == "trainer"] == \
+            ["weight_sync_begin", "weight_sync_next", "weight_sync_send"]
+        assert calls[4][0] == "/begin_weight_update", calls[:5]
         calls = [(path, body) for path, body in calls if path != "trainer"]
         loads = [body for path, body in calls if path in LOADS]
         assert [path for path, _ in calls if path not in LOADS] == control, calls
@@ -306,7 +309,7 @@ def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path, m
     assert [path for path, _ in recovered if path not in LOADS + link] == control, recovered
     [disk_load] = [body for path, body in recovered if path in LOADS]
     assert disk_load["weight_version"] == "6" and disk_load["flush_cache"] is True
-    assert sorted(path for path, _ in disk_calls[:3]) == ["/pause_generation", "trainer", "trainer"], disk_calls
+    assert sorted(path for path, _ in disk_calls[:4]) == ["/pause_generation"] + ["trainer"] * 3, disk_calls
     disk_calls = [(path, body) for path, body in disk_calls if path != "trainer"]
     assert [path for path, _ in disk_calls] == control[:2] + ["/update_weights_from_disk"] + control[2:], disk_calls
     assert disk_calls[2][1]["weight_version"] == "7" and disk_calls[2][1]["flush_cache"] is True

@@ -1,8 +1,9 @@
 """The weight-sync protocol between the trainer and the engines, driven from the async driver.
 
 One sync to version ``v``, four control round trips per engine around the buckets: pause generation
-on every engine (mode given by the caller; every trainer stage gathers and packs its first bucket
-meanwhile) -> ``begin_weight_update`` -> the buckets (every trainer stage gathers and packs its next
+on every engine (mode given by the caller; every trainer stage gathers, packs and starts sending its
+first bucket meanwhile: the engines end the forward they are running before they answer) ->
+``begin_weight_update`` -> the buckets (every trainer stage gathers and packs its next
 bucket while the engines load the previous one; the sync's last load call, the final bucket's or the
 disk transport's checkpoint load, also sets the engines' ``weight_version`` to ``v`` and flushes the
 KV/radix cache the old weights computed, except for ``in_place`` pauses, whose frozen requests still
@@ -177,7 +178,7 @@ class WeightSync:
             raise RuntimeError("no engine to sync (all failed or held: recover them first)")
         await self._connect(self._transport, engines)
         plan = DeltaPlan(self._engine_base, self.settings.delta_max_fraction) if self.settings.delta else None
-        # the trainer packs its first buckets while the engines pause (they end the forward they are running)
+        # the trainer packs and starts sending its first buckets while the engines pause (they end their forward)
         first, paused = await asyncio.gather(self._begin_senders(self._transport, version, plan),
                                              _each(engines, lambda c: c.pause_generation(mode)), return_exceptions=True)
         for outcome in (first, paused):
@@ -218,25 +219,30 @@ class WeightSync:
 
     async def _begin_senders(self, side: EngineSide, version: int, delta: DeltaPlan | None = None):
         """Start the trainer's side of a sync to ``version`` through ``side`` (``delta``: a delta-mode
-        sync's plan) and gather every stage's first bucket; (rank, index) of each, as :meth:`_next`.
-        It involves no engine: a sync runs it while the engines pause."""
+        sync's plan), gather every stage's first bucket and start sending it; as :meth:`_send`. It
+        involves no engine (a transfer waits for the engines' receive): a sync runs it while they pause."""
         side.before_sync(version)
         await self.trainer.weight_sync_begin(side.name, version, self.settings.bucket_bytes, delta)
-        return await self._next()
+        return await self._send(await self._next())
 
-    async def _stream(self, side: EngineSide, engines: list, ready: list[tuple[int, BucketIndex]],
+    async def _send(self, ready: list[tuple[int, BucketIndex]]) -> list[tuple[BucketIndex, Any]]:
+        """Start the transfer of the buckets ``ready`` (:meth:`_next`); (index, payload) of each, in order."""
+        if not ready:
+            return []
+        sent = await self.trainer.weight_sync_send()
+        return [(index, sent[rank]) for rank, index in ready]
+
+    async def _stream(self, side: EngineSide, engines: list, batch: list[tuple[BucketIndex, Any]],
                       touched: set[int], finish: Finish | None):
-        """Every stage's buckets from the first ones ``ready`` (:meth:`_begin_senders`), loaded by
-        ``engines`` as they come; the next bucket is gathered while the engines load the previous one.
-        ``finish`` rides on the last load (the batch in which every stage sends its last bucket).
-        Returns (indices, payloads, sender stats, load seconds)."""
+        """Every stage's buckets from the first ones, ``batch`` (sent by :meth:`_begin_senders`), loaded by
+        ``engines`` as they come; the next bucket is gathered while the engines load the previous one, and
+        sent once they have. ``finish`` rides on the last load (the batch in which every stage sends its
+        last bucket). Returns (indices, payloads, sender stats, load seconds)."""
         indices: list[BucketIndex] = []
         payloads: list[Any] = []
         load_s = 0.0
         finished = finish is None
-        while ready:
-            sent = await self.trainer.weight_sync_send()
-            batch = [(index, sent[rank]) for rank, index in ready]
+        while batch:
             final = all(index.last for index, _ in batch)
             finished = finished or final
             if side.loads_per_bucket:
@@ -248,7 +254,7 @@ class WeightSync:
                 load_s += await loading
             indices += [index for index, _ in batch]
             payloads += [payload for _, payload in batch]
-            ready = upcoming
+            batch = await self._send(upcoming)
         stats = [s for s in await self.trainer.weight_sync_finish() if s is not None]
         if not finished:
             raise RuntimeError("the trainer sent no last bucket: the engines' weight version was not set")
