@@ -165,6 +165,9 @@ class RolloutProducer:
 
     def _finished(self, index: int) -> None:
         self.outstanding.pop(index, None)
+        self._notify_soon()
+
+    def _notify_soon(self) -> None:
         task = asyncio.create_task(self._notify())  # a dropped group lowers the destined step of the next
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -176,7 +179,8 @@ class RolloutProducer:
     def taken(self, groups: Iterable[Group]) -> None:
         """The trainer took (or dropped as stale) these groups: their prompts are done."""
         for group in groups:
-            self._finished(group.index)
+            self.outstanding.pop(group.index, None)
+        self._notify_soon()
 
     async def stop(self) -> None:
         """Cancel generation; groups in flight are counted as not started (re-queued on resume)."""
