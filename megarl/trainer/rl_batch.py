@@ -122,20 +122,20 @@ def build_rl_batch(samples: Sequence[RolloutSample], with_routing: bool = True, 
         _check_sample(b, sample, with_advantages)
     prompt = np.fromiter((len(s.prompt_ids) for s in samples), np.int64, len(samples))
     response = np.fromiter((len(s.response_ids) for s in samples), np.int64, len(samples))
-    lengths = torch.from_numpy(prompt + response - 1)
+    lengths = prompt + response - 1  # positions per sample
+    n = int(lengths.sum())
     cu = torch.zeros(len(samples) + 1, dtype=torch.long)
-    torch.cumsum(lengths, 0, out=cu[1:])
+    torch.cumsum(torch.from_numpy(lengths), 0, out=cu[1:])
     seq = np.fromiter(itertools.chain.from_iterable(itertools.chain(s.prompt_ids, s.response_ids) for s in samples),
-                      np.int64, int(prompt.sum() + response.sum()))
-    ends = np.cumsum(prompt + response)
+                      np.int64, n + len(samples))
+    ends = np.cumsum(lengths + 1)
     not_last, not_first = np.ones(len(seq), bool), np.ones(len(seq), bool)
-    not_last[ends - 1], not_first[ends - (prompt + response)] = False, False
+    not_last[ends - 1], not_first[ends - (lengths + 1)] = False, False
     # response token r of sample b is predicted at position cu[b] + P_b - 1 + r
     at = _ranges(cu[:-1] + torch.from_numpy(prompt) - 1, torch.from_numpy(response)).numpy()
-    per_position = _scatter_responses(samples, at, len(seq) - len(samples), trainer_version,
-                                      with_advantages=with_advantages)
-    routed = _routing(samples, prompt + response - 1) if with_routing else None
-    mask = _sampling_mask(samples, at, len(seq) - len(samples)) if with_sampling_mask else None
+    per_position = _scatter_responses(samples, at, n, trainer_version, with_advantages=with_advantages)
+    routed = _routing(samples, lengths) if with_routing else None
+    mask = _sampling_mask(samples, at, n) if with_sampling_mask else None
     return RLBatch(
         tokens=torch.from_numpy(seq[not_last]), targets=torch.from_numpy(seq[not_first]), **per_position,
         cu_seqlens=cu, advantages=torch.tensor([float(s.advantage) if with_advantages else 0.0 for s in samples],
