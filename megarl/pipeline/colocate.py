@@ -19,7 +19,9 @@ after the step (:meth:`Colocation.after_training`, around the weight sync)
        KV cache, 8. continue the engines and let the held requests go.
 
 Released weights come back uninitialised; the sync that follows overwrites every tensor. The KV
-cache is resumed after the sync, so the sync's buckets do not compete with it for memory.
+cache is resumed after the sync, so the sync's buckets do not compete with it for memory; the sync
+ends with its own continue, before step 7, which is safe because step 2 left no request in the
+engines and the pool keeps new ones until step 8.
 
 Release needs engines started with ``--enable-memory-saver`` (torch_memory_saver, CUDA only;
 :func:`megarl.config.topology.engine_launch`; a CUDA platform without it is refused when
