@@ -1,0 +1,49 @@
+"""tools/bench/async_vs_sync.py: its two bounds on async's speed-up over the sync run against a
+simulated one-step-off pipeline, step by step."""
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
+from async_vs_sync import overlap_bound, paused_bound  # noqa: E402
+
+
+def simulated_async_step(rollout_s: float, train_s: float, sync_s: float, engine_paused: bool,
+                         steps: int = 200) -> float:
+    """Seconds a step of a one-step-off pipeline: batch k is generated once the engine is done with batch
+    k - 1 and the sync of step k - 2 has ended (its weights are at most one version old at step k), step
+    k trains it once it is there and the step before has synced, then syncs; with ``engine_paused`` the
+    engine generates nothing during a sync (its work resumes after it)."""
+    sync_end = {-1: 0.0, 0: 0.0}
+    pauses: list[tuple[float, float]] = []
+    engine_free = 0.0
+    for k in range(1, steps + 1):
+        t, left = max(engine_free, sync_end[k - 2]), rollout_s
+        for a, b in pauses if engine_paused else []:
+            if b <= t:
+                continue
+            if a >= t + left:
+                break
+            left -= max(0.0, a - t)
+            t = b
+        engine_free = t + left  # batch k is ready
+        train_end = max(sync_end[k - 1], engine_free) + train_s
+        sync_end[k] = train_end + sync_s
+        pauses.append((train_end, sync_end[k]))
+    return (sync_end[steps] - sync_end[steps // 2]) / (steps - steps // 2)
+
+
+@pytest.mark.parametrize("rollout_s,train_s,sync_s", [(0.26, 0.17, 0.04), (0.54, 0.70, 0.04), (0.3, 0.1, 0.2),
+                                                      (0.2, 0.2, 0.05), (1.0, 0.4, 0.0)])
+def test_the_bounds_are_the_simulated_pipelines_speed_up(rollout_s, train_s, sync_s):
+    sync_run = {"wait_s_mean": rollout_s, "train_s_mean": train_s, "sync_s_mean": sync_s}
+    sync_step = rollout_s + train_s + sync_s
+    paused = sync_step / simulated_async_step(rollout_s, train_s, sync_s, engine_paused=True)
+    overlapped = sync_step / simulated_async_step(rollout_s, train_s, sync_s, engine_paused=False)
+    assert paused_bound(sync_run) == pytest.approx(paused, rel=1e-9)
+    assert overlap_bound(sync_run) == pytest.approx(overlapped, rel=1e-9)
+    assert paused_bound(sync_run) <= overlap_bound(sync_run) + 1e-12
+    assert (paused_bound(sync_run) == pytest.approx(overlap_bound(sync_run))) == (sync_s == 0 or train_s >= rollout_s)
