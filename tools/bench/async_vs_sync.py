@@ -278,7 +278,7 @@ def run_mode(mode: str, run_dir: Path, overrides: list[str], roles: dict, long_e
 
 
 def compare(sync: dict, asyn: dict) -> dict:
-    """One repeat's async-over-sync figures and its overlap bound."""
+    """One repeat's async-over-sync figures and its two bounds (perfect overlap, engines paused for the sync)."""
     steps_ratio = sync["step_s_mean"] / asyn["step_s_mean"]  # same steps of the same samples
     bound, paused = overlap_bound(sync), paused_bound(sync)
     return {"async_over_sync_throughput": asyn["tokens_per_s"] / sync["tokens_per_s"],
