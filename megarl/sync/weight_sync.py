@@ -3,12 +3,11 @@
 One sync to version ``v``, four control round trips per engine around the buckets: pause generation
 on every engine (mode given by the caller; every trainer stage gathers, packs and starts sending its
 first bucket meanwhile: the engines end the forward they are running before they answer) ->
-``begin_weight_update`` -> the buckets (every trainer stage gathers and packs its next
-bucket while the engines load the previous one; the sync's last load call, the final bucket's or the
-disk transport's checkpoint load, also sets the engines' ``weight_version`` to ``v`` and flushes the
+``begin_weight_update`` -> the buckets (every trainer stage gathers and packs its next bucket while
+the engines load the previous one; the sync's last load call, the final bucket's or the disk
+transport's checkpoint load, also sets the engines' ``weight_version`` to ``v`` and flushes the
 KV/radix cache the old weights computed, except for ``in_place`` pauses, whose frozen requests still
-hold their cache) ->
-``end_weight_update`` -> continue generation. Nothing runs on an engine between its pause and its
+hold their cache) -> ``end_weight_update`` -> continue generation. Nothing runs on an engine between its pause and its
 continue, so the version and the flush riding on the last load are the same as separate calls
 after ``end_weight_update``.
 
