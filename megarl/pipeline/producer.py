@@ -21,6 +21,10 @@ from megarl.tasks.prompts import BadPrompt
 
 log = logging.getLogger(__name__)
 
+# loop turns from a version change to the released groups' requests: the produce loop wakes and starts
+# them (each runs eagerly up to its engine's request coalescer), then the coalescer sends their joint request
+RELEASE_TURNS = 2
+
 
 class GenerationFailing(RuntimeError):
     """Every recent prompt group failed (rejected prompts, rewards that always raise): the run
@@ -69,9 +73,15 @@ class RolloutProducer:
         return (p.ended[Outcome.TRAINED] + p.buffered + p.in_flight) // self.prompts_per_step + 1
 
     async def set_engine_version(self, version: int) -> None:
+        """The engines serve ``version`` now. Returns after :data:`RELEASE_TURNS` turns of the event loop:
+        on the run's loop, whose tasks start eagerly (:func:`megarl.pipeline.run.start_tasks_eagerly`),
+        the groups the version lets start have sent their joint request by then, before the step's own
+        work (books, the next batch, the trainer call) holds the loop."""
         async with self._version_changed:
             self.engine_version = version
             self._version_changed.notify_all()
+        for _ in range(RELEASE_TURNS):
+            await asyncio.sleep(0)
 
     async def run(self) -> None:
         """Produce until cancelled. A failing group, or a source row that is no prompt, is logged and

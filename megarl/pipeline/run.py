@@ -309,6 +309,7 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
     layout = Layout.from_config(cfg.parallel)
     stack = contextlib.AsyncExitStack()
     try:
+        start_tasks_eagerly(stack)
         stack.enter_context(ray_for_run(layout.world_size + RunTopology.from_config(cfg).engine_count))
         StopRequest.install()  # again: ray.init replaced the handlers with its own (which just die)
         with StopRequest.cancels_the_start_up():
@@ -331,6 +332,17 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
         raise lost from None
     watch.cancel()
     await stack.aclose()
+
+
+def start_tasks_eagerly(stack: contextlib.AsyncExitStack) -> None:
+    """Run every task the run creates on its loop eagerly (``asyncio.eager_task_factory``: a new task
+    runs at once up to its first wait), until ``stack`` closes. A group the new weights let start then
+    reaches its engine's request within the turn that started it, where a task per hop (group, the
+    pool's placement, the engine call, the joint request) would cost a loop turn each, and the turns
+    would wait behind the step's own work (books, the next batch, the trainer call)."""
+    loop = asyncio.get_running_loop()
+    stack.callback(loop.set_task_factory, loop.get_task_factory())
+    loop.set_task_factory(asyncio.eager_task_factory)
 
 
 async def _watch_trainer_nodes(trainer: TrainerGroup, period_s: float) -> asyncio.Task:
