@@ -7,9 +7,9 @@ first bucket meanwhile: the engines end the forward they are running before they
 the engines load the previous one; the sync's last load call, the final bucket's or the disk
 transport's checkpoint load, also sets the engines' ``weight_version`` to ``v`` and flushes the
 KV/radix cache the old weights computed, except for ``in_place`` pauses, whose frozen requests still
-hold their cache) -> ``end_weight_update`` -> continue generation. Nothing runs on an engine between its pause and its
-continue, so the version and the flush riding on the last load are the same as separate calls
-after ``end_weight_update``.
+hold their cache) -> ``end_weight_update`` -> continue generation. Nothing runs on an engine between
+its pause and its continue, so the version and the flush riding on the last load are the same as
+separate calls after ``end_weight_update``.
 
 Delta mode (``sync.delta``, :mod:`megarl.sync.delta`): a sync sends only the elements that changed
 when every engine holds, as its baseline, the version the trainer's senders sent last; otherwise
