@@ -243,8 +243,8 @@ def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path, m
     """A sync costs each engine four control calls (pause, begin, end, continue) around the bucket
     loads; the version and the cache flush ride on the last load, in flight as well as idle; the
     disk transport and recovery through disk take the same four around their one load. The trainer
-    begins its side, gathers its first bucket and starts sending it while the engines pause, before their
-    update session.
+    begins its side, gathers its first bucket and starts sending it while the engines pause and then open
+    their update session.
     Tokens generated afterwards carry the new version; a request running across the sync resumes on
     it (RETRACT)."""
     control = ["/pause_generation", "/begin_weight_update", "/end_weight_update", "/continue_generation"]
@@ -284,11 +284,12 @@ def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path, m
 
     seen, recovered, (disk_calls, disk_version, disk_after) = asyncio.run(body())
     for version, (calls, report, running, engine_version, after) in seen.items():
-        first = [path for path, _ in calls[:4]]  # the first buckets are packed and sent while the engines pause
-        assert sorted(first) == ["/pause_generation", "trainer", "trainer", "trainer"], calls[:5]
-        assert [name for path, name in calls[:4] if path == "trainer"] == \
+        first = [path for path, _ in calls[:5]]  # the first buckets are packed and sent while the engines pause
+        assert sorted(first) == ["/begin_weight_update", "/pause_generation", "trainer", "trainer", "trainer"], \
+            calls[:6]
+        assert first.index("/pause_generation") < first.index("/begin_weight_update"), calls[:6]
+        assert [name for path, name in calls[:5] if path == "trainer"] == \
             ["weight_sync_begin", "weight_sync_next", "weight_sync_send"]
-        assert calls[4][0] == "/begin_weight_update", calls[:5]
         calls = [(path, body) for path, body in calls if path != "trainer"]
         loads = [body for path, body in calls if path in LOADS]
         assert [path for path, _ in calls if path not in LOADS] == control, calls
@@ -309,11 +310,40 @@ def test_sync_makes_four_control_round_trips(single, engine, prompt, tmp_path, m
     assert [path for path, _ in recovered if path not in LOADS + link] == control, recovered
     [disk_load] = [body for path, body in recovered if path in LOADS]
     assert disk_load["weight_version"] == "6" and disk_load["flush_cache"] is True
-    assert sorted(path for path, _ in disk_calls[:4]) == ["/pause_generation"] + ["trainer"] * 3, disk_calls
+    assert sorted(path for path, _ in disk_calls[:5]) == ["/begin_weight_update", "/pause_generation"] + \
+        ["trainer"] * 3, disk_calls
     disk_calls = [(path, body) for path, body in disk_calls if path != "trainer"]
     assert [path for path, _ in disk_calls] == control[:2] + ["/update_weights_from_disk"] + control[2:], disk_calls
     assert disk_calls[2][1]["weight_version"] == "7" and disk_calls[2][1]["flush_cache"] is True
     assert disk_version == 7 and disk_after.model_version.tolist() == [7] * NEW_TOKENS
+
+
+def test_engines_open_their_update_session_while_the_trainer_packs(single, engine, tmp_path, monkeypatch):
+    """An engine's ``begin_weight_update`` follows its own pause, not the trainer's first bucket: with the
+    trainer's packing slowed down, the engine has paused and opened its session before the trainer sends."""
+    real_next = single.weight_sync_next
+
+    async def slow_next():
+        await asyncio.sleep(0.5)
+        return await real_next()
+
+    async def body():
+        async with SGLangClient(engine.url, engine.model) as client:
+            sync = WeightSync(settings(tmp_path), single, [client])
+            await sync.setup()
+            calls = record_calls(client)
+            monkeypatch.setattr(single, "weight_sync_next", slow_next)
+            record_trainer_calls(single, calls, monkeypatch, methods=("weight_sync_next", "weight_sync_send"))
+            await sync.update(8, PauseMode.RETRACT)
+            version = await client.weight_version()
+            await sync.close()
+            return [name if path == "trainer" else path for path, name in calls], version
+
+    names, version = asyncio.run(body())
+    assert version == 8
+    assert names.index("/pause_generation") < names.index("/begin_weight_update") < names.index("weight_sync_send"), \
+        names
+    assert names.index("weight_sync_next") < names.index("weight_sync_send") < names.index(LOADS[0]), names
 
 
 def test_bucket_waiting_at_session_end_is_loaded(single, engine, checkpoint, prompt, tmp_path, monkeypatch):

@@ -1,15 +1,15 @@
 """The weight-sync protocol between the trainer and the engines, driven from the async driver.
 
 One sync to version ``v``, four control round trips per engine around the buckets: pause generation
-on every engine (mode given by the caller; every trainer stage gathers, packs and starts sending its
-first bucket meanwhile: the engines end the forward they are running before they answer) ->
-``begin_weight_update`` -> the buckets (every trainer stage gathers and packs its next bucket while
-the engines load the previous one; the sync's last load call, the final bucket's or the disk
-transport's checkpoint load, also sets the engines' ``weight_version`` to ``v`` and flushes the
-KV/radix cache the old weights computed, except for ``in_place`` pauses, whose frozen requests still
-hold their cache) -> ``end_weight_update`` -> continue generation. Nothing runs on an engine between
-its pause and its continue, so the version and the flush riding on the last load are the same as
-separate calls after ``end_weight_update``.
+(mode given by the caller) then ``begin_weight_update`` on every engine, while every trainer stage
+gathers, packs and starts sending its first bucket (the engines end the forward they are running
+first) -> the buckets (every trainer stage gathers and packs its next bucket while the engines load
+the previous one; the sync's last load call, the final bucket's or the disk transport's checkpoint
+load, also sets the engines' ``weight_version`` to ``v`` and flushes the KV/radix cache the old
+weights computed, except for ``in_place`` pauses, whose frozen requests still hold their cache) ->
+``end_weight_update`` -> continue generation. Nothing runs on an engine between its pause and its
+continue, so the version and the flush riding on the last load are the same as separate calls after
+``end_weight_update``.
 
 Delta mode (``sync.delta``, :mod:`megarl.sync.delta`): a sync sends only the elements that changed
 when every engine holds, as its baseline, the version the trainer's senders sent last; otherwise
@@ -177,18 +177,19 @@ class WeightSync:
             raise RuntimeError("no engine to sync (all failed or held: recover them first)")
         await self._connect(self._transport, engines)
         plan = DeltaPlan(self._engine_base, self.settings.delta_max_fraction) if self.settings.delta else None
-        # the trainer packs and starts sending its first buckets while the engines pause (they end their forward)
-        first, paused = await asyncio.gather(self._begin_senders(self._transport, version, plan),
-                                             _each(engines, lambda c: c.pause_generation(mode)), return_exceptions=True)
-        for outcome in (first, paused):
-            if isinstance(outcome, BaseException):
-                raise outcome
-
-        async def begin(i, client):
+        async def pause_and_begin(i, client):
+            await client.pause_generation(mode)
             await client.begin_weight_update()
             progress.began.add(i)
 
-        await asyncio.gather(*(begin(i, c) for i, c in enumerate(engines)))
+        # the trainer packs and starts sending its first buckets while each engine pauses (ending its forward)
+        # and opens its update session: the engines' control calls are off the path to the first load
+        first, began = await asyncio.gather(
+            self._begin_senders(self._transport, version, plan),
+            asyncio.gather(*(pause_and_begin(i, c) for i, c in enumerate(engines))), return_exceptions=True)
+        for outcome in (first, began):
+            if isinstance(outcome, BaseException):
+                raise outcome
         finish = Finish(weight_version=version, flush_cache=mode is not PauseMode.IN_PLACE)
         per_bucket = self._transport.loads_per_bucket
         indices, payloads, stats, load_s = await self._stream(self._transport, engines, first, progress.touched,
