@@ -117,9 +117,9 @@ def check_engine_equals_hf(sample, hf_tokens, hf_logprobs, version):
     return diff
 
 
-def settings(tmp_path, transport="distributed", **kw) -> SyncSettings:
+def settings(tmp_path, transport="distributed", bucket_mb=BUCKET_MB, **kw) -> SyncSettings:
     base = SyncSettings.from_config(load_config(["recipe=tiny_moe_cpu"]).sync)  # transport resolved
-    return dataclasses.replace(base, transport=transport, bucket_mb=BUCKET_MB, work_dir=str(tmp_path / "sync"), **kw)
+    return dataclasses.replace(base, transport=transport, bucket_mb=bucket_mb, work_dir=str(tmp_path / "sync"), **kw)
 
 
 def read_checkpoint(path: Path) -> dict:
@@ -131,16 +131,17 @@ def read_checkpoint(path: Path) -> dict:
     return out
 
 
-def sync_and_compare(group, engine, checkpoint, prompt, tmp_path, version, transport="distributed"):
-    engine_tp = engine.settings.tp
+def sync_and_compare(group, engine, checkpoint, prompt, tmp_path, version, transport="distributed",
+                     bucket_mb=BUCKET_MB):
     """Sync, compare the engine with HF built from the trainer's export, recover through disk and
     compare the checkpoint bit for bit. Returns (report, max log-prob diff)."""
+    engine_tp = engine.settings.tp
     reference = asyncio.run(group.export_hf_state())
     hf_tokens, hf_logprobs = hf_greedy(hf_from_state(checkpoint, reference, tmp_path), prompt, NEW_TOKENS)
 
     async def body():
         async with SGLangClient(engine.url, engine.model) as client:
-            sync = WeightSync(settings(tmp_path, transport, engine_tp=engine_tp), group, [client])
+            sync = WeightSync(settings(tmp_path, transport, bucket_mb, engine_tp=engine_tp), group, [client])
             await sync.setup()
             report = await sync.update(version, PauseMode.ABORT)
             after = await engine_greedy(client, prompt)
@@ -381,14 +382,27 @@ def test_bucket_waiting_at_session_end_is_loaded(single, engine, checkpoint, pro
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_sync_equals_hf(name, ray_local, engine, checkpoint, prompt, tmp_path):
+def test_layout_sync_equals_hf(name, ray_local, engine, checkpoint, prompt, tmp_path, monkeypatch):
     """Every trainer layout into the one-rank engine (the TP2xEP2 trainer goes into a TP2+EP2 engine, with
-    the same checks, in tests/test_weight_sync_sharded_engine.py)."""
+    the same checks, in tests/test_weight_sync_sharded_engine.py). PP2 goes in buckets small enough that
+    its stages pack different numbers of them (stage 0's embedding travels alone): the stage that has
+    sent its last bucket waits while the other sends the rest."""
     group = trained_group(LAYOUTS[name], checkpoint)
+    packed, real_next = [], group.weight_sync_next
+
+    async def recorded_next():
+        indices = await real_next()
+        packed.extend(index.stage for index in indices if index is not None)
+        return indices
+
+    monkeypatch.setattr(group, "weight_sync_next", recorded_next)
     try:
-        sync_and_compare(group, engine, checkpoint, prompt, tmp_path, version=10 + list(LAYOUTS).index(name))
+        sync_and_compare(group, engine, checkpoint, prompt, tmp_path, version=10 + list(LAYOUTS).index(name),
+                         bucket_mb=0.06 if name == "pp2" else BUCKET_MB)
     finally:
         group.shutdown()
+    per_stage = [packed.count(stage) for stage in range(LAYOUTS[name].pp)]
+    assert all(per_stage) and (name != "pp2" or per_stage[0] != per_stage[1]), per_stage
 
 
 def test_failed_transfer_holds_the_engine_until_recovered(single, engine, checkpoint, prompt, tmp_path,

@@ -68,6 +68,7 @@ class RankSync:
         self._sender: Sender | None = None
         self._packer: BucketPacker | None = None
         self._ready: Bucket | None = None
+        self._drained = False  # this stage's sender has packed its last bucket (other stages may still send)
         self._inflight: tuple[threading.Thread, Bucket, list] | None = None
         self._stats: SenderStats | None = None
         self._spare: list = []  # the buffer of the bucket sent last, for the next bucket to reuse
@@ -139,7 +140,7 @@ class RankSync:
             if sender is None:
                 raise RuntimeError(f"no {kind!r} weight-sync link on this rank: connect first")
             sender.begin(version)
-        self._sender = sender
+        self._sender, self._drained = sender, False
         self._stats = SenderStats(stage=self.stage, capacity=capacity)
         kwargs = {"allocate": self._allocate, "adopt": sender.adopt} if sender is not None else {}
         if sender is not None and delta is not None:
@@ -169,6 +170,7 @@ class RankSync:
         if self._sender is None or item is None:
             if self._sender is not None:
                 self._sender.release(unused)
+                self._drained = True
             return None
         if self._encoder is not None:
             item = self._encoder.encode(item)
@@ -182,10 +184,11 @@ class RankSync:
     @_exclusive
     def send(self) -> Any:
         """Start the transfer of the bucket ``next`` packed (after the previous one finished and
-        was freed); returns the transport's payload for the driver (None off senders)."""
+        was freed); returns the transport's payload for the driver (None off senders, and on a sender
+        whose stage has sent its last bucket while other stages still send theirs)."""
         if self._sharded_sync:
             return self._sharded.send()
-        if self._sender is None:
+        if self._sender is None or (self._ready is None and self._drained):
             return None
         self._join()
         if self._ready is None:

@@ -33,7 +33,8 @@ class WeightSyncTrainer(Protocol):
         """Gather and pack each stage's next bucket: its index on the sender, None elsewhere or at the end."""
 
     async def weight_sync_send(self) -> list[Any]:
-        """Start the transfer of each packed bucket: the transport's payload on senders, None elsewhere."""
+        """Start the transfer of each packed bucket: the transport's payload on senders, None elsewhere
+        (and on the senders of stages that have sent their last bucket)."""
 
     async def weight_sync_finish(self) -> list[dict | None]:
         """End the sync: each sender's ``SenderStats`` as a dict, None elsewhere."""
