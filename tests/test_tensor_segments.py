@@ -74,6 +74,34 @@ def test_a_gone_senders_segments_are_unlinked_but_not_one_still_mapped():
         manifest.unlink(missing_ok=True)
 
 
+@pytest.mark.processes
+def test_a_manifest_another_sender_removed_meanwhile_is_skipped(monkeypatch):
+    """The senders of a pipeline's stages start at once and each cleans up: a manifest that one of them
+    removes between another's listing and its reading is skipped, and the other orphans still go."""
+    import megarl.sync.transports.tensor as tensor
+
+    first, second = finished_pid(), finished_pid()
+    taken, left = orphan(first, 1), orphan(second, 2)
+    real = tensor.mapped_segments
+
+    def the_other_sender_cleans_up_first():
+        for name in taken:
+            (SHARED_MEMORY / name).unlink()
+        (SHARED_MEMORY / f"{MANIFEST_PREFIX}{first}").unlink()
+        return real()
+
+    monkeypatch.setattr(tensor, "mapped_segments", the_other_sender_cleans_up_first)
+    try:
+        removed = remove_orphaned_segments()
+        assert set(left) <= set(removed) and not set(taken) & set(removed)
+        assert not (SHARED_MEMORY / f"{MANIFEST_PREFIX}{second}").exists()
+    finally:
+        for name in taken + left:
+            (SHARED_MEMORY / name).unlink(missing_ok=True)
+        for pid in (first, second):
+            (SHARED_MEMORY / f"{MANIFEST_PREFIX}{pid}").unlink(missing_ok=True)
+
+
 @pytest.mark.unit
 def test_a_running_senders_and_foreign_files_stay():
     names = orphan(1, 1)  # pid 1 is alive

@@ -104,7 +104,10 @@ def remove_orphaned_segments() -> list[str]:
     mapped = mapped_segments()
     removed = []
     for manifest in manifests:
-        names = set(manifest.read_text().split())
+        try:
+            names = set(manifest.read_text().split())
+        except FileNotFoundError:  # another sender starting at the same time (one per stage) removed it
+            continue
         removed += unlink_unmapped(names, mapped)
         if not names & mapped:
             manifest.unlink(missing_ok=True)
