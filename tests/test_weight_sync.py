@@ -347,6 +347,49 @@ def test_engines_open_their_update_session_while_the_trainer_packs(single, engin
     assert names.index("weight_sync_next") < names.index("weight_sync_send") < names.index(LOADS[0]), names
 
 
+class PauseRefused:
+    """An engine that refuses its pause and then answers nothing."""
+
+    base_url = "http://pause-refused.invalid"
+
+    async def pause_generation(self, mode):
+        raise EngineError("injected: pause refused")
+
+    async def weight_version(self):
+        raise EngineError("injected: unreachable")
+
+
+def test_a_refused_pause_leaves_no_update_session_open_on_the_others(single, engine, prompt, tmp_path, monkeypatch):
+    """One engine refuses its pause while another is still opening its update session: the sync fails once
+    every engine's pause and session call has ended, so the other engine's session is closed and it resumes;
+    the next sync into it succeeds (a session left open would refuse its ``begin_weight_update``)."""
+    async def body():
+        async with SGLangClient(engine.url, engine.model) as client:
+            real_begin = client.begin_weight_update
+
+            async def slow_begin():
+                await asyncio.sleep(0.5)
+                await real_begin()
+
+            monkeypatch.setattr(client, "begin_weight_update", slow_begin)
+            sync = WeightSync(settings(tmp_path), single, [client])
+            await sync.setup()
+            before = await client.weight_version()
+            sync.engines = [PauseRefused(), client]
+            with pytest.raises(WeightSyncError, match="pause refused") as failure:
+                await sync.update(22, PauseMode.RETRACT)
+            resumed = await asyncio.wait_for(engine_greedy(client, prompt), 60)  # a paused engine would not answer
+            report = await sync.update(23, PauseMode.RETRACT)
+            version = await client.weight_version()
+            await sync.close()
+            return before, failure.value, resumed, report, version
+
+    before, failure, resumed, report, version = asyncio.run(body())
+    assert failure.failed == [PauseRefused.base_url] and failure.held == []
+    assert resumed.model_version.tolist() == [before] * NEW_TOKENS  # resumed on its previous weights
+    assert report.engines == 1 and version == 23
+
+
 def test_bucket_waiting_at_session_end_is_loaded(single, engine, checkpoint, prompt, tmp_path, monkeypatch):
     """The engine loads each bucket during the next one's receive (megarl.engines.pipelined_load);
     when no load call carries the version (a caller other than megarl's driver), the bucket

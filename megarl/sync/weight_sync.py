@@ -183,11 +183,12 @@ class WeightSync:
             progress.began.add(i)
 
         # the trainer packs and starts sending its first buckets while each engine pauses (ending its forward)
-        # and opens its update session: the engines' control calls are off the path to the first load
-        first, began = await asyncio.gather(
-            self._begin_senders(self._transport, version, plan),
-            asyncio.gather(*(pause_and_begin(i, c) for i, c in enumerate(engines))), return_exceptions=True)
-        for outcome in (first, began):
+        # and opens its update session: the engines' control calls are off the path to the first load. All of
+        # them end before a failure is raised, so that the failure path sees every session that was begun.
+        first, *began = await asyncio.gather(self._begin_senders(self._transport, version, plan),
+                                             *(pause_and_begin(i, c) for i, c in enumerate(engines)),
+                                             return_exceptions=True)
+        for outcome in (first, *began):
             if isinstance(outcome, BaseException):
                 raise outcome
         finish = Finish(weight_version=version, flush_cache=mode is not PauseMode.IN_PLACE)
