@@ -183,6 +183,11 @@ class BucketPacker:
         self.stats.largest_tensor_bytes = max(self.stats.largest_tensor_bytes, _nbytes(tensor))
         return name, tensor
 
+    @property
+    def exhausted(self) -> bool:
+        """Whether :meth:`next_bucket` has returned the stream's last bucket (it returns None from now on)."""
+        return self._done and self._pending is None
+
     def next_bucket(self) -> Bucket | BucketIndex | None:
         """The next bucket (a :class:`Bucket`, or only its :class:`BucketIndex` when ``keep`` is
         False), or None when the stream is exhausted."""

@@ -68,7 +68,6 @@ class RankSync:
         self._sender: Sender | None = None
         self._packer: BucketPacker | None = None
         self._ready: Bucket | None = None
-        self._drained = False  # this stage's sender has packed its last bucket (other stages may still send)
         self._inflight: tuple[threading.Thread, Bucket, list] | None = None
         self._stats: SenderStats | None = None
         self._spare: list = []  # the buffer of the bucket sent last, for the next bucket to reuse
@@ -140,7 +139,7 @@ class RankSync:
             if sender is None:
                 raise RuntimeError(f"no {kind!r} weight-sync link on this rank: connect first")
             sender.begin(version)
-        self._sender, self._drained = sender, False
+        self._sender = sender
         self._stats = SenderStats(stage=self.stage, capacity=capacity)
         kwargs = {"allocate": self._allocate, "adopt": sender.adopt} if sender is not None else {}
         if sender is not None and delta is not None:
@@ -170,7 +169,6 @@ class RankSync:
         if self._sender is None or item is None:
             if self._sender is not None:
                 self._sender.release(unused)
-                self._drained = True
             return None
         if self._encoder is not None:
             item = self._encoder.encode(item)
@@ -188,7 +186,7 @@ class RankSync:
         whose stage has sent its last bucket while other stages still send theirs)."""
         if self._sharded_sync:
             return self._sharded.send()
-        if self._sender is None or (self._ready is None and self._drained):
+        if self._sender is None or (self._ready is None and self._packer is not None and self._packer.exhausted):
             return None
         self._join()
         if self._ready is None:
