@@ -117,6 +117,17 @@ def mixed_version_tokens(versions: np.ndarray, entered_in_place: Mapping[int, bo
     return mixed if mixed.any() else None
 
 
+def generate_payload(prompts: list[list[int]], params: SamplingParams, return_routed_experts: bool,
+                     return_sampling_mask: bool) -> dict:
+    """The ``/generate`` body of a batch of token-id prompts: per-token log-probs always, routed experts and
+    the sampling mask (with the log-probs of the sampling distribution) as asked."""
+    payload = {"input_ids": prompts, "sampling_params": params.to_json(), "return_logprob": True,
+               "return_routed_experts": return_routed_experts, "return_sampling_mask": return_sampling_mask}
+    if return_sampling_mask:
+        payload["sampling_logprobs_mode"] = "selected"
+    return payload
+
+
 def shared_prompts(prompts: list[list[int]], min_tokens: int) -> list[int]:
     """Positions of the first copy of each prompt that occurs more than once in ``prompts`` and has at
     least ``min_tokens`` tokens, in order; none when ``min_tokens`` is 0 (off)."""
@@ -274,12 +285,7 @@ class SGLangClient:
                                   key: tuple) -> list[RolloutSample]:
         """One ``/generate`` request for ``prompts`` (validated lists); ``key`` = (params, routing, mask flags)."""
         params, return_routed_experts, return_sampling_mask = key
-        payload = {
-            "input_ids": prompts, "sampling_params": params.to_json(), "return_logprob": True,
-            "return_routed_experts": return_routed_experts, "return_sampling_mask": return_sampling_mask,
-        }
-        if return_sampling_mask:
-            payload["sampling_logprobs_mode"] = "selected"
+        payload = generate_payload(prompts, params, return_routed_experts, return_sampling_mask)
         adapter = self._name_adapter(payload)
         firsts = shared_prompts(prompts, self.shared_prefill_min_tokens)
         cached_first = await self._prefill_shared([prompts[i] for i in firsts], adapter) if firsts else []

@@ -14,12 +14,21 @@ does it in this process with ``transformers``' ``generate`` and ``torch.optim.Ad
   overhead_ratio         sync step s / bare step s
   async_overhead_ratio   async step s / bare step s
   cpu_s_per_step         CPU seconds a step by process role (:mod:`process_cpu`), over the counted steps
+  sync_step_parts        medians of the sync run's rollout wait (``time/wait_s``), training (``time/train_s``)
+                         and weight sync (``sync/total_s``) seconds, and the rest of its step
+  bare_step_parts        medians of the bare loop's generate and train (reward, loss, backward, Adam) seconds
+  engine_generate_s      median seconds of the step's batch (``--prompts`` x ``--samples`` prompts, the
+                         recipe's sampling parameters, log-probs, routed experts and sampling masks asked
+                         for as megarl asks) sent as one ``/generate`` straight to a SGLang server started
+                         with the recipe's engine settings: the engine's own cost, no megarl around it
+  engine_over_bare_step  engine_generate_s / bare step s: how much of ``overhead_ratio`` the engine's
+                         rollout alone accounts for
 
-Each of ``--repeats`` repeats runs the bare loop, megarl sync, megarl async and the bare loop again on
-the same warmed-up checkpoint, so a drift of the machine's speed during the run moves both sides alike
-(``bare_step_s_before`` / ``bare_step_s_after`` show it); the top-level ratios are the medians over
+Each of ``--repeats`` repeats runs the bare loop, megarl sync, megarl async, the engine alone and the
+bare loop again on the same warmed-up checkpoint, so a drift of the machine's speed during the run moves
+both sides alike (``bare_step_s_before`` / ``bare_step_s_after`` show it); the top-level ratios are the medians over
 the repeats. The bare loop uses every core (``torch.set_num_threads(os.cpu_count())``: with one
-thread its step takes ~40% longer and the ratio flatters megarl), megarl its own placement (engine
+thread its step takes longer and the ratio flatters megarl), megarl its own placement (engine
 and trainer one thread each).
 
 Usage: python tools/bench/overhead.py --json FILE [--repeats R --steps N --prompts P --samples G ...]
@@ -43,16 +52,26 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 
-def megarl_step_times(run_dir: Path, skip: int) -> list[float]:
-    """Wall-clock times of the RL steps' metrics rows, the first ``skip`` steps left out."""
+PARTS = {"rollout_wait_s": "time/wait_s", "train_s": "time/train_s", "sync_s": "sync/total_s"}  # metrics keys
+
+
+def megarl_step_rows(run_dir: Path, skip: int) -> list[dict]:
+    """The RL steps' metrics rows, the first ``skip`` steps left out."""
     from megarl.metrics.sink import read_metrics
 
-    return [r["time"] for r in read_metrics(run_dir) if "reward/mean" in r][skip:]
+    return [r for r in read_metrics(run_dir) if "reward/mean" in r][skip:]
+
+
+def step_parts(rows: list[dict], step_s: float) -> dict[str, float]:
+    """Medians of a run's :data:`PARTS` over ``rows``, and ``rest_s``: ``step_s`` minus their sum."""
+    parts = {name: statistics.median(r[key] for r in rows) for name, key in PARTS.items()}
+    return parts | {"rest_s": step_s - sum(parts.values())}
 
 
 def bare_loop(checkpoint: Path, steps: int, prompts: int, samples: int, max_new_tokens: int, lr: float,
-              clip: float, seed: int) -> tuple[list[float], list[float]]:
-    """``steps`` GRPO steps with transformers + torch alone; returns (seconds, mean reward) per step."""
+              clip: float, seed: int) -> tuple[list[float], list[float], list[float]]:
+    """``steps`` GRPO steps with transformers + torch alone; returns (seconds, generate seconds, mean
+    reward) per step."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -65,7 +84,7 @@ def bare_loop(checkpoint: Path, steps: int, prompts: int, samples: int, max_new_
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.5, 0.99))
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    seconds, rewards = [], []
+    seconds, generate_seconds, rewards = [], [], []
     for _ in range(steps):
         t0 = time.perf_counter()
         problems = sample_problems(prompts, rng)
@@ -78,6 +97,7 @@ def bare_loop(checkpoint: Path, steps: int, prompts: int, samples: int, max_new_
             out = model.generate(input_ids=ids, attention_mask=attention, do_sample=True, temperature=1.0, top_k=20,
                                  max_new_tokens=max_new_tokens, num_return_sequences=samples, eos_token_id=eos,
                                  pad_token_id=pad)
+        generate_seconds.append(time.perf_counter() - t0)
         response = out[:, width:]
         ended = (response == eos).cumsum(1)
         mask = (ended - (response == eos).long()) == 0  # tokens up to and including the first EOS
@@ -98,7 +118,41 @@ def bare_loop(checkpoint: Path, steps: int, prompts: int, samples: int, max_new_
         optimizer.step()
         seconds.append(time.perf_counter() - t0)
         rewards.append(float(r.mean()))
-    return seconds, rewards
+    return seconds, generate_seconds, rewards
+
+
+def engine_alone(checkpoint: Path, cfg, steps: int, prompts: int, samples: int, max_new_tokens: int,
+                 log_path: Path) -> list[float]:
+    """Seconds of ``steps`` ``/generate`` calls, each one step's batch of fresh problems (every prompt
+    ``samples`` times), to a SGLang server started with ``cfg``'s engine settings for a single-turn run
+    (dtype, KV-cache size, prefix cache, sampling-mask width, no tokenizer), in megarl's request body
+    (:func:`megarl.engines.client.generate_payload`); each time runs from sending the request to having the
+    whole answer, without parsing it."""
+    import httpx
+    import orjson
+    from transformers import AutoTokenizer
+
+    from megarl.engines.client import generate_payload
+    from megarl.engines.server import EngineSettings, SGLangEngine
+    from megarl.engines.types import SamplingParams
+    from megarl.tasks.arithmetic import sample_problems
+
+    r = cfg.rollout
+    settings = EngineSettings(model_path=str(checkpoint), dtype=cfg.model.dtype, max_total_tokens=r.max_total_tokens,
+                              prefix_cache=r.prefix_cache, sampling_mask_max_tokens=max(r.top_k, 1), tokenizer=False,
+                              random_seed=cfg.task.seed, log_path=str(log_path))
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
+    tok, rng, seconds = AutoTokenizer.from_pretrained(checkpoint), random.Random(cfg.task.seed), []
+    with SGLangEngine(settings) as engine, httpx.Client(timeout=600.0) as http:
+        for _ in range(steps):
+            ids = [tok(p.prompt)["input_ids"] for p in sample_problems(prompts, rng)]
+            body = orjson.dumps(generate_payload([p for p in ids for _ in range(samples)], params, r.keep_routing,
+                                                 r.keep_sampling_mask))
+            t0 = time.perf_counter()
+            http.post(f"{engine.url}/generate", content=body,
+                      headers={"content-type": "application/json"}).raise_for_status()
+            seconds.append(time.perf_counter() - t0)
+    return seconds
 
 
 def megarl_run(mode: str, run_dir: Path, common: list[str], skip: int) -> dict:
@@ -112,24 +166,34 @@ def megarl_run(mode: str, run_dir: Path, common: list[str], skip: int) -> dict:
             raise RuntimeError(f"the {mode} run in {run_dir} failed")
     finally:
         sampler.stop()
-    times = megarl_step_times(run_dir, skip)
+    rows = megarl_step_rows(run_dir, skip)
+    times = [r["time"] for r in rows]
     seconds = [b - a for a, b in zip(times, times[1:])]
     return {"step_s": statistics.median(seconds), "step_seconds": seconds,
+            "step_parts": step_parts(rows[1:], statistics.median(seconds)),
             "cpu_s_per_step": sampler.per_step(times[0], times[-1], len(seconds))}
 
 
-def one_repeat(work: Path, index: int, common: list[str], bare, skip: int) -> dict:
-    """Bare loop, megarl sync, megarl async, bare loop: the figures of one repeat."""
-    bare_before, rewards_before = bare()
+def one_repeat(work: Path, index: int, common: list[str], bare, engine, skip: int) -> dict:
+    """Bare loop, megarl sync, megarl async, the engine alone, bare loop: the figures of one repeat."""
+    bare_before, generate_before, rewards_before = bare()
     runs = {mode: megarl_run(mode, work / f"{mode}{index}", common, skip) for mode in ("sync", "async")}
-    bare_after, rewards_after = bare()
+    engine_seconds = engine(work / f"engine{index}.log")
+    bare_after, generate_after, rewards_after = bare()
     bare_step = statistics.median(bare_before[skip:] + bare_after[skip:])
+    bare_generate = statistics.median(generate_before[skip:] + generate_after[skip:])
+    engine_generate = statistics.median(engine_seconds[skip:])
     return {"overhead_ratio": runs["sync"]["step_s"] / bare_step,
             "async_overhead_ratio": runs["async"]["step_s"] / bare_step,
+            "engine_over_bare_step": engine_generate / bare_step,
             "megarl_step_s": runs["sync"]["step_s"], "megarl_async_step_s": runs["async"]["step_s"],
-            "bare_step_s": bare_step, "bare_step_s_before": statistics.median(bare_before[skip:]),
+            "bare_step_s": bare_step, "engine_generate_s": engine_generate,
+            "sync_step_parts": runs["sync"]["step_parts"],
+            "bare_step_parts": {"generate_s": bare_generate, "train_s": bare_step - bare_generate},
+            "bare_step_s_before": statistics.median(bare_before[skip:]),
             "bare_step_s_after": statistics.median(bare_after[skip:]), "megarl": runs,
             "bare_step_seconds_before": bare_before, "bare_step_seconds_after": bare_after,
+            "engine_generate_seconds": engine_seconds,
             "bare_reward_mean_before": rewards_before, "bare_reward_mean_after": rewards_after}
 
 
@@ -153,13 +217,19 @@ def main() -> int:
         return 1
     cfg = load_config(["recipe=tiny_moe_cpu", *common])
 
-    def bare() -> tuple[list[float], list[float]]:
+    def bare() -> tuple[list[float], list[float], list[float]]:
         return bare_loop(work / "warm", args.steps, args.prompts, args.samples, args.max_new_tokens, cfg.trainer.lr,
                          cfg.algorithm.clip_high, cfg.task.seed)
 
-    repeats = [one_repeat(work, i, common, bare, args.skip) for i in range(args.repeats)]
-    keys = ("overhead_ratio", "async_overhead_ratio", "megarl_step_s", "megarl_async_step_s", "bare_step_s")
+    def engine(log_path: Path) -> list[float]:
+        return engine_alone(work / "warm", cfg, args.steps, args.prompts, args.samples, args.max_new_tokens, log_path)
+
+    repeats = [one_repeat(work, i, common, bare, engine, args.skip) for i in range(args.repeats)]
+    keys = ("overhead_ratio", "async_overhead_ratio", "engine_over_bare_step", "megarl_step_s", "megarl_async_step_s",
+            "bare_step_s", "engine_generate_s")
+    middle = sorted(repeats, key=lambda r: r["overhead_ratio"])[len(repeats) // 2]
     result = {**{k: statistics.median(r[k] for r in repeats) for k in keys},
+              "sync_step_parts": middle["sync_step_parts"], "bare_step_parts": middle["bare_step_parts"],
               "cpu_s_per_step": {mode: repeats[len(repeats) // 2]["megarl"][mode]["cpu_s_per_step"]
                                  for mode in ("sync", "async")},
               "repeats": repeats, "bare_torch_threads": torch.get_num_threads(),
@@ -168,11 +238,19 @@ def main() -> int:
     for r in repeats:
         print(f"sync step {r['megarl_step_s']:.3f} s, async {r['megarl_async_step_s']:.3f} s, bare loop "
               f"{r['bare_step_s']:.3f} s (before {r['bare_step_s_before']:.3f}, after {r['bare_step_s_after']:.3f}): "
-              f"overhead_ratio {r['overhead_ratio']:.2f}, async_overhead_ratio {r['async_overhead_ratio']:.2f}")
+              f"overhead_ratio {r['overhead_ratio']:.2f}, async_overhead_ratio {r['async_overhead_ratio']:.2f}; "
+              f"engine alone {r['engine_generate_s']:.3f} s ({r['engine_over_bare_step']:.2f} bare steps)")
     print(f"medians of {args.repeats}: overhead_ratio {result['overhead_ratio']:.2f}, async_overhead_ratio "
-          f"{result['async_overhead_ratio']:.2f}; CPU s a sync step by role {result['cpu_s_per_step']['sync']}")
+          f"{result['async_overhead_ratio']:.2f}, engine_over_bare_step {result['engine_over_bare_step']:.2f}; "
+          f"CPU s a sync step by role {result['cpu_s_per_step']['sync']}")
+    print(f"a sync step's parts (s) {_rounded(result['sync_step_parts'])}; "
+          f"the bare loop's {_rounded(result['bare_step_parts'])}")
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
+
+
+def _rounded(parts: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 3) for k, v in parts.items()}
 
 
 if __name__ == "__main__":
