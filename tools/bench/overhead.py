@@ -17,6 +17,7 @@ does it in this process with ``transformers``' ``generate`` and ``torch.optim.Ad
   sync_step_parts        medians of the sync run's rollout wait (``time/wait_s``), training (``time/train_s``)
                          and weight sync (``sync/total_s``) seconds, and the rest of its step
   bare_step_parts        medians of the bare loop's generate and train (reward, loss, backward, Adam) seconds
+                         (these three at the top level: the repeat of the median ``overhead_ratio``)
   engine_generate_s      median seconds of the step's batch (``--prompts`` x ``--samples`` prompts, the
                          recipe's sampling parameters, log-probs, routed experts and sampling masks asked
                          for as megarl asks) sent as one ``/generate`` straight to a SGLang server started
@@ -197,6 +198,10 @@ def one_repeat(work: Path, index: int, common: list[str], bare, engine, skip: in
             "bare_reward_mean_before": rewards_before, "bare_reward_mean_after": rewards_after}
 
 
+def _rounded(parts: dict[str, float]) -> dict[str, float]:
+    return {k: round(v, 3) for k, v in parts.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_workload_arguments(parser, steps=20, prompts=64, max_new_tokens=3)
@@ -230,8 +235,7 @@ def main() -> int:
     middle = sorted(repeats, key=lambda r: r["overhead_ratio"])[len(repeats) // 2]
     result = {**{k: statistics.median(r[k] for r in repeats) for k in keys},
               "sync_step_parts": middle["sync_step_parts"], "bare_step_parts": middle["bare_step_parts"],
-              "cpu_s_per_step": {mode: repeats[len(repeats) // 2]["megarl"][mode]["cpu_s_per_step"]
-                                 for mode in ("sync", "async")},
+              "cpu_s_per_step": {mode: middle["megarl"][mode]["cpu_s_per_step"] for mode in ("sync", "async")},
               "repeats": repeats, "bare_torch_threads": torch.get_num_threads(),
               "workload": {"steps": args.steps, "prompts_per_step": args.prompts, "samples_per_prompt": args.samples,
                            "max_new_tokens": args.max_new_tokens, "skip": args.skip, "repeats": args.repeats}}
@@ -247,10 +251,6 @@ def main() -> int:
           f"the bare loop's {_rounded(result['bare_step_parts'])}")
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
-
-
-def _rounded(parts: dict[str, float]) -> dict[str, float]:
-    return {k: round(v, 3) for k, v in parts.items()}
 
 
 if __name__ == "__main__":
