@@ -14,6 +14,7 @@ does it in this process with ``transformers``' ``generate`` and ``torch.optim.Ad
   overhead_ratio         sync step s / bare step s
   async_overhead_ratio   async step s / bare step s
   cpu_s_per_step         CPU seconds a step by process role (:mod:`process_cpu`), over the counted steps
+                         (null when they span under two of its samples)
   sync_step_parts        medians of the sync run's rollout wait (``time/wait_s``), training (``time/train_s``)
                          and weight sync (``sync/total_s``) seconds, and the rest of its step
   bare_step_parts        medians of the bare loop's generate and train (reward, loss, backward, Adam) seconds
@@ -244,9 +245,10 @@ def main() -> int:
               f"{r['bare_step_s']:.3f} s (before {r['bare_step_s_before']:.3f}, after {r['bare_step_s_after']:.3f}): "
               f"overhead_ratio {r['overhead_ratio']:.2f}, async_overhead_ratio {r['async_overhead_ratio']:.2f}; "
               f"engine alone {r['engine_generate_s']:.3f} s ({r['engine_over_bare_step']:.2f} bare steps)")
+    cpu = result["cpu_s_per_step"]["sync"] or "not sampled (the counted steps span under two 1 s samples: more --steps)"
     print(f"medians of {args.repeats}: overhead_ratio {result['overhead_ratio']:.2f}, async_overhead_ratio "
           f"{result['async_overhead_ratio']:.2f}, engine_over_bare_step {result['engine_over_bare_step']:.2f}; "
-          f"CPU s a sync step by role {result['cpu_s_per_step']['sync']}")
+          f"CPU s a sync step by role {cpu}")
     print(f"a sync step's parts (s) {_rounded(result['sync_step_parts'])}; "
           f"the bare loop's {_rounded(result['bare_step_parts'])}")
     Path(args.json).write_text(json.dumps(result, indent=2))

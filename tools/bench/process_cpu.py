@@ -2,9 +2,9 @@
 
 A :class:`CpuSampler` thread reads the CPU time (user + system) of this process and every descendant
 every ``interval_s`` and keeps the samples with their wall-clock time; :meth:`CpuSampler.per_step`
-then gives, per role, the CPU seconds used between two wall-clock times divided by the steps run
-between them (the metrics rows' ``time``). Roles, by command line: the SGLang server's HTTP and
-tokenizer process (``sglang_http``), its scheduler (``sglang_scheduler``) and detokenizer
+then gives, per role, the CPU seconds a step between two wall-clock times (the metrics rows' ``time``):
+the rate of use between the samples inside them times the seconds a step. Roles, by command line: the
+SGLang server's HTTP and tokenizer process (``sglang_http``), its scheduler (``sglang_scheduler``) and detokenizer
 (``sglang_detokenizer``), the trainer rank (``trainer``), the engine's Ray actor (``engine_actor``),
 Ray's own processes (``ray``), this process (``driver``) and the rest (``other``).
 """
@@ -58,13 +58,18 @@ class CpuSampler(threading.Thread):
                 continue  # ended meanwhile
         self.samples.append((time.time(), seen))
 
-    def per_step(self, start: float, end: float, steps: int) -> dict[str, float]:
-        """Role -> CPU seconds a step between wall-clock ``start`` and ``end`` (the samples nearest
-        inside them); a process that ended or started between them counts what was seen of it."""
+    def per_step(self, start: float, end: float, steps: int) -> dict[str, float] | None:
+        """Role -> CPU seconds a step between wall-clock ``start`` and ``end``, over which ``steps`` steps
+        ran: the CPU used between the first and the last sample inside them, per second of that span, times
+        the seconds a step. None when fewer than two samples fall inside (a window shorter than about two
+        ``interval_s``). A process that ended or started between the samples counts what was seen of it."""
         times = [t for t, _ in self.samples]
-        first = self.samples[min(bisect.bisect_left(times, start), len(times) - 1)][1]
-        last = self.samples[max(bisect.bisect_right(times, end) - 1, 0)][1]
+        i, j = bisect.bisect_left(times, start), bisect.bisect_right(times, end) - 1
+        if j <= i:
+            return None
+        (t_first, first), (t_last, last) = self.samples[i], self.samples[j]
         used: dict[str, float] = {}
         for pid, (role, cpu) in last.items():
             used[role] = used.get(role, 0.0) + cpu - first.get(pid, (role, 0.0))[1]
-        return {role: round(s / steps, 4) for role, s in sorted(used.items())}
+        seconds_per_step = (end - start) / steps
+        return {role: round(s / (t_last - t_first) * seconds_per_step, 4) for role, s in sorted(used.items())}
