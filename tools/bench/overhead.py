@@ -22,7 +22,7 @@ does it in this process with ``transformers``' ``generate`` and ``torch.optim.Ad
   engine_generate_s      median seconds of the step's batch (``--prompts`` x ``--samples`` prompts, the
                          recipe's sampling parameters, log-probs, routed experts and sampling masks asked
                          for as megarl asks) sent as one ``/generate`` straight to a SGLang server started
-                         with the recipe's engine settings: the engine's own cost, no megarl around it
+                         as megarl starts the recipe's policy engine: the engine's own cost, no megarl around it
   engine_over_bare_step  engine_generate_s / bare step s: how much of ``overhead_ratio`` the engine's
                          rollout alone accounts for
 
@@ -126,23 +126,26 @@ def bare_loop(checkpoint: Path, steps: int, prompts: int, samples: int, max_new_
 def engine_alone(checkpoint: Path, cfg, steps: int, prompts: int, samples: int, max_new_tokens: int,
                  log_path: Path) -> list[float]:
     """Seconds of ``steps`` ``/generate`` calls, each one step's batch of fresh problems (every prompt
-    ``samples`` times), to a SGLang server started with ``cfg``'s engine settings for a single-turn run
-    (dtype, KV-cache size, prefix cache, sampling-mask width, no tokenizer), in megarl's request body
+    ``samples`` times), to a SGLang server started with the settings megarl gives the run ``cfg``'s first
+    policy engine (:func:`megarl.pipeline.startup.engines.plan_engines`), in megarl's request body
     (:func:`megarl.engines.client.generate_payload`); each time runs from sending the request to having the
     whole answer, without parsing it."""
+    import dataclasses
+
     import httpx
     import orjson
     from transformers import AutoTokenizer
 
     from megarl.engines.client import generate_payload
-    from megarl.engines.server import EngineSettings, SGLangEngine
+    from megarl.engines.server import SGLangEngine
     from megarl.engines.types import SamplingParams
+    from megarl.pipeline.startup.engines import plan_engines
+    from megarl.platform.description import detect
     from megarl.tasks.arithmetic import sample_problems
 
     r = cfg.rollout
-    settings = EngineSettings(model_path=str(checkpoint), dtype=cfg.model.dtype, max_total_tokens=r.max_total_tokens,
-                              prefix_cache=r.prefix_cache, sampling_mask_max_tokens=max(r.top_k, 1), tokenizer=False,
-                              random_seed=cfg.task.seed, log_path=str(log_path))
+    policy = plan_engines(cfg, str(checkpoint), None, detect()).settings["policy"][0]
+    settings = dataclasses.replace(policy, log_path=str(log_path))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k)
     tok, rng, seconds = AutoTokenizer.from_pretrained(checkpoint), random.Random(cfg.task.seed), []
     with SGLangEngine(settings) as engine, httpx.Client(timeout=600.0) as http:

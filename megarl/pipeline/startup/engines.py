@@ -43,9 +43,9 @@ class EnginePlan:
         return self.topology.colocated
 
 
-def plan_engines(cfg: DictConfig, start_checkpoint: str, api_key: str, platform: Platform) -> EnginePlan:
-    """Every engine of the run ``cfg`` on ``platform``, each answering only ``api_key``: the pools of its
-    topology (:class:`megarl.config.topology.RunTopology`), each with its GPU decisions; disaggregated
+def plan_engines(cfg: DictConfig, start_checkpoint: str, api_key: str | None, platform: Platform) -> EnginePlan:
+    """Every engine of the run ``cfg`` on ``platform``, each answering only ``api_key`` (None: any caller):
+    the pools of its topology (:class:`megarl.config.topology.RunTopology`), each with its GPU decisions; disaggregated
     GPU engines reserve their devices through Ray (CUDA_VISIBLE_DEVICES reaches the server), colocated
     ones share the trainer's (each on its own, --base-gpu-id), CPU engines reserve half a CPU."""
     topology = RunTopology.from_config(cfg)
