@@ -212,6 +212,9 @@ def main() -> int:
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the medians")
     parser.add_argument("--repeats", type=int, default=3, help="repeats; the ratios are their medians")
     args = parser.parse_args()
+    if args.steps < args.skip + 2:  # a step's time is between two counted metrics rows
+        parser.error(f"--steps {args.steps} leaves under two steps after --skip {args.skip}: "
+                     f"give at least {args.skip + 2}")
 
     import torch
 
