@@ -1,5 +1,5 @@
 """tools/bench/async_vs_sync.py: its two bounds on async's speed-up over the sync run against a
-simulated one-step-off pipeline, step by step."""
+simulated one-step-off pipeline, step by step; its CPU ceiling against CPU seconds sampled at a known rate."""
 import sys
 from pathlib import Path
 
@@ -8,7 +8,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
-from async_vs_sync import overlap_bound, paused_bound  # noqa: E402
+from async_vs_sync import CorePinner, cpu_ceiling, overlap_bound, paused_bound  # noqa: E402
 
 
 def simulated_async_step(rollout_s: float, train_s: float, sync_s: float, engine_paused: bool,
@@ -47,3 +47,19 @@ def test_the_bounds_are_the_simulated_pipelines_speed_up(rollout_s, train_s, syn
     assert overlap_bound(sync_run) == pytest.approx(overlapped, rel=1e-9)
     assert paused_bound(sync_run) <= overlap_bound(sync_run) + 1e-12
     assert (paused_bound(sync_run) == pytest.approx(overlap_bound(sync_run))) == (sync_s == 0 or train_s >= rollout_s)
+
+
+def test_the_cpu_ceiling_is_where_the_async_runs_cpu_a_step_fills_every_core():
+    """An async run of 0.25 s steps that use 0.2 CPU-s a step per core of the machine (sampled every
+    0.1 s as the bench's pinner does): with every core busy a step would take 0.2 s, so against a
+    0.6 s sync step the ceiling is 3x; the measured busy share (0.8) gives the same."""
+    import psutil
+
+    cores, step_s, sync_step_s = psutil.cpu_count(), 0.25, 0.6
+    cpu_per_step = 0.2 * cores
+    pinner = CorePinner({})
+    pinner.history = [(100 + 0.1 * i, {"machine": 50 + cpu_per_step / step_s * 0.1 * i}) for i in range(60)]
+    busy = pinner.busy(100.45, 105.55)["machine"]
+    assert busy == pytest.approx(0.8)
+    assert cpu_ceiling(sync_step_s, step_s, busy) == pytest.approx(sync_step_s / (cpu_per_step / cores))
+    assert cpu_ceiling(sync_step_s, step_s, busy) == pytest.approx(3.0)

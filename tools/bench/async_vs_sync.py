@@ -42,6 +42,11 @@ the wall clock between the metrics rows of the last skipped and the last step:
   machine_busy_MODE   the share of the machine's cores busy (every process: driver and Ray too) over the
                       counted steps of the sync or async run: near 1.0 a run is bound by the machine's
                       CPU, so no overlap makes it faster
+  cpu_ceiling         the speed-up over sync at which the async run's CPU seconds a step (every process)
+                      would keep every core of the machine busy: sync step_s / (async step_s x
+                      machine_busy_async); no schedule of that work on this machine goes faster
+  ceiling_over_bound  cpu_ceiling / overlap_bound: below 1.0 the machine's cores end async's speed-up
+                      before perfect overlap would, and async_over_bound cannot pass this figure
   engine_busy_MODE    the same share of the engine's cores used by the SGLang server's processes, and
   trainer_busy_MODE   of the trainer's cores by the trainer rank (pinned roles only)
 
@@ -253,6 +258,13 @@ def paused_bound(sync: dict) -> float:
     return (rollout_s + train_s + sync_s) / (max(rollout_s, train_s) + sync_s)
 
 
+def cpu_ceiling(sync_step_s: float, async_step_s: float, machine_busy_async: float) -> float:
+    """The speed-up over a sync step of ``sync_step_s`` seconds at which the async run's CPU a step (its
+    step of ``async_step_s`` seconds with ``machine_busy_async`` of the machine's cores busy) fills every
+    core: ``sync_step_s / (async_step_s * machine_busy_async)``."""
+    return sync_step_s / (async_step_s * machine_busy_async)
+
+
 def run_mode(mode: str, run_dir: Path, overrides: list[str], roles: dict, long_every: int, skip: int,
              max_new_tokens: int) -> dict:
     """One run of ``recipe=tiny_moe_cpu`` in ``mode``: its steady-state figures and CPU seconds by role."""
@@ -281,9 +293,11 @@ def compare(sync: dict, asyn: dict) -> dict:
     """One repeat's async-over-sync figures and its two bounds (perfect overlap, engines paused for the sync)."""
     steps_ratio = sync["step_s_mean"] / asyn["step_s_mean"]  # same steps of the same samples
     bound, paused = overlap_bound(sync), paused_bound(sync)
+    ceiling = cpu_ceiling(sync["step_s_mean"], asyn["step_s_mean"], asyn["busy"]["machine"])
     return {"async_over_sync_throughput": asyn["tokens_per_s"] / sync["tokens_per_s"],
             "async_over_sync_steps_per_s": steps_ratio, "overlap_bound": bound,
             "async_over_bound": steps_ratio / bound, "paused_bound": paused, "async_over_paused": steps_ratio / paused,
+            "cpu_ceiling": ceiling, "ceiling_over_bound": ceiling / bound,
             "trainer_idle_frac_async": asyn["trainer_idle_frac"],
             "trainer_idle_frac_sync": sync["trainer_idle_frac"],
             **{f"{role}_busy_{mode}": run["busy"][role] for mode, run in (("sync", sync), ("async", asyn))
@@ -302,7 +316,8 @@ def run_workload(name: str, work: Path, overrides: list[str], roles: dict, args,
         print(f"{name} #{r}: async/sync {f['async_over_sync_steps_per_s']:.2f}x in steps/s "
               f"({f['async_over_sync_throughput']:.2f}x tokens/s), bound {f['overlap_bound']:.2f}x, "
               f"async_over_bound {f['async_over_bound']:.2f} (paused bound {f['paused_bound']:.2f}x, "
-              f"async_over_paused {f['async_over_paused']:.2f}); sync wait {f['sync']['wait_s_mean']:.2f} train "
+              f"async_over_paused {f['async_over_paused']:.2f}), CPU ceiling {f['cpu_ceiling']:.2f}x "
+              f"({f['ceiling_over_bound']:.2f} of the bound); sync wait {f['sync']['wait_s_mean']:.2f} train "
               f"{f['sync']['train_s_mean']:.2f} sync {f['sync']['sync_s_mean']:.2f} s/step; busy sync/async: machine "
               f"{f['machine_busy_sync']:.2f}/{f['machine_busy_async']:.2f}, " + ", ".join(
                   f"{role} {f[f'{role}_busy_sync']:.2f}/{f[f'{role}_busy_async']:.2f}" for role in roles) +
@@ -355,7 +370,8 @@ def main() -> int:
               for name in args.workloads.split(",")}
     result = {**{f"{k}_{name}": w[k] for name, w in result.items()
                  for k in ("async_over_bound", "overlap_bound", "paused_bound", "async_over_paused",
-                           "async_over_sync_steps_per_s", "machine_busy_async")},
+                           "async_over_sync_steps_per_s", "machine_busy_async", "cpu_ceiling",
+                           "ceiling_over_bound")},
               "goal": {"async_over_bound_at_least": BOUND_GOAL,
                        "met": all(w["async_over_bound"] >= BOUND_GOAL for w in result.values())},
               "steps": args.steps, "skipped_steps": args.skip_steps, "prompts_per_step": args.prompts,
@@ -369,7 +385,8 @@ def main() -> int:
               f"(async/sync {result[f'async_over_sync_steps_per_s_{name}']:.2f}x, bound "
               f"{result[f'overlap_bound_{name}']:.2f}x), async_over_paused {result[f'async_over_paused_{name}']:.2f} "
               f"(paused bound {result[f'paused_bound_{name}']:.2f}x), machine busy in async "
-              f"{result[f'machine_busy_async_{name}']:.2f}")
+              f"{result[f'machine_busy_async_{name}']:.2f}, CPU ceiling {result[f'cpu_ceiling_{name}']:.2f}x "
+              f"({result[f'ceiling_over_bound_{name}']:.2f} of the bound)")
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
