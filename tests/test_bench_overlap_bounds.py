@@ -63,3 +63,11 @@ def test_the_cpu_ceiling_is_where_the_async_runs_cpu_a_step_fills_every_core():
     assert busy == pytest.approx(0.8)
     assert cpu_ceiling(sync_step_s, step_s, busy) == pytest.approx(sync_step_s / (cpu_per_step / cores))
     assert cpu_ceiling(sync_step_s, step_s, busy) == pytest.approx(3.0)
+
+
+def test_a_window_under_two_cpu_samples_is_an_error_naming_the_remedy():
+    pinner = CorePinner({})
+    pinner.history = [(100.0, {"machine": 1.0}), (100.25, {"machine": 1.2}), (100.5, {"machine": 1.4})]
+    with pytest.raises(ValueError, match="under two CPU samples.*more --steps"):
+        pinner.busy(100.1, 100.4)
+    assert pinner.busy(100.0, 100.25)["machine"] > 0

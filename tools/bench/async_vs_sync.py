@@ -147,16 +147,19 @@ class CorePinner(threading.Thread):
                                               for role, pids in self.pids.items()}}))
 
     def busy(self, start: float, end: float) -> dict[str, float]:
-        """Role -> the share of its cores' time it used between wall-clock ``start`` and ``end`` (the
-        passes nearest inside them): 1.0 when its cores never idled."""
+        """Role -> the share of its cores' time it used between wall-clock ``start`` and ``end`` (between
+        the first and the last pass inside them): 1.0 when its cores never idled. ValueError when fewer
+        than two passes fall inside (a window shorter than about two ``PIN_INTERVAL_S``)."""
         import psutil
 
         times = [t for t, _ in self.history]
-        (t0, first), (t1, last) = (self.history[min(bisect.bisect_left(times, start), len(times) - 1)],
-                                   self.history[max(bisect.bisect_right(times, end) - 1, 0)])
+        i, j = bisect.bisect_left(times, start), bisect.bisect_right(times, end) - 1
+        if j <= i:
+            raise ValueError(f"the counted steps ({end - start:.2f} s) span under two CPU samples "
+                             f"{PIN_INTERVAL_S:g} s apart: run more --steps")
+        (t0, first), (t1, last) = self.history[i], self.history[j]
         cores = {"machine": psutil.cpu_count(), **{role: len(cpus) for role, cpus in self.roles.items()}}
-        return {role: round((last[role] - first.get(role, 0.0)) / (cores[role] * (t1 - t0)), 3)
-                for role in last if t1 > t0}
+        return {role: round((last[role] - first.get(role, 0.0)) / (cores[role] * (t1 - t0)), 3) for role in last}
 
 
 class LengthRecorder:
