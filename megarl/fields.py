@@ -1,6 +1,6 @@
 """Config fields that carry their own bounds: a dataclass field's default with the range or the names it
 may take, declared once beside the field (``dataclasses.field`` metadata) and checked by one walker
-(:func:`megarl.config.checks.check_fields`) for every section of the schema.
+(:func:`megarl.fields.out_of_bounds`) for every section of the schema.
 
 A component that owns a config section declares its dataclass with these fields; the schema
 (``megarl/config/schema.py``) nests it. None (an ``Optional`` field left unset) is never checked.

@@ -25,7 +25,7 @@ from megarl.trainer.context_parallel import (
     token_count_share,
 )
 from megarl.trainer.packing import model_input, plan_micro_batches, to_grid
-from megarl.trainer.rl_step import local_replay_indices
+from megarl.trainer.routing_replay import local_replay_indices
 
 CP = 2
 

@@ -27,8 +27,8 @@ class _ReachedModel(Exception):
 
 
 # Files (under megarl/) and functions whose unplaced tensors would be on a GPU rank's host.
-DEVICE_SIDE_FILES = ("trainer/rl_step.py", "trainer/sft_step.py", "trainer/mismatch.py", "trainer/logprobs.py",
-                     "algos/")
+DEVICE_SIDE_FILES = ("trainer/rl_step.py", "trainer/routing_replay.py", "trainer/sft_step.py", "trainer/mismatch.py",
+                     "trainer/logprobs.py", "algos/")
 DEVICE_SIDE_FUNCTIONS = {("trainer/packing.py", "scatter"), ("trainer/packing.py", "to_grid")}
 FACTORIES = {torch.tensor, torch.zeros, torch.ones, torch.empty, torch.full, torch.arange, torch.as_tensor,
              torch.randn, torch.rand, torch.eye, torch.linspace}

@@ -115,7 +115,7 @@ def replay_choices(chunks, layout):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-    from megarl.trainer.rl_step import local_replay_indices
+    from megarl.trainer.routing_replay import local_replay_indices
 
     routers = [m for m in chunks[0].modules() if getattr(m, "router_replay", None) is not None]
     chosen = {}

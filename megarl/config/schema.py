@@ -2,7 +2,7 @@
 
 Every recipe in ``recipes/`` composes onto :class:`MegarlConfig`; Hydra rejects unknown keys and
 wrong types. Each field declares its range or its names once (:func:`megarl.fields.setting`), checked
-for every section by :func:`megarl.config.checks.check_fields`; :mod:`megarl.config.validate` rejects
+for every section by :func:`megarl.fields.out_of_bounds`; :mod:`megarl.config.validate` rejects
 impossible combinations (layouts that do not divide, MoE with TP>1 and no sequence parallel, ...). A
 component that owns its section declares it beside its code (``lora``: :class:`megarl.models.lora.LoraConfig`,
 ``sync``: :class:`megarl.sync.settings.SyncConfig`) and the schema nests it. Units are in the field names

@@ -96,7 +96,7 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
         moe_enable_routing_replay=routing_replay, moe_aux_loss_coeff=moe_aux_loss_coeff,
         params_dtype=DTYPES[dtype], pipeline_dtype=DTYPES[dtype], bf16=dtype == "bfloat16", fp16=dtype == "float16",
         hidden_dropout=0.0, attention_dropout=0.0,
-        calculate_per_token_loss=True,  # token-mean over the global batch; see trainer/step.py
+        calculate_per_token_loss=True,  # token-mean over the global batch; see megarl/trainer/sft_step.py
     )
     settings.update(recompute_settings(recompute, recompute_num_layers,
                                        grouped_experts=te and bool(getattr(provider, "moe_grouped_gemm", False))))

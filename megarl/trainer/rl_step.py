@@ -3,8 +3,9 @@
 and one optimizer step. Runs on every trainer rank with the same global :class:`RLBatch`.
 
 The log-probs are taken from vocab-parallel logits (each TP rank holds V/tp columns); Megatron's
-padded vocabulary ids (>= the model's real vocabulary) are excluded from the softmax. Without
-replay, the routing the trainer chose is recorded and compared with the engine's (agreement).
+padded vocabulary ids (>= the model's real vocabulary) are excluded from the softmax. The experts
+are the engine's (replayed, also under activation recompute) or, without replay, the trainer's own,
+compared with the engine's (:mod:`megarl.trainer.routing_replay`).
 
 Micro-batches are packed (THD, no padding, DP ranks balanced by tokens) or padded rows
 (:mod:`megarl.trainer.packing`); the per-token results go back to the ragged layout and the loss is
@@ -12,14 +13,11 @@ computed on per-sample rows, so both give the same numbers. Under context parall
 feeds the model its part of every micro-batch, replays its own tokens' experts, and the per-token
 log-probs are all-gathered back onto whole rows (:mod:`megarl.trainer.context_parallel`, which also
 says how the loss's token count is split so that the gradient is the cp=1 one).
-
-Under activation recompute the recomputed forward replays the same experts: each router keeps the
-replay ids of every forward in order (megatron-core's ``replay_backward_list``) and the recompute in
-the backward pass takes them back in that order (``REPLAY_BACKWARD``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -33,6 +31,7 @@ from megarl.trainer.mismatch import empty_mismatch, mismatch_metrics, mismatch_s
 from megarl.trainer.packing import MicroBatchPlan, ModelInput, model_input, plan_micro_batches, to_grid
 from megarl.trainer.reference import ReferenceWeights
 from megarl.trainer.rl_batch import RLBatch, check_routing
+from megarl.trainer.routing_replay import Replay, StepRouting, replay_routers
 
 
 @dataclass
@@ -40,78 +39,6 @@ class RLStepResult:
     grad_norm: float
     applied: bool
     metrics: dict[str, float] = field(default_factory=dict)  # global-batch means (last PP stage)
-
-
-def _routers():
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    return RouterReplay.global_router_replay_instances
-
-
-def local_replay_indices(routed: torch.Tensor, layer_number: int, sequence_parallel: bool) -> torch.Tensor:
-    """Replay ids of one MoE layer for this rank: ``routed`` [b, S, L, k] -> [S_local * b, k] in
-    megatron's sequence-major token order, the sequence slice of this TP rank under SP."""
-    from megatron.core import parallel_state
-
-    per_layer = routed[:, :, layer_number - 1, :].transpose(0, 1)  # [S, b, k]
-    if sequence_parallel:
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        per_layer = per_layer.chunk(tp, dim=0)[rank]
-    return per_layer.reshape(-1, per_layer.shape[-1]).contiguous()
-
-
-def routing_agreement(recorded: list[torch.Tensor], routed: torch.Tensor, layer_numbers: list[int],
-                      valid: torch.Tensor, sequence_parallel: bool) -> tuple[float, float]:
-    """(matching token-layer pairs, valid pairs) where the trainer's top-k set equals the engine's."""
-    match, total = 0.0, 0.0
-    for rec, layer in zip(recorded, layer_numbers):
-        engine = local_replay_indices(routed, layer, sequence_parallel).sort(-1).values
-        mine = rec.sort(-1).values
-        valid_local = local_replay_indices(valid[:, :, None, None].long(), 1, sequence_parallel)[:, 0].bool()
-        equal = (engine == mine).all(-1) & valid_local
-        match += float(equal.sum())
-        total += float(valid_local.sum())
-    return match, total
-
-
-class ReplayAgreement:
-    """Counts, during a replayed forward, how often the router's own top-k equals the replayed one.
-
-    Wraps ``get_replay_topk`` of each RouterReplay instance (not megatron's class): in
-    REPLAY_FORWARD it also runs the router's default top-k on the live scores and compares sets
-    on the tokens marked valid by :meth:`set_valid`. Undone by :meth:`close`.
-    """
-
-    def __init__(self, routers: list):
-        self.routers, self.matched, self.total = routers, 0.0, 0.0
-        self._valid: list[torch.Tensor] = []
-        for router in routers:
-            router.get_replay_topk = self._wrap(router, router.get_replay_topk)
-
-    def _wrap(self, router, original):
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-            probs, replayed = original(scores, topk, num_groups, group_topk, default_compute_topk)
-            if router.router_replay_action == RouterReplayAction.REPLAY_FORWARD and self._valid:
-                with torch.no_grad():
-                    _, natural = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-                    valid = self._valid[self.routers.index(router)]
-                    equal = (natural.sort(-1).values == replayed.sort(-1).values).all(-1) & valid
-                    self.matched += float(equal.sum())
-                    self.total += float(valid.sum())
-            return probs, replayed
-
-        return get_replay_topk
-
-    def set_valid(self, valid_per_layer: list[torch.Tensor]) -> None:
-        """bool [tokens] per router (this rank's token order) for the next forward."""
-        self._valid = valid_per_layer
-
-    def close(self) -> None:
-        for router in self.routers:
-            del router.get_replay_topk  # back to the class's method
 
 
 def _token_logprobs(logits: torch.Tensor, mb: RLBatch, mi: ModelInput, vocab_size: int, temperature: float,
@@ -139,40 +66,6 @@ def _token_logprobs(logits: torch.Tensor, mb: RLBatch, mi: ModelInput, vocab_siz
     if mi.split is not None:
         torch.distributed.all_reduce(outside, group=mi.split.cp.group)
     return mi.to_ragged(out.logprobs, rows), mi.to_ragged(out.entropy, rows), outside
-
-
-class _Replay:
-    """Keep Routing over micro-batches: the engine's experts of each micro-batch set before its
-    forward, ``REPLAY_BACKWARD`` outside forwards so that a recompute replays them again."""
-
-    def __init__(self, routers: list, sequence_parallel: bool, count_agreement: bool):
-        self.routers, self.sp = routers, sequence_parallel
-        self.layer_numbers = [r.layer_number for r in routers]
-        self.agreement = ReplayAgreement(routers) if count_agreement else None
-
-    def before_forward(self, mb: RLBatch, mi: ModelInput) -> None:
-        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
-        k, device = mb.routed_experts.shape[-1], mb.routed_experts.device
-        routed = mi.scatter(mb.routed_experts.long(), torch.arange(k, device=device))  # padding replays 0..k-1
-        RouterReplay.set_replay_data([local_replay_indices(routed, n, self.sp) for n in self.layer_numbers])
-        if self.agreement is not None:
-            valid = mi.scatter(torch.ones(len(mb.tokens), dtype=torch.long, device=device), 0)[:, :, None, None]
-            self.agreement.set_valid([local_replay_indices(valid, 1, self.sp)[:, 0].bool()] * len(self.routers))
-        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-
-    def after_forward(self) -> None:
-        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
-        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
-
-    def close(self) -> None:
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
-        if self.agreement is not None:
-            self.agreement.close()
-        RouterReplay.clear_global_router_replay_action()
-        RouterReplay.clear_global_indices()
 
 
 def micro_batches(batch: RLBatch, plan, rank: int, pad_id: int,
@@ -225,8 +118,8 @@ def reference_logprobs(chunks: list, micro: list, *, vocab_size: int, temperatur
     ``trained_only``: at the trained positions (``loss_mask > 0``) only, 0 elsewhere."""
     from megatron.core import parallel_state
 
-    routers = _routers() if replay else []
-    replayer = _Replay(routers, sequence_parallel, count_agreement=False) if routers else None
+    routers = replay_routers() if replay else []
+    replayer = Replay(routers, sequence_parallel, count_agreement=False) if routers else None
     collected: list[torch.Tensor] = []
 
     def forward_step(data_iterator, model):
@@ -377,111 +270,95 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     when routing is not replayed, computed beside the replay when it is), ``perf/padding_frac``
     (padding share of the model's input positions) and ``perf/dp_token_imbalance`` (max / mean real tokens per DP rank).
     """
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-    from megatron.core.utils import get_model_config
-
     from megarl.trainer.optimizer import optimizer_step
 
-    routers = _routers()
-    if keep_routing and (batch.routed_experts is None or not routers):
-        raise ValueError("keep_routing needs routed_experts in every sample and a model built with routing replay")
-    if routers and batch.routed_experts is not None:
-        config = get_model_config(chunks[0])
-        check_routing(batch.routed_experts, config.num_layers, config.num_moe_experts)
-    if algo.kl_coef != 0.0 and reference is None:
-        raise ValueError("algorithm.kl_coef != 0 needs the reference policy (built with the trainer)")
+    routing = StepRouting(keep_routing, batch.routed_experts is not None, sequence_parallel)
+    _check_step_inputs(chunks, batch, algo, reference, routing)
     device = model_device(chunks)
     plan, _, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
                                          sequence_parallel=sequence_parallel, pad_id=pad_id, device=device)
-    sum_keys = step_sum_keys(algo)
     refs = [None] * len(micro)
     if reference is not None and algo.kl_coef != 0.0 and not algo.kl_in_reward:
         with reference.swapped_in():
             refs = reference_logprobs(chunks, micro, vocab_size=vocab_size, temperature=temperature,
                                       replay=keep_routing, sequence_parallel=sequence_parallel)
-    micro = [(mb, mi, ref) for (mb, mi), ref in zip(micro, refs)]
-    record = not keep_routing and batch.routed_experts is not None and bool(routers)
-    layer_numbers = [r.layer_number for r in routers]
-    agreement = [0.0, 0.0]
-    replayer = _Replay(routers, sequence_parallel, count_agreement=True) if keep_routing else None
+    sum_keys = step_sum_keys(algo)
+    loss = partial(_micro_batch_loss, algo=algo, sum_keys=sum_keys, vocab_size=vocab_size, temperature=temperature)
 
     def forward_step(data_iterator, model):
         mb, mi, ref = next(data_iterator)
-        if replayer is not None:
-            replayer.before_forward(mb, mi)
-        logits = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params)
-        if replayer is not None:
-            replayer.after_forward()
-        if record:
-            k = mb.routed_experts.shape[-1]
-            valid = mi.scatter(torch.ones(len(mb.tokens), dtype=torch.bool, device=device), False)
-            matched, total = routing_agreement(RouterReplay.get_recorded_data(),
-                                               mi.scatter(mb.routed_experts.long(), torch.arange(k, device=device)),
-                                               layer_numbers, valid, sequence_parallel)
-            agreement[0] += matched
-            agreement[1] += total
-
-        def loss_func(output):
-            if len(mb) == 0:  # a padding-only micro-batch (a DP rank with fewer samples than micro-batches)
-                zero = output.sum() * 0
-                return zero, torch.zeros((), dtype=torch.int, device=device), {
-                    "sums": torch.zeros(len(sum_keys), dtype=torch.float64, device=device),
-                    "mismatch": empty_mismatch(device)}
-            flat_lp, flat_ent, outside = _token_logprobs(output, mb, mi, vocab_size, temperature,
-                                                        rows=(mb.loss_mask > 0).nonzero().squeeze(1))
-            logprobs, entropy = to_grid(flat_lp, mb.cu_seqlens), to_grid(flat_ent, mb.cu_seqlens)
-            loss_mask = to_grid(mb.loss_mask, mb.cu_seqlens)
-            inputs = LossInputs(
-                logprobs=logprobs, old_logprobs=_old_policy(algo, mb, logprobs), loss_mask=loss_mask,
-                advantages=mb.advantages if mb.token_advantages is None else to_grid(mb.position_advantages(),
-                                                                                     mb.cu_seqlens),
-                entropy=entropy, rollout_logprobs=to_grid(mb.rollout_logprobs, mb.cu_seqlens),
-                ref_logprobs=None if ref is None else to_grid(ref, mb.cu_seqlens),
-            )
-            out = rl_loss(inputs, algo)
-            parts = {**out.sums, "loss_sum": out.loss_sum.detach(), "denominator": out.denominator_share,
-                     "trained_tokens": out.trained_tokens, "trained_sequences": out.trained_sequences,
-                     "entropy_tokens": flat_ent.detach()[mb.loss_mask > 0].sum()}
-            sums = torch.stack([parts[k].double() for k in sum_keys])
-            before = flat_lp if mb.old_logprobs is None else mb.old_logprobs  # the policy before the step
-            mismatch = mismatch_sums(before, mb.rollout_logprobs, mb.loss_mask, mb.staleness, outside, mb.cu_seqlens)
-            num_tokens = out.denominator_share.round().to(torch.int)
-            if mi.split is not None:  # every CP rank holds the whole loss: split its count (context_parallel)
-                num_tokens = token_count_share(num_tokens, mi.split.cp)
-            return out.loss_sum, num_tokens, {"sums": sums, "mismatch": mismatch}
-
-        return logits, loss_func
+        return routing.forward(model, mb, mi), partial(loss, mb=mb, mi=mi, ref=ref)
 
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    if routers:
-        RouterReplay.clear_global_indices()
-        if record:
-            RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
-        elif not keep_routing:
-            RouterReplay.clear_global_router_replay_action()
-    try:
-        reduced = forward_backward(chunks, micro, forward_step, False, plan.length)
-    finally:
-        if replayer is not None:
-            agreement = [replayer.agreement.matched, replayer.agreement.total]
-            replayer.close()
-        elif routers:
-            RouterReplay.clear_global_router_replay_action()
-            RouterReplay.clear_global_indices()
+    with routing:
+        reduced = forward_backward(chunks, [(mb, mi, ref) for (mb, mi), ref in zip(micro, refs)], forward_step,
+                                   False, plan.length)
     applied, grad_norm = optimizer_step(optimizer, scheduler)
-    metrics: dict[str, float] = {"perf/padding_frac": plan.padding_frac(batch.lengths),
-                                 "perf/dp_token_imbalance": plan.imbalance(batch.lengths)}
+    metrics = {"perf/padding_frac": plan.padding_frac(batch.lengths),
+               "perf/dp_token_imbalance": plan.imbalance(batch.lengths)}
+    return RLStepResult(grad_norm=grad_norm, applied=applied,
+                        metrics=metrics | _reduced_metrics(reduced, sum_keys, routing))
+
+
+def _check_step_inputs(chunks: list, batch: RLBatch, algo: AlgorithmConfig, reference: ReferenceWeights | None,
+                       routing: StepRouting) -> None:
+    """ValueError when ``batch``'s routes do not fit the model, or the KL term has no reference policy."""
+    from megatron.core.utils import get_model_config
+
+    if routing.routers and batch.routed_experts is not None:
+        config = get_model_config(chunks[0])
+        check_routing(batch.routed_experts, config.num_layers, config.num_moe_experts)
+    if algo.kl_coef != 0.0 and reference is None:
+        raise ValueError("algorithm.kl_coef != 0 needs the reference policy (built with the trainer)")
+
+
+def _micro_batch_loss(output: torch.Tensor, *, mb: RLBatch, mi: ModelInput, ref: torch.Tensor | None,
+                      algo: AlgorithmConfig, sum_keys: list[str], vocab_size: int, temperature: float):
+    """megatron's loss function of one micro-batch ``mb`` (model input ``mi``, reference log-probs ``ref``
+    or None) on this rank's logits ``output``: (loss sum, token count, {"sums": float64 [len(sum_keys)],
+    "mismatch": the train-inference mismatch sums}), all on the logits' device."""
+    device = output.device
+    if len(mb) == 0:  # a padding-only micro-batch (a DP rank with fewer samples than micro-batches)
+        return output.sum() * 0, torch.zeros((), dtype=torch.int, device=device), {
+            "sums": torch.zeros(len(sum_keys), dtype=torch.float64, device=device), "mismatch": empty_mismatch(device)}
+    flat_lp, flat_ent, outside = _token_logprobs(output, mb, mi, vocab_size, temperature,
+                                                rows=(mb.loss_mask > 0).nonzero().squeeze(1))
+    logprobs, entropy = to_grid(flat_lp, mb.cu_seqlens), to_grid(flat_ent, mb.cu_seqlens)
+    advantages = mb.advantages if mb.token_advantages is None else to_grid(mb.position_advantages(), mb.cu_seqlens)
+    inputs = LossInputs(
+        logprobs=logprobs, old_logprobs=_old_policy(algo, mb, logprobs), loss_mask=to_grid(mb.loss_mask, mb.cu_seqlens),
+        advantages=advantages, entropy=entropy, rollout_logprobs=to_grid(mb.rollout_logprobs, mb.cu_seqlens),
+        ref_logprobs=None if ref is None else to_grid(ref, mb.cu_seqlens),
+    )
+    out = rl_loss(inputs, algo)
+    parts = {**out.sums, "loss_sum": out.loss_sum.detach(), "denominator": out.denominator_share,
+             "trained_tokens": out.trained_tokens, "trained_sequences": out.trained_sequences,
+             "entropy_tokens": flat_ent.detach()[mb.loss_mask > 0].sum()}
+    sums = torch.stack([parts[k].double() for k in sum_keys])
+    before = flat_lp if mb.old_logprobs is None else mb.old_logprobs  # the policy before the step
+    mismatch = mismatch_sums(before, mb.rollout_logprobs, mb.loss_mask, mb.staleness, outside, mb.cu_seqlens)
+    num_tokens = out.denominator_share.round().to(torch.int)
+    if mi.split is not None:  # every CP rank holds the whole loss: split its count (context_parallel)
+        num_tokens = token_count_share(num_tokens, mi.split.cp)
+    return out.loss_sum, num_tokens, {"sums": sums, "mismatch": mismatch}
+
+
+def _reduced_metrics(reduced: list[dict], sum_keys: list[str], routing: StepRouting) -> dict[str, float]:
+    """The step's loss, diagnostics and mismatch metrics over the DP group (last PP stage; {} elsewhere), and
+    ``routing/agreement`` over every rank when ``routing`` measured it; collectives."""
+    from megatron.core import parallel_state
+
+    metrics = {}
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         dp_group = parallel_state.get_data_parallel_group()
         totals = torch.stack([r["sums"] for r in reduced]).sum(0)
         torch.distributed.all_reduce(totals, group=dp_group)
         metrics |= step_metrics(dict(zip(sum_keys, totals.tolist())))
         metrics |= mismatch_metrics(reduce_mismatch([r["mismatch"] for r in reduced], dp_group))
-    if record or keep_routing:
-        counts = torch.tensor(agreement, device=collective_device())
+    if routing.measured:
+        counts = torch.tensor(routing.counts, device=collective_device())
         torch.distributed.all_reduce(counts)
         metrics["routing/agreement"] = float(counts[0] / counts[1].clamp(min=1))
-    return RLStepResult(grad_norm=grad_norm, applied=applied, metrics=metrics)
+    return metrics

@@ -1,0 +1,197 @@
+"""Keep Routing in the trainer: megatron-core's router replay fed with the engine's experts, and how
+often the trainer's own router agrees with them.
+
+Every MoE router of the model built with routing replay is a ``RouterReplay`` instance
+(:func:`replay_routers`). A replayed forward takes each layer's experts from the engine's
+``routed_experts`` [b, S, L, k] in megatron's sequence-major token order, this TP rank's slice under
+sequence parallelism (:func:`local_replay_indices`). Under activation recompute the recomputed forward
+replays the same experts: each router keeps the replay ids of every forward in order (megatron-core's
+``replay_backward_list``) and the recompute in the backward pass takes them back in that order
+(``REPLAY_BACKWARD``). Without replay, the routing the trainer chose is recorded and compared with the
+engine's (:class:`StepRouting`).
+"""
+from __future__ import annotations
+
+import torch
+
+from megarl.trainer.packing import ModelInput
+from megarl.trainer.rl_batch import RLBatch
+
+
+def replay_routers() -> list:
+    """The model's ``RouterReplay`` instances, one per MoE layer of this rank (empty without replay)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    return RouterReplay.global_router_replay_instances
+
+
+def local_replay_indices(routed: torch.Tensor, layer_number: int, sequence_parallel: bool) -> torch.Tensor:
+    """Replay ids of one MoE layer for this rank: ``routed`` [b, S, L, k] -> [S_local * b, k] in
+    megatron's sequence-major token order, the sequence slice of this TP rank under SP."""
+    from megatron.core import parallel_state
+
+    per_layer = routed[:, :, layer_number - 1, :].transpose(0, 1)  # [S, b, k]
+    if sequence_parallel:
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        per_layer = per_layer.chunk(tp, dim=0)[rank]
+    return per_layer.reshape(-1, per_layer.shape[-1]).contiguous()
+
+
+def routing_agreement(recorded: list[torch.Tensor], routed: torch.Tensor, layer_numbers: list[int],
+                      valid: torch.Tensor, sequence_parallel: bool) -> tuple[float, float]:
+    """(matching token-layer pairs, valid pairs) where the trainer's top-k set equals the engine's."""
+    match, total = 0.0, 0.0
+    for rec, layer in zip(recorded, layer_numbers):
+        engine = local_replay_indices(routed, layer, sequence_parallel).sort(-1).values
+        mine = rec.sort(-1).values
+        valid_local = local_replay_indices(valid[:, :, None, None].long(), 1, sequence_parallel)[:, 0].bool()
+        equal = (engine == mine).all(-1) & valid_local
+        match += float(equal.sum())
+        total += float(valid_local.sum())
+    return match, total
+
+
+class ReplayAgreement:
+    """Counts, during a replayed forward, how often the router's own top-k equals the replayed one.
+
+    Wraps ``get_replay_topk`` of each RouterReplay instance (not megatron's class): in
+    REPLAY_FORWARD it also runs the router's default top-k on the live scores and compares sets
+    on the tokens marked valid by :meth:`set_valid`. Undone by :meth:`close`.
+    """
+
+    def __init__(self, routers: list):
+        self.routers, self.matched, self.total = routers, 0.0, 0.0
+        self._valid: list[torch.Tensor] = []
+        for router in routers:
+            router.get_replay_topk = self._wrap(router, router.get_replay_topk)
+
+    def _wrap(self, router, original):
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            probs, replayed = original(scores, topk, num_groups, group_topk, default_compute_topk)
+            if router.router_replay_action == RouterReplayAction.REPLAY_FORWARD and self._valid:
+                with torch.no_grad():
+                    _, natural = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+                    valid = self._valid[self.routers.index(router)]
+                    equal = (natural.sort(-1).values == replayed.sort(-1).values).all(-1) & valid
+                    self.matched += float(equal.sum())
+                    self.total += float(valid.sum())
+            return probs, replayed
+
+        return get_replay_topk
+
+    def set_valid(self, valid_per_layer: list[torch.Tensor]) -> None:
+        """bool [tokens] per router (this rank's token order) for the next forward."""
+        self._valid = valid_per_layer
+
+    def close(self) -> None:
+        for router in self.routers:
+            del router.get_replay_topk  # back to the class's method
+
+
+class Replay:
+    """Keep Routing over micro-batches: the engine's experts of each micro-batch set before its
+    forward, ``REPLAY_BACKWARD`` outside forwards so that a recompute replays them again."""
+
+    def __init__(self, routers: list, sequence_parallel: bool, count_agreement: bool):
+        self.routers, self.sp = routers, sequence_parallel
+        self.layer_numbers = [r.layer_number for r in routers]
+        self.agreement = ReplayAgreement(routers) if count_agreement else None
+
+    def before_forward(self, mb: RLBatch, mi: ModelInput) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        k, device = mb.routed_experts.shape[-1], mb.routed_experts.device
+        routed = mi.scatter(mb.routed_experts.long(), torch.arange(k, device=device))  # padding replays 0..k-1
+        RouterReplay.set_replay_data([local_replay_indices(routed, n, self.sp) for n in self.layer_numbers])
+        if self.agreement is not None:
+            valid = mi.scatter(torch.ones(len(mb.tokens), dtype=torch.long, device=device), 0)[:, :, None, None]
+            self.agreement.set_valid([local_replay_indices(valid, 1, self.sp)[:, 0].bool()] * len(self.routers))
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def after_forward(self) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+    def close(self) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        if self.agreement is not None:
+            self.agreement.close()
+        RouterReplay.clear_global_router_replay_action()
+        RouterReplay.clear_global_indices()
+
+
+class StepRouting:
+    """The routing of one training step's forwards, and its agreement with the engine's.
+
+    ``keep_routing``: every forward replays the engine's experts (:class:`Replay`), the router's own
+    choice counted beside; it needs ``routed`` (the batch carries ``routed_experts``) and a model built
+    with routing replay (ValueError otherwise). Else, when the model has replay routers and the batch
+    carries routes, the trainer's own choice is recorded and compared with them; with neither, the
+    routers are left to choose. Enter it around the step's schedule, run each micro-batch's forward
+    through :meth:`forward`; after the exit, ``counts`` holds (matching, valid) token-layer pairs of
+    this rank when :attr:`measured`."""
+
+    def __init__(self, keep_routing: bool, routed: bool, sequence_parallel: bool):
+        self.routers = replay_routers()
+        if keep_routing and (not routed or not self.routers):
+            raise ValueError("keep_routing needs routed_experts in every sample and a model built with routing replay")
+        self.keep_routing, self.sp = keep_routing, sequence_parallel
+        self.record = not keep_routing and routed and bool(self.routers)
+        self.counts = [0.0, 0.0]
+        self._replay: Replay | None = None
+
+    @property
+    def measured(self) -> bool:
+        """Whether the step compares the trainer's routing with the engine's."""
+        return self.keep_routing or self.record
+
+    def __enter__(self) -> StepRouting:
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        if self.routers:
+            RouterReplay.clear_global_indices()
+            if self.record:
+                RouterReplay.set_global_router_replay_action(RouterReplayAction.RECORD)
+            elif not self.keep_routing:
+                RouterReplay.clear_global_router_replay_action()
+        if self.keep_routing:
+            self._replay = Replay(self.routers, self.sp, count_agreement=True)
+        return self
+
+    def forward(self, model, mb: RLBatch, mi: ModelInput) -> torch.Tensor:
+        """``model``'s output on the micro-batch ``mb`` (model input ``mi``) under the step's routing."""
+        if self._replay is not None:
+            self._replay.before_forward(mb, mi)
+        output = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params)
+        if self._replay is not None:
+            self._replay.after_forward()
+        if self.record:
+            self._count_recorded(mb, mi)
+        return output
+
+    def _count_recorded(self, mb: RLBatch, mi: ModelInput) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        k, device = mb.routed_experts.shape[-1], mb.routed_experts.device
+        valid = mi.scatter(torch.ones(len(mb.tokens), dtype=torch.bool, device=device), False)
+        matched, total = routing_agreement(RouterReplay.get_recorded_data(),
+                                           mi.scatter(mb.routed_experts.long(), torch.arange(k, device=device)),
+                                           [r.layer_number for r in self.routers], valid, self.sp)
+        self.counts[0] += matched
+        self.counts[1] += total
+
+    def __exit__(self, *exc) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        if self._replay is not None:
+            self.counts = [self._replay.agreement.matched, self._replay.agreement.total]
+            self._replay.close()
+            self._replay = None
+        elif self.routers:
+            RouterReplay.clear_global_router_replay_action()
+            RouterReplay.clear_global_indices()
