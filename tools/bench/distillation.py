@@ -184,7 +184,7 @@ def check_configs(runs: dict[str, list[str]]) -> None:
             raise SystemExit(f"the {name} run's config: {exc}") from exc
 
 
-def main() -> int:
+def parse_arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", required=True, help="write the figures here")
     parser.add_argument("--recipe", default="tiny_moe_opd_cpu")
@@ -206,23 +206,23 @@ def main() -> int:
     args = parser.parse_args()
     if args.eval_every < 0:
         parser.error(f"--eval-every: must be >= 0, got {args.eval_every}")
+    return args
 
-    work = work_directory(args.work_dir, "megarl-distillation-")
-    common = shared_overrides(work, work / "warm")
-    from megarl.config import load_config
 
-    cfg = load_config([f"recipe={args.recipe}", *common, *args.set])
+def check_recipe(args: argparse.Namespace, cfg) -> None:
+    """Exits naming the flag when the recipe's config ``cfg`` cannot serve ``args``."""
     if args.eval_every and (cfg.task.name != "arithmetic" or cfg.task.env is not None):
         raise SystemExit(f"--eval-every: the answer probability is computed for single-turn task.name=arithmetic, "
                          f"the recipe's task is {cfg.task.name} (env {cfg.task.env}); pass --eval-every 0")
-    sampling = (cfg.task.max_operand, cfg.rollout.temperature, cfg.rollout.top_k)
-    evaluated = [f"trainer.save_interval={args.eval_every}"] if args.eval_every else []
     if not args.teacher and args.recipe != "tiny_moe_opd_cpu":
         raise SystemExit(f"--teacher: a teacher is made here for tiny_moe_opd_cpu only (the demo's RL); make "
                          f"{args.recipe}'s as its recipe file says and pass its path")
     if args.teacher and not (Path(args.teacher) / "config.json").is_file():
         raise SystemExit(f"--teacher: {args.teacher} is not an HF checkpoint directory (no config.json)")
-    teacher = Path(args.teacher) if args.teacher else work / "teacher"
+
+
+def variant_overrides(args: argparse.Namespace, teacher: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """{variant: (its overrides, its ``--variant-set`` ones)} in ``--variants`` order; exits on a bad flag."""
     known = {"opd": [f"teacher.hf_path={teacher.resolve()}"],
              "grpo": ["algorithm.advantage=grpo", "teacher.hf_path=null", "algorithm.opd_coef=0"],
              "grpo_opd": ["algorithm.advantage=grpo", f"teacher.hf_path={teacher.resolve()}",
@@ -230,18 +230,91 @@ def main() -> int:
     names = args.variants.split(",")
     if not set(names) <= known.keys() or {"opd", "grpo"} - set(names):
         raise SystemExit(f"--variants: {args.variants!r} must include opd and grpo, from {', '.join(known)}")
-    variants = {name: known[name] for name in names}
-    only = {name: [] for name in names}  # --variant-set: last, so they win over --set
+    variants = {name: (known[name], []) for name in names}
     for item in args.variant_set:
         name, _, override = item.partition(":")
         if name not in variants or "=" not in override:
             raise SystemExit(f"--variant-set: {item!r} must be VARIANT:KEY=VALUE with VARIANT one of {args.variants}")
-        only[name].append(override)
+        variants[name][1].append(override)
+    return variants
+
+
+def plan_runs(args: argparse.Namespace, common: list[str], teacher: Path, evaluated: list[str]
+              ) -> tuple[list[int | None], dict[tuple[str, int | None], list[str]]]:
+    """The seeds and every compared run's overrides, {(variant, seed): overrides}, in run order (a variant's
+    ``--variant-set`` overrides last, so that they win over ``--set``)."""
     seeds = [int(x) for x in args.seeds.split(",")] if args.seeds else [None]
-    runs = {(name, seed): [f"recipe={args.recipe}", *common, f"steps={args.steps}", *overrides,
-                           *([] if seed is None else [f"task.seed={seed}", f"trainer.seed={1234 + seed}"]),
-                           *evaluated, *args.set, *only[name]]
-            for seed in seeds for name, overrides in variants.items()}
+    variants = variant_overrides(args, teacher)
+    runs = {}
+    for seed in seeds:
+        for name, (overrides, last) in variants.items():
+            runs[name, seed] = [f"recipe={args.recipe}", *common, f"steps={args.steps}", *overrides,
+                                *([] if seed is None else [f"task.seed={seed}", f"trainer.seed={1234 + seed}"]),
+                                *evaluated, *args.set, *last]
+    return seeds, runs
+
+
+def run_variants(args: argparse.Namespace, work: Path, runs: dict, sampling: tuple, at: list[int],
+                 at_start: float | None) -> dict:
+    """Train every run of ``runs`` in turn; {variant: {seed: its figures}}."""
+    out: dict[str, dict] = {}
+    for (name, seed), overrides in runs.items():
+        run_dir = work / (name if seed is None else f"{name}_seed{seed}")
+        wall = train([*overrides, f"logging.run_dir={run_dir}"])
+        f = figures(run_dir, args.window, args.last, at) | {"wall_s": round(wall, 1)}
+        if args.eval_every:
+            f["answer_prob_at"] = answer_prob_at(run_dir, work, args.eval_every, args.steps, sampling, at_start)
+        out.setdefault(name, {})[str(seed)] = f
+        print(f"{name:>8} (seed {seed}): reward per {args.window} steps {f['reward_curve']}; "
+              f"last-{args.last} {f['final_reward']:.3f}"
+              f"{'; reverse KL ' + str(f['reverse_kl_curve']) if 'reverse_kl_curve' in f else ''}"
+              f"{'; answer probability ' + str(f['answer_prob_at']) if 'answer_prob_at' in f else ''}", flush=True)
+    return out
+
+
+def side_by_side(result: dict, evaluated: bool) -> None:
+    """Adds to ``result`` each variant's means over the seeds and the others' standing against grpo."""
+    variants = list(result["runs"])
+    for name in variants:
+        per_seed = list(result["runs"][name].values())
+        for key in ("reward_curve", "reward_at", "final_reward", "answer_prob_at"):
+            if key in per_seed[0]:
+                result[f"{name}_{key}"] = mean_of([f[key] for f in per_seed])
+    grpo = result["runs"]["grpo"]
+    for name in (n for n in variants if n != "grpo"):
+        result[f"{name}_minus_grpo_final_reward"] = round(result[f"{name}_final_reward"] - result["grpo_final_reward"],
+                                                          4)
+        result[f"{name}_ahead_at"] = seeds_ahead(result["runs"][name], grpo, "reward_at")
+        if evaluated:
+            result[f"{name}_ahead_answer_prob_at"] = seeds_ahead(result["runs"][name], grpo, "answer_prob_at")
+
+
+def print_side_by_side(result: dict, at: list[int], evaluated: bool) -> None:
+    variants = list(result["runs"])
+    others = [name for name in variants if name != "grpo"]
+    ahead = "; ".join(f"seeds with {name} ahead of grpo: {result[name + '_ahead_at']}" for name in others)
+    print(f"opd - grpo final reward: {result['opd_minus_grpo_final_reward']:+.3f}; reward at steps {at} "
+          f"(mean of {len(result['seeds'])} seed(s)): "
+          + ", ".join(f"{name} {result[name + '_reward_at']}" for name in variants) + f"; {ahead}")
+    if evaluated:
+        ahead = "; ".join(f"seeds with {name} ahead of grpo: {result[name + '_ahead_answer_prob_at']}"
+                          for name in others)
+        print("answer probability (mean of the seeds): " + ", ".join(
+            f"{name} {result[name + '_answer_prob_at']}" for name in variants) + f"; {ahead}")
+
+
+def main() -> int:
+    args = parse_arguments()
+    work = work_directory(args.work_dir, "megarl-distillation-")
+    common = shared_overrides(work, work / "warm")
+    from megarl.config import load_config
+
+    cfg = load_config([f"recipe={args.recipe}", *common, *args.set])
+    check_recipe(args, cfg)
+    sampling = (cfg.task.max_operand, cfg.rollout.temperature, cfg.rollout.top_k)
+    teacher = Path(args.teacher) if args.teacher else work / "teacher"
+    evaluated = [f"trainer.save_interval={args.eval_every}"] if args.eval_every else []
+    seeds, runs = plan_runs(args, common, teacher, evaluated)
     warmup = [f"recipe={args.recipe}", *common, "mode=warmup", f"logging.run_dir={work / 'warmup'}", *args.set]
     checked = {"warm-up": warmup} | {name + ("" if seed is None else f" (seed {seed})"): overrides
                                      for (name, seed), overrides in runs.items()}
@@ -257,41 +330,9 @@ def main() -> int:
     at_start = answer_prob(work / "warm", *sampling) if args.eval_every else None
     result = {"recipe": args.recipe, "steps": args.steps, "window": args.window, "teacher": str(teacher),
               "overrides": args.set, "variant_overrides": args.variant_set, "seeds": seeds,
-              "warmup_s": round(warmup_s, 1), "runs": {}}
-    for seed in seeds:
-        for name in variants:
-            run_dir = work / (name if seed is None else f"{name}_seed{seed}")
-            wall = train([*runs[name, seed], f"logging.run_dir={run_dir}"])
-            f = figures(run_dir, args.window, args.last, at) | {"wall_s": round(wall, 1)}
-            if args.eval_every:
-                f["answer_prob_at"] = answer_prob_at(run_dir, work, args.eval_every, args.steps, sampling, at_start)
-            result["runs"].setdefault(name, {})[str(seed)] = f
-            print(f"{name:>8} (seed {seed}): reward per {args.window} steps {f['reward_curve']}; "
-                  f"last-{args.last} {f['final_reward']:.3f}"
-                  f"{'; reverse KL ' + str(f['reverse_kl_curve']) if 'reverse_kl_curve' in f else ''}"
-                  f"{'; answer probability ' + str(f['answer_prob_at']) if 'answer_prob_at' in f else ''}", flush=True)
-    for name in variants:
-        per_seed = list(result["runs"][name].values())
-        for key in ("reward_curve", "reward_at", "final_reward", "answer_prob_at"):
-            if key in per_seed[0]:
-                result[f"{name}_{key}"] = mean_of([f[key] for f in per_seed])
-    grpo = result["runs"]["grpo"]
-    others = [name for name in variants if name != "grpo"]
-    for name in others:
-        result[f"{name}_minus_grpo_final_reward"] = round(result[f"{name}_final_reward"] - result["grpo_final_reward"],
-                                                          4)
-        result[f"{name}_ahead_at"] = seeds_ahead(result["runs"][name], grpo, "reward_at")
-        if args.eval_every:
-            result[f"{name}_ahead_answer_prob_at"] = seeds_ahead(result["runs"][name], grpo, "answer_prob_at")
-    ahead = "; ".join(f"seeds with {name} ahead of grpo: {result[name + '_ahead_at']}" for name in others)
-    print(f"opd - grpo final reward: {result['opd_minus_grpo_final_reward']:+.3f}; reward at steps {at} "
-          f"(mean of {len(seeds)} seed(s)): " + ", ".join(f"{name} {result[name + '_reward_at']}" for name in variants)
-          + f"; {ahead}")
-    if args.eval_every:
-        ahead = "; ".join(f"seeds with {name} ahead of grpo: {result[name + '_ahead_answer_prob_at']}"
-                          for name in others)
-        print("answer probability (mean of the seeds): " + ", ".join(
-            f"{name} {result[name + '_answer_prob_at']}" for name in variants) + f"; {ahead}")
+              "warmup_s": round(warmup_s, 1), "runs": run_variants(args, work, runs, sampling, at, at_start)}
+    side_by_side(result, bool(args.eval_every))
+    print_side_by_side(result, at, bool(args.eval_every))
     Path(args.json).write_text(json.dumps(result, indent=2))
     return 0
 
