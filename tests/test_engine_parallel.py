@@ -18,8 +18,8 @@ from hf_oracle import load_hf, router_topk
 
 from megarl.config import load_config
 from megarl.engines.client import SGLangClient
-from megarl.engines.pool import client_of
 from megarl.engines.server import EngineSettings, SGLangEngine
+from megarl.engines.supervisor import client_of
 from megarl.engines.types import SamplingParams
 from megarl.platform import sglang_cpu
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from megarl.engines.actor import EngineInfo
-from megarl.engines.pool import ACTIVE, GONE, LEAVING, LOST, EnginePool, StartedEngine
+from megarl.engines.pool import ACTIVE, GONE, LEAVING, LOST, EnginePool
+from megarl.engines.supervisor import StartedEngine
 from megarl.engines.types import EngineError, SamplingParams, ServedModel
 from megarl.pipeline.membership import LEAVE_FILE, Membership
 from megarl.sample import FinishReason, RolloutSample

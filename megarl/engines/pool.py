@@ -44,12 +44,17 @@ import importlib.util
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
 
 from megarl.engines.actor import EngineInfo
 from megarl.engines.affinity import EngineAffinity
 from megarl.engines.client import SGLangClient
+from megarl.engines.supervisor import (
+    EngineSupervisor,
+    RayEngineSupervisor,
+    StartedEngine,
+    remove_engine_actors,
+    start_engines,
+)
 from megarl.engines.types import BatchResult, EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.sample import RolloutSample
 
@@ -59,61 +64,6 @@ log = logging.getLogger(__name__)
 def sglang_router_available() -> bool:
     """True when the ``sglang_router`` package is importable (it is not on megarl's CPU machines)."""
     return importlib.util.find_spec("sglang_router") is not None
-
-
-class EngineSupervisor(Protocol):
-    """What the pool needs from whoever owns an engine process."""
-
-    async def ensure_healthy(self) -> EngineInfo:
-        """Return once the engine runs (restarting it if it died); raise EngineUnreachable if it cannot."""
-        ...
-
-    async def gone(self, timeout_s: float) -> bool:
-        """True when the owner is gone for good (e.g. its actor died with its node); False while it
-        runs or cannot be asked within ``timeout_s``."""
-        ...
-
-    async def stop(self, timeout_s: float) -> None:
-        """Stop the engine (best effort within ``timeout_s``: its node may be gone) and release its owner."""
-        ...
-
-
-class RayEngineSupervisor:
-    """:class:`EngineSupervisor` over an ``EngineActor`` Ray actor handle."""
-
-    def __init__(self, actor, placement=None):
-        self.actor, self.placement = actor, placement
-
-    async def ensure_healthy(self) -> EngineInfo:
-        from ray.exceptions import RayActorError
-
-        from megarl.engines.server import EngineDiedError
-
-        try:
-            return await self.actor.ensure_healthy.remote()
-        except EngineDiedError as e:  # Ray re-raises the actor's exception as a subclass of its type
-            raise EngineUnreachable(f"the engine actor gave up: {e}") from e
-        except RayActorError as e:
-            raise EngineUnreachable(f"the engine actor is gone (its node lost?): {e}") from e
-
-    async def gone(self, timeout_s: float) -> bool:
-        from ray.exceptions import ActorDiedError
-
-        try:
-            await asyncio.wait_for(self.actor.info.remote(), timeout_s)
-        except ActorDiedError:
-            return True
-        except Exception:  # unavailable for now (its node unreachable) or slow: not known gone
-            return False
-        return False
-
-    async def stop(self, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(self.actor.stop.remote(), timeout_s)
-        except Exception as e:  # its node is gone, or it does not answer: killed below
-            log.warning("stopping an engine actor: %s", e)
-        finally:
-            _remove([self.actor], [self.placement])
 
 
 RestartHook = Callable[[int, SGLangClient, EngineInfo], Awaitable[None]]
@@ -225,14 +175,16 @@ class EnginePool:
     async def launch(cls, settings: Sequence, *, num_cpus: float = 0.5, num_gpus: float = 0,
                      poll_interval_s: float = 0.5, max_restarts: int = 3, unresponsive_restart_s: float = 60.0,
                      request_timeout_s: float = 600.0, **pool_kwargs) -> EnginePool:
-        """Start one :class:`EngineActor` per ``EngineSettings`` (in parallel; Ray must be
-        initialised), wait until all are healthy, and return the pool over them. Ray must place every
-        engine's actor (``num_gpus`` GPUs, ``num_cpus`` CPUs each) within the engines' startup timeout
-        (``EngineSettings.startup_timeout_s``), else EngineStartError says what they need and what Ray
-        has free. On failure or cancellation the engines started are stopped before the error propagates."""
-        launched = await _start(settings, num_cpus=num_cpus, num_gpus=num_gpus, poll_interval_s=poll_interval_s,
-                                max_restarts=max_restarts, unresponsive_restart_s=unresponsive_restart_s,
-                                request_timeout_s=request_timeout_s)
+        """Start one ``EngineActor`` per ``EngineSettings`` in parallel (Ray must be initialised;
+        :func:`megarl.engines.supervisor.start_engines`), wait until all are healthy, and return the pool
+        over them. Ray must place every engine's actor (``num_gpus`` GPUs, ``num_cpus`` CPUs each) within
+        the engines' startup timeout (``EngineSettings.startup_timeout_s``), else EngineStartError says
+        what they need and what Ray has free. On failure or cancellation the engines started are stopped
+        before the error propagates."""
+        launched = await start_engines(settings, num_cpus=num_cpus, num_gpus=num_gpus,
+                                       poll_interval_s=poll_interval_s, max_restarts=max_restarts,
+                                       unresponsive_restart_s=unresponsive_restart_s,
+                                       request_timeout_s=request_timeout_s)
         pool = cls([e.client for e in launched], [e.supervisor for e in launched], **pool_kwargs)
         pool._actors, pool._placements = [e.actor for e in launched], [e.placement for e in launched]
         for engine, started in zip(pool._engines, launched):
@@ -244,7 +196,7 @@ class EnginePool:
     @staticmethod
     async def start_engine(settings, **launch_kwargs) -> StartedEngine:
         """Start one more engine (``settings``; :meth:`launch`'s keyword arguments) for :meth:`admit`."""
-        return (await _start([settings], **launch_kwargs))[0]
+        return (await start_engines([settings], **launch_kwargs))[0]
 
     @property
     def actors(self) -> list:
@@ -261,7 +213,7 @@ class EnginePool:
             try:
                 await asyncio.gather(*(a.stop.remote() for a in self._actors))
             finally:
-                _remove(self._actors, self._placements)
+                remove_engine_actors(self._actors, self._placements)
                 self._actors, self._placements = [], []
 
     # --- generation ---------------------------------------------------------------------------
@@ -599,95 +551,6 @@ class EnginePool:
     async def weight_version(self) -> int:
         """The oldest weight version any engine serves (all equal outside a weight sync)."""
         return min(await self.weight_versions())
-
-
-@dataclass
-class StartedEngine:
-    """An engine started and healthy (:func:`_start`), not yet in a pool: its actor, the placement
-    group of an engine over several nodes (else None), its info and a client."""
-
-    actor: object
-    placement: object
-    info: EngineInfo
-    client: SGLangClient
-
-    @property
-    def supervisor(self) -> RayEngineSupervisor:
-        return RayEngineSupervisor(self.actor, self.placement)
-
-
-async def _start(settings: Sequence, *, num_cpus: float = 0.5, num_gpus: float = 0, poll_interval_s: float = 0.5,
-                 max_restarts: int = 3, unresponsive_restart_s: float = 60.0,
-                 request_timeout_s: float = 600.0) -> list[StartedEngine]:
-    """One healthy engine per ``settings`` (see :meth:`EnginePool.launch`); on failure or cancellation
-    the engines started are stopped before the error propagates."""
-    import ray
-
-    from megarl.engines.actor import engine_nodes, launch_engine_actor
-
-    placements = [engine_nodes(s, num_cpus=num_cpus, num_gpus=num_gpus) for s in settings]
-    actors = [launch_engine_actor(s, num_cpus=num_cpus, num_gpus=num_gpus, poll_interval_s=poll_interval_s,
-                                  max_restarts=max_restarts, unresponsive_restart_s=unresponsive_restart_s,
-                                  nodes=nodes)
-              for s, nodes in zip(settings, placements)]
-    try:
-        await _placed(actors, max(s.startup_timeout_s for s in settings), num_cpus, num_gpus)
-    except BaseException:
-        _remove(actors, placements)  # an actor never placed cannot be asked to stop
-        raise
-    try:
-        infos = await asyncio.gather(*(a.start.remote() for a in actors))
-    except BaseException:
-        try:
-            ray.get([a.stop.remote() for a in actors])  # blocking: a cancelled task must not leave servers behind
-        finally:
-            _remove(actors, placements)
-        raise
-    # info.url: where the engine's node serves it (its node address on a multi-node cluster)
-    return [StartedEngine(actor, placement, info, client_of(s, info.url, request_timeout_s))
-            for actor, placement, info, s in zip(actors, placements, infos, settings)]
-
-
-def client_of(settings, url: str, request_timeout_s: float = 600.0) -> SGLangClient:
-    """The client of an engine started with ``settings`` (``EngineSettings``) that serves at ``url``; it
-    prefills shared prompts only where the engine keeps a prefix cache to read them from."""
-    shared = settings.shared_prefill_min_tokens if settings.prefix_cache else 0
-    return SGLangClient(url, ServedModel.from_hf_config(settings.model_path), request_timeout_s,
-                        api_key=settings.api_key, shared_prefill_min_tokens=shared)
-
-
-async def _placed(actors: list, timeout_s: float, num_cpus: float, num_gpus: float) -> None:
-    """Return once Ray has placed every engine actor (each asks ``num_cpus`` CPUs and ``num_gpus`` GPUs);
-    EngineStartError after ``timeout_s`` naming what they need and what Ray has free (the trainer
-    ranks, placed first, may have taken the GPUs the engines need)."""
-    import ray
-
-    from megarl.engines.server import EngineStartError
-
-    try:
-        await asyncio.wait_for(asyncio.gather(*(a.__ray_ready__.remote() for a in actors)), timeout_s)
-    except TimeoutError:
-        free, total = ray.available_resources(), ray.cluster_resources()
-        raise EngineStartError(
-            f"Ray placed not all {len(actors)} engines within {timeout_s:g} s (the engines' startup timeout): they "
-            f"need {len(actors) * num_gpus:g} GPUs ({len(actors)} x {num_gpus:g}) and {len(actors) * num_cpus:g} "
-            f"CPUs; Ray has {free.get('GPU', 0):g} GPUs free of {total.get('GPU', 0):g} and "
-            f"{free.get('CPU', 0):g} CPUs free of {total.get('CPU', 0):g}. Give the run more GPUs "
-            "(cluster.num_nodes, cluster.gpus_per_node) or fewer engines (rollout.num_engines, rollout.engine_tp)"
-        ) from None
-
-
-def _remove(actors: list, placements: list) -> None:
-    """Kill ``actors``, then remove ``placements`` (None entries skipped): the placement groups of
-    engines over several nodes, whose removal would otherwise kill their actors mid-stop."""
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    for actor in actors:
-        ray.kill(actor)
-    for placement in placements:
-        if placement is not None:
-            remove_placement_group(placement)
 
 
 class PoolSubset:
