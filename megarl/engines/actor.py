@@ -8,8 +8,8 @@ restart engines during every weight sync. When a client found the engine unreach
 ``ensure_healthy`` also asks ``/model_info`` (answered while paused): a process still tearing down
 after a crash is waited for, and one that lives but does not answer for ``unresponsive_restart_s``
 is restarted as hung. A restart reuses the port, so
-the URL and every client of the engine stay valid; it loads ``restart_weights`` (the launch
-checkpoint and version unless :meth:`EngineActor.set_restart_weights` said otherwise), and after
+the URL and every client of the engine stay valid; it loads the launch checkpoint and version (the
+engine pool then brings it to the current weights, see :mod:`megarl.engines.pool`), and after
 ``max_restarts`` failed or repeated restarts the actor gives up and reports the engine failed.
 
 The actor runs threaded (``max_concurrency``): ``ensure_healthy`` may block for a restart while
@@ -73,7 +73,6 @@ class EngineActor:
             settings = dataclasses.replace(settings, port=free_port(settings.host))
         self._node = node_address()
         self._settings = settings
-        self._restart_settings = settings
         self.poll_interval_s, self.max_restarts = poll_interval_s, max_restarts
         self.unresponsive_restart_s = unresponsive_restart_s
         self._lock = threading.RLock()  # held for start, restart and stop
@@ -240,18 +239,12 @@ class EngineActor:
         self._stop_followers()  # every node starts again
         self._engine, self._processes = None, []
         try:
-            self._spawn(self._restart_settings)
+            self._spawn(self._settings)
         except EngineStartError as e:
             log.error("restart %d of the SGLang server at %s failed: %s", self._restarts, self.url, e)
             return
         log.warning("SGLang server at %s restarted as pid %d (incarnation %d)", self.url, self._engine.pid,
                     self._incarnation)
-
-    def set_restart_weights(self, model_path: str, version: int) -> None:
-        """Make a later restart load ``model_path`` labelled ``version`` (e.g. the newest weights a
-        disk sync wrote), instead of the checkpoint the engine was launched with."""
-        self._restart_settings = dataclasses.replace(self._restart_settings, model_path=str(model_path),
-                                                     weight_version=int(version))
 
     def info(self) -> EngineInfo:
         engine = self._engine

@@ -118,9 +118,3 @@ class RolloutBuffer:
         for group in taken:
             self.ledger.left_buffer(len(group.samples), Outcome.TRAINED)
         return Taken(taken, ages, stale)
-
-    def drain(self) -> list[Group]:
-        """Remove and return every buffered group (shutdown: their prompts are re-queued on resume)."""
-        groups = list(self._groups)
-        self._groups.clear()
-        return groups
