@@ -4,9 +4,8 @@
 and one line naming the key. ``mode=warmup`` runs the tiny recipes' supervised warm-up that makes
 their RL starting checkpoint; the RL modes (``sync``, ``one_step_off``, ``async``) run it first when
 ``warmup.steps`` > 0 and its checkpoint is missing, else start from ``model.hf_path``. A run
-directory with a checkpoint resumes from it (``trainer.resume``);
-A trainer node that leaves the Ray cluster ends the run with one line naming it and status 75
-(:mod:`megarl.pipeline.node_watch`).
+directory with a checkpoint resumes from it (``trainer.resume``). A trainer node that leaves the
+Ray cluster ends the run with one line naming it and status 75 (:mod:`megarl.pipeline.node_watch`).
 SIGTERM or SIGUSR1 makes the run checkpoint after the current step and exit (during start-up: exit
 at once, status 0), and so does Ctrl-C during the RL steps; a second Ctrl-C, or one before the steps
 begin, stops at once (exit status 130, one line saying where the same command would start again).
@@ -67,20 +66,21 @@ def resuming(cfg: DictConfig) -> bool:
             and latest_step(Path(cfg.logging.run_dir) / "checkpoints") is not None)
 
 
-def run(cfg: DictConfig) -> None:
-    from megarl.config.platform_rules import refuse_what_is_not_built
-
-    refuse_what_is_not_built(cfg)
-    if cfg.mode != "warmup":
-        from megarl.pipeline.signals import StopRequest
-
-        StopRequest.install()
+def prepare_run_dir(cfg: DictConfig) -> Path:
+    """The run directory, made if absent, with the run's resolved ``config.yaml``; a new run (not a resume)
+    starts with no metrics or trained-prompt rows of an earlier one in it."""
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    if not resuming(cfg):  # a new run: no rows of an earlier one in this directory
+    if not resuming(cfg):
         for name in ("metrics.jsonl", "trained_prompts.jsonl"):
             (run_dir / name).unlink(missing_ok=True)
+    return run_dir
+
+
+def ensure_model(cfg: DictConfig) -> Path:
+    """``model.hf_path``, the tiny demo checkpoint built there when it is missing and
+    ``model.make_tiny_if_missing``; ConfigError when it is missing otherwise."""
     hf_path = Path(cfg.model.hf_path)
     if not (hf_path / "config.json").is_file():
         if not cfg.model.make_tiny_if_missing:
@@ -90,6 +90,18 @@ def run(cfg: DictConfig) -> None:
         log.info("building the tiny demo checkpoint at %s", hf_path)
         spec = TinyMoeSpec.from_arch(cfg.model.arch, tool_calling=cfg.model.tiny_variant.value == "tool_calling")
         make_tiny_moe(hf_path, spec, max_operand=cfg.task.max_operand)
+    return hf_path
+
+
+def run(cfg: DictConfig) -> None:
+    """The run ``cfg`` describes, from its run directory and model to its curves' PNG (module docstring)."""
+    from megarl.config.platform_rules import refuse_what_is_not_built
+    from megarl.pipeline.signals import StopRequest
+
+    refuse_what_is_not_built(cfg)
+    if cfg.mode != "warmup":
+        StopRequest.install()
+    run_dir, hf_path = prepare_run_dir(cfg), ensure_model(cfg)
     if cfg.mode == "warmup":
         warmup(cfg)
     else:
@@ -101,8 +113,6 @@ def run(cfg: DictConfig) -> None:
         try:
             asyncio.run(rl(cfg, start))
         except asyncio.CancelledError:
-            from megarl.pipeline.signals import StopRequest
-
             if StopRequest.signal_name is None:
                 raise
             log.warning("stopped by %s during start-up; %s", StopRequest.signal_name, what_a_rerun_does(cfg))
@@ -113,6 +123,7 @@ def run(cfg: DictConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (``argv``, default ``sys.argv[1:]``) run; the process's exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     print_job = False
     if "--cfg" in args:

@@ -28,28 +28,19 @@ __all__ = ["PlacementError", "checkpoint_arch", "validate"]
 
 
 def validate(cfg: DictConfig) -> None:
+    """ConfigError naming the first key of ``cfg`` outside its bounds or in an impossible combination."""
     found = out_of_bounds(cfg, MegarlConfig)
     if found is not None:
         fail(*found)
     arch = _arch_numbers(cfg)
     _check_parallel(cfg, arch)
     check_topology(RunTopology.from_config(cfg), arch, cfg.cluster.num_nodes)
-    if cfg.placement == "colocated" and cfg.sync.transport != "tensor":
-        fail("sync.transport", f"colocated placement needs sync.transport=tensor (the engines load the buckets "
-            f"from the trainer's memory on the same devices), got {cfg.sync.transport!r}")
-    if cfg.sync.delta and (why := delta_refusal(cfg.sync.transport, cfg.lora.sync if cfg.lora.enabled else None)):
-        fail("sync.delta", why)
-    if cfg.sync.transport == "sharded":
-        _check_sharded(cfg)
+    _check_sync(cfg)
     _check_rollout(cfg, arch)
     _check_algorithm(cfg)
     _check_critic(cfg)
     _check_distillation(cfg)
-    if cfg.task.name in DATASET_TASKS and not cfg.task.path:
-        fail("task.path", f"task {cfg.task.name} needs the dataset file")
-    if cfg.task.chat_template and (cfg.task.name not in DATASET_TASKS or cfg.task.env or cfg.task.agent):
-        fail("task.chat_template", "renders the prompts of a single-turn dataset task (task.name jsonl or parquet, "
-            "no task.env or task.agent: an agent's calls get the template from the gateway)")
+    _check_task(cfg)
     _check_reward(cfg.reward)
     if cfg.reward.type == "arithmetic" and cfg.task.name != "arithmetic":
         fail("reward.type", f"the arithmetic reward scores the demo's sums (exactly the answer, then end of "
@@ -64,6 +55,26 @@ def validate(cfg: DictConfig) -> None:
             f"{cfg.trainer.updates_per_step}")
     _check_warmup(cfg)
     _check_optimizer_offload(cfg)
+
+
+def _check_sync(cfg: DictConfig) -> None:
+    """The weight-sync transport against the placement, delta sync against the transport, sharded's needs."""
+    if cfg.placement == "colocated" and cfg.sync.transport != "tensor":
+        fail("sync.transport", f"colocated placement needs sync.transport=tensor (the engines load the buckets "
+            f"from the trainer's memory on the same devices), got {cfg.sync.transport!r}")
+    if cfg.sync.delta and (why := delta_refusal(cfg.sync.transport, cfg.lora.sync if cfg.lora.enabled else None)):
+        fail("sync.delta", why)
+    if cfg.sync.transport == "sharded":
+        _check_sharded(cfg)
+
+
+def _check_task(cfg: DictConfig) -> None:
+    """A dataset task's file, and a chat template only where single-turn dataset prompts are rendered."""
+    if cfg.task.name in DATASET_TASKS and not cfg.task.path:
+        fail("task.path", f"task {cfg.task.name} needs the dataset file")
+    if cfg.task.chat_template and (cfg.task.name not in DATASET_TASKS or cfg.task.env or cfg.task.agent):
+        fail("task.chat_template", "renders the prompts of a single-turn dataset task (task.name jsonl or parquet, "
+            "no task.env or task.agent: an agent's calls get the template from the gateway)")
 
 
 def _check_sharded(cfg: DictConfig) -> None:
