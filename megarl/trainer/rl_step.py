@@ -125,10 +125,9 @@ def reference_logprobs(chunks: list, micro: list, *, vocab_size: int, temperatur
     def forward_step(data_iterator, model):
         mb, mi = next(data_iterator)
         if replayer is not None:
-            replayer.before_forward(mb, mi)
-        logits = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params)
-        if replayer is not None:
-            replayer.after_forward()
+            logits = replayer.forward(model, mb, mi)
+        else:
+            logits = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params)
 
         def keep(output):
             rows = (mb.loss_mask > 0).nonzero().squeeze(1) if trained_only else None

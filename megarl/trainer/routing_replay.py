@@ -100,7 +100,16 @@ class Replay:
         self.layer_numbers = [r.layer_number for r in routers]
         self.agreement = ReplayAgreement(routers) if count_agreement else None
 
-    def before_forward(self, mb: RLBatch, mi: ModelInput) -> None:
+    def forward(self, model, mb: RLBatch, mi: ModelInput) -> torch.Tensor:
+        """``model``'s output on the micro-batch ``mb`` (model input ``mi``) through the engine's experts."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+        self._set_replay(mb, mi)
+        output = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params)
+        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        return output
+
+    def _set_replay(self, mb: RLBatch, mi: ModelInput) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
         k, device = mb.routed_experts.shape[-1], mb.routed_experts.device
@@ -110,11 +119,6 @@ class Replay:
             valid = mi.scatter(torch.ones(len(mb.tokens), dtype=torch.long, device=device), 0)[:, :, None, None]
             self.agreement.set_valid([local_replay_indices(valid, 1, self.sp)[:, 0].bool()] * len(self.routers))
         RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-
-    def after_forward(self) -> None:
-        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
-
-        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
 
     def close(self) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplay
@@ -166,10 +170,8 @@ class StepRouting:
     def forward(self, model, mb: RLBatch, mi: ModelInput) -> torch.Tensor:
         """``model``'s output on the micro-batch ``mb`` (model input ``mi``) under the step's routing."""
         if self._replay is not None:
-            self._replay.before_forward(mb, mi)
+            return self._replay.forward(model, mb, mi)
         output = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params)
-        if self._replay is not None:
-            self._replay.after_forward()
         if self.record:
             self._count_recorded(mb, mi)
         return output
