@@ -10,15 +10,29 @@ pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for 
 
 
 def roundtrip(rank, layout, hf_path, out_dir):
-    """(export equal to the checkpoint, max |Megatron - HF| logits, saved file equal) on this rank."""
+    """(export and the weight sync's stream equal to the checkpoint, max |Megatron - HF| logits, saved
+    file equal) on this rank."""
+    from megatron.bridge.models.conversion.peft_bridge import MegatronPeftBridge
     from transformers import AutoModelForCausalLM
 
     from megarl.models.bridge import build_megatron_model, export_hf_state, save_hf_checkpoint
+    from megarl.sync.gather import stage_hf_stream
 
     model = build_megatron_model(hf_path, layout, transformer_impl="local")
     original = load_file(f"{hf_path}/model.safetensors")
     exported = export_hf_state(model)
-    exact = set(exported) == set(original) and all(torch.equal(original[k], exported[k]) for k in original)
+
+    def no_adapter_search(*args, **kwargs):
+        raise AssertionError("the sync's stream searched a model without LoRA adapters for them")
+
+    search = MegatronPeftBridge.build_adapter_conversion_tasks
+    MegatronPeftBridge.build_adapter_conversion_tasks = no_adapter_search
+    try:
+        streamed = {name: tensor.clone() for name, tensor in stage_hf_stream(model)}
+    finally:
+        MegatronPeftBridge.build_adapter_conversion_tasks = search
+    exact = all(set(state) == set(original) and all(torch.equal(original[k], state[k]) for k in original)
+                for state in (exported, streamed))
 
     ids = torch.randint(0, 259, (2, 12), generator=torch.Generator().manual_seed(0))
     hf = AutoModelForCausalLM.from_pretrained(hf_path, dtype=torch.float32).eval()

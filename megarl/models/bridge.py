@@ -33,6 +33,7 @@ class MegatronModel:
     provider: Any  # megatron.bridge GPTModelProvider
     chunks: list  # list[MegatronModule], DDP-wrapped when built for training
     export_tasks: list | None = field(default=None, repr=False)  # this stage's conversion tasks, built once
+    has_adapters: bool = False  # LoRA adapters on the chunks: an HF export merges them into the base weights
 
 
 def load_bridge(hf_path: str | Path, dtype: str = "float32"):
@@ -85,19 +86,7 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
     te = layers == "transformer_engine"
     bridge = load_bridge(hf_path, dtype)
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    half = dtype != "float32"
-    settings = dict(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
-        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
-        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
-        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
-        sequence_parallel=layout.sequence_parallel, moe_token_dispatcher_type=dispatcher,
-        moe_enable_routing_replay=routing_replay, moe_aux_loss_coeff=moe_aux_loss_coeff,
-        params_dtype=DTYPES[dtype], pipeline_dtype=DTYPES[dtype], bf16=dtype == "bfloat16", fp16=dtype == "float16",
-        hidden_dropout=0.0, attention_dropout=0.0,
-        calculate_per_token_loss=True,  # token-mean over the global batch; see megarl/trainer/sft_step.py
-    )
+    settings = parallel_settings(layout, dtype, dispatcher, routing_replay, moe_aux_loss_coeff)
     settings.update(recompute_settings(recompute, recompute_num_layers,
                                        grouped_experts=te and bool(getattr(provider, "moe_grouped_gemm", False))))
     settings.update(layer_settings(layers, platform))
@@ -113,6 +102,7 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
         from megarl.models.value_head import attach_value_head
 
         provider.register_pre_wrap_hook(attach_value_head)
+    half = dtype != "float32"
     chunks = provider.provide_distributed_model(
         ddp_config=ddp_config, wrap_with_ddp=ddp_config is not None,
         use_cpu_initialization=not platform.is_cuda,
@@ -120,7 +110,25 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
         fp16=dtype == "float16",
     )
     log.info("megatron model on this rank: %d parameters", sum(p.numel() for c in chunks for p in c.parameters()))
-    return MegatronModel(bridge=bridge, provider=provider, chunks=chunks)
+    return MegatronModel(bridge=bridge, provider=provider, chunks=chunks, has_adapters=lora is not None)
+
+
+def parallel_settings(layout: Layout, dtype: str, dispatcher: str, routing_replay: bool,
+                      moe_aux_loss_coeff: float) -> dict:
+    """megatron TransformerConfig fields of the parallel layout, the dtype, the MoE dispatch and
+    routing replay, with dropout off and the loss summed per token."""
+    return dict(
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
+        expert_model_parallel_size=layout.ep, expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.sequence_parallel, moe_token_dispatcher_type=dispatcher,
+        moe_enable_routing_replay=routing_replay, moe_aux_loss_coeff=moe_aux_loss_coeff,
+        params_dtype=DTYPES[dtype], pipeline_dtype=DTYPES[dtype], bf16=dtype == "bfloat16", fp16=dtype == "float16",
+        hidden_dropout=0.0, attention_dropout=0.0,
+        calculate_per_token_loss=True,  # token-mean over the global batch; see megarl/trainer/sft_step.py
+    )
 
 
 def recompute_settings(recompute: str, num_layers: int | None = None, grouped_experts: bool = False) -> dict:

@@ -74,7 +74,10 @@ def stage_export_tasks(model) -> list:
 def stage_hf_stream(model) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, full tensor) for every HF weight of this rank's pipeline stage, in the bridge's
     export order; tensors stay on the parameters' device. ``model`` is a
-    :class:`megarl.models.bridge.MegatronModel`. Collective over the stage's TP/EP groups."""
+    :class:`megarl.models.bridge.MegatronModel`. Collective over the stage's TP/EP groups. LoRA adapters,
+    where the model has them, come merged into their base weights; a model without them skips the
+    bridge's search for them (a walk over every parameter and a gather over the pipeline group)."""
     for name, tensor in model.bridge.export_hf_weights(model.chunks, cpu=False, show_progress=False,
-                                                       conversion_tasks=stage_export_tasks(model)):
+                                                       conversion_tasks=stage_export_tasks(model),
+                                                       merge_adapter_weights=model.has_adapters):
         yield name, tensor
