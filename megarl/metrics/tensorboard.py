@@ -8,26 +8,30 @@ same folder and TensorBoard shows both as one run.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 TENSORBOARD_DIR = "tensorboard"
 
 
 class TensorBoardScalars:
-    """Writes ``{key: value}`` at a step as TensorBoard scalars (tag = the metric key)."""
+    """Writes ``{key: value}`` at a step as TensorBoard scalars (tag = the metric key), one event a step."""
 
     def __init__(self, run_dir: str | Path):
-        from torch.utils.tensorboard import SummaryWriter
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
         self.log_dir = Path(run_dir) / TENSORBOARD_DIR
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        self._writer = EventFileWriter(str(self.log_dir))
 
     def log(self, step: int, values: dict[str, float], wall_time: float | None = None) -> None:
         """Add every finite value at ``step`` (``wall_time``: seconds since the epoch; now if None)."""
-        for key, value in values.items():
-            value = float(value)
-            if math.isfinite(value):
-                self._writer.add_scalar(key, value, global_step=step, walltime=wall_time)
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        scalars = [Summary.Value(tag=key, simple_value=float(value)) for key, value in values.items()
+                   if math.isfinite(float(value))]
+        self._writer.add_event(Event(wall_time=time.time() if wall_time is None else wall_time, step=step,
+                                     summary=Summary(value=scalars)))
         self._writer.flush()
 
     def close(self) -> None:
