@@ -141,28 +141,43 @@ def test_prefix_cache_counts_add_up_over_continuations_and_samples():
 
 
 NEW = 48
+WAVE_FRACTIONS = (0.3, 0.1, 0.0)  # into the second wave, one try each, until the abort finds a sample mid-generation
+
+
+class FirstPass:
+    """The engine target of a manager, recording (finish reason, response length) of each group's
+    first batch, before any resubmission, by group id."""
+
+    def __init__(self, target):
+        self.target, self.outcomes = target, {}
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    async def generate_batch_counted(self, prompts, params, group_ids, **kwargs):
+        result = await self.target.generate_batch_counted(prompts, params, group_ids=group_ids, **kwargs)
+        self.outcomes.setdefault(group_ids[0], [(s.finish_reason, len(s.response_ids)) for s in result.samples])
+        return result
 
 
 def test_abort_resubmit_splices_prefix_and_continuation(engine, client, tokenizer, tiny_checkpoint, loop):
     # 48 new tokens: a continuation's input (prompt + prefix) stays under SGLang's input limit of the
     # 64-token context even when the abort lands late (at 56, a late abort was refused: 60 > 58 tokens)
     params = SamplingParams(max_new_tokens=NEW, top_k=10, ignore_eos=True)
-    manager = RolloutManager(client, tokenizer, arithmetic_reward, params, samples_per_prompt=6,
+    target = FirstPass(client)
+    manager = RolloutManager(target, tokenizer, arithmetic_reward, params, samples_per_prompt=6,
                              partial_rollout="abort_resubmit")
     prompt = Prompt("2+5=", "7")
 
-    async def body():
-        t0 = time.monotonic()
-        undisturbed = await manager.generate_group(prompt, "warm")
-        duration = time.monotonic() - t0
-        task = asyncio.create_task(manager.generate_group(prompt, "g"))
+    async def aborted_group(group_id: str, wave_s: float, fraction: float):
+        task = asyncio.create_task(manager.generate_group(prompt, group_id))
         # in the second of three waves: two of the six done, the next running (the six reach the engine
         # together, one batch, so its load goes 6, 4, 2; the first wave may be over before a loaded
         # machine's first poll answers)
         async for running, waiting in engine_loads(engine.url):
             if running and 3 <= running + waiting <= 4:
                 break
-        await asyncio.sleep(duration / 3 * 0.3)  # and a third of the way into it
+        await asyncio.sleep(wave_s * fraction)
         await client.pause_generation(PauseMode.ABORT)
         try:
             await client.set_weight_version(1)  # the continuations run under "new weights"
@@ -170,14 +185,29 @@ def test_abort_resubmit_splices_prefix_and_continuation(engine, client, tokenize
             await client.continue_generation()
         result = await asyncio.wait_for(task, timeout=120)
         await client.set_weight_version(0)
-        return undisturbed, result
+        return result
 
-    undisturbed, result = loop.run_until_complete(body())
+    async def body():
+        t0 = time.monotonic()
+        undisturbed = await manager.generate_group(prompt, "warm")
+        wave_s, results = (time.monotonic() - t0) / 3, []
+        for attempt, fraction in enumerate(WAVE_FRACTIONS):
+            results.append(await aborted_group(f"g{attempt}", wave_s, fraction))
+            if any(reason is FinishReason.ABORTED and 0 < n < NEW for reason, n in target.outcomes[f"g{attempt}"]):
+                break  # a loaded machine's poll can see the second wave late, and the abort miss it
+        return undisturbed, results
+
+    undisturbed, results = loop.run_until_complete(body())
+    result, first_pass = results[-1], target.outcomes[f"g{len(results) - 1}"]
     assert undisturbed.resubmitted == 0
+    mid_flight = [i for i, (reason, n) in enumerate(first_pass) if reason is FinishReason.ABORTED and 0 < n < NEW]
+    assert mid_flight, f"no try's abort found a sample mid-generation: first pass {first_pass}"
     versions = [s.model_version for s in result.samples]
-    spliced = [v for v in versions if v[0] == 0 and v[-1] == 1]
-    assert result.resubmitted >= 1 and spliced, f"no sample spans the abort: {[set(v.tolist()) for v in versions]}"
-    assert manager.resubmitted == result.resubmitted
+    for i in mid_flight:  # the prefix under the old weights, the continuation under the new
+        n = first_pass[i][1]
+        assert versions[i].tolist() == [0] * n + [1] * (NEW - n), (i, n, versions[i].tolist())
+    assert result.resubmitted >= len(mid_flight)
+    assert manager.resubmitted == sum(r.resubmitted for r in results)
     model = hf_model(tiny_checkpoint)
     worst = 0.0
     for sample, v in zip(result.samples, versions):
