@@ -28,8 +28,8 @@ class TensorBoardScalars:
         from tensorboard.compat.proto.event_pb2 import Event
         from tensorboard.compat.proto.summary_pb2 import Summary
 
-        scalars = [Summary.Value(tag=key, simple_value=float(value)) for key, value in values.items()
-                   if math.isfinite(float(value))]
+        numbers = {key: float(value) for key, value in values.items()}
+        scalars = [Summary.Value(tag=key, simple_value=v) for key, v in numbers.items() if math.isfinite(v)]
         self._writer.add_event(Event(wall_time=time.time() if wall_time is None else wall_time, step=step,
                                      summary=Summary(value=scalars)))
         self._writer.flush()
