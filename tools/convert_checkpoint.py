@@ -13,8 +13,10 @@ process (a Ray actor) is started per rank. A LoRA run's trainer checkpoint holds
 to-hf then needs their settings (the run's config.yaml, or --lora-rank/--lora-alpha/--lora-targets)
 and, as --hf, the base model they were trained on, and writes an HF PEFT directory
 (adapter_config.json + adapter_model.safetensors), or with --merge the base with the adapters
-merged as an HF checkpoint. Exit status: 0 done (and verified), 1 verification above tolerance,
-2 bad input. See docs/recipes.md ("Bringing checkpoints in and out") and docs/troubleshooting.md.
+merged as an HF checkpoint. A quantized --hf checkpoint (a ``quantization_config`` in its config.json:
+FP8 weights with their scales) is refused: megatron-bridge would read the FP8 tensors without their
+scales. Exit status: 0 done (and verified), 1 verification above tolerance, 2 bad input. See
+docs/recipes.md ("Bringing checkpoints in and out") and docs/troubleshooting.md.
 """
 import argparse
 import json
@@ -22,6 +24,7 @@ import re
 import sys
 
 from megarl.log import setup_logging
+from megarl.models.hf_config import quantized_refusal
 from megarl.trainer import convert
 
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -81,6 +84,9 @@ def parse_args(argv):
 def main(argv=None) -> int:
     args = parse_args(argv)
     setup_logging()
+    if (why := quantized_refusal(args.hf, "a conversion's model")) is not None:
+        print(f"error: --hf: {why}", file=sys.stderr)
+        return 2
     layout = convert.conversion_layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, vpp=args.vpp,
                                        world_size=args.world_size)
     prompts = list(args.prompts or convert.DEFAULT_PROMPTS)

@@ -1,6 +1,7 @@
 """What an RL run reads, checked before it starts anything, as far as that is cheap: the dataset file and
 its fields, the reward function's and the agent program's imports, the teacher's, the critic's and frozen
-roles' checkpoints against the policy's vocabulary, the rollout length against the checkpoint's context. The
+roles' checkpoints against the policy's vocabulary, the rollout length against the checkpoint's context, and
+that no checkpoint the run loads is quantized (a ``quantization_config``: no FP8 path yet). The
 driver runs it (:func:`megarl.config.platform_rules.refuse_what_is_not_built`); the planner does not (it
 plans for machines whose files live elsewhere). Each check raises :class:`ConfigError` naming the key.
 """
@@ -12,13 +13,14 @@ from omegaconf import DictConfig
 
 from megarl.agents.spec import load_agent
 from megarl.config.errors import ConfigError, fail, one_line
-from megarl.models.hf_config import hf_config_if_present
+from megarl.models.hf_config import hf_config_if_present, quantized_refusal
 from megarl.tasks.prompts import DATASET_TASKS, dataset_fields, has_chat_template
 from megarl.tasks.rewards import load_user_reward
 
 
 def check_inputs(cfg: DictConfig) -> None:
-    """What an RL run reads, checked before it starts anything (a warm-up reads none of it)."""
+    """What an RL run reads, checked before it starts anything (a warm-up reads only the policy's checkpoint)."""
+    _check_unquantized(cfg)
     if cfg.mode == "warmup":
         return
     if cfg.task.name in DATASET_TASKS:
@@ -50,6 +52,20 @@ def check_inputs(cfg: DictConfig) -> None:
         if context is not None and cfg.rollout.max_new_tokens >= context:
             fail("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for a prompt in the model's "
                  f"context of {context} tokens ({checkpoint})")
+
+
+def _check_unquantized(cfg: DictConfig) -> None:
+    """Every checkpoint the run loads that is present has no ``quantization_config``
+    (:func:`megarl.models.hf_config.quantized_refusal`)."""
+    checkpoints = [("model.hf_path", cfg.model.hf_path, "the policy"), ("teacher.hf_path", cfg.teacher.hf_path,
+                   "the teacher"), ("reward.judge.hf_path", cfg.reward.judge.hf_path, "the judge")]
+    if cfg.critic.enabled:
+        checkpoints.append(("critic.hf_path", cfg.critic.hf_path, "the critic"))
+    for i, entry in enumerate(cfg.task.role_engines if cfg.task.agent is not None else ()):
+        checkpoints.append((f"task.role_engines[{i}].hf_path", entry.hf_path, f"the frozen {entry.role!r} model"))
+    for key, path, role in checkpoints:
+        if path and (why := quantized_refusal(path, role)) is not None:
+            fail(key, why)
 
 
 def _check_teacher(teacher: str, student: str | None) -> None:

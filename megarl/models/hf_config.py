@@ -6,6 +6,9 @@ says). Multimodal checkpoints keep the language model's numbers in ``text_config
 over the top level. The families name some numbers differently (Qwen3-MoE ``num_experts``, Mixtral
 ``num_local_experts``, DeepSeek-V3 / GLM-4.5 ``n_routed_experts``, ...): :data:`HF_KEYS` lists the
 names per field, the first one present wins. A field is None when the file has none of its names.
+A ``quantization_config`` (FP8 / block-quantized weights with their scales: DeepSeek-V3's official
+checkpoint, the Qwen3 ``-FP8`` ones) is ``quantization``: megarl has no path for such weights
+(:func:`quantized_refusal`).
 """
 from __future__ import annotations
 
@@ -80,6 +83,8 @@ class HfConfig:
     context_length: Optional[int]  # max_position_embeddings: the most prompt + response tokens
     mlp_only_layers: Optional[tuple[int, ...]]  # Qwen-MoE: dense layers among MoE ones
     decoder_sparse_step: Optional[int]  # Qwen-MoE: every n-th layer is MoE
+    # the quantization_config's quant_method ("fp8", ...; "unknown" when it names none); None: not quantized
+    quantization: Optional[str] = None
 
     def missing(self, *names: str) -> list[str]:
         """The config.json keys (``a/b`` for alternatives) of the ``names`` fields that are None."""
@@ -97,8 +102,12 @@ class HfConfig:
             values["moe_ffn_hidden_size"] = values["ffn_hidden_size"]  # Mixtral naming
         if values["mlp_only_layers"] is not None:
             values["mlp_only_layers"] = tuple(values["mlp_only_layers"])
+        quantization = hf.get("quantization_config") or raw.get("quantization_config")
+        if quantization is not None:
+            quantization = str(quantization.get("quant_method") or "unknown") if isinstance(quantization, dict) \
+                else "unknown"
         return cls(path=path, model_type=hf.get("model_type"), architectures=tuple(raw.get("architectures") or ()),
-                   **values)
+                   quantization=quantization, **values)
 
 
 def read_hf_config(hf_path: str | Path) -> HfConfig:
@@ -115,3 +124,18 @@ def hf_config_if_present(hf_path: str | Path | None) -> Optional[HfConfig]:
         return None
     return read_hf_config(hf_path)
 
+
+
+def quantized_refusal(hf_path: str | Path, role: str) -> Optional[str]:
+    """Why the checkpoint at ``hf_path`` cannot serve as ``role`` (e.g. "the policy") when its config.json
+    has a ``quantization_config``; None when it has none (or no config.json). megarl trains, serves and
+    syncs every model in ``model.dtype``: a policy's weight sync would write bf16 tensors into the
+    engine's FP8 parameters beside their stale scales, and megatron-bridge reads quantized tensors
+    without their scales."""
+    hf = hf_config_if_present(hf_path)
+    if hf is None or hf.quantization is None:
+        return None
+    return (f"{hf_path}/config.json has a quantization_config ({hf.quantization} weights with scales), which megarl "
+            f"cannot use as {role}: it trains, serves and syncs weights in model.dtype and has no FP8 path "
+            f"(a sync would cast bf16 into FP8 parameters beside stale scales); use the bf16 release or "
+            f"dequantize it first")
