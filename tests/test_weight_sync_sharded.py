@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from megarl.engines.weight_shards import Piece, assemble, entry_name, exchange, parse_entries
+from megarl.sync.engine_layout import EngineLayout
 from megarl.sync.slices import EngineRank, Split, chunk, engine_piece, plan_transfers
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, MOE_FFN, VOCAB, LAYERS = 64, 4, 2, 16, 8, 128, 384, 2
@@ -67,16 +68,19 @@ def trainer_holdings(table, tp: int, ep: int, world: int) -> list[tuple[int, Pie
     return out
 
 
-def engine_wants(table, tp: int, ep: int, offset: int) -> list[tuple[int, Piece]]:
-    return [(offset + r, piece) for r in range(tp) for name, (shape, split) in table.items()
-            if (piece := engine_piece(name, "float32", shape, split, EngineRank(r, tp, ep), EXPERTS)) is not None]
+def engine_wants(table, tp: int, ep: int, offset: int, layout: EngineLayout | None = None) -> list[tuple[int, Piece]]:
+    """(update-group rank, piece) of what each rank of an engine of ``layout`` (default: TP ``tp``, EP ``ep``)
+    loads, its ranks from ``offset`` on."""
+    layout = layout or EngineLayout.tensor_parallel(tp, ep)
+    return [(offset + r, piece) for r in range(layout.tp) for name, (shape, split) in table.items()
+            if (piece := engine_piece(name, "float32", shape, split, EngineRank(r, layout), EXPERTS)) is not None]
 
 
-def check_in_memory(trainer_tp: int, engine_tp: int, engine_ep: int):
+def check_in_memory(trainer_tp: int, engine_tp: int, engine_ep: int, layout: EngineLayout | None = None):
     """Apply the planned transfers in memory; every engine rank's wanted part must equal the full tensor's."""
     table, full = qwen3_moe_table(), None
     full = full_tensors(table)
-    wants = engine_wants(table, engine_tp, engine_ep, offset=4)
+    wants = engine_wants(table, engine_tp, engine_ep, offset=4, layout=layout)
     transfers = plan_transfers(trainer_holdings(table, trainer_tp, 2, 4), wants)
     got: dict[tuple[int, str], torch.Tensor] = {}
     for t in transfers:
@@ -117,6 +121,93 @@ def test_plan_refuses_a_part_no_trainer_rank_holds():
     holdings = [(r, p) for r, p in trainer_holdings(table, 2, 2, 4) if not (r % 2 == 1 and p.name == "lm_head.weight")]
     with pytest.raises(ValueError, match="lm_head.weight: the trainer ranks hold 0 of the"):
         plan_transfers(holdings, engine_wants(table, 2, 1, offset=4))
+
+
+# Resolved server arguments (the /server_info fields the layout reads) of engines with DP attention, the LM head
+# over the attention-TP group, and MoE data parallelism; the last without DP attention.
+SERVER_LAYOUTS = [
+    {"tp_size": 4, "attn_dp_size": 4, "ep_size": 2, "enable_dp_attention": True},
+    {"tp_size": 4, "attn_dp_size": 2, "ep_size": 4, "enable_dp_attention": True, "enable_dp_lm_head": True},
+    {"tp_size": 4, "attn_dp_size": 2, "ep_size": 2, "moe_dp_size": 2, "enable_dp_attention": True},
+    {"tp_size": 8, "attn_dp_size": 1, "ep_size": 2},
+]
+
+
+def sglang_rows(name: str, shape: tuple, split: Split, info: dict, tp_rank: int):
+    """(dim, start, stop) of HF tensor ``name`` that SGLang's loader of engine rank ``tp_rank`` reads (None:
+    none; dim None: whole), computed with SGLang's own functions from its resolved server arguments ``info``."""
+    from sglang.srt.layers.vocab_parallel_embedding import VocabParallelEmbedding, pad_vocab_size
+    from sglang.srt.runtime_context import derive_attention_ranks, derive_parallel_widths, derive_spawn_ranks
+
+    tp, moe_dp, ep = info["tp_size"], info.get("moe_dp_size", 1), info["ep_size"]
+    widths = derive_parallel_widths(tp_size=tp, attn_cp_size=1, attn_dp_size=info["attn_dp_size"], moe_ep_size=ep,
+                                    moe_dp_size=moe_dp, dcp_size=1, dcp_enabled=False)
+    attn_tp = widths["attn_tp_size"]
+    attn_rank, _ = derive_attention_ranks(tp_rank=tp_rank, attn_tp_size=attn_tp, attn_cp_size=1)
+    if split.expert is not None:
+        ranks = derive_spawn_ranks(world_rank=tp_rank, tp_size=tp, ep_join_rank_offset=0, attn_cp_size=1,
+                                   attn_tp_size=attn_tp, moe_dp_size=moe_dp, moe_ep_size=ep)
+        if split.expert // (EXPERTS // ep) != ranks["moe_ep_rank"]:  # FusedMoE: contiguous runs per EP rank
+            return None
+        rank, size = ranks["moe_tp_rank"], widths["moe_tp_size"]
+    elif split.vocab:
+        rank, size = (attn_rank, attn_tp) if "embed" in name or info.get("enable_dp_lm_head") else (tp_rank, tp)
+        padding = 64 if pad_vocab_size(shape[0], 64) % size == 0 else 64 * size
+        padded = pad_vocab_size(shape[0], padding)
+        index = VocabParallelEmbedding._get_indices(padded, padded, shape[0], shape[0], rank, size)
+        return (None, 0, 0) if size == 1 else (0, index.org_vocab_start_index, index.org_vocab_end_index)
+    elif ".self_attn." in name:
+        rank, size = attn_rank, attn_tp
+        if split.kv_heads and split.kv_heads < size:  # QKVParallelLinear: shard kv_tp_rank // num_kv_head_replicas
+            replicas = size // split.kv_heads
+            rank, size = rank // replicas, size // replicas
+    else:
+        rank, size = tp_rank, tp
+    if split.dim is None or size == 1:
+        return None, 0, 0
+    per = shape[split.dim] // size
+    return split.dim, rank * per, (rank + 1) * per
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("info", SERVER_LAYOUTS, ids=["dp-attention", "dp-lm-head", "moe-dp", "tp8-ep2"])
+def test_slice_map_follows_the_engines_resolved_layout(info):
+    """Under DP attention the attention and the embedding are split over the attention-TP group (whole on each
+    rank when it is one rank), the head per enable_dp_lm_head, experts per EP and MoE-DP: each engine rank's
+    piece of every tensor is the rows SGLang's own sharding functions give; a TP2xEP2 trainer's slices cover
+    them, bit for bit."""
+    from megarl.sync.engine_layout import layout_from_server_info
+
+    layout = layout_from_server_info(info)
+    table = {**qwen3_moe_table(), "model.layers.0.mlp.gate_proj.weight": ((MOE_FFN, HIDDEN), Split(0)),
+             "model.layers.0.mlp.down_proj.weight": ((HIDDEN, MOE_FFN), Split(1))}  # a dense MLP: over all ranks
+    for tp_rank in range(layout.tp):
+        for name, (shape, split) in table.items():
+            piece = engine_piece(name, "float32", shape, split, EngineRank(tp_rank, layout), EXPERTS)
+            got = None if piece is None else (piece.dim, piece.start, piece.stop)
+            assert got == sglang_rows(name, shape, split, info, tp_rank), (tp_rank, name)
+    if info["tp_size"] == 4:
+        check_in_memory(trainer_tp=2, engine_tp=layout.tp, engine_ep=layout.ep, layout=layout)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("key, value", [
+    ("ep_num_redundant_experts", 8), ("enable_eplb", True), ("init_expert_location", "random"),
+    ("elastic_ep_backend", "mooncake"), ("moe_a2a_backend", "deepep"), ("attn_cp_size", 2), ("dp_size", 2),
+    ("enable_dense_mlp_attn_tp", True), ("shared_experts_tp_size", 1), ("quantization", "fp8"),
+    ("moe_dense_tp_size", 1),
+])
+def test_engine_settings_the_slice_map_does_not_handle_are_refused_naming_the_key(key, value):
+    from megarl.sync.engine_layout import layout_from_server_info
+
+    info = {"tp_size": 4, "attn_dp_size": 4, "ep_size": 4, "moe_dp_size": 1, "enable_dp_lm_head": False,
+            "ep_num_redundant_experts": 0, "enable_eplb": False, "moe_a2a_backend": "none", "attn_cp_size": 1}
+    assert layout_from_server_info(info) == EngineLayout(tp=4, attn_tp=1, ep=4)
+    with pytest.raises(ValueError, match=rf"^the engine runs with {key}={value!r}, .*use sync.transport=distributed$"):
+        layout_from_server_info({**info, key: value})
+    with pytest.raises(ValueError, match="does not map shared experts"):
+        engine_piece("model.layers.0.mlp.shared_experts.gate_proj.weight", "float32", (8, 4), Split(0),
+                     EngineRank(0, EngineLayout.tensor_parallel(2)), EXPERTS)
 
 
 @pytest.mark.unit
@@ -201,8 +292,9 @@ def test_trainer_ranks_local_slices_equal_the_gathered_export_and_cover_every_en
     assert splits["model.layers.0.self_attn.o_proj.weight"].dim == 1 and splits["lm_head.weight"].vocab
     assert splits["model.layers.1.mlp.experts.5.down_proj.weight"].expert == 5
     assert any(p.dim == 0 and p.stop - p.start < shapes[p.name][0] for _, p in held)  # some slices are partial
+    engine = EngineLayout.tensor_parallel(2, 2)
     wants = [(4 + r, piece) for r in range(2) for name, split in splits.items()
-             if (piece := engine_piece(name, "float32", shapes[name], split, EngineRank(r, 2, 2), EXPERTS))]
+             if (piece := engine_piece(name, "float32", shapes[name], split, EngineRank(r, engine), EXPERTS))]
     transfers = plan_transfers(held, wants)  # raises when an engine rank's part is not held
     model_bytes = sum(Piece.whole(n, "float32", s).nbytes for n, s in shapes.items())
     assert max(sum(t.piece.nbytes for t in transfers if t.dst == d) for d in (4, 5)) <= 0.55 * model_bytes

@@ -17,6 +17,7 @@ from megarl.config.errors import ConfigError, PlacementError, fail, one_line
 from megarl.config.schema import MegarlConfig
 from megarl.config.topology import RunTopology, check_role_engines, check_topology, checkpoint_arch
 from megarl.fields import out_of_bounds
+from megarl.models.hf_config import hf_config_if_present
 from megarl.models.lora import LoraConfig
 from megarl.parallel import PipelineSplitError, stage_layer_counts
 from megarl.sync.settings import delta_refusal
@@ -86,6 +87,10 @@ def _check_sharded(cfg: DictConfig) -> None:
     if cfg.lora.enabled:
         fail("sync.transport", "sharded resharding sends the base weights' slices, not merged LoRA adapters "
              "(lora.enabled); use sync.transport=distributed")
+    hf = hf_config_if_present(cfg.model.hf_path)
+    if cfg.model.arch.num_shared_experts or (hf is not None and hf.num_shared_experts):
+        fail("sync.transport", "sharded resharding does not map shared experts (SGLang may fuse them into its "
+             "routed-expert kernel, a choice its /server_info does not report); use sync.transport=distributed")
 
 
 def _arch_numbers(cfg: DictConfig) -> dict:

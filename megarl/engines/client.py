@@ -488,10 +488,9 @@ class SGLangClient:
         response = await self._request("GET", "/server_info")
         return bool(response.json().get("enable_memory_saver", False))
 
-    async def parallel_sizes(self) -> tuple[int, int]:
-        """(tensor-parallel, expert-parallel) ranks of the engine (SGLang's ``tp_size``, ``ep_size``)."""
-        info = (await self._request("GET", "/server_info")).json()
-        return int(info["tp_size"]), int(info.get("ep_size") or 1)
+    async def server_info(self) -> dict:
+        """The engine's resolved server arguments and scheduler state (SGLang's ``/server_info``)."""
+        return (await self._request("GET", "/server_info")).json()
 
     async def release_memory(self, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Free the memory regions ``tags`` (``weights``, ``kv_cache``) until :meth:`resume_memory`.

@@ -34,6 +34,7 @@ from megarl.engines.weight_shards import (
     hf_name,
     join_all,
     parse_entries,
+    unreceived_parameters,
 )
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,18 @@ def receive(recv_req, group, device) -> list[tuple[str, torch.Tensor]]:
     return assemble(_baseline.apply(transfers, received, recv_req.load_format == BASE_FORMAT, device))
 
 
+def check_received(manager, selector) -> tuple[bool, str]:
+    """(success, message): whether every parameter of the runners ``selector`` names is free of the NaN
+    rows :func:`~megarl.engines.weight_shards.assemble` fills in for rows this rank did not receive (a slice
+    map that disagrees with this engine's loaders fails the sync here instead of loading them)."""
+    for _, runner in manager._select_runners(selector):
+        bad = unreceived_parameters(runner.model)
+        if bad:
+            return False, (f"sharded sync: {len(bad)} parameters of this engine rank hold NaN after the sync (rows its "
+                           f"loaders read that it never received, or NaN weights), e.g. {', '.join(bad[:3])}")
+    return True, "Succeeded to update parameter online."
+
+
 def update_weights_from_sharded(manager, recv_req):
     """Serve one ``megarl_sharded`` ``/update_weights_from_distributed`` call on this engine rank:
     receive, load into every runner the selector names, then record the version and flush the cache
@@ -138,6 +151,8 @@ def update_weights_from_sharded(manager, recv_req):
                 break
         if success:
             manager._session = msgspec.structs.replace(manager._session, loaded_weights=True)
+        if success and (recv_req.weight_version is not None or recv_req.flush_cache):  # the sync's last bucket
+            success, message = check_received(manager, recv_req.selector)
         if success and (recv_req.weight_version is not None or recv_req.flush_cache):
             manager.record_weight_version_after_update(recv_req.weight_version)
             success, message = manager.flush_cache_after_weight_update(recv_req, success, message)

@@ -179,10 +179,12 @@ def exchange(rank: int, transfers: list[Transfer], outgoing, group, device,
 
 
 def assemble(received: list[tuple[Piece, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-    """(HF name, tensor of the full HF shape) per tensor of ``received``, its pieces at their rows and the
-    rest left uninitialised: what SGLang's weight loader of the receiving rank narrows to exactly those
-    rows (the pieces of one tensor, from several senders, go into one tensor: loaded one by one, each
-    would overwrite the others' rows). A whole piece is its own tensor."""
+    """(HF name, tensor of the full HF shape) per tensor of ``received``, its pieces at their rows: what
+    SGLang's weight loader of the receiving rank narrows to the rows it owns, which must be the pieces' (the
+    pieces of one tensor, from several senders, go into one tensor: loaded one by one, each would overwrite
+    the others' rows). A whole piece is its own tensor. The rows this rank did not receive are NaN (a loader
+    that reads them leaves NaN in its parameter: :func:`unreceived_parameters`); a tensor of another dtype
+    must be received whole (ValueError naming it otherwise)."""
     by_name: dict[str, list[tuple[Piece, torch.Tensor]]] = {}
     for piece, values in received:
         by_name.setdefault(piece.name, []).append((piece, values))
@@ -191,8 +193,26 @@ def assemble(received: list[tuple[Piece, torch.Tensor]]) -> list[tuple[str, torc
         if len(parts) == 1 and parts[0][0].dim is None:
             out.append((name, parts[0][1]))
             continue
-        full = torch.empty(parts[0][0].shape, dtype=parts[0][1].dtype, device=parts[0][1].device)
+        piece, values = parts[0]
+        if values.is_floating_point():
+            full = torch.full(piece.shape, float("nan"), dtype=values.dtype, device=values.device)
+        elif sum(p.nbytes for p, _ in parts) == Piece.whole(name, piece.dtype, piece.shape).nbytes:
+            full = torch.empty(piece.shape, dtype=values.dtype, device=values.device)
+        else:
+            raise ValueError(f"{name}: a {piece.dtype} tensor arrived in part ({len(parts)} pieces): only "
+                             "floating-point tensors may arrive in slices")
         for piece, values in parts:
             piece.narrow(full).copy_(values)
         out.append((name, full))
     return out
+
+
+def unreceived_parameters(model: torch.nn.Module) -> list[str]:
+    """The floating-point parameters of ``model`` holding a NaN: loaded from rows this rank never received
+    (:func:`assemble`), or from NaN weights. One pass over the parameters (``amax`` propagates NaN; one
+    device synchronisation)."""
+    params = [(name, p) for name, p in model.named_parameters() if p.is_floating_point() and p.numel()]
+    if not params:
+        return []
+    peaks = torch.stack([p.detach().amax().float() for _, p in params]).isnan().tolist()
+    return [name for (name, _), nan in zip(params, peaks, strict=True) if nan]

@@ -126,8 +126,9 @@ class ShardedRank:
         self.device = device()
         config = model.bridge.hf_pretrained.config
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or 0
-        self.engine_ranks = [(spec.trainer_ranks + i, EngineRank(i % spec.engine_tp, spec.engine_tp, spec.expert_ranks))
+        self.num_experts = next((n for key in ("num_experts", "num_local_experts", "n_routed_experts")
+                                 if (n := getattr(config, key, None))), 0)
+        self.engine_ranks = [(spec.trainer_ranks + i, EngineRank(i % spec.engine_tp, spec.engine_layout))
                              for i in range(spec.engine_ranks)]
         self._tasks: list | None = None
         self._runs: list[range] = []

@@ -9,13 +9,16 @@ None for replicated ones; ``kv_heads`` for the K and V parts of a fused QKV; ``e
 expert's tensors.
 
 The engine side follows SGLang's weight loaders (``sglang.srt.layers.linear``, ``vocab_parallel_embedding``,
-``moe.fused_moe_triton.layer``): engine rank ``r`` of ``tp`` ranks loads chunk ``r`` of ``tp`` along the
-split dimension (``ColumnParallelLinear``, ``RowParallelLinear``, ``MergedColumnParallelLinear``, the
-Q part of ``QKVParallelLinear``; ``VocabParallelEmbedding`` / ``ParallelLMHead`` after padding the
-rows to a multiple of ``VOCAB_PADDING``); K and V heads chunk ``r // replicas`` of ``tp / replicas``
-when there are fewer KV heads than ranks (``replicas = tp / kv_heads``); replicated tensors whole; a
-routed expert only on the EP rank that owns it (``FusedMoE``: experts are split in contiguous runs of
-``experts / ep`` over the EP ranks), chunked over the MoE-TP ranks (``tp / ep``) along its split
+``moe.fused_moe_triton.layer``) over the groups of the engine's :class:`~megarl.sync.engine_layout.EngineLayout`
+(read from its resolved server arguments): a tensor of group ``g`` (:func:`engine_group`: attention, the
+input embedding, the LM head, routed experts, the rest) split over ``parts`` ranks is loaded by rank ``i``
+of them as chunk ``i`` of ``parts`` along the split dimension (``ColumnParallelLinear``,
+``RowParallelLinear``, ``MergedColumnParallelLinear``, the Q part of ``QKVParallelLinear``;
+``VocabParallelEmbedding`` / ``ParallelLMHead`` after padding the rows to a multiple of ``VOCAB_PADDING``,
+times ``parts`` when that does not split evenly); K and V heads chunk ``i // replicas`` of ``parts /
+replicas`` when there are fewer KV heads than attention ranks (``replicas = parts / kv_heads``); replicated
+tensors, and any tensor of a group of one rank, whole; a routed expert only on the EP rank that owns it
+(contiguous runs of ``experts / ep``), chunked over the MoE-TP ranks along its split
 dimension. :func:`plan_transfers` intersects what every engine rank loads with what the trainer ranks
 hold: a piece held by several ranks (replicated tensors, data-parallel copies) comes from one of them,
 chosen so that the bytes spread over the holders. :class:`Piece` and :class:`Transfer` are the wire
@@ -26,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megarl.engines.weight_shards import Piece, Transfer
+from megarl.sync.engine_layout import EngineLayout
 
 VOCAB_PADDING = 64  # SGLang's DEFAULT_VOCAB_PADDING_SIZE (rows of a vocab-parallel table per padding unit)
 
@@ -44,20 +48,41 @@ class Split:
 
 @dataclass(frozen=True)
 class EngineRank:
-    """Engine rank ``tp_rank`` of ``tp`` ranks whose routed experts are split over ``ep`` ranks
-    (SGLang: MoE-TP size ``tp / ep``, EP rank ``tp_rank // (tp / ep)``)."""
+    """Engine rank ``tp_rank`` of an engine of ``layout``: its place in each group a weight is split over."""
 
     tp_rank: int
-    tp: int
-    ep: int = 1
-
-    @property
-    def moe_tp(self) -> int:
-        return self.tp // self.ep
+    layout: EngineLayout
 
     @property
     def ep_rank(self) -> int:
-        return self.tp_rank // self.moe_tp
+        """Its expert-parallel rank (SGLang's ``moe_ep_rank``)."""
+        return self.tp_rank % (self.layout.tp // self.layout.moe_dp) // self.layout.moe_tp
+
+    def position(self, group: str) -> tuple[int, int]:
+        """(its index, the ranks) of the group a tensor of ``group`` (:func:`engine_group`) is split over."""
+        layout = self.layout
+        attention = (self.tp_rank % layout.attn_tp, layout.attn_tp)
+        if group == "expert":
+            return self.tp_rank % layout.moe_tp, layout.moe_tp
+        if group in ("attention", "embedding") or (group == "head" and layout.dp_lm_head):
+            return attention
+        return self.tp_rank, layout.tp
+
+
+def engine_group(name: str, split: Split) -> str:
+    """The engine group HF tensor ``name`` is split over: ``expert`` (a routed expert), ``embedding`` (the
+    input embedding), ``head`` (the LM head), ``attention`` (a ``self_attn`` weight) or ``tensor`` (the
+    rest: all TP ranks). ValueError for a shared expert's: SGLang may fuse shared experts into the routed
+    experts' kernel (``num_fused_shared_experts``, decided per model and GPU when the engine starts and not
+    in ``/server_info``), which places them where this map cannot see."""
+    if ".shared_expert" in name:
+        raise ValueError(f"{name}: sharded resharding does not map shared experts (SGLang may fuse them into its "
+                         "routed-expert kernel, a choice /server_info does not report); use sync.transport=distributed")
+    if split.expert is not None:
+        return "expert"
+    if split.vocab:
+        return "embedding" if "embed_tokens" in name else "head"
+    return "attention" if ".self_attn." in name else "tensor"
 
 
 def chunk(size: int, parts: int, index: int, pad_to: int = 1) -> tuple[int, int]:
@@ -70,22 +95,28 @@ def chunk(size: int, parts: int, index: int, pad_to: int = 1) -> tuple[int, int]
     return min(index * per, size), min((index + 1) * per, size)
 
 
+def vocab_chunk(size: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, stop) of the vocabulary rows rank ``index`` of ``parts`` loads (SGLang's
+    ``VocabParallelEmbedding``: rows padded to ``VOCAB_PADDING``, or to ``VOCAB_PADDING * parts`` when that
+    does not split into ``parts`` equal chunks)."""
+    pad_to = VOCAB_PADDING if -(-size // VOCAB_PADDING) * VOCAB_PADDING % parts == 0 else VOCAB_PADDING * parts
+    return chunk(size, parts, index, pad_to)
+
+
 def engine_piece(name: str, dtype: str, shape: tuple[int, ...], split: Split, rank: EngineRank,
                  num_experts: int) -> Piece | None:
     """The part of HF tensor ``name`` that SGLang's loader of engine rank ``rank`` reads (None: none,
     a routed expert another EP rank owns)."""
-    parts, index = rank.tp, rank.tp_rank
-    if split.expert is not None:
-        per_rank = num_experts // rank.ep
-        if split.expert // per_rank != rank.ep_rank:
-            return None
-        parts, index = rank.moe_tp, rank.tp_rank % rank.moe_tp
-    elif split.kv_heads and split.kv_heads < rank.tp:
-        replicas = rank.tp // split.kv_heads
-        parts, index = rank.tp // replicas, rank.tp_rank // replicas
+    group = engine_group(name, split)
+    index, parts = rank.position(group)
+    if group == "expert" and split.expert // (num_experts // rank.layout.ep) != rank.ep_rank:
+        return None
+    if split.kv_heads and split.kv_heads < parts:
+        replicas = parts // split.kv_heads
+        parts, index = parts // replicas, index // replicas
     if split.dim is None or parts == 1:
         return Piece.whole(name, dtype, shape)
-    start, stop = chunk(shape[split.dim], parts, index, VOCAB_PADDING if split.vocab else 1)
+    start, stop = (vocab_chunk if split.vocab else chunk)(shape[split.dim], parts, index)
     return Piece(name, dtype, tuple(shape), split.dim, start, stop)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from megarl.sync.buckets import Bucket, BucketIndex
+from megarl.sync.engine_layout import EngineLayout
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,9 @@ class SenderSpec:
     engines, :func:`megarl.engines.update_group.timed_name`; the sender is rank 0 and the engines'
     ranks follow; ``timeout_s`` bounds the group's formation and each broadcast). engine_tp: ranks
     per engine (payload copies for ``tensor``). work_dir: where ``disk`` writes checkpoints.
-    expert_ranks/rendezvous/trainer_ranks: the ``sharded`` link (one group of every trainer rank and
-    every engine rank, meeting at trainer rank 0's ``host:port``; the engines' experts split over
-    ``expert_ranks`` of an engine's ranks).
+    engine_layout/rendezvous/trainer_ranks: the ``sharded`` link (one group of every trainer rank and
+    every engine rank, meeting at trainer rank 0's ``host:port``; each engine's weights split over its
+    ranks as ``engine_layout`` says, read from the engines at connect).
     """
 
     kind: str
@@ -44,7 +45,7 @@ class SenderSpec:
     timeout_s: float = 600.0
     engine_tp: int = 1
     work_dir: str = ""
-    expert_ranks: int = 1
+    engine_layout: EngineLayout | None = None
     rendezvous: str = ""
     trainer_ranks: int = 0
 

@@ -31,6 +31,7 @@ import torch
 from megarl.engines.update_group import timed_name
 from megarl.platform.description import detect
 from megarl.sync.buckets import BucketIndex
+from megarl.sync.engine_layout import EngineLayout, layout_from_server_info
 from megarl.sync.errors import WeightSyncError, past_bound
 from megarl.sync.transports.base import EngineSide, Finish, SenderSpec, finish_fields
 from megarl.sync.transports.distributed import _environment, group_environment, link_backend
@@ -67,7 +68,7 @@ class ShardedEngineSide(EngineSide):
     def __init__(self, timeout_s: float, engine_tp: int = 1):
         self.timeout_s = timeout_s
         self.engine_tp = engine_tp
-        self.expert_ranks = 1  # the engines' EP size, read from them at connect
+        self.engine_layout: EngineLayout | None = None  # how the engines split their weights, read at connect
         self._prefix = ""
         self._group = ""
         self._rendezvous = ""
@@ -76,14 +77,14 @@ class ShardedEngineSide(EngineSide):
 
     def sender_spec(self, num_engines: int = 0) -> SenderSpec:
         return SenderSpec(kind=self.name, group_prefix=self._prefix, engine_ranks=num_engines * self.engine_tp,
-                          timeout_s=self.timeout_s, engine_tp=self.engine_tp, expert_ranks=self.expert_ranks,
+                          timeout_s=self.timeout_s, engine_tp=self.engine_tp, engine_layout=self.engine_layout,
                           rendezvous=self._rendezvous, trainer_ranks=self._trainer_ranks)
 
     async def connect(self, trainer, engines: list) -> None:
         """A fresh group (new name) of every trainer rank and every rank of ``engines``."""
         self._prefix = f"megarl-{uuid.uuid4().hex[:12]}"
         self._group = group_name(self._prefix, self.timeout_s)
-        self.expert_ranks = await self._expert_ranks(engines)
+        self.engine_layout = await self._engine_layout(engines)
         addresses = await trainer.weight_sync_address()
         if addresses[0] is None or any(a is not None for a in addresses[1:]):
             raise RuntimeError("sync.transport=sharded: trainer rank 0 must be the only sender (parallel.pp=1)")
@@ -101,14 +102,20 @@ class ShardedEngineSide(EngineSide):
         log.info("sharded weight-sync group %s: %d trainer ranks, %d engines of %d ranks", self._group,
                  spec.trainer_ranks, len(engines), self.engine_tp)
 
-    async def _expert_ranks(self, engines: list) -> int:
-        """The engines' EP size (SGLang's ``ep_size``); ValueError unless every engine has ``engine_tp``
-        ranks and the same EP size (a rank's slices follow from both)."""
-        layouts = {tuple(await client.parallel_sizes()) for client in engines}
-        if len(layouts) != 1 or next(iter(layouts))[0] != self.engine_tp:
-            raise ValueError(f"sync.transport=sharded: engines of (tp, ep) {sorted(layouts)}, expected one layout "
+    async def _engine_layout(self, engines: list) -> EngineLayout:
+        """How the engines split their weights, from their resolved server arguments
+        (:func:`~megarl.sync.engine_layout.layout_from_server_info`); ValueError naming a setting the slice map
+        does not handle, or unless every engine has ``engine_tp`` ranks and the same layout."""
+        layouts = set()
+        for client in engines:
+            try:
+                layouts.add(layout_from_server_info(await client.server_info()))
+            except ValueError as e:
+                raise ValueError(f"sync.transport=sharded: {client.base_url}: {e}") from e
+        if len(layouts) != 1 or next(iter(layouts)).tp != self.engine_tp:
+            raise ValueError(f"sync.transport=sharded: engines of layouts {sorted(map(str, layouts))}, expected one "
                              f"with tp = rollout.engine_tp = {self.engine_tp}")
-        return next(iter(layouts))[1]
+        return next(iter(layouts))
 
     async def disconnect(self, trainer, engines: list) -> None:
         linked, self._linked = self._linked, False
