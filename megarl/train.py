@@ -1,7 +1,8 @@
 """``python -m megarl.train recipe=NAME key=value ...``: the megarl driver.
 
 ``--cfg job`` prints the resolved config and exits. A bad recipe or override exits with status 2
-and one line naming the key. ``mode=warmup`` runs the tiny recipes' supervised warm-up that makes
+and one line naming the key, and so do delta syncs whose host copies do not fit a node's memory
+(:mod:`megarl.planner.delta_memory`). ``mode=warmup`` runs the tiny recipes' supervised warm-up that makes
 their RL starting checkpoint; the RL modes (``sync``, ``one_step_off``, ``async``) run it first when
 ``warmup.steps`` > 0 and its checkpoint is missing, else start from ``model.hf_path``. A run
 directory with a checkpoint resumes from it (``trainer.resume``). A trainer node that leaves the
@@ -97,9 +98,11 @@ def run(cfg: DictConfig) -> None:
     """The run ``cfg`` describes, from its run directory and model to its curves' PNG (module docstring)."""
     from megarl.config.platform_rules import refuse_what_is_not_built
     from megarl.pipeline.signals import StopRequest
+    from megarl.planner.delta_memory import check_delta_memory, node_host_bytes
 
     refuse_what_is_not_built(cfg)
     if cfg.mode != "warmup":
+        check_delta_memory(cfg, node_host_bytes(cfg))
         StopRequest.install()
     run_dir, hf_path = prepare_run_dir(cfg), ensure_model(cfg)
     if cfg.mode == "warmup":

@@ -260,6 +260,7 @@ def _local_export_worker(rank: int, port: int, checkpoint: str, out_dir: str) ->
     from megarl.models.bridge import build_megatron_model, export_hf_state
     from megarl.parallel import Layout
     from megarl.sync.local_export import local_tasks, task_slices
+    from megarl.sync.sharded_rank import bucket_runs
     from megarl.trainer.distributed import init_rank, shutdown_rank
 
     layout = Layout(world_size=4, tp=2, ep=2)
@@ -267,19 +268,28 @@ def _local_export_worker(rank: int, port: int, checkpoint: str, out_dir: str) ->
     torch.set_num_threads(1)
     model = build_megatron_model(checkpoint, layout, transformer_impl="local")
     groups = model.bridge.hf_pretrained.config.num_key_value_heads
-    slices = [s for task in local_tasks(model) for s in task_slices(task, groups)]
+    tasks = local_tasks(model)
+    slices = [s for task in tasks for s in task_slices(task, groups)]
     reference = export_hf_state(model)  # megatron-bridge's gathered export
     wrong = [s.piece.name for s in slices if not torch.equal(s.tensor.cpu(), s.piece.narrow(reference[s.piece.name]))]
-    torch.save({"wrong": wrong, "held": [(rank, s.piece, s.split) for s in slices],
+    buckets = [[s.piece.name for i in run for s in task_slices(tasks[i], groups)]
+               for run in bucket_runs(tasks, BUCKET_CAPACITY)]
+    torch.save({"wrong": wrong, "held": [(rank, s.piece, s.split) for s in slices], "buckets": buckets,
                 "shapes": {n: tuple(t.shape) for n, t in reference.items()}}, f"{out_dir}/{rank}.pt")
     shutdown_rank()
+
+
+BUCKET_CAPACITY = 2**18  # bytes: the tiny model's 1.9 MB in about eight buckets
 
 
 @pytest.mark.processes
 def test_trainer_ranks_local_slices_equal_the_gathered_export_and_cover_every_engine_rank(tiny_checkpoint,
                                                                                           tmp_path):
     """TP2xEP2 trainer: each rank's HF slices (bridge mappings over its own groups) are bit-equal to the
-    full export's rows; together they cover what every rank of a TP2+EP2 engine loads."""
+    full export's rows; together they cover what every rank of a TP2+EP2 engine loads. The sync's buckets
+    are cut by the model bytes they cover: the HF tensors of one bucket over all ranks (what an engine rank
+    assembles at most) stay within the bucket capacity, and the model takes about as many buckets as its
+    bytes fill."""
     from megarl.parallel import free_port
 
     mp.spawn(_local_export_worker, args=(free_port("127.0.0.1"), tiny_checkpoint, str(tmp_path)), nprocs=4, join=True)
@@ -298,6 +308,14 @@ def test_trainer_ranks_local_slices_equal_the_gathered_export_and_cover_every_en
     transfers = plan_transfers(held, wants)  # raises when an engine rank's part is not held
     model_bytes = sum(Piece.whole(n, "float32", s).nbytes for n, s in shapes.items())
     assert max(sum(t.piece.nbytes for t in transfers if t.dst == d) for d in (4, 5)) <= 0.55 * model_bytes
+    assert len({len(r["buckets"]) for r in results}) == 1  # every rank cuts the same number of buckets
+    covered = [set().union(*names) for names in zip(*(r["buckets"] for r in results))]
+    assert sorted(n for bucket in covered for n in bucket) == sorted(shapes)  # each tensor in one bucket
+    per_bucket = [sum(Piece.whole(n, "float32", shapes[n]).nbytes for n in bucket) for bucket in covered]
+    assert max(per_bucket) <= BUCKET_CAPACITY, per_bucket
+    assert len(per_bucket) <= 2 * -(-model_bytes // BUCKET_CAPACITY), per_bucket
+    print(f"\n[measured] {len(per_bucket)} buckets of {BUCKET_CAPACITY} B capacity, the most model bytes in one: "
+          f"{max(per_bucket)}")
 
 
 @pytest.mark.unit

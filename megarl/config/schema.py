@@ -413,6 +413,9 @@ class ClusterConfig:
     # ranks spans engine_tp / gpus_per_node whole nodes (SGLang --nnodes: a server a node, HTTP on the first)
     gpus_per_node: int = setting(8, ge=1)
     num_nodes: Optional[int] = setting(None, ge=1)  # nodes available; None = as many as the layout needs
+    # host memory of one node, GiB: the host copies delta syncs keep (sync.delta) may take half of it; None = the
+    # driver's node's, read at start (the planner then reports them unchecked)
+    host_memory_gb: Optional[float] = setting(None, gt=0)
     # seconds between the driver's checks that every trainer rank's node is alive in Ray; a lost one ends the
     # run (exit status 75) within this plus Ray's own node-death detection, its last checkpoint intact
     node_check_s: float = setting(5.0, gt=0)

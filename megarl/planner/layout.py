@@ -9,6 +9,7 @@ from omegaconf import DictConfig
 from megarl.config.schema import Placement
 from megarl.config.topology import EnginePoolSpec, RunTopology
 from megarl.planner.arch import Arch, resolve_arch, served_arch
+from megarl.planner.delta_memory import busiest_node, delta_memory_problem, node_host_bytes
 from megarl.planner.engine_memory import EngineMemory, engine_memory
 from megarl.planner.lora import LoraPlan, lora_plan
 from megarl.planner.params import ParamCounts, count_params
@@ -100,6 +101,9 @@ def broken_limits(plan: LayoutPlan, cfg: DictConfig) -> list[str]:
     for a in plan.auxiliary:
         if a.memory is not None:
             out += _engine_limits(a.memory, cfg, f"{a.name} engine", a.key)
+    if cfg.sync.delta and cfg.cluster.host_memory_gb is not None:
+        why = delta_memory_problem(busiest_node(plan.arch, cfg), node_host_bytes(cfg), cfg.sync.transport)
+        out += [f"sync.delta: {why}"] if why else []
     # Layouts that cannot be placed (engine_ep, engine_tp, more ranks than devices) are refused
     # when the config loads: megarl.config.topology.check_topology.
     return out

@@ -96,6 +96,21 @@ def _convert(task) -> dict[str, torch.Tensor]:
     return {mapping.hf_param["q"]: q, mapping.hf_param["k"]: k, mapping.hf_param["v"]: v}
 
 
+def task_model_bytes(task) -> int:
+    """The model bytes (export dtype) the trainer's ranks hold at this task's place in their task lists: its
+    local shard's bytes times the ranks its parameter is split over (TP, expert-TP for an expert; 1 when
+    replicated: megatron-core marks a split parameter ``tensor_model_parallel``), times the EP ranks for a
+    routed expert (each holds other experts at the same place). A bucket of tasks covers the sum of these
+    over the whole model, what its engine ranks assemble."""
+    from megatron.core import parallel_state as ps
+
+    param, is_expert = task.param_weight, task.mapping.is_expert
+    dtype = task.weight_dtype if task.weight_dtype is not None and param.is_floating_point() else param.dtype
+    split = _tp_position(is_expert)[1] if getattr(param, "tensor_model_parallel", False) else 1
+    experts = ps.get_expert_model_parallel_world_size() if is_expert else 1
+    return param.numel() * dtype.itemsize * split * experts
+
+
 def task_slices(task, num_query_groups: int) -> Iterator[LocalSlice]:
     """The HF slices of one conversion task on this rank (``num_query_groups``: the model's KV heads)."""
     from megatron.bridge.models.conversion.param_mapping import QKVMapping

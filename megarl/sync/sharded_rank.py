@@ -2,8 +2,10 @@
 
 Every trainer rank takes part (``parallel.pp`` 1). The conversion tasks of the rank
 (:func:`megarl.sync.local_export.local_tasks`, built once: they hold the parameters, whose values change
-in place) are cut into buckets of at most ``capacity`` bytes of Megatron parameters (the same cut on every
-rank: a parameter's local shard has the same size on every rank). For a bucket, ``next`` converts the
+in place) are cut into buckets of at most ``capacity`` bytes of the model (:func:`bucket_runs`: a task
+counts the bytes every rank's task at its place covers, so that the HF tensors an engine rank assembles for
+one bucket stay within ``capacity``; the same cut on every rank: a parameter's local shard has the same
+size on every rank). For a bucket, ``next`` converts the
 rank's shards to HF slices, gathers every rank's list of slices (metadata only, over the trainer's own
 group), and plans the transfers into every engine rank (:mod:`megarl.sync.slices`; the same plan on every
 rank); ``send`` starts this rank's sends on the send thread and returns, on rank 0, the entries the driver
@@ -43,7 +45,7 @@ from megarl.sync.abort import wait_unless_aborted
 from megarl.sync.buckets import BucketIndex, TensorEntry
 from megarl.sync.delta import DeltaPlan, KeptWeights, changed_pieces
 from megarl.sync.errors import WeightSyncError, past_bound
-from megarl.sync.local_export import LocalSlice, local_tasks, task_slices
+from megarl.sync.local_export import LocalSlice, local_tasks, task_model_bytes, task_slices
 from megarl.sync.report import SenderStats
 from megarl.sync.slices import EngineRank, engine_piece, plan_transfers
 from megarl.sync.transports.base import SenderSpec
@@ -62,6 +64,12 @@ def cut(sizes: list[int], capacity: int) -> list[range]:
     if sizes:
         runs.append(range(start, len(sizes)))
     return runs
+
+
+def bucket_runs(tasks: list, capacity: int) -> list[range]:
+    """The buckets of ``tasks`` (:func:`cut`), each covering at most ``capacity`` bytes of the model
+    (:func:`~megarl.sync.local_export.task_model_bytes`), not of this rank's shards (TP x EP times more)."""
+    return cut([task_model_bytes(t) for t in tasks], capacity)
 
 
 class SliceDelta:
@@ -145,7 +153,7 @@ class ShardedRank:
         in delta mode (see the module docstring)."""
         if self._tasks is None:
             self._tasks = local_tasks(self.model)
-        self._runs = cut([t.param_weight.numel() * t.param_weight.element_size() for t in self._tasks], capacity)
+        self._runs = bucket_runs(self._tasks, capacity)
         self._stats = SenderStats(stage=0, capacity=capacity)
         self._seq = 0
         self._plan_delta = delta
