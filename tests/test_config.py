@@ -458,7 +458,7 @@ def test_optimizer_offload_reaches_megatron_cores_optimizer():
 
 # Read by the planner alone, by design: the machines (cluster, device memory, links) and the model's
 # extremes (the longest prompt, a KV-cache size) a layout is checked against.
-PLANNER_INPUTS = {"cluster.num_nodes", "trainer.gpu_memory_gb", "trainer.reserved_memory_gb",
+PLANNER_INPUTS = {"cluster.num_nodes", "cluster.host_memory_gb", "trainer.gpu_memory_gb", "trainer.reserved_memory_gb",
                   "rollout.kv_cache_gb", "rollout.max_prompt_tokens", "sync.link_gbps"}
 
 
