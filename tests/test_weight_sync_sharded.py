@@ -341,17 +341,19 @@ def test_bytes_per_engine_rank_sums_the_senders_counters_per_destination():
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("engine_tp, engine_ep", [(2, 2), (4, 2), (4, 4)])
-def test_planner_counts_what_the_slice_map_sends_each_engine_rank(engine_tp, engine_ep):
+@pytest.mark.parametrize("engine_tp, engine_ep, dp_attention", [(2, 2, False), (4, 2, False), (4, 4, False),
+                                                                (2, 2, True), (4, 1, True)])
+def test_planner_counts_what_the_slice_map_sends_each_engine_rank(engine_tp, engine_ep, dp_attention):
     from megarl.config import load_config
     from megarl.planner.arch import resolve_arch
     from megarl.planner.weight_sync import engine_rank_params
 
     arch = resolve_arch(load_config(["recipe=tiny_moe_cpu"]))  # the sizes of qwen3_moe_table
     assert (arch.hidden_size, arch.num_experts, arch.num_query_groups) == (HIDDEN, EXPERTS, KV_HEADS)
-    wants = engine_wants(qwen3_moe_table(), engine_tp, engine_ep, offset=0)
+    layout = EngineLayout(tp=engine_tp, attn_tp=1 if dp_attention else engine_tp, ep=engine_ep)
+    wants = engine_wants(qwen3_moe_table(), engine_tp, engine_ep, offset=0, layout=layout)
     per_rank = {sum(p.nbytes for d, p in wants if d == rank) // 4 for rank in range(engine_tp)}
-    assert per_rank == {engine_rank_params(arch, engine_tp)}
+    assert per_rank == {engine_rank_params(arch, engine_tp, layout.attn_tp)}
 
 
 @pytest.mark.unit

@@ -53,8 +53,9 @@ def busiest_node(arch: Arch, cfg: DictConfig) -> NodeCopies:
     model_bytes = count_params(arch).total * size
     plan = place(RunTopology.from_config(cfg))
     if cfg.sync.transport == "sharded":
-        engine_bytes, trainer_bytes = engine_rank_params(arch, cfg.rollout.engine_tp) * size, \
-            trainer_rank_params(arch, cfg.parallel) * size
+        attention_tp = 1 if cfg.rollout.engine_dp_attention else None
+        engine_bytes = engine_rank_params(arch, cfg.rollout.engine_tp, attention_tp) * size
+        trainer_bytes = trainer_rank_params(arch, cfg.parallel) * size
         keepers = range(len(plan.trainer))
     else:
         engine_bytes, trainer_bytes = model_bytes, model_bytes // cfg.parallel.pp

@@ -33,7 +33,15 @@ from megarl.config.errors import ConfigError
 from megarl.engines.weight_delta import MAX_GAP
 from megarl.planner.arch import Arch
 from megarl.planner.lora import LoraPlan
-from megarl.planner.params import ShardedCount, count_params, embedding_params, expert_params, head_params, layer_params
+from megarl.planner.params import (
+    ShardedCount,
+    attention_params,
+    count_params,
+    embedding_params,
+    expert_params,
+    head_params,
+    layer_params,
+)
 from megarl.planner.units import dtype_bytes
 
 MIB = 2**20
@@ -86,7 +94,7 @@ def weight_sync_plan(arch: Arch, cfg: DictConfig, lora: LoraPlan | None = None) 
         buckets, largest = math.ceil(nbytes / bucket), largest_tensor_params(arch) * size
         payload = "model" if lora is None else "merged"
     rank_bytes = nbytes // cfg.rollout.engine_tp if payload == "adapter" else engine_rank_params(
-        arch, cfg.rollout.engine_tp) * size
+        arch, cfg.rollout.engine_tp, 1 if cfg.rollout.engine_dp_attention else None) * size
     paths = sync_paths(nbytes, size, cfg, rank_bytes, trainer_rank_params(arch, cfg.parallel) * size)
     sharded = cfg.sync.transport == "sharded"
     path = ("colocated_ipc" if cfg.placement == "colocated" else
@@ -108,17 +116,22 @@ def trainer_rank_params(arch: Arch, parallel) -> int:
     return round(per_rank / parallel.pp)
 
 
-def engine_rank_params(arch: Arch, engine_tp: int) -> int:
+def engine_rank_params(arch: Arch, engine_tp: int, attention_tp: int | None = None) -> int:
     """Parameters one rank of an engine of ``engine_tp`` ranks loads (what sharded resharding sends it,
-    :mod:`megarl.sync.slices`): TP-split weights, embedding and head over ``engine_tp``; routed experts
-    over EP x MoE-TP = ``engine_tp``; replicated ones (norms, router, MLA down-projections) whole; K and V
-    over ``min(kv_heads, engine_tp)`` ranks (SGLang replicates KV heads over the ranks when they are fewer)."""
+    :mod:`megarl.sync.slices`): attention weights and the embedding over ``attention_tp`` ranks (default
+    ``engine_tp``; 1 under full DP attention: each rank loads them whole), the other TP-split weights and
+    the head over ``engine_tp``; routed experts over EP x MoE-TP = ``engine_tp``; replicated ones (norms,
+    router, MLA down-projections) whole; K and V over ``min(kv_heads, attention_tp)`` ranks (SGLang
+    replicates KV heads over the ranks when they are fewer)."""
+    attention_tp = engine_tp if attention_tp is None else attention_tp
     counts = sum((layer_params(arch, i) for i in range(arch.num_layers)), ShardedCount())
-    split = counts.tp_split + counts.experts + embedding_params(arch) + head_params(arch)
-    per_rank = split / engine_tp + counts.replicated + arch.hidden_size  # + the final norm
-    if not arch.mla and arch.num_query_groups < engine_tp:
+    attention = attention_params(arch).tp_split * arch.num_layers
+    split = counts.tp_split - attention + counts.experts + head_params(arch)
+    per_rank = (split / engine_tp + (attention + embedding_params(arch)) / attention_tp + counts.replicated
+                + arch.hidden_size)  # + the final norm
+    if not arch.mla and arch.num_query_groups < attention_tp:
         kv = 2 * arch.hidden_size * arch.num_query_groups * arch.head_dim * arch.num_layers
-        per_rank += kv / arch.num_query_groups - kv / engine_tp
+        per_rank += kv / arch.num_query_groups - kv / attention_tp
     return round(per_rank)
 
 
