@@ -23,6 +23,7 @@ LONGEST_FIRST = (
     "test_no_orphans.py", "test_sync_never_hangs.py", "test_rl_resume_lora.py", "test_weight_sync_sharded_engine.py",
     "test_sglang_cpu_fork.py", "test_rank_pool.py", "test_sglang_engine.py", "test_engine_parallel.py",
     "test_rollout_pool.py", "test_rl_sync.py", "test_config.py", "test_layouts.py", "test_weight_sync_sharded.py",
+    "test_weight_sync_sharded_dp_attention.py",
     "test_sglang_cpu_compat.py", "test_lora.py", "test_config_keys.py", "test_critic.py",
     "test_distillation_bench.py", "test_weight_sync_delta.py", "test_colocated.py", "test_checkpoint.py",
     "test_config_errors.py", "test_rollout_manager.py", "test_convert.py",

@@ -322,6 +322,7 @@ def test_trainer_ranks_local_slices_equal_the_gathered_export_and_cover_every_en
 @pytest.mark.parametrize("overrides, message", [
     (["parallel.pp=2", "parallel.world_size=2"], r"^sync.transport: sharded resharding plans one pipeline stage"),
     (["lora.enabled=true"], r"^sync.transport: sharded resharding sends the base weights' slices"),
+    (["model.arch.num_shared_experts=1"], r"^sync.transport: sharded resharding does not map shared experts"),
 ])
 def test_config_refuses_what_sharded_resharding_does_not_do(overrides, message):
     from megarl.config import ConfigError, load_config
