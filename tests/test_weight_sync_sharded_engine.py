@@ -39,6 +39,9 @@ TP2_EP2 = Layout(world_size=4, tp=2, ep=2, sequence_parallel=True)
 LOGPROB_TOLERANCE = 5e-6
 TINY_LR = 1e-10  # the LR after the first step (float32: a few per cent of the elements change)
 MOST_PER_ENGINE_RANK = 0.55  # of the model's bytes
+# the delta syncs' buckets: 0.75 MiB of the model's 1.9 MB, three buckets in which the fallback step changes most
+# elements (so each travels whole: smaller buckets may hold only weights it barely changes)
+DELTA_BUCKET_MB = 0.75
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +131,7 @@ async def delta_then_whole(engine, group, hf_path: str, tmp_path, steps: int) ->
     whole ``distributed`` sync; then a whole ``sharded`` one. Returns per sync (report, hashes after the delta
     sync, after the whole one), and (report, hashes) of the last whole sharded sync."""
     def sync_settings(transport, delta):
-        return dataclasses.replace(settings(tmp_path, transport, engine_tp=2, delta=delta), bucket_mb=0.25)
+        return dataclasses.replace(settings(tmp_path, transport, engine_tp=2, delta=delta), bucket_mb=DELTA_BUCKET_MB)
 
     async with SGLangClient(engine.url, engine.model) as client:
         delta = WeightSync(sync_settings("sharded", True), group, [client])

@@ -103,9 +103,10 @@ class HfConfig:
         if values["mlp_only_layers"] is not None:
             values["mlp_only_layers"] = tuple(values["mlp_only_layers"])
         quantization = hf.get("quantization_config") or raw.get("quantization_config")
-        if quantization is not None:
-            quantization = str(quantization.get("quant_method") or "unknown") if isinstance(quantization, dict) \
-                else "unknown"
+        if isinstance(quantization, dict):
+            quantization = str(quantization.get("quant_method") or "unknown")
+        elif quantization is not None:
+            quantization = "unknown"
         return cls(path=path, model_type=hf.get("model_type"), architectures=tuple(raw.get("architectures") or ()),
                    quantization=quantization, **values)
 
@@ -125,7 +126,6 @@ def hf_config_if_present(hf_path: str | Path | None) -> Optional[HfConfig]:
     return read_hf_config(hf_path)
 
 
-
 def quantized_refusal(hf_path: str | Path, role: str) -> Optional[str]:
     """Why the checkpoint at ``hf_path`` cannot serve as ``role`` (e.g. "the policy") when its config.json
     has a ``quantization_config``; None when it has none (or no config.json). megarl trains, serves and
@@ -136,6 +136,6 @@ def quantized_refusal(hf_path: str | Path, role: str) -> Optional[str]:
     if hf is None or hf.quantization is None:
         return None
     return (f"{hf_path}/config.json has a quantization_config ({hf.quantization} weights with scales), which megarl "
-            f"cannot use as {role}: it trains, serves and syncs weights in model.dtype and has no FP8 path "
-            f"(a sync would cast bf16 into FP8 parameters beside stale scales); use the bf16 release or "
-            f"dequantize it first")
+            f"cannot use as {role}: it trains, serves and syncs weights in model.dtype and has no path for quantized "
+            f"ones (a weight sync would cast bf16 into FP8 parameters beside stale scales); use the bf16 release "
+            f"or dequantize it first")

@@ -72,8 +72,8 @@ def delta_memory_problem(node: NodeCopies, host_bytes: int, transport: str) -> s
     parts = f"{node.engine_ranks} engine ranks x {node.engine_rank_bytes / GIB:.1f} GiB"
     if node.trainer_ranks:
         parts += f" + {node.trainer_ranks} trainer ranks x {node.trainer_rank_bytes / GIB:.1f} GiB"
-    remedy = ("sync.transport=sharded (each rank keeps only its slices) or " if transport != "sharded" else "") + \
-        "sync.delta=false"
+    remedy = "sync.delta=false" if transport == "sharded" else \
+        "sync.transport=sharded (each rank keeps only its slices) or sync.delta=false"
     return (f"delta syncs keep {node.bytes / GIB:.1f} GiB of host copies on node {node.node} ({parts}), over "
             f"{DELTA_HOST_SHARE:g} of its {host_bytes / GIB:.1f} GiB of host memory (cluster.host_memory_gb); use "
             f"{remedy}")
