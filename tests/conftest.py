@@ -45,6 +45,16 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tied_checkpoint(tmp_path_factory):
+    """The tiny MoE with tied embeddings (the output projection is the embedding table, stored once) and
+    four layers (two pipeline stages of two virtual stages each), random init."""
+    from megarl.models.tiny_moe import TinyMoeSpec, make_tiny_moe
+
+    spec = TinyMoeSpec(num_layers=4, tie_word_embeddings=True)
+    return str(make_tiny_moe(tmp_path_factory.mktemp("tiny_moe_tied"), spec))
+
+
+@pytest.fixture(scope="session")
 def warmed_up(tmp_path_factory, worker_id, ray_session):
     """The demo's supervised warm-up (30 steps through the real driver), run once per test run: the first
     pytest-xdist worker to ask makes it (under a file lock in the run's temporary directory), the others

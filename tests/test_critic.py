@@ -10,7 +10,9 @@
   the same values, and one more update of each copy gives the same values again (optimizer state and LR
   schedule restored); a checkpoint without a critic cannot resume a run with one;
 - under TP2 with sequence parallelism (the head replicated, the sequence gathered before it) the values, and
-  the values after one update, equal the single rank's.
+  the values after one update, equal the single rank's;
+- on a policy with tied embeddings at one pipeline stage (whose output layer holds no weight of its own) the
+  values are the backbone's as well, and updates lower the value loss.
 """
 import asyncio
 import dataclasses
@@ -197,3 +199,33 @@ def test_tp2_with_sequence_parallelism_equals_one_rank(checks):
     torch.testing.assert_close(before, checks["batch"].old_values, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(after, before, atol=1e-4)
     torch.testing.assert_close(after, checks["after_one"], atol=1e-5, rtol=1e-5)
+
+
+def tied_critic_checks(rank, layout, hf_path, settings):
+    """The critic of the tied checkpoint: (batch, head, its values of the batch, the value losses of two
+    updates towards returns one above those values)."""
+    import dataclasses
+
+    from hf_oracle import load_hf, make_samples
+
+    from megarl.trainer.critic import critic_step, critic_values
+    from megarl.trainer.rl_batch import build_rl_batch
+
+    critic = _critic(hf_path, layout, settings)
+    head = _head(critic)
+    batch = build_rl_batch(make_samples(load_hf(hf_path), 8, top_k=5, seed=11))
+    values = critic_values(critic.chunks, batch, **KWARGS)
+    target = dataclasses.replace(batch, old_values=values, returns=values + batch.loss_mask)
+    losses = [critic_step(critic.chunks, critic.optimizer, critic.scheduler, target, value_clip=10.0,
+                          **KWARGS).metrics["critic/value_loss"] for _ in range(2)]
+    return batch, head, values, losses
+
+
+def test_critic_of_a_policy_with_tied_embeddings(tied_checkpoint):
+    from megarl.config import default_config
+    from megarl.trainer.optimizer import OptimizerSettings
+
+    settings = OptimizerSettings.from_config(default_config(), lr=1e-3)
+    batch, head, values, losses = run_ranks(tied_critic_checks, Layout(), tied_checkpoint, settings)[0]
+    torch.testing.assert_close(values, _hf_values(tied_checkpoint, batch, head), atol=2e-5, rtol=1e-4)
+    assert losses[1] < losses[0], losses

@@ -64,6 +64,7 @@ class TinyMoeSpec:
     max_position_embeddings: int = 64
     seed: int = 0
     tool_calling: bool = False  # the tool-calling variant's tokenizer and chat template (module docstring)
+    tie_word_embeddings: bool = False  # the output projection is the embedding table (one tensor)
 
     @classmethod
     def from_arch(cls, arch, tool_calling: bool = False) -> "TinyMoeSpec":
@@ -140,7 +141,7 @@ def make_tiny_moe(out_dir: str | Path, spec: TinyMoeSpec = TinyMoeSpec(), max_op
         num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads, head_dim=head_dim,
         num_experts=spec.num_experts, num_experts_per_tok=spec.topk, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.0,
-        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=False,
+        max_position_embeddings=spec.max_position_embeddings, tie_word_embeddings=spec.tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, dtype="float32",
     )

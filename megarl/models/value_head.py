@@ -47,6 +47,7 @@ def attach_value_head(chunks: list) -> list:
                              "(they predict through the output layer the value head replaces)")
         chunk.share_embeddings_and_output_weights = False
         if chunk.post_process:
-            device = chunk.output_layer.weight.device
+            # the device of any parameter: a tied output layer on the embedding's stage holds no weight
+            device = next(chunk.parameters()).device
             chunk.output_layer = ValueHead(chunk.config).to(device)
     return chunks
