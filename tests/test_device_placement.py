@@ -3,6 +3,9 @@
 No accelerator is here, so two stand-ins show what a GPU rank would meet:
 - a model whose parameters are on torch's ``meta`` device: every tensor the supervised and RL steps
   hand it (tokens, positions, THD boundaries) must be on that device, not the host's;
+- on that model (its forward and loss stood in for: they cannot run on ``meta``), an RL step moves each
+  micro-batch to the device when the schedule reaches it: at every forward the device holds the routes and
+  sampling masks of at most two micro-batches, and the routers' replay lists no more;
 - the steps run with every tensor that their device-side code (the forward and loss functions, the
   reductions: :data:`DEVICE_SIDE`) creates without naming a device put on ``meta``: such a tensor
   meets the host tensors of the model and the gloo collectives in a device mismatch, so the steps
@@ -127,6 +130,49 @@ def inputs_on_meta_model(rank, layout, hf_path):
     return out
 
 
+def micro_batches_on_meta(rank, layout, hf_path):
+    """For each forward of a Keep Routing RL step on the model placed on ``meta``, its micro-batches each
+    one sample: (micro-batches whose routes the device holds, whose sampling masks it holds, the longest
+    replay list of any router)."""
+    import weakref
+
+    import megarl.trainer.optimizer as optimizer
+    import megarl.trainer.rl_step as rl_step_module
+    from megarl.config.schema import AlgorithmConfig
+    from megarl.trainer.mismatch import empty_mismatch
+    from megarl.trainer.rl_batch import RLBatch
+    from megarl.trainer.routing_replay import replay_routers
+
+    trainable = _build(hf_path)
+    _, rl_batch = _batches(hf_path)
+    moved, seen = [], []
+    to = RLBatch.to
+
+    def recorded_to(batch, device):
+        out = to(batch, device)
+        if out.routed_experts.is_meta:
+            moved.append((weakref.ref(out.routed_experts), weakref.ref(out.sampling_mask.ids)))
+        return out
+
+    def forward(tokens, position_ids, attention_mask, packed_seq_params=None):
+        seen.append((sum(routes() is not None for routes, _ in moved), sum(ids() is not None for _, ids in moved),
+                     max(len(r.replay_backward_list) for r in replay_routers())))
+        return torch.zeros(*tokens.shape, 384, device="meta")
+
+    def loss(output, *, mb, sum_keys, **_):
+        return output.sum() * 0, torch.tensor(len(mb.tokens)), {
+            "sums": torch.zeros(len(sum_keys), dtype=torch.float64), "mismatch": empty_mismatch(torch.device("cpu"))}
+
+    for chunk in trainable.chunks:
+        chunk.to("meta")
+        chunk.forward = forward
+    RLBatch.to, rl_step_module._micro_batch_loss = recorded_to, loss
+    optimizer.optimizer_step = lambda *args: (True, 0.0)  # the parameters on meta hold nothing to update
+    rl_step_module.rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, rl_batch, AlgorithmConfig(),
+                           vocab_size=256, max_tokens_per_microbatch=1, keep_routing=True, sequence_parallel=False)
+    return seen
+
+
 def steps_with_unplaced_on_meta(rank, layout, hf_path, unplaced_on_meta):
     """:func:`_steps` on a fresh model, with or without :class:`UnplacedToMeta`."""
     from transformers import AutoConfig
@@ -155,6 +201,13 @@ def steps_with_unplaced_on_meta(rank, layout, hf_path, unplaced_on_meta):
 def test_the_model_receives_every_input_on_its_own_device(tiny_checkpoint):
     [devices] = run_ranks(inputs_on_meta_model, Layout(), str(tiny_checkpoint))
     assert devices == {"sft": ["meta"], "rl": ["meta"]}
+
+
+def test_a_step_holds_at_most_two_micro_batches_on_the_device(tiny_checkpoint):
+    [seen] = run_ranks(micro_batches_on_meta, Layout(), str(tiny_checkpoint))
+    assert len(seen) == 4  # one forward per sample
+    assert all(routes <= 2 and masks <= 2 and replay <= 2 for routes, masks, replay in seen), seen
+    assert all(routes >= 1 and replay >= 1 for routes, _, replay in seen), seen  # the stand-in saw them
 
 
 def test_steps_place_every_tensor_they_create(tiny_checkpoint):

@@ -116,8 +116,16 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
 def parallel_settings(layout: Layout, dtype: str, dispatcher: str, routing_replay: bool,
                       moe_aux_loss_coeff: float) -> dict:
     """megatron TransformerConfig fields of the parallel layout, the dtype, the MoE dispatch and
-    routing replay, with dropout off and the loss summed per token."""
+    routing replay, with dropout off and the loss summed per token.
+
+    Two pipeline stages with virtual stages exchange activations and gradients one op at a time
+    (``batch_p2p_comm`` off): there the previous and the next stage are one peer, and megatron's batched
+    exchange posts its sends to it as [gradient, activation] and its receives from it as [activation,
+    gradient] on both ranks; point-to-point ops between two ranks pair in the order they are posted (NCCL
+    and gloo alike), so each stage would take the other's gradient for an activation, silently. The
+    unbatched ops order sends and receives by rank parity and put the two directions on two groups."""
     return dict(
+        batch_p2p_comm=not (layout.pp == 2 and layout.vpp is not None),
         tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp, context_parallel_size=layout.cp,
         num_layers_in_first_pipeline_stage=layout.first_stage_layers,

@@ -45,6 +45,7 @@ import torch
 from megarl.models.lora import LoraConfig, is_adapter_key
 from megarl.parallel import Layout
 from megarl.trainer.device import collective_device, model_device
+from megarl.trainer.packing import micro_batch_count_multiple
 
 log = logging.getLogger(__name__)
 
@@ -427,10 +428,11 @@ def _megatron_logits(chunks, ids: torch.Tensor, vocab_size: int) -> torch.Tensor
             return logits.sum() * 0, torch.tensor(1, device=device), {}
         return output, keep
 
-    data = [iter([tokens]) for _ in chunks] if len(chunks) > 1 else iter([tokens])  # one per virtual stage
+    count = micro_batch_count_multiple()  # virtual stages run no fewer micro-batches than pipeline stages
+    data = [iter([tokens] * count) for _ in chunks] if len(chunks) > 1 else iter([tokens])  # one per virtual stage
     with torch.no_grad():
         get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data, model=chunks, num_microbatches=1,
+            forward_step_func=forward_step, data_iterator=data, model=chunks, num_microbatches=count,
             seq_length=tokens.shape[1], micro_batch_size=1, forward_only=True)
     source = (ps.is_pipeline_last_stage(ignore_virtual=True) and ps.get_tensor_model_parallel_rank() == 0
               and ps.get_data_parallel_rank() == 0)

@@ -25,7 +25,7 @@ from megarl.trainer.device import model_device
 from megarl.trainer.optimizer import OptimizerSettings
 from megarl.trainer.packing import ModelInput, to_grid
 from megarl.trainer.rl_batch import RLBatch
-from megarl.trainer.rl_step import RLStepResult, forward_backward, local_micro_batches, merge_over_dp
+from megarl.trainer.rl_step import RLStepResult, forward_backward, local_micro_batches, merge_over_dp, on_device
 
 _SUMS = ("loss_sum", "clipped", "trained_tokens")
 
@@ -78,12 +78,11 @@ def critic_values(chunks: list, batch: RLBatch, *, max_tokens_per_microbatch: in
     from megatron.core import parallel_state
 
     plan, dp_rank, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
-                                               sequence_parallel=sequence_parallel, pad_id=pad_id,
-                                               device=model_device(chunks))
+                                               sequence_parallel=sequence_parallel, pad_id=pad_id)
     collected: list[torch.Tensor] = []
 
     def forward_step(data_iterator, model):
-        mb, mi = next(data_iterator)
+        mb, mi = on_device(model, *next(data_iterator))
         output = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params)
 
         def keep(out):
@@ -136,10 +135,10 @@ def critic_step(chunks: list, optimizer, scheduler, batch: RLBatch, *, value_cli
         raise ValueError("a critic step needs the batch's old_values and returns (critic_values, then ragged_gae)")
     device = model_device(chunks)
     plan, _, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
-                                         sequence_parallel=sequence_parallel, pad_id=pad_id, device=device)
+                                         sequence_parallel=sequence_parallel, pad_id=pad_id)
 
     def forward_step(data_iterator, model):
-        mb, mi = next(data_iterator)
+        mb, mi = on_device(model, *next(data_iterator))
         output = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params)
         return output, lambda out: _value_loss(out, mb, mi, value_clip, device)
 

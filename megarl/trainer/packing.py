@@ -101,13 +101,16 @@ def first_fit_count(lengths: list[int], capacity: int) -> int:
 
 
 def plan_micro_batches(lengths: torch.Tensor, dp: int, max_tokens: int, *, pack: bool,
-                       length_multiple: int = 1, cp: int = 1) -> MicroBatchPlan:
+                       length_multiple: int = 1, cp: int = 1, count_multiple: int = 1) -> MicroBatchPlan:
     """Sequences per DP rank and micro-batch (see the module docstring). ``lengths`` int [B]; ``cp``:
-    context-parallel ranks, a packed sequence then takes its length padded to a multiple of 2·cp."""
+    context-parallel ranks, a packed sequence then takes its length padded to a multiple of 2·cp;
+    ``count_multiple``: the number of micro-batches is a multiple of it (:func:`micro_batch_count_multiple`;
+    packed: padding-only micro-batches make it up, padded: ValueError when no equal split has such a count)."""
     sizes = [int(n) for n in (padded_lengths(lengths, cp) if pack else lengths)]
     if pack:
         shares = balanced_partition(sizes, dp)
         count = max(max(first_fit_count([sizes[i] for i in share], max_tokens), 1) for share in shares)
+        count = _round_up(count, count_multiple)
         per_rank = []
         for share in shares:
             bins = balanced_partition([sizes[i] for i in share], count)
@@ -118,20 +121,37 @@ def plan_micro_batches(lengths: torch.Tensor, dp: int, max_tokens: int, *, pack:
         raise ValueError(f"{len(sizes)} samples do not split over {dp} data-parallel ranks")
     length = _round_up(max(sizes), length_multiple)
     per_rank_count = len(sizes) // dp
-    rows = _largest_fitting_divisor(per_rank_count, length, max_tokens)
+    rows = _largest_fitting_divisor(per_rank_count, length, max_tokens, count_multiple)
     per_rank = [[list(range(r * per_rank_count + i, r * per_rank_count + i + rows))
                  for i in range(0, per_rank_count, rows)] for r in range(dp)]
     return MicroBatchPlan(per_rank, length, packed=False)
 
 
-def _largest_fitting_divisor(num_rows: int, seq_length: int, max_tokens: int) -> int:
-    """The largest divisor of ``num_rows`` whose ``rows * seq_length`` fits ``max_tokens`` (>= 1):
-    equal micro-batches, as pipeline stages exchange fixed-shape activations."""
+def _largest_fitting_divisor(num_rows: int, seq_length: int, max_tokens: int, count_multiple: int = 1) -> int:
+    """The largest divisor of ``num_rows`` whose ``rows * seq_length`` fits ``max_tokens`` (>= 1) and
+    that leaves a multiple of ``count_multiple`` micro-batches: equal micro-batches, as pipeline stages
+    exchange fixed-shape activations. ValueError when there is none."""
     budget = max(1, max_tokens // seq_length)
     count = -(-num_rows // budget)
-    while num_rows % count:
+    while num_rows % count or count % count_multiple:
         count += 1
+        if count > num_rows:
+            raise ValueError(f"{num_rows} padded rows per data-parallel rank do not split into equal micro-batches "
+                             f"of a count divisible by {count_multiple} (the pipeline's virtual stages need it); "
+                             "pack the micro-batches (trainer.pack_sequences=true)")
     return num_rows // count
+
+
+def micro_batch_count_multiple() -> int:
+    """What the number of micro-batches of a step must be a multiple of for megatron's schedule on this
+    rank's layout: the pipeline's size under virtual stages (the interleaved schedule runs micro-batches in
+    groups of that many, ``microbatch_group_size_per_vp_stage``, and refuses a last group smaller than the
+    pipeline), else 1."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_virtual_pipeline_model_parallel_world_size() is None:
+        return 1
+    return parallel_state.get_pipeline_model_parallel_world_size()
 
 
 @dataclass

@@ -28,7 +28,14 @@ from megarl.trainer.context_parallel import ContextParallelRank, row_length_mult
 from megarl.trainer.device import collective_device, model_device
 from megarl.trainer.logprobs import csr_rows, vocab_parallel_logprobs
 from megarl.trainer.mismatch import empty_mismatch, mismatch_metrics, mismatch_sums, reduce_mismatch
-from megarl.trainer.packing import MicroBatchPlan, ModelInput, model_input, plan_micro_batches, to_grid
+from megarl.trainer.packing import (
+    MicroBatchPlan,
+    ModelInput,
+    micro_batch_count_multiple,
+    model_input,
+    plan_micro_batches,
+    to_grid,
+)
 from megarl.trainer.reference import ReferenceWeights
 from megarl.trainer.rl_batch import RLBatch, check_routing
 from megarl.trainer.routing_replay import Replay, StepRouting, replay_routers
@@ -69,25 +76,31 @@ def _token_logprobs(logits: torch.Tensor, mb: RLBatch, mi: ModelInput, vocab_siz
 
 
 def micro_batches(batch: RLBatch, plan, rank: int, pad_id: int,
-                  device: torch.device | None = None,
                   cp: ContextParallelRank | None = None) -> list[tuple[RLBatch, ModelInput]]:
     """DP rank ``rank``'s micro-batches of ``plan``: each its samples and its model input (this CP
-    rank's part of it with ``cp``), built on the host and moved to ``device`` once (None: left on the
-    host)."""
+    rank's part of it with ``cp``), on the host. A forward step moves its micro-batch to the model's
+    device when the schedule reaches it (:func:`on_device`)."""
     out = []
     for indices in plan.per_rank[rank]:
         mb = batch.select(indices)
-        mi = model_input(mb.cu_seqlens, mb.tokens, pad_id, plan.length, plan.packed, cp)
-        out.append((mb, mi) if device is None else (mb.to(device), mi.to(device)))
+        out.append((mb, model_input(mb.cu_seqlens, mb.tokens, pad_id, plan.length, plan.packed, cp)))
     return out
 
 
-def local_micro_batches(batch: RLBatch, max_tokens: int, *, pack: bool, sequence_parallel: bool, pad_id: int,
-                        device: torch.device | None = None
+def on_device(model, mb: RLBatch, mi: ModelInput) -> tuple[RLBatch, ModelInput]:
+    """The micro-batch ``mb`` and its model input ``mi`` on the device of ``model`` (one chunk), for the
+    forward step the schedule runs now: a rank's device then holds the micro-batches whose forward or
+    backward is under way (one at a time without pipeline stages), not its whole share of the step
+    (routes, sampling masks and log-probs included). Under virtual pipeline stages each chunk's forward
+    of a micro-batch moves it again."""
+    device = model_device([model])
+    return mb.to(device), mi.to(device)
+
+
+def local_micro_batches(batch: RLBatch, max_tokens: int, *, pack: bool, sequence_parallel: bool, pad_id: int
                         ) -> tuple[MicroBatchPlan, int, list[tuple[RLBatch, ModelInput]]]:
     """The plan of every DP rank for ``batch`` (host tensors), this rank's DP index, and this rank's
-    micro-batches on ``device`` (None: the host); the CP ranks of one DP rank share its micro-batches,
-    each holding its part."""
+    micro-batches on the host; the CP ranks of one DP rank share its micro-batches, each holding its part."""
     from megatron.core import parallel_state
 
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
@@ -95,8 +108,9 @@ def local_micro_batches(batch: RLBatch, max_tokens: int, *, pack: bool, sequence
     cp = this_cp_rank()
     cp_size = 1 if cp is None else cp.size
     plan = plan_micro_batches(batch.lengths, dp, max_tokens, pack=pack, cp=cp_size,
-                              length_multiple=row_length_multiple(cp_size, tp, sequence_parallel))
-    return plan, dp_rank, micro_batches(batch, plan, dp_rank, pad_id, device, cp)
+                              length_multiple=row_length_multiple(cp_size, tp, sequence_parallel),
+                              count_multiple=micro_batch_count_multiple())
+    return plan, dp_rank, micro_batches(batch, plan, dp_rank, pad_id, cp)
 
 
 def forward_backward(chunks, micro: list, forward_step, forward_only: bool, length: int):
@@ -123,7 +137,7 @@ def reference_logprobs(chunks: list, micro: list, *, vocab_size: int, temperatur
     collected: list[torch.Tensor] = []
 
     def forward_step(data_iterator, model):
-        mb, mi = next(data_iterator)
+        mb, mi = on_device(model, *next(data_iterator))
         if replayer is not None:
             logits = replayer.forward(model, mb, mi)
         else:
@@ -158,8 +172,7 @@ def sequence_kl(chunks: list, batch: RLBatch, kl_type: str, reference: Reference
     from megarl.algos.kl import kl_penalty
 
     plan, dp_rank, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
-                                               sequence_parallel=sequence_parallel, pad_id=pad_id,
-                                               device=model_device(chunks))
+                                               sequence_parallel=sequence_parallel, pad_id=pad_id)
     kwargs = dict(vocab_size=vocab_size, temperature=temperature, replay=keep_routing,
                   sequence_parallel=sequence_parallel)
     current = reference_logprobs(chunks, micro, **kwargs)
@@ -197,8 +210,7 @@ def policy_logprobs(chunks: list, batch: RLBatch, *, vocab_size: int, max_tokens
     from megatron.core import parallel_state
 
     plan, dp_rank, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
-                                               sequence_parallel=sequence_parallel, pad_id=pad_id,
-                                               device=model_device(chunks))
+                                               sequence_parallel=sequence_parallel, pad_id=pad_id)
     per_micro = reference_logprobs(chunks, micro, vocab_size=vocab_size, temperature=temperature, replay=keep_routing,
                                    sequence_parallel=sequence_parallel, trained_only=True)
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
@@ -273,9 +285,8 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
 
     routing = StepRouting(keep_routing, batch.routed_experts is not None, sequence_parallel)
     _check_step_inputs(chunks, batch, algo, reference, routing)
-    device = model_device(chunks)
     plan, _, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
-                                         sequence_parallel=sequence_parallel, pad_id=pad_id, device=device)
+                                         sequence_parallel=sequence_parallel, pad_id=pad_id)
     refs = [None] * len(micro)
     if reference is not None and algo.kl_coef != 0.0 and not algo.kl_in_reward:
         with reference.swapped_in():
@@ -286,6 +297,7 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
 
     def forward_step(data_iterator, model):
         mb, mi, ref = next(data_iterator)
+        mb, mi = on_device(model, mb, mi)
         return routing.forward(model, mb, mi), partial(loss, mb=mb, mi=mi, ref=ref)
 
     for chunk in chunks:

@@ -2,13 +2,16 @@
 often the trainer's own router agrees with them.
 
 Every MoE router of the model built with routing replay is a ``RouterReplay`` instance
-(:func:`replay_routers`). A replayed forward takes each layer's experts from the engine's
-``routed_experts`` [b, S, L, k] in megatron's sequence-major token order, this TP rank's slice under
-sequence parallelism (:func:`local_replay_indices`). Under activation recompute the recomputed forward
-replays the same experts: each router keeps the replay ids of every forward in order (megatron-core's
-``replay_backward_list``) and the recompute in the backward pass takes them back in that order
-(``REPLAY_BACKWARD``). Without replay, the routing the trainer chose is recorded and compared with the
-engine's (:class:`StepRouting`).
+(:func:`replay_routers`; a model chunk's own: :func:`chunk_routers`). A replayed forward takes each layer's
+experts from the engine's ``routed_experts`` [b, S, L, k] in megatron's sequence-major token order, this TP
+rank's slice under sequence parallelism (:func:`local_replay_indices`). The replay ids of one forward go to
+the routers of the chunk that forward runs, and no other: under virtual pipeline stages a rank holds several
+chunks, and megatron's schedule runs them micro-batch group by micro-batch group
+(``get_schedule_table``). Under activation recompute the recomputed forward replays the same experts: each
+router keeps the replay ids of its chunk's forwards in order (megatron-core's ``replay_backward_list``) and
+the recompute in the backward pass takes them back in that order (``REPLAY_BACKWARD``), the order the
+schedule runs one chunk's backward passes. Without replay, the routing the trainer chose is recorded and
+compared with the engine's (:class:`StepRouting`), chunk by chunk too.
 """
 from __future__ import annotations
 
@@ -52,6 +55,21 @@ def routing_agreement(recorded: list[torch.Tensor], routed: torch.Tensor, layer_
     return match, total
 
 
+def chunk_routers(model) -> list:
+    """The ``RouterReplay`` instances of one model chunk's MoE layers (the routers a forward of that chunk
+    runs), in layer order; empty without replay."""
+    return [m.router_replay for m in model.modules() if getattr(m, "router_replay", None) is not None]
+
+
+def routers_recomputed(config) -> bool:
+    """Whether the backward pass of a model built with megatron ``config`` runs the routers' forward again
+    (and so takes replay ids from their ``replay_backward_list``): full recompute of every layer
+    (``uniform``), or the selective recompute of whole MoE layers."""
+    if config.recompute_granularity == "full":
+        return config.recompute_method == "uniform"
+    return config.recompute_granularity == "selective" and "moe" in (config.recompute_modules or ())
+
+
 class ReplayAgreement:
     """Counts, during a replayed forward, how often the router's own top-k equals the replayed one.
 
@@ -62,7 +80,7 @@ class ReplayAgreement:
 
     def __init__(self, routers: list):
         self.routers, self.matched, self.total = routers, 0.0, 0.0
-        self._valid: list[torch.Tensor] = []
+        self._valid: torch.Tensor | None = None
         for router in routers:
             router.get_replay_topk = self._wrap(router, router.get_replay_topk)
 
@@ -71,20 +89,19 @@ class ReplayAgreement:
 
         def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
             probs, replayed = original(scores, topk, num_groups, group_topk, default_compute_topk)
-            if router.router_replay_action == RouterReplayAction.REPLAY_FORWARD and self._valid:
+            if router.router_replay_action == RouterReplayAction.REPLAY_FORWARD and self._valid is not None:
                 with torch.no_grad():
                     _, natural = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-                    valid = self._valid[self.routers.index(router)]
-                    equal = (natural.sort(-1).values == replayed.sort(-1).values).all(-1) & valid
+                    equal = (natural.sort(-1).values == replayed.sort(-1).values).all(-1) & self._valid
                     self.matched += float(equal.sum())
-                    self.total += float(valid.sum())
+                    self.total += float(self._valid.sum())
             return probs, replayed
 
         return get_replay_topk
 
-    def set_valid(self, valid_per_layer: list[torch.Tensor]) -> None:
-        """bool [tokens] per router (this rank's token order) for the next forward."""
-        self._valid = valid_per_layer
+    def set_valid(self, valid: torch.Tensor | None) -> None:
+        """bool [tokens] (this rank's token order) of the next forward's tokens; None after it."""
+        self._valid = valid
 
     def close(self) -> None:
         for router in self.routers:
@@ -92,33 +109,54 @@ class ReplayAgreement:
 
 
 class Replay:
-    """Keep Routing over micro-batches: the engine's experts of each micro-batch set before its
-    forward, ``REPLAY_BACKWARD`` outside forwards so that a recompute replays them again."""
+    """Keep Routing over micro-batches and model chunks: before each forward of one chunk on one micro-batch,
+    the engine's experts of that micro-batch are set on the routers of that chunk only (a rank holds several
+    chunks under virtual pipeline stages, run micro-batch by micro-batch in megatron's schedule order);
+    ``REPLAY_BACKWARD`` outside forwards, so that a recompute replays them again. Each router's
+    ``replay_backward_list`` then holds the micro-batches its chunk ran forward and has not yet recomputed, in
+    the order the schedule runs their backward passes (per chunk, the forward order). Where the routers are not
+    recomputed (:func:`routers_recomputed`) the list is emptied after each forward: nothing would take the
+    entries back, and they would keep every micro-batch's replay ids on the device until the step ends."""
 
     def __init__(self, routers: list, sequence_parallel: bool, count_agreement: bool):
         self.routers, self.sp = routers, sequence_parallel
-        self.layer_numbers = [r.layer_number for r in routers]
         self.agreement = ReplayAgreement(routers) if count_agreement else None
+        self._chunks: dict[int, tuple[list, bool]] = {}  # id(chunk) -> (its routers, whether they are recomputed)
+
+    def _of(self, model) -> tuple[list, bool]:
+        if id(model) not in self._chunks:
+            from megatron.core.utils import get_model_config
+
+            self._chunks[id(model)] = (chunk_routers(model), routers_recomputed(get_model_config(model)))
+        return self._chunks[id(model)]
 
     def forward(self, model, mb: RLBatch, mi: ModelInput) -> torch.Tensor:
         """``model``'s output on the micro-batch ``mb`` (model input ``mi``) through the engine's experts."""
-        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        self._set_replay(mb, mi)
+        routers, recomputed = self._of(model)
+        self._set_replay(routers, mb, mi)
         output = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params)
-        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        for router in routers:
+            router.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            router.target_topk_idx = None  # the forward's ids: in the backward list while a recompute needs them
+            if not recomputed:
+                router.replay_backward_list.clear()
+        if self.agreement is not None:
+            self.agreement.set_valid(None)
         return output
 
-    def _set_replay(self, mb: RLBatch, mi: ModelInput) -> None:
-        from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+    def _set_replay(self, routers: list, mb: RLBatch, mi: ModelInput) -> None:
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         k, device = mb.routed_experts.shape[-1], mb.routed_experts.device
         routed = mi.scatter(mb.routed_experts.long(), torch.arange(k, device=device))  # padding replays 0..k-1
-        RouterReplay.set_replay_data([local_replay_indices(routed, n, self.sp) for n in self.layer_numbers])
+        for router in routers:
+            router.set_target_indices(local_replay_indices(routed, router.layer_number, self.sp))
+            router.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         if self.agreement is not None:
             valid = mi.scatter(torch.ones(len(mb.tokens), dtype=torch.long, device=device), 0)[:, :, None, None]
-            self.agreement.set_valid([local_replay_indices(valid, 1, self.sp)[:, 0].bool()] * len(self.routers))
-        RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            self.agreement.set_valid(local_replay_indices(valid, 1, self.sp)[:, 0].bool())
 
     def close(self) -> None:
         from megatron.core.transformer.moe.router_replay import RouterReplay
@@ -148,6 +186,7 @@ class StepRouting:
         self.record = not keep_routing and routed and bool(self.routers)
         self.counts = [0.0, 0.0]
         self._replay: Replay | None = None
+        self._chunk_routers: dict[int, list] = {}  # id(chunk) -> its routers (recording)
 
     @property
     def measured(self) -> bool:
@@ -173,17 +212,21 @@ class StepRouting:
             return self._replay.forward(model, mb, mi)
         output = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params)
         if self.record:
-            self._count_recorded(mb, mi)
+            self._count_recorded(model, mb, mi)
         return output
 
-    def _count_recorded(self, mb: RLBatch, mi: ModelInput) -> None:
-        from megatron.core.transformer.moe.router_replay import RouterReplay
-
+    def _count_recorded(self, model, mb: RLBatch, mi: ModelInput) -> None:
+        """Add the agreement of the routing ``model`` (one chunk) recorded in its forward on ``mb``."""
+        if id(model) not in self._chunk_routers:
+            self._chunk_routers[id(model)] = chunk_routers(model)
+        routers = self._chunk_routers[id(model)]
         k, device = mb.routed_experts.shape[-1], mb.routed_experts.device
         valid = mi.scatter(torch.ones(len(mb.tokens), dtype=torch.bool, device=device), False)
-        matched, total = routing_agreement(RouterReplay.get_recorded_data(),
+        matched, total = routing_agreement([r.get_recorded_indices() for r in routers],
                                            mi.scatter(mb.routed_experts.long(), torch.arange(k, device=device)),
-                                           [r.layer_number for r in self.routers], valid, self.sp)
+                                           [r.layer_number for r in routers], valid, self.sp)
+        for router in routers:
+            router.recorded_topk_idx = None
         self.counts[0] += matched
         self.counts[1] += total
 

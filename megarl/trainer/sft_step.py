@@ -2,7 +2,7 @@
 then the optimizer. The loss is a token mean over the whole global batch, across micro-batches and
 DP ranks (megatron's ``calculate_per_token_loss``), so every layout computes the same number.
 Micro-batches are packed or padded rows as in the RL step (:mod:`megarl.trainer.packing`), each moved
-to the model's device once; the reduced loss lives on the data-parallel group's device. Under
+to the model's device when its forward step runs; the reduced loss lives on the data-parallel group's device. Under
 context parallelism each CP rank returns the loss sum and count of its own tokens, which megatron
 adds up over the DP×CP group."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from megarl.trainer.context_parallel import row_length_multiple, this_cp_rank
 from megarl.trainer.device import model_device
-from megarl.trainer.packing import model_input, plan_micro_batches
+from megarl.trainer.packing import micro_batch_count_multiple, model_input, plan_micro_batches
 from megarl.trainer.token_batch import TokenBatch
 
 
@@ -27,7 +27,8 @@ class StepResult:
 
 def _token_loss_step(pad_id: int):
     def forward_step(data_iterator, model):
-        mb, mi = next(data_iterator)
+        device = model_device([model])
+        mb, mi = (part.to(device) for part in next(data_iterator))
         per_token = model(mi.tokens, mi.position_ids, None, labels=mi.scatter(mb.labels, pad_id),
                           packed_seq_params=mi.packed_seq_params)  # [b, s] on the last stage
 
@@ -60,13 +61,11 @@ def supervised_step(chunks: list, optimizer, scheduler, batch: TokenBatch, max_t
     multiple = row_length_multiple(cp_size, parallel_state.get_tensor_model_parallel_world_size(),
                                    get_model_config(chunks[0]).sequence_parallel)
     plan = plan_micro_batches(batch.lengths, dp, max_tokens_per_microbatch, pack=pack, length_multiple=multiple,
-                              cp=cp_size)
-    device = model_device(chunks)
+                              cp=cp_size, count_multiple=micro_batch_count_multiple())
     micro = []
-    for indices in plan.per_rank[dp_rank]:  # built on the host, moved to the model's device once
+    for indices in plan.per_rank[dp_rank]:  # built on the host, moved to the model's device by the forward step
         mb = batch.select(indices)
-        mi = model_input(mb.cu_seqlens, mb.tokens, pad_id, plan.length, plan.packed, cp)
-        micro.append((mb.to(device), mi.to(device)))
+        micro.append((mb, model_input(mb.cu_seqlens, mb.tokens, pad_id, plan.length, plan.packed, cp)))
     for chunk in chunks:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
