@@ -47,7 +47,8 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tied_checkpoint(tmp_path_factory):
     """The tiny MoE with tied embeddings (the output projection is the embedding table, stored once) and
-    four layers (two pipeline stages of two virtual stages each), random init."""
+    four layers (two pipeline stages of two virtual stages each), random init. For the trainer only: SGLang's
+    Qwen3-MoE model does not tie them, and a run refuses to serve it (``megarl/config/inputs.py``)."""
     from megarl.models.tiny_moe import TinyMoeSpec, make_tiny_moe
 
     spec = TinyMoeSpec(num_layers=4, tie_word_embeddings=True)

@@ -501,3 +501,33 @@ def test_every_config_key_is_read_by_the_run_or_is_a_planner_input():
     interpolated = set(re.findall(r"\$\{([\w.]+)\}", (ROOT / "megarl" / "config" / "schema.py").read_text()))
     unread = sorted(k for k in keys - PLANNER_INPUTS - interpolated if k.rsplit(".", 1)[-1] not in read)
     assert not unread, f"config keys the run never reads: {unread}"
+
+
+def _tied_copy(src: str, dst: Path, architecture: str, keep_lm_head: bool) -> Path:
+    """``src`` with ``tie_word_embeddings`` set and ``architecture`` named, its lm_head kept or dropped."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in Path(src).iterdir():
+        if f.is_file() and f.name not in ("config.json", "model.safetensors"):
+            (dst / f.name).write_bytes(f.read_bytes())
+    config = json.loads((Path(src) / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True, "architectures": [architecture]}))
+    weights = load_file(f"{src}/model.safetensors")
+    if not keep_lm_head:
+        del weights["lm_head.weight"]
+    save_file(weights, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.unit
+def test_tied_checkpoint_without_lm_head_is_refused_where_sglang_unties_it(tiny_checkpoint, tmp_path):
+    def run(name, architecture, keep_lm_head):
+        path = _tied_copy(tiny_checkpoint, tmp_path / name, architecture, keep_lm_head)
+        return loaded(["recipe=tiny_moe_cpu", f"model.hf_path={path}", "warmup.steps=0"])
+
+    with pytest.raises(ConfigError, match=r"^model.hf_path: .* ties its output layer to its embeddings .* "
+                                          r"SGLang's Qwen3MoeForCausalLM does not tie them"):
+        run("moe", "Qwen3MoeForCausalLM", keep_lm_head=False)
+    run("moe_with_head", "Qwen3MoeForCausalLM", keep_lm_head=True)  # the engine loads the stored lm_head
+    run("dense", "Qwen3ForCausalLM", keep_lm_head=False)  # SGLang's Qwen3 ties them itself

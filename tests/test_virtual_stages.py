@@ -9,8 +9,8 @@ One group of two ranks runs, on frozen weights (lr 0):
   HF's (the activations the stages exchange are the right ones);
 - a step that records the trainer's own routing instead (agreement with HF's routing, counted chunk by chunk);
 - the old-policy log-probs of a batch too small for one micro-batch per pipeline stage;
-- the logits of the checkpoint-conversion check, and the HF export of the tied model (the embedding table
-  once, no output layer of its own).
+- the logits of the checkpoint-conversion check, the HF export of the tied model and the weight sync's
+  streams of its two stages (the embedding table once, no output layer of its own).
 """
 import dataclasses
 
@@ -37,13 +37,13 @@ def _frozen(hf_path, layout, recompute):
 
 
 def _replayed_step(trainable, batch, vocab_size):
-    """(grad norm, metrics, {parameter: gradient}) of one Keep Routing step."""
+    """(grad norm, metrics, {(chunk, parameter): gradient}) of one Keep Routing step."""
     from megarl.config.schema import AlgorithmConfig
     from megarl.trainer.rl_step import rl_step
 
     result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
                      vocab_size=vocab_size, keep_routing=True, **KWARGS)
-    grads = {name: p.main_grad.clone() for i, c in enumerate(trainable.chunks) for name, p in c.named_parameters()}
+    grads = {(i, name): p.main_grad.clone() for i, c in enumerate(trainable.chunks) for name, p in c.named_parameters()}
     return result.grad_norm, result.metrics, grads
 
 
@@ -52,6 +52,7 @@ def virtual_stage_checks(rank, layout, hf_path):
 
     from megarl.config.schema import AlgorithmConfig
     from megarl.models.bridge import export_hf_state
+    from megarl.sync.gather import stage_hf_stream
     from megarl.trainer.convert import _megatron_logits
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import local_micro_batches, policy_logprobs, rl_step
@@ -72,6 +73,7 @@ def virtual_stage_checks(rank, layout, hf_path):
     ids = natural.tokens[:int(natural.cu_seqlens[1])]
     out["logits"] = (ids, _megatron_logits(trainable.chunks, ids, vocab))
     out["export"] = export_hf_state(trainable.model)
+    out["stream"] = {name: tensor.clone() for name, tensor in stage_hf_stream(trainable.model)}
     out["recomputed"] = _replayed_step(_frozen(hf_path, layout, "full"), forced, vocab)
     return out
 
@@ -87,7 +89,7 @@ def test_recompute_replays_each_micro_batchs_own_experts(ranks):
         (norm, _, grads), (norm_recomputed, _, grads_recomputed) = result["plain"], result["recomputed"]
         assert norm > 0 and norm_recomputed == pytest.approx(norm, abs=1e-6)
         for name, grad in grads.items():
-            torch.testing.assert_close(grads_recomputed[name], grad, atol=1e-6, rtol=0, msg=name)
+            torch.testing.assert_close(grads_recomputed[name], grad, atol=1e-6, rtol=0, msg=str(name))
 
 
 def test_virtual_stages_reproduce_hf(ranks, tied_checkpoint):
@@ -109,7 +111,7 @@ def test_recorded_routing_is_compared_chunk_by_chunk(ranks):
     assert ranks[0]["recorded"]["routing/agreement"] > 0.99  # the trainer's own routers choose HF's experts
 
 
-def test_tied_export_holds_the_embedding_once(ranks, tied_checkpoint):
+def test_tied_export_and_sync_hold_the_embedding_once(ranks, tied_checkpoint):
     from safetensors.torch import load_file
 
     original = load_file(f"{tied_checkpoint}/model.safetensors")
@@ -117,3 +119,7 @@ def test_tied_export_holds_the_embedding_once(ranks, tied_checkpoint):
     for result in ranks:
         assert set(result["export"]) == set(original)
         assert all(torch.equal(result["export"][k], original[k]) for k in original)
+    first, last = (result["stream"] for result in ranks)  # each stage streams its own weights
+    assert "model.embed_tokens.weight" in first and not set(first) & set(last)
+    streamed = first | last
+    assert set(streamed) == set(original) and all(torch.equal(streamed[k], original[k]) for k in original)

@@ -7,6 +7,7 @@ plans for machines whose files live elsewhere). Each check raises :class:`Config
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -48,6 +49,7 @@ def check_inputs(cfg: DictConfig) -> None:
         if entry.hf_path is not None:
             _check_frozen_role(f"task.role_engines[{i}].hf_path", entry.role, entry.hf_path, checkpoint)
     if checkpoint is not None:
+        _check_served_output_layer(checkpoint)
         context = hf_config_if_present(checkpoint).context_length
         if context is not None and cfg.rollout.max_new_tokens >= context:
             fail("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for a prompt in the model's "
@@ -97,6 +99,35 @@ def _check_same_vocabulary(key: str, what: str, path: str, policy: str | None, w
     if policy_hf is not None and hf.vocab_size != policy_hf.vocab_size:
         fail(key, f"{what}'s vocabulary ({hf.vocab_size} tokens, {path}) is not the policy's "
              f"({policy_hf.vocab_size}, {policy}): {why}")
+
+
+def _check_served_output_layer(checkpoint: str) -> None:
+    """A checkpoint whose output layer is its embedding table (``tie_word_embeddings``) and that stores no
+    ``lm_head.weight`` needs an SGLang model that ties them itself: another one would serve an output layer
+    no weight is ever loaded into (the weight sync sends the table once too, as megatron-bridge exports it)."""
+    hf = hf_config_if_present(checkpoint)
+    if not hf.tie_word_embeddings or "lm_head.weight" in _stored_tensor_names(Path(checkpoint)):
+        return
+    from megarl.engines.model_registry import ties_embeddings
+
+    for architecture in hf.architectures:
+        if ties_embeddings(architecture) is False:
+            fail("model.hf_path", f"{checkpoint} ties its output layer to its embeddings (tie_word_embeddings) and "
+                 f"stores no lm_head.weight, but SGLang's {architecture} does not tie them: its engines would "
+                 "serve an output layer no weight was loaded into")
+
+
+def _stored_tensor_names(checkpoint: Path) -> set[str]:
+    """The tensor names of a safetensors checkpoint (its index, or its one file's header; empty without either)."""
+    index = checkpoint / "model.safetensors.index.json"
+    if index.is_file():
+        return set(json.loads(index.read_text()).get("weight_map", {}))
+    if not (checkpoint / "model.safetensors").is_file():
+        return set()
+    from safetensors import safe_open
+
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
 
 
 def _rl_start_checkpoint(cfg: DictConfig) -> str | None:

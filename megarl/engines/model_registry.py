@@ -55,12 +55,26 @@ def defining_module(architecture: str) -> str | None:
     return _registered_by_source().get(architecture)
 
 
+def ties_embeddings(architecture: str) -> bool | None:
+    """Whether SGLang's model of ``architecture`` shares its output layer with the embedding table when the
+    checkpoint's ``tie_word_embeddings`` says so: its module reads that key (read from the source, nothing
+    imported; Qwen3's does, Qwen3-MoE's builds its own ``lm_head`` whatever the key says). None when no
+    SGLang module defines the architecture."""
+    module = defining_module(architecture)
+    if module is None:
+        return None
+    return "tie_word_embeddings" in (_models_dir() / f"{module.rsplit('.', 1)[1]}.py").read_text(errors="replace")
+
+
+def _models_dir() -> Path:
+    return Path(importlib.util.find_spec("sglang.srt.models").submodule_search_locations[0])
+
+
 @functools.cache
 def _registered_by_source() -> dict[str, str]:
     """Architecture -> module, for the classes each ``sglang.srt.models`` module defines and registers."""
-    models = importlib.util.find_spec("sglang.srt.models")
     found: dict[str, str] = {}
-    for path in sorted(Path(models.submodule_search_locations[0]).glob("*.py")):
+    for path in sorted(_models_dir().glob("*.py")):
         source = path.read_text(errors="replace")
         entry = ENTRY_CLASS.search(source)
         if entry is not None:
