@@ -45,6 +45,18 @@ def forced_routing(model, experts: torch.Tensor):
             gate.forward = forward
 
 
+def hf_values(hf_path: str, batch, head: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A value head's values of an RLBatch ``batch``, ragged [N], 0 off its trained positions: the HF
+    backbone's last hidden state (after the final norm) times the head's weight [1, h] plus its bias [1]."""
+    hf, (weight, bias), rows = load_hf(hf_path), head, []
+    for b in range(len(batch)):
+        tokens = batch.tokens[batch.cu_seqlens[b]:batch.cu_seqlens[b + 1]]
+        with torch.no_grad():
+            hidden = hf.model(tokens[None]).last_hidden_state[0]
+        rows.append(hidden @ weight[0] + bias[0])
+    return torch.cat(rows) * batch.loss_mask
+
+
 def router_topk(model, tokens: torch.Tensor) -> torch.Tensor:
     """[T, L, k] expert ids HF routes the tokens of one sequence to."""
     with torch.no_grad():

@@ -511,8 +511,9 @@ def _tied_copy(src: str, dst: Path, architecture: str, keep_lm_head: bool) -> Pa
     for f in Path(src).iterdir():
         if f.is_file() and f.name not in ("config.json", "model.safetensors"):
             (dst / f.name).write_bytes(f.read_bytes())
-    config = json.loads((Path(src) / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True, "architectures": [architecture]}))
+    config = json.loads((Path(src) / "config.json").read_text()) | {"tie_word_embeddings": True,
+                                                                     "architectures": [architecture]}
+    (dst / "config.json").write_text(json.dumps(config))
     weights = load_file(f"{src}/model.safetensors")
     if not keep_lm_head:
         del weights["lm_head.weight"]

@@ -134,21 +134,11 @@ def checks(tiny_checkpoint, tmp_path_factory):
         "root": root, "hf_path": tiny_checkpoint, "cfg": cfg, "settings": settings}
 
 
-def _hf_values(hf_path, batch, head) -> torch.Tensor:
-    from hf_oracle import load_hf
-
-    hf, (weight, bias), rows = load_hf(hf_path), head, []
-    for b in range(len(batch)):
-        tokens = batch.tokens[batch.cu_seqlens[b]:batch.cu_seqlens[b + 1]]
-        with torch.no_grad():
-            hidden = hf.model(tokens[None]).last_hidden_state[0]
-        rows.append(hidden @ weight[0] + bias[0])
-    return torch.cat(rows) * batch.loss_mask
-
-
 def test_values_are_the_backbones_last_hidden_state_times_the_head(checks):
+    from hf_oracle import hf_values
+
     batch = checks["batch"]
-    reference = _hf_values(checks["hf_path"], batch, checks["head"])
+    reference = hf_values(checks["hf_path"], batch, checks["head"])
     assert reference.abs().max() > 1e-3  # a random head: values of both signs, not all 0
     torch.testing.assert_close(batch.old_values, reference, atol=2e-5, rtol=1e-4)
 
@@ -222,10 +212,12 @@ def tied_critic_checks(rank, layout, hf_path, settings):
 
 
 def test_critic_of_a_policy_with_tied_embeddings(tied_checkpoint):
+    from hf_oracle import hf_values
+
     from megarl.config import default_config
     from megarl.trainer.optimizer import OptimizerSettings
 
     settings = OptimizerSettings.from_config(default_config(), lr=1e-3)
     batch, head, values, losses = run_ranks(tied_critic_checks, Layout(), tied_checkpoint, settings)[0]
-    torch.testing.assert_close(values, _hf_values(tied_checkpoint, batch, head), atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(values, hf_values(tied_checkpoint, batch, head), atol=2e-5, rtol=1e-4)
     assert losses[1] < losses[0], losses

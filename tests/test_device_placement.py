@@ -159,17 +159,25 @@ def micro_batches_on_meta(rank, layout, hf_path):
                      max(len(r.replay_backward_list) for r in replay_routers())))
         return torch.zeros(*tokens.shape, 384, device="meta")
 
-    def loss(output, *, mb, sum_keys, **_):
-        return output.sum() * 0, torch.tensor(len(mb.tokens)), {
+    def loss(output, *, mb, sum_keys, **_):  # host tensors: megatron keeps the loss scale process-wide
+        return torch.zeros(()), torch.tensor(len(mb.tokens)), {
             "sums": torch.zeros(len(sum_keys), dtype=torch.float64), "mismatch": empty_mismatch(torch.device("cpu"))}
 
     for chunk in trainable.chunks:
         chunk.to("meta")
         chunk.forward = forward
-    RLBatch.to, rl_step_module._micro_batch_loss = recorded_to, loss
-    optimizer.optimizer_step = lambda *args: (True, 0.0)  # the parameters on meta hold nothing to update
-    rl_step_module.rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, rl_batch, AlgorithmConfig(),
-                           vocab_size=256, max_tokens_per_microbatch=1, keep_routing=True, sequence_parallel=False)
+    stand_ins = [(RLBatch, "to", recorded_to), (rl_step_module, "_micro_batch_loss", loss),
+                 (optimizer, "optimizer_step", lambda *args: (True, 0.0))]  # meta parameters: nothing to update
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in stand_ins]
+    for owner, name, value in stand_ins:
+        setattr(owner, name, value)
+    try:  # the rank process serves later tests (kept ranks): its modules are put back
+        rl_step_module.rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, rl_batch,
+                               AlgorithmConfig(), vocab_size=256, max_tokens_per_microbatch=1, keep_routing=True,
+                               sequence_parallel=False)
+    finally:
+        for owner, name, value in originals:
+            setattr(owner, name, value)
     return seen
 
 

@@ -10,7 +10,8 @@ One group of two ranks runs, on frozen weights (lr 0):
 - a step that records the trainer's own routing instead (agreement with HF's routing, counted chunk by chunk);
 - the old-policy log-probs of a batch too small for one micro-batch per pipeline stage;
 - the logits of the checkpoint-conversion check, the HF export of the tied model and the weight sync's
-  streams of its two stages (the embedding table once, no output layer of its own).
+  streams of its two stages (the embedding table once, no output layer of its own);
+- a critic of the tied model: its values are HF's backbone times its head.
 """
 import dataclasses
 
@@ -47,6 +48,24 @@ def _replayed_step(trainable, batch, vocab_size):
     return result.grad_norm, result.metrics, grads
 
 
+def _critic(hf_path, layout, batch):
+    """(the critic's head (weight, bias) where this rank holds it, else None; its values of ``batch``)."""
+    from megatron.core.utils import unwrap_model
+
+    from megarl.config import default_config
+    from megarl.trainer.critic import CriticSettings, build_critic, critic_values
+    from megarl.trainer.model_setup import ModelSettings
+    from megarl.trainer.optimizer import OptimizerSettings
+
+    model = ModelSettings(transformer_impl="local", dispatcher="alltoall", routing_replay=False, recompute="none",
+                          recompute_num_layers=None, moe_aux_loss_coeff=0.0, reference=False)
+    critic = build_critic(CriticSettings(hf_path, OptimizerSettings.from_config(default_config())), layout, model)
+    last = unwrap_model(critic.chunks)[-1]
+    head = last.output_layer if last.post_process else None
+    return (None if head is None else (head.weight.detach().clone(), head.bias.detach().clone()),
+            critic_values(critic.chunks, batch, **KWARGS))
+
+
 def virtual_stage_checks(rank, layout, hf_path):
     from hf_oracle import load_hf, make_samples
 
@@ -75,6 +94,7 @@ def virtual_stage_checks(rank, layout, hf_path):
     out["export"] = export_hf_state(trainable.model)
     out["stream"] = {name: tensor.clone() for name, tensor in stage_hf_stream(trainable.model)}
     out["recomputed"] = _replayed_step(_frozen(hf_path, layout, "full"), forced, vocab)
+    out["critic"] = (natural, *_critic(hf_path, layout, natural))
     return out
 
 
@@ -123,3 +143,11 @@ def test_tied_export_and_sync_hold_the_embedding_once(ranks, tied_checkpoint):
     assert "model.embed_tokens.weight" in first and not set(first) & set(last)
     streamed = first | last
     assert set(streamed) == set(original) and all(torch.equal(streamed[k], original[k]) for k in original)
+
+
+def test_critic_of_the_tied_model(ranks, tied_checkpoint):
+    from hf_oracle import hf_values
+
+    assert ranks[0]["critic"][1] is None  # the head is on the last stage's last virtual stage
+    batch, head, values = ranks[1]["critic"]
+    torch.testing.assert_close(values, hf_values(tied_checkpoint, batch, head), atol=2e-5, rtol=1e-4)

@@ -1,7 +1,8 @@
 """What an RL run reads, checked before it starts anything, as far as that is cheap: the dataset file and
 its fields, the reward function's and the agent program's imports, the teacher's, the critic's and frozen
-roles' checkpoints against the policy's vocabulary, the rollout length against the checkpoint's context, and
-that no checkpoint the run loads is quantized (a ``quantization_config``: no FP8 path yet). The
+roles' checkpoints against the policy's vocabulary, the rollout length against the checkpoint's context, a
+checkpoint's tied embeddings against the SGLang model that serves it, and that no checkpoint the run loads is
+quantized (a ``quantization_config``: no FP8 path yet). The
 driver runs it (:func:`megarl.config.platform_rules.refuse_what_is_not_built`); the planner does not (it
 plans for machines whose files live elsewhere). Each check raises :class:`ConfigError` naming the key.
 """
