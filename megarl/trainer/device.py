@@ -1,6 +1,6 @@
-"""Where the trainer's tensors live: a micro-batch goes to its model's device once, and every
-collective runs on tensors of its process group's device (NCCL: the rank's CUDA device; gloo: the
-host)."""
+"""Where the trainer's tensors live: a micro-batch goes to its model's device when its forward step
+runs (:func:`megarl.trainer.rl_step.on_device`), and every collective runs on tensors of its process
+group's device (NCCL: the rank's CUDA device; gloo: the host)."""
 from __future__ import annotations
 
 from typing import TypeVar
