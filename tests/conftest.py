@@ -189,11 +189,11 @@ def ray_local(ray_session):
 
 @pytest.fixture(scope="module")
 def fake_nodes(request):
-    """Fake nodes (tests/netns.py): ``FAKE_NODE_COUNT`` (a module global, default 3) network
+    """Fake nodes (megarl/rehearsal/fake_nodes.py): ``FAKE_NODE_COUNT`` (a module global, default 3) network
     namespaces on one bridge, shared by the module and removed after it, failed tests included.
     Without root or iproute2 the module's tests fail, naming what is missing (the project's machines
     and CI have both)."""
-    import netns
+    from megarl.rehearsal import fake_nodes as netns
 
     missing = netns.missing_prerequisite()
     if missing is not None:

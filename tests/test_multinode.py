@@ -1,4 +1,4 @@
-"""Multi-node megarl on fake nodes (tests/netns.py: network namespaces on one bridge, each with its
+"""Multi-node megarl on fake nodes (megarl/rehearsal/fake_nodes.py: network namespaces on one bridge, each with its
 own loopback and shared memory): the nodes are isolated as real machines are, an engine refuses
 every call that lacks the run's API key, an engine spans two nodes (SGLang ``--nnodes``) and
 restarts whole, and one RL run spans three nodes: node 0 holds the Ray head, the driver and a
@@ -23,25 +23,16 @@ import sys
 import time
 from pathlib import Path
 
-import netns
 import pytest
 
 from megarl.engines.server import API_KEY_ENV
 from megarl.metrics.sink import read_metrics
+from megarl.rehearsal import fake_nodes as netns
+from megarl.rehearsal.ray_nodes import RayOnNodes, node_env
 
 FAKE_NODE_COUNT = 3
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-RAY = str(Path(PYTHON).parent / "ray")
-
-
-def node_env(**extra: str) -> dict[str, str]:
-    """The environment of a process in a fake node: this one's, without any cluster address."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RAY_ADDRESS", "MASTER_ADDR", "MASTER_PORT", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
-    env.update(OMP_NUM_THREADS="1", RAY_AUTH_MODE="disabled", PYTHONUNBUFFERED="1",
-               PATH=f"{Path(PYTHON).parent}:{os.environ['PATH']}", **extra)
-    return env
 
 
 def run_python(node: netns.Node, script: str, *args: str, timeout: float = 120) -> dict:
@@ -114,9 +105,8 @@ def test_fake_nodes_have_their_own_loopback(fake_nodes):
 
 
 CRASH = r"""
-import os, sys
-sys.path.insert(0, sys.argv[1])
-import netns
+import os
+from megarl.rehearsal import fake_nodes as netns
 nodes = netns.FakeNodes(2).up()
 print(" ".join([n.namespace for n in nodes] + [nodes.bridge]), flush=True)
 os._exit(9)  # no teardown: what a killed test run leaves behind
@@ -125,7 +115,7 @@ os._exit(9)  # no teardown: what a killed test run leaves behind
 
 def test_stale_nodes_of_a_crashed_run_are_removed(fake_nodes):
     """Fake nodes whose owner died are removed by the next setup; live ones (this module's) stay."""
-    crashed = subprocess.run([PYTHON, "-c", CRASH, str(ROOT / "tests")], capture_output=True, text=True, timeout=60)
+    crashed = subprocess.run([PYTHON, "-c", CRASH], capture_output=True, text=True, timeout=60)
     left = crashed.stdout.split()
     assert crashed.returncode == 9 and len(left) == 3, crashed.stderr
     assert set(left) <= set(netns._namespaces()) | set(netns._links())
@@ -353,7 +343,6 @@ def test_engine_refuses_calls_without_the_key(fake_nodes, tiny_checkpoint, sharp
 
 # --- one RL run over three nodes -------------------------------------------------------------------
 
-RAY_PORT = 6379
 ROLES = {0: {"megarl_trainer": 1}, 1: {"megarl_trainer": 1, "megarl_engine": 1}, 2: {"megarl_engine": 1}}
 PLACEMENT = re.compile(r"placement: trainer ranks on nodes (\[.*?\]), engines on nodes (\[.*?\]) at (\[.*?\])")
 
@@ -403,41 +392,13 @@ def processes_in(node: netns.Node, marker: str) -> list[tuple[int, str]]:
 def ray_cluster(fake_nodes, tmp_path_factory, request):
     """A Ray cluster over the fake nodes, shared by the module's runs: the head on node 0, a worker on
     nodes 1 and 2, each with two CPUs and its roles' custom resources (the module's ``ROLES``, by default
-    this one's). Yields the head's address and Ray's temp dir.
-
-    The nodes join one after the other: they share the file system, and two raylets starting at
-    once in the one session directory can pick the same socket name (bind: address in use)."""
-    roles = getattr(request.module, "ROLES", ROLES)
-    temp_dir = f"/tmp/mrl_mn_{os.getpid()}"  # short: Ray's socket paths must stay under 107 bytes
-    head = f"{fake_nodes[0].address}:{RAY_PORT}"
-    common = ["--num-cpus=2", "--object-store-memory=100000000", "--disable-usage-stats", "--include-log-monitor=false",
-              "--block"]  # as slurm/megarl.sbatch starts a node
-    starts = []
-    log_dir = tmp_path_factory.mktemp("ray_cluster")
-    logs = [log_dir / f"ray-node{node.index}.log" for node in fake_nodes]
+    this one's). Yields the head's address and Ray's temp dir."""
+    cluster = RayOnNodes(fake_nodes, tmp_path_factory.mktemp("ray_cluster"),
+                         resources=getattr(request.module, "ROLES", ROLES)).start_all()
     try:
-        for node in fake_nodes:
-            where = (["--head", f"--port={RAY_PORT}", "--include-dashboard=false", f"--temp-dir={temp_dir}"]
-                     if node.index == 0 else [f"--address={head}"])
-            argv = [RAY, "start", *where, f"--node-ip-address={node.address}",
-                    f"--resources={json.dumps(roles[node.index])}", *common]
-            with open(logs[node.index], "w") as log:
-                starts.append(node.popen(argv, env=node_env(RAY_raylet_start_wait_time_s="120"), stdout=log,
-                                         stderr=subprocess.STDOUT))
-            ready = fake_nodes[0].run(
-                [PYTHON, str(ROOT / "slurm" / "wait_for_ray.py"), "--address", head, "--nodes", str(node.index + 1),
-                 "--timeout", "180", "--watch", str(starts[-1].pid)],
-                env=node_env(), capture_output=True, text=True, timeout=240)
-            joined = "".join(p.read_text() for p in logs[:len(starts)])
-            assert ready.returncode == 0, ready.stdout + ready.stderr + joined
-        yield {"address": head, "temp_dir": temp_dir}
+        yield {"address": cluster.address, "temp_dir": cluster.temp_dir}
     finally:
-        # all at once and without a grace period: some of Ray's processes outlive SIGTERM by the whole grace,
-        # and a test cluster has nothing to shut down cleanly (its session directory is removed below)
-        netns.kill_namespace_processes([node.namespace for node in fake_nodes], hard=True)
-        for process in starts:
-            process.wait(10)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        cluster.stop()
 
 
 def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tiny_checkpoint, tmp_path):

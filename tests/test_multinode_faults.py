@@ -6,21 +6,21 @@ import asyncio
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import netns
 import pytest
 from omegaconf import OmegaConf
-from test_multinode import PYTHON, RAY, ROOT, node_env
+from test_multinode import PYTHON, ROOT
 
 from megarl.metrics.sink import read_metrics
 from megarl.pipeline.node_watch import TrainerNodeLost, cancel_on_loss, dead_nodes, loss_of, node_ids
 from megarl.pipeline.run import Pipeline
+from megarl.rehearsal import fake_nodes as netns
+from megarl.rehearsal.ray_nodes import RayOnNodes, node_env
 from megarl.sync import WeightSyncError
 from megarl.trainer.checkpoint import _file_record, _write_completion_record, step_dir
 from megarl.trainer.convert import ConversionError, checkpoint_dir
@@ -167,7 +167,6 @@ def test_conversion_and_the_rerun_message_take_the_newest_complete_checkpoint(tm
 # --- on fake nodes: a Ray cluster, a driver, and nodes that fail -----------------------------------------
 
 FAKE_NODE_COUNT = 4  # the fake_nodes fixture (tests/conftest.py)
-RAY_PORT = 6379
 # node 0: the head, the driver and a trainer rank; nodes 1 and 2: an engine each; node 3: a trainer rank
 ROLES = {0: {"megarl_trainer": 1}, 1: {"megarl_engine": 1}, 2: {"megarl_engine": 1}, 3: {"megarl_trainer": 1}}
 # Ray's health check of the nodes (by the head's GCS) every second rather than every 3 s: a killed node
@@ -176,46 +175,10 @@ ROLES = {0: {"megarl_trainer": 1}, 1: {"megarl_engine": 1}, 2: {"megarl_engine":
 RAY_HEALTH_CHECK = {"RAY_health_check_period_ms": "1000"}
 
 
-class RayOnNodes:
-    """A Ray cluster over the fake nodes (one ``ray start --block`` a node, ``ROLES`` as custom resources);
-    a node whose processes were killed joins again with :meth:`start`."""
-
-    def __init__(self, nodes, log_dir: Path):
-        self.nodes, self.log_dir = nodes, log_dir
-        self.temp_dir = f"/tmp/mrl_mf_{os.getpid()}"  # short: Ray's socket paths must stay under 107 bytes
-        self.head = f"{nodes[0].address}:{RAY_PORT}"
-        self.processes: dict[int, subprocess.Popen] = {}
-
-    def start(self, index: int) -> None:
-        """Start node ``index``'s Ray (the head for node 0) and wait until the cluster has every node alive."""
-        node = self.nodes[index]
-        where = (["--head", f"--port={RAY_PORT}", "--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
-                 if index == 0 else [f"--address={self.head}"])
-        argv = [RAY, "start", *where, f"--node-ip-address={node.address}", f"--resources={json.dumps(ROLES[index])}",
-                "--num-cpus=2", "--object-store-memory=100000000", "--disable-usage-stats",
-                "--include-log-monitor=false", "--block"]
-        with open(self.log_dir / f"ray-node{index}.log", "a") as log:
-            env = node_env(RAY_raylet_start_wait_time_s="120", **RAY_HEALTH_CHECK)
-            self.processes[index] = node.popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
-        ready = self.nodes[0].run(
-            [PYTHON, str(ROOT / "slurm" / "wait_for_ray.py"), "--address", self.head, "--nodes",
-             str(len(self.processes)), "--timeout", "180", "--watch", str(self.processes[index].pid)],
-            env=node_env(), capture_output=True, text=True, timeout=240)
-        assert ready.returncode == 0, ready.stdout + ready.stderr
-
-    def stop(self) -> None:
-        """Every node's processes killed at once (no grace period: some of Ray's processes outlive SIGTERM by
-        the whole grace, and a test cluster has nothing to shut down cleanly), the session directory removed."""
-        netns.kill_namespace_processes([node.namespace for node in self.nodes], hard=True)
-        for process in self.processes.values():
-            process.wait(10)
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def cluster(fake_nodes, tmp_path_factory):
     """The module's Ray cluster over the fake nodes (``ROLES``); nodes killed by a test are back after it."""
-    ray_nodes = RayOnNodes(fake_nodes, tmp_path_factory.mktemp("ray_nodes"))
+    ray_nodes = RayOnNodes(fake_nodes, tmp_path_factory.mktemp("ray_nodes"), resources=ROLES, env=RAY_HEALTH_CHECK)
     try:
         for node in fake_nodes:
             ray_nodes.start(node.index)
@@ -235,7 +198,7 @@ class Driver:
         with open(self.log, "a") as out:
             self.process = cluster.nodes[0].popen([PYTHON, "-m", "megarl.train", *args], cwd=ROOT, stdout=out,
                                                   stderr=subprocess.STDOUT,
-                                                  env=node_env(RAY_ADDRESS=cluster.head))
+                                                  env=node_env(RAY_ADDRESS=cluster.address))
 
     def rows(self) -> list[dict]:
         if not (self.run / "metrics.jsonl").is_file():

@@ -1,5 +1,5 @@
 """slurm/megarl.sbatch under fake sbatch/srun/scontrol (tests/fake_slurm/): a real 2-node Ray
-cluster over two fake nodes (tests/netns.py: network namespaces, each with its own loopback, on
+cluster over two fake nodes (megarl/rehearsal/fake_nodes.py: network namespaces, each with its own loopback, on
 one bridge; the batch script and the head run in the first, the worker in the second), the tiny
 recipe's first step through the real driver with overrides, SIGTERM -> checkpoint -> requeue,
 submit.sh's node count, and shellcheck. The signal test drives tests/fake_slurm/train_stub.py

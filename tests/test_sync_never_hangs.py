@@ -5,7 +5,7 @@ peer at all (real gloo rendezvous, in process), a trainer rank's abort against a
 silent peer (from another thread, as the rank actor's own concurrency group runs it, and the real
 gloo sender's close during a stuck broadcast); a real engine (the session's shared one) answers a
 join whose sender never comes within the bound, and is recovered after a sync lost it inside its
-update session. On fake nodes (tests/netns.py) the two sides of a group run as small processes
+update session. On fake nodes (megarl/rehearsal/fake_nodes.py) the two sides of a group run as small processes
 (tests/sync_peers.py: the trainer's real ``DistributedSender``, the engine's real join): they form
 their group whichever starts first, 20 tries in shuffled order, and when the engine node's link is
 cut mid-sync every sending rank and the engine's receives raise within the bound, new groups form

@@ -108,6 +108,25 @@ def load_config(args: list[str]) -> DictConfig:
         raise ConfigError(_one_line(exc)) from exc
     if cfg.sync.transport == "auto":  # the weights' way into the engines follows the placement
         cfg.sync.transport = "tensor" if cfg.placement == "colocated" else "distributed"
+    make_paths_absolute(cfg)
     validate(cfg)
     return cfg
+
+
+# The keys that hold a file or directory of the run. Processes on other nodes read them (trainer ranks and
+# engine servers start in their Ray node's working directory, not the driver's): each is made absolute
+# against the loading process's working directory.
+PATH_KEYS = ("model.hf_path", "critic.hf_path", "warmup.save_hf_path", "teacher.hf_path", "reward.judge.hf_path",
+             "task.path", "logging.run_dir", "sync.work_dir")
+
+
+def make_paths_absolute(cfg: DictConfig, cwd: Path | None = None) -> None:
+    """Every path of ``cfg`` (:data:`PATH_KEYS`, and each ``task.role_engines[i].hf_path``) that is set made
+    absolute against ``cwd`` (default: this process's working directory), in place."""
+    cwd = Path.cwd() if cwd is None else cwd
+    keys = [*PATH_KEYS, *(f"task.role_engines.{i}.hf_path" for i in range(len(cfg.task.role_engines)))]
+    for key in keys:
+        value = OmegaConf.select(cfg, key, throw_on_missing=False)
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            OmegaConf.update(cfg, key, str(cwd / value), merge=False)
 

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 
 from megarl.config.errors import PlacementError, fail
 from megarl.config.schema import Placement
-from megarl.engines.launch_plan import attention_backend, colocated_base_gpu_id, dtype_refusal, memory_saver_refusal
+from megarl.engines.launch_plan import attention_backend, dtype_refusal, memory_saver_refusal
 from megarl.engines.server import EngineSettings, lora_serving, nodes_of
 from megarl.models.hf_config import hf_config_if_present, read_hf_config
 from megarl.models.lora import LoraConfig
@@ -250,9 +250,10 @@ def _check_engine_split(pool: EnginePoolSpec, arch: dict, gpus_per_node: int) ->
 @dataclass(frozen=True)
 class EngineLaunch:
     """The GPU decisions of one engine on a platform (:mod:`megarl.engines.launch_plan`): SGLang's attention
-    backend (None off CUDA), its first node-local GPU (colocated CUDA engines; None: SGLang's 0), whether it
-    starts with the memory saver (colocated CUDA engines release memory to the trainer), and the GPUs Ray
-    reserves for it (disaggregated CUDA engines; 0 where they share the trainer's or run on the CPU)."""
+    backend (None off CUDA), its first GPU (colocated CUDA engines: 0, the first of the trainer GPUs it is
+    pinned to at launch, :mod:`megarl.engines.pinning`; None: SGLang's 0), whether it starts with the memory
+    saver (colocated CUDA engines release memory to the trainer), and the GPUs Ray reserves for it
+    (disaggregated CUDA engines; 0 where they share the trainer's or run on the CPU)."""
 
     attention_backend: str | None
     base_gpu_id: int | None
@@ -260,9 +261,8 @@ class EngineLaunch:
     ray_gpus: int
 
 
-def engine_launch(topology: RunTopology, pool: EnginePoolSpec, engine: int, platform: Platform,
-                  model_path: str) -> EngineLaunch:
-    """How engine ``engine`` of ``pool`` serving ``model_path`` is launched on ``platform``. A colocated pool
+def engine_launch(pool: EnginePoolSpec, platform: Platform, model_path: str) -> EngineLaunch:
+    """How each engine of ``pool`` serving ``model_path`` is launched on ``platform``. A colocated pool
     on CUDA without the memory saver is a ValueError."""
     if not platform.is_cuda:
         return EngineLaunch(None, None, False, 0)
@@ -272,7 +272,7 @@ def engine_launch(topology: RunTopology, pool: EnginePoolSpec, engine: int, plat
     refusal = memory_saver_refusal(platform)
     if refusal is not None:
         raise ValueError(refusal)
-    return EngineLaunch(backend, colocated_base_gpu_id(engine, pool.tp, topology.gpus_per_node), True, 0)
+    return EngineLaunch(backend, 0, True, 0)
 
 
 def pool_engine_settings(cfg, topology: RunTopology, pool: EnginePoolSpec, platform: Platform, api_key: str | None,
@@ -293,9 +293,8 @@ def pool_engine_settings(cfg, topology: RunTopology, pool: EnginePoolSpec, platf
         raise ValueError(f"model.dtype={cfg.model.dtype}: {refusal}")
     r, run_dir = cfg.rollout, Path(cfg.logging.run_dir)
     policy, like_policy = pool.name == "policy", pool.name != "judge"
-    out = []
+    out, launch = [], engine_launch(pool, platform, model_path)
     for e in range(pool.num_engines):
-        launch = engine_launch(topology, pool, e, platform, model_path)
         index = pool.first_index + e
         out.append(EngineSettings(
             model_path=model_path, device=platform.device, dtype=cfg.model.dtype,

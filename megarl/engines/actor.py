@@ -18,9 +18,11 @@ The actor runs threaded (``max_concurrency``): ``ensure_healthy`` may block for 
 An engine wider than a node (``settings.nnodes`` > 1: SGLang's ``--nnodes``) has one server per
 node. The actor is its node 0, which serves HTTP; it starts a follower actor on each other node,
 in the bundles 1.. of the engine's placement group (:func:`engine_nodes`, one bundle a node; its
-owner, the engine pool, removes it), each running the same server with its ``--node-rank`` against node 0's
-``--dist-init-addr`` (an address and port of node 0, fresh at every start). The followers do not
-restart on their own: any node's death is the engine's, and the restart starts every node again.
+owner, the engine pool, removes it), or, for a colocated engine pinned beside its trainer ranks, on
+the nodes of its seats 1.. (:mod:`megarl.engines.pinning`), each running the same server with its
+``--node-rank`` against node 0's ``--dist-init-addr`` (an address and port of node 0, fresh at every
+start). The followers do not restart on their own: any node's death is the engine's, and the restart
+starts every node again.
 """
 from __future__ import annotations
 
@@ -86,8 +88,9 @@ class EngineActor:
         self._watchdog: threading.Thread | None = None
         self._leads = settings.nnodes > 1 and settings.node_rank == 0  # node 0 of an engine over several nodes
         if self._leads and nodes is None:
-            raise ValueError(f"an engine on nnodes={settings.nnodes} needs its placement group (engine_nodes)")
-        self._nodes = nodes  # the placement group of an engine over several nodes: bundle r holds node r
+            raise ValueError(f"an engine on nnodes={settings.nnodes} needs its nodes (engine_nodes, or seats)")
+        # an engine over several nodes: its placement group (bundle r holds node r), or its seats (one per node)
+        self._nodes = nodes
         self._followers: list = []  # the follower actors of nodes 1.. while the engine runs
 
     @property
@@ -126,21 +129,18 @@ class EngineActor:
         self._incarnation += 1
 
     def _start_followers(self, settings: EngineSettings) -> list:
-        """The start calls of the follower actors of nodes 1.. (none on one node), one per bundle of
-        the engine's placement group, each serving ``settings`` as its node's rank on a port of its own."""
+        """The start calls of the follower actors of nodes 1.. (none on one node), one per node of the
+        engine (:func:`follower_options`), each serving ``settings`` as its node's rank on a port of its own."""
         import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._followers = []
         for rank in range(1, settings.nnodes):
-            bundle = dict(self._nodes.bundle_specs[rank])  # the node's GPUs (CUDA_VISIBLE_DEVICES) and role unit
-            gpus, _ = bundle.pop("GPU", 0), bundle.pop("CPU", None)
+            options, visible_gpus = follower_options(self._nodes, rank)
             log_path = f"{settings.log_path}.node{rank}" if settings.log_path else None
-            follower = dataclasses.replace(settings, node_rank=rank, host=None, port=None, log_path=log_path)
-            remote = ray.remote(num_cpus=0, num_gpus=gpus, resources=bundle or None, max_concurrency=4)(EngineActor)
-            self._followers.append(remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group=self._nodes, placement_group_bundle_index=rank)).remote(
-                follower, poll_interval_s=self.poll_interval_s, max_restarts=0))
+            follower = dataclasses.replace(settings, node_rank=rank, host=None, port=None, log_path=log_path,
+                                           visible_gpus=visible_gpus)
+            remote = ray.remote(num_cpus=0, max_concurrency=4, **options)(EngineActor)
+            self._followers.append(remote.remote(follower, poll_interval_s=self.poll_interval_s, max_restarts=0))
         return [f.start.remote() for f in self._followers]
 
     def _await_followers(self, starts: list) -> None:
@@ -293,9 +293,26 @@ def engine_nodes(settings: EngineSettings, *, num_cpus: float = 0.5, num_gpus: f
     return placement_group([bundle] * settings.nnodes, strategy="STRICT_SPREAD")
 
 
+def follower_options(nodes, rank: int) -> tuple[dict, tuple[str, ...]]:
+    """The Ray options of the follower actor of node ``rank`` of an engine over several nodes, and the GPUs
+    its server runs on (() : those Ray gives the actor): in bundle ``rank`` of the engine's placement group
+    (:func:`engine_nodes`) with that bundle's GPUs and role unit, or on the node of seat ``rank`` of a pinned
+    engine (``nodes`` a list of :class:`~megarl.parallel.places.Place`, :mod:`megarl.engines.pinning`),
+    asking nothing of Ray there."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+    if isinstance(nodes, (list, tuple)):
+        seat = nodes[rank]
+        return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=seat.node_id, soft=False)}, seat.gpus
+    bundle = dict(nodes.bundle_specs[rank])  # the node's GPUs (CUDA_VISIBLE_DEVICES) and role unit
+    gpus, _ = bundle.pop("GPU", 0), bundle.pop("CPU", None)
+    return {"num_gpus": gpus, "resources": bundle or None, "scheduling_strategy": PlacementGroupSchedulingStrategy(
+        placement_group=nodes, placement_group_bundle_index=rank)}, ()
+
+
 def launch_engine_actor(settings: EngineSettings, *, num_cpus: float = 0.5, num_gpus: float = 0,
                         poll_interval_s: float = 0.5, max_restarts: int = 3, unresponsive_restart_s: float = 60.0,
-                        nodes=None, **ray_options):
+                        nodes=None, seats=None, **ray_options):
     """Create an :class:`EngineActor` as a Ray actor (not started yet: call ``start.remote()``).
 
     ``num_cpus`` is the actor's Ray reservation; the server process is not accounted by Ray, so on
@@ -306,11 +323,24 @@ def launch_engine_actor(settings: EngineSettings, *, num_cpus: float = 0.5, num_
     An engine over ``settings.nnodes`` > 1 nodes runs in bundle 0 of ``nodes``, its placement group
     (:func:`engine_nodes`), with that bundle's share of ``num_gpus``, and starts the other nodes'
     servers in the other bundles (see the module docstring).
+
+    ``seats`` (one :class:`~megarl.parallel.places.Place` per node of the engine,
+    :func:`megarl.engines.pinning.colocated_seats`) pins a colocated engine instead: each node's server
+    on its seat's node (hard node affinity) and its seat's GPUs, with no GPU and no role unit asked
+    of Ray (the trainer ranks beside it hold them); ``nodes`` and ``num_gpus`` are then unused.
     """
     import ray
 
     resources = {**role_resources("engine"), **ray_options.pop("resources", {})}
-    if settings.nnodes > 1:
+    if seats is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if len(seats) != settings.nnodes:
+            raise ValueError(f"an engine on nnodes={settings.nnodes} needs one seat a node, got {len(seats)}")
+        settings = dataclasses.replace(settings, visible_gpus=seats[0].gpus)
+        ray_options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=seats[0].node_id, soft=False)
+        nodes, num_gpus = (list(seats) if settings.nnodes > 1 else None), 0
+    elif settings.nnodes > 1:
         if nodes is None:
             raise ValueError(f"an engine on nnodes={settings.nnodes} needs its placement group (engine_nodes)")
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

@@ -12,8 +12,9 @@ evaluated (and tested) on machines without a GPU:
   (``get_default_attn_backend`` in ``sglang/srt/arg_groups/model_override_base.py``, for megarl's case:
   no speculative decoding, no attention sinks), so the command line says what runs.
 - GPUs of a colocated engine: engine ``e`` takes the trainer's devices from device 0, ``engine_tp`` each
-  (:mod:`megarl.planner.placement`), so it starts at its node's device ``e * engine_tp mod gpus_per_node``
-  (SGLang's ``--base-gpu-id``; the engine, given no GPU by Ray, sees all of its node's devices).
+  (:mod:`megarl.planner.placement`): at launch it is pinned to the node of the trainer ranks holding them and
+  sees those GPUs alone, in rank order (its ``CUDA_VISIBLE_DEVICES``, :mod:`megarl.engines.pinning`), so its
+  ``--base-gpu-id`` is 0 (Ray gives it no GPU of its own: the trainer ranks hold them).
 - memory: a colocated CUDA engine is started with ``--enable-memory-saver`` (torch_memory_saver) so it
   can hand its weights and KV cache to the trainer around each step.
 """
@@ -48,13 +49,6 @@ def attention_backend(platform: Platform, mla: bool) -> str:
     if mla or not platform.has("flashinfer"):
         return "triton"
     return "flashinfer"
-
-
-def colocated_base_gpu_id(engine_index: int, engine_tp: int, gpus_per_node: int) -> int:
-    """The node-local first GPU of colocated policy engine ``engine_index`` (its ranks hold the trainer
-    ranks' devices ``engine_index * engine_tp`` onwards, counted across nodes); 0 for an engine of whole
-    nodes."""
-    return (engine_index * engine_tp) % gpus_per_node if engine_tp <= gpus_per_node else 0
 
 
 def memory_saver_refusal(platform: Platform) -> str | None:

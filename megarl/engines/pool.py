@@ -174,17 +174,18 @@ class EnginePool:
     @classmethod
     async def launch(cls, settings: Sequence, *, num_cpus: float = 0.5, num_gpus: float = 0,
                      poll_interval_s: float = 0.5, max_restarts: int = 3, unresponsive_restart_s: float = 60.0,
-                     request_timeout_s: float = 600.0, **pool_kwargs) -> EnginePool:
+                     request_timeout_s: float = 600.0, seats: Sequence | None = None, **pool_kwargs) -> EnginePool:
         """Start one ``EngineActor`` per ``EngineSettings`` in parallel (Ray must be initialised;
         :func:`megarl.engines.supervisor.start_engines`), wait until all are healthy, and return the pool
         over them. Ray must place every engine's actor (``num_gpus`` GPUs, ``num_cpus`` CPUs each) within
         the engines' startup timeout (``EngineSettings.startup_timeout_s``), else EngineStartError says
-        what they need and what Ray has free. On failure or cancellation the engines started are stopped
-        before the error propagates."""
+        what they need and what Ray has free. ``seats[i]`` pins engine i beside the trainer ranks whose
+        devices it shares (colocated, :mod:`megarl.engines.pinning`). On failure or cancellation the engines
+        started are stopped before the error propagates."""
         launched = await start_engines(settings, num_cpus=num_cpus, num_gpus=num_gpus,
                                        poll_interval_s=poll_interval_s, max_restarts=max_restarts,
                                        unresponsive_restart_s=unresponsive_restart_s,
-                                       request_timeout_s=request_timeout_s)
+                                       request_timeout_s=request_timeout_s, seats=seats)
         pool = cls([e.client for e in launched], [e.supervisor for e in launched], **pool_kwargs)
         pool._actors, pool._placements = [e.actor for e in launched], [e.placement for e in launched]
         for engine, started in zip(pool._engines, launched):

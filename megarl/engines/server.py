@@ -26,6 +26,7 @@ from megarl.engines.shared_memory import SHARED_MEMORY, mapped_segments, unlink_
 from megarl.engines.types import ServedModel
 from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraConfig
 from megarl.parallel import free_port, rendezvous_host
+from megarl.parallel.nccl import pin_nccl_environment
 from megarl.platform import sglang_cpu
 from megarl.platform.sglang_tokenizer_stops import SKIP_TOKENIZER_FLAG
 
@@ -36,6 +37,7 @@ SCRATCH_PREFIX = "megarl-sglang-"  # a running server's TMPDIR, under the system
 API_KEY_ENV = "MEGARL_ENGINE_API_KEY"
 HEALTH_PROBE_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"  # SGLang's: /health generates a token first
 HEALTH_POLL_S = 0.1  # start()'s interval between /health requests
+SERVER_MODULE = "megarl.engines.sglang_main"  # SGLang's launch_server behind megarl's CPU compatibility layer
 
 
 class EngineStartError(RuntimeError):
@@ -98,11 +100,15 @@ class EngineSettings:
     log_path: str | None = None
     lora_max_rank: int = 0  # > 0: serve LoRA adapters up to this rank (SGLang --enable-lora)
     lora_target_modules: tuple[str, ...] = ()  # the HF module names adapters may target (--lora-target-modules)
-    # GPU only (megarl.engines.launch_plan): SGLang's --attention-backend, its first node-local GPU
-    # (--base-gpu-id; None: SGLang's 0) and --enable-memory-saver (a colocated engine's release)
+    # GPU only (megarl.engines.launch_plan): SGLang's --attention-backend, its first GPU (--base-gpu-id, counted
+    # within the GPUs the server sees; None: SGLang's 0) and --enable-memory-saver (a colocated engine's release)
     attention_backend: str | None = None
     base_gpu_id: int | None = None
     memory_saver: bool = False
+    # GPU only: the node's GPU ids this node's ranks run on, in rank order, as the server's CUDA_VISIBLE_DEVICES
+    # (a colocated engine's, pinned beside its trainer ranks: megarl.engines.pinning); (): the process's own
+    visible_gpus: tuple[str, ...] = ()
+    server_module: str = SERVER_MODULE  # the module run as the server (python -m); a stand-in in the rehearsal
     extra_args: tuple[str, ...] = ()  # more launch_server flags, appended as given
     api_key: str | None = field(default=None, repr=False)
 
@@ -114,6 +120,9 @@ class EngineSettings:
         if not (Path(self.model_path) / "config.json").is_file():
             raise ValueError(f"model_path {self.model_path!r} has no config.json")
         self._check_parallelism()
+        if self.visible_gpus and len(self.visible_gpus) != self.ranks_per_node:
+            raise ValueError(f"visible_gpus names {len(self.visible_gpus)} GPUs for the {self.ranks_per_node} ranks "
+                             f"this node runs: {self.visible_gpus}")
         if self.lora_max_rank < 0 or bool(self.lora_max_rank) != bool(self.lora_target_modules):
             raise ValueError("LoRA serving needs lora_max_rank > 0 and lora_target_modules together, got "
                              f"{self.lora_max_rank} and {self.lora_target_modules}")
@@ -220,7 +229,7 @@ class SGLangEngine:
         """The server's command line (without the API key: see :meth:`environment`)."""
         s = self.settings
         cmd = [
-            sys.executable, "-m", "megarl.engines.sglang_main",
+            sys.executable, "-m", s.server_module,
             "--model-path", s.model_path, "--host", s.host, "--port", str(self.port), "--device", self.device,
             "--dtype", s.dtype, "--random-seed", str(s.random_seed), "--weight-version", str(s.weight_version),
             "--enable-return-routed-experts", "--sampling-mask-max-tokens", str(s.sampling_mask_max_tokens),
@@ -277,10 +286,15 @@ class SGLangEngine:
     def environment(self) -> dict[str, str]:
         """The server's environment: this process's, with ``TMPDIR`` a directory of the server's own
         once started, plus on CPU the ranks it starts on this node (megarl's SGLang CPU layer binds
-        each its cores, see ``sglang_cpu``), the API key in ``API_KEY_ENV`` when there is one, and
+        each its cores, see ``sglang_cpu``), on GPU the pinned GPUs (``visible_gpus``) as its
+        ``CUDA_VISIBLE_DEVICES``, the NCCL settings every process of the run shares
+        (:mod:`megarl.parallel.nccl`), the API key in ``API_KEY_ENV`` when there is one, and
         ``HEALTH_PROBE_ENV`` off unless this process sets it."""
         env = dict(os.environ)
         env.pop(API_KEY_ENV, None)
+        pin_nccl_environment(env)
+        if self.settings.visible_gpus and self.device != "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.settings.visible_gpus)
         # /health answers once the server is up (start() polls it), without generating a probe token
         # first: SGLang's probe waits a whole second before it looks for the token, at every start.
         env.setdefault(HEALTH_PROBE_ENV, "0")

@@ -48,10 +48,11 @@ from megarl.pipeline.modes import PAUSE_FOR_PARTIAL_ROLLOUT
 from megarl.pipeline.node_watch import cancel_on_loss, confirmed_loss, loss_of, watch_trainer_nodes
 from megarl.pipeline.producer import RolloutProducer
 from megarl.pipeline.signals import StopRequest
-from megarl.pipeline.startup.engines import ENGINE_CPUS, EnginePlan, engines_ready, launch_engines, plan_engines
+from megarl.pipeline.startup.engines import ENGINE_CPUS, EnginePlan
+from megarl.pipeline.startup.placement import place_run
 from megarl.pipeline.startup.rollout import start_rollout
 from megarl.pipeline.startup.sync import start_sync
-from megarl.pipeline.startup.trainer import build_and_resume, checkpoint_dir, start_trainer
+from megarl.pipeline.startup.trainer import checkpoint_dir
 from megarl.platform.description import detect
 from megarl.rollout.teacher import TeacherScorer
 from megarl.sample import RolloutSample
@@ -367,20 +368,10 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     launch while the ranks build and resume (colocated engines once they are built), then the weight
     sync and the rollout; the producer starts last. What they hold goes into ``stack`` (closed by
     :func:`open_pipeline`)."""
-    started = time.monotonic()
     platform = detect()
     api_key = secrets.token_urlsafe(32)  # this run's engines answer only megarl's clients (never logged)
-    trainer = start_trainer(cfg, layout, stack)
-    plan = plan_engines(cfg, start_checkpoint, api_key, platform)
-    launches = {} if plan.colocated else launch_engines(plan, stack)
-    launched_s = time.monotonic() - started
-    resumed = await build_and_resume(trainer, cfg, start_checkpoint)
-    trainer_s = time.monotonic() - started
-    if plan.colocated:
-        launches, launched_s = launch_engines(plan, stack), trainer_s
-    pools = await engines_ready(launches, trainer)
-    log.info("start-up: engines (%s) launched at %.1f s, trainer ranks built at %.1f s, engines healthy at %.1f s",
-             ", ".join(pools), launched_s, trainer_s, time.monotonic() - started)
+    placed = await place_run(cfg, start_checkpoint, layout, stack, platform, api_key)
+    trainer, plan, pools, resumed = placed.trainer, placed.plan, placed.pools, placed.resumed
     pool = pools["policy"]
     sync = await start_sync(cfg, trainer, pool, resumed.step, stack)
     tokenizer = AutoTokenizer.from_pretrained(start_checkpoint)

@@ -15,21 +15,61 @@ import asyncio
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import ray
 import torch
 
 from megarl.parallel import Layout, free_port, rendezvous_host, role_resources
+from megarl.parallel.places import Place, current_place
 
 log = logging.getLogger(__name__)
 
 SYNC_ABORT_GROUP = "weight_sync_abort"  # the rank's concurrency group for the abort (one thread)
 
 
-def rank_actor(num_cpus: float, num_gpus: float):
-    """:class:`TrainerRank` as a Ray actor class: one call at a time, the weight-sync abort besides."""
-    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, concurrency_groups={SYNC_ABORT_GROUP: 1})(TrainerRank)
+def rank_actor(num_cpus: float, num_gpus: float, rank_class: type | None = None):
+    """``rank_class`` (default :class:`TrainerRank`) as a Ray actor class: one call at a time, the weight-sync
+    abort besides."""
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus,
+                      concurrency_groups={SYNC_ABORT_GROUP: 1})(rank_class or TrainerRank)
+
+
+@dataclass(frozen=True)
+class RankDevices:
+    """What each trainer rank runs on: one GPU (``gpus``), on nodes of ``gpus_per_node`` GPUs, or a CPU process."""
+
+    gpus: bool
+    gpus_per_node: int = 8
+
+    @classmethod
+    def here(cls) -> RankDevices:
+        """GPUs when this process sees one (the trainer's tools and tests; a run passes its platform's)."""
+        return cls(torch.cuda.is_available())
+
+    def bundles(self, world_size: int, resources: Mapping[str, float]) -> tuple[list[dict], str, list[int]]:
+        """The placement group of ``world_size`` ranks asking ``resources`` each: its bundles, its strategy
+        and each rank's bundle. On GPUs one bundle a node, of ``gpus_per_node`` GPUs (fewer on the last),
+        on distinct nodes, rank ``r`` in bundle ``r // gpus_per_node``: the ranks fill the nodes in rank
+        order, as the planner places them (``megarl/planner/placement.py``). On CPUs one bundle a rank,
+        packed."""
+        if not self.gpus:
+            return [{"CPU": 1, **resources}] * world_size, "PACK", list(range(world_size))
+        gpn = self.gpus_per_node
+        sizes = [min(gpn, world_size - first) for first in range(0, world_size, gpn)]
+        bundles = [{"GPU": n, "CPU": n, **{k: v * n for k, v in resources.items()}} for n in sizes]
+        return bundles, "STRICT_SPREAD" if len(bundles) > 1 else "PACK", [r // gpn for r in range(world_size)]
+
+
+def check_gpu_nodes(gpus_per_node: int) -> None:
+    """RuntimeError naming ``cluster.gpus_per_node`` when a node of the Ray cluster with GPUs has another
+    number of them (the trainer's and the engines' placement counts on nodes of that size)."""
+    sizes = {n["NodeManagerAddress"]: int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")}
+    other = {address: gpus for address, gpus in sizes.items() if gpus and gpus != gpus_per_node}
+    if other:
+        raise RuntimeError(f"cluster.gpus_per_node={gpus_per_node}, but Ray's nodes offer {other} GPUs: set "
+                           "cluster.gpus_per_node to the nodes' GPU count")
 
 
 class TrainerRank:
@@ -117,6 +157,10 @@ class TrainerRank:
         from megarl.parallel import node_address
 
         return node_address()
+
+    def place(self) -> Place:
+        """Where this rank runs: its Ray node and GPU (:func:`megarl.parallel.places.current_place`)."""
+        return current_place()
 
     def run(self, fn, *args):
         """``fn(rank, layout, *args)`` on this rank (:func:`megarl.trainer.launch.run_ranks`)."""
@@ -245,53 +289,40 @@ class TrainerGroup:
     ``sys.path`` (where the functions given to :meth:`run` are imported from); ``env`` is set in the
     ranks' processes before they start (e.g. glibc's ``MALLOC_*`` tunables, read at exec); the ranks
     and the placement group are removed again when the group cannot start within ``startup_timeout_s``.
+    ``devices``: one GPU a rank on nodes of a known size, or CPU processes (default: GPUs when this
+    process sees one); on GPUs the ranks fill whole nodes in rank order (:meth:`RankDevices.bundles`),
+    on a cluster whose GPU nodes all have that size (:func:`check_gpu_nodes`).
 
     The ranks meet at rank 0's node address (loopback when the cluster has one node) on a port a
     zero-CPU task in rank 0's bundle found free there (``master``); on a cluster with nodes that
     offer the ``megarl_trainer`` resource every bundle asks for a unit of it (docs/architecture.md,
-    "Multi-node"). Inside :func:`megarl.trainer.rank_pool.keep_ranks` a group without ``env`` or
-    trainer nodes takes kept processes on this node instead (no placement group) and
+    "Multi-node"). Inside :func:`megarl.trainer.rank_pool.keep_ranks` a group without ``env`` or trainer
+    nodes takes kept processes on this node instead (no placement group) and
     :meth:`shutdown` hands them back. With ``wait=False`` the constructor returns once the ranks are
     placed and asked to join, before their processes have started: :meth:`joined` waits for them.
+    ``rank_class`` (a class attribute) is what each rank's actor runs.
     """
+
+    rank_class: type = TrainerRank
 
     def __init__(self, layout: Layout, backend: str = "auto", seed: int = 1234, *,
                  import_paths: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 startup_timeout_s: float = 600.0, wait: bool = True):
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
-
+                 startup_timeout_s: float = 600.0, wait: bool = True, devices: RankDevices | None = None):
         from megarl.trainer import rank_pool
 
         self.layout = layout
         self.ranks: list = []
         self.placement = None
         self._startup_timeout_s = startup_timeout_s
-        gpus = 1 if torch.cuda.is_available() else 0
+        self.devices = RankDevices.here() if devices is None else devices
         resources = role_resources("trainer")  # nodes set aside for trainer ranks, when the cluster has any
-        self._pool = rank_pool.current() if env is None and not resources else None
+        kept = env is None and not resources
+        self._pool = rank_pool.current() if kept and self.rank_class is TrainerRank else None
         try:
             if self._pool is not None:
-                host = rendezvous_host()  # the kept ranks run on this node
-                self.master = (host, free_port(host))
-                here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-                kept = rank_actor(0, gpus).options(scheduling_strategy=here)
-                self.ranks = self._pool.take(layout.world_size, kept.remote)
+                self._take_kept()
             else:
-                bundle = {"GPU": 1, "CPU": 1, **resources} if gpus else {"CPU": 1, **resources}
-                self.placement = placement_group([bundle] * layout.world_size, strategy="PACK")
-                ray.get(self.placement.ready(), timeout=startup_timeout_s)
-                # Rank 0's TCP store listens on its node: its address and a free port there, asked on that node.
-                self.master = ray.get(_rendezvous_point.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.placement, placement_group_bundle_index=0)).remote(),
-                    timeout=startup_timeout_s)
-                remote = rank_actor(1, gpus)
-                self.ranks = [
-                    remote.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=self.placement, placement_group_bundle_index=r),
-                        runtime_env={"env_vars": dict(env)} if env else None).remote()
-                    for r in range(layout.world_size)
-                ]
+                self._place(resources, env)
             host, port = self.master
             self._joins = [rank.join.remote(r, layout, host, port, backend, seed, list(import_paths))
                            for r, rank in enumerate(self.ranks)]
@@ -300,6 +331,38 @@ class TrainerGroup:
         except BaseException:
             self.shutdown(keep=False)
             raise
+
+    def _take_kept(self) -> None:
+        """The ranks from the kept processes of this node (:mod:`megarl.trainer.rank_pool`)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        host = rendezvous_host()  # the kept ranks run on this node
+        self.master = (host, free_port(host))
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        kept = rank_actor(0, int(self.devices.gpus)).options(scheduling_strategy=here)
+        self.ranks = self._pool.take(self.layout.world_size, kept.remote)
+
+    def _place(self, resources: Mapping[str, float], env: Mapping[str, str] | None) -> None:
+        """The ranks in a placement group of their own (:meth:`RankDevices.bundles`), and rank 0's rendezvous."""
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if self.devices.gpus:
+            check_gpu_nodes(self.devices.gpus_per_node)
+        bundles, strategy, bundle_of = self.devices.bundles(self.layout.world_size, resources)
+        self.placement = placement_group(bundles, strategy=strategy)
+        ray.get(self.placement.ready(), timeout=self._startup_timeout_s)
+
+        def in_bundle(index: int) -> PlacementGroupSchedulingStrategy:
+            return PlacementGroupSchedulingStrategy(placement_group=self.placement, placement_group_bundle_index=index)
+
+        # Rank 0's TCP store listens on its node: its address and a free port there, asked on that node.
+        self.master = ray.get(_rendezvous_point.options(scheduling_strategy=in_bundle(bundle_of[0])).remote(),
+                              timeout=self._startup_timeout_s)
+        remote = rank_actor(1, int(self.devices.gpus), self.rank_class)
+        self.ranks = [remote.options(scheduling_strategy=in_bundle(bundle_of[r]),
+                                     runtime_env={"env_vars": dict(env)} if env else None).remote()
+                      for r in range(self.layout.world_size)]
 
     async def joined(self) -> None:
         """Return once every rank joined the group (the constructor's wait, for a group made with
@@ -386,6 +449,10 @@ class TrainerGroup:
     async def node_addresses(self) -> list[str]:
         """The address of the node each rank runs on, in rank order."""
         return await self._call_all("node_address")
+
+    async def places(self) -> list[Place]:
+        """Where each rank runs (its Ray node and GPU), in rank order."""
+        return await self._call_all("place")
 
     def run(self, fn, *args) -> list:
         """Start ``fn(rank, layout, *args)`` on every rank; one ObjectRef per rank, in rank order

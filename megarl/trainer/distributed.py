@@ -6,6 +6,7 @@ import logging
 import torch
 
 from megarl.parallel import Layout, pin_gloo_interface
+from megarl.parallel.nccl import pin_nccl_environment
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +21,8 @@ def init_rank(rank: int, layout: Layout, master_addr: str, master_port: int, bac
               seed: int = 1234) -> None:
     """Join the process group (rank 0's TCP store listens at ``master_addr:master_port``, which
     every rank must reach: rank 0's node address on several nodes) and build megatron's
-    TP/PP/CP/EP/DP groups for ``layout``."""
+    TP/PP/CP/EP/DP groups for ``layout``. The NCCL settings every process of the run shares are set first
+    (:mod:`megarl.parallel.nccl`: NCCL reads them when its first communicator forms)."""
     from megarl.gc_pause import gc_paused
     from megarl.platform import megatron_cpu
 
@@ -29,6 +31,7 @@ def init_rank(rank: int, layout: Layout, master_addr: str, master_port: int, bac
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    pin_nccl_environment()
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
     pin_gloo_interface()  # several nodes: gloo on the interface the other nodes reach

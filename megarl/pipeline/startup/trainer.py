@@ -16,8 +16,9 @@ from omegaconf import DictConfig
 
 from megarl.parallel import Layout
 from megarl.pipeline.ledger import Ledger
+from megarl.platform.description import Platform
 from megarl.tasks.prompts import Prompt
-from megarl.trainer.actor import TrainerGroup
+from megarl.trainer.actor import RankDevices, TrainerGroup
 from megarl.trainer.checkpoint import latest_step
 from megarl.trainer.critic import CriticSettings
 from megarl.trainer.model_setup import ModelSettings
@@ -50,11 +51,15 @@ def checkpoint_dir(cfg: DictConfig) -> Path:
     return Path(cfg.logging.run_dir) / "checkpoints"
 
 
-def start_trainer(cfg: DictConfig, layout: Layout, stack: contextlib.AsyncExitStack) -> TrainerGroup:
-    """The trainer ranks of ``layout``, placed and starting (:func:`build_and_resume` waits for them,
-    so that the engines launch meanwhile); shut down when ``stack`` closes, kept warm for a later group
-    only when the run ends without a failure (a rank may be stuck after one)."""
-    trainer = TrainerGroup(layout, backend=cfg.parallel.backend, seed=cfg.trainer.seed, wait=False)
+def start_trainer(cfg: DictConfig, layout: Layout, stack: contextlib.AsyncExitStack, platform: Platform,
+                  group: type[TrainerGroup] = TrainerGroup) -> TrainerGroup:
+    """The trainer ranks of ``layout`` on ``platform`` (a GPU each on CUDA, filling nodes of
+    ``cluster.gpus_per_node`` in rank order), placed and starting (:func:`build_and_resume` waits for
+    them, so that the engines launch meanwhile); shut down when ``stack`` closes, kept warm for a later
+    group only when the run ends without a failure (a rank may be stuck after one). ``group``: the
+    :class:`TrainerGroup` (sub)class whose ranks run."""
+    devices = RankDevices(platform.is_cuda, cfg.cluster.gpus_per_node)
+    trainer = group(layout, backend=cfg.parallel.backend, seed=cfg.trainer.seed, wait=False, devices=devices)
     stack.push(lambda failure, *_: trainer.shutdown(keep=failure is None))
     return trainer
 

@@ -35,6 +35,7 @@ from typing import Any
 import psutil
 import torch
 
+from megarl.engines.pinning import shared_trainer_rank
 from megarl.engines.shared_memory import SHARED_MEMORY, mapped_segments, unlink_unmapped
 from megarl.engines.weight_delta import BUCKET_FLAG
 from megarl.platform.description import Platform, detect
@@ -43,6 +44,13 @@ from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, 
 
 LOAD_FORMAT = "flattened_bucket"
 MANIFEST_PREFIX = "megarl-tensor-sync-"  # + the sender's pid: the names of its segments, one a line
+
+
+def tensor_feeds(num_engines: int, engine_tp: int) -> dict[int, tuple[int, int]]:
+    """Trainer rank -> the (engine, engine rank) it serves the buckets to: the rank on that engine rank's
+    device (:func:`megarl.engines.pinning.shared_trainer_rank`), so every engine rank opens the handles of a
+    buffer on its own GPU (in its own node's shared memory on the CPU)."""
+    return {shared_trainer_rank(e, r, engine_tp): (e, r) for e in range(num_engines) for r in range(engine_tp)}
 
 
 class TensorSender(Sender):

@@ -1,4 +1,5 @@
-"""Fake nodes for multi-node tests: one Linux network namespace per node, joined by a bridge.
+"""Fake nodes for the placement rehearsal and the multi-node tests: one Linux network namespace per
+node, joined by a bridge.
 
 Each node has its own network stack: its own loopback (what one node binds on 127.0.0.1 no other
 node reaches) and one interface, ``eth0``, a veth pair whose other end is a port of a bridge in the
