@@ -392,11 +392,11 @@ def processes_in(node: netns.Node, marker: str) -> list[tuple[int, str]]:
 def ray_cluster(fake_nodes, tmp_path_factory, request):
     """A Ray cluster over the fake nodes, shared by the module's runs: the head on node 0, a worker on
     nodes 1 and 2, each with two CPUs and its roles' custom resources (the module's ``ROLES``, by default
-    this one's). Yields the head's address and Ray's temp dir."""
+    this one's). Yields the head's address and Ray's temp dirs (one a node)."""
     cluster = RayOnNodes(fake_nodes, tmp_path_factory.mktemp("ray_cluster"),
                          resources=getattr(request.module, "ROLES", ROLES)).start_all()
     try:
-        yield {"address": cluster.address, "temp_dir": cluster.temp_dir}
+        yield {"address": cluster.address, "temp_dirs": cluster.temp_dirs}
     finally:
         cluster.stop()
 
@@ -489,7 +489,7 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tiny_checkpoint, tmp_
 
     # The key is in no log, metrics file, checkpoint or config of the run, nor anywhere in Ray's
     # session directory (logs, events).
-    files = [p for root in (run, Path(ray_cluster["temp_dir"])) for p in root.rglob("*")
+    files = [p for root in (run, *map(Path, ray_cluster["temp_dirs"])) for p in root.rglob("*")
              if p.is_file() and p.stat().st_size < 50_000_000]
     leaked = [str(p) for p in files if key.encode() in p.read_bytes()]
     assert key not in output and not leaked, f"the engine's API key leaked into {leaked or 'the driver output'}"

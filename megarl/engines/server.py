@@ -27,7 +27,6 @@ from megarl.engines.types import ServedModel
 from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraConfig
 from megarl.parallel import free_port, rendezvous_host
 from megarl.parallel.nccl import pin_nccl_environment
-from megarl.platform import sglang_cpu
 from megarl.platform.sglang_tokenizer_stops import SKIP_TOKENIZER_FLAG
 
 log = logging.getLogger(__name__)
@@ -171,6 +170,14 @@ class EngineSettings:
                              "must divide one another")
 
 
+def _sglang_cpu():
+    """megarl's SGLang CPU layer, imported where it is needed: it imports torch, which a GPU engine's owner
+    (its server has its own) does without."""
+    from megarl.platform import sglang_cpu
+
+    return sglang_cpu
+
+
 def nodes_of(tp: int, gpus_per_node: int) -> int:
     """The nodes an engine of ``tp`` ranks spans: 1 when it fits in a node of ``gpus_per_node`` devices,
     else ``tp / gpus_per_node`` (whole nodes; the config refuses a ``tp`` neither dividing nor divided
@@ -193,7 +200,7 @@ class SGLangEngine:
             settings = replace(settings, host=rendezvous_host())
         self.settings = settings
         self.model = ServedModel.from_hf_config(settings.model_path)
-        self.device = settings.device or ("cpu" if sglang_cpu.needed() else "cuda")
+        self.device = settings.device or ("cpu" if _sglang_cpu().needed() else "cuda")
         if settings.nnodes > 1 and not settings.dist_init_addr:
             raise ValueError(f"an engine on nnodes={settings.nnodes} needs dist_init_addr (host:port of node 0; "
                              "EngineActor sets it when it starts the engine's nodes)")
@@ -317,6 +324,7 @@ class SGLangEngine:
             # A CPU engine on a machine with GPUs: SGLang's processes must not see them, or they take
             # their CUDA paths and megarl's CPU layer stays off (it acts only where no GPU is usable).
             env["CUDA_VISIBLE_DEVICES"] = ""
+            sglang_cpu = _sglang_cpu()
             env[sglang_cpu.RANKS_PER_NODE_ENV] = str(self.settings.ranks_per_node)
             env[sglang_cpu.RANKS_ENV] = str(self.settings.tp)
             # A server whose scheduler ends (a crash, or stop()'s SIGTERM) otherwise sleeps 5 s, tries

@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -108,13 +109,16 @@ async def rehearse_recipe(name: str, overrides: list[str], work: Path) -> dict:
 async def main(work: Path, recipes: list[str], overrides: list[str]) -> None:
     import ray
 
-    ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+    if not ray.is_initialized():
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     for name in recipes:
+        started = time.monotonic()
         try:
             report = await rehearse_recipe(name, overrides, work)
         except Exception as e:  # the start-up failed: that is the recipe's finding
             report = {"recipe": name, "problems": [f"start-up failed: {type(e).__name__}: {e}"],
                       "traceback": traceback.format_exc()}
+        report["seconds"] = round(time.monotonic() - started, 1)
         print(REPORT_PREFIX + json.dumps(report), flush=True)
 
 

@@ -4,8 +4,10 @@ CPUs, GPUs and custom resources asked. A node declares GPUs it does not have (``
 places GPU work and sets ``CUDA_VISIBLE_DEVICES`` as on a GPU node, which is what the placement rehearsal
 checks.
 
-The nodes join one after the other (``slurm/wait_for_ray.py`` waits for each): they share the file system,
-and two raylets starting at once in the one session directory can pick the same socket name.
+Each node keeps its Ray session under a temporary directory of its own (``--temp-dir``, which Ray takes per
+node): the nodes share the file system, and two raylets starting at once in one session directory can pick
+the same socket name. So the other nodes start together once the head is up (``slurm/wait_for_ray.py``
+waits for them).
 """
 from __future__ import annotations
 
@@ -45,37 +47,47 @@ class RayOnNodes:
         self.nodes, self.log_dir = nodes, Path(log_dir)
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.resources, self.env = dict(resources or {}), dict(env or {})
-        self.temp_dir = f"/tmp/mrl_ray_{os.getpid()}_{nodes.bridge[-2:]}"  # short: socket paths stay < 107 bytes
+        base = f"/tmp/mrl_ray_{os.getpid()}_{nodes.bridge[-2:]}"  # short: socket paths stay < 107 bytes
+        self.temp_dirs = [f"{base}_{node.index}" for node in nodes]
+        self.temp_dir = self.temp_dirs[0]  # the head's
         self.address = f"{nodes[0].address}:{RAY_PORT}"
         self.processes: dict[int, subprocess.Popen] = {}
 
-    def start(self, index: int, timeout_s: float = 180.0) -> None:
-        """Start node ``index``'s raylet (the head for node 0) and wait until the cluster has every started
-        node alive; RuntimeError with the node's log when it does not join within ``timeout_s``."""
+    def start(self, index: int, timeout_s: float = 180.0, wait: bool = True) -> None:
+        """Start node ``index``'s raylet (the head for node 0); with ``wait``, wait until every started node
+        is alive (:meth:`wait`)."""
         node = self.nodes[index]
-        where = (["--head", f"--port={RAY_PORT}", "--include-dashboard=false", f"--temp-dir={self.temp_dir}"]
-                 if index == 0 else [f"--address={self.address}"])
-        argv = [str(Path(sys.executable).parent / "ray"), "start", *where, f"--node-ip-address={node.address}",
-                f"--num-cpus={self.num_cpus}", f"--num-gpus={self.num_gpus}",
+        where = ["--head", f"--port={RAY_PORT}", "--include-dashboard=false"] if index == 0 else [
+            f"--address={self.address}"]
+        argv = [str(Path(sys.executable).parent / "ray"), "start", *where, f"--temp-dir={self.temp_dirs[index]}",
+                f"--node-ip-address={node.address}", f"--num-cpus={self.num_cpus}", f"--num-gpus={self.num_gpus}",
                 f"--resources={json.dumps(dict(self.resources.get(index, {})))}", "--object-store-memory=100000000",
                 "--disable-usage-stats", "--include-log-monitor=false", "--block"]
-        log_path = self.log_dir / f"ray-node{index}.log"
-        with open(log_path, "a") as log:
+        with open(self.log_dir / f"ray-node{index}.log", "a") as log:
             env = node_env(RAY_raylet_start_wait_time_s="120", **self.env)
             self.processes[index] = node.popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if wait:
+            self.wait(timeout_s)
+
+    def wait(self, timeout_s: float = 180.0) -> None:
+        """Wait until the cluster has every started node alive; RuntimeError with the nodes' logs when it does
+        not within ``timeout_s`` or a node's ``ray start`` exits."""
         ready = self.nodes[0].run(
             [sys.executable, str(WAIT_FOR_RAY), "--address", self.address, "--nodes", str(len(self.processes)),
-             "--timeout", str(timeout_s), "--watch", str(self.processes[index].pid)],
+             "--timeout", str(timeout_s), "--watch", *(str(p.pid) for p in self.processes.values())],
             env=node_env(), capture_output=True, text=True, timeout=timeout_s + 60)
         if ready.returncode != 0:
-            raise RuntimeError(f"node {index} did not join the Ray cluster: {ready.stdout}{ready.stderr}\n"
-                               f"{log_path.read_text(errors='replace')[-3000:]}")
+            logs = "".join(p.read_text(errors="replace")[-2000:] for p in sorted(self.log_dir.glob("ray-node*.log")))
+            raise RuntimeError(f"the Ray cluster did not form: {ready.stdout}{ready.stderr}\n{logs}")
 
     def start_all(self) -> RayOnNodes:
-        """Every node, the head first; what was started is stopped when one fails to join."""
+        """Every node, the head first, then the others together; what was started is stopped when one fails
+        to join."""
         try:
-            for node in self.nodes:
-                self.start(node.index)
+            self.start(0)
+            for node in self.nodes.nodes[1:]:
+                self.start(node.index, wait=False)
+            self.wait()
         except BaseException:
             self.stop()
             raise
@@ -92,4 +104,5 @@ class RayOnNodes:
             except subprocess.TimeoutExpired:
                 pass
         self.processes.clear()
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        for temp_dir in self.temp_dirs:
+            shutil.rmtree(temp_dir, ignore_errors=True)

@@ -7,7 +7,9 @@ ranks through a :class:`megarl.sync.trainer_protocol.WeightSyncTrainer`, such as
 stage's HF stream (the gathers are collectives); only the stage's sending rank packs buckets and
 owns a transport :class:`~megarl.sync.transports.base.Sender`. The ``sharded`` transport has no
 stage sender: every rank sends its own slices (:mod:`megarl.sync.sharded_rank`), and these calls hand
-over to it.
+over to it. The ``tensor`` transport's buckets go from the stage senders to the ranks that feed the
+colocated engines (:class:`~megarl.sync.transports.tensor.TensorFanout`, a round on every rank per
+``send``), whose payloads ``send`` returns.
 
 Memory bound on a sending rank: at most two buckets are alive (the one in transfer on the send
 thread and the one being packed), plus at most one gathered tensor outside them (the one that did
@@ -75,6 +77,8 @@ class RankSync:
         self._encoder: DeltaEncoder | None = None
         self._sharded: ShardedRank | None = None  # the sharded link: every rank takes part (sharded_rank.py)
         self._sharded_sync = False  # the running sync goes through it
+        self._fanout = None  # the tensor link's route: every rank takes part (transports/tensor.py)
+        self._fanout_sync = False  # the running sync goes through it
         self._busy = threading.Lock()  # held by every call but abort (_exclusive)
         self._aborting = threading.Event()  # set by abort: a call waiting for a transfer gives up
 
@@ -95,15 +99,18 @@ class RankSync:
     @_exclusive
     def connect(self, spec: SenderSpec) -> None:
         """Build this rank's sender for ``spec.kind`` (replacing an older one); no-op off senders, except
-        for ``sharded``, whose link every rank joins."""
+        for ``sharded`` and ``tensor``, whose links every rank joins (collective)."""
+        self._disconnect(spec.kind)
         if spec.kind == "sharded":
-            self._disconnect(spec.kind)
             self._sharded = ShardedRank(self.model, spec, self._aborting)
             return
-        if not self.is_sender:
-            return
-        self._disconnect(spec.kind)
-        self._senders[spec.kind] = make_sender(spec, self.stage, self.model.bridge.hf_pretrained.config, self._address)
+        if self.is_sender:
+            self._senders[spec.kind] = make_sender(spec, self.stage, self.model.bridge.hf_pretrained.config,
+                                                   self._address)
+        if spec.kind == "tensor":
+            from megarl.sync.transports.tensor import TensorFanout
+
+            self._fanout = TensorFanout(spec, self.stage, self.is_sender)
 
     @_exclusive
     def disconnect(self, kind: str) -> None:
@@ -111,6 +118,9 @@ class RankSync:
         self._disconnect(kind)
 
     def _disconnect(self, kind: str) -> None:
+        if kind == "tensor" and self._fanout is not None:
+            fanout, self._fanout = self._fanout, None
+            fanout.close()
         if kind == "sharded":
             link, self._sharded = self._sharded, None
             if link is not None:
@@ -133,6 +143,9 @@ class RankSync:
             self._sharded.begin(capacity, version, delta)
             self._sharded_sync = True
             return
+        if kind == "tensor" and self._fanout is None:
+            raise RuntimeError("no 'tensor' weight-sync link on this rank: connect first")
+        self._fanout_sync = kind == "tensor"
         sender = None
         if self.is_sender:
             sender = self._senders.get(kind)
@@ -183,9 +196,18 @@ class RankSync:
     def send(self) -> Any:
         """Start the transfer of the bucket ``next`` packed (after the previous one finished and
         was freed); returns the transport's payload for the driver (None off senders, and on a sender
-        whose stage has sent its last bucket while other stages still send theirs)."""
+        whose stage has sent its last bucket while other stages still send theirs). Through the ``tensor``
+        route every rank takes part and returns the payloads it made (:meth:`TensorFanout.round`)."""
         if self._sharded_sync:
             return self._sharded.send()
+        started = self._start_transfer()
+        if self._fanout_sync:
+            return self._fanout.round(started[0] if started is not None else None)
+        return None if started is None else started[1]
+
+    def _start_transfer(self) -> tuple[Bucket, Any] | None:
+        """The bucket ``next`` packed and its payload, its transfer started on the send thread; None on a rank
+        with nothing to send this round."""
         if self._sender is None or (self._ready is None and self._packer is not None and self._packer.exhausted):
             return None
         self._join()
@@ -198,7 +220,7 @@ class RankSync:
                                   name="weight-sync-send", daemon=True)
         self._inflight = (thread, bucket, errors)
         thread.start()
-        return payload
+        return bucket, payload
 
     def _join(self) -> None:
         """Wait for the bucket in transfer; WeightSyncError when it failed or an abort came meanwhile
@@ -228,6 +250,8 @@ class RankSync:
                 raise RuntimeError("weight sync finished before every bucket was sent")
             if self._sender is not None:
                 self._sender.release(self._spare)
+            if self._fanout_sync:
+                self._fanout.finish()
             stats = self._stats
             if stats is not None:
                 stats.tensors = self._packer.stats.tensors
@@ -278,10 +302,11 @@ class RankSync:
         finally:
             self._sharded_sync = False
             self._reset()
-            for kind in [*self._senders, "sharded"]:
+            for kind in [*self._senders, "sharded", "tensor"]:
                 self._disconnect(kind)
 
     def _reset(self) -> None:
+        self._fanout_sync = False
         self._packer = None
         self._ready = None
         self._inflight = None

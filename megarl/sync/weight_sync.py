@@ -224,14 +224,14 @@ class WeightSync:
         involves no engine (a transfer waits for the engines' receive): a sync runs it while they pause."""
         side.before_sync(version)
         await self.trainer.weight_sync_begin(side.name, version, self.settings.bucket_bytes, delta)
-        return await self._send(await self._next())
+        return await self._send(side, await self._next())
 
-    async def _send(self, ready: list[tuple[int, BucketIndex]]) -> list[tuple[BucketIndex, Any]]:
+    async def _send(self, side: EngineSide, ready: list[tuple[int, BucketIndex]]) -> list[tuple[BucketIndex, Any]]:
         """Start the transfer of the buckets ``ready`` (:meth:`_next`); (index, payload) of each, in order."""
         if not ready:
             return []
         sent = await self.trainer.weight_sync_send()
-        return [(index, sent[rank]) for rank, index in ready]
+        return [(index, side.payload(rank, index, sent)) for rank, index in ready]
 
     async def _stream(self, side: EngineSide, engines: list, batch: list[tuple[BucketIndex, Any]],
                       touched: set[int], finish: Finish | None):
@@ -255,7 +255,7 @@ class WeightSync:
                 load_s += await loading
             indices += [index for index, _ in batch]
             payloads += [payload for _, payload in batch]
-            batch = await self._send(upcoming)
+            batch = await self._send(side, upcoming)
         stats = [s for s in await self.trainer.weight_sync_finish() if s is not None]
         if not finished:
             raise RuntimeError("the trainer sent no last bucket: the engines' weight version was not set")

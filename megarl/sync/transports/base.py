@@ -2,16 +2,17 @@
 
 - :class:`Sender` lives on a trainer rank that sends (one per pipeline stage). For every bucket
   it gets ``prepare`` (quick, on the calling thread: returns the JSON-able payload the driver
-  forwards to the engines, e.g. a shared-memory handle or a file name) and then ``transfer``
+  forwards to the engines, e.g. a file name; the ``tensor`` route's ranks make theirs) and then ``transfer``
   (the bulk move, on the rank's send thread, overlapping the gather of the next bucket).
   ``allocate`` gives bucket buffers: one kept from the last sync, else the transport's ``new_buffer``
   (device, shared memory).
-- :class:`EngineSide` lives in the driver: it joins the engines to the link (``connect``), makes
-  each engine load each bucket (``load``, concurrent with the sender's ``transfer``) and finishes
-  a sync (``commit``). The sync's last weight-load call to each engine also carries a
-  :class:`Finish` (the new weight version, and the cache flush): the last bucket's ``load`` when
-  engines load per bucket, else ``commit``. The protocol around it (pause, begin/end weight
-  update, failures) is :class:`megarl.sync.weight_sync.WeightSync`'s, not the transport's.
+- :class:`EngineSide` lives in the driver: it joins the engines to the link (``connect``), takes each
+  bucket's payload from what the ranks returned (``payload``), makes each engine load each bucket
+  (``load``, concurrent with the sender's ``transfer``) and finishes a sync (``commit``). The sync's
+  last weight-load call to each engine also carries a :class:`Finish` (the new weight version, and the
+  cache flush): the last bucket's ``load`` when engines load per bucket, else ``commit``. The protocol
+  around it (pause, begin/end weight update, failures) is :class:`megarl.sync.weight_sync.WeightSync`'s,
+  not the transport's.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class SenderSpec:
     per pipeline stage, named ``{group_prefix}-pp{stage}`` with ``timeout_s`` marked for the
     engines, :func:`megarl.engines.update_group.timed_name`; the sender is rank 0 and the engines'
     ranks follow; ``timeout_s`` bounds the group's formation and each broadcast). engine_tp: ranks
-    per engine (payload copies for ``tensor``). work_dir: where ``disk`` writes checkpoints.
+    per engine. engines: the colocated engines ``tensor`` feeds (each rank from the trainer rank on its
+    device, :func:`megarl.sync.transports.tensor.tensor_feeds`). work_dir: where ``disk`` writes checkpoints.
     engine_layout/rendezvous/trainer_ranks: the ``sharded`` link (one group of every trainer rank and
     every engine rank, meeting at trainer rank 0's ``host:port``; each engine's weights split over its
     ranks as ``engine_layout`` says, read from the engines at connect).
@@ -44,6 +46,7 @@ class SenderSpec:
     engine_ranks: int = 0
     timeout_s: float = 600.0
     engine_tp: int = 1
+    engines: int = 0
     work_dir: str = ""
     engine_layout: EngineLayout | None = None
     rendezvous: str = ""
@@ -156,6 +159,11 @@ class EngineSide(abc.ABC):
 
     def before_sync(self, version: int) -> None:
         """Called in the driver before the senders begin a sync to ``version``."""
+
+    def payload(self, rank: int, index: BucketIndex, sent: list) -> Any:
+        """The payload of bucket ``index``, sent by trainer rank ``rank``, from every rank's ``weight_sync_send``
+        result (``sent``, by rank): by default that rank's own."""
+        return sent[rank]
 
     @abc.abstractmethod
     async def load(self, engines: list, index: BucketIndex, payload: Any, finish: Finish | None = None) -> None:
