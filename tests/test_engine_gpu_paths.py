@@ -111,30 +111,23 @@ def test_float32_engines_on_cuda_are_refused_at_load(tmp_path, monkeypatch, caps
 # --- CUDA IPC payloads and where they can be opened -------------------------------------------------
 
 @pytest.mark.unit
-def test_each_engine_rank_gets_its_own_serialisation_of_the_bucket(monkeypatch):
+def test_a_bucket_payload_rebuilds_its_tensors():
+    """What a feeding rank serialises for its engine rank (megarl/sync/transports/tensor.py; one serialisation
+    per engine rank: tests/test_tensor_route.py) is SGLang's flattened bucket of the buffer's tensors."""
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 
     from megarl.sync.buckets import pack
-    from megarl.sync.transports.base import SenderSpec
-    from megarl.sync.transports.tensor import TensorSender
+    from megarl.sync.transports.tensor import new_buffer, serialise
 
-    sender = TensorSender(SenderSpec(kind="tensor", engine_tp=3), platform=Platform.cpu())
     named = [("a.weight", torch.randn(4, 3)), ("b.bias", torch.arange(5, dtype=torch.float32))]
-    bucket = pack(named, allocate=sender.new_buffer)
-    serialised = []
-    serialize = MultiprocessingSerializer.serialize
-    monkeypatch.setattr(MultiprocessingSerializer, "serialize",
-                        staticmethod(lambda obj, **kw: serialised.append(obj) or serialize(obj, **kw)))
-    payloads = sender.prepare(bucket)
-    assert len(payloads) == 3 and len(serialised) == 3  # one serialisation (one IPC reference) per rank
-    for payload in payloads:
-        data = MultiprocessingSerializer.deserialize(payload)
-        rebuilt = dict(FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
-                                             metadata=data["metadata"]).reconstruct_tensors())
-        assert rebuilt.keys() == dict(named).keys()
-        for name, tensor in named:
-            assert torch.equal(rebuilt[name], tensor)
+    bucket = pack(named, allocate=lambda n: new_buffer(n + 16, cuda=False))  # a buffer larger than the bucket
+    data = MultiprocessingSerializer.deserialize(serialise(bucket.buffer, bucket.index))
+    rebuilt = dict(FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
+                                         metadata=data["metadata"]).reconstruct_tensors())
+    assert rebuilt.keys() == dict(named).keys()
+    for name, tensor in named:
+        assert torch.equal(rebuilt[name], tensor)
 
 
 @pytest.mark.unit

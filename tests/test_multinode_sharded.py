@@ -1,6 +1,6 @@
 """Sharded resharding across fake nodes (megarl/rehearsal/fake_nodes.py): a TP2xEP2 trainer of four ranks on
-nodes 0 and 1 (two each) syncs into one TP2+EP2 SGLang engine on node 2 through ``sync.transport=sharded`` (gloo over the
-bridge: every trainer rank sends its own slices straight to the engine rank that loads them).
+nodes 0 and 1 (two each) syncs into one TP2+EP2 SGLang engine on node 2 through ``sync.transport=sharded``
+(gloo over the bridge: every trainer rank sends its own slices straight to the engine rank that loads them).
 
 The trainer starts from the tiny checkpoint with its head sharpened, the engine from the plain one, so the
 engine's log-probs differ until the sync. After it the engine's greedy tokens, routed experts and
