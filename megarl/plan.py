@@ -149,7 +149,9 @@ def render_placement(placement: PlacementPlan, console: Console) -> None:
                       span(seg.engine_ranks))
     console.print(nodes)
 
-    groups = Table(title="weight-sync groups (one per pipeline stage)")
+    groups = Table(title="weight-sync groups (one per pipeline stage)" if placement.placement != "colocated" else
+                   "weight-sync routes (one per pipeline stage): the sender broadcasts each bucket to the trainer "
+                   "rank on every engine GPU, which serves it to the engine rank there (CUDA IPC)")
     for col in ("stage", "sender (node:device)", "engine ranks", "group size", "nodes"):
         groups.add_column(col, justify="right")
     engine_nodes = sorted({d.node for ranks in placement.engines for d in ranks})

@@ -592,3 +592,96 @@ def test_an_engine_spans_two_nodes_and_restarts_whole(fake_nodes, ray_cluster, t
         assert [[sorted(k) for k in t] for t in experts] == routed
     assert result["restarts"] == 1 and result["incarnation"] == 1, result
     assert [t for t, _, _ in result["after"]] == [t for t, _, _ in result["before"]]
+
+
+# --- colocated engines beside trainer ranks on two nodes ---------------------------------------------
+
+# Run in node 0 against the cluster: a PP2 trainer whose stages sit on nodes 0 and 1 (a megarl_trainer unit
+# each), two colocated engines of one rank pinned beside ranks 0 and 1 (megarl.engines.pinning), one tensor
+# sync (each stage's buckets to both engines, each engine fed from the shared memory of its own node), one
+# greedy answer per engine.
+COLOCATED = r"""
+import asyncio, dataclasses, json, sys
+import ray
+from safetensors.torch import save_file
+from megarl.config import default_config, load_config
+from megarl.engines.pinning import colocated_seats
+from megarl.engines.pool import EnginePool
+from megarl.engines.server import EngineSettings
+from megarl.engines.types import PauseMode, SamplingParams
+from megarl.parallel import Layout
+from megarl.sync import SyncSettings, WeightSync
+from megarl.trainer.actor import TrainerGroup
+from megarl.trainer.model_setup import ModelSettings
+from megarl.trainer.optimizer import OptimizerSettings
+trainer_model, engine_model, prompt, out_dir = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+ray.init(address="auto")
+
+async def answer(client):
+    s = await client.generate(prompt, GREEDY, return_routed_experts=False, return_sampling_mask=False)
+    return {"tokens": s.response_ids, "logprobs": [float(x) for x in s.rollout_logprobs]}
+
+async def main():
+    group = TrainerGroup(Layout(world_size=2, pp=2))
+    model = ModelSettings("local", "alltoall", routing_replay=False, recompute="none", recompute_num_layers=None,
+                          moe_aux_loss_coeff=0.0, reference=False)
+    await group.build(trainer_model, OptimizerSettings.from_config(default_config()), model)
+    places = await group.places()
+    settings = [EngineSettings(model_path=engine_model, dtype="float32", max_total_tokens=1024, device="cpu",
+                               log_path=f"{out_dir}/engine-{e}.log") for e in range(2)]
+    pool = await EnginePool.launch(settings, num_cpus=0.5, seats=[colocated_seats(places, e, 1, 1) for e in range(2)])
+    try:
+        out = {"trainer_nodes": [p.address for p in places],
+               "engine_nodes": [i.node for i in ray.get([a.info.remote() for a in pool.actors])],
+               "before": [await answer(c) for c in pool.clients]}
+        save_file(await group.export_hf_state(), out_dir + "/model.safetensors", metadata={"format": "pt"})
+        base = SyncSettings.from_config(load_config(["recipe=tiny_moe_cpu"]).sync, engine_tp=1)
+        sync = WeightSync(dataclasses.replace(base, transport="tensor", bucket_mb=0.25, timeout_s=300,
+                                              work_dir=out_dir + "/sync"), group, pool.clients)
+        await sync.setup()
+        report = await sync.update(1, PauseMode.ABORT)
+        await sync.close()
+        out.update(after=[await answer(c) for c in pool.clients], buckets=report.buckets, seconds=report.total_s)
+    finally:
+        await pool.aclose()
+        group.shutdown()
+    print("RESULT " + json.dumps(out), flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_colocated_engines_on_two_nodes_take_the_weights_from_their_own_node(fake_nodes, ray_cluster,
+                                                                              tiny_checkpoint, tmp_path):
+    """Each stage's buckets reach both engines, each from the trainer rank beside it: stage 1's sender on
+    one node and the engine on the other get them over the bridge (gloo), the engine maps its own node's
+    shared memory (a fake node's /dev/shm is its own: a handle of the other node's would not open). Both
+    engines then answer as HF built from the trainer's export."""
+    import torch
+    from hf_oracle import load_hf, sharpened_checkpoint
+    from transformers import AutoTokenizer
+
+    (tmp_path / "sharp").mkdir()
+    trainer_model = str(sharpened_checkpoint(tiny_checkpoint, tmp_path / "sharp", 5.0))
+    prompt = AutoTokenizer.from_pretrained(tiny_checkpoint).encode("3+4=")
+    started = time.monotonic()
+    argv = [PYTHON, "-c", COLOCATED, trainer_model, tiny_checkpoint, json.dumps(prompt), str(tmp_path)]
+    driver = fake_nodes[0].run(argv, env=node_env(RAY_ADDRESS=ray_cluster["address"]), cwd=ROOT, capture_output=True,
+                               text=True, timeout=900)
+    print(f"\n[measured] PP2 trainer on two nodes, two colocated engines, one tensor sync: "
+          f"{time.monotonic() - started:.0f} s")
+    assert driver.returncode == 0, (driver.stdout + driver.stderr)[-8000:]
+    result = json.loads(next(line for line in driver.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert sorted(result["trainer_nodes"]) == [fake_nodes[0].address, fake_nodes[1].address]
+    assert result["engine_nodes"] == result["trainer_nodes"]  # each engine beside the rank whose device it shares
+    shutil.copy(f"{trainer_model}/config.json", tmp_path / "config.json")
+    hf = load_hf(str(tmp_path))  # the trainer's gathered export
+    for before, after in zip(result["before"], result["after"]):
+        ids = torch.tensor(prompt + after["tokens"])
+        with torch.no_grad():
+            log_probs = torch.log_softmax(hf(ids[None, :-1]).logits[0].float(), dim=-1)[len(prompt) - 1:]
+        assert after["tokens"] == log_probs.argmax(-1).tolist()
+        assert max(abs(a - b) for a, b in zip(before["logprobs"], after["logprobs"])) > 1e-3  # the sync moved them
+        expected = log_probs.gather(1, ids[len(prompt):, None]).squeeze(1).tolist()
+        assert max(abs(a - b) for a, b in zip(after["logprobs"], expected)) < 2e-6

@@ -41,7 +41,9 @@ def test_every_path_is_projected_from_its_inputs():
     rank_bytes = engine_rank_params(plan.arch, cfg.rollout.engine_tp) * 2
     by_hand = {"broadcast": nbytes * 8 / (gbps * 1e9),
                "delta": nbytes * wire * 8 / (gbps * 1e9) + nbytes / cfg.parallel.pp * 8 / (H2D_GBPS * 1e9),
-               "colocated_ipc": nbytes / cfg.rollout.engine_tp * 8 / (IPC_COPY_GBPS * 1e9),
+               # every engine GPU's trainer rank receives the model (the stage senders' broadcast), then each
+               # engine rank copies its share from its own GPU
+               "colocated_ipc": nbytes * 8 / (gbps * 1e9) + nbytes / cfg.rollout.engine_tp * 8 / (IPC_COPY_GBPS * 1e9),
                "sharded_p2p": rank_bytes * 8 / (gbps * 1e9),
                "delta_sharded": rank_bytes * wire * 8 / (gbps * 1e9)
                + trainer_rank_params(plan.arch, cfg.parallel) * 2 * 8 / (H2D_GBPS * 1e9)}

@@ -14,8 +14,11 @@ projected the same way, at ``sync.link_gbps``. ``lora.sync=merged`` moves the fu
 Each way a sync can go is projected beside it (:class:`SyncPath`, transfer time only, with the
 inputs of its formula): ``broadcast`` (the above), ``delta`` (``sync.delta``: the changed elements
 alone at a change fraction, :func:`delta_wire_fraction`, after each stage's sender compares its stage
-with the host copy it kept, read to the GPU at ``h2d_gbps``), ``colocated_ipc`` (the engines map the
-trainer's buckets through CUDA IPC and each engine GPU copies its share at device-copy speed) and
+with the host copy it kept, read to the GPU at ``h2d_gbps``), ``colocated_ipc`` (megarl's ``tensor`` route:
+each stage's sender broadcasts its buckets to the trainer rank on every engine GPU, so every such GPU
+receives the whole model once, pipelined over ``link_gbps`` (NVLink within a node, the nodes' network
+across them); each engine rank then maps its own GPU's copy through CUDA IPC and copies its share at
+device-copy speed) and
 ``sharded_p2p`` (``sync.transport=sharded``: each engine GPU receives only the slices it loads,
 :func:`engine_rank_params`, from the trainer ranks holding them, every engine GPU over its own link at
 once) and ``delta_sharded`` (both: each engine GPU receives the changed elements of its slices, after each
@@ -166,9 +169,10 @@ def sync_paths(nbytes: int, element_size: int, cfg: DictConfig, rank_bytes: int,
                           "bytes * wire_fraction * 8 / link_gbps + bytes / pp * 8 / h2d_gbps",
                           {"bytes": nbytes, "change_fraction": DELTA_CHANGE_FRACTION, "wire_fraction": wire,
                            "link_gbps": gbps, "pp": stages, "h2d_gbps": H2D_GBPS}),
-        "colocated_ipc": SyncPath(nbytes, nbytes / engine_gpus * 8 / (IPC_COPY_GBPS * 1e9),
-                                  "bytes / engine_gpus * 8 / ipc_copy_gbps",
-                                  {"bytes": nbytes, "engine_gpus": engine_gpus, "ipc_copy_gbps": IPC_COPY_GBPS}),
+        "colocated_ipc": SyncPath(nbytes, (nbytes * 8 / gbps + nbytes / engine_gpus * 8 / IPC_COPY_GBPS) / 1e9,
+                                  "bytes * 8 / link_gbps + bytes / engine_gpus * 8 / ipc_copy_gbps",
+                                  {"bytes": nbytes, "link_gbps": gbps, "engine_gpus": engine_gpus,
+                                   "ipc_copy_gbps": IPC_COPY_GBPS}),
         "sharded_p2p": sharded_path(rank_bytes, nbytes, engine_gpus, gbps),
         "delta_sharded": SyncPath(
             int(rank_bytes * engine_gpus * wire),
