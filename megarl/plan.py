@@ -1,4 +1,4 @@
-"""Parallelism and memory planner: ``python -m megarl.plan recipe=NAME [overrides] [--json FILE]``.
+"""Parallelism and memory planner: ``python -m megarl.plan recipe=NAME [overrides] [--json FILE] [--rehearse]``.
 
 Prints the parameter counts, the LoRA adapters' sizes (with ``lora.enabled``), each trainer pipeline
 stage's per-GPU memory, one engine GPU's weights and KV cache (a policy engine's, and each auxiliary
@@ -7,6 +7,10 @@ the placement (the node and device of every trainer and engine rank, the teacher
 frozen roles' engines included, the weight-sync groups) as rich tables, and writes the same as JSON.
 Exit status: 0 when the layout fits, 2 with one line per broken limit on stderr when it does not or
 cannot be placed (one line naming the key), 1 for a recipe that does not load.
+
+``--rehearse`` then rehearses the recipe's placement (:mod:`megarl.rehearsal`): its real start-up on fake
+GPU nodes, scaled down, with stand-ins where the GPU work would run (needs root for the nodes' network
+namespaces); it prints what the checks found, and the exit status is 2 when they found a problem.
 """
 from __future__ import annotations
 
@@ -163,9 +167,32 @@ def render_placement(placement: PlacementPlan, console: Console) -> None:
     console.print(groups)
 
 
+def rehearse_and_report(args: list[str], console: Console) -> int:
+    """Rehearse the recipe of ``args`` (with the other overrides) and print its report; its exit status."""
+    from megarl.rehearsal.cluster import RehearsalUnavailable, rehearse
+
+    recipe = next(a for a in args if a.startswith("recipe=")).split("=", 1)[1]
+    try:
+        [report] = rehearse([recipe], [a for a in args if not a.startswith("recipe=")])
+    except RehearsalUnavailable as exc:
+        print(f"plan: {exc}", file=sys.stderr)
+        return 1
+    if "skipped" in report:
+        console.print(f"placement rehearsal: not rehearsed: {report['skipped']}")
+        return 0
+    console.print(f"placement rehearsal on {report.get('nodes', '?')} fake nodes, scaled by "
+                  f"{' '.join(report.get('overrides', []))}: " + ("every check passed" if not report["problems"] else
+                                                                  f"{len(report['problems'])} problems"))
+    for problem in report["problems"]:
+        print(f"plan: rehearsal: {problem}", file=sys.stderr)
+    return EXIT_DOES_NOT_FIT if report["problems"] else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = list(sys.argv[1:] if argv is None else argv)
+    rehearsal = "--rehearse" in args
+    args = [a for a in args if a != "--rehearse"]
     json_path = None
     if "--json" in args:
         i = args.index("--json")
@@ -183,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"plan: {exc}", file=sys.stderr)
         return 1
-    render(plan, Console(width=None if sys.stdout.isatty() else 130))
+    console = Console(width=None if sys.stdout.isatty() else 130)
+    render(plan, console)
     if plan.sync.payload != "adapter" and plan.sync.largest_tensor_bytes > cfg.sync.bucket_mb * 2**20:
         log.warning("the largest tensor (%.0f MB) exceeds sync.bucket_mb=%d and travels in a bucket of its own",
                     plan.sync.largest_tensor_bytes / 2**20, cfg.sync.bucket_mb)
@@ -195,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         json_path.write_text(json.dumps(dict(plan.to_dict(), fits=not broken, broken_limits=broken), indent=2))
     for line in broken:
         print(f"plan: does not fit: {line}", file=sys.stderr)
-    return EXIT_DOES_NOT_FIT if broken else 0
+    if broken:
+        return EXIT_DOES_NOT_FIT
+    return rehearse_and_report(args, console) if rehearsal else 0
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from types import SimpleNamespace
 
@@ -143,25 +144,49 @@ def test_tensor_transport_into_disaggregated_engines_is_refused_on_cuda_only():
 
 @pytest.mark.unit
 def test_colocated_engines_each_take_their_own_gpus_of_the_trainers(tiny_checkpoint):
-    from megarl.planner.placement import place
+    """4 x TP2 engines beside 8 trainer ranks on one node, whose GPUs Ray handed out in another order than the
+    ranks': each engine's server sees its trainer ranks' GPUs alone, in rank order (CUDA_VISIBLE_DEVICES),
+    from --base-gpu-id 0, with its memory saver; the CPU engine gets neither."""
+    from megarl.engines.pinning import colocated_seats
+    from megarl.parallel.places import Place
 
     cfg = load_config(["recipe=qwen3_30b_a3b"])
     settings = policy_settings(cfg, tiny_checkpoint, HOPPER)
-    plan = place(RunTopology.from_config(cfg))
+    ray_gpus = ["3", "0", "6", "1", "7", "2", "4", "5"]  # trainer rank i holds GPU ray_gpus[i]
+    places = [Place("node-a", "10.0.0.1", (g,)) for g in ray_gpus]
     taken = []
     for e, s in enumerate(settings):
-        cmd = command_of(s)
+        [seat] = colocated_seats(places, e, s.tp, s.nnodes)
+        pinned = SGLangEngine(dataclasses.replace(s, host="127.0.0.1", port=30000, visible_gpus=seat.gpus))
+        cmd, visible = pinned.command(), pinned.environment()["CUDA_VISIBLE_DEVICES"].split(",")
         base = int(flag(cmd, "--base-gpu-id"))
-        gpus = [base + k for k in range(int(flag(cmd, "--tp-size")))]
-        # the planner's devices of this engine are those of the trainer ranks e * tp .. on the same node
-        assert [(0, g) for g in gpus] == [(d.node, d.device) for d in plan.engines[e]]
-        assert [(0, g) for g in gpus] == [(d.node, d.device) for d in plan.trainer[e * s.tp:(e + 1) * s.tp]]
+        under = [visible[base + k] for k in range(int(flag(cmd, "--tp-size")))]  # SGLang: base + tp_rank
+        assert under == ray_gpus[e * s.tp:(e + 1) * s.tp] and seat.node_id == "node-a"
         assert "--enable-memory-saver" in cmd
-        taken += gpus
-    assert taken == list(range(8))  # 4 x TP2 on the node's 8 GPUs, none shared
+        taken += under
+    assert sorted(taken) == sorted(ray_gpus)  # 4 x TP2 on the node's 8 GPUs, none shared
     cpu = policy_settings(tiny("placement=colocated", "sync.transport=tensor"), tiny_checkpoint, Platform.cpu())
     assert (cpu[0].base_gpu_id, cpu[0].memory_saver) == (None, False)  # on the CPU: host memory, nothing to release
     assert "--base-gpu-id" not in command_of(cpu[0]) and "--enable-memory-saver" not in command_of(cpu[0])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("inherited", [None, "1"])
+def test_trainer_ranks_and_engines_set_nccl_alike(tiny_checkpoint, monkeypatch, inherited):
+    """NCCL_CUMEM_ENABLE: a trainer rank (what init_rank sets before its first communicator) and an engine
+    server started from the same environment get the same value: 0, SGLang's own default, unless the
+    environment sets one, which both keep."""
+    from megarl.parallel.nccl import pin_nccl_environment
+
+    if inherited is None:
+        monkeypatch.delenv("NCCL_CUMEM_ENABLE", raising=False)
+    else:
+        monkeypatch.setenv("NCCL_CUMEM_ENABLE", inherited)
+    rank_env = dict(os.environ)
+    pin_nccl_environment(rank_env)
+    settings = EngineSettings(model_path=tiny_checkpoint, device="cuda", host="127.0.0.1", port=30000)
+    engine_env = SGLangEngine(settings).environment()
+    assert rank_env["NCCL_CUMEM_ENABLE"] == engine_env["NCCL_CUMEM_ENABLE"] == (inherited or "0")
 
 
 @pytest.mark.unit

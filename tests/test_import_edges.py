@@ -33,7 +33,7 @@ LAYERS: dict[str, int] = {
     "trainer": 7,
     "planner": 8,
     "pipeline": 9,
-    "train": 10, "plan": 10,
+    "train": 10, "plan": 10, "rehearsal": 10,
 }
 
 

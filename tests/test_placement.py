@@ -219,3 +219,126 @@ def test_auxiliary_engines_are_served_on_ranks_of_their_own(tmp_path):
     default = RunTopology.from_config(load_config(TWO_NODES + DISAGGREGATED + AUXILIARY)).auxiliary
     assert [(a.name, a.devices, a.ep) for a in default] == [("teacher", 2, 1), ("judge", 1, 1),
                                                              ("role-verifier", 2, 1)]
+
+
+# --- colocated engines pinned beside their trainer ranks, trainer ranks filling whole nodes -----------
+
+def _places(nodes: list[str], gpus: list[str]):
+    from megarl.parallel.places import Place
+
+    return [Place(f"id-{node}", node, (gpu,)) for node, gpu in zip(nodes, gpus)]
+
+
+def test_each_engine_node_is_seated_beside_its_trainer_ranks():
+    """An engine of 4 ranks over 2 nodes of 2 GPUs: node k's server on the node of trainer ranks 4e + 2k..,
+    with their GPUs in rank order; an engine of 2 ranks on one node likewise."""
+    from megarl.engines.pinning import colocated_seats
+
+    places = _places(["a", "a", "b", "b", "c", "c", "d", "d"], ["1", "0", "0", "1", "1", "0", "0", "1"])
+    seats = [colocated_seats(places, e, 4, 2) for e in range(2)]
+    assert [[(s.address, s.gpus) for s in engine] for engine in seats] == [
+        [("a", ("1", "0")), ("b", ("0", "1"))], [("c", ("1", "0")), ("d", ("0", "1"))]]
+    assert [s.node_id for s in seats[1]] == ["id-c", "id-d"]
+    assert [(s.address, s.gpus) for s in colocated_seats(places, 3, 2, 1)] == [("d", ("0", "1"))]
+    cpu = [p.__class__(p.node_id, p.address) for p in places]  # CPU ranks: the node alone
+    assert [(s.address, s.gpus) for s in colocated_seats(cpu, 1, 2, 1)] == [("b", ())]
+
+
+def test_an_engine_whose_trainer_ranks_are_split_or_crowded_is_refused():
+    from megarl.engines.pinning import colocated_seats
+
+    split = _places(["a", "b", "b", "b"], ["0", "0", "1", "2"])
+    with pytest.raises(ValueError, match=r"engine 0's node 0 shares the devices of trainer ranks 0-1, which Ray "
+                                         r"placed on several nodes \(rank 0 on a, rank 1 on b\)"):
+        colocated_seats(split, 0, 2, 1)
+    one_node = _places(["a"] * 4, ["0", "1", "2", "3"])
+    with pytest.raises(ValueError, match=r"engine 0 spans 2 nodes, but the trainer ranks it shares sit on \['a'\]"):
+        colocated_seats(one_node, 0, 4, 2)
+    shared = _places(["a", "a"], ["0", "0"])
+    with pytest.raises(ValueError, match=r"hold GPUs \['0', '0'\] on a, not one each"):
+        colocated_seats(shared, 0, 2, 1)
+    with pytest.raises(ValueError, match="the trainer has 4"):
+        colocated_seats(one_node, 1, 4, 1)
+
+
+def test_trainer_ranks_fill_whole_gpu_nodes_in_rank_order():
+    """On GPUs one bundle a node (the last one smaller), on distinct nodes, rank r in bundle r // gpus_per_node;
+    on CPUs a bundle a rank, packed."""
+    from megarl.trainer.actor import RankDevices
+
+    bundles, strategy, bundle_of = RankDevices(True, 4).bundles(10, {"megarl_trainer": 1.0})
+    assert bundles == [{"GPU": 4, "CPU": 4, "megarl_trainer": 4.0}] * 2 + [{"GPU": 2, "CPU": 2, "megarl_trainer": 2.0}]
+    assert strategy == "STRICT_SPREAD" and bundle_of == [0] * 4 + [1] * 4 + [2] * 2
+    assert RankDevices(True, 8).bundles(2, {}) == ([{"GPU": 2, "CPU": 2}], "PACK", [0, 0])
+    assert RankDevices(False, 8).bundles(3, {}) == ([{"CPU": 1}] * 3, "PACK", [0, 1, 2])
+
+
+def test_gpu_nodes_of_another_size_than_the_config_are_refused(monkeypatch):
+    import ray
+
+    from megarl.trainer.actor import check_gpu_nodes
+
+    nodes = [{"Alive": True, "NodeManagerAddress": "head", "Resources": {"CPU": 8.0}},
+             {"Alive": True, "NodeManagerAddress": "n1", "Resources": {"GPU": 4.0}},
+             {"Alive": False, "NodeManagerAddress": "gone", "Resources": {"GPU": 2.0}}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    check_gpu_nodes(4)  # the CPU head and a dead node do not count
+    with pytest.raises(RuntimeError, match=r"cluster.gpus_per_node=8, but Ray's nodes offer \{'n1': 4\} GPUs"):
+        check_gpu_nodes(8)
+
+
+def test_pinned_followers_run_on_their_seats_node_with_its_gpus():
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from megarl.engines.actor import follower_options
+    from megarl.parallel.places import Place
+
+    n0, n1 = "ab" * 28, "cd" * 28  # Ray's node ids: 28 bytes in hex
+    options, gpus = follower_options([Place(n0, "a", ("0", "1")), Place(n1, "b", ("1", "0"))], 1)
+    strategy = options["scheduling_strategy"]
+    assert isinstance(strategy, NodeAffinitySchedulingStrategy) and (strategy.node_id, strategy.soft) == (n1, False)
+    assert gpus == ("1", "0") and "num_gpus" not in options  # the trainer ranks beside it hold the GPUs
+
+
+# --- the job's allocation and the run's paths ---------------------------------------------------------
+
+def test_a_job_of_other_nodes_than_the_config_is_refused():
+    from megarl.config import ConfigError
+    from megarl.config.platform_rules import refuse_beyond_allocation
+    from megarl.platform.description import Platform
+
+    cfg = load_config(TWO_NODES)  # 2 nodes of 4 GPUs
+    hopper = Platform.cuda()
+    refuse_beyond_allocation(cfg, hopper, {"MEGARL_GPUS_PER_NODE": "4", "MEGARL_NUM_NODES": "2"})
+    refuse_beyond_allocation(cfg, hopper, {})  # outside SLURM: nothing to compare with
+    refuse_beyond_allocation(cfg, Platform.cpu(), {"MEGARL_GPUS_PER_NODE": "8"})  # a CPU run places no GPU
+    with pytest.raises(ConfigError, match=r"^cluster.gpus_per_node: is 4, but this job's nodes have 8 GPUs each "
+                                          r"\(MEGARL_GPUS_PER_NODE\): set cluster.gpus_per_node=8$"):
+        refuse_beyond_allocation(cfg, hopper, {"MEGARL_GPUS_PER_NODE": "8"})
+    with pytest.raises(ConfigError, match=r"^cluster.num_nodes: the layout needs 2 nodes of 4 GPUs, this job has 1"):
+        refuse_beyond_allocation(cfg, hopper, {"MEGARL_NUM_NODES": "1"})
+
+
+def test_the_driver_refuses_a_layout_beyond_the_job_before_starting_anything(tmp_path, capsys, monkeypatch):
+    import time
+
+    from megarl.train import main as train
+
+    monkeypatch.setenv("MEGARL_NUM_NODES", "1")
+    t0 = time.monotonic()
+    assert train(["recipe=tiny_moe_cpu", "parallel.world_size=16", f"logging.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert time.monotonic() - t0 < 10 and not (tmp_path / "run").exists()
+    assert err.startswith("megarl: config error: cluster.num_nodes: the layout needs 3 nodes of 8 GPUs"), err
+
+
+def test_every_run_path_is_absolute_once_loaded(tmp_path, monkeypatch):
+    """Trainer ranks and engines start in their Ray node's working directory: a relative path is made absolute
+    where the config is loaded."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(["recipe=tiny_moe_cpu", "logging.run_dir=runs/x", "model.hf_path=ckpt",
+                       "task.path=data.jsonl", "teacher.hf_path=/abs/teacher"])
+    assert cfg.logging.run_dir == str(tmp_path / "runs/x") and cfg.sync.work_dir == str(tmp_path / "runs/x/weight_sync")
+    assert cfg.model.hf_path == str(tmp_path / "ckpt") and cfg.task.path == str(tmp_path / "data.jsonl")
+    assert cfg.warmup.save_hf_path == str(tmp_path / "checkpoints/tiny_moe_sft")
+    assert cfg.teacher.hf_path == "/abs/teacher" and cfg.reward.judge.hf_path is None

@@ -6,6 +6,7 @@ assembles one list per engine, by rank."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -24,6 +25,8 @@ def stage_tensors(stage: int) -> list[tuple[str, torch.Tensor]]:
 def fanout_round(rank, layout, engines, engine_tp):
     """One round of the route on this rank; then every payload of every rank opened here (another process
     than the one that made it, as an engine rank does); this rank's payloads and what it opened."""
+    import os
+
     import torch.distributed as dist
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
@@ -49,7 +52,8 @@ def fanout_round(rank, layout, engines, engine_tp):
             opened.append((owner, held_stage, engine, engine_rank, {k: v.tolist() for k, v in tensors}))
     dist.barrier()  # no rank frees its buffers before every rank opened them
     fanout.close()
-    return {"mine": mine, "opened": opened, "sender": sender, "stage": stage}
+    return {"mine": mine, "opened": opened, "sender": sender, "stage": stage,
+            "nccl_cumem": os.environ.get("NCCL_CUMEM_ENABLE")}  # as init_rank set it
 
 
 @pytest.mark.unit
@@ -64,6 +68,7 @@ def test_two_stages_reach_every_feeding_rank_of_an_engine():
     stage 0's to rank 1; each rank serialises each stage's bucket once, for its engine rank alone."""
     results = run_ranks(fanout_round, Layout(world_size=2, pp=2), 1, 2)
     assert [(r["stage"], r["sender"]) for r in results] == [(0, True), (1, True)]
+    assert {r["nccl_cumem"] for r in results} == {os.environ.get("NCCL_CUMEM_ENABLE", "0")}  # the engines' value
     for rank, result in enumerate(results):
         assert sorted(result["mine"]) == [0, 1]
         assert {(e, er) for e, er, _ in result["mine"].values()} == {(0, rank)}

@@ -4,11 +4,15 @@ weight sync on a :class:`~megarl.platform.description.Platform`, and the setting
 CPU paths cannot honour. The planner does not run these (it plans for other machines)."""
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 from omegaconf import DictConfig
 
 from megarl.config.errors import ConfigError, fail, one_line
 from megarl.config.inputs import check_inputs
 from megarl.config.schema import Placement, TransformerImpl
+from megarl.config.topology import RunTopology
 from megarl.engines.launch_plan import dtype_refusal, ipc_transport_refusal, memory_saver_refusal
 from megarl.models.layers import choose_layers
 from megarl.models.lora import LoraConfig
@@ -54,6 +58,21 @@ def refuse_on_platform(cfg: DictConfig, platform: Platform) -> None:
         fail("sync.transport", f"tensor with placement={placement}: {why}")
 
 
+def refuse_beyond_allocation(cfg: DictConfig, platform: Platform, environ: Mapping[str, str] | None = None) -> None:
+    """The job's allocation as ``slurm/megarl.sbatch`` exports it (``environ``, default this process's):
+    on CUDA, nodes of ``MEGARL_GPUS_PER_NODE`` GPUs must be ``cluster.gpus_per_node`` (every placement
+    counts devices by it), and the layout must fit ``MEGARL_NUM_NODES`` nodes."""
+    environ = os.environ if environ is None else environ
+    gpus, nodes = environ.get("MEGARL_GPUS_PER_NODE"), environ.get("MEGARL_NUM_NODES")
+    if platform.is_cuda and gpus and int(gpus) and int(gpus) != cfg.cluster.gpus_per_node:
+        fail("cluster.gpus_per_node", f"is {cfg.cluster.gpus_per_node}, but this job's nodes have {gpus} GPUs each "
+             f"(MEGARL_GPUS_PER_NODE): set cluster.gpus_per_node={gpus}")
+    needed = RunTopology.from_config(cfg).nodes
+    if nodes and needed > int(nodes):
+        fail("cluster.num_nodes", f"the layout needs {needed} nodes of {cfg.cluster.gpus_per_node} GPUs, this job has "
+             f"{nodes} (MEGARL_NUM_NODES): submit it with slurm/submit.sh, which asks the planner")
+
+
 def refuse_what_is_not_built(cfg: DictConfig, platform: Platform | None = None) -> None:
     """``megarl.train``'s checks before it starts anything: the run's inputs (:func:`check_inputs`),
     what ``platform`` (default: this machine's) cannot run (:func:`refuse_on_platform`), then settings
@@ -61,6 +80,7 @@ def refuse_what_is_not_built(cfg: DictConfig, platform: Platform | None = None) 
     accepts them: big-model recipes plan with them)."""
     check_inputs(cfg)
     platform = detect() if platform is None else platform
+    refuse_beyond_allocation(cfg, platform)
     chosen_layers(cfg, platform)
     if cfg.mode != "warmup":
         refuse_on_platform(cfg, platform)

@@ -49,11 +49,10 @@ from megarl.pipeline.node_watch import cancel_on_loss, confirmed_loss, loss_of, 
 from megarl.pipeline.producer import RolloutProducer
 from megarl.pipeline.signals import StopRequest
 from megarl.pipeline.startup.engines import ENGINE_CPUS, EnginePlan
-from megarl.pipeline.startup.placement import place_run
+from megarl.pipeline.startup.placement import place_run, work_platform
 from megarl.pipeline.startup.rollout import start_rollout
 from megarl.pipeline.startup.sync import start_sync
 from megarl.pipeline.startup.trainer import checkpoint_dir
-from megarl.platform.description import detect
 from megarl.rollout.teacher import TeacherScorer
 from megarl.sample import RolloutSample
 from megarl.sync import AdapterSync, WeightSync, WeightSyncError
@@ -368,7 +367,7 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     launch while the ranks build and resume (colocated engines once they are built), then the weight
     sync and the rollout; the producer starts last. What they hold goes into ``stack`` (closed by
     :func:`open_pipeline`)."""
-    platform = detect()
+    platform = await work_platform(cfg)
     api_key = secrets.token_urlsafe(32)  # this run's engines answer only megarl's clients (never logged)
     placed = await place_run(cfg, start_checkpoint, layout, stack, platform, api_key)
     trainer, plan, pools, resumed = placed.trainer, placed.plan, placed.pools, placed.resumed

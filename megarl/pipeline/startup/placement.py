@@ -20,7 +20,7 @@ from megarl.engines.server import SERVER_MODULE
 from megarl.parallel import Layout
 from megarl.pipeline.startup.engines import EnginePlan, engines_ready, launch_engines, plan_engines
 from megarl.pipeline.startup.trainer import Resumed, build_and_resume, start_trainer
-from megarl.platform.description import Platform
+from megarl.platform.description import Platform, detect
 from megarl.trainer.actor import TrainerGroup
 
 log = logging.getLogger(__name__)
@@ -44,6 +44,25 @@ class Placed:
     plan: EnginePlan
     pools: dict[str, EnginePool]
     resumed: Resumed
+
+
+async def work_platform(cfg: DictConfig) -> Platform:
+    """The platform the run's trainer ranks and engines will run on: this process's, unless the Ray cluster
+    has GPUs this process does not see (a driver on a CPU-only head or login node), in which case a task on a
+    GPU node detects it, and the run's engines are checked against it
+    (:func:`megarl.config.platform_rules.refuse_on_platform`, ConfigError naming the key)."""
+    import ray
+
+    from megarl.config.platform_rules import refuse_on_platform
+
+    here = detect()
+    if here.is_cuda or not ray.cluster_resources().get("GPU"):
+        return here
+    there = await ray.remote(num_cpus=0, num_gpus=1)(detect).remote()
+    log.warning("this driver sees no GPU; the cluster's GPU nodes are %s (capability %s): the run is placed for them",
+                there.device, there.capability)
+    refuse_on_platform(cfg, there)
+    return there
 
 
 async def place_run(cfg: DictConfig, start_checkpoint: str, layout: Layout, stack: contextlib.AsyncExitStack,
