@@ -337,8 +337,8 @@ def test_every_run_path_is_absolute_once_loaded(tmp_path, monkeypatch):
     where the config is loaded."""
     monkeypatch.chdir(tmp_path)
     cfg = load_config(["recipe=tiny_moe_cpu", "logging.run_dir=runs/x", "model.hf_path=ckpt",
-                       "task.path=data.jsonl", "teacher.hf_path=/abs/teacher"])
+                       "task.path=data.jsonl", "critic.hf_path=/abs/critic"])
     assert cfg.logging.run_dir == str(tmp_path / "runs/x") and cfg.sync.work_dir == str(tmp_path / "runs/x/weight_sync")
     assert cfg.model.hf_path == str(tmp_path / "ckpt") and cfg.task.path == str(tmp_path / "data.jsonl")
     assert cfg.warmup.save_hf_path == str(tmp_path / "checkpoints/tiny_moe_sft")
-    assert cfg.teacher.hf_path == "/abs/teacher" and cfg.reward.judge.hf_path is None
+    assert cfg.critic.hf_path == "/abs/critic" and cfg.reward.judge.hf_path is None
