@@ -62,9 +62,12 @@ class NodeNames:
 
 def engine_rank_gpu(server: dict, local_rank: int) -> str | None:
     """The GPU id a server's node-local rank ``local_rank`` uses: SGLang's ``--base-gpu-id`` + the rank, counted
-    within the server's ``CUDA_VISIBLE_DEVICES`` (None when that names no such GPU)."""
-    visible = (server.get("cuda_visible_devices") or "").split(",")
+    within the server's ``CUDA_VISIBLE_DEVICES`` (unset: every GPU of the node, by its id; None when that
+    names no such GPU)."""
     index = int(server["flags"].get("--base-gpu-id", 0)) + local_rank
+    if server.get("cuda_visible_devices") is None:
+        return str(index)
+    visible = server["cuda_visible_devices"].split(",")
     return visible[index] if visible != [""] and index < len(visible) else None
 
 
