@@ -150,7 +150,30 @@ def test_missing_recipe_is_refused(job):
     assert proc.returncode == 1 and "no recipe: pass recipe=NAME" in output
 
 
-SHELL_SCRIPTS = [SBATCH, ROOT / "slurm" / "submit.sh", FAKE / "sbatch", FAKE / "srun", FAKE / "scontrol"]
+SHELL_SCRIPTS = [SBATCH, ROOT / "slurm" / "submit.sh", FAKE / "sbatch", FAKE / "srun", FAKE / "scontrol",
+                 ROOT / "tools" / "setup_gpu_venv.sh"]
+
+
+@pytest.mark.unit
+def test_ray_start_steps_take_their_whole_node_unbound():
+    """Every srun of the batch script (the ray start steps, which run every rank and engine of their node)
+    goes with --cpu-bind=none, and with all the node's CPUs when SLURM says how many."""
+    text = SBATCH.read_text()
+    steps = [line.strip() for line in text.splitlines() if line.strip().startswith("srun ")]
+    assert len(steps) == 2 and all(step.startswith('srun "${SRUN_STEP[@]}" --nodelist=') for step in steps), steps
+    assert "SRUN_STEP=(--nodes=1 --ntasks=1 --cpu-bind=none)" in text
+    assert 'SRUN_STEP+=(--cpus-per-task="$SLURM_CPUS_ON_NODE")' in text
+
+
+@pytest.mark.unit
+def test_transformer_engine_is_built_for_the_machines_architectures():
+    """tools/setup_gpu_venv.sh builds transformer-engine's sdist for NVTE_CUDA_ARCHS (the GPUs nvidia-smi
+    reports, else Hopper and Blackwell), without its NCCL EP extension, and restamps when the archs change."""
+    text = (ROOT / "tools" / "setup_gpu_venv.sh").read_text()
+    install = text[text.index('echo "setup_gpu_venv: building'):text.index("# sglang's and megatron-bridge's")]
+    assert 'NVTE_CUDA_ARCHS="$NVTE_CUDA_ARCHS" NVTE_WITH_NCCL_EP=0' in install and "--no-build-isolation" in install
+    assert "nvidia-smi --query-gpu=compute_cap" in text and 'NVTE_CUDA_ARCHS="${NVTE_CUDA_ARCHS:-90;100}"' in text
+    assert 'echo "$NVTE_CUDA_ARCHS") \\\n  | sha256sum' in text
 
 
 @pytest.mark.processes
