@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_tiny_recipe_composes_with_overrides():
     cfg = load_config(["recipe=tiny_moe_cpu", "trainer.lr=3e-4", "parallel.world_size=2", "parallel.ep=2"])
     assert cfg.trainer.lr == 3e-4 and cfg.parallel.ep == 2
-    assert cfg.logging.run_dir == "runs/tiny_moe_cpu"  # interpolation resolved
+    assert cfg.logging.run_dir == str(Path.cwd() / "runs/tiny_moe_cpu")  # interpolation resolved, made absolute
 
 
 @pytest.mark.processes

@@ -307,7 +307,7 @@ def test_a_job_of_other_nodes_than_the_config_is_refused():
     from megarl.config.platform_rules import refuse_beyond_allocation
     from megarl.platform.description import Platform
 
-    cfg = load_config(TWO_NODES)  # 2 nodes of 4 GPUs
+    cfg = load_config(TWO_NODES + DISAGGREGATED)  # 2 nodes of 4 GPUs
     hopper = Platform.cuda()
     refuse_beyond_allocation(cfg, hopper, {"MEGARL_GPUS_PER_NODE": "4", "MEGARL_NUM_NODES": "2"})
     refuse_beyond_allocation(cfg, hopper, {})  # outside SLURM: nothing to compare with
