@@ -280,11 +280,16 @@ def test_gpu_nodes_of_another_size_than_the_config_are_refused(monkeypatch):
 
     nodes = [{"Alive": True, "NodeManagerAddress": "head", "Resources": {"CPU": 8.0}},
              {"Alive": True, "NodeManagerAddress": "n1", "Resources": {"GPU": 4.0}},
+             {"Alive": True, "NodeManagerAddress": "n2", "Resources": {"GPU": 4.0}},
              {"Alive": False, "NodeManagerAddress": "gone", "Resources": {"GPU": 2.0}}]
     monkeypatch.setattr(ray, "nodes", lambda: nodes)
-    check_gpu_nodes(4)  # the CPU head and a dead node do not count
-    with pytest.raises(RuntimeError, match=r"cluster.gpus_per_node=8, but Ray's nodes offer \{'n1': 4\} GPUs"):
-        check_gpu_nodes(8)
+    check_gpu_nodes(4, 8)  # the CPU head and a dead node do not count
+    with pytest.raises(RuntimeError, match=r"cluster.gpus_per_node=8, but Ray's nodes offer \{'n1': 4, 'n2': 4\} GPUs"):
+        check_gpu_nodes(8, 4)  # several nodes: every placement counts by it
+    del nodes[2]
+    check_gpu_nodes(8, 2)  # one node (a workstation) with room for the ranks: the default 8 does not matter
+    with pytest.raises(RuntimeError, match="cluster.gpus_per_node=8"):
+        check_gpu_nodes(8, 6)
 
 
 def test_pinned_followers_run_on_their_seats_node_with_its_gpus():

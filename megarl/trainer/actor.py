@@ -62,12 +62,14 @@ class RankDevices:
         return bundles, "STRICT_SPREAD" if len(bundles) > 1 else "PACK", [r // gpn for r in range(world_size)]
 
 
-def check_gpu_nodes(gpus_per_node: int) -> None:
-    """RuntimeError naming ``cluster.gpus_per_node`` when a node of the Ray cluster with GPUs has another
-    number of them (the trainer's and the engines' placement counts on nodes of that size)."""
+def check_gpu_nodes(gpus_per_node: int, world_size: int) -> None:
+    """RuntimeError naming ``cluster.gpus_per_node`` when the Ray cluster's GPU nodes do not have that many
+    GPUs and it matters: on several GPU nodes every placement counts devices by it; on one, it must hold
+    the ranks' first node (``min(gpus_per_node, world_size)`` GPUs)."""
     sizes = {n["NodeManagerAddress"]: int(n["Resources"].get("GPU", 0)) for n in ray.nodes() if n.get("Alive")}
-    other = {address: gpus for address, gpus in sizes.items() if gpus and gpus != gpus_per_node}
-    if other:
+    sizes = {address: gpus for address, gpus in sizes.items() if gpus}
+    other = {address: gpus for address, gpus in sizes.items() if gpus != gpus_per_node}
+    if (len(sizes) > 1 and other) or (sizes and max(sizes.values()) < min(gpus_per_node, world_size)):
         raise RuntimeError(f"cluster.gpus_per_node={gpus_per_node}, but Ray's nodes offer {other} GPUs: set "
                            "cluster.gpus_per_node to the nodes' GPU count")
 
@@ -348,7 +350,7 @@ class TrainerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if self.devices.gpus:
-            check_gpu_nodes(self.devices.gpus_per_node)
+            check_gpu_nodes(self.devices.gpus_per_node, self.layout.world_size)
         bundles, strategy, bundle_of = self.devices.bundles(self.layout.world_size, resources)
         self.placement = placement_group(bundles, strategy=strategy)
         ray.get(self.placement.ready(), timeout=self._startup_timeout_s)
