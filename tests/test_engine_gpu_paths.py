@@ -295,3 +295,31 @@ def test_engines_ray_cannot_place_fail_in_their_startup_timeout_naming_the_gpus(
     with pytest.raises(EngineStartError, match=r"need 4 GPUs \(2 x 2\) .*Ray has 0 GPUs free of 0"):
         asyncio.run(EnginePool.launch([settings, settings], num_gpus=2))  # this Ray has CPUs only
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.unit
+def test_a_driver_without_a_gpu_sets_the_run_up_for_the_clusters_gpu_nodes(monkeypatch):
+    """A driver on a CPU-only head: the platform the ranks and engines are set up for is detected by a task on a
+    GPU node, and the run is checked against it (a float32 recipe is refused for CUDA engines); on a cluster
+    without GPUs it is the driver's own."""
+    import ray
+
+    from megarl.pipeline.startup import placement
+
+    asked = []
+
+    class RemoteDetect:
+        def remote(self):
+            asked.append("detect on a GPU node")
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(HOPPER)
+            return future
+
+    monkeypatch.setattr(placement, "detect", Platform.cpu)
+    monkeypatch.setattr(ray, "remote", lambda **options: lambda fn: RemoteDetect() if options["num_gpus"] == 1 else None)
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0})
+    assert asyncio.run(placement.work_platform(tiny())) == Platform.cpu() and not asked
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0, "GPU": 16.0})
+    assert asyncio.run(placement.work_platform(tiny("model.dtype=bfloat16"))) == HOPPER and len(asked) == 1
+    with pytest.raises(ConfigError, match=r"^model.dtype: float32 on cuda"):
+        asyncio.run(placement.work_platform(tiny()))
