@@ -316,7 +316,8 @@ def test_a_driver_without_a_gpu_sets_the_run_up_for_the_clusters_gpu_nodes(monke
             return future
 
     monkeypatch.setattr(placement, "detect", Platform.cpu)
-    monkeypatch.setattr(ray, "remote", lambda **options: lambda fn: RemoteDetect() if options["num_gpus"] == 1 else None)
+    gpu_task = lambda **options: lambda fn: RemoteDetect() if options["num_gpus"] == 1 else None  # noqa: E731
+    monkeypatch.setattr(ray, "remote", gpu_task)
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0})
     assert asyncio.run(placement.work_platform(tiny())) == Platform.cpu() and not asked
     monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 64.0, "GPU": 16.0})
