@@ -23,8 +23,9 @@ def stage_tensors(stage: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def fanout_round(rank, layout, engines, engine_tp):
-    """One round of the route on this rank; then every payload of every rank opened here (another process
-    than the one that made it, as an engine rank does); this rank's payloads and what it opened."""
+    """One round of the route on this rank; then the payloads of the next rank opened here (another process
+    than the one that made it, as an engine rank does: each payload once, as it holds one reference); this
+    rank's payloads and what it opened."""
     import os
 
     import torch.distributed as dist
@@ -43,13 +44,12 @@ def fanout_round(rank, layout, engines, engine_tp):
     mine = fanout.round(bucket)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    opened = []
-    for owner, payloads in enumerate(every):
-        for held_stage, (engine, engine_rank, payload) in payloads.items():
-            data = MultiprocessingSerializer.deserialize(payload)
-            tensors = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
-                                            metadata=data["metadata"]).reconstruct_tensors()
-            opened.append((owner, held_stage, engine, engine_rank, {k: v.tolist() for k, v in tensors}))
+    opened, owner = [], (rank + 1) % len(every)
+    for held_stage, (engine, engine_rank, payload) in every[owner].items():
+        data = MultiprocessingSerializer.deserialize(payload)
+        tensors = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"],
+                                        metadata=data["metadata"]).reconstruct_tensors()
+        opened.append((owner, held_stage, engine, engine_rank, {k: v.tolist() for k, v in tensors}))
     dist.barrier()  # no rank frees its buffers before every rank opened them
     fanout.close()
     return {"mine": mine, "opened": opened, "sender": sender, "stage": stage,
@@ -73,9 +73,9 @@ def test_two_stages_reach_every_feeding_rank_of_an_engine():
         assert sorted(result["mine"]) == [0, 1]
         assert {(e, er) for e, er, _ in result["mine"].values()} == {(0, rank)}
     expected = {stage: {k: v.tolist() for k, v in stage_tensors(stage)} for stage in (0, 1)}
-    for result in results:
-        assert sorted((o, s, e, er) for o, s, e, er, _ in result["opened"]) == [
-            (0, 0, 0, 0), (0, 1, 0, 0), (1, 0, 0, 1), (1, 1, 0, 1)]
+    for rank, result in enumerate(results):  # rank r opened rank 1 - r's payloads, for its engine rank 1 - r
+        assert sorted((o, s, e, er) for o, s, e, er, _ in result["opened"]) == [(1 - rank, 0, 0, 1 - rank),
+                                                                                (1 - rank, 1, 0, 1 - rank)]
         assert all(tensors == expected[stage] for _, stage, _, _, tensors in result["opened"])
     payloads = [p for r in results for _, _, p in r["mine"].values()]
     assert len(set(payloads)) == 4  # one serialisation per (engine rank, bucket): never one opened twice
@@ -93,7 +93,10 @@ def test_a_rank_that_feeds_no_engine_rank_takes_no_part():
     results = run_ranks(fanout_round, Layout(world_size=3), 1, 2)
     assert [sorted(r["mine"]) for r in results] == [[0], [0], []]
     assert [r["mine"][0][:2] for r in results[:2]] == [(0, 0), (0, 1)]
-    assert all(len(r["opened"]) == 2 for r in results)
+    # rank 1 opened rank 2's payloads (none), rank 2 rank 0's, rank 0 rank 1's: the stage's tensors
+    assert [[o[:4] for o in r["opened"]] for r in results] == [[(1, 0, 0, 1)], [], [(0, 0, 0, 0)]]
+    expected = {k: v.tolist() for k, v in stage_tensors(0)}
+    assert results[0]["opened"][0][4] == results[2]["opened"][0][4] == expected
 
 
 @pytest.mark.unit
