@@ -38,11 +38,14 @@ class SamplingMask:
     """Vocab ids kept by top-k/top-p at each response position, as CSR.
 
     Row ``i`` (response position i) is ``ids[offsets[i]:offsets[i + 1]]``.
-    ids: int32 [nnz]; offsets: int32 [R + 1], offsets[0] == 0, non-decreasing, offsets[-1] == nnz.
+    ids: int32 [nnz]; offsets: int32 [R + 1], offsets[0] == 0, non-decreasing, offsets[-1] == nnz;
+    logprobs: float32 [nnz] or None, the engine's log-probability of each kept id under its sampling
+    distribution (renormalised over the row), when the engine was asked for them (score centering).
     """
 
     ids: np.ndarray
     offsets: np.ndarray
+    logprobs: np.ndarray | None = None
 
     def __post_init__(self):
         if self.ids.dtype != np.int32 or self.ids.ndim != 1:
@@ -56,17 +59,27 @@ class SamplingMask:
                 f"SamplingMask.offsets must start at 0, never decrease and end at nnz={self.ids.size}; "
                 f"got first={self.offsets[0]} last={self.offsets[-1]}"
             )
+        if self.logprobs is not None and (self.logprobs.dtype != np.float32 or self.logprobs.shape != self.ids.shape):
+            raise ValueError(f"SamplingMask.logprobs must be float32 [nnz={self.ids.size}], got "
+                             f"{self.logprobs.dtype} {self.logprobs.shape}")
 
     @classmethod
-    def from_rows(cls, rows: Sequence[Sequence[int]]) -> SamplingMask:
-        """CSR from one list of kept vocab ids per response position."""
+    def from_rows(cls, rows: Sequence[Sequence[int]],
+                  logprob_rows: Sequence[Sequence[float]] | None = None) -> SamplingMask:
+        """CSR from one list of kept vocab ids per response position (and, given, their log-probs, one list
+        of the same length per position)."""
         lengths = list(map(len, rows))
         nnz = sum(lengths)
         if nnz > _INT32_MAX:
             raise ValueError(f"sampling mask has {nnz} entries, more than int32 offsets can index")
         offsets = np.fromiter(itertools.accumulate(lengths, initial=0), dtype=np.int32, count=len(rows) + 1)
         ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int32, count=nnz)
-        return cls(ids=ids, offsets=offsets)
+        if logprob_rows is None:
+            return cls(ids=ids, offsets=offsets)
+        if list(map(len, logprob_rows)) != lengths:
+            raise ValueError("sampling mask log-probs must have one value per kept id of each row")
+        logprobs = np.fromiter(itertools.chain.from_iterable(logprob_rows), dtype=np.float32, count=nnz)
+        return cls(ids=ids, offsets=offsets, logprobs=logprobs)
 
     @property
     def num_rows(self) -> int:

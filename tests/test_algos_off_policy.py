@@ -249,51 +249,89 @@ def test_bad_criteria_and_thresholds_are_refused():
 # --- verl's off-policy diagnostics: a transcription of compute_offpolicy_metrics and compute_is_metrics ---
 
 def ref_verl_diagnostics(old: list[list[float]], rollout: list[list[float]], threshold: float) -> dict[str, float]:
-    """Every row fully trained, as in verl's tests. ESS: ``w`` clamped to [1/C, C], ``1 / mean((w / mean w)^2)``;
-    ``kl`` mean(rollout - old); ``k3_kl`` mean(exp(l) - l - 1); ``ppl_ratio`` mean over rows of
-    exp(mean(rollout) - mean(old)); ``log_ppl_abs_diff`` the mean of its log's |.|; ``chi2_token``
-    mean(exp(clamp(l))^2) - 1; ``chi2_seq`` mean over rows exp(2 clamp(sum l)) - 1."""
+    """Every row fully trained, as in verl's tests. ``compute_is_metrics`` at the token level: ``rho`` =
+    exp(clamp(l, -20, 20)); ``rollout_is_mean`` its mean, ``_max`` / ``_min`` its extremes, ``_std``
+    sqrt(max(mean(w^2) - mean(w)^2, 0)) of ``w`` = rho clamped to [1/C, C], ``_ratio_fraction_high`` /
+    ``_low`` the shares of rho > C / rho < 1/C; ESS ``1 / mean((w / mean w)^2)``. ``compute_offpolicy_metrics``:
+    ``kl`` mean(rollout - old); ``k3_kl`` mean(exp(l) - l - 1); ``training_ppl`` / ``rollout_ppl`` the mean
+    over rows of exp(-mean(old)) / exp(-mean(rollout)); ``log_ppl_diff`` the mean over rows of d = mean(rollout)
+    - mean(old), ``_max`` / ``_min`` its extremes, ``log_ppl_abs_diff`` mean |d|, ``ppl_ratio`` mean exp(d);
+    ``chi2_token`` mean(exp(clamp(l))^2) - 1; ``chi2_seq`` mean over rows exp(2 clamp(sum l)) - 1."""
     ls = [[a - b for a, b in zip(ro, rr)] for ro, rr in zip(old, rollout)]
     flat = [x for row in ls for x in row]
     n = len(flat)
-    w = [min(max(math.exp(x), 1 / threshold), threshold) for x in flat]
+    clamp = lambda x: min(max(x, -20.0), 20.0)  # noqa: E731
+    rho = [math.exp(clamp(x)) for x in flat]
+    w = [min(max(r, 1 / threshold), threshold) for r in rho]
     mean_w = sum(w) / n
     ess = 1 / (sum((v / (mean_w + 1e-8)) ** 2 for v in w) / n)
     diffs = [sum(rr) / len(rr) - sum(ro) / len(ro) for ro, rr in zip(old, rollout)]
-    clamp = lambda x: min(max(x, -20.0), 20.0)  # noqa: E731
     return {"ess": ess, "kl": -sum(flat) / n, "k3_kl": sum(math.exp(x) - x - 1 for x in flat) / n,
+            "rollout_is_mean": sum(rho) / n, "rollout_is_max": max(rho), "rollout_is_min": min(rho),
+            "rollout_is_std": math.sqrt(max(sum(v * v for v in w) / n - mean_w ** 2, 0.0)) if n > 1 else 0.0,
+            "rollout_is_ratio_fraction_high": sum(r > threshold for r in rho) / n,
+            "rollout_is_ratio_fraction_low": sum(r < 1 / threshold for r in rho) / n,
+            "training_ppl": sum(math.exp(-sum(ro) / len(ro)) for ro in old) / len(old),
+            "rollout_ppl": sum(math.exp(-sum(rr) / len(rr)) for rr in rollout) / len(rollout),
+            "log_ppl_diff": sum(diffs) / len(diffs), "log_ppl_diff_max": max(diffs), "log_ppl_diff_min": min(diffs),
             "ppl_ratio": sum(math.exp(d) for d in diffs) / len(diffs),
             "log_ppl_abs_diff": sum(abs(d) for d in diffs) / len(diffs),
             "chi2_token": sum(math.exp(clamp(x)) ** 2 for x in flat) / n - 1,
             "chi2_seq": sum(math.exp(2 * clamp(sum(row))) for row in ls) / len(ls) - 1}
 
 
+def _combined(parts: list) -> tuple[dict[str, float], dict[str, float]]:
+    """The sums added and the maxima reduced over the parts' :func:`diagnostic_sums`."""
+    sums = {k: sum(p[0][k].item() for p in parts) for k in parts[0][0]}
+    return sums, {k: max(p[1][k].item() for p in parts) for k in parts[0][1]}
+
+
 def test_diagnostics_are_verls_and_add_up_over_parts():
     """verl ``test_offpolicy_metrics``'s batch (4 x 12, old = N - 2, rollout = N - 1.5) and
-    ``test_metrics_completeness``' threshold 2.5: the metrics of verl's formulas; summed over two halves of
-    the batch (two micro-batches, or DP ranks) they are those of the whole."""
+    ``test_metrics_completeness``' threshold 2.5: the metrics of verl's formulas; summed (maxima: reduced) over
+    two halves of the batch (two micro-batches, or DP ranks) they are those of the whole."""
     gen = torch.Generator().manual_seed(1)
     old = torch.randn(4, 12, generator=gen, dtype=f64) - 2.0
     rollout = torch.randn(4, 12, generator=gen, dtype=f64) - 1.5
     mask = torch.ones(4, 12, dtype=f64)
     expected = ref_verl_diagnostics(old.tolist(), rollout.tolist(), 2.5)
-    whole = diagnostics({k: v.item() for k, v in diagnostic_sums(old, rollout, mask, 2.5).items()}, 48, 4)
-    parts = [diagnostic_sums(old[i:i + 2], rollout[i:i + 2], mask[i:i + 2], 2.5) for i in (0, 2)]
-    halves = diagnostics({k: (parts[0][k] + parts[1][k]).item() for k in parts[0]}, 48, 4)
+    whole = diagnostics(*_combined([diagnostic_sums(old, rollout, mask, 2.5)]), 48, 4)
+    halves = diagnostics(*_combined([diagnostic_sums(old[i:i + 2], rollout[i:i + 2], mask[i:i + 2], 2.5)
+                                     for i in (0, 2)]), 48, 4)
     assert set(whole) == set(expected)
     for key, value in expected.items():
         assert whole[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
         assert halves[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     assert 0 < whole["ess"] < 1 and whole["chi2_seq"] > whole["chi2_token"] > 0
+    assert whole["rollout_is_ratio_fraction_high"] > 0 and whole["rollout_is_ratio_fraction_low"] > 0
+    assert whole["log_ppl_diff_min"] < 0 < whole["log_ppl_diff_max"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_diagnostics_are_verls_on_ragged_batches(seed):
+    """Ragged rows (each row's trained prefix of a random length, padded with garbage log-probs): verl's
+    metrics over the trained tokens alone, split over micro-batches of one row each."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 9, (5,), generator=gen).tolist()
+    old = torch.randn(5, 9, generator=gen, dtype=f64) * 0.7 - 1.0
+    rollout = old + torch.randn(5, 9, generator=gen, dtype=f64) * 0.9
+    mask = torch.tensor([[1.0] * n + [0.0] * (9 - n) for n in lengths], dtype=f64)
+    expected = ref_verl_diagnostics([r[:n] for r, n in zip(old.tolist(), lengths)],
+                                    [r[:n] for r, n in zip((rollout - 60 * (1 - mask)).tolist(), lengths)], 2.0)
+    parts = [diagnostic_sums(old[i:i + 1], rollout[i:i + 1] - 60 * (1 - mask[i:i + 1]), mask[i:i + 1], 2.0)
+             for i in range(5)]
+    found = diagnostics(*_combined(parts), sum(lengths), 5)
+    for key, value in expected.items():
+        assert found[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
 
 
 def test_diagnostics_skip_untrained_tokens():
     old, rollout = t([[-1.0, -1.0, -50.0]], f64), t([[-1.2, -0.9, -1.0]], f64)
-    sums = diagnostic_sums(old, rollout, t([[1.0, 1.0, 0.0]], f64), 2.0)
+    sums, maxima = diagnostic_sums(old, rollout, t([[1.0, 1.0, 0.0]], f64), 2.0)
     expected = ref_verl_diagnostics([[-1.0, -1.0]], [[-1.2, -0.9]], 2.0)
-    found = diagnostics({k: v.item() for k, v in sums.items()}, 2, 1)
+    found = diagnostics({k: v.item() for k, v in sums.items()}, {k: v.item() for k, v in maxima.items()}, 2, 1)
     assert all(found[k] == pytest.approx(v, rel=1e-6) for k, v in expected.items())
-    assert diagnostics({k: 0.0 for k in sums}, 0, 0) == {}
+    assert diagnostics({k: 0.0 for k in sums}, {k: -math.inf for k in maxima}, 0, 0) == {}
 
 
 # --- old_policy=rollout: verl's bypass mode -----------------------------------------------------------------

@@ -4,6 +4,7 @@ Every estimator takes ``rewards`` float [B] and ``group_ids`` int64 [B] (equal i
 :func:`group_index` turns the samples' string ``group_id`` into such a tensor) and returns float [B];
 ``reinforce_pp`` also takes ``token_counts`` [B], each sample's trained tokens (see
 :data:`TOKEN_WEIGHTED`). Standard deviations are the unbiased (Bessel-corrected) ones.
+``reinforce_plus_plus`` gives token advantages instead (:func:`reinforce_plus_plus`, :data:`TOKEN_LEVEL`).
 
 Groups of one sample follow verl (``verl/trainer/ppo/core_algos.py``: ``compute_grpo_outcome_advantage``,
 ``compute_rloo_outcome_advantage``, ``compute_reinforce_plus_plus_baseline_outcome_advantage`` set a
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Sequence
 
+import numpy as np
 import torch
 
 from megarl.algos.distill import fill_distill_advantages
@@ -106,6 +108,52 @@ def reinforce_pp(rewards: torch.Tensor, group_ids: torch.Tensor, *, token_counts
     return (centred - mu) * torch.rsqrt(var + 1e-8)
 
 
+def maxrl(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """MaxRL: ``A_i = (r_i - mean_g(r)) / (mean_g(r) + eps)``, the group-relative reward normalised by the group's
+    mean reward, as SkyRL's ``compute_maxrl_advantage`` (``skyrl/backends/skyrl_train/utils/ppo_utils.py``,
+    ``epsilon=1e-6``); a group of one keeps ``r_i`` (its mean is taken as 0 and nothing is divided)."""
+    _check(rewards, group_ids)
+    n, mean, _ = _group_stats(rewards, group_ids)
+    return torch.where(n > 1, (rewards - mean) / (mean + eps), rewards)
+
+
+def reinforce_plus_plus(rewards: torch.Tensor, loss_masks: Sequence[torch.Tensor],
+                        gamma: float) -> list[torch.Tensor]:
+    """REINFORCE++ (no baseline): token-level discounted returns, whitened over the batch's trained tokens.
+
+    verl's ``compute_reinforce_plus_plus_outcome_advantage`` (``verl/trainer/ppo/core_algos.py``; SkyRL's is a
+    port): sample i's reward ``r_i`` sits on its last trained token (verl's reward managers write the score
+    at the last valid response token), and from the end of its response ``G_t = r_t + gamma * G_{t+1}``,
+    ``G_{t+1}`` reset to 0 after every untrained token (verl's "reset after EOS": ``running_return *
+    response_mask[t]``). Then ``verl_F.masked_whiten`` over every trained token of the batch: ``(G - mu) *
+    rsqrt(var + 1e-8)`` with the unbiased variance; untrained tokens get 0. ``rewards`` float [B];
+    ``loss_masks``: each sample's [R_i] response mask; returns each sample's float64 [R_i] token advantages.
+    Needs at least 2 trained tokens."""
+    if rewards.dim() != 1 or len(loss_masks) != len(rewards):
+        raise ValueError(f"rewards must be [B] with one loss mask each; got {tuple(rewards.shape)} and "
+                         f"{len(loss_masks)} masks")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    returns = []
+    for reward, mask in zip(rewards.tolist(), loss_masks):
+        trained = torch.as_tensor(mask) > 0
+        token_rewards = torch.zeros(len(trained), dtype=torch.float64)
+        if trained.any():
+            token_rewards[int(trained.nonzero()[-1])] = reward
+        out, running = torch.zeros_like(token_rewards), 0.0
+        for t in range(len(trained) - 1, -1, -1):
+            running = float(token_rewards[t]) + gamma * running
+            out[t] = running
+            running *= float(trained[t])
+        returns.append((out, trained))
+    flat = torch.cat([g[m] for g, m in returns])
+    if len(flat) < 2:
+        raise ValueError(f"reinforce_plus_plus whitens over the batch's trained tokens and needs at least 2, "
+                         f"got {len(flat)}")
+    scale = torch.rsqrt(flat.var(unbiased=True) + 1e-8)
+    return [torch.where(m, (g - flat.mean()) * scale, torch.zeros_like(g)) for g, m in returns]
+
+
 def opd(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
     """On-policy distillation alone: sequence advantage 0; the teacher's per-token advantages
     (:mod:`megarl.algos.distill`) are the whole signal."""
@@ -114,8 +162,9 @@ def opd(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
 
 
 ADVANTAGES: dict[str, AdvantageFn] = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
-                                      "opd": opd}
+                                      "maxrl": maxrl, "opd": opd}
 TOKEN_WEIGHTED = frozenset({"reinforce_pp"})  # estimators that also take token_counts [B]
+TOKEN_LEVEL = {"reinforce_plus_plus": reinforce_plus_plus}  # estimators that give token advantages (gamma)
 
 
 def advantage_fn(name: str) -> AdvantageFn:
@@ -133,17 +182,24 @@ class BatchStats:
 
 
 def fill_advantages(samples: list[RolloutSample], estimator: str,
-                    penalties: Sequence[float] | None = None) -> BatchStats:
+                    penalties: Sequence[float] | None = None, gamma: float = 1.0) -> BatchStats:
     """Set each sample's advantage with the configured estimator over its prompt group, from its
     reward minus its penalty (e.g. the KL to the reference); the stats are of the rewards. Token-weighted
     estimators get each sample's trained tokens (``loss_mask`` sum) as ``token_counts``. A critic's estimator
     (gae) sets 0: its per-token advantages come with the critic's values, in the step
-    (:func:`megarl.algos.gae.ragged_gae`)."""
+    (:func:`megarl.algos.gae.ragged_gae`). A token-level estimator (:data:`TOKEN_LEVEL`, discount ``gamma``)
+    sets 0 and adds its token advantages to ``token_advantages``."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     groups = group_index([s.group_id for s in samples])
     scores = rewards if penalties is None else rewards - torch.tensor(list(penalties), dtype=torch.float64)
     if estimator in CRITIC_ADVANTAGES:
         advantages = torch.zeros_like(scores)
+    elif estimator in TOKEN_LEVEL:
+        advantages = torch.zeros_like(scores)
+        per_token = TOKEN_LEVEL[estimator](scores, [torch.from_numpy(s.loss_mask) for s in samples], gamma)
+        for sample, tokens in zip(samples, per_token):
+            tokens = tokens.numpy().astype(np.float32)
+            sample.token_advantages = tokens if sample.token_advantages is None else sample.token_advantages + tokens
     elif estimator in TOKEN_WEIGHTED:
         counts = torch.tensor([int(s.loss_mask.sum()) for s in samples], dtype=torch.float64)
         advantages = advantage_fn(estimator)(scores, groups, token_counts=counts)
@@ -170,7 +226,7 @@ def assign_advantages(samples: list[RolloutSample], algorithm, penalties: Sequen
     scored the samples), the OPD token advantages at ``algorithm.opd_coef`` and ``opd_baseline``
     (:func:`megarl.algos.distill.fill_distill_advantages`). The last two add to ``token_advantages``;
     their metrics (``process/*``, ``distill/reverse_kl``) join ``BatchStats.metrics``."""
-    stats = fill_advantages(samples, algorithm.advantage, penalties)
+    stats = fill_advantages(samples, algorithm.advantage, penalties, algorithm.gamma)
     stats.metrics |= fill_process_advantages(samples).metrics()
     if distill:
         stats.metrics |= fill_distill_advantages(samples, algorithm.opd_coef, algorithm.opd_baseline)

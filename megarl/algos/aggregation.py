@@ -1,11 +1,14 @@
 """Reduce a per-token loss [B, T] under a float ``loss_mask`` [B, T] (m) to a (numerator, denominator) pair.
 
-Each aggregation returns this batch's numerator (differentiable scalar) and its share of the
-denominator (scalar, no gradient); the loss is ``numerator / denominator``. A batch split into
-micro-batches or DP ranks sums both over the parts and divides once (megatron's
-``calculate_per_token_loss``), which gives exactly the loss of the whole batch. Rejected tokens are
-already 0 in m, so they leave both (``megarl.algos.objective``). The names are verl's ``loss_agg_mode``
-(``verl/trainer/ppo/core_algos.py``, ``agg_loss``) with ``_`` for ``-``.
+Each aggregation returns this batch's numerator (differentiable scalar) and its share of the denominator
+(scalar, no gradient); the loss is ``numerator / denominator``. A batch split into micro-batches or DP ranks
+sums both over the parts and divides once (megatron's ``calculate_per_token_loss``), which gives exactly
+the loss of the whole batch. Rejected tokens are already 0 in m, so they leave every numerator; whether
+they leave the denominator depends on the aggregation: the counts of ``token_mean``, ``seq_mean_token_mean``
+and ``seq_mean_token_sum`` are taken from m, after rejection; :data:`FIXED_DENOMINATORS` are counted
+before it (``seq_mean_token_sum_norm``'s constant B * C; ``prompt_mean``'s per-row weights, made from the
+trained tokens before the step). The names are verl's ``loss_agg_mode`` (``verl/trainer/ppo/core_algos.py``,
+``agg_loss``) with ``_`` for ``-``, and SkyRL's ``prompt_mean``.
 """
 from __future__ import annotations
 
@@ -68,15 +71,49 @@ def seq_mean_token_sum_norm(per_token: torch.Tensor, loss_mask: torch.Tensor,
                                    device=loss_mask.device)
 
 
+def prompt_mean_weights(group_ids: torch.Tensor, trained_tokens: torch.Tensor) -> torch.Tensor:
+    """float64 [B] row weights of :func:`prompt_mean` for a batch of B samples: ``w_b = B / (G * n_g(b))``, G the
+    batch's prompt groups (distinct ``group_ids``, int [B]) and ``n_g`` the trained tokens of b's group
+    (``trained_tokens`` [B], each sample's; 0 for a group without any: its rows weigh nothing)."""
+    if group_ids.dim() != 1 or trained_tokens.shape != group_ids.shape:
+        raise ValueError(f"group_ids and trained_tokens must both be [B]; got {tuple(group_ids.shape)} and "
+                         f"{tuple(trained_tokens.shape)}")
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    groups = int(inverse.max()) + 1
+    per_group = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, trained_tokens.double())[inverse]
+    return torch.where(per_group > 0, len(group_ids) / (groups * per_group.clamp(min=1)), torch.zeros_like(per_group))
+
+
+def prompt_mean(per_token: torch.Tensor, loss_mask: torch.Tensor,
+                row_weights: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """SkyRL's ``prompt_mean`` (``apply_loss_reduction_to_advantages_minibatch``,
+    ``skyrl/backends/skyrl_train/utils/ppo_utils.py``): the token mean within each prompt group, then the mean
+    over the groups, ``(1 / G) sum_g sum_{b in g, t} m L / n_g``. Here ``sum_b w_b sum_t m L / (rows)`` with
+    :func:`prompt_mean_weights` ``w`` [B] of this batch's rows, taken over the whole batch (the denominator,
+    every row, adds up to the batch's B over micro-batches and ranks; B / G of ``w`` cancels it). As SkyRL, whose
+    scaling precedes its off-policy mask, a group's token count is taken before rejection."""
+    if row_weights is None or row_weights.shape != loss_mask.shape[:1]:
+        raise ValueError("prompt_mean needs the rows' weights [B] (prompt_mean_weights over the batch's groups)")
+    numerator = (_masked(per_token, loss_mask).sum(dim=1) * row_weights.to(per_token.dtype)).sum()
+    return numerator, torch.tensor(float(loss_mask.shape[0]), dtype=loss_mask.dtype, device=loss_mask.device)
+
+
 AGGREGATIONS: dict[str, AggregationFn] = {
     "token_mean": token_mean,
     "seq_mean_token_mean": seq_mean_token_mean,
     "seq_mean_token_sum": seq_mean_token_sum,
     "seq_mean_token_sum_norm": seq_mean_token_sum_norm,
+    "prompt_mean": prompt_mean,
 }
+FIXED_DENOMINATORS = frozenset({"seq_mean_token_sum_norm", "prompt_mean"})  # counted before rejection
+ROW_WEIGHTED = frozenset({"prompt_mean"})  # aggregations that take the rows' weights
 
 
-def aggregation_fn(name: str, scale: Optional[float] = None) -> AggregationFn:
-    """The reduction ``AlgorithmConfig.loss_agg`` names; ``scale`` is seq_mean_token_sum_norm's constant."""
+def aggregation_fn(name: str, scale: Optional[float] = None, row_weights: Optional[torch.Tensor] = None
+                   ) -> AggregationFn:
+    """The reduction ``AlgorithmConfig.loss_agg`` names; ``scale`` is seq_mean_token_sum_norm's constant,
+    ``row_weights`` prompt_mean's (:func:`prompt_mean_weights`)."""
     fn = choose(AGGREGATIONS, name, "loss_agg")
-    return partial(fn, scale=scale) if fn is seq_mean_token_sum_norm else fn
+    if fn is seq_mean_token_sum_norm:
+        return partial(fn, scale=scale)
+    return partial(fn, row_weights=row_weights) if fn is prompt_mean else fn

@@ -18,6 +18,13 @@ def k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     return logprobs - ref_logprobs
 
 
+def absolute(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """``abs = |x|``, verl's ``kl_penalty_forward`` name ``abs`` (``verl/trainer/ppo/core_algos.py``) and SkyRL's
+    ``compute_approx_kl`` ``kl_estimator_type="abs"`` (``skyrl/backends/skyrl_train/utils/ppo_utils.py``): biased,
+    >= 0, its gradient ``sign(x)`` (0 at x = 0, torch's)."""
+    return (logprobs - ref_logprobs).abs()
+
+
 def k2(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """``k2 = x^2 / 2``."""
     return 0.5 * (logprobs - ref_logprobs) ** 2
@@ -85,8 +92,8 @@ def low_var_kl_is(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, old_logpro
 
 
 KL_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
-    "k1": k1, "k2": k2, "k3": k3, "low_var_kl": low_var_kl, "k1_is": k1_is, "k2_is": k2_is, "k3_is": k3_is,
-    "low_var_kl_is": low_var_kl_is,
+    "k1": k1, "abs": absolute, "k2": k2, "k3": k3, "low_var_kl": low_var_kl, "k1_is": k1_is, "k2_is": k2_is,
+    "k3_is": k3_is, "low_var_kl_is": low_var_kl_is,
 }
 IMPORTANCE_WEIGHTED = frozenset({"k1_is", "k2_is", "k3_is", "low_var_kl_is"})  # estimators that also take old_logprobs
 

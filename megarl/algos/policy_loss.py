@@ -1,4 +1,4 @@
-"""Per-token policy-gradient losses: PPO clip (with dual clip), GSPO, CISPO, SAPO.
+"""Per-token policy-gradient losses: PPO clip (with dual clip), GSPO, CISPO, SAPO, DPPO, Clip-Cov, KL-Cov.
 
 Shared contract: ``logprobs`` [B, T] (current policy, carries the gradient), ``old_logprobs`` [B, T]
 (the policy the ratio is taken against, no gradient), ``advantages`` [B] (one per sequence) or
@@ -7,7 +7,8 @@ and 0 where ``loss_mask`` is 0; reduce it with :mod:`megarl.algos.aggregation`. 
 masks mark trained tokens for the clip metrics as the peers count them: ``clipped_low`` /
 ``clipped_high`` where the ratio was clipped at its lower / upper bound (PPO: where the clipped term
 is the larger one, verl's ``pg_clipfrac``), ``dual_clipped`` where PPO's dual clip bound the loss
-(verl's ``pg_clipfrac_lower``, AReaL's ``dual_clip_mask``; counted apart from the PPO clip).
+(verl's ``pg_clipfrac_lower``, AReaL's ``dual_clip_mask``; counted apart from the PPO clip), ``cov_selected``
+the tokens Clip-Cov detaches and KL-Cov penalises. CISPO also returns its IS ratio and the clamped weight.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ class PolicyLoss:
     clipped_low: torch.Tensor  # bool [B, T]: ratio clipped at its lower bound
     clipped_high: torch.Tensor  # bool [B, T]: ratio clipped at its upper bound
     dual_clipped: torch.Tensor  # bool [B, T]: PPO dual clip active (A < 0, ratio above dual_clip)
+    cov_selected: Optional[torch.Tensor] = None  # bool [B, T]: Clip-Cov's detached / KL-Cov's penalised tokens
+    ratio: Optional[torch.Tensor] = None  # float [B, T], detached: CISPO's IS ratio pi / pi_old
+    ratio_clamped: Optional[torch.Tensor] = None  # float [B, T], detached: CISPO's clamped weight
 
     @property
     def clipped(self) -> torch.Tensor:
@@ -61,10 +65,10 @@ def _relative_range(clip_low: float, clip_high: float) -> tuple[float, float]:
 
 
 def _result(loss: torch.Tensor, keep: torch.Tensor, low: torch.Tensor, high: torch.Tensor,
-            dual: Optional[torch.Tensor] = None) -> PolicyLoss:
+            dual: Optional[torch.Tensor] = None, **extra) -> PolicyLoss:
     none = torch.zeros_like(keep)
     return PolicyLoss(torch.where(keep, loss, torch.zeros_like(loss)), low & keep, high & keep,
-                      none if dual is None else dual & keep)
+                      none if dual is None else dual & keep, **extra)
 
 
 def ppo(
@@ -160,7 +164,7 @@ def cispo(
     ratio = log_ratio.detach().exp()
     weight = ratio.clamp(lo, hi)
     loss = -weight * adv * logprobs
-    return _result(loss, keep, ratio < lo, ratio > hi)
+    return _result(loss, keep, ratio < lo, ratio > hi, ratio=ratio, ratio_clamped=weight)
 
 
 def sapo(
@@ -191,7 +195,130 @@ def sapo(
     return _result(loss, keep, none, none)
 
 
-POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo": ppo, "gspo": gspo, "cispo": cispo, "sapo": sapo}
+DPPO_TYPES = ("binary_tv", "binary_kl")
+
+
+def dppo(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    dppo_type: str = "binary_tv",
+    delta_low: float = 0.2,
+    delta_high: float = 0.2,
+) -> PolicyLoss:
+    """DPPO (arXiv 2602.04879): the ratio loss ``L = -r A`` (no clip) on the tokens a binary divergence trust
+    region keeps, ``r = exp(clamp(logp - logp_old, -20, 20))``.
+
+    With the probabilities ``p = exp(logp)``, ``mu = exp(logp_old)`` (detached) and ``d = p - mu``:
+    ``binary_tv`` (the paper's Eq. 13) drops a token with ``A > 0`` and ``d > delta_high`` or ``A < 0`` and
+    ``-d > delta_low``; ``binary_kl`` (Eq. 14) with ``kl = mu (log mu - log p) + (1 - mu) log((1 - mu + 1e-8) /
+    (1 - p + 1e-8))`` drops ``A > 0, d > 0, kl > delta_high`` and ``A < 0, d < 0, kl > delta_low``. As SkyRL's
+    ``dppo_policy_loss`` (``skyrl/backends/skyrl_train/utils/ppo_utils.py``, config ``dppo.dppo_type``,
+    ``delta_low``, ``delta_high``); prime-rl's default loss (``src/prime_rl/trainer/rl/loss.py``,
+    ``default_loss_fn``) is the binary-TV mask with ``dppo_mask_low`` / ``dppo_mask_high``. The behaviour policy
+    is the old one here (``algorithm.old_policy=rollout``: the engine's, the paper's Section 5.2 choice and
+    prime-rl's; SkyRL takes the rollout's when it has them). Dropped tokens count as clipped: high (A > 0)
+    or low (A < 0).
+    """
+    if dppo_type not in DPPO_TYPES:
+        raise ValueError(f"unknown dppo_type {dppo_type!r}; valid: {', '.join(DPPO_TYPES)}")
+    if delta_low < 0 or delta_high < 0:
+        raise ValueError(f"DPPO deltas must be >= 0, got delta_low={delta_low}, delta_high={delta_high}")
+    log_ratio, adv, keep = _prepare(logprobs, old_logprobs, advantages, loss_mask)
+    with torch.no_grad():
+        p, mu = logprobs.detach().exp(), old_logprobs.detach().exp()
+        diff = p - mu
+        if dppo_type == "binary_tv":
+            high, low = (adv > 0) & (diff > delta_high), (adv < 0) & (-diff > delta_low)
+        else:
+            kl = mu * (old_logprobs.detach() - logprobs.detach()) + (1 - mu) * torch.log(
+                (1 - mu + 1e-8) / (1 - p + 1e-8))
+            high, low = (adv > 0) & (diff > 0) & (kl > delta_high), (adv < 0) & (diff < 0) & (kl > delta_low)
+    ratio = log_ratio.clamp(-20.0, 20.0).exp()
+    loss = torch.where(high | low, torch.zeros_like(ratio), -ratio * adv)
+    return _result(loss, keep, low, high)
+
+
+def _masked_mean(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return torch.where(keep, values, torch.zeros_like(values)).sum() / keep.sum().clamp(min=1)
+
+
+def clip_cov(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ratio: float = 2e-4,
+    cov_lb: float = 1.0,
+    cov_ub: float = 5.0,
+    generator: Optional[torch.Generator] = None,
+) -> PolicyLoss:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"): PPO clip, and a few
+    high-covariance tokens detached.
+
+    verl's ``compute_policy_loss_clip_cov`` (``verl/trainer/ppo/core_algos.py``; SkyRL's is the same): with
+    ``cov_t = (A_t - mean(A)) (logp_t - mean(logp))`` over the trained tokens, the tokens with
+    ``cov_lb < cov_t < cov_ub`` that PPO did not clip are candidates; ``max(int(ratio * n), 1)`` of them (n the
+    trained tokens), a uniformly random choice (``torch.randperm`` on ``generator``) when there are more, get
+    ``L_t = 0``; the others PPO's ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` (no dual clip). The
+    detached tokens are ``cov_selected`` (verl's ``pg_clipfrac`` for this loss); ``clipped_*`` is the PPO clip.
+    """
+    if not ratio > 0:
+        raise ValueError(f"clip_cov_ratio must be > 0, got {ratio}")
+    out = ppo(logprobs, old_logprobs, advantages, loss_mask, clip_low, clip_high)
+    _, adv, keep = _prepare(logprobs, old_logprobs, advantages, loss_mask)
+    with torch.no_grad():
+        lp = logprobs.detach()
+        cov = (adv - _masked_mean(adv, keep)) * (lp - _masked_mean(lp, keep))
+        candidates = ((cov > cov_lb) & (cov < cov_ub) & keep & ~out.clipped).nonzero()
+        count = max(int(ratio * int(keep.sum())), 1)
+        if len(candidates) > count:
+            candidates = candidates[torch.randperm(len(candidates), generator=generator,
+                                                   device=candidates.device)[:count]]
+        selected = torch.zeros_like(keep)
+        selected[candidates[:, 0], candidates[:, 1]] = True
+    out.per_token = torch.where(selected, torch.zeros_like(out.per_token), out.per_token)
+    out.cov_selected = selected
+    return out
+
+
+def kl_cov(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ratio: float = 2e-4,
+    coef: float = 1.0,
+) -> PolicyLoss:
+    """KL-Cov (Cui et al. 2025): the unclipped ratio loss ``-A r``, plus ``coef * |logp - logp_old|`` on the
+    ``max(int(ratio * n), 1)`` trained tokens of largest ``cov_t = (A_t - mean(A)) (logp_t - mean(logp))``
+    (``torch.topk``; n the trained tokens).
+
+    verl's ``compute_policy_loss_kl_cov`` (``verl/trainer/ppo/core_algos.py``, ``kl_cov_ratio``, ``ppo_kl_coef``);
+    SkyRL's (``kl_cov_frac``) is the same. Nothing is clipped; the penalised tokens are ``cov_selected``.
+    """
+    if not ratio > 0:
+        raise ValueError(f"kl_cov_ratio must be > 0, got {ratio}")
+    log_ratio, adv, keep = _prepare(logprobs, old_logprobs, advantages, loss_mask)
+    loss = -adv * log_ratio.exp()
+    selected = torch.zeros_like(keep)
+    with torch.no_grad():
+        flat = keep.reshape(-1).nonzero().squeeze(1)
+        if len(flat):
+            a, lp = adv.reshape(-1)[flat], logprobs.detach().reshape(-1)[flat]
+            cov = (a - a.mean()) * (lp - lp.mean())
+            top = flat[torch.topk(cov, min(max(int(len(flat) * ratio), 1), len(flat))).indices]
+            selected.view(-1)[top] = True
+    loss = torch.where(selected, loss + coef * log_ratio.abs(), loss)
+    none = torch.zeros_like(keep)
+    return _result(loss, keep, none, none, cov_selected=selected)
+
+
+POLICY_LOSSES: dict[str, PolicyLossFn] = {"ppo": ppo, "gspo": gspo, "cispo": cispo, "sapo": sapo, "dppo": dppo,
+                                          "clip_cov": clip_cov, "kl_cov": kl_cov}
 
 
 def policy_loss_fn(name: str) -> PolicyLossFn:

@@ -284,9 +284,10 @@ def pool_engine_settings(cfg, topology: RunTopology, pool: EnginePoolSpec, platf
     rollout's KV-cache size and memory share, its seed ``task.seed`` + its run-wide index and its log in
     the run directory (``engine-<i>.log`` for the policy's, ``<name>.log`` else). The policy's and the
     frozen models' (teacher, roles) take sampling masks up to ``rollout.top_k`` tokens and the prefix-cache
-    settings (the cache, the shared prefills), the judge SGLang's defaults; only the policy's
-    serve the LoRA adapters (nothing else is synced), and only a single-turn run's policy engines start
-    without their tokenizer (:func:`multi_turn`)."""
+    settings (the cache, the shared prefills), the judge SGLang's defaults; only the policy's return the
+    support's log-probs with their masks (``algorithm.score_centering``) and serve the LoRA adapters (nothing
+    else is synced), and only a single-turn run's policy engines start without their tokenizer
+    (:func:`multi_turn`)."""
     model_path = pool.hf_path if model_path is None else model_path
     refusal = dtype_refusal(platform, cfg.model.dtype)
     if refusal is not None:
@@ -305,6 +306,7 @@ def pool_engine_settings(cfg, topology: RunTopology, pool: EnginePoolSpec, platf
             log_path=str(run_dir / (f"engine-{index}.log" if policy else f"{pool.name}.log")),
             **(dict(sampling_mask_max_tokens=max(r.top_k, 1), prefix_cache=r.prefix_cache,
                     shared_prefill_min_tokens=r.shared_prefill_min_tokens) if like_policy else {}),
+            support_logprobs=policy and cfg.algorithm.score_centering != "none",
             tokenizer=not policy or multi_turn(cfg),
             **(lora_serving(LoraConfig.when_enabled(cfg.lora)) if policy else {})))
     return out

@@ -39,6 +39,7 @@ def validate(cfg: DictConfig) -> None:
     _check_sync(cfg)
     _check_rollout(cfg, arch)
     _check_algorithm(cfg)
+    _check_algorithm_choices(cfg)
     _check_critic(cfg)
     _check_distillation(cfg)
     _check_task(cfg)
@@ -220,6 +221,36 @@ def _check_algorithm(cfg: DictConfig) -> None:
         if a.policy_loss != "ppo":
             fail("algorithm.dual_clip", f"applies to the ppo policy loss only, not {a.policy_loss}")
     _check_rejection(a)
+
+
+def _check_algorithm_choices(cfg: DictConfig) -> None:
+    """The covariance losses' band, the adaptive KL controller's place, and what the token-level estimator and
+    score centering need of the rollout and the layout."""
+    a = cfg.algorithm
+    if a.policy_loss == "clip_cov" and not a.clip_cov_lb < a.clip_cov_ub:
+        fail("algorithm.clip_cov_lb", f"must be below clip_cov_ub, got {a.clip_cov_lb} and {a.clip_cov_ub}")
+    if a.kl_ctrl == "adaptive" and not (a.kl_in_reward and a.kl_coef > 0):
+        fail("algorithm.kl_ctrl", "adaptive moves the coefficient of the KL penalty in the reward (verl's "
+             "AdaptiveKLController, where it applies it): set algorithm.kl_in_reward=true and kl_coef > 0")
+    multi_turn = cfg.task.env is not None or cfg.task.agent is not None
+    if a.advantage == "reinforce_plus_plus":
+        if multi_turn:
+            fail("algorithm.advantage", "reinforce_plus_plus resets its returns at every untrained token (verl's "
+                 "reset after EOS): an episode's observations would cut its reward off; use reinforce_pp or grpo")
+        if a.off_policy_mask_kl is not None:
+            fail("algorithm.off_policy_mask_kl", "needs per-sequence advantages; reinforce_plus_plus gives "
+                 "per-token ones")
+    if a.score_centering == "none":
+        return
+    if not cfg.rollout.keep_sampling_mask:
+        fail("algorithm.score_centering", "centres over the engine's recorded sampling support: set "
+             "rollout.keep_sampling_mask=true")
+    if cfg.parallel.cp > 1:
+        fail("algorithm.score_centering", f"the support's log-probs are not gathered over context-parallel ranks "
+             f"(parallel.cp={cfg.parallel.cp}); use parallel.cp=1")
+    if multi_turn:
+        fail("algorithm.score_centering", "multi-turn episodes (task.env, task.agent) do not carry the engine's "
+             "support log-probs across turns; use it with single-turn tasks")
 
 
 def _check_critic(cfg: DictConfig) -> None:

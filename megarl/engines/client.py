@@ -117,15 +117,32 @@ def mixed_version_tokens(versions: np.ndarray, entered_in_place: Mapping[int, bo
     return mixed if mixed.any() else None
 
 
-def generate_payload(prompts: list[list[int]], params: SamplingParams, return_routed_experts: bool,
-                     return_sampling_mask: bool) -> dict:
-    """The ``/generate`` body of a batch of token-id prompts: per-token log-probs always, routed experts and
-    the sampling mask (with the log-probs of the sampling distribution) as asked."""
+def generate_payload(prompts: list[list[int]] | list[int], params: SamplingParams, return_routed_experts: bool,
+                     return_sampling_mask: bool, support_logprobs: bool = False) -> dict:
+    """The ``/generate`` body of a batch of token-id prompts (or one prompt): per-token log-probs always, routed
+    experts and the sampling mask (with the log-probs of the sampling distribution: of the sampled token, or
+    with ``support_logprobs`` of every kept id, SGLang's ``sampling_logprobs_mode`` ``support``) as asked."""
     payload = {"input_ids": prompts, "sampling_params": params.to_json(), "return_logprob": True,
                "return_routed_experts": return_routed_experts, "return_sampling_mask": return_sampling_mask}
     if return_sampling_mask:
-        payload["sampling_logprobs_mode"] = "selected"
+        payload["sampling_logprobs_mode"] = "support" if support_logprobs else "selected"
     return payload
+
+
+def sampling_mask_of(rows: list, logprobs: list, response_ids: list[int],
+                     support: bool) -> tuple[SamplingMask, list[float]]:
+    """The response's sampling mask from the engine's per-token ``rows`` of kept ids and ``logprobs`` (one
+    value per token, or with ``support`` one per kept id), and each sampled token's log-prob."""
+    if not support:
+        return SamplingMask.from_rows(rows), list(logprobs)
+    mask = SamplingMask.from_rows(rows, logprobs)
+    selected = []
+    for i, token in enumerate(response_ids):
+        at = np.flatnonzero(mask.row(i) == token)
+        if not len(at):
+            raise EngineError(f"response token {i} ({token}) is not in its recorded sampling support")
+        selected.append(float(mask.logprobs[mask.offsets[i] + at[0]]))
+    return mask, selected
 
 
 def shared_prompts(prompts: list[list[int]], min_tokens: int) -> list[int]:
@@ -151,12 +168,14 @@ class SGLangClient:
     (generation, control and weight updates alike); it is never logged."""
 
     def __init__(self, base_url: str, model: ServedModel, request_timeout_s: float = 600.0,
-                 api_key: str | None = None, shared_prefill_min_tokens: int = 0):
+                 api_key: str | None = None, shared_prefill_min_tokens: int = 0, support_logprobs: bool = False):
         if shared_prefill_min_tokens < 0:
             raise ValueError(f"shared_prefill_min_tokens must be >= 0 (0: off), got {shared_prefill_min_tokens}")
         self.base_url = base_url
         self.model = model
         self.shared_prefill_min_tokens = shared_prefill_min_tokens  # see _prefill_shared
+        # a sampling mask comes with the engine's log-prob of every kept id (SamplingMask.logprobs)
+        self.support_logprobs = support_logprobs
         self._http = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(request_timeout_s, connect=10.0),
                                        headers=auth_headers(api_key))
         # the LoRA adapter requests name (None: the base weights), set by megarl.sync.adapter
@@ -235,12 +254,8 @@ class SGLangClient:
         if return_sampling_mask and params.top_k <= 0:
             raise ValueError("return_sampling_mask needs a finite top_k (<= the engine's --sampling-mask-max-tokens)")
         await self._check_text_params(params)
-        payload = {
-            "input_ids": list(prompt_ids), "sampling_params": params.to_json(), "return_logprob": True,
-            "return_routed_experts": return_routed_experts, "return_sampling_mask": return_sampling_mask,
-        }
-        if return_sampling_mask:
-            payload["sampling_logprobs_mode"] = "selected"
+        payload = generate_payload(list(prompt_ids), params, return_routed_experts, return_sampling_mask,
+                                   self.support_logprobs)
         if rid is not None:
             payload["rid"] = rid
         adapter = self._name_adapter(payload)
@@ -285,7 +300,7 @@ class SGLangClient:
                                   key: tuple) -> list[RolloutSample]:
         """One ``/generate`` request for ``prompts`` (validated lists); ``key`` = (params, routing, mask flags)."""
         params, return_routed_experts, return_sampling_mask = key
-        payload = generate_payload(prompts, params, return_routed_experts, return_sampling_mask)
+        payload = generate_payload(prompts, params, return_routed_experts, return_sampling_mask, self.support_logprobs)
         adapter = self._name_adapter(payload)
         firsts = shared_prompts(prompts, self.shared_prefill_min_tokens)
         cached_first = await self._prefill_shared([prompts[i] for i in firsts], adapter) if firsts else []
@@ -336,7 +351,7 @@ class SGLangClient:
             rows = meta.get("output_token_sampling_mask", [] if never_ran else None)
             if logprobs is None or rows is None:
                 raise EngineError(f"request {meta.get('id')} asked for a sampling mask but got none")
-            mask = SamplingMask.from_rows(rows)
+            mask, logprobs = sampling_mask_of(rows, logprobs, response_ids, self.support_logprobs)
         else:
             logprobs = [t[0] for t in token_logprobs]
             mask = None

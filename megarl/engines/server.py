@@ -83,6 +83,8 @@ class EngineSettings:
     # the client's side: a prompt of at least this many tokens sent more than once in a batch is prefilled
     # once before it (SGLangClient._prefill_shared); 0: off, as it is without the prefix cache
     shared_prefill_min_tokens: int = 0
+    # the client's side: sampling masks come with the engine's log-prob of every kept id (score centering)
+    support_logprobs: bool = False
     # False: --skip-tokenizer-init, for engines that only get token ids and no stop strings or grammar
     # (the scheduler sends its output to the HTTP process directly, without the detokenizer's hop);
     # responses still end at the tokenizer's EOS (megarl.platform.sglang_tokenizer_stops)

@@ -129,10 +129,12 @@ async def start_engines(settings: Sequence, *, num_cpus: float = 0.5, num_gpus: 
 
 def client_of(settings, url: str, request_timeout_s: float = 600.0) -> SGLangClient:
     """The client of an engine started with ``settings`` (``EngineSettings``) that serves at ``url``; it
-    prefills shared prompts only where the engine keeps a prefix cache to read them from."""
+    prefills shared prompts only where the engine keeps a prefix cache to read them from, and asks for the
+    support's log-probs where the settings say so."""
     shared = settings.shared_prefill_min_tokens if settings.prefix_cache else 0
     return SGLangClient(url, ServedModel.from_hf_config(settings.model_path), request_timeout_s,
-                        api_key=settings.api_key, shared_prefill_min_tokens=shared)
+                        api_key=settings.api_key, shared_prefill_min_tokens=shared,
+                        support_logprobs=settings.support_logprobs)
 
 
 async def _placed(actors: list, timeout_s: float, num_cpus: float, num_gpus: float) -> None:

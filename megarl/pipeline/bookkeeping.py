@@ -31,8 +31,8 @@ SUMMED_METRICS = ("mismatch/tokens_outside_mask",)  # the rl_step metrics that a
 
 def combine_updates(results: list[RLStepResult]) -> RLStepResult:
     """One RL step's result from its updates': grad norms and metrics averaged, except counts
-    (:data:`SUMMED_METRICS`: summed) and maxima (``*_max``: the largest); applied when every update
-    was. A metric an update left out (over an empty token set) comes from the others."""
+    (:data:`SUMMED_METRICS`: summed), maxima (``*_max``: the largest) and minima (``*_min``: the smallest);
+    applied when every update was. A metric an update left out (over an empty token set) comes from the others."""
     if len(results) == 1:
         return results[0]
     metrics = {}
@@ -40,6 +40,8 @@ def combine_updates(results: list[RLStepResult]) -> RLStepResult:
         values = [r.metrics[key] for r in results if key in r.metrics]
         if key.endswith("_max"):
             metrics[key] = max(values)
+        elif key.endswith("_min"):
+            metrics[key] = min(values)
         elif key in SUMMED_METRICS:
             metrics[key] = sum(values)
         else:

@@ -34,6 +34,7 @@ from transformers import AutoTokenizer
 
 from megarl.algos.advantages import BatchStats
 from megarl.algos.gae import ragged_gae
+from megarl.algos.kl_control import KLController
 from megarl.algos.value_loss import value_metrics
 from megarl.config.topology import RunTopology
 from megarl.engines.pool import EnginePool
@@ -99,6 +100,8 @@ class Pipeline:
     colocation: Colocation | None = None  # placement=colocated: engines and trainer take turns
     teacher: TeacherScorer | None = None  # on-policy distillation (teacher.hf_path): scores every sample
     membership: Membership | None = None  # disaggregated: engines lost, returned, joining and leaving
+    kl_control: KLController | None = None  # algorithm.kl_in_reward: the KL coefficient of the next step's rewards
+    _kl_metrics: dict[str, float] = field(default_factory=dict, repr=False)  # the last step's kl/* metrics
     _progress: Progress | None = field(default=None, repr=False)
 
     @property
@@ -201,14 +204,24 @@ class Pipeline:
         return build_rl_batch(samples, with_sampling_mask=self.cfg.rollout.keep_sampling_mask, trainer_version=step - 1)
 
     async def kl_penalties(self, samples: list[RolloutSample], step: int) -> list[float] | None:
-        """``kl_coef * sum_t KL_t`` to the reference per sample at ``step`` when ``algorithm.kl_in_reward``
-        (taken from the rewards before the advantages, as verl's ``use_kl_in_reward``), else None."""
+        """``beta * sum_t KL_t`` to the reference per sample at ``step`` when ``algorithm.kl_in_reward`` (taken from
+        the rewards before the advantages, as verl's ``use_kl_in_reward``), else None. ``beta``: the KL
+        controller's coefficient (``algorithm.kl_ctrl``), which then moves with the batch's mean token KL
+        (:class:`megarl.algos.kl_control.KLController`, as verl's ``apply_kl_penalty``); both join the step's
+        metrics as ``kl/coef`` and ``kl/reward_kl``."""
         algo = self.cfg.algorithm
         if not (algo.kl_in_reward and algo.kl_coef != 0.0):
             return None
         batch = build_rl_batch(samples, with_sampling_mask=self.cfg.rollout.keep_sampling_mask, with_advantages=False,
                                trainer_version=step - 1)
-        return [algo.kl_coef * kl for kl in await self.trainer.sequence_kl(batch, algo, **self.step_kwargs())]
+        sums = await self.trainer.sequence_kl(batch, algo, **self.step_kwargs())
+        trained = torch.zeros(len(batch), dtype=torch.float64).index_add_(
+            0, torch.repeat_interleave(torch.arange(len(batch)), batch.lengths), (batch.loss_mask > 0).double())
+        mean_kl = sum(kl / max(n, 1.0) for kl, n in zip(sums, trained.tolist())) / len(sums)
+        beta = self.kl_control.value
+        self.kl_control.update(mean_kl, len(samples))
+        self._kl_metrics = {"kl/coef": beta, "kl/reward_kl": mean_kl}
+        return [beta * kl for kl in sums]
 
     def step_kwargs(self) -> dict:
         """The rl_step arguments that come from the config and the served model."""
@@ -283,7 +296,8 @@ class Pipeline:
         """The step's books: ledger check, trained-prompts log and metrics row (:class:`StepBooks`),
         progress, checkpoint. ``synced`` is what :meth:`sync_weights` returned."""
         self.ledger.check()
-        more = {**self.ledger.metrics(), **synced, **(self.teacher.metrics() if self.teacher is not None else {})}
+        more = {**self.ledger.metrics(), **synced, **(self.teacher.metrics() if self.teacher is not None else {}),
+                **self._kl_metrics}
         self.books.record(step, batch, stats, result, more, self.producer.generated_tokens)
         self._progress.update(self._bar, advance=1, description=f"RL ({self.cfg.mode}) reward {stats.reward_mean:.2f}")
         if self._save_due(step):
@@ -296,6 +310,8 @@ class Pipeline:
     async def save(self, step: int) -> None:
         """Checkpoint the trainer with the data position and the ledger (all ranks, collective)."""
         position = self.producer.state_dict() | {"ledger": self.ledger.state_dict()}
+        if self.kl_control is not None:
+            position["kl_ctrl"] = self.kl_control.state_dict()
         path = await self.trainer.save_checkpoint(str(checkpoint_dir(self.cfg)), step, position)
         log.info("step %d: checkpoint %s", step, path)
 
@@ -381,9 +397,18 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     pipe = Pipeline(cfg=cfg, trainer=trainer, pool=pool, sync=sync, buffer=rollout.buffer, producer=rollout.producer,
                     ledger=resumed.ledger, books=StepBooks(Path(cfg.logging.run_dir), resumed.step, stack),
                     pad_id=tokenizer.pad_token_id, vocab_size=pool.model.vocab_size, start_step=resumed.step,
-                    colocation=colocation, teacher=rollout.teacher, membership=membership)
+                    colocation=colocation, teacher=rollout.teacher, membership=membership,
+                    kl_control=resumed_kl_control(cfg, resumed.position))
     _run_in_background(rollout.producer, stack)
     return pipe
+
+
+def resumed_kl_control(cfg: DictConfig, position: dict | None) -> KLController:
+    """The run's KL controller (``algorithm.kl_ctrl``), at the coefficient a resumed checkpoint saved."""
+    control = KLController.from_config(cfg.algorithm)
+    if position is not None and "kl_ctrl" in position:
+        control.load_state_dict(position["kl_ctrl"])
+    return control
 
 
 def _membership(cfg: DictConfig, plan: EnginePlan, pool: EnginePool, sync,

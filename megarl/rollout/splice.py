@@ -11,9 +11,9 @@ def splice_continuation(prefix: RolloutSample, continuation: RolloutSample) -> R
     ``prefix.prompt_ids + prefix.response_ids``.
 
     Response, log-probs, per-token model versions, mixed-version flags, loss mask and sampling-mask
-    rows are concatenated (the prefix's from the engine that made them); the routing keeps the prefix's rows
-    for the prompt and prefix tokens it fed and takes the continuation's rows from the last prefix
-    token on (the prefix's final token was never fed before the abort, so it has no row there).
+    rows (with their log-probs) are concatenated (the prefix's from the engine that made them); the routing
+    keeps the prefix's rows for the prompt and prefix tokens it fed and takes the continuation's rows from the
+    last prefix token on (the prefix's final token was never fed before the abort, so it has no row there).
     """
     p, m = len(prefix.prompt_ids), len(prefix.response_ids)
     if continuation.prompt_ids != prefix.prompt_ids + prefix.response_ids:
@@ -31,8 +31,13 @@ def splice_continuation(prefix: RolloutSample, continuation: RolloutSample) -> R
         if prefix.sampling_mask is None:
             raise ValueError("the continuation has a sampling mask, the prefix has none")
         a, b = prefix.sampling_mask, continuation.sampling_mask
+        if (a.logprobs is None) != (b.logprobs is None) and a.ids.size:
+            raise ValueError("the prefix's and the continuation's sampling masks disagree on carrying log-probs")
+        logprobs = None if b.logprobs is None else np.concatenate(
+            [a.logprobs if a.logprobs is not None else np.zeros(0, np.float32), b.logprobs])
         mask = SamplingMask(ids=np.concatenate([a.ids, b.ids]),
-                            offsets=np.concatenate([a.offsets, b.offsets[1:] + a.offsets[-1]]).astype(np.int32))
+                            offsets=np.concatenate([a.offsets, b.offsets[1:] + a.offsets[-1]]).astype(np.int32),
+                            logprobs=logprobs)
     return RolloutSample(
         prompt_ids=list(prefix.prompt_ids), response_ids=prefix.response_ids + continuation.response_ids,
         loss_mask=np.concatenate([prefix.loss_mask, continuation.loss_mask]),

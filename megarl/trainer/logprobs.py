@@ -23,11 +23,13 @@ class CsrMask:
 
     ``ids`` int32 [nnz], ``offsets`` int32 [N + 1]. An empty row means "no mask at this position"
     (full vocabulary): the engine returns at least the sampled id, so an empty row only comes from
-    samples (or prompt positions) that have no mask.
+    samples (or prompt positions) that have no mask. ``logprobs`` float32 [nnz] or None: the engine's
+    log-prob of each kept id (:attr:`megarl.sample.SamplingMask.logprobs`).
     """
 
     ids: torch.Tensor
     offsets: torch.Tensor
+    logprobs: Optional[torch.Tensor] = None
 
 
 def csr_rows(mask: CsrMask, rows: torch.Tensor) -> CsrMask:
@@ -38,7 +40,18 @@ def csr_rows(mask: CsrMask, rows: torch.Tensor) -> CsrMask:
     torch.cumsum(counts, 0, out=offsets[1:])
     starts = mask.offsets[:-1].long()[rows]
     within = torch.arange(int(offsets[-1]), device=counts.device) - offsets[:-1].repeat_interleave(counts)
-    return CsrMask(mask.ids[starts.repeat_interleave(counts) + within], offsets)
+    taken = starts.repeat_interleave(counts) + within
+    return CsrMask(mask.ids[taken], offsets, None if mask.logprobs is None else mask.logprobs[taken])
+
+
+def csr_entries(mask: CsrMask, entries: torch.Tensor) -> CsrMask:
+    """The mask of ``mask``'s rows keeping only the flat ``entries`` (int64 [k], positions into its ``ids``,
+    grouped row after row as :func:`megarl.algos.score_centering.head` gives them)."""
+    counts = (mask.offsets[1:] - mask.offsets[:-1]).long()
+    row_of = torch.repeat_interleave(torch.arange(len(counts), device=counts.device), counts)[entries]
+    offsets = torch.zeros(len(counts) + 1, dtype=torch.long, device=counts.device)
+    torch.cumsum(torch.bincount(row_of, minlength=len(counts)), 0, out=offsets[1:])
+    return CsrMask(mask.ids[entries], offsets, None if mask.logprobs is None else mask.logprobs[entries])
 
 
 @dataclass
@@ -46,6 +59,7 @@ class TokenLogprobs:
     logprobs: torch.Tensor  # [N], log-prob of the target over its kept set (differentiable)
     entropy: torch.Tensor  # [N], entropy of the unmasked distribution (differentiable)
     outside_mask: torch.Tensor  # int64 scalar: positions whose target was not in its non-empty mask row
+    support_logprobs: Optional[torch.Tensor] = None  # [nnz] of ``support``: each id's log-prob over its kept set
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group: Optional[dist.ProcessGroup]) -> None:
@@ -86,6 +100,38 @@ class _MaskedTargetLogprob(torch.autograd.Function):
         rows = on_rank.nonzero().squeeze(1)
         grad_logits[rows, target_local[rows]] += grad_logprob[rows]
         return grad_logits, None, None, None, None
+
+
+class _MaskedSupportLogprobs(torch.autograd.Function):
+    """``log softmax(z masked to kept)[id]`` for several ids per row (flat: row ``rows[e]``, local id ``local[e]``
+    on the shard that holds it); d/dz_j of entry e = [j = id_e] - p_masked(j) on its row."""
+
+    @staticmethod
+    def forward(ctx, logits, keep, rows, local, on_rank, group):
+        z = logits if keep is None else logits.masked_fill(~keep, float("-inf"))
+        row_max = z.max(dim=1).values
+        _all_reduce(row_max, dist.ReduceOp.MAX, group)
+        shifted = z - row_max[:, None]
+        exp = shifted.exp()
+        picked = torch.where(on_rank, shifted[rows, local], torch.zeros_like(rows, dtype=z.dtype))
+        stats = torch.cat([exp.sum(dim=1), picked, on_rank.to(z.dtype)])
+        _all_reduce(stats, dist.ReduceOp.SUM, group)
+        m, n = len(row_max), len(rows)
+        sum_exp, picked, owners = stats[:m], stats[m:m + n], stats[m + n:]
+        if (owners != 1).any():
+            entry = int((owners != 1).nonzero()[0])
+            raise ValueError(f"support id {entry} is outside the vocabulary (held by {int(owners[entry])} shards)")
+        ctx.save_for_backward(exp / sum_exp[:, None], rows, local, on_rank)
+        return picked - sum_exp.log()[rows]
+
+    @staticmethod
+    def backward(ctx, grad_logprob):
+        probs, rows, local, on_rank = ctx.saved_tensors
+        per_row = torch.zeros(len(probs), dtype=grad_logprob.dtype, device=grad_logprob.device)
+        per_row.index_add_(0, rows, grad_logprob)
+        grad_logits = probs * -per_row[:, None]
+        grad_logits.index_put_((rows[on_rank], local[on_rank]), grad_logprob[on_rank], accumulate=True)
+        return grad_logits, None, None, None, None, None
 
 
 class _VocabParallelEntropy(torch.autograd.Function):
@@ -149,6 +195,7 @@ def vocab_parallel_logprobs(
     targets: torch.Tensor,
     sampling_mask: Optional[CsrMask] = None,
     group: Optional[dist.ProcessGroup] = None,
+    support: Optional[CsrMask] = None,
 ) -> TokenLogprobs:
     """Target log-probs (masked to the kept ids) and unmasked entropy from this rank's logits shard.
 
@@ -157,7 +204,9 @@ def vocab_parallel_logprobs(
     full vocabulary everywhere), ``group`` the tensor-parallel group (None = a single shard, no
     communication; note: not the default world group). A target outside its non-empty mask row is
     taken over that row plus the target and counted in ``outside_mask``. Every rank returns the same
-    values; gradients reach this rank's shard only.
+    values; gradients reach this rank's shard only. ``support`` (N rows of ids, replicated; None: not asked):
+    the log-prob of each of its ids over the same kept set as the target's (score centering's ``log pi(b)``),
+    flat [nnz]; it keeps another [N, V/tp] tensor for the backward pass.
     """
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [N, V/tp] tensor, got {logits.dtype} {tuple(logits.shape)}")
@@ -178,4 +227,15 @@ def vocab_parallel_logprobs(
     target_local = torch.where(on_rank, target_local, torch.zeros_like(target_local))
     logprobs = _MaskedTargetLogprob.apply(logits, keep, target_local, on_rank, group)
     entropy = _VocabParallelEntropy.apply(logits, group)
-    return TokenLogprobs(logprobs, entropy, outside)
+    support_logprobs = None
+    if support is not None:
+        if support.offsets.shape != (len(targets) + 1,):
+            raise ValueError(f"support must have one row per target ({len(targets)}), got "
+                             f"{len(support.offsets) - 1}")
+        counts = (support.offsets[1:] - support.offsets[:-1]).long()
+        rows = torch.repeat_interleave(torch.arange(len(targets), device=logits.device), counts)
+        local = support.ids.long() - vocab_start
+        owned = (local >= 0) & (local < shard_size)
+        support_logprobs = _MaskedSupportLogprobs.apply(logits, keep, rows, torch.where(owned, local, 0), owned,
+                                                        group)
+    return TokenLogprobs(logprobs, entropy, outside, support_logprobs)

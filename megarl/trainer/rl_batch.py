@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from megarl.algos.advantages import group_index
 from megarl.sample import RolloutSample
 from megarl.trainer.device import to_device
 from megarl.trainer.logprobs import CsrMask
@@ -35,7 +36,8 @@ class RLBatch:
     log-probs before the step's first update, :func:`megarl.trainer.rl_step.policy_logprobs`; 0 off the
     trained positions) or None, ``old_values`` and ``returns`` float32 [N] (the critic's values before the
     step and the GAE returns, :mod:`megarl.algos.gae`; 0 off the trained positions) or None. Per sample:
-    ``cu_seqlens`` int64 [B + 1], ``advantages`` float32 [B]."""
+    ``cu_seqlens`` int64 [B + 1], ``advantages`` float32 [B], ``group_ids`` int64 [B] (its prompt group, numbered
+    in order of first appearance; :func:`megarl.algos.advantages.group_index`) or None."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
@@ -51,6 +53,7 @@ class RLBatch:
     mixed_versions: Optional[torch.Tensor] = None
     old_values: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
+    group_ids: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return len(self.advantages)
@@ -78,16 +81,20 @@ class RLBatch:
             counts = (offsets[1:] - offsets[:-1])[positions]
             new_offsets = torch.zeros(len(positions) + 1, dtype=torch.long)
             torch.cumsum(counts, 0, out=new_offsets[1:])
-            mask = CsrMask(self.sampling_mask.ids[_ranges(offsets[:-1][positions], counts)], new_offsets)
+            taken = _ranges(offsets[:-1][positions], counts)
+            logprobs = self.sampling_mask.logprobs
+            mask = CsrMask(self.sampling_mask.ids[taken], new_offsets, None if logprobs is None else logprobs[taken])
         per_position = {name: None if getattr(self, name) is None else getattr(self, name)[positions]
                         for name in _PER_POSITION}
-        return RLBatch(**per_position, cu_seqlens=cu, advantages=self.advantages[idx], sampling_mask=mask)
+        return RLBatch(**per_position, cu_seqlens=cu, advantages=self.advantages[idx], sampling_mask=mask,
+                       group_ids=None if self.group_ids is None else self.group_ids[idx])
 
     def to(self, device: torch.device) -> RLBatch:
         """This batch with every tensor on ``device``."""
         mask = self.sampling_mask
         if mask is not None:
-            mask = CsrMask(to_device(mask.ids, device), to_device(mask.offsets, device))
+            mask = CsrMask(to_device(mask.ids, device), to_device(mask.offsets, device),
+                           None if mask.logprobs is None else to_device(mask.logprobs, device))
         moved = {f.name: to_device(getattr(self, f.name), device) for f in dataclasses.fields(self)
                  if f.name != "sampling_mask"}
         return RLBatch(**moved, sampling_mask=mask)
@@ -140,7 +147,7 @@ def build_rl_batch(samples: Sequence[RolloutSample], with_routing: bool = True, 
         tokens=torch.from_numpy(seq[not_last]), targets=torch.from_numpy(seq[not_first]), **per_position,
         cu_seqlens=cu, advantages=torch.tensor([float(s.advantage) if with_advantages else 0.0 for s in samples],
                                                 dtype=torch.float32),
-        routed_experts=routed, sampling_mask=mask)
+        routed_experts=routed, sampling_mask=mask, group_ids=group_index([s.group_id for s in samples]))
 
 
 def _check_sample(b: int, sample: RolloutSample, with_advantages: bool) -> None:
@@ -204,7 +211,8 @@ def _routing(samples: Sequence[RolloutSample], lengths: np.ndarray) -> Optional[
 
 def _sampling_mask(samples: Sequence[RolloutSample], at: np.ndarray, n: int) -> Optional[CsrMask]:
     """The samples' sampling masks as one CSR over the ``n`` positions (rows of the prompt positions and of
-    samples without a mask empty); None when no sample has one."""
+    samples without a mask empty), with the engine's log-probs of the kept ids when every mask has them;
+    None when no sample has one."""
     masks = [s.sampling_mask for s in samples]
     if all(m is None for m in masks):
         return None
@@ -213,8 +221,12 @@ def _sampling_mask(samples: Sequence[RolloutSample], at: np.ndarray, n: int) -> 
                                  for s, m in zip(samples, masks)])
     offsets = torch.zeros(n + 1, dtype=torch.long)
     torch.cumsum(torch.from_numpy(counts), 0, out=offsets[1:])
-    ids = np.concatenate([m.ids for m in masks if m is not None]).astype(np.int64)
-    return CsrMask(torch.from_numpy(ids), offsets)
+    present = [m for m in masks if m is not None]
+    ids = np.concatenate([m.ids for m in present]).astype(np.int64)
+    logprobs = None
+    if all(m.logprobs is not None for m in present):
+        logprobs = torch.from_numpy(np.concatenate([m.logprobs for m in present]))
+    return CsrMask(torch.from_numpy(ids), offsets, logprobs)
 
 
 def check_routing(routed: torch.Tensor, num_layers: int, num_experts: int) -> None:

@@ -21,7 +21,8 @@ from functools import partial
 
 import torch
 
-from megarl.algos.is_diagnostics import SEQUENCE_SUMS, TOKEN_SUMS, diagnostics
+from megarl.algos.aggregation import ROW_WEIGHTED, prompt_mean_weights
+from megarl.algos.is_diagnostics import MAXIMA, SEQUENCE_SUMS, TOKEN_SUMS, diagnostics
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.config.schema import AlgorithmConfig
 from megarl.trainer.context_parallel import ContextParallelRank, row_length_multiple, this_cp_rank, token_count_share
@@ -39,6 +40,7 @@ from megarl.trainer.packing import (
 from megarl.trainer.reference import ReferenceWeights
 from megarl.trainer.rl_batch import RLBatch, check_routing
 from megarl.trainer.routing_replay import Replay, StepRouting, replay_routers
+from megarl.trainer.score_support import SupportLogprobs, centering_grid, recorded_support
 
 
 @dataclass
@@ -49,13 +51,15 @@ class RLStepResult:
 
 
 def _token_logprobs(logits: torch.Tensor, mb: RLBatch, mi: ModelInput, vocab_size: int, temperature: float,
-                    rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    rows: torch.Tensor | None = None, support_head: int | None | bool = False):
     """Masked log-probs and unmasked entropy, ragged [n], of the temperature-scaled distribution
     (the one the engine sampled from) from this rank's logits [b, s, V/tp], and the count of sampled
     tokens outside their sampling mask (int scalar; they are kept, see ``vocab_parallel_logprobs``).
     ``rows`` (int64 [m] ragged positions): compute only there and leave 0 elsewhere (the loss needs
     its trained tokens only); None: every position. Under context parallelism each CP rank computes
-    its own tokens and the results are all-gathered (differentiably) over the CP group."""
+    its own tokens and the results are all-gathered (differentiably) over the CP group. ``support_head``
+    (False: not asked; None: every recorded id; k: each row's k most probable): a fourth result, the
+    ids' :class:`SupportLogprobs` at the ``rows``, for score centering (not under context parallelism)."""
     from megatron.core import parallel_state
 
     b, s, shard = logits.shape
@@ -67,12 +71,16 @@ def _token_logprobs(logits: torch.Tensor, mb: RLBatch, mi: ModelInput, vocab_siz
     if padded.any():  # megatron's vocabulary padding is not part of the policy
         picked = picked.masked_fill(padded, torch.finfo(torch.float32).min)
     mask = None if mb.sampling_mask is None else csr_rows(mb.sampling_mask, rows)
+    support = None if support_head is False else recorded_support(mask, support_head, mi.split is not None)
     out = vocab_parallel_logprobs(picked, vocab_start, mb.targets[rows], mask,
-                                  parallel_state.get_tensor_model_parallel_group())
+                                  parallel_state.get_tensor_model_parallel_group(), support)
     outside = out.outside_mask
     if mi.split is not None:
         torch.distributed.all_reduce(outside, group=mi.split.cp.group)
-    return mi.to_ragged(out.logprobs, rows), mi.to_ragged(out.entropy, rows), outside
+    found = mi.to_ragged(out.logprobs, rows), mi.to_ragged(out.entropy, rows), outside
+    if support is None:
+        return found
+    return *found, SupportLogprobs.of(out.support_logprobs, support, rows)
 
 
 def micro_batches(batch: RLBatch, plan, rank: int, pad_id: int,
@@ -225,8 +233,10 @@ def policy_logprobs(chunks: list, batch: RLBatch, *, vocab_size: int, max_tokens
 
 _BY_DENOMINATOR = ("loss_sum", "pg_loss", "kl")
 _BY_SEQUENCES = ("rejected_sequences",)
-_BY_TOKENS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction", "is_weight_mean",
-              "rejected_tokens", "ppo_kl", "entropy_tokens")
+_BY_TOKENS = ("clip_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction", "cov_fraction",
+              "is_weight_mean", "rejected_tokens", "ppo_kl", "entropy_tokens")
+_CISPO_SUMS, _CISPO_MAXIMA = ("cispo/ratio_mean", "cispo/ratio_clamped_mean"), ("cispo/ratio_max", "cispo/ratio_min")
+_CENTERING_SUMS = ("score_centering/support_tv", "score_centering/head_mass")
 
 
 def step_sum_keys(algo: AlgorithmConfig) -> list[str]:
@@ -234,22 +244,35 @@ def step_sum_keys(algo: AlgorithmConfig) -> list[str]:
     loss's parts (:class:`megarl.algos.objective.LossOutput`, with the importance-weight diagnostics'
     sums) and the trained tokens' entropy."""
     kl = ("kl",) if algo.kl_coef != 0.0 and not algo.kl_in_reward else ()
-    return [*_BY_DENOMINATOR[:2], *kl, *_BY_TOKENS, *_BY_SEQUENCES, *TOKEN_SUMS, *SEQUENCE_SUMS, "denominator",
-            "trained_tokens", "trained_sequences"]
+    cispo = _CISPO_SUMS if algo.policy_loss == "cispo" else ()
+    centred = _CENTERING_SUMS if algo.score_centering != "none" else ()
+    return [*_BY_DENOMINATOR[:2], *kl, *_BY_TOKENS, *_BY_SEQUENCES, *TOKEN_SUMS, *SEQUENCE_SUMS, *cispo, *centred,
+            "denominator", "trained_tokens", "trained_sequences", "kept_tokens"]
 
 
-def step_metrics(totals: dict[str, float]) -> dict[str, float]:
-    """Batch metrics from the summed parts: ``loss``, ``pg_loss``, ``kl`` over the loss's denominator;
-    the clip and rejection fractions, ``is_weight_mean``, ``ppo_kl`` (trainer against the PPO ratio's old
-    policy) and ``entropy`` (mean over trained tokens) over trained tokens; ``rejected_sequences`` over
-    trained sequences; ``off_policy/*``, the importance-weight diagnostics of the trainer against the
-    rollout engine (:func:`megarl.algos.is_diagnostics.diagnostics`)."""
+def step_max_keys(algo: AlgorithmConfig) -> list[str]:
+    """The per-micro-batch maxima one RL step reduces (:attr:`megarl.algos.objective.LossOutput.maxima`)."""
+    return [*MAXIMA, *(_CISPO_MAXIMA if algo.policy_loss == "cispo" else ())]
+
+
+def step_metrics(totals: dict[str, float], maxima: dict[str, float] | None = None) -> dict[str, float]:
+    """Batch metrics from the summed parts and the reduced maxima: ``loss``, ``pg_loss``, ``kl`` over the loss's
+    denominator; the clip and rejection fractions, ``is_weight_mean``, ``ppo_kl`` (trainer against the PPO
+    ratio's old policy), ``entropy`` (mean over trained tokens) and ``score_centering/*`` over trained tokens;
+    ``rejected_sequences`` over trained sequences; ``cispo/*`` over the tokens in the loss; ``off_policy/*``, the
+    importance-weight diagnostics of the trainer against the rollout engine
+    (:func:`megarl.algos.is_diagnostics.diagnostics`)."""
+    maxima = maxima or {}
     denominator = max(totals["denominator"], 1.0)
     tokens, sequences = max(totals["trained_tokens"], 1.0), max(totals["trained_sequences"], 1.0)
     out = {("loss" if k == "loss_sum" else k): totals[k] / denominator for k in _BY_DENOMINATOR if k in totals}
     out |= {("entropy" if k == "entropy_tokens" else k): totals[k] / tokens for k in _BY_TOKENS}
     out |= {k: totals[k] / sequences for k in _BY_SEQUENCES}
-    found = diagnostics(totals, totals["trained_tokens"], totals["trained_sequences"])
+    out |= {k: totals[k] / tokens for k in _CENTERING_SUMS if k in totals}
+    if "cispo/ratio_mean" in totals and totals["kept_tokens"] > 0:
+        out |= {k: totals[k] / totals["kept_tokens"] for k in _CISPO_SUMS}
+        out |= {"cispo/ratio_max": maxima["cispo/ratio_max"], "cispo/ratio_min": -maxima["cispo/ratio_min"]}
+    found = diagnostics(totals, maxima, totals["trained_tokens"], totals["trained_sequences"]) if maxima else {}
     return out | {f"off_policy/{k}": v for k, v in found.items()}
 
 
@@ -292,8 +315,9 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
         with reference.swapped_in():
             refs = reference_logprobs(chunks, micro, vocab_size=vocab_size, temperature=temperature,
                                       replay=keep_routing, sequence_parallel=sequence_parallel)
-    sum_keys = step_sum_keys(algo)
-    loss = partial(_micro_batch_loss, algo=algo, sum_keys=sum_keys, vocab_size=vocab_size, temperature=temperature)
+    setup = LossSetup(algo, step_sum_keys(algo), step_max_keys(algo), vocab_size, temperature,
+                      prompt_weights_by_group(batch, algo, device))
+    loss = partial(_micro_batch_loss, setup=setup)
 
     def forward_step(data_iterator, model):
         mb, mi, ref = next(data_iterator)
@@ -310,7 +334,35 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     metrics = {"perf/padding_frac": plan.padding_frac(batch.lengths),
                "perf/dp_token_imbalance": plan.imbalance(batch.lengths)}
     return RLStepResult(grad_norm=grad_norm, applied=applied,
-                        metrics=metrics | _reduced_metrics(reduced, sum_keys, routing))
+                        metrics=metrics | _reduced_metrics(reduced, setup, routing))
+
+
+@dataclass(frozen=True)
+class LossSetup:
+    """What every micro-batch's loss function of one step shares: the algorithm, the keys of the sums and maxima it
+    returns (:func:`step_sum_keys`, :func:`step_max_keys`), the vocabulary, the sampling temperature, and
+    ``loss_agg=prompt_mean``'s row weight of each prompt group (:func:`prompt_weights_by_group`) or None."""
+
+    algo: AlgorithmConfig
+    sum_keys: list[str]
+    max_keys: list[str]
+    vocab_size: int
+    temperature: float
+    group_weights: torch.Tensor | None = None
+
+
+def prompt_weights_by_group(batch: RLBatch, algo: AlgorithmConfig, device: torch.device) -> torch.Tensor | None:
+    """``loss_agg=prompt_mean``: the row weight of each of ``batch``'s prompt groups (indexed by group id, on
+    ``device``; :func:`megarl.algos.aggregation.prompt_mean_weights` over the whole batch), else None."""
+    if algo.loss_agg not in ROW_WEIGHTED:
+        return None
+    if batch.group_ids is None:
+        raise ValueError(f"loss_agg={algo.loss_agg} needs the samples' prompt groups (RLBatch.group_ids)")
+    trained = torch.zeros(len(batch), dtype=torch.float64).index_add_(
+        0, torch.repeat_interleave(torch.arange(len(batch)), batch.lengths), (batch.loss_mask > 0).double())
+    table = torch.zeros(int(batch.group_ids.max()) + 1, dtype=torch.float64)
+    table[batch.group_ids] = prompt_mean_weights(batch.group_ids, trained)
+    return table.to(device)
 
 
 def _check_step_inputs(chunks: list, batch: RLBatch, algo: AlgorithmConfig, reference: ReferenceWeights | None,
@@ -326,37 +378,46 @@ def _check_step_inputs(chunks: list, batch: RLBatch, algo: AlgorithmConfig, refe
 
 
 def _micro_batch_loss(output: torch.Tensor, *, mb: RLBatch, mi: ModelInput, ref: torch.Tensor | None,
-                      algo: AlgorithmConfig, sum_keys: list[str], vocab_size: int, temperature: float):
+                      setup: LossSetup):
     """megatron's loss function of one micro-batch ``mb`` (model input ``mi``, reference log-probs ``ref``
     or None) on this rank's logits ``output``: (loss sum, token count, {"sums": float64 [len(sum_keys)],
-    "mismatch": the train-inference mismatch sums}), all on the logits' device."""
-    device = output.device
+    "maxima": float64 [len(max_keys)], "mismatch": the train-inference mismatch sums}), all on the logits' device."""
+    device, algo = output.device, setup.algo
     if len(mb) == 0:  # a padding-only micro-batch (a DP rank with fewer samples than micro-batches)
         return output.sum() * 0, torch.zeros((), dtype=torch.int, device=device), {
-            "sums": torch.zeros(len(sum_keys), dtype=torch.float64, device=device), "mismatch": empty_mismatch(device)}
-    flat_lp, flat_ent, outside = _token_logprobs(output, mb, mi, vocab_size, temperature,
-                                                rows=(mb.loss_mask > 0).nonzero().squeeze(1))
+            "sums": torch.zeros(len(setup.sum_keys), dtype=torch.float64, device=device),
+            "maxima": torch.full((len(setup.max_keys),), -float("inf"), dtype=torch.float64, device=device),
+            "mismatch": empty_mismatch(device)}
+    head = False if algo.score_centering == "none" else (
+        algo.score_centering_head if algo.score_centering == "tail" else None)
+    found = _token_logprobs(output, mb, mi, setup.vocab_size, setup.temperature,
+                            rows=(mb.loss_mask > 0).nonzero().squeeze(1), support_head=head)
+    flat_lp, flat_ent, outside = found[:3]
     logprobs, entropy = to_grid(flat_lp, mb.cu_seqlens), to_grid(flat_ent, mb.cu_seqlens)
     advantages = mb.advantages if mb.token_advantages is None else to_grid(mb.position_advantages(), mb.cu_seqlens)
     inputs = LossInputs(
         logprobs=logprobs, old_logprobs=_old_policy(algo, mb, logprobs), loss_mask=to_grid(mb.loss_mask, mb.cu_seqlens),
         advantages=advantages, entropy=entropy, rollout_logprobs=to_grid(mb.rollout_logprobs, mb.cu_seqlens),
         ref_logprobs=None if ref is None else to_grid(ref, mb.cu_seqlens),
+        row_weights=None if setup.group_weights is None else setup.group_weights[mb.group_ids],
+        centering=None if head is False else centering_grid(found[3], algo.score_centering, len(mb.tokens),
+                                                             mb.cu_seqlens),
     )
     out = rl_loss(inputs, algo)
     parts = {**out.sums, "loss_sum": out.loss_sum.detach(), "denominator": out.denominator_share,
              "trained_tokens": out.trained_tokens, "trained_sequences": out.trained_sequences,
              "entropy_tokens": flat_ent.detach()[mb.loss_mask > 0].sum()}
-    sums = torch.stack([parts[k].double() for k in sum_keys])
+    sums = torch.stack([parts[k].double() for k in setup.sum_keys])
+    maxima = torch.stack([out.maxima[k].double() for k in setup.max_keys]).to(device)
     before = flat_lp if mb.old_logprobs is None else mb.old_logprobs  # the policy before the step
     mismatch = mismatch_sums(before, mb.rollout_logprobs, mb.loss_mask, mb.staleness, outside, mb.cu_seqlens)
     num_tokens = out.denominator_share.round().to(torch.int)
     if mi.split is not None:  # every CP rank holds the whole loss: split its count (context_parallel)
         num_tokens = token_count_share(num_tokens, mi.split.cp)
-    return out.loss_sum, num_tokens, {"sums": sums, "mismatch": mismatch}
+    return out.loss_sum, num_tokens, {"sums": sums, "maxima": maxima, "mismatch": mismatch}
 
 
-def _reduced_metrics(reduced: list[dict], sum_keys: list[str], routing: StepRouting) -> dict[str, float]:
+def _reduced_metrics(reduced: list[dict], setup: LossSetup, routing: StepRouting) -> dict[str, float]:
     """The step's loss, diagnostics and mismatch metrics over the DP group (last PP stage; {} elsewhere), and
     ``routing/agreement`` over every rank when ``routing`` measured it; collectives."""
     from megatron.core import parallel_state
@@ -366,7 +427,9 @@ def _reduced_metrics(reduced: list[dict], sum_keys: list[str], routing: StepRout
         dp_group = parallel_state.get_data_parallel_group()
         totals = torch.stack([r["sums"] for r in reduced]).sum(0)
         torch.distributed.all_reduce(totals, group=dp_group)
-        metrics |= step_metrics(dict(zip(sum_keys, totals.tolist())))
+        maxima = torch.stack([r["maxima"] for r in reduced]).amax(0)
+        torch.distributed.all_reduce(maxima, op=torch.distributed.ReduceOp.MAX, group=dp_group)
+        metrics |= step_metrics(dict(zip(setup.sum_keys, totals.tolist())), dict(zip(setup.max_keys, maxima.tolist())))
         metrics |= mismatch_metrics(reduce_mismatch([r["mismatch"] for r in reduced], dp_group))
     if routing.measured:
         counts = torch.tensor(routing.counts, device=collective_device())
