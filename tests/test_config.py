@@ -98,6 +98,28 @@ BAD_INPUTS = [
     (["algorithm.policy_loss=cispo", "algorithm.clip_absolute=true", "algorithm.clip_high=0.5"], "algorithm.clip_low",
      "absolute bounds need 0 <= clip_low <= 1 <= clip_high"),
     (["algorithm.loss_scale_factor=0"], "algorithm.loss_scale_factor", "must be >= 1"),
+    (["algorithm.policy_loss=clip_cov", "algorithm.clip_cov_lb=5"], "algorithm.clip_cov_lb",
+     "must be below clip_cov_ub, got 5.0 and 5.0"),
+    (["algorithm.clip_cov_ratio=0"], "algorithm.clip_cov_ratio", "must be in (0, 1]"),
+    (["algorithm.dppo_type=binary_js"], "algorithm.dppo_type", "'binary_js' is not one of binary_tv, binary_kl"),
+    (["algorithm.dppo_delta_low=-0.1"], "algorithm.dppo_delta_low", "must be >= 0"),
+    (["algorithm.kl_ctrl=adaptive", "algorithm.kl_coef=0.01"], "algorithm.kl_ctrl",
+     "set algorithm.kl_in_reward=true and kl_coef > 0"),
+    (["algorithm.kl_ctrl=adaptive", "algorithm.kl_in_reward=true"], "algorithm.kl_ctrl",
+     "set algorithm.kl_in_reward=true and kl_coef > 0"),
+    (["algorithm.kl_horizon=0"], "algorithm.kl_horizon", "must be > 0"),
+    (["algorithm.advantage=reinforce_plus_plus", "task.env=calculator"], "algorithm.advantage",
+     "cut its reward off"),
+    (["algorithm.advantage=reinforce_plus_plus", "algorithm.off_policy_mask_kl=0.1"], "algorithm.off_policy_mask_kl",
+     "reinforce_plus_plus gives per-token ones"),
+    (["algorithm.score_centering=exact", "rollout.keep_sampling_mask=false"], "algorithm.score_centering",
+     "set rollout.keep_sampling_mask=true"),
+    (["algorithm.score_centering=tail", "task.env=calculator"], "algorithm.score_centering",
+     "do not carry the engine's support log-probs"),
+    (["parallel.world_size=2", "parallel.cp=2", "algorithm.score_centering=exact"], "algorithm.score_centering",
+     "not gathered over context-parallel ranks (parallel.cp=2)"),
+    (["algorithm.score_centering=exactly"], "algorithm.score_centering", "'exactly' is not one of none, exact, tail"),
+    (["algorithm.score_centering_head=0"], "algorithm.score_centering_head", "must be >= 1"),
     (["rollout.top_p=0"], "rollout.top_p", "must be in (0, 1]"),
     (["rollout.max_new_tokens=0"], "rollout.max_new_tokens", "must be >= 1"),
     (["reward.type=bleu"], "reward.type", "'bleu' is not one of arithmetic, exact_match, math, remote, function"),
@@ -188,6 +210,8 @@ def _companions(key: str, name: str, tmp_path) -> list[str]:
         return ["critic.enabled=true"]
     if (key, name) == ("algorithm.old_policy", "rollout"):  # the PPO ratio is the correction: no IS weight on top
         return ["algorithm.off_policy_correction=none"]
+    if (key, name) == ("algorithm.kl_ctrl", "adaptive"):  # it moves the coefficient of the KL in the reward
+        return ["algorithm.kl_in_reward=true", "algorithm.kl_coef=0.01"]
     return []
 
 

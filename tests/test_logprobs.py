@@ -66,6 +66,32 @@ def _sharded(logits, targets, mask, w_logp, w_ent, start, size, group):
     return out.logprobs.detach(), out.entropy.detach(), shard.grad
 
 
+def _support_weights(rows: list[list[int]]) -> torch.Tensor:
+    return torch.randn(sum(map(len, rows)), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+
+
+def _sharded_support(logits, targets, mask, rows, start, size, group):
+    """The log-probs of every kept id of ``rows`` over its row's kept set, and the shard's gradient of their
+    weighted sum (score centering's ``log pi(b)``)."""
+    shard = logits[:, start : start + size].clone().requires_grad_()
+    out = vocab_parallel_logprobs(shard, start, targets, mask, group, support=mask)
+    (_support_weights(rows) * out.support_logprobs).sum().backward()
+    return out.support_logprobs.detach(), shard.grad
+
+
+def _dense_support(logits, targets, rows):
+    """The same by dense log_softmax of the masked logits (rows without a mask: none asked) and autograd."""
+    logits = logits.clone().requires_grad_()
+    masked = logits.clone()
+    for i, kept in enumerate(rows):
+        if kept:
+            masked[i, [v for v in range(V) if v not in kept]] = float("-inf")
+    full = torch.log_softmax(masked, dim=-1)
+    found = torch.stack([full[i, v] for i, kept in enumerate(rows) for v in kept])
+    (_support_weights(rows) * found).sum().backward()
+    return found.detach(), logits.grad
+
+
 def _worker(rank, port, results):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=TP)
     torch.set_num_threads(1)
@@ -76,6 +102,7 @@ def _worker(rank, port, results):
         "masked": _sharded(logits, targets, mask, w_logp, w_ent, rank * size, size, group),
         "unmasked": _sharded(logits, targets, None, w_logp, w_ent, rank * size, size, group),
     }
+    out["support"] = _sharded_support(logits, targets, mask, rows, rank * size, size, group)
     outside = _csr(_outside_rows(targets, rows))
     out["outside_mask"] = _sharded(logits, targets, outside, w_logp, w_ent, rank * size, size, group)
     out["outside_count"] = vocab_parallel_logprobs(logits[:, rank * size : (rank + 1) * size], rank * size, targets,
@@ -118,6 +145,16 @@ def test_masked_logprobs_and_grad_match_dense_reference_under_tp2(tp2):
     # the mask matters: rows with a mask differ from the unmasked log-prob
     plain = torch.log_softmax(logits, dim=-1)[torch.arange(N), targets]
     assert (tp2[0]["masked"][0] - plain)[[i for i, r in enumerate(rows) if r]].abs().min() > 1e-3
+
+
+@pytest.mark.processes
+def test_support_logprobs_and_grad_match_dense_reference_under_tp2(tp2):
+    logits, targets, _, rows, _, _ = _case()
+    ref, ref_grad = _dense_support(logits, targets, rows)
+    for rank_out in tp2:
+        assert (rank_out["support"][0] - ref).abs().max() < 1e-6
+    grad = torch.cat([rank_out["support"][1] for rank_out in tp2], dim=1)
+    assert (grad - ref_grad).abs().max() < 1e-6
 
 
 @pytest.mark.processes

@@ -117,41 +117,49 @@ def maxrl(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> 
     return torch.where(n > 1, (rewards - mean) / (mean + eps), rewards)
 
 
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """verl's REINFORCE++ returns of one row: from the end, ``G_t = r_t + gamma * G_{t+1}``, with ``G_{t+1}`` reset
+    to 0 after every position of ``mask`` 0 (verl's "reset after EOS": ``running_return * response_mask[t]``).
+    ``token_rewards`` and ``mask`` [R]; float64 [R]."""
+    out, running = torch.zeros(len(token_rewards), dtype=torch.float64), 0.0
+    for t in range(len(token_rewards) - 1, -1, -1):
+        running = float(token_rewards[t]) + gamma * running
+        out[t] = running
+        running *= float(mask[t])
+    return out
+
+
+def masked_whiten(rows: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """verl's ``masked_whiten`` over every masked position of all ``rows`` together: ``(x - mu) * rsqrt(var +
+    1e-8)``, mu and the unbiased variance over those positions; 0 elsewhere. Needs at least 2 positions."""
+    flat = torch.cat([r[m > 0] for r, m in zip(rows, masks)])
+    if len(flat) < 2:
+        raise ValueError(f"whitening over the batch's trained tokens needs at least 2, got {len(flat)}")
+    scale = torch.rsqrt(flat.var(unbiased=True) + 1e-8)
+    return [torch.where(m > 0, (r - flat.mean()) * scale, torch.zeros_like(r)) for r, m in zip(rows, masks)]
+
+
 def reinforce_plus_plus(rewards: torch.Tensor, loss_masks: Sequence[torch.Tensor],
                         gamma: float) -> list[torch.Tensor]:
     """REINFORCE++ (no baseline): token-level discounted returns, whitened over the batch's trained tokens.
 
     verl's ``compute_reinforce_plus_plus_outcome_advantage`` (``verl/trainer/ppo/core_algos.py``; SkyRL's is a
-    port): sample i's reward ``r_i`` sits on its last trained token (verl's reward managers write the score
-    at the last valid response token), and from the end of its response ``G_t = r_t + gamma * G_{t+1}``,
-    ``G_{t+1}`` reset to 0 after every untrained token (verl's "reset after EOS": ``running_return *
-    response_mask[t]``). Then ``verl_F.masked_whiten`` over every trained token of the batch: ``(G - mu) *
-    rsqrt(var + 1e-8)`` with the unbiased variance; untrained tokens get 0. ``rewards`` float [B];
-    ``loss_masks``: each sample's [R_i] response mask; returns each sample's float64 [R_i] token advantages.
-    Needs at least 2 trained tokens."""
+    port): sample i's reward ``r_i`` sits on its last trained token (verl's reward managers write the score at
+    the last valid response token), :func:`discounted_returns` at ``gamma``, then :func:`masked_whiten` over
+    every trained token of the batch. ``rewards`` float [B]; ``loss_masks``: each sample's [R_i] response
+    mask; returns each sample's float64 [R_i] token advantages (0 on untrained tokens)."""
     if rewards.dim() != 1 or len(loss_masks) != len(rewards):
         raise ValueError(f"rewards must be [B] with one loss mask each; got {tuple(rewards.shape)} and "
                          f"{len(loss_masks)} masks")
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    returns = []
-    for reward, mask in zip(rewards.tolist(), loss_masks):
-        trained = torch.as_tensor(mask) > 0
-        token_rewards = torch.zeros(len(trained), dtype=torch.float64)
-        if trained.any():
-            token_rewards[int(trained.nonzero()[-1])] = reward
-        out, running = torch.zeros_like(token_rewards), 0.0
-        for t in range(len(trained) - 1, -1, -1):
-            running = float(token_rewards[t]) + gamma * running
-            out[t] = running
-            running *= float(trained[t])
-        returns.append((out, trained))
-    flat = torch.cat([g[m] for g, m in returns])
-    if len(flat) < 2:
-        raise ValueError(f"reinforce_plus_plus whitens over the batch's trained tokens and needs at least 2, "
-                         f"got {len(flat)}")
-    scale = torch.rsqrt(flat.var(unbiased=True) + 1e-8)
-    return [torch.where(m, (g - flat.mean()) * scale, torch.zeros_like(g)) for g, m in returns]
+    returns, masks = [], [torch.as_tensor(m).double() for m in loss_masks]
+    for reward, mask in zip(rewards.tolist(), masks):
+        token_rewards = torch.zeros(len(mask), dtype=torch.float64)
+        if (mask > 0).any():
+            token_rewards[int((mask > 0).nonzero()[-1])] = reward
+        returns.append(discounted_returns(token_rewards, mask, gamma))
+    return masked_whiten(returns, masks)
 
 
 def opd(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:

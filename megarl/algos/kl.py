@@ -92,8 +92,8 @@ def low_var_kl_is(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, old_logpro
 
 
 KL_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
-    "k1": k1, "abs": absolute, "k2": k2, "k3": k3, "low_var_kl": low_var_kl, "k1_is": k1_is, "k2_is": k2_is,
-    "k3_is": k3_is, "low_var_kl_is": low_var_kl_is,
+    "k1": k1, "k2": k2, "k3": k3, "low_var_kl": low_var_kl, "k1_is": k1_is, "k2_is": k2_is, "k3_is": k3_is,
+    "low_var_kl_is": low_var_kl_is, "abs": absolute,
 }
 IMPORTANCE_WEIGHTED = frozenset({"k1_is", "k2_is", "k3_is", "low_var_kl_is"})  # estimators that also take old_logprobs
 

@@ -393,8 +393,8 @@ class AlgorithmConfig:
     # C of seq_mean_token_sum_norm (verl loss_scale_factor)
     loss_scale_factor: int = setting(II("rollout.max_new_tokens"), ge=1)
     kl_coef: float = setting(0.0, ge=0)  # weight of the KL to the reference policy (the starting checkpoint)
-    # k1 | abs (|k1|) | k2 | k3 | low_var_kl (k3 clamped to [-10, 10]) | k1_is | k2_is | k3_is (x pi/pi_old)
-    # | low_var_kl_is (clamp(pi/pi_old * k3, -10, 10), slime's clamp after the weight)
+    # k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10]) | k1_is | k2_is | k3_is (x pi/pi_old) | low_var_kl_is
+    # (clamp(pi/pi_old * k3, -10, 10), slime's clamp after the weight) | abs (|k1|, verl's and SkyRL's)
     kl_type: str = setting("k3", choices=tuple(KL_ESTIMATORS))
     kl_in_reward: bool = False  # true: reward - kl_coef * sum_t KL_t pre-advantage (verl use_kl_in_reward); false: loss
     # fixed (kl_coef throughout) | adaptive (verl's AdaptiveKLController from kl_coef towards kl_target; needs
