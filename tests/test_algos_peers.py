@@ -443,5 +443,47 @@ def test_cispo_ratio_metrics_skip_masked_tokens_as_skyrl():
     assert kept == 2
     assert out.sums["cispo/ratio_mean"].item() / kept == pytest.approx(sum(ratios) / 2, rel=1e-6)
     assert out.sums["cispo/ratio_clamped_mean"].item() / kept == pytest.approx((0.8 + 1.2) / 2, rel=1e-6)
+    above = rl_loss(LossInputs(t([[-0.9, -6.0, -0.69741]]), old, t([[1.0, -1.0, -4.0]]), t([[1.0, 0.0, 1.0]])),
+                    AlgorithmConfig(policy_loss="cispo"))  # every kept ratio above 1: the masked token is no minimum
+    assert -above.maxima["cispo/ratio_min"].item() == pytest.approx(math.exp(0.1), rel=1e-6)
     assert "cispo/ratio_max" not in rl_loss(LossInputs(logp, old, t([[1.0, -1.0, -4.0]]), t([[1.0, 0.0, 1.0]])),
                                              AlgorithmConfig()).maxima
+
+
+def test_the_run_takes_the_rewards_kl_coefficient_from_verls_controller():
+    """``Pipeline.kl_penalties`` over scripted steps (a fake trainer returns each sample's summed KL): each step's
+    penalties use the coefficient before its update, which then follows verl's ``apply_kl_penalty``: current KL =
+    the batch mean of each sample's token-mean KL, n_steps = the batch's samples."""
+    import asyncio
+
+    from megarl.config import load_config
+    from megarl.pipeline.run import Pipeline, resumed_kl_control
+
+    cfg = load_config(["recipe=tiny_moe_cpu", "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.05",
+                       "algorithm.kl_ctrl=adaptive", "algorithm.kl_target=0.02", "algorithm.kl_horizon=40"])
+    lengths = [3, 1, 4, 2]
+    scripted = [[0.03, 0.01, 0.2, 0.04], [0.3, 0.5, 0.2, 0.1], [0.0, 0.0, 0.0, 0.0], [0.06, 0.02, 0.08, 0.04]]
+
+    class Trainer:
+        async def sequence_kl(self, batch, algo, **kwargs):
+            assert len(batch) == len(lengths)
+            return scripted[self.step]
+
+    trainer = Trainer()
+    pipe = Pipeline(cfg=cfg, trainer=trainer, pool=None, sync=None, buffer=None, producer=None, ledger=None,
+                    books=None, pad_id=0, vocab_size=384, start_step=0, kl_control=resumed_kl_control(cfg, None))
+    samples = [RolloutSample(prompt_ids=[1], response_ids=[2] * n, loss_mask=np.ones(n, np.uint8),
+                             rollout_logprobs=np.zeros(n, np.float32), model_version=np.zeros(n, np.int32),
+                             routed_experts=None, sampling_mask=None, finish_reason=FinishReason.STOP, reward=1.0,
+                             group_id="g") for n in lengths]
+    beta = 0.05
+    for step, sums in enumerate(scripted):
+        trainer.step = step
+        penalties = asyncio.run(pipe.kl_penalties(samples, step + 1))
+        assert penalties == pytest.approx([beta * s for s in sums], rel=1e-12)
+        current = sum(s / n for s, n in zip(sums, lengths)) / len(lengths)
+        assert pipe._kl_metrics == pytest.approx({"kl/coef": beta, "kl/reward_kl": current}, rel=1e-12)
+        beta = ref_verl_adaptive(beta, 0.02, 40, current, len(lengths))
+        assert pipe.kl_control.value == pytest.approx(beta, rel=1e-12)
+    resumed = resumed_kl_control(cfg, {"kl_ctrl": pipe.kl_control.state_dict()})
+    assert resumed.value == pipe.kl_control.value != 0.05

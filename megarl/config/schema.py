@@ -342,18 +342,18 @@ class AlgorithmConfig:
     docstrings of ``megarl/algos/``. Off-policy correction: ``w`` is the trainer/rollout probability ratio at
     ``off_policy_level``; rejected tokens (mis, off_policy_rejection, the vetoes, off_policy_mask_kl) leave the
     loss. Metrics of the step (``metrics.jsonl`` and TensorBoard, under these names): ``train/loss``,
-    ``train/pg_loss``, ``train/kl``, ``train/entropy``, ``train/clip_fraction`` (``_low``, ``_high``),
-    ``train/dual_clip_fraction``, ``train/cov_fraction`` (clip_cov, kl_cov), ``train/is_weight_mean``,
-    ``train/rejected_tokens``, ``train/rejected_sequences``, ``train/ppo_kl``; with the engine's log-probs, the
-    trainer against the engine (verl's names): ``off_policy/rollout_is_mean``, ``off_policy/rollout_is_max``,
-    ``off_policy/rollout_is_min``, ``off_policy/rollout_is_std``, ``off_policy/rollout_is_ratio_fraction_high``,
-    ``off_policy/rollout_is_ratio_fraction_low`` (token weights against is_threshold), ``off_policy/ess``,
-    ``off_policy/kl``, ``off_policy/k3_kl``, ``off_policy/chi2_token``, ``off_policy/chi2_seq``,
-    ``off_policy/training_ppl``, ``off_policy/rollout_ppl``, ``off_policy/log_ppl_diff`` (signed, per sequence
-    rollout minus trainer mean log-prob), ``off_policy/log_ppl_diff_max``, ``off_policy/log_ppl_diff_min``,
-    ``off_policy/log_ppl_abs_diff``, ``off_policy/ppl_ratio``; policy_loss=cispo: ``cispo/ratio_mean``,
-    ``cispo/ratio_clamped_mean``, ``cispo/ratio_max``, ``cispo/ratio_min`` (over the tokens in the loss);
-    score_centering: ``score_centering/support_tv``, ``score_centering/head_mass``; kl_in_reward:
+    ``train/pg_loss``, ``train/kl``, ``train/entropy``, ``train/clip_fraction``, ``train/clip_fraction_low``,
+    ``train/clip_fraction_high``, ``train/dual_clip_fraction``, ``train/cov_fraction`` (clip_cov, kl_cov),
+    ``train/is_weight_mean``, ``train/rejected_tokens``, ``train/rejected_sequences``, ``train/ppo_kl``; with the
+    engine's log-probs, the trainer against the engine (verl's names): ``off_policy/rollout_is_mean``,
+    ``off_policy/rollout_is_max``, ``off_policy/rollout_is_min``, ``off_policy/rollout_is_std``,
+    ``off_policy/rollout_is_ratio_fraction_high``, ``off_policy/rollout_is_ratio_fraction_low`` (token weights
+    against is_threshold), ``off_policy/ess``, ``off_policy/kl``, ``off_policy/k3_kl``, ``off_policy/chi2_token``,
+    ``off_policy/chi2_seq``, ``off_policy/training_ppl``, ``off_policy/rollout_ppl``, ``off_policy/log_ppl_diff``
+    (signed, per sequence rollout minus trainer mean log-prob), ``off_policy/log_ppl_diff_max``,
+    ``off_policy/log_ppl_diff_min``, ``off_policy/log_ppl_abs_diff``, ``off_policy/ppl_ratio``; policy_loss=cispo:
+    ``cispo/ratio_mean``, ``cispo/ratio_clamped_mean``, ``cispo/ratio_max``, ``cispo/ratio_min`` (over the tokens
+    in the loss); score_centering: ``score_centering/support_tv``, ``score_centering/head_mass``; kl_in_reward:
     ``kl/coef`` (the coefficient the step's rewards took) and ``kl/reward_kl`` (the batch's mean token KL)."""
 
     # grpo | dr_grpo | rloo | reinforce_pp (REINFORCE++-baseline, whitened over tokens) | maxrl ((r - mean) /
