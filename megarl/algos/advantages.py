@@ -120,13 +120,14 @@ def maxrl(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
     """verl's REINFORCE++ returns of one row: from the end, ``G_t = r_t + gamma * G_{t+1}``, with ``G_{t+1}`` reset
     to 0 after every position of ``mask`` 0 (verl's "reset after EOS": ``running_return * response_mask[t]``).
-    ``token_rewards`` and ``mask`` [R]; float64 [R]."""
-    out, running = torch.zeros(len(token_rewards), dtype=torch.float64), 0.0
-    for t in range(len(token_rewards) - 1, -1, -1):
-        running = float(token_rewards[t]) + gamma * running
-        out[t] = running
-        running *= float(mask[t])
-    return out
+    ``token_rewards`` and ``mask`` [R]; float64 [R]. Each run between resets is one reverse discounted sum
+    (``scipy.signal.lfilter``), not a Python loop over the tokens."""
+    from scipy.signal import lfilter
+
+    rewards = np.asarray(token_rewards, dtype=np.float64)
+    cuts = np.flatnonzero(np.asarray(mask)[1:] == 0) + 1  # G_{t-1} does not see G_t where mask[t] == 0
+    runs = [lfilter([1.0], [1.0, -gamma], run[::-1])[::-1] for run in np.split(rewards, cuts)]
+    return torch.from_numpy(np.concatenate(runs) if runs else rewards.copy())
 
 
 def masked_whiten(rows: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
