@@ -129,7 +129,7 @@ def test_assign_advantages_is_rloo_plus_prime_returns_plus_the_teachers_advantag
     for s in samples:
         s.rollout_logprobs = -rng.random(len(s.response_ids)).astype(np.float32)
         s.teacher_logprobs = -rng.random(len(s.response_ids)).astype(np.float32)
-    algorithm = SimpleNamespace(advantage="rloo", opd_coef=0.5, opd_baseline="none")
+    algorithm = SimpleNamespace(advantage="rloo", opd_coef=0.5, opd_baseline="none", gamma=1.0)
     stats = assign_advantages(samples, algorithm, distill=True)
     policy_tokens = [s.loss_mask.astype(bool) for s in samples]
     reverse_kl = (sum(float((s.rollout_logprobs[m].astype(np.float64) - s.teacher_logprobs[m]).sum())
@@ -151,7 +151,7 @@ def test_assign_advantages_is_rloo_plus_prime_returns_plus_the_teachers_advantag
 
 def test_assign_advantages_without_a_teacher_asks_for_no_teacher_scores():
     samples = interleaved_groups(seed=7)
-    algorithm = SimpleNamespace(advantage="grpo", opd_coef=1.0, opd_baseline="none")
+    algorithm = SimpleNamespace(advantage="grpo", opd_coef=1.0, opd_baseline="none", gamma=1.0)
     stats = assign_advantages(samples, algorithm)
     assert "distill/reverse_kl" not in stats.metrics and stats.metrics["process/turns"] > 0
     with pytest.raises(ValueError, match="has no teacher_logprobs"):

@@ -171,7 +171,7 @@ def opd(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
 
 
 ADVANTAGES: dict[str, AdvantageFn] = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo, "reinforce_pp": reinforce_pp,
-                                      "maxrl": maxrl, "opd": opd}
+                                      "opd": opd, "maxrl": maxrl}
 TOKEN_WEIGHTED = frozenset({"reinforce_pp"})  # estimators that also take token_counts [B]
 TOKEN_LEVEL = {"reinforce_plus_plus": reinforce_plus_plus}  # estimators that give token advantages (gamma)
 
