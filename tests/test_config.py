@@ -118,6 +118,8 @@ BAD_INPUTS = [
      "do not carry the engine's support log-probs"),
     (["parallel.world_size=2", "parallel.cp=2", "algorithm.score_centering=exact"], "algorithm.score_centering",
      "not gathered over context-parallel ranks (parallel.cp=2)"),
+    (["algorithm.score_centering=exact", "algorithm.policy_loss=kl_cov"], "algorithm.score_centering",
+     "kl_cov's per-token |logp - logp_old| penalty"),
     (["algorithm.score_centering=exactly"], "algorithm.score_centering", "'exactly' is not one of none, exact, tail"),
     (["algorithm.score_centering_head=0"], "algorithm.score_centering_head", "must be >= 1"),
     (["rollout.top_p=0"], "rollout.top_p", "must be in (0, 1]"),

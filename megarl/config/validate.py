@@ -251,6 +251,9 @@ def _check_algorithm_choices(cfg: DictConfig) -> None:
     if multi_turn:
         fail("algorithm.score_centering", "multi-turn episodes (task.env, task.agent) do not carry the engine's "
              "support log-probs across turns; use it with single-turn tasks")
+    if a.policy_loss == "kl_cov":
+        fail("algorithm.score_centering", "centres the policy gradient's score; kl_cov's per-token |logp - logp_old| "
+             "penalty is part of its per-token loss and would be centred with it: use another policy loss")
 
 
 def _check_critic(cfg: DictConfig) -> None:
