@@ -102,7 +102,7 @@ class _MaskedTargetLogprob(torch.autograd.Function):
         return grad_logits, None, None, None, None
 
 
-class _MaskedSupportLogprobs(torch.autograd.Function):
+class _MaskedIdLogprobs(torch.autograd.Function):
     """``log softmax(z masked to kept)[id]`` for several ids per row (flat: row ``rows[e]``, local id ``local[e]``
     on the shard that holds it); d/dz_j of entry e = [j = id_e] - p_masked(j) on its row."""
 
@@ -120,7 +120,8 @@ class _MaskedSupportLogprobs(torch.autograd.Function):
         sum_exp, picked, owners = stats[:m], stats[m:m + n], stats[m + n:]
         if (owners != 1).any():
             entry = int((owners != 1).nonzero()[0])
-            raise ValueError(f"support id {entry} is outside the vocabulary (held by {int(owners[entry])} shards)")
+            raise ValueError(f"the id of entry {entry} (row {int(rows[entry])}) is outside the vocabulary (held by "
+                             f"{int(owners[entry])} shards, expected 1)")
         ctx.save_for_backward(exp / sum_exp[:, None], rows, local, on_rank)
         return picked - sum_exp.log()[rows]
 
@@ -206,7 +207,7 @@ def vocab_parallel_logprobs(
     taken over that row plus the target and counted in ``outside_mask``. Every rank returns the same
     values; gradients reach this rank's shard only. ``support`` (N rows of ids, replicated; None: not asked):
     the log-prob of each of its ids over the same kept set as the target's (score centering's ``log pi(b)``),
-    flat [nnz]; it keeps another [N, V/tp] tensor for the backward pass.
+    flat [nnz], taken with the targets' in one pass (one saved [N, V/tp] softmax for both).
     """
     if logits.dim() != 2 or not logits.is_floating_point():
         raise ValueError(f"logits must be a float [N, V/tp] tensor, got {logits.dtype} {tuple(logits.shape)}")
@@ -225,17 +226,18 @@ def vocab_parallel_logprobs(
     target_local = targets - vocab_start
     on_rank = (target_local >= 0) & (target_local < shard_size)
     target_local = torch.where(on_rank, target_local, torch.zeros_like(target_local))
-    logprobs = _MaskedTargetLogprob.apply(logits, keep, target_local, on_rank, group)
     entropy = _VocabParallelEntropy.apply(logits, group)
-    support_logprobs = None
-    if support is not None:
-        if support.offsets.shape != (len(targets) + 1,):
-            raise ValueError(f"support must have one row per target ({len(targets)}), got "
-                             f"{len(support.offsets) - 1}")
-        counts = (support.offsets[1:] - support.offsets[:-1]).long()
-        rows = torch.repeat_interleave(torch.arange(len(targets), device=logits.device), counts)
-        local = support.ids.long() - vocab_start
-        owned = (local >= 0) & (local < shard_size)
-        support_logprobs = _MaskedSupportLogprobs.apply(logits, keep, rows, torch.where(owned, local, 0), owned,
-                                                        group)
+    if support is None:
+        return TokenLogprobs(_MaskedTargetLogprob.apply(logits, keep, target_local, on_rank, group), entropy, outside)
+    if support.offsets.shape != (len(targets) + 1,):
+        raise ValueError(f"support must have one row per target ({len(targets)}), got {len(support.offsets) - 1}")
+    # the targets first, then the support's ids: one pass keeps one copy of the masked softmax for both
+    counts = (support.offsets[1:] - support.offsets[:-1]).long()
+    positions = torch.arange(len(targets), device=logits.device)
+    local = support.ids.long() - vocab_start
+    owned = (local >= 0) & (local < shard_size)
+    rows = torch.cat([positions, torch.repeat_interleave(positions, counts)])
+    both = _MaskedIdLogprobs.apply(logits, keep, rows, torch.cat([target_local, torch.where(owned, local, 0)]),
+                                   torch.cat([on_rank, owned]), group)
+    logprobs, support_logprobs = both[:len(targets)], both[len(targets):]
     return TokenLogprobs(logprobs, entropy, outside, support_logprobs)
