@@ -23,7 +23,7 @@ from megarl.algos.aggregation import AGGREGATIONS, FIXED_DENOMINATORS, aggregati
 from megarl.algos.kl import kl_penalty
 from megarl.algos.kl_control import KLController
 from megarl.algos.objective import LossInputs, rl_loss
-from megarl.algos.policy_loss import clip_cov, dppo, kl_cov, ppo
+from megarl.algos.policy_loss import CovBand, clip_cov, dppo, kl_cov, ppo
 from megarl.config.schema import AlgorithmConfig
 from megarl.sample import FinishReason, RolloutSample
 
@@ -163,7 +163,7 @@ def ref_clip_cov(logp, old, adv, mask, lo, hi, ratio, lb, ub, seed) -> tuple[flo
                                                  (3, 2e-4, -5.0, 5.0)])
 def test_clip_cov_is_verls_on_ragged_batches(seed, ratio, lb, ub):
     logp, old, adv, mask = ragged(seed)
-    out = clip_cov(logp, old, adv, mask, 0.2, 0.2, ratio, lb, ub, torch.Generator().manual_seed(seed))
+    out = clip_cov(logp, old, adv, mask, 0.2, 0.2, CovBand(ratio, lb, ub), torch.Generator().manual_seed(seed))
     total, detached = ref_clip_cov(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.2, ratio, lb, ub,
                                    seed)
     assert out.per_token.sum().item() == pytest.approx(total, abs=1e-6)
@@ -177,7 +177,7 @@ def test_clip_cov_on_skyrls_test_vector():
     old = torch.full((2, 4), -1.0, dtype=f64)
     logp = t([[-0.5, -1.5, -0.8, -1.2], [-1.3, -0.7, -1.8, -0.9]])
     mask = t([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 0.0]])
-    out = clip_cov(logp, old, adv, mask, 0.2, 0.2, 0.5, -5.0, 5.0, torch.Generator().manual_seed(42))
+    out = clip_cov(logp, old, adv, mask, 0.2, 0.2, CovBand(0.5, -5.0, 5.0), torch.Generator().manual_seed(42))
     total, detached = ref_clip_cov(logp.tolist(), old.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.2, 0.5, -5.0,
                                    5.0, 42)
     assert out.per_token.sum().item() == pytest.approx(total, abs=1e-6)
@@ -210,6 +210,16 @@ def test_kl_cov_is_verls_on_ragged_batches(seed, ratio, coef):
     assert out.per_token.sum().item() == pytest.approx(total, abs=1e-6)
     assert set(map(tuple, out.cov_selected.nonzero().tolist())) == top
     assert torch.allclose(logp.grad, t(grad), atol=1e-6)
+
+
+def test_clip_cov_through_the_loss_draws_the_same_tokens_for_the_same_batch():
+    """The loss seeds Clip-Cov's draw from the batch (every TP rank computes the same loss): two calls agree, and
+    the detached share is the configured one."""
+    logp, old, adv, mask = ragged(6, rows=8, width=16)
+    cfg = AlgorithmConfig(policy_loss="clip_cov", clip_cov_ratio=0.05, clip_cov_lb=-10.0, clip_cov_ub=10.0)
+    first, second = (rl_loss(LossInputs(logp, old, adv, mask), cfg) for _ in range(2))
+    assert torch.equal(first.loss_sum, second.loss_sum)
+    assert first.sums["cov_fraction"].item() == max(int(0.05 * mask.sum()), 1)
 
 
 def test_kl_cov_on_skyrls_test_vector():

@@ -26,7 +26,7 @@ from megarl.algos.aggregation import aggregation_fn
 from megarl.algos.is_diagnostics import diagnostic_sums
 from megarl.algos.kl import kl_penalty
 from megarl.algos.off_policy import correction, off_policy_sequence_mask
-from megarl.algos.policy_loss import PolicyLoss, policy_loss_fn
+from megarl.algos.policy_loss import CovBand, PolicyLoss, policy_loss_fn
 from megarl.algos.rejection import parse_criteria
 from megarl.algos.score_centering import Centering
 
@@ -107,8 +107,15 @@ def _policy_kwargs(cfg) -> dict:
     if cfg.policy_loss == "cispo":
         kwargs["absolute"] = cfg.clip_absolute
     if cfg.policy_loss == "clip_cov":
-        kwargs |= {"ratio": cfg.clip_cov_ratio, "cov_lb": cfg.clip_cov_lb, "cov_ub": cfg.clip_cov_ub}
+        kwargs["band"] = CovBand(cfg.clip_cov_ratio, cfg.clip_cov_lb, cfg.clip_cov_ub)
     return kwargs
+
+
+def _batch_generator(mask: torch.Tensor) -> torch.Generator:
+    """Clip-Cov's random draw, seeded from the batch's rows and kept tokens: every tensor-parallel rank computes
+    the whole loss of the micro-batch and must draw the same tokens (the vocab-parallel backward needs one
+    upstream gradient on all of them), which torch's default generator does not promise."""
+    return torch.Generator(device=mask.device).manual_seed(int((mask > 0).sum()) * 1_000_003 + mask.shape[0])
 
 
 def _count(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -220,8 +227,10 @@ def rl_loss(batch: LossInputs, cfg) -> LossOutput:
     mask = batch.loss_mask * keep
     agg = aggregation_fn(cfg.loss_agg, cfg.loss_scale_factor if cfg.loss_agg == "seq_mean_token_sum_norm" else None,
                          batch.row_weights)
-    pg = policy_loss_fn(cfg.policy_loss)(batch.logprobs, batch.old_logprobs, batch.advantages, mask,
-                                         **_policy_kwargs(cfg))
+    kwargs = _policy_kwargs(cfg)
+    if cfg.policy_loss == "clip_cov":
+        kwargs["generator"] = _batch_generator(mask)
+    pg = policy_loss_fn(cfg.policy_loss)(batch.logprobs, batch.old_logprobs, batch.advantages, mask, **kwargs)
     pg_weighted = corrected.weights * pg.per_token
     pg_sum, denominator = agg(pg_weighted, mask)
     sums, maxima = _policy_sums(pg, corrected.weights, batch, keep, mask)

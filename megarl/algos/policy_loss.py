@@ -244,6 +244,16 @@ def _masked_mean(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep, values, torch.zeros_like(values)).sum() / keep.sum().clamp(min=1)
 
 
+@dataclass(frozen=True)
+class CovBand:
+    """Clip-Cov's choice: at most ``ratio`` of the trained tokens (at least one), among those of covariance in
+    (``lower``, ``upper``) (verl's ``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub`` and their defaults)."""
+
+    ratio: float = 2e-4
+    lower: float = 1.0
+    upper: float = 5.0
+
+
 def clip_cov(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -251,9 +261,7 @@ def clip_cov(
     loss_mask: torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
-    ratio: float = 2e-4,
-    cov_lb: float = 1.0,
-    cov_ub: float = 5.0,
+    band: CovBand = CovBand(),
     generator: Optional[torch.Generator] = None,
 ) -> PolicyLoss:
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"): PPO clip, and a few
@@ -261,20 +269,21 @@ def clip_cov(
 
     verl's ``compute_policy_loss_clip_cov`` (``verl/trainer/ppo/core_algos.py``; SkyRL's is the same): with
     ``cov_t = (A_t - mean(A)) (logp_t - mean(logp))`` over the trained tokens, the tokens with
-    ``cov_lb < cov_t < cov_ub`` that PPO did not clip are candidates; ``max(int(ratio * n), 1)`` of them (n the
-    trained tokens), a uniformly random choice (``torch.randperm`` on ``generator``) when there are more, get
-    ``L_t = 0``; the others PPO's ``max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))`` (no dual clip). The
-    detached tokens are ``cov_selected`` (verl's ``pg_clipfrac`` for this loss); ``clipped_*`` is the PPO clip.
+    ``band.lower < cov_t < band.upper`` that PPO did not clip are candidates; ``max(int(band.ratio * n), 1)`` of
+    them (n the trained tokens), a uniformly random choice (``torch.randperm`` on ``generator``, None: torch's
+    default, as verl) when there are more, get ``L_t = 0``; the others PPO's ``max(-A r, -A clip(r, 1 - clip_low,
+    1 + clip_high))`` (no dual clip). The detached tokens are ``cov_selected`` (verl's ``pg_clipfrac`` for this
+    loss); ``clipped_*`` is the PPO clip.
     """
-    if not ratio > 0:
-        raise ValueError(f"clip_cov_ratio must be > 0, got {ratio}")
+    if not band.ratio > 0:
+        raise ValueError(f"clip_cov_ratio must be > 0, got {band.ratio}")
     out = ppo(logprobs, old_logprobs, advantages, loss_mask, clip_low, clip_high)
     _, adv, keep = _prepare(logprobs, old_logprobs, advantages, loss_mask)
     with torch.no_grad():
         lp = logprobs.detach()
         cov = (adv - _masked_mean(adv, keep)) * (lp - _masked_mean(lp, keep))
-        candidates = ((cov > cov_lb) & (cov < cov_ub) & keep & ~out.clipped).nonzero()
-        count = max(int(ratio * int(keep.sum())), 1)
+        candidates = ((cov > band.lower) & (cov < band.upper) & keep & ~out.clipped).nonzero()
+        count = max(int(band.ratio * int(keep.sum())), 1)
         if len(candidates) > count:
             candidates = candidates[torch.randperm(len(candidates), generator=generator,
                                                    device=candidates.device)[:count]]
