@@ -316,7 +316,7 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
             refs = reference_logprobs(chunks, micro, vocab_size=vocab_size, temperature=temperature,
                                       replay=keep_routing, sequence_parallel=sequence_parallel)
     setup = LossSetup(algo, step_sum_keys(algo), step_max_keys(algo), vocab_size, temperature,
-                      prompt_weights_by_group(batch, algo, device))
+                      prompt_weights_by_group(batch, algo, model_device(chunks)))
     loss = partial(_micro_batch_loss, setup=setup)
 
     def forward_step(data_iterator, model):
