@@ -1,8 +1,8 @@
-"""What an RL run reads, checked before it starts anything, as far as that is cheap: the dataset file and
-its fields, the reward function's and the agent program's imports, the teacher's, the critic's and frozen
-roles' checkpoints against the policy's vocabulary, the rollout length against the checkpoint's context, a
-checkpoint's tied embeddings against the SGLang model that serves it, and that no checkpoint the run loads is
-quantized (a ``quantization_config``: no FP8 path yet). The
+"""What an RL run reads, checked before it starts anything, as far as that is cheap: the trackers' packages,
+the dataset file and its fields, the reward function's and the agent program's imports, the teacher's, the
+critic's and frozen roles' checkpoints against the policy's vocabulary, the rollout length against the
+checkpoint's context, a checkpoint's tied embeddings against the SGLang model that serves it, and that no
+checkpoint the run loads is quantized (a ``quantization_config``: no FP8 path yet). The
 driver runs it (:func:`megarl.config.platform_rules.refuse_what_is_not_built`); the planner does not (it
 plans for machines whose files live elsewhere). Each check raises :class:`ConfigError` naming the key.
 """
@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from megarl.agents.spec import load_agent
 from megarl.config.errors import ConfigError, fail, one_line
+from megarl.metrics.trackers import missing_tracker
 from megarl.models.hf_config import hf_config_if_present, quantized_refusal
 from megarl.tasks.prompts import DATASET_TASKS, dataset_fields, has_chat_template
 from megarl.tasks.rewards import load_user_reward
@@ -25,6 +26,9 @@ def check_inputs(cfg: DictConfig) -> None:
     _check_unquantized(cfg)
     if cfg.mode == "warmup":
         return
+    missing = missing_tracker(cfg.logging.trackers)
+    if missing is not None:
+        fail("logging.trackers", missing)
     if cfg.task.name in DATASET_TASKS:
         _check_dataset(cfg.task)
     if cfg.reward.type == "function":

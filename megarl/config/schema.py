@@ -26,6 +26,7 @@ from megarl.algos.off_policy import CORRECTIONS, LEVELS, OLD_POLICIES
 from megarl.algos.policy_loss import DPPO_TYPES, POLICY_LOSSES
 from megarl.algos.score_centering import SCORE_CENTERING
 from megarl.fields import setting
+from megarl.metrics.trackers import MlflowConfig, WandbConfig
 from megarl.models.lora import LoraConfig
 from megarl.rollout.env import ENVIRONMENTS
 from megarl.rollout.group import PARTIAL_ROLLOUT_MODES
@@ -465,6 +466,11 @@ class ClusterConfig:
 @dataclass
 class LoggingConfig:
     run_dir: str = "runs/${run_name}"  # metrics.jsonl and the resolved config.yaml go here
+    # where metrics.jsonl's rows also go: tensorboard (run_dir/tensorboard) | wandb | mlflow
+    # (megarl/metrics/trackers.py; wandb and mlflow are optional packages, pinned in requirements.lock)
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass

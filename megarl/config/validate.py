@@ -17,6 +17,7 @@ from megarl.config.errors import ConfigError, PlacementError, fail, one_line
 from megarl.config.schema import MegarlConfig
 from megarl.config.topology import RunTopology, check_role_engines, check_topology, checkpoint_arch
 from megarl.fields import out_of_bounds
+from megarl.metrics.trackers import TRACKERS
 from megarl.models.hf_config import hf_config_if_present
 from megarl.models.lora import LoraConfig
 from megarl.parallel import PipelineSplitError, stage_layer_counts
@@ -57,6 +58,7 @@ def validate(cfg: DictConfig) -> None:
             f"{cfg.trainer.updates_per_step}")
     _check_warmup(cfg)
     _check_optimizer_offload(cfg)
+    _check_trackers(cfg.logging.trackers)
 
 
 def _check_sync(cfg: DictConfig) -> None:
@@ -193,6 +195,13 @@ def _check_optimizer_offload(cfg: DictConfig) -> None:
     if not cfg.trainer.use_distributed_optimizer:
         fail("trainer.optimizer_cpu_offload", "runs inside megatron-core's distributed optimizer: set "
              "trainer.use_distributed_optimizer=true")
+
+
+def _check_trackers(names) -> None:
+    """``logging.trackers`` names trackers megarl has."""
+    for name in names:
+        if name not in TRACKERS:
+            fail("logging.trackers", f"{name!r} is not one of {', '.join(TRACKERS)}")
 
 
 def _check_warmup(cfg: DictConfig) -> None:

@@ -1,6 +1,7 @@
 """A run's metrics sink: ``metrics.jsonl`` in the run directory (one JSON object per line,
-``{"step": N, "time": unix seconds, "<group>/<name>": value}``) and the same values as TensorBoard
-scalars under ``run_dir/tensorboard/``."""
+``{"step": N, "time": unix seconds, "<group>/<name>": value}``) and the same values in the run's
+trackers (:mod:`megarl.metrics.trackers`: TensorBoard scalars under ``run_dir/tensorboard/`` by default,
+wandb, MLflow)."""
 from __future__ import annotations
 
 import json
@@ -8,19 +9,19 @@ import math
 import time
 from pathlib import Path
 
-from megarl.metrics.tensorboard import TensorBoardScalars
+from megarl.metrics.trackers import Trackers, TrackerSettings
 
 
 class MetricsFile:
-    """Appends one line per :meth:`log` call to ``metrics.jsonl`` and the same step to the
-    TensorBoard event file, flushing both, so a killed run keeps what it logged. Non-finite values
-    are ``null`` in the JSONL and left out of TensorBoard. Create it on one rank only."""
+    """Appends one line per :meth:`log` call to ``metrics.jsonl``, flushed, so a killed run keeps what
+    it logged, and hands the same row to the trackers of ``trackers`` (default: TensorBoard alone). Non-finite
+    values are ``null`` in the JSONL and left out of the trackers. Create it on one rank only."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, trackers: TrackerSettings | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a")
-        self._tensorboard = TensorBoardScalars(run_dir)
+        self.trackers = Trackers(trackers or TrackerSettings(), run_dir)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         now = round(time.time(), 3)
@@ -30,11 +31,11 @@ class MetricsFile:
             row[key] = value if math.isfinite(value) else None
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        self._tensorboard.log(step, values, wall_time=now)
+        self.trackers.log(step, values, wall_time=now)
 
     def close(self) -> None:
         self._file.close()
-        self._tensorboard.close()
+        self.trackers.close()
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

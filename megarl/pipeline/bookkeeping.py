@@ -2,7 +2,7 @@
 run drops the rows it will redo.
 
 :class:`StepBooks` owns the run directory's ``metrics.jsonl`` (through :class:`MetricsFile`, with
-TensorBoard when installed) and ``trained_prompts.jsonl`` (one ``{"step", "prompts"}`` line a step:
+the run's trackers: TensorBoard, wandb, MLflow) and ``trained_prompts.jsonl`` (one ``{"step", "prompts"}`` line a step:
 the audit trail that shows no prompt is trained twice across resumes), the GPU stats and the step's
 clock. :func:`combine_updates` joins the results of one step's optimizer updates into the step's.
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 from megarl.algos.advantages import BatchStats
 from megarl.metrics.gpu import GpuStats
 from megarl.metrics.sink import MetricsFile
+from megarl.metrics.trackers import TrackerSettings
 from megarl.pipeline.buffer import Batch
 from megarl.sample import RolloutSample
 from megarl.trainer.rl_step import RLStepResult
@@ -88,14 +89,16 @@ def _figure(value: float | None) -> str:
 
 class StepBooks:
     """The per-step logs of the run in ``run_dir`` (module docstring), opened for a run whose last
-    completed step is ``start_step``: the rows after it are dropped first, the files are closed when
-    ``stack`` closes. The clock: :meth:`start` before the first step, :meth:`training_started` once a
-    step's batch is taken, :meth:`sync_started` when its weight sync begins, then :meth:`record`."""
+    completed step is ``start_step``: the rows after it are dropped first, the files (and ``trackers``, the
+    run's: :mod:`megarl.metrics.trackers`; None: TensorBoard) are closed when ``stack`` closes. The clock:
+    :meth:`start` before the first step, :meth:`training_started` once a step's batch is taken,
+    :meth:`sync_started` when its weight sync begins, then :meth:`record`."""
 
-    def __init__(self, run_dir: Path, start_step: int, stack: contextlib.ExitStack | contextlib.AsyncExitStack):
+    def __init__(self, run_dir: Path, start_step: int, stack: contextlib.ExitStack | contextlib.AsyncExitStack,
+                 trackers: TrackerSettings | None = None):
         for name in JSONL_LOGS:
             truncate_jsonl(run_dir / name, start_step)
-        self.metrics = MetricsFile(run_dir)
+        self.metrics = MetricsFile(run_dir, trackers)
         stack.callback(self.metrics.close)
         self._trained = stack.enter_context((run_dir / "trained_prompts.jsonl").open("a"))
         self._gpu = GpuStats()

@@ -39,6 +39,7 @@ from megarl.algos.value_loss import value_metrics
 from megarl.config.topology import RunTopology
 from megarl.engines.pool import EnginePool
 from megarl.engines.types import PauseMode
+from megarl.metrics.trackers import TrackerSettings
 from megarl.parallel import Layout
 from megarl.pipeline.bookkeeping import StepBooks, combine_updates
 from megarl.pipeline.buffer import Batch, RolloutBuffer
@@ -395,7 +396,8 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
                             release_trainer=lambda: trainer_release(trainer)) if plan.colocated else None
     membership = None if plan.colocated else _membership(cfg, plan, pool, sync, stack)
     pipe = Pipeline(cfg=cfg, trainer=trainer, pool=pool, sync=sync, buffer=rollout.buffer, producer=rollout.producer,
-                    ledger=resumed.ledger, books=StepBooks(Path(cfg.logging.run_dir), resumed.step, stack),
+                    ledger=resumed.ledger, books=StepBooks(Path(cfg.logging.run_dir), resumed.step, stack,
+                                                    TrackerSettings.from_config(cfg)),
                     pad_id=tokenizer.pad_token_id, vocab_size=pool.model.vocab_size, start_step=resumed.step,
                     colocation=colocation, teacher=rollout.teacher, membership=membership,
                     kl_control=resumed_kl_control(cfg, resumed.position))
