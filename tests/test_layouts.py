@@ -51,26 +51,30 @@ def supervised_steps(layout, hf_path):
     return out
 
 
-def rl_cases(trainable, layout, hf):
-    """{case: (grad_norm, metrics)} of rl_step on the frozen model."""
+def rl_cases(trainable, layout, hf, loads):
+    """{case: (grad_norm, metrics)} of rl_step on the frozen model (with the expert-load metrics); ``loads`` gets
+    each case's expert load (engine's, trainer's) counts."""
     from hf_oracle import make_samples
 
     from megarl.config.schema import AlgorithmConfig
+    from megarl.pipeline.bookkeeping import load_metrics
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import rl_step
 
     natural = make_samples(hf, 8, top_k=5, seed=1)
     forced = make_samples(hf, 8, top_k=5, seed=1, rotate_experts=3)
 
-    def step(samples, keep_routing=True, keep_mask=True, pack=True):
+    def step(case, samples, keep_routing=True, keep_mask=True, pack=True):
         batch = build_rl_batch(samples, with_sampling_mask=keep_mask)
         result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
                          vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=keep_routing,
                          sequence_parallel=layout.sequence_parallel, pack=pack)
-        return result.grad_norm, {k: v for k, v in result.metrics.items() if not k.startswith("perf/")}
+        loads[case] = (result.expert_load.engine, result.expert_load.trainer)
+        metrics = {k: v for k, v in result.metrics.items() if not k.startswith("perf/")} | load_metrics(result)
+        return case, (result.grad_norm, metrics)
 
-    return {"kept": step(natural), "forced_kept": step(forced), "forced_free": step(forced, keep_routing=False),
-            "no_mask": step(natural, keep_mask=False), "padded": step(natural, pack=False)}
+    return dict([step("kept", natural), step("forced_kept", forced), step("forced_free", forced, keep_routing=False),
+                 step("no_mask", natural, keep_mask=False), step("padded", natural, pack=False)])
 
 
 def packing_diffs(trainable, layout, hf):
@@ -166,11 +170,12 @@ def layout_checks(rank, layout, hf_path):
                                           use_distributed_optimizer=False)
     frozen = build_trainable(hf_path, layout, frozen_settings, transformer_impl="local", routing_replay=True)
     hf = load_hf(hf_path)
-    rl = rl_cases(frozen, layout, hf)
+    loads = {}
+    rl = rl_cases(frozen, layout, hf, loads)
     packing = packing_diffs(frozen, layout, hf)
     local_tokens = 16 // (layout.tp if layout.sequence_parallel else 1)
     return {"sft": sft, "rl": rl, "replay": replay_choices(frozen.chunks, layout), "local_tokens": local_tokens,
-            "packing": packing}
+            "packing": packing, "load": loads}
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +212,32 @@ def test_replayed_routing_is_the_one_used(single):
 def test_dropping_the_sampling_mask_makes_the_mismatch_larger(single):
     kept = single["rl"]["kept"][1]["mismatch/logprob_abs_diff"]
     assert single["rl"]["no_mask"][1]["mismatch/logprob_abs_diff"] > 100 * max(kept, 1e-6)
+
+
+def test_expert_load_is_the_count_of_the_steps_routes(single, tiny_checkpoint):
+    """The engine's side equals a direct count over the samples' routes, padding left out; the trainer's
+    router on the same tokens picks HF's natural experts (beside the replay of a rotation too, in layer 1,
+    whose input the rotation does not change)."""
+    from hf_oracle import load_hf, make_samples
+
+    from megarl.metrics.expert_load import expert_load_metrics, route_counts
+
+    hf = load_hf(tiny_checkpoint)
+    natural = route_counts([s.routed_experts for s in make_samples(hf, 8, top_k=5, seed=1)], 8)
+    forced = route_counts([s.routed_experts for s in make_samples(hf, 8, top_k=5, seed=1, rotate_experts=3)], 8)
+    load = single["load"]
+    for case, routes in (("kept", natural), ("padded", natural), ("no_mask", natural), ("forced_kept", forced),
+                         ("forced_free", forced)):
+        assert (load[case][0] == routes).all(), case
+        metrics = single["rl"][case][1]
+        assert {k: v for k, v in metrics.items() if k.startswith("experts/")} == \
+            pytest.approx(expert_load_metrics(load[case][0], load[case][1], [1, 2])), case
+    assert (natural.sum(1) == natural.sum() / 2).all() and natural.sum() == 2 * 2 * sum(
+        len(s.prompt_ids) + len(s.response_ids) - 1 for s in make_samples(hf, 8, top_k=5, seed=1))
+    assert single["rl"]["kept"][1]["experts/load_tv"] < 0.02  # the trainer's router agrees with HF's
+    assert single["rl"]["forced_kept"][1]["experts/L1/load_tv"] > 0.1  # the rotation moves the load
+    assert abs(load["forced_kept"][1][0] - natural[0]).sum() <= 0.02 * natural[0].sum()
+    assert abs(load["forced_free"][1][0] - natural[0]).sum() <= 0.02 * natural[0].sum()
 
 
 def check_replay(result):
@@ -253,8 +284,12 @@ def test_layout_equals_single_process(name, single, tiny_checkpoint):
                 assert loss == pytest.approx(ref_loss, abs=1e-5)
         for case, (grad_norm, metrics) in result["rl"].items():
             assert grad_norm == pytest.approx(single["rl"][case][0], abs=1e-5), case
+            experts = {k for k in single["rl"][case][1] if k.startswith("experts/")}
+            assert experts and experts <= metrics.keys(), case  # every rank has the whole step's load
             for key, value in metrics.items():
                 assert value == pytest.approx(single["rl"][case][1][key], abs=1e-5), (case, key)
+            for mine, ref in zip(result["load"][case], single["load"][case]):  # every rank: the whole step's
+                assert (mine == ref).all(), case
         layers |= check_replay(result)
         check_packing(result)
     assert layers == {1, 2}  # every MoE layer checked (PP2: one per stage)

@@ -139,3 +139,46 @@ def test_gpu_stats_on_this_machine_match_what_torch_sees():
     else:
         assert {k.split("/")[1] for k in sample} >= {str(i) for i in range(torch.cuda.device_count())}
         assert 0 < sample["gpu/0/memory_used_gb"] <= sample["gpu/0/memory_total_gb"]
+
+
+def test_load_stats_of_a_layer_by_hand():
+    """counts [4, 0, 2, 2]: mean 2, busiest 4; one expert of four idle; shares (.5, .25, .25) give
+    -(.5 ln .5 + 2 * .25 ln .25) / ln 4 = 0.75."""
+    from megarl.metrics.expert_load import load_distance, load_stats
+
+    assert load_stats(np.array([4, 0, 2, 2])) == pytest.approx({"max_over_mean": 2.0, "idle_frac": 0.25,
+                                                                "entropy": 0.75})
+    assert load_stats(np.array([3, 3, 3])) == pytest.approx({"max_over_mean": 1.0, "idle_frac": 0.0, "entropy": 1.0})
+    assert load_distance(np.array([4, 0, 2, 2]), np.array([0, 4, 2, 2])) == pytest.approx(0.5)
+
+
+def test_route_counts_and_the_step_metrics_per_layer():
+    """Two samples' routes [T-1, L=2, k=2] over 4 experts counted per layer; layer 2 of the trainer idle."""
+    from megarl.metrics.expert_load import expert_load_metrics, route_counts
+
+    a = np.array([[[0, 1], [2, 3]], [[0, 2], [2, 3]]], dtype=np.int16)  # 2 tokens
+    b = np.array([[[1, 0], [3, 2]]], dtype=np.int16)  # 1 token
+    counts = route_counts([a, b], 4)
+    assert counts.tolist() == [[3, 2, 1, 0], [0, 0, 3, 3]]
+    trainer = np.array([[2, 2, 1, 1], [0, 0, 0, 0]], dtype=np.float64)  # a layer with no tokens is left out
+    metrics = expert_load_metrics(counts, trainer, [1, 2])
+    assert metrics["experts/engine/L1/max_over_mean"] == pytest.approx(3 / 1.5)
+    assert metrics["experts/engine/L2/idle_frac"] == 0.5 and metrics["experts/engine/idle_frac"] == 0.375
+    assert metrics["experts/engine/max_over_mean"] == 2.0  # the worst layer's
+    assert metrics["experts/L1/load_tv"] == pytest.approx(0.5 * (1 + 0 + 0 + 1) / 6) == metrics["experts/load_tv"]
+    assert "experts/trainer/L2/entropy" not in metrics and "experts/L2/load_tv" not in metrics
+
+
+def test_plot_draws_the_evaluation_and_the_expert_load_when_logged(tmp_path):
+    """pass@k's key is found whatever k the run used; eval rows are sparse, between the steps' rows."""
+    sink = MetricsFile(tmp_path)
+    for step in range(1, 5):
+        sink.log(step, {"reward/mean": step / 10, "experts/engine/max_over_mean": 1 + step / 10,
+                        "experts/trainer/max_over_mean": 1.5})
+        if step % 2 == 0:
+            sink.log(step, {"eval/reward": step / 8, "eval/pass@1": step / 8, "eval/pass@8": step / 4})
+    sink.close()
+    path, series = plot_run(tmp_path)
+    assert series["eval/pass@8"] == [(2, 0.5), (4, 1.0)] and series["eval/pass@1"] == [(2, 0.25), (4, 0.5)]
+    assert series["experts/trainer/max_over_mean"] == [(s, 1.5) for s in range(1, 5)]
+    assert Image.open(path).size == (1500, 350)  # reward, evaluation, expert load

@@ -1,7 +1,9 @@
 """A PNG of a run's curves: reward, and train-inference mismatch (fresh tokens) beside the drift of
-stale tokens, per RL step (warm-up loss when no RL ran)."""
+stale tokens, per RL step (warm-up loss when no RL ran); the held-out evaluation and the experts' load
+when the run logged them."""
 from __future__ import annotations
 
+import fnmatch
 from pathlib import Path
 
 from megarl.metrics.sink import read_metrics
@@ -10,7 +12,30 @@ from megarl.metrics.sink import read_metrics
 PANELS = (("mean reward", "linear", (("reward/mean", None),)),
           ("|trainer - rollout| log-prob", "log", (("mismatch/logprob_abs_diff", "mismatch (fresh tokens)"),
                                                    ("staleness/logprob_drift", "drift (stale tokens)"))),
-          ("warm-up loss", "linear", (("warmup/loss", None),)))
+          ("warm-up loss", "linear", (("warmup/loss", None),)),
+          ("held-out evaluation", "linear",
+           (("eval/reward", "reward (sampled)"), ("eval/greedy/reward", "reward (greedy)"),
+            ("eval/pass@*", "pass@{}"))),
+          ("expert load: busiest / mean (worst layer)", "linear",
+           (("experts/engine/max_over_mean", "engine's routes"),
+            ("experts/trainer/max_over_mean", "trainer's router"))))
+# a key with ``*`` stands for every logged key it matches (fnmatch), its label formatted with what the ``*`` matched
+
+
+def _expanded(rows: list[dict]) -> list[tuple]:
+    """:data:`PANELS` with their wildcard keys replaced by the logged keys they match, in order."""
+    logged = list(dict.fromkeys(k for r in rows for k in r))
+    panels = []
+    for title, scale, lines in PANELS:
+        out = []
+        for key, label in lines:
+            if "*" not in key:
+                out.append((key, label))
+                continue
+            head, tail = key.split("*", 1)
+            out += [(k, label.format(k[len(head):len(k) - len(tail)])) for k in logged if fnmatch.fnmatchcase(k, key)]
+        panels.append((title, scale, tuple(out)))
+    return panels
 
 
 def plot_run(run_dir: str | Path, out_name: str = "curves.png") -> tuple[Path, dict[str, list[tuple[int, float]]]]:
@@ -21,9 +46,10 @@ def plot_run(run_dir: str | Path, out_name: str = "curves.png") -> tuple[Path, d
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
-    keys = [key for _, _, lines in PANELS for key, _ in lines]
+    panels = _expanded(rows)
+    keys = [key for _, _, lines in panels for key, _ in lines]
     series = {key: [(r["step"], r[key]) for r in rows if r.get(key) is not None] for key in keys}
-    panels = [p for p in PANELS if any(series[key] for key, _ in p[2])]
+    panels = [p for p in panels if any(series[key] for key, _ in p[2])]
     if not panels:
         raise ValueError(f"{run_dir}/metrics.jsonl has none of {keys}")
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5), squeeze=False)
@@ -31,7 +57,7 @@ def plot_run(run_dir: str | Path, out_name: str = "curves.png") -> tuple[Path, d
         for key, label in lines:
             if series[key]:
                 steps, values = zip(*series[key])
-                ax.plot(steps, values, linewidth=1, label=label)
+                ax.plot(steps, values, linewidth=1, label=label, marker="o" if len(steps) < 30 else None, markersize=3)
         if len(lines) > 1:
             ax.legend(fontsize="small")
         ax.set_title(title)

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import logging
+import operator
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from megarl.algos.advantages import BatchStats
+from megarl.metrics.expert_load import expert_load_metrics
 from megarl.metrics.gpu import GpuStats
 from megarl.metrics.sink import MetricsFile
 from megarl.metrics.trackers import TrackerSettings
@@ -33,7 +36,8 @@ SUMMED_METRICS = ("mismatch/tokens_outside_mask",)  # the rl_step metrics that a
 def combine_updates(results: list[RLStepResult]) -> RLStepResult:
     """One RL step's result from its updates': grad norms and metrics averaged, except counts
     (:data:`SUMMED_METRICS`: summed), maxima (``*_max``: the largest) and minima (``*_min``: the smallest);
-    applied when every update was. A metric an update left out (over an empty token set) comes from the others."""
+    applied when every update was; their expert loads summed. A metric an update left out (over an empty token
+    set) comes from the others."""
     if len(results) == 1:
         return results[0]
     metrics = {}
@@ -47,8 +51,10 @@ def combine_updates(results: list[RLStepResult]) -> RLStepResult:
             metrics[key] = sum(values)
         else:
             metrics[key] = sum(values) / len(values)
+    loads = [r.expert_load for r in results if r.expert_load is not None]
     return RLStepResult(grad_norm=sum(r.grad_norm for r in results) / len(results),
-                        applied=all(r.applied for r in results), metrics=metrics)
+                        applied=all(r.applied for r in results), metrics=metrics,
+                        expert_load=functools.reduce(operator.add, loads) if loads else None)
 
 
 def episode_metrics(samples: list[RolloutSample]) -> dict[str, float]:
@@ -71,6 +77,12 @@ def prefix_cache_metrics(samples: list[RolloutSample]) -> dict[str, float]:
     no sample counted any (samples that never reached an engine)."""
     sent = sum(s.prefill_tokens for s in samples)
     return {"rollout/cached_token_frac": sum(s.cached_tokens for s in samples) / sent} if sent else {}
+
+
+def load_metrics(result: RLStepResult) -> dict[str, float]:
+    """The step's ``experts/*`` metrics (:mod:`megarl.metrics.expert_load`), empty when it compared no routes."""
+    load = result.expert_load
+    return {} if load is None else expert_load_metrics(load.engine, load.trainer, load.layers)
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
@@ -133,7 +145,7 @@ class StepBooks:
                "perf/trainer_idle_frac": wait_s / (now - c["train_start"] + wait_s),
                "time/wait_s": wait_s, "time/train_s": c["sync_start"] - c["train_start"],
                "sync/seconds": now - c["sync_start"], **more, **episode_metrics(batch.samples),
-               **prefix_cache_metrics(batch.samples), **stats.metrics,
+               **prefix_cache_metrics(batch.samples), **stats.metrics, **load_metrics(result),
                **self._gpu.sample()}
         self.metrics.log(step, row)
         log.info("step %d: reward %.3f, mismatch %s (fresh tokens), drift %s (stale), staleness %.2f, wait %.1fs "

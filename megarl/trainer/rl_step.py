@@ -27,6 +27,7 @@ from megarl.algos.objective import LossInputs, rl_loss
 from megarl.config.schema import AlgorithmConfig
 from megarl.trainer.context_parallel import ContextParallelRank, row_length_multiple, this_cp_rank, token_count_share
 from megarl.trainer.device import collective_device, model_device
+from megarl.trainer.expert_load import ExpertLoad, LoadCounter
 from megarl.trainer.logprobs import csr_rows, vocab_parallel_logprobs
 from megarl.trainer.mismatch import empty_mismatch, mismatch_metrics, mismatch_sums, reduce_mismatch
 from megarl.trainer.packing import (
@@ -48,6 +49,7 @@ class RLStepResult:
     grad_norm: float
     applied: bool
     metrics: dict[str, float] = field(default_factory=dict)  # global-batch means (last PP stage)
+    expert_load: ExpertLoad | None = None  # the step's expert load, when it compared routes (every rank)
 
 
 def _token_logprobs(logits: torch.Tensor, mb: RLBatch, mi: ModelInput, vocab_size: int, temperature: float,
@@ -303,10 +305,13 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     of valid token-layer pairs where the trainer's own router picks the engine's expert set: recorded
     when routing is not replayed, computed beside the replay when it is), ``perf/padding_frac``
     (padding share of the model's input positions) and ``perf/dp_token_imbalance`` (max / mean real tokens per DP rank).
+    ``expert_load``: both sides' tokens per expert and layer when routes were compared
+    (:mod:`megarl.trainer.expert_load`).
     """
     from megarl.trainer.optimizer import optimizer_step
 
-    routing = StepRouting(keep_routing, batch.routed_experts is not None, sequence_parallel)
+    load = LoadCounter.for_model(chunks) if batch.routed_experts is not None and replay_routers() else None
+    routing = StepRouting(keep_routing, batch.routed_experts is not None, sequence_parallel, load)
     _check_step_inputs(chunks, batch, algo, reference, routing)
     plan, _, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
                                          sequence_parallel=sequence_parallel, pad_id=pad_id)
@@ -334,7 +339,8 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     metrics = {"perf/padding_frac": plan.padding_frac(batch.lengths),
                "perf/dp_token_imbalance": plan.imbalance(batch.lengths)}
     return RLStepResult(grad_norm=grad_norm, applied=applied,
-                        metrics=metrics | _reduced_metrics(reduced, setup, routing))
+                        metrics=metrics | _reduced_metrics(reduced, setup, routing),
+                        expert_load=None if load is None else load.reduced(sequence_parallel))
 
 
 @dataclass(frozen=True)

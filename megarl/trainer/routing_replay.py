@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from megarl.trainer.expert_load import LoadCounter
 from megarl.trainer.packing import ModelInput
 from megarl.trainer.rl_batch import RLBatch
 
@@ -42,14 +43,18 @@ def local_replay_indices(routed: torch.Tensor, layer_number: int, sequence_paral
 
 
 def routing_agreement(recorded: list[torch.Tensor], routed: torch.Tensor, layer_numbers: list[int],
-                      valid: torch.Tensor, sequence_parallel: bool) -> tuple[float, float]:
-    """(matching token-layer pairs, valid pairs) where the trainer's top-k set equals the engine's."""
+                      valid: torch.Tensor, sequence_parallel: bool,
+                      load: LoadCounter | None = None) -> tuple[float, float]:
+    """(matching token-layer pairs, valid pairs) where the trainer's top-k set equals the engine's; both
+    sides' valid tokens go to ``load`` when given."""
     match, total = 0.0, 0.0
     for rec, layer in zip(recorded, layer_numbers):
         engine = local_replay_indices(routed, layer, sequence_parallel).sort(-1).values
         mine = rec.sort(-1).values
         valid_local = local_replay_indices(valid[:, :, None, None].long(), 1, sequence_parallel)[:, 0].bool()
         equal = (engine == mine).all(-1) & valid_local
+        if load is not None:
+            load.add(layer, engine[valid_local], mine[valid_local])
         match += float(equal.sum())
         total += float(valid_local.sum())
     return match, total
@@ -75,11 +80,12 @@ class ReplayAgreement:
 
     Wraps ``get_replay_topk`` of each RouterReplay instance (not megatron's class): in
     REPLAY_FORWARD it also runs the router's default top-k on the live scores and compares sets
-    on the tokens marked valid by :meth:`set_valid`. Undone by :meth:`close`.
+    on the tokens marked valid by :meth:`set_valid`; both sides' valid tokens go to ``load`` when given.
+    Undone by :meth:`close`.
     """
 
-    def __init__(self, routers: list):
-        self.routers, self.matched, self.total = routers, 0.0, 0.0
+    def __init__(self, routers: list, load: LoadCounter | None = None):
+        self.routers, self.matched, self.total, self.load = routers, 0.0, 0.0, load
         self._valid: torch.Tensor | None = None
         for router in routers:
             router.get_replay_topk = self._wrap(router, router.get_replay_topk)
@@ -93,6 +99,8 @@ class ReplayAgreement:
                 with torch.no_grad():
                     _, natural = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
                     equal = (natural.sort(-1).values == replayed.sort(-1).values).all(-1) & self._valid
+                    if self.load is not None:
+                        self.load.add(router.layer_number, replayed[self._valid], natural[self._valid])
                     self.matched += float(equal.sum())
                     self.total += float(self._valid.sum())
             return probs, replayed
@@ -118,9 +126,10 @@ class Replay:
     recomputed (:func:`routers_recomputed`) the list is emptied after each forward: nothing would take the
     entries back, and they would keep every micro-batch's replay ids on the device until the step ends."""
 
-    def __init__(self, routers: list, sequence_parallel: bool, count_agreement: bool):
+    def __init__(self, routers: list, sequence_parallel: bool, count_agreement: bool,
+                 load: LoadCounter | None = None):
         self.routers, self.sp = routers, sequence_parallel
-        self.agreement = ReplayAgreement(routers) if count_agreement else None
+        self.agreement = ReplayAgreement(routers, load) if count_agreement else None
         self._chunks: dict[int, tuple[list, bool]] = {}  # id(chunk) -> (its routers, whether they are recomputed)
 
     def _of(self, model) -> tuple[list, bool]:
@@ -176,15 +185,16 @@ class StepRouting:
     carries routes, the trainer's own choice is recorded and compared with them; with neither, the
     routers are left to choose. Enter it around the step's schedule, run each micro-batch's forward
     through :meth:`forward`; after the exit, ``counts`` holds (matching, valid) token-layer pairs of
-    this rank when :attr:`measured`."""
+    this rank when :attr:`measured`, and ``load`` (when given) both sides' expert load."""
 
-    def __init__(self, keep_routing: bool, routed: bool, sequence_parallel: bool):
+    def __init__(self, keep_routing: bool, routed: bool, sequence_parallel: bool, load: LoadCounter | None = None):
         self.routers = replay_routers()
         if keep_routing and (not routed or not self.routers):
             raise ValueError("keep_routing needs routed_experts in every sample and a model built with routing replay")
         self.keep_routing, self.sp = keep_routing, sequence_parallel
         self.record = not keep_routing and routed and bool(self.routers)
         self.counts = [0.0, 0.0]
+        self.load = load
         self._replay: Replay | None = None
         self._chunk_routers: dict[int, list] = {}  # id(chunk) -> its routers (recording)
 
@@ -203,7 +213,7 @@ class StepRouting:
             elif not self.keep_routing:
                 RouterReplay.clear_global_router_replay_action()
         if self.keep_routing:
-            self._replay = Replay(self.routers, self.sp, count_agreement=True)
+            self._replay = Replay(self.routers, self.sp, count_agreement=True, load=self.load)
         return self
 
     def forward(self, model, mb: RLBatch, mi: ModelInput) -> torch.Tensor:
@@ -224,7 +234,7 @@ class StepRouting:
         valid = mi.scatter(torch.ones(len(mb.tokens), dtype=torch.bool, device=device), False)
         matched, total = routing_agreement([r.get_recorded_indices() for r in routers],
                                            mi.scatter(mb.routed_experts.long(), torch.arange(k, device=device)),
-                                           [r.layer_number for r in routers], valid, self.sp)
+                                           [r.layer_number for r in routers], valid, self.sp, self.load)
         for router in routers:
             router.recorded_topk_idx = None
         self.counts[0] += matched
