@@ -464,6 +464,26 @@ class ClusterConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation during the run (megarl/pipeline/evaluation.py): the policy's engines answer held-out
+    prompts, never in the training stream (the arithmetic task: problems its own seed picks, left out of training;
+    jsonl / parquet: the file eval.path, read with the task's keys, without rows the training file holds), under one
+    weight version each time, beside the training stream; eval/* rows in metrics.jsonl, the trackers and
+    curves.png."""
+
+    interval: int = setting(0, ge=0)  # steps between evaluations, and one after the last step; 0 = no evaluation
+    before_training: bool = False  # also evaluate the starting weights (a new run's version 0)
+    prompts: int = setting(32, ge=1)  # held-out prompts evaluated each time
+    samples_per_prompt: int = setting(4, ge=1)  # sampled answers a prompt (n of pass@k)
+    pass_k: int = setting(4, ge=1)  # the k of eval/pass@k besides pass@1, at most samples_per_prompt
+    temperature: float = setting(1.0, gt=0)  # of the sampled answers (the greedy ones: 0)
+    greedy: bool = True  # one greedy answer a prompt too (eval/greedy/*)
+    pass_threshold: float = 1.0  # an answer passes (pass@k) with a reward at least this
+    path: Optional[str] = None  # jsonl / parquet tasks: the held-out dataset file (same format and keys as task.path)
+    seed: int = setting(1, ge=0)  # arithmetic: picks the held-out problems
+
+
+@dataclass
 class LoggingConfig:
     run_dir: str = "runs/${run_name}"  # metrics.jsonl and the resolved config.yaml go here
     # where metrics.jsonl's rows also go: tensorboard (run_dir/tensorboard) | wandb | mlflow
@@ -494,4 +514,5 @@ class MegarlConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -59,6 +59,7 @@ def validate(cfg: DictConfig) -> None:
     _check_warmup(cfg)
     _check_optimizer_offload(cfg)
     _check_trackers(cfg.logging.trackers)
+    _check_eval(cfg)
 
 
 def _check_sync(cfg: DictConfig) -> None:
@@ -195,6 +196,22 @@ def _check_optimizer_offload(cfg: DictConfig) -> None:
     if not cfg.trainer.use_distributed_optimizer:
         fail("trainer.optimizer_cpu_offload", "runs inside megatron-core's distributed optimizer: set "
              "trainer.use_distributed_optimizer=true")
+
+
+def _check_eval(cfg: DictConfig) -> None:
+    """What an evaluation needs: pass@k's k within the answers, held-out prompts of the task."""
+    e = cfg.eval
+    if e.interval == 0 and not e.before_training:
+        return
+    if e.pass_k > e.samples_per_prompt:
+        fail("eval.pass_k", f"{e.pass_k} is more than eval.samples_per_prompt ({e.samples_per_prompt}): pass@k "
+             "draws k of a prompt's answers")
+    if cfg.task.name in DATASET_TASKS and not e.path:
+        fail("eval.path", f"task.name={cfg.task.name} evaluates on a held-out file of its own: set eval.path")
+    problems = (cfg.task.max_operand + 1) ** 2
+    if cfg.task.name == "arithmetic" and e.prompts >= problems:
+        fail("eval.prompts", f"{e.prompts} held-out problems leave none of the task's {problems} "
+             f"(task.max_operand={cfg.task.max_operand}) to train on")
 
 
 def _check_trackers(names) -> None:

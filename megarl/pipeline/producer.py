@@ -53,6 +53,7 @@ class RolloutProducer:
         self._version_changed = asyncio.Condition()
         self._tasks: set[asyncio.Task] = set()
         self.generated_tokens = 0  # response tokens of every group that came back
+        self.generated_samples = 0  # samples of every group that came back
         self.bad_prompts = 0  # source rows that were no prompt (skipped, counted as prompt errors)
         self.fatal = fatal  # errors that end the run (no engine left), not just the group
         self.max_consecutive_failed_groups = max(64, 4 * prompts_per_step)
@@ -152,6 +153,7 @@ class RolloutProducer:
         self.ledger.resubmitted(result.resubmitted)
         scored = [s for s in result.samples if s.finish_reason != FinishReason.ERROR]
         self.generated_tokens += sum(len(s.response_ids) for s in result.samples)
+        self.generated_samples += len(result.samples)
         self.ledger.returned(1 if scored else 0, len(scored), g - len(scored))
         self._count_failed(bool(scored), getattr(result, "rejected", None) or "every reward errored")
         if not scored:

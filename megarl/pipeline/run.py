@@ -44,6 +44,7 @@ from megarl.parallel import Layout
 from megarl.pipeline.bookkeeping import StepBooks, combine_updates
 from megarl.pipeline.buffer import Batch, RolloutBuffer
 from megarl.pipeline.colocate import Colocation, trainer_release
+from megarl.pipeline.evaluation import Evaluation
 from megarl.pipeline.ledger import Ledger
 from megarl.pipeline.membership import Membership
 from megarl.pipeline.modes import PAUSE_FOR_PARTIAL_ROLLOUT
@@ -103,6 +104,7 @@ class Pipeline:
     membership: Membership | None = None  # disaggregated: engines lost, returned, joining and leaving
     kl_control: KLController | None = None  # algorithm.kl_in_reward: the KL coefficient of the next step's rewards
     _kl_metrics: dict[str, float] = field(default_factory=dict, repr=False)  # the last step's kl/* metrics
+    evaluation: Evaluation | None = None  # eval.*: held-out prompts answered beside the training stream
     _progress: Progress | None = field(default=None, repr=False)
 
     @property
@@ -126,6 +128,8 @@ class Pipeline:
             self._bar = self._progress.add_task(f"RL ({self.cfg.mode})", total=self.cfg.steps,
                                                 completed=self.start_step)
             self.books.start(self.producer.generated_tokens)
+            if self.evaluation is not None and self.cfg.eval.before_training and self.start_step == 0:
+                self.evaluation.start(0)  # the engines serve the starting weights
             for step in range(self.start_step + 1, self.cfg.steps + 1):
                 yield step
                 if self.stop_signal is not None:
@@ -141,6 +145,7 @@ class Pipeline:
                                                            trainer_version=step - 1))
         self.producer.taken(taken.groups + taken.dropped_stale)
         if self.colocation is not None:  # the devices go to the trainer: nothing generates until the sync
+            await self.settle_evaluation()
             await self.colocation.before_training()
         wait_s = self.books.training_started() - t0
         return Batch(groups=taken.groups, staleness=taken.staleness, wait_s=wait_s)
@@ -244,6 +249,7 @@ class Pipeline:
         restarted them (``pool.on_restart``). Disaggregated engines come and go around it
         (:mod:`megarl.pipeline.membership`; ``rollout/engines`` in the metrics)."""
         self.books.sync_started()
+        await self.settle_evaluation()  # no evaluation request is in flight across a sync
         if self.colocation is not None:  # the engines get their memory back around the sync
             synced = await self.colocation.after_training(lambda: self._sync(version))
             synced.update(self.colocation.metrics())
@@ -254,7 +260,15 @@ class Pipeline:
         else:
             synced = await self._sync(version)
         await self.producer.set_engine_version(version)
+        if self.evaluation is not None and self.evaluation.due(version, self.cfg.steps) and "sync/failed" not in synced:
+            self.evaluation.start(version)
         return synced
+
+    async def settle_evaluation(self) -> None:
+        """Wait for the evaluation under way (if any) to end and write its row
+        (:meth:`megarl.pipeline.evaluation.Evaluation.settle`)."""
+        if self.evaluation is not None:
+            await self.evaluation.settle()
 
     async def _sync(self, version: int) -> dict[str, float]:
         """One sync to ``version``; after a failure, held engines are recovered, and when an engine failed
@@ -300,6 +314,8 @@ class Pipeline:
         more = {**self.ledger.metrics(), **synced, **(self.teacher.metrics() if self.teacher is not None else {}),
                 **self._kl_metrics}
         self.books.record(step, batch, stats, result, more, self.producer.generated_tokens)
+        if step == self.cfg.steps:  # the last evaluation's row before the run ends
+            await self.settle_evaluation()
         self._progress.update(self._bar, advance=1, description=f"RL ({self.cfg.mode}) reward {stats.reward_mean:.2f}")
         if self._save_due(step):
             await self.save(step)
@@ -395,12 +411,13 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     colocation = Colocation(pool, abort=cfg.buffer.partial_rollout == "abort_resubmit", platform=platform,
                             release_trainer=lambda: trainer_release(trainer)) if plan.colocated else None
     membership = None if plan.colocated else _membership(cfg, plan, pool, sync, stack)
+    books = StepBooks(Path(cfg.logging.run_dir), resumed.step, stack, TrackerSettings.from_config(cfg))
     pipe = Pipeline(cfg=cfg, trainer=trainer, pool=pool, sync=sync, buffer=rollout.buffer, producer=rollout.producer,
-                    ledger=resumed.ledger, books=StepBooks(Path(cfg.logging.run_dir), resumed.step, stack,
-                                                    TrackerSettings.from_config(cfg)),
-                    pad_id=tokenizer.pad_token_id, vocab_size=pool.model.vocab_size, start_step=resumed.step,
-                    colocation=colocation, teacher=rollout.teacher, membership=membership,
-                    kl_control=resumed_kl_control(cfg, resumed.position))
+                    ledger=resumed.ledger, books=books, pad_id=tokenizer.pad_token_id,
+                    vocab_size=pool.model.vocab_size, start_step=resumed.step, colocation=colocation,
+                    teacher=rollout.teacher, membership=membership,
+                    kl_control=resumed_kl_control(cfg, resumed.position),
+                    evaluation=_evaluation(cfg, rollout, books, stack))
     _run_in_background(rollout.producer, stack)
     return pipe
 
@@ -411,6 +428,18 @@ def resumed_kl_control(cfg: DictConfig, position: dict | None) -> KLController:
     if position is not None and "kl_ctrl" in position:
         control.load_state_dict(position["kl_ctrl"])
     return control
+
+
+def _evaluation(cfg: DictConfig, rollout, books: StepBooks, stack: contextlib.AsyncExitStack) -> Evaluation | None:
+    """The run's held-out evaluation (``eval.*``) writing its rows into ``books``, None when it does not evaluate."""
+    parts = rollout.evaluation
+    if parts is None:
+        return None
+    producer = rollout.producer
+    evaluation = Evaluation(parts.prompts, parts.sampled, parts.greedy, cfg.eval, write=books.metrics.log,
+                            stream_samples=lambda: producer.generated_samples)
+    stack.callback(evaluation.cancel)
+    return evaluation
 
 
 def _membership(cfg: DictConfig, plan: EnginePlan, pool: EnginePool, sync,

@@ -62,15 +62,17 @@ class PromptSource(Protocol):
 
 
 class ArithmeticSource:
-    """The demo task (``megarl.tasks.arithmetic``): problems drawn uniformly with replacement."""
+    """The demo task (``megarl.tasks.arithmetic``): problems drawn uniformly with replacement, from those
+    whose prompt is not in ``exclude`` (the held-out ones, :mod:`megarl.tasks.heldout`)."""
 
-    def __init__(self, max_operand: int = 9, seed: int = 0):
+    def __init__(self, max_operand: int = 9, seed: int = 0, exclude: frozenset[str] = frozenset()):
         self.max_operand = max_operand
         self._rng = random.Random(seed)
+        self._problems = [p for p in arithmetic.all_problems(max_operand) if p.prompt not in exclude]
 
     def next_batch(self, n: int) -> list[Prompt]:
-        return [Prompt(text=p.prompt, answer=p.answer)
-                for p in arithmetic.sample_problems(n, self._rng, self.max_operand)]
+        picked = [self._problems[self._rng.randrange(len(self._problems))] for _ in range(n)]
+        return [Prompt(text=p.prompt, answer=p.answer) for p in picked]
 
     def state_dict(self) -> dict:
         version, internal, gauss_next = self._rng.getstate()
@@ -127,6 +129,14 @@ class DatasetSource:
         if self.shuffle:
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
+
+    def column(self, key: str) -> list:
+        """Every row's ``key`` field, in the file's order."""
+        return self._rows[key]
+
+    def row(self, row_index: int) -> Prompt:
+        """Row ``row_index`` of the file as a prompt (:class:`BadPrompt` when it is none)."""
+        return self._prompt(row_index)
 
     def _prompt(self, row_index: int) -> Prompt:
         row = self._rows[row_index]
@@ -248,11 +258,12 @@ def plain_text_of(prompt: str | list[dict]) -> str:
     return "\n\n".join(f"{m['role']}: {m['content']}" for m in prompt)
 
 
-def make_prompt_source(task, tokenizer=None) -> PromptSource:
+def make_prompt_source(task, tokenizer=None, exclude: frozenset[str] = frozenset()) -> PromptSource:
     """The source a ``TaskConfig`` (``cfg.task``) describes: ``name`` one of :data:`TASKS`;
-    ``tokenizer`` renders a dataset's prompts when ``task.chat_template`` is set."""
+    ``tokenizer`` renders a dataset's prompts when ``task.chat_template`` is set; ``exclude``: the
+    arithmetic task's held-out prompts (:mod:`megarl.tasks.heldout`; a dataset's are in a file of their own)."""
     if task.name == "arithmetic":
-        return ArithmeticSource(max_operand=task.max_operand, seed=task.seed)
+        return ArithmeticSource(max_operand=task.max_operand, seed=task.seed, exclude=exclude)
     if task.name in DATASET_TASKS:
         if not task.path:
             raise ValueError(f"task.path: task {task.name} needs the dataset file")

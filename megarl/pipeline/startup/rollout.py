@@ -1,6 +1,7 @@
 """The rollout of a run: what turns prompts into scored groups in the buffer.
 
-:func:`start_rollout` builds the prompt source (at a resumed run's data position), the reward (with
+:func:`start_rollout` builds the prompt source (at a resumed run's data position, without the held-out
+prompts of the evaluation, whose managers it builds too: ``eval.*``), the reward (with
 the judge on its engine, ``reward.judge``), the teacher's scorer (``teacher.hf_path``), the episode
 runner of multi-turn tasks (:func:`episode_runner`), the :class:`RolloutManager` on the policy pool,
 the bounded buffer and the producer that fills it; the producer is not started.
@@ -30,20 +31,32 @@ from megarl.pipeline.startup.trainer import Resumed
 from megarl.rollout.env import EnvEpisodes, EpisodeLimits, make_env_factory
 from megarl.rollout.group import RolloutManager
 from megarl.rollout.teacher import TeacherScorer
-from megarl.tasks.prompts import make_prompt_source
+from megarl.tasks.heldout import arithmetic_heldout, dataset_heldout
+from megarl.tasks.prompts import Prompt, chat_renderer, make_prompt_source
 from megarl.tasks.rewards import make_reward
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
+class EvalParts:
+    """What a run's evaluation runs on (``eval.*``): the held-out prompts and the managers of the sampled and
+    the greedy answers (None: no greedy answers)."""
+
+    prompts: list[Prompt]
+    sampled: RolloutManager
+    greedy: RolloutManager | None
+
+
+@dataclass
 class Rollout:
-    """What :func:`start_rollout` built: the producer (not started), the buffer it fills, and the
-    teacher's scorer when the run distils from one."""
+    """What :func:`start_rollout` built: the producer (not started), the buffer it fills, the
+    teacher's scorer when the run distils from one, and the evaluation's parts when the run evaluates."""
 
     producer: RolloutProducer
     buffer: RolloutBuffer
     teacher: TeacherScorer | None
+    evaluation: EvalParts | None = None
 
 
 def episode_runner(cfg: DictConfig, target: EnginePool, tokenizer, params: SamplingParams,
@@ -87,11 +100,15 @@ def _teacher(cfg: DictConfig, pools: Mapping[str, EnginePool], api_key: str,
 
 
 def _manager(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[str, EnginePool],
-             teacher: TeacherScorer | None, stack: contextlib.AsyncExitStack) -> RolloutManager:
-    """The rollout manager on the policy pool, with the run's reward, episodes and teacher."""
+             teacher: TeacherScorer | None, stack: contextlib.AsyncExitStack, evaluation: str | None = None,
+             samples_per_prompt: int | None = None) -> RolloutManager:
+    """The rollout manager on the policy pool, with the run's reward, episodes and teacher; ``evaluation``
+    ``"sampled"`` / ``"greedy"``: one of the evaluation's (``eval.temperature`` / greedy, ``samples_per_prompt``
+    answers, no routes, masks nor teacher)."""
     r, pool = cfg.rollout, pools["policy"]
     judge = make_judge(cfg.reward.judge, pools["judge"], tokenizer) if "judge" in pools else None
-    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+    temperature = {None: r.temperature, "sampled": cfg.eval.temperature, "greedy": 0.0}[evaluation]
+    params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p,
                             top_k=r.top_k)
     # The engine's log-probs are always those of the distribution it sampled from (renormalised
     # over its top-k mask); keep_sampling_mask decides whether the trainer applies that mask too.
@@ -99,10 +116,32 @@ def _manager(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[s
     episodes = episode_runner(cfg, pool, tokenizer, params, frozen, read_hf_config(start_checkpoint).model_type)
     if isinstance(episodes, AgentEpisodes):
         stack.push_async_callback(episodes.aclose)
-    return RolloutManager(pool, tokenizer, make_reward(cfg.reward, judge=judge), params, r.samples_per_prompt,
-                          routing=r.keep_routing, sampling_mask=r.top_k > 0,
-                          partial_rollout=cfg.buffer.partial_rollout, reward_timeout_s=cfg.reward.timeout_s,
-                          episodes=episodes, teacher=teacher, add_special_tokens=not cfg.task.chat_template)
+    training = evaluation is None
+    return RolloutManager(pool, tokenizer, make_reward(cfg.reward, judge=judge), params,
+                          samples_per_prompt or r.samples_per_prompt, routing=r.keep_routing and training,
+                          sampling_mask=r.top_k > 0 and training, partial_rollout=cfg.buffer.partial_rollout,
+                          reward_timeout_s=cfg.reward.timeout_s, episodes=episodes,
+                          teacher=teacher if training else None, add_special_tokens=not cfg.task.chat_template)
+
+
+def heldout_prompts(cfg: DictConfig, tokenizer) -> tuple[list[Prompt], frozenset[str]]:
+    """The run's held-out prompts (:mod:`megarl.tasks.heldout`) and the prompts the training source leaves
+    out for them (the arithmetic task's; a dataset's are in a file of their own)."""
+    e, task = cfg.eval, cfg.task
+    if task.name == "arithmetic":
+        return arithmetic_heldout(task.max_operand, e.prompts, e.seed)
+    render = chat_renderer(tokenizer) if task.chat_template else None
+    prompts, _ = dataset_heldout(e.path, task.path, e.prompts, prompt_key=task.prompt_key,
+                                 answer_key=task.answer_key or None, file_format=task.name, render=render)
+    return prompts, frozenset()
+
+
+def _evaluation(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[str, EnginePool],
+                prompts: list[Prompt], stack: contextlib.AsyncExitStack) -> EvalParts:
+    """The evaluation's parts: its managers on the policy pool."""
+    sampled = _manager(cfg, start_checkpoint, tokenizer, pools, None, stack, "sampled", cfg.eval.samples_per_prompt)
+    greedy = _manager(cfg, start_checkpoint, tokenizer, pools, None, stack, "greedy", 1) if cfg.eval.greedy else None
+    return EvalParts(prompts=prompts, sampled=sampled, greedy=greedy)
 
 
 def start_rollout(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[str, EnginePool],
@@ -113,7 +152,9 @@ def start_rollout(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapp
     r = cfg.rollout
     teacher = _teacher(cfg, pools, api_key, stack)
     manager = _manager(cfg, start_checkpoint, tokenizer, pools, teacher, stack)
-    source = make_prompt_source(cfg.task, tokenizer)
+    evaluates = cfg.eval.interval > 0 or cfg.eval.before_training
+    prompts, held_out = heldout_prompts(cfg, tokenizer) if evaluates else ([], frozenset())
+    source = make_prompt_source(cfg.task, tokenizer, exclude=held_out)
     if resumed.position is not None:
         source.load_state_dict(resumed.position["source"])
     lag, capacity, max_staleness = lag_and_capacity(cfg)
@@ -123,4 +164,5 @@ def start_rollout(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapp
                                dynamic_sampling=r.dynamic_sampling, engine_version=resumed.step,
                                requeue=resumed.requeue, next_index=resumed.next_index,
                                fatal=(EngineUnreachable,))
-    return Rollout(producer=producer, buffer=buffer, teacher=teacher)
+    evaluation = _evaluation(cfg, start_checkpoint, tokenizer, pools, prompts, stack) if evaluates else None
+    return Rollout(producer=producer, buffer=buffer, teacher=teacher, evaluation=evaluation)
