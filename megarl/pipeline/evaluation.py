@@ -8,7 +8,8 @@ pause of the training stream, whose groups keep generating beside it) and the ne
 for it to end (:meth:`Evaluation.settle`, also before a colocated trainer takes the devices and after the
 last step), so no evaluation request is in flight across a sync: a sync's pause (retract, abort or in place)
 would otherwise continue it under the next version. Every answer's tokens are checked to carry that
-version; a row whose answers do not is not written (logged as an error).
+version; a row whose answers do not is not written (logged as an error), nor is that of an evaluation
+that failed (an engine lost): the run goes on either way.
 
 The row (``step`` = the version), beside :mod:`megarl.metrics.evaluation`'s ``eval/reward``,
 ``eval/pass@1``, ``eval/pass@<k>``, ``eval/response_len_mean`` and ``eval/greedy/*``:
@@ -84,7 +85,12 @@ class Evaluation:
         if run is None:
             return None
         waited = time.monotonic()
-        sampled, greedy, ended, stream_at_end = await run.task
+        try:
+            sampled, greedy, ended, stream_at_end = await run.task
+        except Exception as exc:  # noqa: BLE001 -- an evaluation never stops the run
+            log.error("evaluation of version %d failed (%s: %s); no row", run.version, type(exc).__name__, exc)
+            self._since = (time.monotonic(), self.stream_samples())
+            return None
         row = self._row(run, sampled, greedy, ended - run.started)
         self._since = (ended, stream_at_end)
         if row is None:
