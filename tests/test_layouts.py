@@ -24,6 +24,8 @@ LAYOUTS = {
     "pp2": Layout(world_size=2, pp=2),
     "dp2": Layout(world_size=2),
     "tp2_ep2": Layout(world_size=4, tp=2, ep=2, sequence_parallel=True),
+    # a later pipeline stage's MoE routers get their sequence slice of the padding mask (routing_replay.padding_mask)
+    "pp2_tp2_sp": Layout(world_size=4, tp=2, pp=2, sequence_parallel=True),
 }
 
 

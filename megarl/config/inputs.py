@@ -20,6 +20,10 @@ from megarl.models.hf_config import hf_config_if_present, quantized_refusal
 from megarl.tasks.prompts import DATASET_TASKS, dataset_fields, has_chat_template
 from megarl.tasks.rewards import load_user_reward
 
+# HF model types whose routers carry an aux-loss-free expert bias (e_score_correction_bias) that megatron-bridge
+# maps to the router's expert_bias (megatron/bridge/models/deepseek/common.py, glm/glm45_bridge.py)
+EXPERT_BIAS_FAMILIES = ("deepseek_v3", "glm4_moe")
+
 
 def check_inputs(cfg: DictConfig) -> None:
     """What an RL run reads, checked before it starts anything (a warm-up reads only the policy's checkpoint)."""
@@ -53,6 +57,11 @@ def check_inputs(cfg: DictConfig) -> None:
     for i, entry in enumerate(cfg.task.role_engines if cfg.task.agent is not None else ()):
         if entry.hf_path is not None:
             _check_frozen_role(f"task.role_engines[{i}].hf_path", entry.role, entry.hf_path, checkpoint)
+    if cfg.model.moe_expert_bias_update_rate is not None and checkpoint is not None:
+        model_type = hf_config_if_present(checkpoint).model_type
+        if model_type not in EXPERT_BIAS_FAMILIES:
+            fail("model.moe_expert_bias_update_rate", f"{checkpoint} is a {model_type} model, whose routers have no "
+                 f"expert bias (the families with one: {', '.join(EXPERT_BIAS_FAMILIES)})")
     if checkpoint is not None:
         _check_served_output_layer(checkpoint)
         context = hf_config_if_present(checkpoint).context_length

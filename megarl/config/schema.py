@@ -113,7 +113,14 @@ class ModelConfig:
     tiny_variant: TinyVariant = TinyVariant.arithmetic  # which tiny checkpoint (megarl/models/tiny_moe.py)
     dtype: str = setting("float32", choices=DTYPES)  # float32 | bfloat16 | float16: parameter and compute dtype
     transformer_impl: TransformerImpl = TransformerImpl.auto
-    moe_aux_loss_coeff: float = setting(0.0, ge=0)  # load-balancing loss weight; 0 for RL, where routing is replayed
+    # megatron-core's load-balancing loss weight (the checkpoint family's type: aux_loss, seq_aux_loss, ...); under
+    # Keep Routing its tokens per expert are the replayed routes' (megarl/models/replayed_balancing.py); 0 = off
+    moe_aux_loss_coeff: float = setting(0.0, ge=0)
+    # the aux-loss-free expert bias's update per step (megatron's moe_router_bias_update_rate: sign(mean load - load)
+    # x rate, from the step's replayed routes), for the families whose routers have the bias (deepseek_v3, glm4_moe:
+    # HF e_score_correction_bias, synced into the engines with the weights); None = the family's own (megatron-bridge:
+    # 0 for glm4_moe, 1e-3 for deepseek_v3); 0 = frozen
+    moe_expert_bias_update_rate: Optional[float] = setting(None, ge=0)
     arch: ArchConfig = field(default_factory=ArchConfig)
 
 

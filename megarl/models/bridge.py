@@ -17,6 +17,7 @@ import torch
 from megarl.models import packed_attention
 from megarl.models.layers import choose_layers, layer_settings
 from megarl.models.lora import LoraConfig, apply_lora
+from megarl.models.replayed_balancing import count_replayed_routes
 from megarl.parallel import Layout
 from megarl.platform.description import detect
 
@@ -64,7 +65,7 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
                          ddp_config=None, routing_replay: bool = False,
                          moe_aux_loss_coeff: float = 0.0, load_weights: bool = True, recompute: str = "none",
                          recompute_num_layers: int | None = None, lora: LoraConfig | None = None,
-                         value_head: bool = False) -> MegatronModel:
+                         value_head: bool = False, moe_expert_bias_update_rate: float | None = None) -> MegatronModel:
     """Build this rank's Megatron chunks for ``layout`` and load the HF weights into them.
 
     ``recompute``: megatron's activation recompute, ``none`` | ``selective`` (see
@@ -78,6 +79,9 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
     the weights are loaded and before the DDP wrap, so DDP and the optimizer see the adapters only.
     ``value_head``: the critic's model, a scalar head in place of the output layer
     (:func:`megarl.models.value_head.attach_value_head`), added at the same point.
+    ``moe_expert_bias_update_rate``: the routers' expert-bias update rate (None: the checkpoint family's;
+    ValueError for a checkpoint whose routers have no expert bias). With ``routing_replay`` the auxiliary
+    losses count the replayed routes (:mod:`megarl.models.replayed_balancing`).
     """
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
@@ -93,6 +97,13 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
     if not te:
         provider.transformer_layer_spec = local_layer_spec
         packed_attention.enable()
+    if moe_expert_bias_update_rate is not None:
+        if not getattr(provider, "moe_router_enable_expert_bias", False):
+            raise ValueError(f"model.moe_expert_bias_update_rate: the routers of {hf_path} have no expert bias (it is "
+                             "for sigmoid routers with e_score_correction_bias: deepseek_v3, glm4_moe)")
+        settings["moe_router_bias_update_rate"] = moe_expert_bias_update_rate
+    if routing_replay:
+        count_replayed_routes()
     for key, value in settings.items():
         setattr(provider, key, value)
     provider.finalize()

@@ -22,6 +22,7 @@ class ModelSettings:
     moe_aux_loss_coeff: float
     reference: bool  # keep the starting weights as the KL reference (algorithm.kl_coef != 0)
     lora: LoraConfig | None = None  # train LoRA adapters on a frozen base (cfg.lora)
+    moe_expert_bias_update_rate: float | None = None  # None: the checkpoint family's
 
     @classmethod
     def from_config(cls, cfg) -> ModelSettings:
@@ -30,7 +31,8 @@ class ModelSettings:
                    dispatcher=str(cfg.parallel.dispatcher.value),
                    routing_replay=cfg.rollout.keep_routing, recompute=str(t.recompute.value),
                    recompute_num_layers=t.recompute_num_layers, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
-                   reference=cfg.algorithm.kl_coef != 0.0, lora=LoraConfig.when_enabled(cfg.lora))
+                   reference=cfg.algorithm.kl_coef != 0.0, lora=LoraConfig.when_enabled(cfg.lora),
+                   moe_expert_bias_update_rate=cfg.model.moe_expert_bias_update_rate)
 
 
 @dataclass
@@ -49,7 +51,7 @@ def build_trainable(hf_path: str, layout: Layout, settings: OptimizerSettings, *
                     dispatcher: str = "alltoall", routing_replay: bool = False,
                     moe_aux_loss_coeff: float = 0.0, recompute: str = "none",
                     recompute_num_layers: int | None = None, lora: LoraConfig | None = None,
-                    value_head: bool = False) -> TrainableModel:
+                    value_head: bool = False, moe_expert_bias_update_rate: float | None = None) -> TrainableModel:
     """The model (``value_head``: the critic's, :func:`megarl.models.bridge.build_megatron_model`), its
     DDP and its optimizer and LR schedule on this rank."""
     from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
@@ -62,7 +64,8 @@ def build_trainable(hf_path: str, layout: Layout, settings: OptimizerSettings, *
     model = build_megatron_model(hf_path, layout, dtype=settings.dtype, transformer_impl=transformer_impl,
                                  dispatcher=dispatcher, ddp_config=ddp, routing_replay=routing_replay,
                                  moe_aux_loss_coeff=moe_aux_loss_coeff, recompute=recompute,
-                                 recompute_num_layers=recompute_num_layers, lora=lora, value_head=value_head)
+                                 recompute_num_layers=recompute_num_layers, lora=lora, value_head=value_head,
+                                 moe_expert_bias_update_rate=moe_expert_bias_update_rate)
     # The schedules call this after the last backward: DP/EP gradient all-reduce, the TP all-reduce
     # of sequence-parallel norm weights, and the division by the global token count.
     get_model_config(model.chunks[0]).finalize_model_grads_func = finalize_model_grads

@@ -42,6 +42,21 @@ def local_replay_indices(routed: torch.Tensor, layer_number: int, sequence_paral
     return per_layer.reshape(-1, per_layer.shape[-1]).contiguous()
 
 
+def padding_mask(model, mb: RLBatch, mi: ModelInput, sequence_parallel: bool) -> torch.Tensor:
+    """bool [b, s]: True at the positions of the model input ``mi`` that hold no token of ``mb`` (padding, which
+    replays experts 0..k-1), the positions megatron's MoE routers leave out of their load counts (the expert
+    bias's and the auxiliary losses'). GPTModel scatters it over the sequence-parallel ranks on the first
+    pipeline stage only: on a later stage ``model`` gets this TP rank's slice."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_attr_wrapped_model
+
+    mask = ~mi.scatter(torch.ones(len(mb.tokens), dtype=torch.bool, device=mi.tokens.device), False)
+    if sequence_parallel and not get_attr_wrapped_model(model, "pre_process"):
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        mask = mask.chunk(tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()].contiguous()
+    return mask
+
+
 def routing_agreement(recorded: list[torch.Tensor], routed: torch.Tensor, layer_numbers: list[int],
                       valid: torch.Tensor, sequence_parallel: bool,
                       load: LoadCounter | None = None) -> tuple[float, float]:
@@ -145,7 +160,8 @@ class Replay:
 
         routers, recomputed = self._of(model)
         self._set_replay(routers, mb, mi)
-        output = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params)
+        output = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params,
+                       padding_mask=padding_mask(model, mb, mi, self.sp))
         for router in routers:
             router.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
             router.target_topk_idx = None  # the forward's ids: in the backward list while a recompute needs them
@@ -220,7 +236,8 @@ class StepRouting:
         """``model``'s output on the micro-batch ``mb`` (model input ``mi``) under the step's routing."""
         if self._replay is not None:
             return self._replay.forward(model, mb, mi)
-        output = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params)
+        output = model(mi.tokens, mi.position_ids, None, packed_seq_params=mi.packed_seq_params,
+                       padding_mask=padding_mask(model, mb, mi, self.sp))
         if self.record:
             self._count_recorded(model, mb, mi)
         return output
