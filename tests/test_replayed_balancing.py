@@ -7,54 +7,23 @@ in padded micro-batches:
   routing map of the replayed routes of the step's tokens, padding left out;
 - the aux loss's tokens per expert are the replayed routes' too (megatron's own top-k would count others).
 
-The model is built from megatron-bridge's provider directly (the bridges of these families map their experts
-for transformer-engine's grouped layers only, which this CPU machine has not).
+The model is tools/bench/expert_bias.py's, built from megatron-bridge's provider directly (the bridges of these
+families map their experts for transformer-engine's grouped layers only, which this CPU machine has not).
 """
+import sys
+from pathlib import Path
+
 import pytest
 
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
+from expert_bias import EXPERTS, LAYERS, TOPK  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray (conftest)
 
-LAYERS, EXPERTS, TOPK, RATE = 2, 8, 2, 0.01
-
-
-def tiny_sigmoid_moe(layout):
-    """A DDP-wrapped 2-layer MoE with sigmoid routers, expert bias and aux loss, replaying routes, with its
-    optimizer at lr 0 (the weights stay; the bias is megatron's buffer, updated after the backward)."""
-    import dataclasses
-
-    from megatron.bridge.models.gpt_provider import GPTModelProvider, local_layer_spec
-    from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.utils import get_model_config
-
-    from megarl.config import default_config
-    from megarl.models.bridge import parallel_settings
-    from megarl.models.layers import LOCAL_UNFUSED
-    from megarl.models.replayed_balancing import count_replayed_routes
-    from megarl.trainer.optimizer import OptimizerSettings, build_optimizer
-
-    provider = GPTModelProvider(
-        num_layers=LAYERS, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
-        ffn_hidden_size=128, num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=32, vocab_size=384,
-        seq_length=64, normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
-        position_embedding_type="rope", share_embeddings_and_output_weights=False,
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_bias_update_rate=RATE,
-        moe_router_load_balancing_type="aux_loss", moe_router_dtype="fp32",
-        transformer_layer_spec=local_layer_spec, transformer_impl="local", use_cpu_initialization=True,
-        **LOCAL_UNFUSED)
-    for key, value in parallel_settings(layout, "float32", "alltoall", True, 0.01).items():
-        setattr(provider, key, value)
-    count_replayed_routes()  # what build_megatron_model installs with routing_replay
-    provider.finalize()
-    chunks = provider.provide_distributed_model(
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
-        wrap_with_ddp=True, use_cpu_initialization=True)
-    get_model_config(chunks[0]).finalize_model_grads_func = finalize_model_grads
-    settings = dataclasses.replace(OptimizerSettings.from_config(default_config(), lr=0.0),
-                                   use_distributed_optimizer=False)
-    return chunks, *build_optimizer(chunks, settings)
+RATE = 0.01
 
 
 def samples_off_the_router(seed):
@@ -81,6 +50,7 @@ def balancing_step(rank, layout):
     """(expert bias before, after, what megatron-core's update gives on the replayed routes' map, the aux
     loss's tokens per expert and layer, the replayed routes' count, the routers' own count) of one RL step."""
     import torch
+    from expert_bias import tiny_sigmoid_moe
     from megatron.core.transformer.moe import router as megatron_router
     from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 
@@ -89,7 +59,7 @@ def balancing_step(rank, layout):
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import rl_step
 
-    chunks, optimizer, scheduler = tiny_sigmoid_moe(layout)
+    chunks, optimizer, scheduler = tiny_sigmoid_moe(layout, rate=RATE, aux_coeff=0.01, lr=0.0)
     routers = [m for m in chunks[0].modules() if getattr(m, "expert_bias", None) is not None]
     with torch.no_grad():
         for router in routers:  # a bias already moved, as a checkpoint's e_score_correction_bias would be
