@@ -95,9 +95,13 @@ def test_an_agents_sdk_agent_calls_its_tool_and_trains(tmp_path):
     assert main(["recipe=tiny_moe_tool_calling", "mode=sync", "steps=1", "warmup.steps=60",
                  "warmup.tool_fraction=1.0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
                  f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'sft'}",
-                 f"logging.run_dir={run}"]) == 0
+                 f"logging.run_dir={run}", "eval.prompts=8"]) == 0
     [row] = [row for row in read_metrics(run) if "reward/mean" in row]
     assert row["agent/tool_call_frac"] >= 0.5, row  # the warm-up's format, parsed by SGLang's qwen25 parser
+    # the recipe evaluates after its last step: the agent answers held-out sums through the gateway
+    [evaluated] = [row for row in read_metrics(run) if "eval/reward" in row]
+    assert (evaluated["step"], evaluated["eval/weight_version"], evaluated["eval/prompts"]) == (1, 1.0, 8.0)
+    assert evaluated["eval/errors"] < 8 * 5 and 0 <= evaluated["eval/pass@1"] <= evaluated["eval/pass@4"] <= 1
     # an episode whose first answer was a parsed call took a second turn (the SDK sent the result back), unless
     # the agent raised on the call (an episode ended in error keeps the turns it had); no other took two
     called, errors = row["agent/tool_call_frac"], row.get("episode/end_error_frac", 0.0)
