@@ -5,7 +5,9 @@ in padded micro-batches:
 
 - the expert bias after the step equals megatron-core's own update (``get_updated_expert_bias``) on the
   routing map of the replayed routes of the step's tokens, padding left out;
-- the aux loss's tokens per expert are the replayed routes' too (megatron's own top-k would count others).
+- the aux loss's tokens per expert are the replayed routes' too (megatron's own top-k would count others);
+- the bias reaches the engine with the weights: megatron-bridge's DeepSeek-V3 mapping exports the router's
+  ``expert_bias`` as HF's ``e_score_correction_bias``, the gate parameter SGLang's DeepSeek-V2/V3 model loads.
 
 The model is tools/bench/expert_bias.py's, built from megatron-bridge's provider directly (the bridges of these
 families map their experts for transformer-engine's grouped layers only, which this CPU machine has not).
@@ -20,8 +22,6 @@ from megarl.trainer.launch import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
 from expert_bias import EXPERTS, LAYERS, TOPK  # noqa: E402
-
-pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray (conftest)
 
 RATE = 0.01
 
@@ -48,7 +48,8 @@ def samples_off_the_router(seed):
 
 def balancing_step(rank, layout):
     """(expert bias before, after, what megatron-core's update gives on the replayed routes' map, the aux
-    loss's tokens per expert and layer, the replayed routes' count, the routers' own count) of one RL step."""
+    loss's tokens per expert and layer, the replayed routes' count, the routers' own count) of one RL step, and
+    the HF name the bridge exports a router's expert bias as."""
     import torch
     from expert_bias import tiny_sigmoid_moe
     from megatron.core.transformer.moe import router as megatron_router
@@ -84,22 +85,41 @@ def balancing_step(rank, layout):
     expected = get_updated_expert_bias(replayed.float().clone(), before.clone(), RATE)
     aux = torch.stack([sum(aux_counts[layer::LAYERS]) for layer in range(LAYERS)])
     after = torch.stack([r.expert_bias.clone() for r in routers])
-    return before, after, expected, aux, replayed, torch.from_numpy(result.expert_load.trainer)
+    return (before, after, expected, aux, replayed, torch.from_numpy(result.expert_load.trainer),
+            exported_bias_name("decoder.layers.3.mlp.router.expert_bias"))
+
+
+def exported_bias_name(megatron_name):
+    """The HF name megatron-bridge's DeepSeek-V3 mapping exports ``megatron_name`` as."""
+    from megarl.models.bridge_registry import auto_bridge_for
+    from megarl.platform import megatron_cpu
+
+    megatron_cpu.apply()
+    auto_bridge_for(["DeepseekV3ForCausalLM"])
+    from megatron.bridge.models.deepseek.deepseek_v3_bridge import DeepSeekV3Bridge
+
+    return DeepSeekV3Bridge().mapping_registry().megatron_to_hf_lookup(megatron_name).hf_param
 
 
 @pytest.fixture(scope="module")
-def step():
+def step(ray_local):
+    """The step on one rank, on the test process's Ray (conftest)."""
     return run_ranks(balancing_step, Layout())[0]
 
 
 def test_the_expert_bias_update_equals_megatron_cores_on_the_replayed_routes(step):
-    before, after, expected, _, replayed, _ = step
+    before, after, expected, *_ = step
     assert not (after == before).all()  # the bias moved by its rate, one sign step per expert
     assert ((after - before).abs() <= 0.01 + 1e-7).all()
     assert (after == expected).all(), (after, expected)
 
 
 def test_the_aux_loss_counts_the_replayed_routes_not_its_own_top_k(step):
-    _, _, _, aux, replayed, own = step
+    _, _, _, aux, replayed, own, _ = step
     assert (aux == replayed).all(), (aux, replayed)
     assert not (own == replayed).all()  # the routers' own choice on the same tokens (what megatron would count)
+
+
+
+def test_the_bias_reaches_the_engine_as_e_score_correction_bias(step):
+    assert step[-1] == "model.layers.3.mlp.gate.e_score_correction_bias"
