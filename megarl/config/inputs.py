@@ -2,9 +2,9 @@
 the dataset file and its fields, the reward function's and the agent program's imports, the teacher's, the
 critic's and frozen roles' checkpoints against the policy's vocabulary, the rollout length against the
 checkpoint's context, a checkpoint's tied embeddings against the SGLang model that serves it, and that no
-checkpoint the run loads is quantized (a ``quantization_config``: no FP8 path yet). The
-driver runs it (:func:`megarl.config.platform_rules.refuse_what_is_not_built`); the planner does not (it
-plans for machines whose files live elsewhere). Each check raises :class:`ConfigError` naming the key.
+checkpoint the run loads is quantized (a ``quantization_config``: no FP8 path yet). The driver runs it
+(:func:`megarl.config.platform_rules.refuse_what_is_not_built`); the planner does not (it plans for machines
+whose files live elsewhere). Each check raises :class:`ConfigError` naming the key.
 """
 from __future__ import annotations
 
