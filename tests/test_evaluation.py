@@ -71,6 +71,24 @@ def test_dataset_heldout_rows_leave_out_prompts_the_training_file_holds(tmp_path
         dataset_heldout(train, train, 3, prompt_key="prompt", answer_key="answer", file_format="jsonl")
 
 
+def test_training_rows_held_out_of_a_dataset_are_never_visited(tmp_path):
+    """Without eval.path, eval.prompts rows of task.path (a seeded pick) are evaluated and the training source
+    skips them, epoch after epoch."""
+    from megarl.tasks.heldout import training_rows_heldout
+    from megarl.tasks.prompts import DatasetSource
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(12)))
+    prompts, rows = training_rows_heldout(train, 4, seed=1, prompt_key="prompt", answer_key="answer",
+                                          file_format="jsonl")
+    assert len(rows) == 4 and sorted(p.text for p in prompts) == sorted(f"q{i}" for i in rows)
+    source = DatasetSource(train, seed=5, file_format="jsonl", exclude=rows)
+    drawn = [p.text for p in source.next_batch(8 * 3)]  # three epochs of the 8 rows left
+    assert sorted(drawn) == sorted([f"q{i}" for i in range(12) if i not in rows] * 3)
+    with pytest.raises(ValueError, match="eval.prompts: 12 held-out rows leave none"):
+        training_rows_heldout(train, 12, seed=1, prompt_key="prompt", answer_key="answer", file_format="jsonl")
+
+
 def _answer(version: int | list[int], reward: float, tokens: int = 2) -> RolloutSample:
     versions = [version] * tokens if isinstance(version, int) else version
     return RolloutSample(prompt_ids=[1], response_ids=[5] * len(versions), loss_mask=np.ones(len(versions), np.uint8),
@@ -130,7 +148,4 @@ def test_eval_config_is_checked_at_load():
         load_config(["recipe=tiny_moe_cpu", "eval.pass_k=8"])
     with pytest.raises(ConfigError, match="eval.prompts: 100 held-out problems"):
         load_config(["recipe=tiny_moe_cpu", "eval.prompts=100"])
-    with pytest.raises(ConfigError, match="eval.path: task.name=jsonl evaluates on a held-out file"):
-        load_config(["recipe=tiny_moe_cpu", "task.name=jsonl", "task.path=x.jsonl", "reward.type=exact_match",
-                     "warmup.steps=0"])
     assert load_config(["recipe=tiny_moe_cpu", "eval.interval=0", "eval.prompts=100"]).eval.prompts == 100

@@ -474,7 +474,8 @@ class ClusterConfig:
 class EvalConfig:
     """Held-out evaluation during the run (megarl/pipeline/evaluation.py): the policy's engines answer held-out
     prompts, never in the training stream (the arithmetic task: problems its own seed picks, left out of training;
-    jsonl / parquet: the file eval.path, read with the task's keys, without rows the training file holds), under one
+    jsonl / parquet: the file eval.path without rows the training file holds, else rows of task.path its seed picks,
+    left out of training), under one
     weight version each time, beside the training stream; eval/* rows in metrics.jsonl, the trackers and
     curves.png."""
 
@@ -485,9 +486,11 @@ class EvalConfig:
     pass_k: int = setting(4, ge=1)  # the k of eval/pass@k besides pass@1, at most samples_per_prompt
     temperature: float = setting(1.0, gt=0)  # of the sampled answers (the greedy ones: 0)
     greedy: bool = True  # one greedy answer a prompt too (eval/greedy/*)
-    pass_threshold: float = 1.0  # an answer passes (pass@k) with a reward at least this
-    path: Optional[str] = None  # jsonl / parquet tasks: the held-out dataset file (same format and keys as task.path)
-    seed: int = setting(1, ge=0)  # arithmetic: picks the held-out problems
+    pass_threshold: float = setting(1.0, ge=-1e6, le=1e6)  # an answer passes (pass@k) with a reward at least this
+    # jsonl / parquet tasks: a held-out dataset file (task.path's format and keys; its rows that task.path also holds
+    # are left out); None = eval.prompts rows of task.path held out, never trained on
+    path: Optional[str] = None
+    seed: int = setting(1, ge=0)  # picks the held-out problems (arithmetic) or rows of task.path
 
 
 @dataclass

@@ -5,7 +5,9 @@
   gives both).
 - A dataset task (``jsonl`` / ``parquet``): the first ``count`` rows of the evaluation file
   (``eval.path``, read with the task's keys and chat template), without the rows whose prompt the
-  training file also holds (:func:`dataset_heldout` says how many it left out).
+  training file also holds (:func:`dataset_heldout` says how many it left out); without an evaluation
+  file, ``count`` rows of the training file, picked by a seeded permutation, which the training source
+  then never visits (:func:`training_rows_heldout`).
 """
 from __future__ import annotations
 
@@ -63,6 +65,29 @@ def dataset_heldout(path: str | Path, train_path: str | Path, count: int, *, pro
         log.warning("eval.path: left out %d rows of %s whose prompt the training data %s also holds", overlapping,
                     path, train_path)
     return prompts, overlapping
+
+
+def training_rows_heldout(path: str | Path, count: int, seed: int, *, prompt_key: str, answer_key: str | None,
+                          file_format: str,
+                          render: Callable[[Any], str] | None = None) -> tuple[list[Prompt], frozenset[int]]:
+    """``count`` rows of the training dataset ``path`` held out (a permutation seeded by ``seed``) as prompts,
+    and their row indices (what the training source leaves out). Rows that are no prompt are skipped (and
+    stay out of training). ValueError when ``count`` leaves no row to train on."""
+    source = DatasetSource(path, prompt_key=prompt_key, answer_key=answer_key, shuffle=False,
+                           file_format=file_format, render=render)
+    if count >= len(source):
+        raise ValueError(f"eval.prompts: {count} held-out rows leave none of {path}'s {len(source)} to train on")
+    rows = list(range(len(source)))
+    random.Random(f"heldout:{seed}").shuffle(rows)
+    prompts = []
+    for row in rows[:count]:
+        try:
+            prompts.append(source.row(row))
+        except BadPrompt as exc:
+            log.warning("eval: %s", exc)
+    if not prompts:
+        raise ValueError(f"eval.prompts: none of the {count} rows of {path} held out is a prompt")
+    return prompts, frozenset(rows[:count])
 
 
 def _key(value: Any) -> str:

@@ -89,7 +89,8 @@ class DatasetSource:
     ``prompt_key`` must name a string field of every row (with ``render``: whatever ``render`` takes,
     e.g. a list of chat messages; the prompt is its result); ``answer_key`` (None: no answers) a field
     whose value becomes ``Prompt.answer`` as a string; the other fields go to ``Prompt.metadata``.
-    The rows are visited epoch by epoch, in a seeded permutation per epoch when ``shuffle``.
+    The rows are visited epoch by epoch, in a seeded permutation per epoch when ``shuffle``; the rows of
+    ``exclude`` (indices: the held-out ones, :mod:`megarl.tasks.heldout`) never.
     A missing field raises ValueError naming the field, the file and the fields it has; a row
     without a usable prompt raises :class:`BadPrompt` as it is drawn (and is left behind).
     """
@@ -98,7 +99,7 @@ class DatasetSource:
 
     def __init__(self, path: str | Path, prompt_key: str = "prompt", answer_key: str | None = "answer",
                  shuffle: bool = True, seed: int = 0, file_format: str | None = None,
-                 render: Callable[[Any], str] | None = None):
+                 render: Callable[[Any], str] | None = None, exclude: frozenset[int] = frozenset()):
         import datasets
 
         self.path = Path(path)
@@ -117,7 +118,9 @@ class DatasetSource:
         if len(self._rows) == 0:
             raise ValueError(f"{self.path}: the dataset has no rows")
         self.prompt_key, self.answer_key = prompt_key, answer_key
-        self.shuffle, self.seed, self.render = shuffle, seed, render
+        self.shuffle, self.seed, self.render, self.exclude = shuffle, seed, render, exclude
+        if len(exclude) >= len(self._rows):
+            raise ValueError(f"{self.path}: every one of its {len(self._rows)} rows is held out for evaluation")
         self.epoch, self.index = 0, 0
         self._order = self._permutation(0)
 
@@ -125,7 +128,7 @@ class DatasetSource:
         return len(self._rows)
 
     def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(len(self._rows)))
+        order = [i for i in range(len(self._rows)) if i not in self.exclude]
         if self.shuffle:
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
@@ -258,10 +261,10 @@ def plain_text_of(prompt: str | list[dict]) -> str:
     return "\n\n".join(f"{m['role']}: {m['content']}" for m in prompt)
 
 
-def make_prompt_source(task, tokenizer=None, exclude: frozenset[str] = frozenset()) -> PromptSource:
+def make_prompt_source(task, tokenizer=None, exclude: frozenset = frozenset()) -> PromptSource:
     """The source a ``TaskConfig`` (``cfg.task``) describes: ``name`` one of :data:`TASKS`;
-    ``tokenizer`` renders a dataset's prompts when ``task.chat_template`` is set; ``exclude``: the
-    arithmetic task's held-out prompts (:mod:`megarl.tasks.heldout`; a dataset's are in a file of their own)."""
+    ``tokenizer`` renders a dataset's prompts when ``task.chat_template`` is set; ``exclude``: the held-out
+    prompts (:mod:`megarl.tasks.heldout`): the arithmetic task's prompt texts, a dataset's row indices."""
     if task.name == "arithmetic":
         return ArithmeticSource(max_operand=task.max_operand, seed=task.seed, exclude=exclude)
     if task.name in DATASET_TASKS:
@@ -269,5 +272,6 @@ def make_prompt_source(task, tokenizer=None, exclude: frozenset[str] = frozenset
             raise ValueError(f"task.path: task {task.name} needs the dataset file")
         render = chat_renderer(tokenizer) if task.chat_template else None
         return DatasetSource(task.path, prompt_key=task.prompt_key, answer_key=task.answer_key or None,
-                             shuffle=task.shuffle, seed=task.seed, file_format=task.name, render=render)
+                             shuffle=task.shuffle, seed=task.seed, file_format=task.name, render=render,
+                             exclude=exclude)
     raise ValueError(f"task.name: {task.name!r} is not one of {', '.join(TASKS)}")

@@ -31,7 +31,7 @@ from megarl.pipeline.startup.trainer import Resumed
 from megarl.rollout.env import EnvEpisodes, EpisodeLimits, make_env_factory
 from megarl.rollout.group import RolloutManager
 from megarl.rollout.teacher import TeacherScorer
-from megarl.tasks.heldout import arithmetic_heldout, dataset_heldout
+from megarl.tasks.heldout import arithmetic_heldout, dataset_heldout, training_rows_heldout
 from megarl.tasks.prompts import Prompt, chat_renderer, make_prompt_source
 from megarl.tasks.rewards import make_reward
 
@@ -125,15 +125,16 @@ def _manager(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[s
 
 
 def heldout_prompts(cfg: DictConfig, tokenizer) -> tuple[list[Prompt], frozenset[str]]:
-    """The run's held-out prompts (:mod:`megarl.tasks.heldout`) and the prompts the training source leaves
-    out for them (the arithmetic task's; a dataset's are in a file of their own)."""
+    """The run's held-out prompts (:mod:`megarl.tasks.heldout`) and what the training source leaves out for
+    them (the arithmetic task's prompts, a dataset's rows; none for a dataset evaluated on ``eval.path``)."""
     e, task = cfg.eval, cfg.task
     if task.name == "arithmetic":
         return arithmetic_heldout(task.max_operand, e.prompts, e.seed)
-    render = chat_renderer(tokenizer) if task.chat_template else None
-    prompts, _ = dataset_heldout(e.path, task.path, e.prompts, prompt_key=task.prompt_key,
-                                 answer_key=task.answer_key or None, file_format=task.name, render=render)
-    return prompts, frozenset()
+    keys = dict(prompt_key=task.prompt_key, answer_key=task.answer_key or None, file_format=task.name,
+                render=chat_renderer(tokenizer) if task.chat_template else None)
+    if e.path:
+        return dataset_heldout(e.path, task.path, e.prompts, **keys)[0], frozenset()
+    return training_rows_heldout(task.path, e.prompts, e.seed, **keys)
 
 
 def _evaluation(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[str, EnginePool],
