@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import sys
+import time
 
 import pytest
 
@@ -55,16 +56,26 @@ def test_an_mlflow_file_store_reads_back_the_rows_of_metrics_jsonl(tmp_path):
     assert stamps == {r["step"]: int(r["time"] * 1000) for r in rows}
 
 
-def _wandb_records(run_dir):
+def _wandb_records(run_dir, wait_s: float = 60.0):
     """The history rows ({step: {key: value}}) and the config of the offline run under ``run_dir``, read
-    with wandb's own reader of its run files."""
+    with wandb's own reader of its run files, once the file holds the run's exit record (wandb's service
+    writes it in a process of its own: on a loaded machine after ``finish`` returned)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        history, config, run, ended = _wandb_file(run_dir)
+        if ended or time.monotonic() > deadline:
+            return history, config, run
+        time.sleep(0.5)
+
+
+def _wandb_file(run_dir):
     from wandb.proto import wandb_internal_pb2
     from wandb.sdk.internal import datastore
 
     (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     store = datastore.DataStore()
     store.open_for_scan(str(path))
-    history, config, run = {}, {}, None
+    history, config, run, ended = {}, {}, None, False
     while (data := store.scan_data()) is not None:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(data)
@@ -75,7 +86,8 @@ def _wandb_records(run_dir):
         elif kind == "run":
             run = record.run
             config |= {item.key: json.loads(item.value_json) for item in record.run.config.update}
-    return history, config, run
+        ended |= kind == "exit"
+    return history, config, run, ended
 
 
 @pytest.mark.processes  # wandb runs its core service as a process of its own
