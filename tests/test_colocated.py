@@ -264,9 +264,10 @@ def warm(warmed_up):
 @pytest.mark.parametrize("partial_rollout", ["continue"])  # abort_resubmit's hold: the fake-engine tests above
 def test_no_generation_request_overlaps_a_training_step(tmp_path, warm, monkeypatch, partial_rollout):
     """The recipe's mode (async) stays; every request the engines got (each ``/generate`` the
-    driver's clients sent, start to answer) lies outside every training step (``rl_step``, start to
-    end), whether the requests in flight run to their end (``continue``) or are aborted and
-    continued after the sync (``abort_resubmit``), and the metrics say the release was skipped on CPU.
+    driver's clients sent, start to answer, a held-out evaluation's after every step among them) lies outside
+    every training step (``rl_step``, start to end), whether the requests in flight run to their end
+    (``continue``) or are aborted and continued after the sync (``abort_resubmit``), and the metrics say the
+    release was skipped on CPU.
     The engines start once the trainer rank is built (they size their memory by what it left)."""
     from megarl.engines.client import SGLangClient
     from megarl.train import main
@@ -298,7 +299,8 @@ def test_no_generation_request_overlaps_a_training_step(tmp_path, warm, monkeypa
     t0 = time.monotonic()
     assert main(["recipe=tiny_moe_cpu", "placement=colocated", "sync.transport=tensor", "steps=3",
                  "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4", "warmup.steps=30",
-                 f"buffer.partial_rollout={partial_rollout}", f"logging.run_dir={run}", *warm]) == 0
+                 f"buffer.partial_rollout={partial_rollout}", f"logging.run_dir={run}", *warm,
+                 "eval.interval=1", "eval.prompts=8"]) == 0
     print(f"\n[measured] colocated run of 3 steps ({partial_rollout}): {time.monotonic() - t0:.1f} s, "
           f"{len(requests)} requests")
     assert len(steps) == 3 and len(requests) >= 3
@@ -317,3 +319,6 @@ def test_no_generation_request_overlaps_a_training_step(tmp_path, warm, monkeypa
         assert row["sync/version"] == row["step"] and row["staleness/max"] <= 1
         assert 0.0 <= row["reward/mean"] <= 1.0
     assert "mode: async" in (run / "config.yaml").read_text()
+    # the held-out evaluation after every step (its requests counted above) ends before the next step trains
+    assert [(r["step"], r["eval/weight_version"]) for r in read_metrics(run) if "eval/reward" in r] == \
+        [(1, 1.0), (2, 2.0), (3, 3.0)]
