@@ -288,8 +288,8 @@ def test_layout_equals_single_process(name, single, tiny_checkpoint):
             assert grad_norm == pytest.approx(single["rl"][case][0], abs=1e-5), case
             experts = {k for k in single["rl"][case][1] if k.startswith("experts/")}
             assert experts and experts <= metrics.keys(), case  # every rank has the whole step's load
-            for key, value in metrics.items():
-                assert value == pytest.approx(single["rl"][case][1][key], abs=1e-5), (case, key)
+            for key, value in metrics.items():  # relative for the metrics far from 1 (perplexities ~400)
+                assert value == pytest.approx(single["rl"][case][1][key], abs=1e-5, rel=1e-6), (case, key)
             for mine, ref in zip(result["load"][case], single["load"][case]):  # every rank: the whole step's
                 assert (mine == ref).all(), case
         layers |= check_replay(result)
