@@ -51,12 +51,10 @@ class Sender:
 
     @guarded
     def join(self, c: dict) -> None:
-        from megarl.sync.transports.base import SenderSpec
-        from megarl.sync.transports.distributed import DistributedSender
+        from megarl.sync.transports.distributed import DistributedSender, DistributedSpec
 
         time.sleep(c.get("delay_s", 0.0))
-        spec = SenderSpec(kind="distributed", group_prefix=c["prefix"], engine_ranks=c["ranks"],
-                          timeout_s=c["timeout_s"])
+        spec = DistributedSpec(group_prefix=c["prefix"], engine_ranks=c["ranks"], timeout_s=c["timeout_s"])
         self.senders[c["stage"]] = DistributedSender(spec, c["stage"], c["host"], c["port"])
         reply(op="joined", stage=c["stage"])
 

@@ -153,10 +153,9 @@ HELD = []  # what a rank's weight-sync link keeps between syncs, in the rank's p
 
 def shared_bucket(rank, layout) -> str:
     """A colocated-sync bucket buffer (/dev/shm) that this rank's process keeps; its segment's name."""
-    from megarl.sync.transports.base import SenderSpec
     from megarl.sync.transports.tensor import TensorSender
 
-    HELD.append(TensorSender(SenderSpec(kind="tensor")).new_buffer(1 << 16))
+    HELD.append(TensorSender().new_buffer(1 << 16))
     return HELD[-1].untyped_storage()._share_filename_cpu_()[1].decode().lstrip("/")
 
 

@@ -38,8 +38,9 @@ from megarl.platform.description import Platform
 from megarl.sync import SyncSettings, WeightSync, WeightSyncError
 from megarl.sync.buckets import BucketIndex, TensorEntry
 from megarl.sync.errors import TIMEOUT_KEY
-from megarl.sync.transports.base import Sender, SenderSpec
-from megarl.sync.transports.distributed import DistributedSender, group_environment, link_backend
+from megarl.sync.report import SenderStats
+from megarl.sync.transports.base import Sender
+from megarl.sync.transports.distributed import DistributedSender, DistributedSpec, group_environment, link_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = str(ROOT / "tests" / "sync_peers.py")
@@ -79,7 +80,7 @@ def test_link_configuration_per_platform():
 def test_sender_group_without_engines_fails_within_the_bound():
     import sglang.srt.utils.common  # noqa: F401  (imported before the clock starts)
 
-    spec = SenderSpec(kind="distributed", group_prefix="alone", engine_ranks=1, timeout_s=1.0)
+    spec = DistributedSpec(group_prefix="alone", engine_ranks=1, timeout_s=1.0)
     t0 = time.monotonic()
     with pytest.raises(WeightSyncError, match=f"{TIMEOUT_KEY}=1 s"):
         DistributedSender(spec, 0, "127.0.0.1", _free_port(), Platform.cpu())
@@ -124,9 +125,9 @@ class SilentPeers:
         if name == "weight_sync_next":
             return [self.buckets[self.calls.count(name) - 1]]
         if name == "weight_sync_finish":
-            return [dict(stage=0, bytes=32, buckets=2, tensors=2, gather_s=0.0, convert_s=0.0, send_s=0.0,
-                         peak_bucket_bytes=16, largest_tensor_bytes=16, capacity=16, delta=False, elements=0,
-                         changed_elements=0, dense_bytes=0)]
+            return [SenderStats(stage=0, bytes=32, buckets=2, tensors=2, gather_s=0.0, convert_s=0.0, send_s=0.0,
+                                peak_bucket_bytes=16, largest_tensor_bytes=16, capacity=16, delta=False, elements=0,
+                                changed_elements=0, dense_bytes=0)]
         return 0 if name == "weight_version" else [None]
 
 
@@ -188,13 +189,7 @@ class StuckSender(Sender):
 def test_rank_abort_returns_at_once_during_a_stuck_transfer(monkeypatch):
     """The trainer rank's abort does not wait for a transfer stuck on a silent peer: it closes the
     link and returns; the transfer's thread ends later on its own, without error."""
-    from megarl.sync import rank
-
-    monkeypatch.setattr(rank, "pipeline_stage", lambda: 0)
-    monkeypatch.setattr(rank, "is_stage_sender", lambda: True)
-    monkeypatch.setattr(rank, "stage_hf_stream", lambda model: iter([("w", torch.ones(64)), ("v", torch.ones(64))]))
-    sync, sender = rank.RankSync(model=None), StuckSender()
-    sync._senders["stuck"] = sender
+    sync, sender = _stuck_rank(monkeypatch)
     sync.begin("stuck", version=1, capacity=256)
     assert sync.next() is not None
     sync.send()
@@ -222,14 +217,24 @@ class ReadySender(Sender):
 
 def _stuck_rank(monkeypatch):
     """A sending rank (stage 0) over a two-tensor stream whose ``stuck`` link never finishes a transfer."""
-    from megarl.sync import rank
+    from megarl.sync import rank, stage_link
 
     monkeypatch.setattr(rank, "pipeline_stage", lambda: 0)
     monkeypatch.setattr(rank, "is_stage_sender", lambda: True)
-    monkeypatch.setattr(rank, "stage_hf_stream", lambda model: iter([("w", torch.ones(64)), ("v", torch.ones(64))]))
+    monkeypatch.setattr(stage_link, "stage_hf_stream",
+                        lambda model: iter([("w", torch.ones(64)), ("v", torch.ones(64))]))
     sync, sender = rank.RankSync(model=None), StuckSender()
-    sync._senders["stuck"] = sender
+    _link(sync, "stuck", sender)
     return sync, sender
+
+
+def _link(sync, kind: str, sender: Sender) -> None:
+    """Give the rank ``sync`` a stage-path link ``kind`` over ``sender`` (as ``connect`` would)."""
+    from megarl.sync.link import RankContext
+    from megarl.sync.stage_link import StageLink
+
+    context = RankContext(sync.model, sync.stage, sync.is_sender, None, sync._aborting)
+    sync._links[kind] = StageLink(context, lambda: sender)
 
 
 @pytest.mark.unit
@@ -259,11 +264,11 @@ def test_an_abort_from_another_thread_ends_a_call_waiting_on_a_stuck_transfer(mo
     assert time.monotonic() - t0 < 1.0 and stuck.closed and thread.is_alive()
     assert isinstance(ended, WeightSyncError) and "aborted during the transfer of bucket 0" in str(ended)
     waiting.join(1)
-    sync._senders["ready"] = ReadySender()
+    _link(sync, "ready", ReadySender())
     sync.begin("ready", version=2, capacity=256)
     while sync.next() is not None:
         sync.send()
-    assert sync.finish()["bytes"] == 2 * 64 * 4 and thread.is_alive()
+    assert sync.finish().bytes == 2 * 64 * 4 and thread.is_alive()
     stuck.release.set()
     thread.join(5)
 
@@ -435,7 +440,7 @@ def test_closing_a_sender_does_not_wait_for_its_stuck_broadcast():
         port = free_port("127.0.0.1")
         receiver.send(op="join", prefix="stuck", stage=0, host="127.0.0.1", port=port, rank=1, world=2,
                       timeout_s=STUCK_BOUND_S)
-        spec = SenderSpec(kind="distributed", group_prefix="stuck", engine_ranks=1, timeout_s=STUCK_BOUND_S)
+        spec = DistributedSpec(group_prefix="stuck", engine_ranks=1, timeout_s=STUCK_BOUND_S)
         sender = DistributedSender(spec, 0, "127.0.0.1", port, Platform.cpu())
         receiver.expect("joined", stage=0)
         bucket = SimpleNamespace(buffer=torch.zeros(1 << 20, dtype=torch.uint8), index=SimpleNamespace(seq=0))

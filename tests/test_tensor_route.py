@@ -35,11 +35,10 @@ def fanout_round(rank, layout, engines, engine_tp):
     from megarl.platform.description import Platform
     from megarl.sync.buckets import pack
     from megarl.sync.gather import is_stage_sender, pipeline_stage
-    from megarl.sync.transports.base import SenderSpec
-    from megarl.sync.transports.tensor import TensorFanout, new_buffer
+    from megarl.sync.transports.tensor import TensorFanout, TensorSpec, new_buffer
 
     stage, sender = pipeline_stage(), is_stage_sender()
-    fanout = TensorFanout(SenderSpec("tensor", engine_tp=engine_tp, engines=engines), stage, sender, Platform.cpu())
+    fanout = TensorFanout(TensorSpec(engine_tp=engine_tp, engines=engines), stage, sender, Platform.cpu())
     bucket = pack(stage_tensors(stage), stage=stage, allocate=lambda n: new_buffer(n, False)) if sender else None
     mine = fanout.round(bucket)
     every = [None] * dist.get_world_size()

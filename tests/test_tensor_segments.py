@@ -15,9 +15,8 @@ pytestmark = pytest.mark.skipif(not SHARED_MEMORY.is_dir(), reason="no /dev/shm:
 # A sender process: two shared buckets; prints its manifest and the segments' names as torch gives them.
 SENDER = """
 import os, sys
-from megarl.sync.transports.base import SenderSpec
 from megarl.sync.transports.tensor import TensorSender
-sender = TensorSender(SenderSpec(kind="tensor"))
+sender = TensorSender()
 buffers = [sender.new_buffer(1 << 16) for _ in range(2)]
 print(" ".join(open(f"/dev/shm/megarl-tensor-sync-{os.getpid()}").read().split()))
 print(" ".join(b.untyped_storage()._share_filename_cpu_()[1].decode().lstrip("/") for b in buffers), flush=True)

@@ -148,19 +148,21 @@ def measure_sync_memory(rank, layout, hf_path, out_dir, capacity):
 
     assert os.environ.get("MALLOC_MMAP_THRESHOLD_") == "65536", "the rank started without the malloc tunable"
 
+    from dataclasses import asdict
+
     from megarl.models.bridge import build_megatron_model
     from megarl.sync.rank import RankSync
-    from megarl.sync.transports import SenderSpec
+    from megarl.sync.transports.disk import DiskSpec
 
     model = build_megatron_model(hf_path, layout, transformer_impl="local")
     sync = RankSync(model)
-    sync.connect(SenderSpec(kind="disk", work_dir=out_dir))
+    sync.connect(DiskSpec(work_dir=out_dir))
 
     def run(version):
         sync.begin("disk", version, capacity)
         while sync.next() is not None:
             sync.send()
-        return sync.finish()
+        return asdict(sync.finish())
 
     run(1)  # first export: conversion tasks, caches, the writer's first allocations
     process = psutil.Process()

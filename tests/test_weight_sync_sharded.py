@@ -334,11 +334,12 @@ def test_config_refuses_what_sharded_resharding_does_not_do(overrides, message):
 
 @pytest.mark.unit
 def test_bytes_per_engine_rank_sums_the_senders_counters_per_destination():
-    from megarl.sync.report import most_bytes_per_engine_rank
+    from megarl.sync.report import SenderStats
 
-    stats = [{"bytes": 10, "per_engine_rank": {4: 6, 5: 3}}, {"bytes": 10, "per_engine_rank": {4: 1, 5: 7}}]
-    assert most_bytes_per_engine_rank(stats, whole=20) == 10
-    assert most_bytes_per_engine_rank([{"bytes": 20}], whole=20) == 20  # broadcast: every rank gets it all
+    stats = [SenderStats(stage=0, bytes=10, per_engine_rank={4: 6, 5: 3}),
+             SenderStats(stage=0, bytes=10, per_engine_rank={4: 1, 5: 7})]
+    assert stats[0].merge(stats[1]).most_bytes_per_engine_rank == 10
+    assert SenderStats(stage=0, bytes=20).most_bytes_per_engine_rank == 20  # broadcast: every rank gets it all
 
 
 @pytest.mark.unit

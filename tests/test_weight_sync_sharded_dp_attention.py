@@ -94,8 +94,8 @@ class WholeTensorTrainer:
         if self.errors:
             raise self.errors[0]
         per_rank = {t.dst: sum(x.piece.nbytes for x in self.transfers if x.dst == t.dst) for t in self.transfers}
-        return [dataclasses.asdict(SenderStats(stage=0, bytes=sum(per_rank.values()), buckets=1,
-                                               tensors=len(self.tensors), per_engine_rank=per_rank))]
+        return [SenderStats(stage=0, bytes=sum(per_rank.values()), buckets=1, tensors=len(self.tensors),
+                            per_engine_rank=per_rank)]
 
     async def weight_sync_disconnect(self, kind: str) -> list:
         return await self.weight_sync_abort()

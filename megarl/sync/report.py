@@ -1,7 +1,8 @@
 """The numbers of one weight sync."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import operator
+from dataclasses import asdict, dataclass, field, fields
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,15 @@ class SyncReport:
     dense_bytes: int = 0
     bytes_per_engine_rank: int = 0
 
+    @classmethod
+    def of(cls, stats: SenderStats, version: int, transport: str, engines: int, load_s: float,
+           total_s: float) -> SyncReport:
+        """The report of a sync whose senders' numbers are ``stats`` (merged: :meth:`SenderStats.merge`)."""
+        counted = {f.name for f in fields(SenderStats)}
+        return cls(version=version, transport=transport, engines=engines, load_s=load_s, total_s=total_s,
+                   bytes_per_engine_rank=stats.most_bytes_per_engine_rank,
+                   **{f.name: getattr(stats, f.name) for f in fields(cls) if f.name in counted})
+
     @property
     def gbps(self) -> float:
         return self.bytes / self.total_s / 1e9 if self.total_s > 0 else 0.0
@@ -52,32 +62,49 @@ class SyncReport:
         return out
 
 
+def _summed_per_key(a: dict[int, int], b: dict[int, int]) -> dict[int, int]:
+    return {key: a.get(key, 0) + b.get(key, 0) for key in a.keys() | b.keys()}
+
+
+def _merged_as(rule) -> dict:
+    """A field's metadata: how :meth:`SenderStats.merge` combines two senders' values of it."""
+    return {"merge": rule}
+
+
+SUMMED, LARGEST, ANY = _merged_as(operator.add), _merged_as(max), _merged_as(operator.or_)
+
+
 @dataclass
 class SenderStats:
-    """One sending rank's numbers for one sync (seconds, bytes)."""
+    """One sending rank's numbers for one sync (seconds, bytes); :meth:`merge` makes every sender's one
+    sync's numbers: counts summed, seconds and sizes the largest (the senders run at once)."""
 
-    stage: int
-    bytes: int = 0
-    buckets: int = 0
-    tensors: int = 0
-    gather_s: float = 0.0
-    convert_s: float = 0.0
-    send_s: float = 0.0
-    peak_bucket_bytes: int = 0
-    largest_tensor_bytes: int = 0
-    capacity: int = 0
-    delta: bool = False  # the buckets carried changed elements (a delta-mode sync against a kept copy)
-    elements: int = 0  # delta mode: elements of every tensor; the changed ones; the bytes sent whole
-    changed_elements: int = 0
-    dense_bytes: int = 0
-    per_engine_rank: dict[int, int] = field(default_factory=dict)  # sharded: bytes sent to each engine rank
+    stage: int = field(metadata=_merged_as(min))  # merged: the first stage
+    bytes: int = field(default=0, metadata=SUMMED)
+    buckets: int = field(default=0, metadata=SUMMED)
+    tensors: int = field(default=0, metadata=SUMMED)
+    gather_s: float = field(default=0.0, metadata=LARGEST)
+    convert_s: float = field(default=0.0, metadata=LARGEST)
+    send_s: float = field(default=0.0, metadata=LARGEST)
+    peak_bucket_bytes: int = field(default=0, metadata=LARGEST)
+    largest_tensor_bytes: int = field(default=0, metadata=LARGEST)
+    capacity: int = field(default=0, metadata=LARGEST)
+    # the buckets carried changed elements (a delta-mode sync against a kept copy)
+    delta: bool = field(default=False, metadata=ANY)
+    # delta mode: elements of every tensor; the changed ones; the bytes sent whole
+    elements: int = field(default=0, metadata=SUMMED)
+    changed_elements: int = field(default=0, metadata=SUMMED)
+    dense_bytes: int = field(default=0, metadata=SUMMED)
+    # bytes sent to each engine rank, counted by senders that do not send every bucket to every rank (sharded)
+    per_engine_rank: dict[int, int] = field(default_factory=dict, metadata=_merged_as(_summed_per_key))
 
+    def merge(self, other: SenderStats) -> SenderStats:
+        """These numbers and ``other``'s as one sync's (each field as its metadata says)."""
+        return SenderStats(**{f.name: f.metadata["merge"](getattr(self, f.name), getattr(other, f.name))
+                              for f in fields(self)})
 
-def most_bytes_per_engine_rank(stats: list[dict], whole: int) -> int:
-    """The most bytes one engine rank received, from the senders' ``per_engine_rank`` counters summed over
-    senders; ``whole`` (every rank receives every bucket) when no sender counted per rank."""
-    per_rank: dict[int, int] = {}
-    for s in stats:
-        for rank, nbytes in s.get("per_engine_rank", {}).items():
-            per_rank[rank] = per_rank.get(rank, 0) + nbytes
-    return max(per_rank.values()) if per_rank else whole
+    @property
+    def most_bytes_per_engine_rank(self) -> int:
+        """The most bytes one engine rank received: the largest ``per_engine_rank`` count, else ``bytes``
+        (every engine rank receives every bucket)."""
+        return max(self.per_engine_rank.values(), default=self.bytes)

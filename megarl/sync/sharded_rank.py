@@ -26,7 +26,6 @@ from __future__ import annotations
 import datetime
 import threading
 import time
-from dataclasses import asdict
 
 import torch
 
@@ -45,11 +44,11 @@ from megarl.sync.abort import wait_unless_aborted
 from megarl.sync.buckets import BucketIndex, TensorEntry
 from megarl.sync.delta import DeltaPlan, KeptWeights, changed_pieces
 from megarl.sync.errors import WeightSyncError, past_bound
+from megarl.sync.link import RankContext, RankLink
 from megarl.sync.local_export import LocalSlice, local_tasks, task_model_bytes, task_slices
 from megarl.sync.report import SenderStats
 from megarl.sync.slices import EngineRank, engine_piece, plan_transfers
-from megarl.sync.transports.base import SenderSpec
-from megarl.sync.transports.sharded import device, entries_by_engine, join_link
+from megarl.sync.transports.sharded import ShardedSpec, device, entries_by_engine, join_link
 
 
 def cut(sizes: list[int], capacity: int) -> list[range]:
@@ -122,17 +121,17 @@ class SliceDelta:
         self.kept.version = self.version
 
 
-class ShardedRank:
-    """The ``sharded`` link and sync state of one trainer rank over its :class:`megarl.models.bridge.MegatronModel`."""
+class ShardedLink(RankLink):
+    """The ``sharded`` link and sync state of one trainer rank (:class:`~megarl.sync.link.RankContext`)."""
 
-    def __init__(self, model, spec: SenderSpec, aborting: threading.Event):
-        self.model = model
-        self.aborting = aborting  # the owning RankSync's: set, a wait for the exchange gives up
+    def __init__(self, rank: RankContext, spec: ShardedSpec):
+        self.model = rank.model
+        self.aborting = rank.aborting  # the owning RankSync's: set, a wait for the exchange gives up
         self.spec = spec
         self.rank = torch.distributed.get_rank()
         self.group = join_link(spec, self.rank)
         self.device = device()
-        config = model.bridge.hf_pretrained.config
+        config = self.model.bridge.hf_pretrained.config
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.num_experts = next((n for key in ("num_experts", "num_local_experts", "n_routed_experts")
                                  if (n := getattr(config, key, None))), 0)
@@ -148,7 +147,7 @@ class ShardedRank:
         self._delta = SliceDelta()  # delta mode: what this rank last sent
         self._plan_delta: DeltaPlan | None = None
 
-    def begin(self, capacity: int, version: int = 0, delta: DeltaPlan | None = None) -> None:
+    def begin(self, version: int, capacity: int, delta: DeltaPlan | None) -> None:
         """Start a sync to ``version`` in buckets of ``capacity`` bytes of parameters; with a ``delta`` plan,
         in delta mode (see the module docstring)."""
         if self._tasks is None:
@@ -266,15 +265,15 @@ class ShardedRank:
             what = f"sharded weight-sync exchange on trainer rank {self.rank}"
             raise WeightSyncError(f"{past_bound(what, self.spec.timeout_s)} or failed: {errors[0]}") from errors[0]
 
-    def finish(self) -> dict:
-        """Wait for the last sends; this rank's :class:`SenderStats` as a dict."""
+    def finish(self) -> SenderStats:
+        """Wait for the last sends; this rank's :class:`SenderStats` (every rank sends)."""
         try:
             self._join()
             if self._ready is not None or self._runs:
                 raise RuntimeError("sharded weight sync finished before every bucket was sent")
             if self._plan_delta is not None:
                 self._delta.finish()
-            return asdict(self._stats)
+            return self._stats
         finally:
             self._ready, self._runs, self._stats = None, [], None
 

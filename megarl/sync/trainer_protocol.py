@@ -11,15 +11,16 @@ from typing import Any, Protocol
 
 from megarl.sync.buckets import BucketIndex
 from megarl.sync.delta import DeltaPlan
-from megarl.sync.transports.base import SenderSpec
+from megarl.sync.report import SenderStats
+from megarl.sync.transports.base import LinkSpec
 
 
 class WeightSyncTrainer(Protocol):
     async def weight_sync_address(self) -> list[dict | None]:
         """Each stage sender's reserved ``{"stage", "host", "port", "backend"}`` (None off senders)."""
 
-    async def weight_sync_connect(self, spec: SenderSpec) -> list[None]:
-        """Every sender builds its half of the transport ``spec.kind``."""
+    async def weight_sync_connect(self, spec: LinkSpec) -> list[None]:
+        """Every rank makes its half of the transport ``spec.kind``'s link."""
 
     async def weight_sync_disconnect(self, kind: str) -> list[None]:
         """Every sender closes its ``kind`` link."""
@@ -36,8 +37,8 @@ class WeightSyncTrainer(Protocol):
         """Start the transfer of each packed bucket: the transport's payload on senders, None elsewhere
         (and on the senders of stages that have sent their last bucket)."""
 
-    async def weight_sync_finish(self) -> list[dict | None]:
-        """End the sync: each sender's ``SenderStats`` as a dict, None elsewhere."""
+    async def weight_sync_finish(self) -> list[SenderStats | None]:
+        """End the sync: each sending rank's :class:`SenderStats`, None elsewhere."""
 
     async def weight_sync_abort(self) -> list[None]:
         """Drop a running sync and close every link."""

@@ -38,6 +38,7 @@ open on it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from megarl.engines.types import PauseMode
 from megarl.sync.buckets import BucketIndex
 from megarl.sync.delta import DeltaPlan
 from megarl.sync.errors import WeightSyncError, past_bound
-from megarl.sync.report import SyncReport, most_bytes_per_engine_rank
+from megarl.sync.report import SenderStats, SyncReport
 from megarl.sync.settings import SyncSettings
 from megarl.sync.trainer_protocol import WeightSyncTrainer
 from megarl.sync.transports import make_engine_side
@@ -201,18 +202,8 @@ class WeightSync:
         load_s += time.perf_counter() - t_commit
         await _each(engines, lambda c: c.end_weight_update())
         await _each(engines, lambda c: c.continue_generation())
-        report = SyncReport(
-            version=version, transport=self._transport.name, engines=len(engines),
-            bytes=sum(s["bytes"] for s in stats), buckets=sum(s["buckets"] for s in stats),
-            tensors=sum(s["tensors"] for s in stats), gather_s=max(s["gather_s"] for s in stats),
-            convert_s=max(s["convert_s"] for s in stats), send_s=max(s["send_s"] for s in stats), load_s=load_s,
-            total_s=time.perf_counter() - t0, peak_bucket_bytes=max(s["peak_bucket_bytes"] for s in stats),
-            largest_tensor_bytes=max(s["largest_tensor_bytes"] for s in stats),
-            delta=any(s["delta"] for s in stats), elements=sum(s["elements"] for s in stats),
-            changed_elements=sum(s["changed_elements"] for s in stats),
-            dense_bytes=sum(s["dense_bytes"] for s in stats),
-            bytes_per_engine_rank=most_bytes_per_engine_rank(stats, sum(s["bytes"] for s in stats)),
-        )
+        report = SyncReport.of(functools.reduce(SenderStats.merge, stats), version, self._transport.name,
+                               len(engines), load_s, time.perf_counter() - t0)
         log.info("weights of version %d synced into %d engines via %s: %.1f MB in %d buckets, %.2f s (%.2f GB/s)",
                  version, len(engines), report.transport, report.bytes / 1e6, report.buckets, report.total_s,
                  report.gbps)
@@ -238,7 +229,7 @@ class WeightSync:
         """Every stage's buckets from the first ones, ``batch`` (sent by :meth:`_begin_senders`), loaded by
         ``engines`` as they come; the next bucket is gathered while the engines load the previous one, and
         sent once they have. ``finish`` rides on the last load (the batch in which every stage sends its
-        last bucket). Returns (indices, payloads, sender stats, load seconds)."""
+        last bucket). Returns (indices, payloads, every sender's :class:`SenderStats`, load seconds)."""
         indices: list[BucketIndex] = []
         payloads: list[Any] = []
         load_s = 0.0

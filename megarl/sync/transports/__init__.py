@@ -1,33 +1,38 @@
 """Weight transports, one module each, behind :mod:`megarl.sync.transports.base`'s interface.
 
 :data:`REGISTRY` is the one place a transport is named: its name -> the factory of its
-trainer-rank half (:class:`Sender`) and of its driver half (:class:`EngineSide`). Each factory
-imports its module when called, so a transport's dependencies load only where it is used.
+trainer-rank half (a :class:`~megarl.sync.link.RankLink`) and of its driver half (:class:`EngineSide`).
+Each factory imports its module when called, so a transport's dependencies load only where it is used.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
-from megarl.sync.transports.base import EngineSide, Sender, SenderSpec
+from megarl.sync.link import RankContext, RankLink
+from megarl.sync.transports.base import EngineSide, LinkSpec, Sender
 
 
 @dataclass(frozen=True)
 class Transport:
-    """``sender(spec, stage, hf_config, address)`` builds a sending rank's half (None: every trainer rank
-    takes part, through its own module: ``sharded``, :mod:`megarl.sync.sharded_rank`);
-    ``engine_side(settings)`` the driver's half from a :class:`megarl.sync.settings.SyncSettings`."""
+    """``link(spec, rank)`` makes a trainer rank's half from the transport's :class:`LinkSpec` and the rank's
+    :class:`~megarl.sync.link.RankContext` (on every rank); ``engine_side(settings)`` the driver's half from
+    a :class:`megarl.sync.settings.SyncSettings`."""
 
-    sender: Callable[[SenderSpec, int, Any, dict | None], Sender] | None
-    engine_side: Callable[[Any], EngineSide]
+    link: Callable[[LinkSpec, RankContext], RankLink]
+    engine_side: Callable[[object], EngineSide]
 
 
-def _distributed_sender(spec: SenderSpec, stage: int, hf_config, address: dict | None) -> Sender:
+def _distributed_link(spec, rank: RankContext) -> RankLink:
+    from megarl.sync.stage_link import StageLink
     from megarl.sync.transports.distributed import DistributedSender
 
-    if address is None:
-        raise RuntimeError("distributed weight sync: weight_sync_address must run before weight_sync_connect")
-    return DistributedSender(spec, stage, address["host"], address["port"])
+    def sender() -> Sender:
+        if rank.address is None:
+            raise RuntimeError("distributed weight sync: weight_sync_address must run before weight_sync_connect")
+        return DistributedSender(spec, rank.stage, rank.address["host"], rank.address["port"])
+
+    return StageLink(rank, sender)
 
 
 def _distributed_engine_side(settings) -> EngineSide:
@@ -36,10 +41,10 @@ def _distributed_engine_side(settings) -> EngineSide:
     return DistributedEngineSide(settings.timeout_s, settings.engine_tp)
 
 
-def _tensor_sender(spec: SenderSpec, stage: int, hf_config, address: dict | None) -> Sender:
-    from megarl.sync.transports.tensor import TensorSender
+def _tensor_link(spec, rank: RankContext) -> RankLink:
+    from megarl.sync.transports.tensor import TensorLink
 
-    return TensorSender(spec)
+    return TensorLink(rank, spec)
 
 
 def _tensor_engine_side(settings) -> EngineSide:
@@ -48,16 +53,23 @@ def _tensor_engine_side(settings) -> EngineSide:
     return TensorEngineSide(settings.engine_tp)
 
 
-def _disk_sender(spec: SenderSpec, stage: int, hf_config, address: dict | None) -> Sender:
+def _disk_link(spec, rank: RankContext) -> RankLink:
+    from megarl.sync.stage_link import StageLink
     from megarl.sync.transports.disk import DiskSender
 
-    return DiskSender(spec, stage, hf_config)
+    return StageLink(rank, lambda: DiskSender(spec, rank.stage, rank.model.bridge.hf_pretrained.config))
 
 
 def _disk_engine_side(settings) -> EngineSide:
     from megarl.sync.transports.disk import DiskEngineSide
 
     return DiskEngineSide(settings.work_dir)
+
+
+def _sharded_link(spec, rank: RankContext) -> RankLink:
+    from megarl.sync.sharded_rank import ShardedLink
+
+    return ShardedLink(rank, spec)
 
 
 def _sharded_engine_side(settings) -> EngineSide:
@@ -67,10 +79,10 @@ def _sharded_engine_side(settings) -> EngineSide:
 
 
 REGISTRY: dict[str, Transport] = {
-    "distributed": Transport(_distributed_sender, _distributed_engine_side),
-    "tensor": Transport(_tensor_sender, _tensor_engine_side),
-    "disk": Transport(_disk_sender, _disk_engine_side),
-    "sharded": Transport(None, _sharded_engine_side),
+    "distributed": Transport(_distributed_link, _distributed_engine_side),
+    "tensor": Transport(_tensor_link, _tensor_engine_side),
+    "disk": Transport(_disk_link, _disk_engine_side),
+    "sharded": Transport(_sharded_link, _sharded_engine_side),
 }
 TRANSPORTS = tuple(REGISTRY)  # the valid names of sync.transport
 
@@ -82,13 +94,9 @@ def _transport(name: str) -> Transport:
         raise ValueError(f"unknown weight transport {name!r}; one of {TRANSPORTS}") from None
 
 
-def make_sender(spec: SenderSpec, stage: int, hf_config, address: dict | None) -> Sender:
-    """The trainer-rank half for ``spec.kind``; ``address`` is the rank's reserved host/port
-    (``distributed`` only), ``hf_config`` the model's HF config (``disk`` writes it)."""
-    sender = _transport(spec.kind).sender
-    if sender is None:
-        raise ValueError(f"weight transport {spec.kind!r} has no stage sender: every trainer rank takes part")
-    return sender(spec, stage, hf_config, address)
+def make_link(spec: LinkSpec, rank: RankContext) -> RankLink:
+    """This trainer rank's half of ``spec.kind``'s link (collective where that transport's link is)."""
+    return _transport(spec.kind).link(spec, rank)
 
 
 def make_engine_side(settings) -> EngineSide:
@@ -96,5 +104,4 @@ def make_engine_side(settings) -> EngineSide:
     return _transport(settings.transport).engine_side(settings)
 
 
-__all__ = ["EngineSide", "REGISTRY", "Sender", "SenderSpec", "TRANSPORTS", "Transport", "make_engine_side",
-           "make_sender"]
+__all__ = ["EngineSide", "LinkSpec", "REGISTRY", "Sender", "TRANSPORTS", "Transport", "make_engine_side", "make_link"]

@@ -1,5 +1,9 @@
-"""The one small interface every weight transport implements, in two halves.
+"""The interface every weight transport implements, in two halves, and the stage path's sender.
 
+- A trainer rank's half is a :class:`megarl.sync.link.RankLink`, made on every rank from the transport's
+  :class:`LinkSpec` (one spec class a transport, with that transport's fields). A transport that sends
+  from one rank per pipeline stage implements only a :class:`Sender` and runs the stage path
+  (:class:`megarl.sync.stage_link.StageLink`); one that does not fit it is a link class of its own.
 - :class:`Sender` lives on a trainer rank that sends (one per pipeline stage). For every bucket
   it gets ``prepare`` (quick, on the calling thread: returns the JSON-able payload the driver
   forwards to the engines, e.g. a file name; the ``tensor`` route's ranks make theirs) and then ``transfer``
@@ -18,39 +22,19 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from megarl.sync.buckets import Bucket, BucketIndex
-from megarl.sync.engine_layout import EngineLayout
 
 
 @dataclass(frozen=True)
-class SenderSpec:
-    """What a sending rank needs to build its :class:`Sender` (pickled to the trainer ranks).
+class LinkSpec:
+    """What every trainer rank needs to make its half of one transport's link (pickled to the ranks): one
+    subclass a transport, named by its ``kind`` (the transport's name), with that transport's fields."""
 
-    kind: transport name. group_prefix/engine_ranks/timeout_s: the distributed link (one group
-    per pipeline stage, named ``{group_prefix}-pp{stage}`` with ``timeout_s`` marked for the
-    engines, :func:`megarl.engines.update_group.timed_name`; the sender is rank 0 and the engines'
-    ranks follow; ``timeout_s`` bounds the group's formation and each broadcast). engine_tp: ranks
-    per engine. engines: the colocated engines ``tensor`` feeds (each rank from the trainer rank on its
-    device, :func:`megarl.sync.transports.tensor.tensor_feeds`). work_dir: where ``disk`` writes checkpoints.
-    engine_layout/rendezvous/trainer_ranks: the ``sharded`` link (one group of every trainer rank and
-    every engine rank, meeting at trainer rank 0's ``host:port``; each engine's weights split over its
-    ranks as ``engine_layout`` says, read from the engines at connect).
-    """
-
-    kind: str
-    group_prefix: str = ""
-    engine_ranks: int = 0
-    timeout_s: float = 600.0
-    engine_tp: int = 1
-    engines: int = 0
-    work_dir: str = ""
-    engine_layout: EngineLayout | None = None
-    rendezvous: str = ""
-    trainer_ranks: int = 0
+    kind: ClassVar[str]
 
 
 @dataclass(frozen=True)
@@ -144,14 +128,14 @@ class EngineSide(abc.ABC):
     loads_per_bucket = True  # engines change weights from the first bucket on (disk: only at commit)
 
     @abc.abstractmethod
-    def sender_spec(self, num_engines: int) -> SenderSpec:
-        """The spec every trainer rank gets to build its :class:`Sender` for ``num_engines`` engines."""
+    def link_spec(self, num_engines: int) -> LinkSpec:
+        """The spec every trainer rank gets to make its half of the link for ``num_engines`` engines."""
 
     async def connect(self, trainer, engines: list) -> None:
-        """Join ``engines`` (SGLangClients) and the trainer's senders to the link (by default the
-        senders only build their half: nothing to join on the engines). ``trainer`` is a
+        """Join ``engines`` (SGLangClients) and the trainer's ranks to the link (by default the ranks
+        only make their half: nothing to join on the engines). ``trainer`` is a
         :class:`megarl.sync.trainer_protocol.WeightSyncTrainer`."""
-        await trainer.weight_sync_connect(self.sender_spec(len(engines)))
+        await trainer.weight_sync_connect(self.link_spec(len(engines)))
 
     async def disconnect(self, trainer, engines: list) -> None:
         """Tear the link down on both sides (best effort: engines may be dead)."""

@@ -17,13 +17,14 @@ import json
 import logging
 import shutil
 import struct
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from megarl.sync.buckets import Bucket, BucketIndex
-from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, finish_fields
+from megarl.sync.transports.base import EngineSide, Finish, LinkSpec, Sender, finish_fields
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +59,18 @@ def write_safetensors(path: Path, bucket: Bucket) -> None:
         f.write(memoryview(bucket.buffer[: bucket.index.nbytes].numpy()))
 
 
+@dataclass(frozen=True)
+class DiskSpec(LinkSpec):
+    """The ``disk`` link: the directory the shards are written to (seen by the senders and the engines)."""
+
+    kind: ClassVar[str] = "disk"
+    work_dir: str
+
+
 class DiskSender(Sender):
     """Writes this stage's shards; the stage-0 sender also writes the HF ``config.json``."""
 
-    def __init__(self, spec: SenderSpec, stage: int, hf_config):
+    def __init__(self, spec: DiskSpec, stage: int, hf_config):
         super().__init__()
         self.work_dir = Path(spec.work_dir)
         self.stage = stage
@@ -94,8 +103,8 @@ class DiskEngineSide(EngineSide):
     def __init__(self, work_dir: str | Path):
         self.work_dir = Path(work_dir)
 
-    def sender_spec(self, num_engines: int) -> SenderSpec:
-        return SenderSpec(kind=self.name, work_dir=str(self.work_dir))
+    def link_spec(self, num_engines: int) -> DiskSpec:
+        return DiskSpec(work_dir=str(self.work_dir))
 
     def before_sync(self, version: int) -> None:
         """Start version ``version`` from an empty partial directory."""

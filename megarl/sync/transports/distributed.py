@@ -29,7 +29,8 @@ import datetime
 import logging
 import os
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -38,7 +39,7 @@ from megarl.engines.weight_delta import LOAD_FORMAT as DELTA_LOAD_FORMAT
 from megarl.platform.description import Platform, detect
 from megarl.sync.buckets import Bucket, BucketIndex
 from megarl.sync.errors import WeightSyncError, past_bound
-from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, finish_fields
+from megarl.sync.transports.base import EngineSide, Finish, LinkSpec, Sender, finish_fields
 
 log = logging.getLogger(__name__)
 
@@ -76,11 +77,24 @@ def _environment(overrides: dict[str, str]):
                 os.environ[key] = value
 
 
+@dataclass(frozen=True)
+class DistributedSpec(LinkSpec):
+    """The ``distributed`` link: one group per pipeline stage, named ``{group_prefix}-pp{stage}`` with
+    ``timeout_s`` marked for the engines (:func:`group_name`); the stage's sender is rank 0 and the
+    ``engine_ranks`` ranks of the engines follow; ``timeout_s`` bounds the group's formation and each
+    broadcast."""
+
+    kind: ClassVar[str] = "distributed"
+    group_prefix: str
+    engine_ranks: int
+    timeout_s: float
+
+
 class DistributedSender(Sender):
     """Rank 0 of its stage's group; joins it in the constructor (blocks until the engines join, at
     most ``spec.timeout_s``: WeightSyncError)."""
 
-    def __init__(self, spec: SenderSpec, stage: int, host: str, port: int, platform: Platform | None = None):
+    def __init__(self, spec: DistributedSpec, stage: int, host: str, port: int, platform: Platform | None = None):
         from sglang.srt.utils.common import init_custom_process_group
 
         super().__init__()
@@ -143,15 +157,15 @@ class DistributedEngineSide(EngineSide):
         self._prefix = ""
         self._groups: list[str] = []
 
-    def sender_spec(self, num_engines: int = 0) -> SenderSpec:
-        return SenderSpec(kind=self.name, group_prefix=self._prefix, engine_ranks=num_engines * self.engine_tp,
-                          timeout_s=self.timeout_s, engine_tp=self.engine_tp)
+    def link_spec(self, num_engines: int = 0) -> DistributedSpec:
+        return DistributedSpec(group_prefix=self._prefix, engine_ranks=num_engines * self.engine_tp,
+                               timeout_s=self.timeout_s)
 
     async def connect(self, trainer, engines: list) -> None:
         """Fresh groups (new names) between every stage's sender and ``engines``."""
         self._prefix = f"megarl-{uuid.uuid4().hex[:12]}"  # group names are never reused in a process
         addresses = [a for a in await trainer.weight_sync_address() if a is not None]
-        spec = self.sender_spec(len(engines))
+        spec = self.link_spec(len(engines))
         world = 1 + spec.engine_ranks
         joins = [client.init_weights_update_group(
                      master_address=a["host"], master_port=a["port"], rank_offset=1 + i * self.engine_tp,

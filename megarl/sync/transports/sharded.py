@@ -24,7 +24,8 @@ import asyncio
 import datetime
 import logging
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -33,7 +34,7 @@ from megarl.platform.description import detect
 from megarl.sync.buckets import BucketIndex
 from megarl.sync.engine_layout import EngineLayout, layout_from_server_info
 from megarl.sync.errors import WeightSyncError, past_bound
-from megarl.sync.transports.base import EngineSide, Finish, SenderSpec, finish_fields
+from megarl.sync.transports.base import EngineSide, Finish, LinkSpec, finish_fields
 from megarl.sync.transports.distributed import _environment, group_environment, link_backend
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,24 @@ def group_name(prefix: str, timeout_s: float) -> str:
     return timed_name(f"{prefix}-sharded", timeout_s)
 
 
-def join_link(spec: SenderSpec, rank: int):
+@dataclass(frozen=True)
+class ShardedSpec(LinkSpec):
+    """The ``sharded`` link: one group of the ``trainer_ranks`` trainer ranks and the ``engine_ranks`` engine
+    ranks (``engine_tp`` per engine), named ``{group_prefix}-sharded`` with ``timeout_s`` marked for the engines
+    (:func:`group_name`), meeting at trainer rank 0's ``rendezvous`` (``host:port``); each engine's weights
+    split over its ranks as ``engine_layout`` says (read from the engines at connect)."""
+
+    kind: ClassVar[str] = "sharded"
+    group_prefix: str
+    engine_ranks: int
+    timeout_s: float
+    engine_tp: int
+    engine_layout: EngineLayout | None
+    rendezvous: str
+    trainer_ranks: int
+
+
+def join_link(spec: ShardedSpec, rank: int):
     """Join the sharded group as trainer rank ``rank`` (blocks until every member joins, at most
     ``spec.timeout_s``: WeightSyncError); the group."""
     from sglang.srt.utils.common import init_custom_process_group
@@ -75,10 +93,10 @@ class ShardedEngineSide(EngineSide):
         self._trainer_ranks = 0
         self._linked = False
 
-    def sender_spec(self, num_engines: int = 0) -> SenderSpec:
-        return SenderSpec(kind=self.name, group_prefix=self._prefix, engine_ranks=num_engines * self.engine_tp,
-                          timeout_s=self.timeout_s, engine_tp=self.engine_tp, engine_layout=self.engine_layout,
-                          rendezvous=self._rendezvous, trainer_ranks=self._trainer_ranks)
+    def link_spec(self, num_engines: int = 0) -> ShardedSpec:
+        return ShardedSpec(group_prefix=self._prefix, engine_ranks=num_engines * self.engine_tp,
+                           timeout_s=self.timeout_s, engine_tp=self.engine_tp, engine_layout=self.engine_layout,
+                           rendezvous=self._rendezvous, trainer_ranks=self._trainer_ranks)
 
     async def connect(self, trainer, engines: list) -> None:
         """A fresh group (new name) of every trainer rank and every rank of ``engines``."""
@@ -90,7 +108,7 @@ class ShardedEngineSide(EngineSide):
             raise RuntimeError("sync.transport=sharded: trainer rank 0 must be the only sender (parallel.pp=1)")
         first = addresses[0]
         self._rendezvous, self._trainer_ranks = f"{first['host']}:{first['port']}", len(addresses)
-        spec = self.sender_spec(len(engines))
+        spec = self.link_spec(len(engines))
         world = spec.trainer_ranks + spec.engine_ranks
         joins = [client.init_weights_update_group(
                      master_address=first["host"], master_port=first["port"],

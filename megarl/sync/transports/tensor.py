@@ -1,9 +1,10 @@
 """``tensor`` (colocated): each engine rank maps a bucket buffer on its own device and copies from it.
 
 The route (:func:`tensor_feeds`): the trainer rank on an engine rank's device feeds it. Each pipeline
-stage's sending rank packs the stage's bucket (:mod:`megarl.sync.rank`) and broadcasts it, over a
-process group of the trainer's own (NCCL on GPU, gloo on CPU), to every trainer rank that feeds an engine
-rank (:class:`TensorFanout`; the stage sender keeps its own buffer for the engine rank it feeds). Each of
+stage's sending rank packs the stage's bucket (the stage path, :mod:`megarl.sync.stage_link`) and broadcasts
+it, over a process group of the trainer's own (NCCL on GPU, gloo on CPU), to every trainer rank that feeds an
+engine rank (:class:`TensorFanout`; the stage sender keeps its own buffer for the engine rank it feeds;
+:class:`TensorLink` is a rank's half: the stage path plus this fan-out). Each of
 those ranks serialises the buffer it holds for its one engine rank: a CUDA IPC handle of a buffer on that
 rank's GPU (no engine process opens another GPU's memory, so none creates a CUDA context there, and an
 engine rank on another node than a stage sender still gets its handle from its own node), or on CPU a
@@ -37,6 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from dataclasses import dataclass
+from typing import ClassVar
 
 import psutil
 import torch
@@ -46,10 +49,23 @@ from megarl.engines.shared_memory import SHARED_MEMORY, mapped_segments, unlink_
 from megarl.engines.weight_delta import BUCKET_FLAG
 from megarl.platform.description import Platform, detect
 from megarl.sync.buckets import DTYPES, Bucket, BucketIndex
-from megarl.sync.transports.base import EngineSide, Finish, Sender, SenderSpec, finish_fields
+from megarl.sync.link import RankContext
+from megarl.sync.report import SenderStats
+from megarl.sync.stage_link import StageLink
+from megarl.sync.transports.base import EngineSide, Finish, LinkSpec, Sender, finish_fields
 
 LOAD_FORMAT = "flattened_bucket"
 MANIFEST_PREFIX = "megarl-tensor-sync-"  # + the sender's pid: the names of its segments, one a line
+
+
+@dataclass(frozen=True)
+class TensorSpec(LinkSpec):
+    """The ``tensor`` link: the colocated engines it feeds, ``engines`` of ``engine_tp`` ranks each (each rank
+    from the trainer rank on its device, :func:`tensor_feeds`)."""
+
+    kind: ClassVar[str] = "tensor"
+    engine_tp: int = 1
+    engines: int = 0
 
 
 def tensor_feeds(num_engines: int, engine_tp: int) -> dict[int, tuple[int, int]]:
@@ -103,7 +119,7 @@ def serialise(buffer: torch.Tensor, index: BucketIndex) -> str:
 class TensorSender(Sender):
     """A stage sender's buffers, where the engines can map them; the payloads come from :class:`TensorFanout`."""
 
-    def __init__(self, spec: SenderSpec, platform: Platform | None = None):
+    def __init__(self, platform: Platform | None = None):
         super().__init__()
         self.cuda = (detect() if platform is None else platform).is_cuda
         prepare_sharing(self.cuda)
@@ -132,7 +148,7 @@ class TensorFanout:
     stage senders' bucket indices go round the members (gloo), each stage's bucket is broadcast over its
     link group in stage order, and each feeding rank returns ``{stage: (engine, engine rank, payload)}``."""
 
-    def __init__(self, spec: SenderSpec, stage: int, is_sender: bool, platform: Platform | None = None):
+    def __init__(self, spec: TensorSpec, stage: int, is_sender: bool, platform: Platform | None = None):
         import torch.distributed as dist
 
         self.cuda = (detect() if platform is None else platform).is_cuda
@@ -208,6 +224,31 @@ class TensorFanout:
         self.links = {}
 
 
+class TensorLink(StageLink):
+    """A trainer rank's half of the ``tensor`` link: the stage path (the stage senders pack into
+    :class:`TensorSender` buffers) plus the route (:class:`TensorFanout`, made on every rank: collective),
+    through which every rank takes part in each ``send`` and returns the payloads it made."""
+
+    def __init__(self, rank: RankContext, spec: TensorSpec):
+        super().__init__(rank, TensorSender)
+        self.fanout = TensorFanout(spec, rank.stage, rank.is_sender)
+
+    def send(self) -> dict[int, tuple[int, int, str]]:
+        """One round of the route with the bucket this rank's stage sender sends now (none elsewhere, or
+        when its stage has sent its last); this rank's payloads (:meth:`TensorFanout.round`)."""
+        started = self.start_transfer()
+        return self.fanout.round(None if started is None else started[0])
+
+    def finish(self) -> SenderStats | None:
+        stats = super().finish()
+        self.fanout.finish()
+        return stats
+
+    def close(self) -> None:
+        self.fanout.close()
+        super().close()
+
+
 def remove_orphaned_segments() -> list[str]:
     """Unlink the shared-memory segments listed by tensor senders that are gone (and their manifests),
     except those a live process still maps; returns the names unlinked. A live sender's manifest stays."""
@@ -242,8 +283,8 @@ class TensorEngineSide(EngineSide):
         self.engine_tp = engine_tp
         self._numbers: dict[str, int] = {}  # engine URL -> its number in the route
 
-    def sender_spec(self, num_engines: int) -> SenderSpec:
-        return SenderSpec(kind=self.name, engine_tp=self.engine_tp, engines=num_engines)
+    def link_spec(self, num_engines: int) -> TensorSpec:
+        return TensorSpec(engine_tp=self.engine_tp, engines=num_engines)
 
     async def connect(self, trainer, engines: list) -> None:
         if not self._numbers:
@@ -251,7 +292,7 @@ class TensorEngineSide(EngineSide):
         unknown = [c.base_url for c in engines if c.base_url not in self._numbers]
         if unknown:
             raise ValueError(f"the tensor transport feeds the engines placed with the trainer ranks, not {unknown}")
-        await trainer.weight_sync_connect(self.sender_spec(len(self._numbers)))
+        await trainer.weight_sync_connect(self.link_spec(len(self._numbers)))
 
     def payload(self, rank: int, index: BucketIndex, sent: list) -> list[list[str]]:
         """Each engine's payloads of bucket ``index``, by engine number then rank, from every trainer rank's
