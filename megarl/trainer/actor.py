@@ -16,13 +16,14 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import ray
 import torch
 
 from megarl.parallel import Layout, free_port, rendezvous_host, role_resources
 from megarl.parallel.places import Place, current_place
+from megarl.sync.trainer_protocol import RANK_CALLS, RankCall, WeightSyncTrainer
 
 log = logging.getLogger(__name__)
 
@@ -233,34 +234,17 @@ class TrainerRank:
 
         return load_checkpoint(root, self.trainable, critic=self.critic)
 
-    # --- weight sync (megarl.sync.rank.RankSync holds the state; see it for each step's contract) ---
-    def _rank_sync(self):
+    # --- weight sync (megarl.sync.rank.RankSync holds the state; see it for each call's contract) ---
+    def weight_sync(self, call: RankCall, *args):
+        """``RankSync.<call>(*args)`` on this rank (``call``: one of
+        :data:`megarl.sync.trainer_protocol.RANK_CALLS`; the abort is :meth:`weight_sync_abort`)."""
         from megarl.sync.rank import RankSync
 
+        if call not in RANK_CALLS:
+            raise ValueError(f"weight sync: no rank call {call!r}; one of {', '.join(RANK_CALLS)}")
         if self._weight_sync is None:
             self._weight_sync = RankSync(self.trainable.model)
-        return self._weight_sync
-
-    def weight_sync_address(self):
-        return self._rank_sync().address()
-
-    def weight_sync_connect(self, spec) -> None:
-        self._rank_sync().connect(spec)
-
-    def weight_sync_disconnect(self, kind: str) -> None:
-        self._rank_sync().disconnect(kind)
-
-    def weight_sync_begin(self, kind: str, version: int, capacity: int, delta=None) -> None:
-        self._rank_sync().begin(kind, version, capacity, delta)
-
-    def weight_sync_next(self):
-        return self._rank_sync().next()
-
-    def weight_sync_send(self):
-        return self._rank_sync().send()
-
-    def weight_sync_finish(self):
-        return self._rank_sync().finish()
+        return getattr(self._weight_sync, call)(*args)
 
     @ray.method(concurrency_group=SYNC_ABORT_GROUP)
     def weight_sync_abort(self) -> None:
@@ -283,7 +267,7 @@ def _rendezvous_point() -> tuple[str, int]:
     return host, free_port(host)
 
 
-class TrainerGroup:
+class TrainerGroup(WeightSyncTrainer):
     """``layout.world_size`` :class:`TrainerRank` actors in one placement group.
 
     Every call runs on every rank with the same arguments. The trainer calls return the reporting
@@ -424,29 +408,12 @@ class TrainerGroup:
         return await self._call("save_hf_adapter", out_dir)
 
     # --- weight sync (megarl.sync.trainer_protocol.WeightSyncTrainer): every rank's result, rank order ---
-    async def weight_sync_address(self) -> list[dict | None]:
-        return await self._call_all("weight_sync_address")
-
-    async def weight_sync_connect(self, spec) -> list[None]:
-        return await self._call_all("weight_sync_connect", spec)
-
-    async def weight_sync_disconnect(self, kind: str) -> list[None]:
-        return await self._call_all("weight_sync_disconnect", kind)
-
-    async def weight_sync_begin(self, kind: str, version: int, capacity: int, delta=None) -> list[None]:
-        return await self._call_all("weight_sync_begin", kind, version, capacity, delta)
-
-    async def weight_sync_next(self) -> list:
-        return await self._call_all("weight_sync_next")
-
-    async def weight_sync_send(self) -> list:
-        return await self._call_all("weight_sync_send")
-
-    async def weight_sync_finish(self) -> list[dict | None]:
-        return await self._call_all("weight_sync_finish")
-
-    async def weight_sync_abort(self) -> list[None]:
-        return await self._call_all("weight_sync_abort")
+    async def on_ranks(self, call: RankCall | Literal["abort"], *args) -> list:
+        """``RankSync.<call>(*args)`` on every rank (:meth:`TrainerRank.weight_sync`); the abort in the ranks'
+        concurrency group of its own, so that it reaches a rank whose call blocks."""
+        if call == "abort":
+            return await self._call_all("weight_sync_abort")
+        return await self._call_all("weight_sync", call, *args)
 
     # --- plumbing ---------------------------------------------------------------------------------
     async def node_addresses(self) -> list[str]:

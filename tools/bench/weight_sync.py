@@ -63,6 +63,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from megarl.sync.trainer_protocol import WeightSyncTrainer  # noqa: E402  (megarl from this checkout)
+
 log = logging.getLogger("bench.weight_sync")
 BUCKETS_MB = (64, 256, 1024)
 RAW_BROADCASTS = 3
@@ -97,7 +99,7 @@ def build_checkpoint(out: Path, layers: int, experts: int, hidden: int, moe_ffn:
     return nbytes
 
 
-class LocalTrainer:
+class LocalTrainer(WeightSyncTrainer):
     """The trainer interface WeightSync needs (megarl.sync.trainer_protocol.WeightSyncTrainer) over one
     in-process rank: each call runs the RankSync method on one worker thread, like a Ray actor would,
     and returns the one rank's result as a list."""
@@ -106,32 +108,8 @@ class LocalTrainer:
         self.rank_sync = rank_sync
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
 
-    async def _run(self, fn, *args) -> list:
-        return [await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)]
-
-    async def weight_sync_address(self) -> list:
-        return await self._run(self.rank_sync.address)
-
-    async def weight_sync_connect(self, spec) -> list:
-        return await self._run(self.rank_sync.connect, spec)
-
-    async def weight_sync_disconnect(self, kind: str) -> list:
-        return await self._run(self.rank_sync.disconnect, kind)
-
-    async def weight_sync_begin(self, kind: str, version: int, capacity: int, delta=None) -> list:
-        return await self._run(self.rank_sync.begin, kind, version, capacity, delta)
-
-    async def weight_sync_next(self) -> list:
-        return await self._run(self.rank_sync.next)
-
-    async def weight_sync_send(self) -> list:
-        return await self._run(self.rank_sync.send)
-
-    async def weight_sync_finish(self) -> list:
-        return await self._run(self.rank_sync.finish)
-
-    async def weight_sync_abort(self) -> list:
-        return await self._run(self.rank_sync.abort)
+    async def on_ranks(self, call: str, *args) -> list:
+        return [await asyncio.get_running_loop().run_in_executor(self.pool, getattr(self.rank_sync, call), *args)]
 
 
 class LocalAdapterTrainer:
