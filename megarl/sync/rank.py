@@ -63,7 +63,7 @@ class RankSync:
         if not self.is_sender:
             return None
         from megarl.parallel import free_port, rendezvous_host
-        from megarl.sync.transports.distributed import link_backend
+        from megarl.sync.transports.groups import link_backend
 
         host = rendezvous_host()
         self._address = {"stage": self.stage, "host": host, "port": free_port(host), "backend": link_backend()}

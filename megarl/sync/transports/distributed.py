@@ -18,16 +18,14 @@ sender waits for each bucket's broadcast at most the bound (``Work.wait`` with a
 CPU on gloo and NCCL alike) and then raises :class:`~megarl.sync.errors.WeightSyncError`, as does a
 group that does not form. A gloo broadcast cannot be cancelled: its worker thread ends at the group's
 own timeout, the same bound. On NCCL the sender's group is made with the watchdog's error handling
-off (:func:`group_environment`), so a timed-out weight-sync collective does not end the trainer's
-process; the sender aborts the communicator itself (:meth:`DistributedSender.close`).
+off (:func:`~megarl.sync.transports.groups.group_environment`), so a timed-out weight-sync collective does
+not end the trainer's process; the sender aborts the communicator itself (:meth:`DistributedSender.close`).
 """
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime
 import logging
-import os
 import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -40,6 +38,7 @@ from megarl.platform.description import Platform, detect
 from megarl.sync.buckets import Bucket, BucketIndex
 from megarl.sync.errors import WeightSyncError, past_bound
 from megarl.sync.transports.base import EngineSide, Finish, LinkSpec, Sender, finish_fields
+from megarl.sync.transports.groups import group_environment, link_backend, made_in
 
 log = logging.getLogger(__name__)
 
@@ -49,32 +48,6 @@ LOAD_FORMAT = "flattened_bucket"
 def group_name(prefix: str, stage: int, timeout_s: float) -> str:
     """Stage ``stage``'s group of the link ``prefix``, marked with its bound for the engines."""
     return timed_name(f"{prefix}-pp{stage}", timeout_s)
-
-
-def link_backend(platform: Platform | None = None) -> str:
-    """The link's backend on ``platform`` (default: this process's): NCCL on CUDA, else gloo."""
-    return "nccl" if (detect() if platform is None else platform).is_cuda else "gloo"
-
-
-def group_environment(backend: str) -> dict[str, str]:
-    """Environment variables in force while the sender's group is made: NCCL's watchdog reads its
-    error handling when a group is constructed; off (``0``, as torch's ``_abort_process_group``
-    asks) it leaves a timed-out collective to the sender instead of ending the trainer's process."""
-    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"} if backend == "nccl" else {}
-
-
-@contextlib.contextmanager
-def _environment(overrides: dict[str, str]):
-    saved = {key: os.environ.get(key) for key in overrides}
-    os.environ.update(overrides)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @dataclass(frozen=True)
@@ -105,7 +78,7 @@ class DistributedSender(Sender):
         self.timeout = datetime.timedelta(seconds=spec.timeout_s)
         self.group = None
         try:
-            with _environment(group_environment(backend)):
+            with made_in(group_environment(backend)):
                 self.group = init_custom_process_group(
                     backend=backend, init_method=f"tcp://{host}:{port}", world_size=1 + spec.engine_ranks, rank=0,
                     group_name=self.name, timeout=self.timeout)

@@ -35,7 +35,7 @@ from megarl.sync.buckets import BucketIndex
 from megarl.sync.engine_layout import EngineLayout, layout_from_server_info
 from megarl.sync.errors import WeightSyncError, past_bound
 from megarl.sync.transports.base import EngineSide, Finish, LinkSpec, finish_fields
-from megarl.sync.transports.distributed import _environment, group_environment, link_backend
+from megarl.sync.transports.groups import group_environment, link_backend, made_in
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def join_link(spec: ShardedSpec, rank: int):
 
     backend, name = link_backend(), group_name(spec.group_prefix, spec.timeout_s)
     try:
-        with _environment(group_environment(backend)):
+        with made_in(group_environment(backend)):
             return init_custom_process_group(
                 backend=backend, init_method=f"tcp://{spec.rendezvous}", rank=rank, group_name=name,
                 world_size=spec.trainer_ranks + spec.engine_ranks, timeout=datetime.timedelta(seconds=spec.timeout_s))
