@@ -138,6 +138,8 @@ def test_synced_adapter_equals_hf_with_the_adapter_merged(name, ray_local, engin
     model_bytes = sum(t.numel() * t.element_size() for t in bridge_merged.values())
     assert adapter_bytes <= report.bytes <= adapter_bytes + 64 * 1024  # the tensors plus the safetensors header
     assert report.transport == "adapter" and report.bytes < model_bytes / 20
+    assert report.tensors == len(tensors) and report.bytes_per_engine_rank == report.bytes
+    assert report.largest_tensor_bytes == max(t.numel() * t.element_size() for t in tensors.values())
     print(f"\n[measured] {name}: adapter sync {report.bytes / 1e3:.1f} kB ({report.bytes / model_bytes:.4f} of the "
           f"{model_bytes / 1e6:.2f} MB model) in {report.total_s:.2f} s; max |engine - HF| log-prob {diff:.1e}")
 

@@ -26,15 +26,17 @@ leaves the set of synced engines until :meth:`AdapterSync.recover`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
+import struct
 import time
 import uuid
 from pathlib import Path
 from typing import Protocol
 
 from megarl.engines.types import EngineError, LoraAdapter, PauseMode
-from megarl.sync.report import SyncReport
+from megarl.sync.report import SenderStats, SyncReport
 from megarl.sync.settings import SyncSettings
 from megarl.sync.weight_sync import WeightSyncError
 
@@ -78,7 +80,12 @@ class AdapterSync:
             await asyncio.wait(set(self._unloads), timeout=self.settings.timeout_s)
 
     async def update(self, version: int, pause_mode: PauseMode = PauseMode.ABORT) -> SyncReport:
-        """Export the trainer's adapters as ``version`` and switch every engine to them."""
+        """Export the trainer's adapters as ``version`` and switch every engine to them. The report (transport
+        ``adapter``, one bucket: the adapter file): ``bytes`` the file's (its tensors and header; every engine
+        rank reads it whole), ``tensors`` and ``largest_tensor_bytes`` its tensors', ``gather_s`` the trainer's
+        export (gathers, PEFT conversion and the file's write: one call of megatron-bridge), ``convert_s`` 0
+        (nothing is packed apart from that write), ``send_s`` the slowest engine's adapter load, ``load_s``
+        from the export's end until every engine took the adapter."""
         async with self._lock:
             t0 = time.perf_counter()
             self.version = version
@@ -96,13 +103,13 @@ class AdapterSync:
                 reasons = "; ".join(f"{c.base_url}: {r}" for c, r in failed)
                 raise WeightSyncError(f"adapter sync to version {version} failed on {len(failed)} engine(s): {reasons}",
                                       version, failed=[c.base_url for c, _ in failed], held=[])
-            nbytes = (path / WEIGHTS_FILE).stat().st_size
+            nbytes, sizes = (path / WEIGHTS_FILE).stat().st_size, tensor_bytes(path / WEIGHTS_FILE)
             total = time.perf_counter() - t0
             log.info("adapters of version %d synced into %d engines: %.2f MB, %.2f s", version, len(engines),
                      nbytes / 1e6, total)
-            return SyncReport(version=version, transport="adapter", engines=len(engines), bytes=nbytes, buckets=1,
-                              tensors=0, gather_s=t_export, convert_s=0.0, send_s=0.0, load_s=total - t_export,
-                              total_s=total, peak_bucket_bytes=nbytes, largest_tensor_bytes=0)
+            sent = SenderStats(stage=0, bytes=nbytes, buckets=1, tensors=len(sizes), gather_s=t_export,
+                               send_s=max(results), peak_bucket_bytes=nbytes, largest_tensor_bytes=max(sizes))
+            return SyncReport.of(sent, version, "adapter", len(engines), load_s=total - t_export, total_s=total)
 
     async def recover(self, client) -> None:
         """Give ``client``'s engine (failed, restarted or new) the current adapter and sync it from now on."""
@@ -126,21 +133,34 @@ class AdapterSync:
                 shutil.rmtree(old, ignore_errors=True)
         return final
 
-    async def _switch(self, client, version: int, path: Path, mode: PauseMode) -> None:
-        """Load ``path`` into ``client``'s engine as the adapter of ``version`` and name it in new requests."""
-        previous = client.adapter
+    async def _switch(self, client, version: int, path: Path, mode: PauseMode) -> float:
+        """Load ``path`` into ``client``'s engine as the adapter of ``version`` and name it in new requests;
+        the seconds the engine took to load it (0 for version 0: the base model, no adapter)."""
+        previous, t0 = client.adapter, time.perf_counter()
         if version:
             try:
                 await client.load_lora_adapter(self.adapter_name(version), path)
             except EngineError as e:  # recovering an engine that loaded it before its sync failed
                 if "already loaded" not in str(e):
                     raise
+        loaded_s = time.perf_counter() - t0
         client.adapter = LoraAdapter(self.adapter_name(version), version) if version else None
         await client.set_weight_version(version, abort_all_requests=mode is PauseMode.ABORT)
         if previous is not None and previous != client.adapter:
             task = asyncio.ensure_future(_unload(client, previous.name))
             self._unloads.add(task)
             task.add_done_callback(self._unloads.discard)
+        return loaded_s
+
+
+def tensor_bytes(path: Path) -> list[int]:
+    """The bytes of each tensor of the safetensors file at ``path`` (from its header: an 8-byte little-endian
+    length, then JSON with each tensor's ``data_offsets``)."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return [end - start for name, entry in header.items() if name != "__metadata__"
+            for start, end in [entry["data_offsets"]]]
 
 
 async def _unload(client, name: str) -> None:
