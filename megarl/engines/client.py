@@ -17,6 +17,11 @@ tokens after it are not mixed. Pauses and weight updates must go through the cli
 
 A batch that repeats a prompt of ``shared_prefill_min_tokens`` or more (a GRPO group's) is preceded by
 one request that prefills each such prompt once (:meth:`SGLangClient._prefill_shared`).
+
+A prompt that resubmits a prefix (``abort_resubmit``'s continuation, a resumed partial sample) can carry
+the routes its tokens were computed with (``prefix_routes``): the engine replays them when it computes
+the prompt (:mod:`megarl.platform.sglang_route_replay`), so the new tokens see the context the trainer's
+forward replays. Such a prompt is left out of the shared prefill, which would route it afresh.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ from megarl.engines.types import (
     SamplingParams,
     ServedModel,
 )
+from megarl.platform.sglang_kept_routes import ROUTES_PARAM, encode_routes
 from megarl.sample import FinishReason, RolloutSample, SamplingMask
 
 log = logging.getLogger(__name__)
@@ -118,11 +124,18 @@ def mixed_version_tokens(versions: np.ndarray, entered_in_place: Mapping[int, bo
 
 
 def generate_payload(prompts: list[list[int]] | list[int], params: SamplingParams, return_routed_experts: bool,
-                     return_sampling_mask: bool, support_logprobs: bool = False) -> dict:
+                     return_sampling_mask: bool, support_logprobs: bool = False,
+                     prefix_routes: Sequence[np.ndarray | None] = ()) -> dict:
     """The ``/generate`` body of a batch of token-id prompts (or one prompt): per-token log-probs always, routed
     experts and the sampling mask (with the log-probs of the sampling distribution: of the sampled token, or
-    with ``support_logprobs`` of every kept id, SGLang's ``sampling_logprobs_mode`` ``support``) as asked."""
-    payload = {"input_ids": prompts, "sampling_params": params.to_json(), "return_logprob": True,
+    with ``support_logprobs`` of every kept id, SGLang's ``sampling_logprobs_mode`` ``support``) as asked; a
+    prompt's ``prefix_routes`` (when given and not None) ride in its own sampling parameters, for the engine to
+    replay (:func:`megarl.platform.sglang_kept_routes.encode_routes`)."""
+    sampling = params.to_json()
+    if any(r is not None for r in prefix_routes):
+        sampling = [sampling if r is None else {**sampling, "custom_params": {ROUTES_PARAM: encode_routes(r)}}
+                    for r in prefix_routes]
+    payload = {"input_ids": prompts, "sampling_params": sampling, "return_logprob": True,
                "return_routed_experts": return_routed_experts, "return_sampling_mask": return_sampling_mask}
     if return_sampling_mask:
         payload["sampling_logprobs_mode"] = "support" if support_logprobs else "selected"
@@ -145,15 +158,17 @@ def sampling_mask_of(rows: list, logprobs: list, response_ids: list[int],
     return mask, selected
 
 
-def shared_prompts(prompts: list[list[int]], min_tokens: int) -> list[int]:
+def shared_prompts(prompts: list[list[int]], min_tokens: int, prefix_routes: Sequence[np.ndarray | None] = ()
+                   ) -> list[int]:
     """Positions of the first copy of each prompt that occurs more than once in ``prompts`` and has at
-    least ``min_tokens`` tokens, in order; none when ``min_tokens`` is 0 (off)."""
+    least ``min_tokens`` tokens, in order; none when ``min_tokens`` is 0 (off). Prompts with
+    ``prefix_routes`` (not None) are not counted: they are computed with their own routes."""
     if min_tokens == 0:
         return []
     first: dict[tuple[int, ...], int] = {}
     shared: set[int] = set()
     for i, prompt in enumerate(prompts):
-        if len(prompt) < min_tokens:
+        if len(prompt) < min_tokens or (i < len(prefix_routes) and prefix_routes[i] is not None):
             continue
         j = first.setdefault(tuple(prompt), i)
         if j != i:
@@ -265,11 +280,12 @@ class SGLangClient:
 
     async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
                                      return_routed_experts: bool = True, return_sampling_mask: bool = True,
-                                     affinity: Sequence[str | None] | None = None) -> BatchResult:
+                                     affinity: Sequence[str | None] | None = None,
+                                     prefix_routes: Sequence[np.ndarray | None] | None = None) -> BatchResult:
         """:meth:`generate_batch` as a :class:`BatchResult` (one engine resubmits nothing)."""
         samples = await self.generate_batch(prompts, params, group_ids=group_ids,
                                             return_routed_experts=return_routed_experts,
-                                            return_sampling_mask=return_sampling_mask)
+                                            return_sampling_mask=return_sampling_mask, prefix_routes=prefix_routes)
         return BatchResult(samples, 0)
 
     async def generate_batch(
@@ -281,28 +297,50 @@ class SGLangClient:
         return_routed_experts: bool = True,
         return_sampling_mask: bool = True,
         affinity: Sequence[str | None] | None = None,
+        prefix_routes: Sequence[np.ndarray | None] | None = None,
     ) -> list[RolloutSample]:
         """One response per prompt, sent as one request (SGLang batches it), joined with the other calls of
         this event-loop turn that share ``params`` and the flags (:mod:`megarl.engines.coalesce`).
         Same contract as :meth:`generate`; ``affinity`` keys are met by construction (one engine serves
-        every request)."""
+        every request). ``prefix_routes[i]`` (integer [n, L, k], n < len(prompts[i]), or None): the
+        routes prompt ``i``'s first n tokens were computed with, replayed by the engine (ValueError for a
+        shape or an expert id the served model does not have)."""
         if len(group_ids) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(group_ids)} group ids")
-        for prompt_ids in prompts:
+        routes = [None] * len(prompts) if prefix_routes is None else list(prefix_routes)
+        if len(routes) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(routes)} prefix routes")
+        for prompt_ids, prompt_routes in zip(prompts, routes):
             self._validate_prompt(prompt_ids)
+            self._validate_routes(prompt_ids, prompt_routes)
         if return_sampling_mask and params.top_k <= 0:
             raise ValueError("return_sampling_mask needs a finite top_k (<= the engine's --sampling-mask-max-tokens)")
         await self._check_text_params(params)
-        return await self._batches.submit([list(p) for p in prompts], list(group_ids),
+        return await self._batches.submit([(list(p), r) for p, r in zip(prompts, routes)], list(group_ids),
                                           (params, return_routed_experts, return_sampling_mask))
 
-    async def _generate_batch_now(self, prompts: list[list[int]], group_ids: list[str],
+    def _validate_routes(self, prompt_ids: list[int], routes: np.ndarray | None) -> None:
+        """ValueError unless ``routes`` is None or [n, L, k] expert ids of the served model for n < the
+        prompt's length (its last token has no row)."""
+        if routes is None:
+            return
+        m = self.model
+        if routes.ndim != 3 or routes.shape[1:] != (m.num_layers, m.topk) or not 0 < len(routes) < len(prompt_ids):
+            raise ValueError(f"prefix routes of shape {routes.shape} for a prompt of {len(prompt_ids)} tokens: "
+                             f"expected [n, {m.num_layers}, {m.topk}] with 0 < n < {len(prompt_ids)}")
+        if routes.size and not (routes.min() >= 0 and routes.max() < m.num_experts):
+            raise ValueError(f"prefix routes hold expert ids outside [0, {m.num_experts})")
+
+    async def _generate_batch_now(self, items: list[tuple[list[int], np.ndarray | None]], group_ids: list[str],
                                   key: tuple) -> list[RolloutSample]:
-        """One ``/generate`` request for ``prompts`` (validated lists); ``key`` = (params, routing, mask flags)."""
+        """One ``/generate`` request for ``items`` ((prompt, prefix routes or None), validated); ``key`` =
+        (params, routing, mask flags)."""
         params, return_routed_experts, return_sampling_mask = key
-        payload = generate_payload(prompts, params, return_routed_experts, return_sampling_mask, self.support_logprobs)
+        prompts, routes = [p for p, _ in items], [r for _, r in items]
+        payload = generate_payload(prompts, params, return_routed_experts, return_sampling_mask, self.support_logprobs,
+                                   routes)
         adapter = self._name_adapter(payload)
-        firsts = shared_prompts(prompts, self.shared_prefill_min_tokens)
+        firsts = shared_prompts(prompts, self.shared_prefill_min_tokens, routes)
         cached_first = await self._prefill_shared([prompts[i] for i in firsts], adapter) if firsts else []
         outs = orjson.loads((await self._post("/generate", payload)).content)
         samples = [self._to_sample(p, out, return_routed_experts, return_sampling_mask, g, "", adapter)

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 
 from megarl.sample import RolloutSample
 
-# (prompts, group_ids, key) -> one sample per prompt, in order; the key is (params, routing, mask)
-Send = Callable[[list[list[int]], list[str], tuple], Awaitable[list[RolloutSample]]]
+# (prompts, group_ids, key) -> one sample per prompt, in order; the key is (params, routing, mask). A prompt
+# is whatever the sender takes for one sample (the client's: token ids and the routes of their prefix).
+Send = Callable[[list, list[str], tuple], Awaitable[list[RolloutSample]]]
 
 
 @dataclass
 class _Call:
-    prompts: list[list[int]]
+    prompts: list
     group_ids: list[str]
     future: asyncio.Future
 
@@ -42,7 +43,7 @@ class BatchCoalescer:
         self._open: dict[tuple, list[_Call]] = {}
         self._tasks: set[asyncio.Task] = set()
 
-    async def submit(self, prompts: list[list[int]], group_ids: list[str], key: tuple) -> list[RolloutSample]:
+    async def submit(self, prompts: list, group_ids: list[str], key: tuple) -> list[RolloutSample]:
         """One sample per prompt, in order, as ``send`` would return them."""
         loop = asyncio.get_running_loop()
         calls = self._open.get(key)

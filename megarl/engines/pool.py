@@ -45,6 +45,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+import numpy as np
+
 from megarl.engines.actor import EngineInfo
 from megarl.engines.affinity import EngineAffinity
 from megarl.engines.client import SGLangClient
@@ -221,21 +223,25 @@ class EnginePool:
 
     async def generate_batch(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
                              return_routed_experts: bool = True, return_sampling_mask: bool = True,
-                             affinity: Sequence[str | None] | None = None) -> list[RolloutSample]:
+                             affinity: Sequence[str | None] | None = None,
+                             prefix_routes: Sequence[np.ndarray | None] | None = None) -> list[RolloutSample]:
         """One sample per prompt, in order; the contract of ``SGLangClient.generate_batch``, spread
         over the engines and surviving engine deaths (see the module docstring); ``affinity[i]``:
-        prompt ``i``'s affinity key (None: none)."""
+        prompt ``i``'s affinity key (None: none); ``prefix_routes[i]``: the routes to replay over
+        prompt ``i``'s prefix (None: none)."""
         result = await self.generate_batch_counted(prompts, params, group_ids=group_ids,
                                                    return_routed_experts=return_routed_experts,
-                                                   return_sampling_mask=return_sampling_mask, affinity=affinity)
+                                                   return_sampling_mask=return_sampling_mask, affinity=affinity,
+                                                   prefix_routes=prefix_routes)
         return result.samples
 
     async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
                                      return_routed_experts: bool = True, return_sampling_mask: bool = True,
-                                     affinity: Sequence[str | None] | None = None) -> BatchResult:
+                                     affinity: Sequence[str | None] | None = None,
+                                     prefix_routes: Sequence[np.ndarray | None] | None = None) -> BatchResult:
         """:meth:`generate_batch` that also says how many prompts were resubmitted."""
         return await self._generate(self._engines, prompts, params, group_ids, return_routed_experts,
-                                    return_sampling_mask, affinity)
+                                    return_sampling_mask, affinity, prefix_routes)
 
     def subset(self, indices: Sequence[int]) -> PoolSubset:
         """Engines ``indices`` of this pool as engines of their own (see the module docstring);
@@ -249,7 +255,8 @@ class EnginePool:
 
     async def _generate(self, engines: list[_Engine], prompts: list[list[int]], params: SamplingParams,
                         group_ids: list[str], return_routed_experts: bool, return_sampling_mask: bool,
-                        affinity: Sequence[str | None] | None = None) -> BatchResult:
+                        affinity: Sequence[str | None] | None = None,
+                        prefix_routes: Sequence[np.ndarray | None] | None = None) -> BatchResult:
         """:meth:`generate_batch_counted` placed among ``engines`` (all of the pool's, or a subset's)."""
         if len(group_ids) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(group_ids)} group ids")
@@ -268,7 +275,8 @@ class EnginePool:
             try:
                 out = await _unless_cut(engine, engine.client.generate_batch(
                     [prompts[i] for i in indices], params, group_ids=[group_ids[i] for i in indices],
-                    return_routed_experts=return_routed_experts, return_sampling_mask=return_sampling_mask))
+                    return_routed_experts=return_routed_experts, return_sampling_mask=return_sampling_mask,
+                    prefix_routes=None if prefix_routes is None else [prefix_routes[i] for i in indices]))
             except EngineUnreachable as e:
                 if engine.supervisor is None and not engine.cut.is_set():
                     raise  # nobody restarts this engine
@@ -576,7 +584,8 @@ class PoolSubset:
 
     async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
                                      return_routed_experts: bool = True, return_sampling_mask: bool = True,
-                                     affinity: Sequence[str | None] | None = None) -> BatchResult:
+                                     affinity: Sequence[str | None] | None = None,
+                                     prefix_routes: Sequence[np.ndarray | None] | None = None) -> BatchResult:
         """:meth:`EnginePool.generate_batch_counted` on these engines only."""
         return await self.pool._generate(self._engines, prompts, params, group_ids, return_routed_experts,
-                                         return_sampling_mask, affinity)
+                                         return_sampling_mask, affinity, prefix_routes)

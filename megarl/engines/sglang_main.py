@@ -5,8 +5,9 @@ registry at the served architecture's module alone (:mod:`megarl.engines.model_r
 megarl's SGLang CPU work-arounds (only when no GPU is present), keeps SGLang's inter-process tensors
 on torch's own unpickler (:mod:`megarl.platform.sglang_ipc`, every platform) and overlaps the receive and the load of
 weight-sync buckets (:mod:`megarl.engines.pipelined_load`), bounds its weight-update groups by the
-driver's ``sync.timeout_s`` (:mod:`megarl.engines.update_group`), keeps the routed experts a retracted
-request's tokens were generated with (:mod:`megarl.platform.sglang_retracted_routes`), lets a paused
+driver's ``sync.timeout_s`` (:mod:`megarl.engines.update_group`), keeps the routes a request's prefix was
+computed with, sent with it or kept at a retraction (:mod:`megarl.platform.sglang_kept_routes`), and replays
+them when the prefix is computed again (:mod:`megarl.platform.sglang_route_replay`), lets a paused
 scheduler wait on its sockets rather than spin (:mod:`megarl.platform.sglang_paused_wait`), then runs SGLang's own
 ``sglang.launch_server`` main with the same arguments. All are applied at import time on purpose: on
 GPU SGLang starts its scheduler and detokenizer with the "spawn" start method, and a spawned child
@@ -43,8 +44,9 @@ with gc_paused():  # most of SGLang is imported here
     from megarl.platform import (
         sglang_cpu,
         sglang_ipc,
+        sglang_kept_routes,
         sglang_paused_wait,
-        sglang_retracted_routes,
+        sglang_route_replay,
         sglang_tokenizer_stops,
     )
 
@@ -52,7 +54,8 @@ with gc_paused():  # most of SGLang is imported here
     sglang_ipc.install()
     pipelined_load.install()
     update_group.install()
-    sglang_retracted_routes.install()
+    sglang_kept_routes.install()
+    sglang_route_replay.install()
     sglang_paused_wait.install()
     if sglang_tokenizer_stops.SKIP_TOKENIZER_FLAG in sys.argv:
         sglang_tokenizer_stops.install()

@@ -14,8 +14,10 @@ sampling-mask rows holding just the token itself (the token is inside its mask, 
 log-prob renormalised over that one-token mask, so the sample's invariants hold everywhere).
 ``routed_experts`` are kept per turn: the rows of the tokens a turn's request fed first (the previous
 turn's last token, the observation, the turn's own tokens) come from that request, as
-:func:`~megarl.rollout.splice.splice_continuation` does for an aborted request; with no weight update
-inside the episode that equals the final request's routing over the whole episode.
+:func:`~megarl.rollout.splice.splice_continuation` does for an aborted request. Each turn's request
+carries the rows of the tokens fed before it, which the engine replays when it computes them again (a
+weight update between turns flushes its cache), so every turn is computed over the routes the trainer
+replays, and the episode's routing equals the final request's.
 """
 from __future__ import annotations
 
@@ -300,7 +302,8 @@ class EnvEpisodes:
         turns = await self.target.generate_batch(contexts, params, group_ids=[group_id] * len(batch),
                                                  return_routed_experts=self.routing,
                                                  return_sampling_mask=self.sampling_mask,
-                                                 affinity=[group_id] * len(batch))
+                                                 affinity=[group_id] * len(batch),
+                                                 prefix_routes=[e.routing for e in batch])
         resubmitted = 0
         while self.abort_resubmit:
             todo = [i for i, t in enumerate(turns)
@@ -312,7 +315,8 @@ class EnvEpisodes:
                 [more] = await self.target.generate_batch([contexts[i] + turns[i].response_ids], rest,
                                                           group_ids=[group_id], return_routed_experts=self.routing,
                                                           return_sampling_mask=self.sampling_mask,
-                                                          affinity=[group_id])
+                                                          affinity=[group_id],
+                                                          prefix_routes=[turns[i].routed_experts])
                 turns[i] = splice_continuation(turns[i], more)
             resubmitted += len(todo)
         for turn in turns:  # aborted exactly at the budget: the turn is complete

@@ -15,8 +15,9 @@ Every outcome is counted, none is fatal:
   episodes); an episode that failed is an error sample (reward 0.0); samples an agent rewarded keep
   their reward;
 - with ``partial_rollout="abort_resubmit"`` a sample that comes back aborted (``pause(ABORT)``,
-  e.g. for a weight update) is resubmitted as prompt + its response so far and the two parts are
-  spliced into one sample (:func:`splice_continuation`); with ``"continue"`` it is kept as it is
+  e.g. for a weight update) is resubmitted as prompt + its response so far, with the routes its
+  tokens were computed with for the engine to replay over them, and the two parts are spliced into
+  one sample (:func:`splice_continuation`); with ``"continue"`` it is kept as it is
   (the driver pauses with retract, and requests resume under the new weights), and so with ``"in_place"``
   (the driver pauses in place: requests keep their KV cache; the tokens that mix versions are marked).
 """
@@ -103,11 +104,12 @@ class RolloutManager:
     def context_length(self) -> int:
         return self.target.model.context_length
 
-    async def _generate(self, prompts: list[list[int]], params: SamplingParams,
-                        group_ids: list[str]) -> tuple[list[RolloutSample], int]:
+    async def _generate(self, prompts: list[list[int]], params: SamplingParams, group_ids: list[str],
+                        prefix_routes: list[np.ndarray | None] | None = None) -> tuple[list[RolloutSample], int]:
         result = await self.target.generate_batch_counted(prompts, params, group_ids=group_ids,
                                                           return_routed_experts=self.routing,
-                                                          return_sampling_mask=self.sampling_mask, affinity=group_ids)
+                                                          return_sampling_mask=self.sampling_mask, affinity=group_ids,
+                                                          prefix_routes=prefix_routes)
         return result.samples, result.resubmitted
 
     def _refusal(self, prompt: Prompt, prompt_ids: list[int]) -> tuple[str, str] | None:
@@ -189,7 +191,8 @@ class RolloutManager:
             answers = await asyncio.gather(*(
                 self._generate([samples[i].prompt_ids + samples[i].response_ids for i in indices],
                                dataclasses.replace(self.params, max_new_tokens=remaining),
-                               [samples[i].group_id for i in indices])
+                               [samples[i].group_id for i in indices],
+                               [samples[i].routed_experts for i in indices])
                 for remaining, indices in batches))
             for (_, indices), (continued, lost) in zip(batches, answers):
                 for i, continuation in zip(indices, continued):
