@@ -22,8 +22,9 @@ def moe_gates(model) -> list:
 
 
 @contextlib.contextmanager
-def forced_routing(model, experts: torch.Tensor):
-    """Route every token through ``experts`` [T, L, k] (one sequence), weights = softmax over them."""
+def forced_routing(model, experts: torch.Tensor, logits_seen: dict | None = None):
+    """Route every token through ``experts`` [T, L, k] (one sequence), weights = softmax over them;
+    ``logits_seen`` (when given) gets each layer's router logits [T, E] by layer index."""
     gates = moe_gates(model)
     originals = [g.forward for g in gates]
 
@@ -31,6 +32,8 @@ def forced_routing(model, experts: torch.Tensor):
         def forward(hidden):
             hidden = hidden.reshape(-1, gate.hidden_dim)
             logits = torch.nn.functional.linear(hidden, gate.weight)
+            if logits_seen is not None:
+                logits_seen[layer] = logits
             ids = experts[: hidden.shape[0], layer].long()
             weights = torch.softmax(logits.gather(1, ids), dim=-1)
             return logits, weights, ids
@@ -55,6 +58,18 @@ def hf_values(hf_path: str, batch, head: tuple[torch.Tensor, torch.Tensor]) -> t
             hidden = hf.model(tokens[None]).last_hidden_state[0]
         rows.append(hidden @ weight[0] + bias[0])
     return torch.cat(rows) * batch.loss_mask
+
+
+def replayed_forward(model, ids: list[int], routes: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+    """The forward of ``ids[:-1]`` with every token routed through ``routes`` [T-1, L, k] (the
+    trainer's Keep Routing): each layer's own top-k under that forward [T-1, L, k] (sorted per row) and
+    the log-probs [T-1, V]."""
+    seen: dict[int, torch.Tensor] = {}
+    with torch.no_grad(), forced_routing(model, torch.from_numpy(routes.astype(np.int64)), seen):
+        logits = model(torch.tensor([ids[:-1]])).logits[0]
+    k = model.config.num_experts_per_tok
+    own = np.stack([torch.topk(seen[layer].float(), k, dim=-1).indices.numpy() for layer in sorted(seen)], axis=1)
+    return np.sort(own, -1), torch.log_softmax(logits.float(), -1)
 
 
 def router_topk(model, tokens: torch.Tensor) -> torch.Tensor:
@@ -151,6 +166,22 @@ def assert_sample_matches_hf(sample: RolloutSample, model, tolerance: float, tem
             continue
         kept_t = torch.from_numpy(kept.astype(np.int64))
         expected = (log_probs[i, token] - torch.logsumexp(log_probs[i, kept_t], dim=0)).item()
+        worst = max(worst, abs(expected - float(sample.rollout_logprobs[i])))
+    assert worst < tolerance, f"log-prob difference {worst}"
+    return worst
+
+
+def assert_sample_matches_replayed_hf(sample: RolloutSample, model, tolerance: float, first_routed: int = 0) -> float:
+    """Every response token's log-prob equals HF's (renormalised over its mask) within ``tolerance`` in a
+    forward that replays the sample's routes (:func:`replayed_forward`), and the routes from row
+    ``first_routed`` on are the router's own choice in that forward. Returns the largest log-prob difference."""
+    ids, p = sample.prompt_ids + sample.response_ids, len(sample.prompt_ids)
+    own, log_probs = replayed_forward(model, ids, sample.routed_experts)
+    np.testing.assert_array_equal(np.sort(sample.routed_experts, -1)[first_routed:], own[first_routed:])
+    worst = 0.0
+    for i, token in enumerate(sample.response_ids):
+        kept = torch.from_numpy(sample.sampling_mask.row(i).astype(np.int64))
+        expected = (log_probs[p - 1 + i, token] - torch.logsumexp(log_probs[p - 1 + i, kept], 0)).item()
         worst = max(worst, abs(expected - float(sample.rollout_logprobs[i])))
     assert worst < tolerance, f"log-prob difference {worst}"
     return worst

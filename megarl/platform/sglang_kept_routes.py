@@ -58,7 +58,10 @@ def decode_routes(entry, shape: tuple[int, int], num_experts: int, max_rows: int
     if (entry["layers"], entry["topk"]) != tuple(shape) or not isinstance(n, int) or not 0 < n <= max_rows:
         raise ValueError(f"custom_params[{ROUTES_PARAM!r}]: {n} rows of {entry['layers']} x {entry['topk']} "
                          f"where the engine routes {shape[0]} x {shape[1]} for at most {max_rows} rows")
-    flat = np.frombuffer(pybase64.b64decode(entry["ids"]), dtype=np.int32)
+    try:
+        flat = np.frombuffer(pybase64.b64decode(entry["ids"]), dtype=np.int32)
+    except (ValueError, TypeError):  # not base64, or not whole int32s
+        flat = np.zeros(0, np.int32)
     if flat.size != n * shape[0] * shape[1] or (flat.size and flat.view(np.uint32).max() >= num_experts):
         raise ValueError(f"custom_params[{ROUTES_PARAM!r}]: ids are not {n} x {shape[0]} x {shape[1]} experts "
                          f"in [0, {num_experts})")
