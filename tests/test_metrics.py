@@ -26,16 +26,19 @@ def test_rows_round_trip_and_non_finite_values_become_null(tmp_path):
 
 
 def test_plot_draws_the_logged_series(tmp_path):
-    """Reward in one panel; fresh-token mismatch and stale-token drift together in the other (step 1
-    had no stale tokens, so no drift row)."""
+    """Reward in one panel; the mismatch of the tokens of the trainer's weights (mean and maximum) and
+    stale-token drift together in the other (step 1 had no stale tokens, so no drift row); the fresh
+    tokens' own mismatch stays in metrics.jsonl."""
     sink = MetricsFile(tmp_path)
     for step in range(1, 6):
-        sink.log(step, {"reward/mean": step / 10, "mismatch/logprob_abs_diff": 1e-4 * step,
+        sink.log(step, {"reward/mean": step / 10, "mismatch/current_logprob_abs_diff": 1e-4 * step,
+                        "mismatch/current_logprob_abs_diff_max": 1e-3 * step, "mismatch/logprob_abs_diff": 1.0,
                         **({"staleness/logprob_drift": 1e-2 * step} if step > 1 else {})})
     sink.close()
     path, series = plot_run(tmp_path)
     assert series == {"reward/mean": [(s, s / 10) for s in range(1, 6)],
-                      "mismatch/logprob_abs_diff": [(s, 1e-4 * s) for s in range(1, 6)],
+                      "mismatch/current_logprob_abs_diff": [(s, 1e-4 * s) for s in range(1, 6)],
+                      "mismatch/current_logprob_abs_diff_max": [(s, 1e-3 * s) for s in range(1, 6)],
                       "staleness/logprob_drift": [(s, 1e-2 * s) for s in range(2, 6)]}
     assert Image.open(path).size == (1000, 350)  # two panels of 5 x 3.5 inches at 100 dpi
 

@@ -36,9 +36,12 @@ def test_sums_and_maxima_by_hand():
     assert sums["stale_abs_diff"].item() == pytest.approx(0.4, abs=1e-6)
     assert sums["stale_ratio_dev_max"].item() == pytest.approx(0.221402758, abs=1e-6)
     assert sums["outside_mask"].item() == 3
+    assert sums["current_abs_diff_max"].item() == pytest.approx(0.5, abs=1e-6)  # no boundary token: the fresh ones
 
     metrics = mismatch_metrics(reduce_mismatch([sums]))
     assert metrics == pytest.approx({
+        "mismatch/current_logprob_abs_diff": 0.2, "mismatch/current_logprob_abs_diff_max": 0.5,
+        "mismatch/current_tokens": 0.6,
         "mismatch/logprob_abs_diff": 0.2, "mismatch/kl": (0.005170918 + 0.106530660) / 3,
         "mismatch/ratio_dev_max": 0.393469340, "mismatch/fresh_tokens": 0.6,
         "staleness/logprob_drift": 0.2, "staleness/ratio_dev_max": 0.221402758,
@@ -89,3 +92,7 @@ def test_fresh_tokens_after_older_ones_in_their_sample_are_boundary_tokens():
     assert metrics["staleness/boundary_logprob_diff"] == pytest.approx(0.2, abs=1e-6)
     assert metrics["staleness/boundary_tokens"] == pytest.approx(2 / 5)
     assert metrics["mismatch/fresh_tokens"] == pytest.approx(1 / 5)
+    # current: the fresh and boundary tokens together, sampled by the weights the trainer holds
+    assert metrics["mismatch/current_logprob_abs_diff"] == pytest.approx((0.2 + 0.2 + 0.5) / 3, abs=1e-6)
+    assert metrics["mismatch/current_logprob_abs_diff_max"] == pytest.approx(0.5, abs=1e-6)
+    assert metrics["mismatch/current_tokens"] == pytest.approx(3 / 5)

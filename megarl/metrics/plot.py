@@ -1,6 +1,7 @@
-"""A PNG of a run's curves: reward, and train-inference mismatch (fresh tokens) beside the drift of
-stale tokens, per RL step (warm-up loss when no RL ran); the held-out evaluation and the experts' load
-when the run logged them."""
+"""A PNG of a run's curves: reward, and the train-inference mismatch of the tokens sampled by the
+weights the trainer holds (fresh and boundary: its mean and maximum) beside the drift of stale tokens,
+per RL step (warm-up loss when no RL ran); the held-out evaluation and the experts' load when the run
+logged them."""
 from __future__ import annotations
 
 import fnmatch
@@ -10,8 +11,10 @@ from megarl.metrics.sink import read_metrics
 
 # (title, y scale, ((key, legend label), ...)): a panel is drawn when any of its keys was logged
 PANELS = (("mean reward", "linear", (("reward/mean", None),)),
-          ("|trainer - rollout| log-prob", "log", (("mismatch/logprob_abs_diff", "mismatch (fresh tokens)"),
-                                                   ("staleness/logprob_drift", "drift (stale tokens)"))),
+          ("|trainer - rollout| log-prob", "log",
+           (("mismatch/current_logprob_abs_diff", "mismatch (fresh + boundary tokens)"),
+            ("mismatch/current_logprob_abs_diff_max", "mismatch, max (fresh + boundary)"),
+            ("staleness/logprob_drift", "drift (stale tokens)"))),
           ("warm-up loss", "linear", (("warmup/loss", None),)),
           ("held-out evaluation", "linear",
            (("eval/reward", "reward (sampled)"), ("eval/greedy/reward", "reward (greedy)"),

@@ -148,8 +148,9 @@ class StepBooks:
                **prefix_cache_metrics(batch.samples), **stats.metrics, **load_metrics(result),
                **self._gpu.sample()}
         self.metrics.log(step, row)
-        log.info("step %d: reward %.3f, mismatch %s (fresh tokens), drift %s (stale), staleness %.2f, wait %.1fs "
-                 "train %.1fs sync %.1fs", step, stats.reward_mean, _figure(row.get("mismatch/logprob_abs_diff")),
-                 _figure(row.get("staleness/logprob_drift")), row["staleness/mean"], row["time/wait_s"],
-                 row["time/train_s"], row["sync/seconds"])
+        log.info("step %d: reward %.3f, mismatch %s max %s (tokens of the trainer's weights: fresh and boundary), "
+                 "drift %s (stale), staleness %.2f, wait %.1fs train %.1fs sync %.1fs", step, stats.reward_mean,
+                 _figure(row.get("mismatch/current_logprob_abs_diff")),
+                 _figure(row.get("mismatch/current_logprob_abs_diff_max")), _figure(row.get("staleness/logprob_drift")),
+                 row["staleness/mean"], row["time/wait_s"], row["time/train_s"], row["sync/seconds"])
         return row

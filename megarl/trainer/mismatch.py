@@ -1,12 +1,14 @@
 """Train-inference mismatch apart from staleness drift.
 
-A trained token is *fresh* when the weights that generated it are the ones the trainer holds
-(staleness 0): |trainer - rollout| log-prob then measures how much the two implementations disagree.
-On a *stale* token (staleness > 0) the same difference mostly measures how far the policy moved
-since, so it is reported apart, as drift. A fresh token of a sample that also holds older tokens
-(a partial rollout continued across a weight update) is a *boundary* token, reported apart too: the
-engine computed it over a prefix re-routed under the new weights, while the trainer replays each
-prefix token's own routes (those it was sampled with), so one forward cannot reproduce it exactly.
+A trained token is *current* when the weights that generated it are the ones the trainer holds
+(staleness 0): |trainer - rollout| log-prob then measures how much the two implementations disagree
+(``mismatch/current_logprob_abs_diff``, its mean, and ``..._max``). On a *stale* token (staleness > 0)
+the same difference mostly measures how far the policy moved since, so it is reported apart, as drift.
+Current tokens are of two kinds, also reported apart: *fresh* ones, in a sample with no older token,
+and *boundary* ones, in a sample continued across a weight update (a partial rollout). The engine
+computed a boundary token over a prefix it recomputed with the prefix tokens' own routes (those the
+trainer replays: docs/architecture.md, "Partial rollouts"), so the trainer reproduces both kinds
+alike; the split shows it.
 
 :func:`mismatch_sums` gives one micro-batch's sums and maxima, :func:`reduce_mismatch` combines
 them over micro-batches and data-parallel ranks, :func:`mismatch_metrics` turns the totals into
@@ -21,7 +23,7 @@ import torch.distributed as dist
 
 SUMMED = ("fresh_tokens", "fresh_abs_diff", "fresh_kl", "stale_tokens", "stale_abs_diff", "boundary_tokens",
           "boundary_abs_diff", "outside_mask")
-MAXED = ("fresh_ratio_dev_max", "stale_ratio_dev_max")
+MAXED = ("fresh_ratio_dev_max", "stale_ratio_dev_max", "current_abs_diff_max")
 
 
 def mismatch_sums(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor,
@@ -38,8 +40,8 @@ def mismatch_sums(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor
     policy sampled) over staleness 0; ``stale_tokens``, ``stale_abs_diff`` over
     staleness > 0; ``boundary_tokens``, ``boundary_abs_diff`` over staleness 0 in a sample with a trained
     token of staleness > 0 (not counted as fresh); ``outside_mask``. Keys in :data:`MAXED` take the maximum:
-    ``fresh_ratio_dev_max``,
-    ``stale_ratio_dev_max`` (max |exp(trainer - rollout) - 1|, 0 over no tokens).
+    ``fresh_ratio_dev_max``, ``stale_ratio_dev_max`` (max |exp(trainer - rollout) - 1|, 0 over no tokens),
+    ``current_abs_diff_max`` (max |trainer - rollout| over fresh and boundary tokens, 0 over none).
     """
     x = rollout_logprobs.detach().double() - trainer_logprobs.detach().double()
     trained = loss_mask > 0
@@ -59,6 +61,7 @@ def mismatch_sums(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor
         "outside_mask": outside_mask.detach().to(x),
         "fresh_ratio_dev_max": ratio_dev[fresh].max() if fresh.any() else zero,
         "stale_ratio_dev_max": ratio_dev[stale].max() if stale.any() else zero,
+        "current_abs_diff_max": abs_diff[fresh | boundary].max() if (fresh | boundary).any() else zero,
     }
 
 
@@ -80,7 +83,9 @@ def reduce_mismatch(parts: Sequence[Mapping[str, torch.Tensor]],
 
 
 def mismatch_metrics(totals: Mapping[str, float]) -> dict[str, float]:
-    """Metric rows from reduced totals: ``mismatch/logprob_abs_diff`` (mean |trainer - rollout|),
+    """Metric rows from reduced totals: ``mismatch/current_logprob_abs_diff`` (mean |trainer - rollout|),
+    ``mismatch/current_logprob_abs_diff_max`` and ``mismatch/current_tokens`` (share of trained tokens)
+    over current (fresh and boundary) tokens; ``mismatch/logprob_abs_diff`` (mean |trainer - rollout|),
     ``mismatch/kl`` (mean k3), ``mismatch/ratio_dev_max`` over fresh tokens; ``mismatch/fresh_tokens``
     (fresh share of trained tokens); ``staleness/logprob_drift`` (mean |trainer - rollout|) and
     ``staleness/ratio_dev_max`` over stale tokens; ``staleness/boundary_logprob_diff`` (mean |trainer -
@@ -91,6 +96,10 @@ def mismatch_metrics(totals: Mapping[str, float]) -> dict[str, float]:
     trained = fresh + stale + boundary
     if trained > 0:
         out["mismatch/fresh_tokens"] = fresh / trained
+    if fresh + boundary > 0:
+        out |= {"mismatch/current_logprob_abs_diff": (totals["fresh_abs_diff"] + totals["boundary_abs_diff"])
+                / (fresh + boundary), "mismatch/current_logprob_abs_diff_max": totals["current_abs_diff_max"],
+                "mismatch/current_tokens": (fresh + boundary) / trained}
     if fresh > 0:
         out |= {"mismatch/logprob_abs_diff": totals["fresh_abs_diff"] / fresh,
                 "mismatch/kl": totals["fresh_kl"] / fresh, "mismatch/ratio_dev_max": totals["fresh_ratio_dev_max"]}
