@@ -149,3 +149,52 @@ class RolloutSample:
     def num_tokens(self) -> int:
         """T = prompt + response tokens."""
         return len(self.prompt_ids) + len(self.response_ids)
+
+
+# RolloutSample fields stored as arrays by samples_to_bytes (the rest are JSON scalars and lists)
+_ARRAYS = ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "model_version", "routed_experts",
+           "token_advantages", "teacher_logprobs", "mixed_versions")
+_JSON = ("reward", "advantage", "group_id", "episode_id", "turn_ends", "turn_rewards", "episode_end", "role",
+         "tool_calls", "prefill_tokens", "cached_tokens")
+
+
+def samples_to_bytes(samples: Sequence[RolloutSample]) -> bytes:
+    """``samples`` as one compressed ``.npz`` (no pickled objects): every per-token record (ids, loss
+    mask, log-probs, versions, routes, sampling mask, mixed flags, advantages) and the scalar fields, so
+    that :func:`samples_from_bytes` gives equal samples back."""
+    import io
+    import json
+
+    arrays: dict[str, np.ndarray] = {}
+    meta = []
+    for i, s in enumerate(samples):
+        for name in _ARRAYS:
+            value = getattr(s, name)
+            if value is not None:
+                arrays[f"{i}.{name}"] = np.asarray(value, np.int64) if name.endswith("_ids") else value
+        if s.sampling_mask is not None:
+            arrays[f"{i}.mask_ids"], arrays[f"{i}.mask_offsets"] = s.sampling_mask.ids, s.sampling_mask.offsets
+        meta.append({name: getattr(s, name) for name in _JSON} | {"finish_reason": s.finish_reason.value})
+    arrays["meta"] = np.array(json.dumps(meta))
+    out = io.BytesIO()
+    np.savez_compressed(out, **arrays)
+    return out.getvalue()
+
+
+def samples_from_bytes(data: bytes) -> list[RolloutSample]:
+    """The samples :func:`samples_to_bytes` stored, equal to those given to it."""
+    import io
+    import json
+
+    with np.load(io.BytesIO(data), allow_pickle=False) as stored:
+        arrays = {key: stored[key] for key in stored.files}
+    samples = []
+    for i, meta in enumerate(json.loads(str(arrays.pop("meta")))):
+        fields = {name: arrays.get(f"{i}.{name}") for name in _ARRAYS}
+        fields["prompt_ids"], fields["response_ids"] = fields["prompt_ids"].tolist(), fields["response_ids"].tolist()
+        mask = (SamplingMask(arrays[f"{i}.mask_ids"], arrays[f"{i}.mask_offsets"]) if f"{i}.mask_ids" in arrays
+                else None)
+        meta = meta | {"turn_ends": tuple(meta["turn_ends"]), "turn_rewards": tuple(meta["turn_rewards"]),
+                       "finish_reason": FinishReason(meta["finish_reason"])}
+        samples.append(RolloutSample(**fields, sampling_mask=mask, **meta))
+    return samples

@@ -138,7 +138,7 @@ def test_every_prompt_and_attempt_ends_somewhere_and_the_totals_add_up():
     assert max(manager.calls.values()) == 1  # no prompt generated twice
     # what is still outstanding is exactly what was drawn and not finished: re-queued on resume
     finished = set(trained) | {1, 4, 5, 6, 9}
-    state = producer.state_dict()
+    state = producer.position()
     assert {i for i, _ in state["requeue"]} == set(range(state["next_index"])) - finished
     restored = Ledger.from_state_dict(ledger.state_dict())
     assert restored.samples.ended == ledger.samples.ended and restored.samples.in_flight == 0
@@ -228,3 +228,119 @@ def test_rows_that_are_no_prompt_are_counted_and_production_goes_on():
 def test_a_source_that_fails_fails_the_run_instead_of_hanging_it():
     with pytest.raises(OSError, match="the dataset's disk went away"):
         asyncio.run(take_once(ScriptedManager(lambda i: "ok"), SourceWithBadRows(broken_after=1), Ledger(), 2))
+
+
+def _full_sample(seed: int) -> RolloutSample:
+    """A sample with every optional per-token record set (routes, mask, mixed flags, advantages)."""
+    from megarl.sample import SamplingMask
+
+    rng = np.random.default_rng(seed)
+    r = 3
+    return RolloutSample(
+        prompt_ids=[1, 2], response_ids=[3, 4, 5], loss_mask=np.array([1, 0, 1], np.uint8),
+        rollout_logprobs=rng.normal(size=r).astype(np.float32), model_version=np.array([0, 1, 1], np.int32),
+        routed_experts=rng.integers(0, 8, (4, 2, 2)).astype(np.int16), sampling_mask=SamplingMask.from_rows(
+            [[3, 7], [4], [5, 6]]), finish_reason=FinishReason.ABORTED, reward=0.5, advantage=-1.0, group_id="7",
+        episode_id="7.1", turn_ends=(1, 3), turn_rewards=(0.1, 0.2), episode_end="done",
+        token_advantages=rng.normal(size=r).astype(np.float32), teacher_logprobs=rng.normal(size=r).astype(np.float32),
+        role="solver", tool_calls={"add": 2}, mixed_versions=np.array([False, True, True]), prefill_tokens=9,
+        cached_tokens=4)
+
+
+def _equal(a: RolloutSample, b: RolloutSample) -> bool:
+    for f in dataclasses.fields(RolloutSample):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.name == "sampling_mask":
+            x, y = (x.ids.tolist(), x.offsets.tolist()), (y.ids.tolist(), y.offsets.tolist())
+        elif isinstance(x, np.ndarray):
+            if x.dtype != y.dtype or not np.array_equal(x, y):
+                return False
+            continue
+        if x != y:
+            return False
+    return True
+
+
+def test_a_checkpoint_carries_every_per_token_record_of_its_samples():
+    from megarl.pipeline.carried import CarriedRollouts, PartialEntry
+    from megarl.rollout.group import PartialGroup
+    from megarl.sample import samples_from_bytes, samples_to_bytes
+    from megarl.tasks.prompts import Prompt as TaskPrompt
+
+    samples = [_full_sample(i) for i in range(3)]
+    assert all(_equal(a, b) for a, b in zip(samples, samples_from_bytes(samples_to_bytes(samples))))
+    carried = CarriedRollouts([Group(4, samples[:1])], [PartialEntry(6, TaskPrompt("2+2=", "4"),
+                                                                     PartialGroup(samples[1:], resubmitted=3))])
+    back, prompts = CarriedRollouts.from_plain(carried.to_plain({4: TaskPrompt("1+1=", "2")}))
+    assert prompts == {4: TaskPrompt("1+1=", "2")} and back.indices == {4, 6}
+    assert [g.index for g in back.buffered] == [4] and _equal(back.buffered[0].samples[0], samples[0])
+    [entry] = back.partial
+    assert (entry.index, entry.prompt, entry.group.resubmitted) == (6, TaskPrompt("2+2=", "4"), 3)
+    assert all(_equal(a, b) for a, b in zip(entry.group.samples, samples[1:]))
+
+
+class CarryingManager(ScriptedManager):
+    """A ScriptedManager that continues a carried group: its samples as they were, the later ones' versions."""
+
+    def __init__(self):
+        super().__init__(lambda i: "ok")
+        self.carried = {}
+
+    async def generate_group(self, prompt, group_id, carried=None):
+        if carried is None:
+            return await super().generate_group(prompt, group_id)
+        self.carried[group_id] = carried
+        return Result(list(carried.samples), carried.resubmitted)
+
+
+def test_a_resumed_producer_takes_the_carried_groups_back_before_drawing_new_prompts():
+    """A checkpoint at a moment with one group buffered (prompt 0) and one in flight (prompt 1, its samples
+    so far recorded) and one in flight with nothing back (prompt 2): the resumed run trains 0 and 1 from the
+    carried samples, draws 2 again, and the ledger adds up across the restart."""
+    from megarl.pipeline.carried import CarriedRollouts, PartialEntry
+    from megarl.rollout.group import PartialGroup
+
+    ledger = Ledger()
+    ledger.started(3, 12)
+    ledger.returned(1, 4, 0)  # prompt 0 buffered, prompts 1 and 2 in flight
+    partial = PartialGroup([sample([0, 0]) for _ in range(4)], resubmitted=2)
+    carried = CarriedRollouts([Group(0, [sample([0]) for _ in range(4)])], [PartialEntry(1, Prompt("p1"), partial)])
+    outstanding = {0: Prompt("p0"), 1: Prompt("p1"), 2: Prompt("p2")}
+
+    async def position():
+        producer = RolloutProducer(ScriptedManager(lambda i: "ok"), CountingSource(), RolloutBuffer(4, 1, ledger),
+                                   ledger, prompts_per_step=2, samples_per_prompt=4, lag=1, dynamic_sampling=False,
+                                   requeue=outstanding.items(), next_index=3)
+        return producer.position(carried)
+
+    state = asyncio.run(position())
+    assert state["requeue"] == [[2, {"text": "p2"}]]
+    resumed_ledger = Ledger.from_state_dict(state["ledger"])
+    assert (resumed_ledger.prompts.buffered, resumed_ledger.prompts.in_flight) == (1, 1)
+    assert (resumed_ledger.samples.buffered, resumed_ledger.samples.in_flight) == (4, 4)
+    assert resumed_ledger.prompts.started == 2 and resumed_ledger.samples.started == 8  # prompt 2 not started
+
+    manager = CarryingManager()
+
+    async def resumed():
+        buffer = RolloutBuffer(4, 1, resumed_ledger)
+        back = CarriedRollouts.from_plain(state["carried"])
+        requeue = [(i, Prompt(**p)) for i, p in state["requeue"]]
+        source = CountingSource()
+        source.position = state["next_index"]  # new prompts p3, p4, ...
+        producer = RolloutProducer(manager, source, buffer, resumed_ledger, prompts_per_step=2,
+                                   samples_per_prompt=4, lag=1, dynamic_sampling=False, requeue=requeue,
+                                   next_index=state["next_index"], carried=(back[0], {0: Prompt("p0")}))
+        task = asyncio.create_task(producer.run())
+        taken = await buffer.take(2, trainer_version=1)
+        producer.taken(taken.groups)
+        more = await buffer.take(1, trainer_version=1)
+        task.cancel()
+        await producer.stop()
+        return [g.index for g in taken.groups + more.groups]
+
+    assert asyncio.run(resumed()) == [0, 1, 2]
+    assert manager.carried["1"].resubmitted == 2  # group 1 continued from its carried samples
+    assert manager.calls["p2"] == 1 and not manager.calls["p0"] and not manager.calls["p1"]  # 0, 1 not generated
+    resumed_ledger.check()
+    assert resumed_ledger.samples.ended[Outcome.ABORTED_RESUBMITTED] == 2  # the carried group's, counted once

@@ -165,8 +165,7 @@ def test_abort_resubmit_splices_prefix_and_continuation(engine, client, tokenize
     # 64-token context even when the abort lands late (at 56, a late abort was refused: 60 > 58 tokens)
     params = SamplingParams(max_new_tokens=NEW, top_k=10, ignore_eos=True)
     target = FirstPass(client)
-    manager = RolloutManager(target, tokenizer, arithmetic_reward, params, samples_per_prompt=6,
-                             partial_rollout="abort_resubmit")
+    manager = RolloutManager(target, tokenizer, arithmetic_reward, params, samples_per_prompt=6)
     prompt = Prompt("2+5=", "7")
 
     async def aborted_group(group_id: str, wave_s: float, fraction: float):

@@ -139,8 +139,7 @@ async def _samples_across_update(engine, tokenizer, a_checkpoint: str, b_checkpo
     """A group of 12 whose requests span the update of A to B (some of them), the engine back on A after."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, top_k=10, ignore_eos=True)
     async with SGLangClient(engine.url, engine.model) as client:
-        manager = RolloutManager(client, tokenizer, arithmetic_reward, params, samples_per_prompt=12,
-                                 partial_rollout="abort_resubmit" if mode == "abort_resubmit" else "continue")
+        manager = RolloutManager(client, tokenizer, arithmetic_reward, params, samples_per_prompt=12)
         prompt = Prompt("2+5=", "7")
         t0 = time.monotonic()
         await manager.generate_group(prompt, "warm")

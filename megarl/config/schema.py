@@ -451,6 +451,9 @@ class BufferConfig:
     # continue (retract: requests resume on the new weights) | abort_resubmit | in_place (requests keep their KV
     # cache across the sync; tokens the new weights sample over the old cache are left out of the loss)
     partial_rollout: str = setting("continue", choices=PARTIAL_ROLLOUT_MODES)
+    # a checkpoint carries the buffer's groups and the samples so far of the groups in flight (their requests
+    # aborted once to read them and resubmitted), which a resumed run continues; false: generated anew
+    carry_in_flight: bool = True
 
 
 @dataclass

@@ -98,6 +98,16 @@ class RolloutBuffer:
             self._groups.append(group)
             self._changed.notify_all()
 
+    def groups(self) -> list[Group]:
+        """The groups waiting for the trainer, oldest first."""
+        return list(self._groups)
+
+    def restore(self, groups: list[Group], reserved: int) -> None:
+        """Put a checkpoint's ``groups`` back (the ledger, restored with them, counts them as buffered) and
+        hold ``reserved`` slots for its groups in flight; before the producer starts."""
+        self._groups.extend(groups)
+        self._reserved += reserved
+
     async def take(self, num_groups: int, trainer_version: int) -> Taken:
         """The oldest ``num_groups`` groups fresh enough for ``trainer_version``; waits until there
         are that many. Stale groups met on the way are dropped and counted as ``dropped_stale``."""

@@ -100,18 +100,24 @@ class Ledger:
                 "buffer/samples_in_flight": self.samples.in_flight, "buffer/prompts_started": self.prompts.started}
         return out
 
-    def state_dict(self) -> dict:
-        """Plain-typed counts for a checkpoint. In-flight and buffered items are not in a checkpoint:
+    def state_dict(self, carried: dict[str, tuple[int, int]] | None = None) -> dict:
+        """Plain-typed counts for a checkpoint. ``carried``: the (in flight, buffered) prompts and samples
+        the checkpoint carries (:class:`megarl.pipeline.carried.CarriedRollouts`), which count as in
+        flight and buffered on resume; the other in-flight and buffered items are not in the checkpoint:
         their prompts are re-queued on resume, so they count as not started."""
-        def plain(t: Tally) -> dict:
+        carried = carried or {}
+
+        def plain(t: Tally, kept: tuple[int, int]) -> dict:
             ended = {o.value: t.ended[o] for o in Outcome}
-            return {"started": t.started - t.in_flight - t.buffered, "ended": ended}
-        return {"prompts": plain(self.prompts), "samples": plain(self.samples)}
+            return {"started": t.started - (t.in_flight - kept[0]) - (t.buffered - kept[1]), "ended": ended,
+                    "in_flight": kept[0], "buffered": kept[1]}
+        return {kind: plain(getattr(self, kind), carried.get(kind, (0, 0))) for kind in ("prompts", "samples")}
 
     @classmethod
     def from_state_dict(cls, state: dict) -> Ledger:
         def tally(d: dict) -> Tally:
-            return Tally(started=d["started"], ended=Counter({Outcome(k): v for k, v in d["ended"].items()}))
+            return Tally(started=d["started"], in_flight=d.get("in_flight", 0), buffered=d.get("buffered", 0),
+                         ended=Counter({Outcome(k): v for k, v in d["ended"].items()}))
         ledger = cls(prompts=tally(state["prompts"]), samples=tally(state["samples"]))
         ledger.check()
         return ledger

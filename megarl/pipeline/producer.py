@@ -6,6 +6,10 @@ on the engines and puts it into the buffer. How far generation may run ahead is 
 versions: 0 for ``sync`` (each batch comes from the weights of the step before), 1 for
 ``one_step_off``, ``buffer.max_staleness`` for ``async``. Every prompt and sample attempt is
 counted in the :class:`~megarl.pipeline.ledger.Ledger`.
+
+Its data position (:meth:`RolloutProducer.position`) is what a checkpoint holds of the data; with
+:meth:`RolloutProducer.carry` it also carries the buffer's groups and the partial groups in flight
+(:mod:`megarl.pipeline.carried`), which a resumed run's producer takes back first.
 """
 from __future__ import annotations
 
@@ -14,7 +18,9 @@ import dataclasses
 import logging
 from collections.abc import Iterable
 
+from megarl.engines.types import PauseMode
 from megarl.pipeline.buffer import Group, RolloutBuffer
+from megarl.pipeline.carried import CarriedRollouts, PartialEntry
 from megarl.pipeline.ledger import Ledger, Outcome
 from megarl.sample import FinishReason
 from megarl.tasks.prompts import BadPrompt
@@ -24,6 +30,9 @@ log = logging.getLogger(__name__)
 # loop turns from a version change to the released groups' requests: the produce loop wakes and starts
 # them (each runs eagerly up to its engine's request coalescer), then the coalescer sends their joint request
 RELEASE_TURNS = 2
+# seconds a checkpoint waits, after its abort pause, for the aborted requests' answers to be recorded (SGLang
+# has answered them when the pause returns; a request that reached the engine after it waits for the continue)
+CARRY_SETTLE_S = 5.0
 
 
 class GenerationFailing(RuntimeError):
@@ -37,18 +46,24 @@ class RolloutProducer:
     ``manager.generate_group(prompt, group_id)`` returns an object with ``samples`` (one final
     sample per requested attempt; finish ``error`` = not scorable), ``resubmitted`` (aborted
     attempts sent again). ``source.next_batch(n)`` yields prompts; ``state_dict()`` is its position.
+    ``carried``: a checkpoint's rollouts (:mod:`megarl.pipeline.carried`) and the buffered groups' prompts,
+    taken back before anything new is drawn (the ``ledger`` restored with them).
     """
 
     def __init__(self, manager, source, buffer: RolloutBuffer, ledger: Ledger, *, prompts_per_step: int,
                  samples_per_prompt: int, lag: int, dynamic_sampling: bool, engine_version: int = 0,
                  requeue: Iterable[tuple[int, object]] = (), next_index: int = 0,
-                 fatal: tuple[type[BaseException], ...] = ()):
+                 fatal: tuple[type[BaseException], ...] = (),
+                 carried: tuple[CarriedRollouts, dict[int, object]] | None = None):
         self.manager, self.source, self.buffer, self.ledger = manager, source, buffer, ledger
         self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
         self.lag, self.dynamic_sampling = lag, dynamic_sampling
         self.engine_version = engine_version
         self.outstanding: dict[int, object] = dict(requeue)  # index -> prompt: drawn, not yet trained or dropped
         self._queue = sorted(self.outstanding.items())
+        self._carried = carried[0] if carried is not None else None
+        if carried is not None:
+            self.outstanding |= carried[1] | {p.index: p.prompt for p in carried[0].partial}
         self._next_index = next_index
         self._version_changed = asyncio.Condition()
         self._tasks: set[asyncio.Task] = set()
@@ -89,11 +104,25 @@ class RolloutProducer:
         counted, never fatal; anything else that ends production fails the run (:meth:`guard`)
         rather than leaving it waiting for groups that never come."""
         try:
+            self._take_back()
             await self._produce()
         except Exception as exc:
             if not self.failure.done():
                 self.failure.set_exception(exc)
             raise
+
+    def _take_back(self) -> None:
+        """The carried rollouts back: buffered groups into the buffer, partial groups continued."""
+        carried, self._carried = self._carried, None
+        if carried is None:
+            return
+        self.buffer.restore(carried.buffered, reserved=len(carried.partial))
+        for entry in carried.partial:
+            task = asyncio.create_task(self._one_group(entry.index, entry.prompt, entry.group))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        log.info("resumed with %d buffered groups and %d partial groups carried by the checkpoint",
+                 len(carried.buffered), len(carried.partial))
 
     async def _produce(self) -> None:
         while True:
@@ -130,10 +159,11 @@ class RolloutProducer:
             log.warning("skipped a row that is no prompt (%d so far; counted in buffer/prompts_error%s): %s",
                         self.bad_prompts, ", the last warning" if self.bad_prompts == 5 else "", exc)
 
-    async def _one_group(self, index: int, prompt) -> None:
+    async def _one_group(self, index: int, prompt, carried=None) -> None:
         g = self.samples_per_prompt
         try:
-            result = await self.manager.generate_group(prompt, group_id=str(index))
+            more = {} if carried is None else {"carried": carried}
+            result = await self.manager.generate_group(prompt, group_id=str(index), **more)
         except self.fatal as exc:
             if not self.failure.done():
                 self.failure.set_exception(exc)
@@ -200,8 +230,42 @@ class RolloutProducer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def state_dict(self) -> dict:
-        """The data position: the source's state, the next draw index and every prompt drawn but
-        not finished (re-queued first on resume, with its index)."""
-        return {"source": self.source.state_dict(), "next_index": self._next_index,
-                "requeue": [[i, dataclasses.asdict(p)] for i, p in sorted(self.outstanding.items())]}
+    def position(self, carried: CarriedRollouts | None = None) -> dict:
+        """The data position: the source's state, the next draw index, every prompt drawn but not
+        finished (re-queued first on resume, with its index) unless ``carried`` holds its group, the
+        carried rollouts and the ledger's counts (those of ``carried`` as in flight and buffered)."""
+        kept = set() if carried is None else carried.indices
+        counts = None if carried is None else carried.counts(self.samples_per_prompt)
+        requeue = [[i, dataclasses.asdict(p)] for i, p in sorted(self.outstanding.items()) if i not in kept]
+        position = {"source": self.source.state_dict(), "next_index": self._next_index, "requeue": requeue,
+                    "ledger": self.ledger.state_dict(counts)}
+        if carried is not None:
+            position["carried"] = carried.to_plain(self.outstanding)
+        return position
+
+    async def carry(self, pool) -> dict:
+        """The data position with the rollouts under way carried (:mod:`megarl.pipeline.carried`): the
+        buffer's groups, and each single-turn group in flight as far as its requests have come back. To
+        read those, ``pool`` (the policy's engines) pauses once with ``abort``: the requests in flight come
+        back with their tokens so far and are resubmitted (their prefix and routes), to run on once it
+        continues. Groups with nothing back yet (and every multi-turn episode: an environment's state is
+        not carried) are re-queued."""
+        if self.manager.episodes is not None:
+            return self.position(CarriedRollouts(self.buffer.groups(), []))
+        mark = self.manager.mark()
+        await pool.pause_generation(PauseMode.ABORT)
+        try:
+            if not await self.manager.returned(mark, CARRY_SETTLE_S):
+                log.warning("checkpoint: some requests in flight did not come back within %.0f s; their groups are "
+                            "carried as far as recorded before", CARRY_SETTLE_S)
+            return self.position(self._carried_now())
+        finally:
+            await pool.continue_generation()
+
+    def _carried_now(self) -> CarriedRollouts:
+        """The buffer's groups and every group in flight the manager has samples of, at this moment."""
+        buffered = self.buffer.groups()
+        in_buffer = {g.index for g in buffered}
+        partial = [PartialEntry(i, p, self.manager.in_flight[str(i)]) for i, p in sorted(self.outstanding.items())
+                   if i not in in_buffer and str(i) in self.manager.in_flight]
+        return CarriedRollouts(buffered, partial)

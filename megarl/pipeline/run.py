@@ -325,8 +325,11 @@ class Pipeline:
         return step == self.cfg.steps or self.stop_signal is not None or (interval > 0 and step % interval == 0)
 
     async def save(self, step: int) -> None:
-        """Checkpoint the trainer with the data position and the ledger (all ranks, collective)."""
-        position = self.producer.state_dict() | {"ledger": self.ledger.state_dict()}
+        """Checkpoint the trainer with the data position and the ledger (and the KL controller's state), and with
+        the rollouts under way unless ``buffer.carry_in_flight`` is off (:meth:`RolloutProducer.carry`) (all
+        ranks, collective)."""
+        carry = self.cfg.buffer.carry_in_flight and self.colocation is None  # colocated: nothing runs across a step
+        position = await self.producer.carry(self.pool) if carry else self.producer.position()
         if self.kl_control is not None:
             position["kl_ctrl"] = self.kl_control.state_dict()
         path = await self.trainer.save_checkpoint(str(checkpoint_dir(self.cfg)), step, position)

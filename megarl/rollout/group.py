@@ -14,19 +14,27 @@ Every outcome is counted, none is fatal:
   for ``task.agent``), each sample is a multi-turn episode (several, one per role, for multi-agent
   episodes); an episode that failed is an error sample (reward 0.0); samples an agent rewarded keep
   their reward;
-- with ``partial_rollout="abort_resubmit"`` a sample that comes back aborted (``pause(ABORT)``,
-  e.g. for a weight update) is resubmitted as prompt + its response so far, with the routes its
-  tokens were computed with for the engine to replay over them, and the two parts are spliced into
-  one sample (:func:`splice_continuation`); with ``"continue"`` it is kept as it is
-  (the driver pauses with retract, and requests resume under the new weights), and so with ``"in_place"``
-  (the driver pauses in place: requests keep their KV cache; the tokens that mix versions are marked).
+- a sample that comes back aborted (``pause(ABORT)``: a weight update under
+  ``buffer.partial_rollout=abort_resubmit``, or a checkpoint reading the partial samples in flight)
+  is resubmitted as prompt + its response so far, with the routes its tokens were computed with for
+  the engine to replay over them, and the two parts are spliced into one sample
+  (:func:`splice_continuation`). Under ``continue`` (the driver pauses with retract: requests resume
+  under the new weights) and ``in_place`` (requests keep their KV cache; the tokens that mix
+  versions are marked) no weight update aborts a request.
+
+What the manager knows of a single-turn group in flight (``in_flight``: each attempt's sample so far,
+finished or aborted with its tokens) is what a checkpoint carries of it
+(:meth:`RolloutProducer.carry <megarl.pipeline.producer.RolloutProducer.carry>`); a resumed run hands it
+back (``generate_group(..., carried=...)``) and the group goes on from there.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,6 +51,16 @@ from megarl.tasks.rewards import RewardScorer
 log = logging.getLogger(__name__)
 
 PARTIAL_ROLLOUT_MODES = ("continue", "abort_resubmit", "in_place")
+
+
+@dataclass
+class PartialGroup:
+    """A single-turn group in flight as far as its requests have come back: one sample per attempt
+    (finished, or aborted with the tokens it had: continued by resubmitting it) and the requests sent
+    again for it so far."""
+
+    samples: list[RolloutSample]
+    resubmitted: int
 
 
 @dataclass
@@ -81,20 +99,45 @@ class RolloutManager:
 
     def __init__(self, target: Engines, tokenizer, reward_fn: RewardFn, params: SamplingParams,
                  samples_per_prompt: int, routing: bool = True, sampling_mask: bool = True,
-                 partial_rollout: str = "continue", reward_timeout_s: float = 30.0, episodes=None,
-                 teacher: TeacherScorer | None = None, add_special_tokens: bool = True):
-        if partial_rollout not in PARTIAL_ROLLOUT_MODES:
-            raise ValueError(f"partial_rollout must be one of {PARTIAL_ROLLOUT_MODES}, got {partial_rollout!r}")
+                 reward_timeout_s: float = 30.0, episodes=None, teacher: TeacherScorer | None = None,
+                 add_special_tokens: bool = True):
         if samples_per_prompt < 1:
             raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
         self.target, self.tokenizer, self.params = target, tokenizer, params
         self.samples_per_prompt, self.routing, self.sampling_mask = samples_per_prompt, routing, sampling_mask
-        self.partial_rollout = partial_rollout
         self.episodes, self.teacher = episodes, teacher
         self.add_special_tokens = add_special_tokens  # False: prompts come rendered, with their own BOS
         self.scorer = RewardScorer(reward_fn, reward_timeout_s)
         self.resubmitted = 0
         self.rejected: collections.Counter[str] = collections.Counter()
+        self.in_flight: dict[str, PartialGroup] = {}  # single-turn groups by id: their samples so far
+        self._epoch = 0  # the requests' epoch (see mark)
+        self._requests: collections.Counter[int] = collections.Counter()  # epoch -> requests out or not recorded
+
+    def mark(self) -> int:
+        """The epoch of the requests sent so far; those sent from now on are of a later one."""
+        self._epoch += 1
+        return self._epoch - 1
+
+    async def returned(self, mark: int, timeout_s: float, poll_s: float = 0.01) -> bool:
+        """Wait until every request sent by the epoch ``mark`` has come back and been recorded in
+        ``in_flight`` (at most ``timeout_s``); whether they all did."""
+        deadline = time.monotonic() + timeout_s
+        while any(n for epoch, n in self._requests.items() if epoch <= mark):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(poll_s)
+        return True
+
+    @contextlib.contextmanager
+    def _request(self):
+        """Counts a request of the current epoch from its sending until what it brought is recorded."""
+        epoch = self._epoch
+        self._requests[epoch] += 1
+        try:
+            yield
+        finally:
+            self._requests[epoch] -= 1
 
     @property
     def reward_errors(self) -> collections.Counter[str]:
@@ -130,8 +173,9 @@ class RolloutManager:
         return GroupResult(samples=[_error_sample(prompt_ids, group_id) for _ in range(g)], resubmitted=0, errors=g,
                            rejected=f"{kind}: {message}")
 
-    async def generate_group(self, prompt: Prompt, group_id: str) -> GroupResult:
-        """``samples_per_prompt`` scored samples of ``prompt`` (group ``group_id``)."""
+    async def generate_group(self, prompt: Prompt, group_id: str, carried: PartialGroup | None = None) -> GroupResult:
+        """``samples_per_prompt`` scored samples of ``prompt`` (group ``group_id``); ``carried``: its samples so
+        far (a checkpoint's, single-turn groups only), continued rather than generated anew."""
         prompt_ids = (self.tokenizer(prompt.text, add_special_tokens=self.add_special_tokens)["input_ids"]
                       if prompt.text else [])
         refusal = self._refusal(prompt, prompt_ids)
@@ -142,14 +186,13 @@ class RolloutManager:
             if self.episodes is not None:
                 samples, resubmitted = await self.episodes.run_group(prompt, group_id, g)
             else:
-                samples, resubmitted = await self._generate([prompt_ids] * g, self.params, [group_id] * g)
-                if self.partial_rollout == "abort_resubmit":
-                    samples, continued = await self._continue_aborted(samples)
-                    resubmitted += continued
+                samples, resubmitted = await self._single_turn(prompt_ids, group_id, carried)
         except EngineUnreachable:
             raise  # no engine left to generate on: the run cannot go on
         except (EngineError, ValueError) as e:
             return self._reject(prompt_ids, group_id, "engine_rejected", str(e))
+        finally:
+            self.in_flight.pop(group_id, None)
         self.resubmitted += resubmitted
         # episodes may end in error, agents may have rewarded their samples already
         scorable = [s for s in samples if s.finish_reason is not FinishReason.ERROR and s.reward is None]
@@ -171,10 +214,23 @@ class RolloutManager:
         """:meth:`generate_group` for every prompt, concurrently (the engines batch them)."""
         return list(await asyncio.gather(*(self.generate_group(p, g) for p, g in zip(prompts, group_ids))))
 
-    async def _continue_aborted(self, samples: list[RolloutSample]) -> tuple[list[RolloutSample], int]:
-        """Resubmit aborted samples as prompt + prefix until none is aborted; returns the spliced
-        samples and the number of resubmitted requests."""
-        resubmitted = 0
+    async def _single_turn(self, prompt_ids: list[int], group_id: str,
+                           carried: PartialGroup | None) -> tuple[list[RolloutSample], int]:
+        """A single-turn group's samples (from ``carried`` on, when given), every aborted one continued,
+        and the requests sent again for it."""
+        if carried is None:
+            with self._request():
+                samples, resubmitted = await self._generate([prompt_ids] * self.samples_per_prompt, self.params,
+                                                            [group_id] * self.samples_per_prompt)
+                self.in_flight[group_id] = PartialGroup(list(samples), resubmitted)
+        else:
+            samples, resubmitted = list(carried.samples), carried.resubmitted
+        return await self._continue_aborted(samples, group_id, resubmitted)
+
+    async def _continue_aborted(self, samples: list[RolloutSample], group_id: str,
+                                resubmitted: int) -> tuple[list[RolloutSample], int]:
+        """Resubmit aborted samples as prompt + prefix until none is aborted, recording each state in
+        ``in_flight``; returns the spliced samples and ``resubmitted`` plus the requests sent again."""
         while True:
             todo = [i for i, s in enumerate(samples) if s.finish_reason is FinishReason.ABORTED]
             for i in list(todo):
@@ -188,17 +244,20 @@ class RolloutManager:
             for i in todo:
                 by_remaining[self.params.max_new_tokens - len(samples[i].response_ids)].append(i)
             batches = list(by_remaining.items())
-            answers = await asyncio.gather(*(
-                self._generate([samples[i].prompt_ids + samples[i].response_ids for i in indices],
-                               dataclasses.replace(self.params, max_new_tokens=remaining),
-                               [samples[i].group_id for i in indices],
-                               [samples[i].routed_experts for i in indices])
-                for remaining, indices in batches))
-            for (_, indices), (continued, lost) in zip(batches, answers):
-                for i, continuation in zip(indices, continued):
-                    samples[i] = splice_continuation(samples[i], continuation)
-                resubmitted += len(indices) + lost
-            log.info("abort_resubmit: continued %d aborted samples", len(todo))
+            self.in_flight[group_id] = PartialGroup(list(samples), resubmitted)
+            with self._request():
+                answers = await asyncio.gather(*(
+                    self._generate([samples[i].prompt_ids + samples[i].response_ids for i in indices],
+                                   dataclasses.replace(self.params, max_new_tokens=remaining),
+                                   [samples[i].group_id for i in indices],
+                                   [samples[i].routed_experts for i in indices])
+                    for remaining, indices in batches))
+                for (_, indices), (continued, lost) in zip(batches, answers):
+                    for i, continuation in zip(indices, continued):
+                        samples[i] = splice_continuation(samples[i], continuation)
+                    resubmitted += len(indices) + lost
+                self.in_flight[group_id] = PartialGroup(list(samples), resubmitted)
+            log.info("continued %d aborted samples", len(todo))
 
     def _reward_input(self, prompt: Prompt, sample: RolloutSample) -> RewardInput:
         """The reward sees the response, or a multi-turn episode's final policy turn (its answer)."""

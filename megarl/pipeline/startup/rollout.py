@@ -119,8 +119,8 @@ def _manager(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[s
     training = evaluation is None
     return RolloutManager(pool, tokenizer, make_reward(cfg.reward, judge=judge), params,
                           samples_per_prompt or r.samples_per_prompt, routing=r.keep_routing and training,
-                          sampling_mask=r.top_k > 0 and training, partial_rollout=cfg.buffer.partial_rollout,
-                          reward_timeout_s=cfg.reward.timeout_s, episodes=episodes,
+                          sampling_mask=r.top_k > 0 and training, reward_timeout_s=cfg.reward.timeout_s,
+                          episodes=episodes,
                           teacher=teacher if training else None, add_special_tokens=not cfg.task.chat_template)
 
 
@@ -164,6 +164,6 @@ def start_rollout(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapp
                                samples_per_prompt=r.samples_per_prompt, lag=lag,
                                dynamic_sampling=r.dynamic_sampling, engine_version=resumed.step,
                                requeue=resumed.requeue, next_index=resumed.next_index,
-                               fatal=(EngineUnreachable,))
+                               fatal=(EngineUnreachable,), carried=resumed.carried)
     evaluation = _evaluation(cfg, start_checkpoint, tokenizer, pools, prompts, stack) if evaluates else None
     return Rollout(producer=producer, buffer=buffer, teacher=teacher, evaluation=evaluation)

@@ -15,6 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from megarl.parallel import Layout
+from megarl.pipeline.carried import CarriedRollouts
 from megarl.pipeline.ledger import Ledger
 from megarl.platform.description import Platform
 from megarl.tasks.prompts import Prompt
@@ -31,7 +32,8 @@ log = logging.getLogger(__name__)
 class Resumed:
     """Where the run starts: its last completed step (0 for a new run), the sample ledger, and the
     data position saved with the checkpoint (None for a new run): the prompt source's state, the
-    prompts to draw again (``requeue``: (index, prompt) pairs) and the next prompt index."""
+    prompts to draw again (``requeue``: (index, prompt) pairs), the next prompt index and the rollouts
+    the checkpoint carries (``carried``)."""
 
     step: int = 0
     ledger: Ledger = field(default_factory=Ledger)
@@ -44,6 +46,13 @@ class Resumed:
     @property
     def next_index(self) -> int:
         return self.position["next_index"] if self.position else 0
+
+    @property
+    def carried(self) -> tuple[CarriedRollouts, dict[int, Prompt]] | None:
+        """The rollouts the checkpoint carries and the buffered groups' prompts (None: none)."""
+        if not self.position or "carried" not in self.position:
+            return None
+        return CarriedRollouts.from_plain(self.position["carried"])
 
 
 def checkpoint_dir(cfg: DictConfig) -> Path:
