@@ -27,11 +27,14 @@ from megarl.platform.sglang_kept_routes import (
     encode_routes,
     take_request_routes,
 )
+from megarl.platform import sglang_route_replay
 from megarl.platform.sglang_route_replay import (
+    DpSlot,
     ForwardReplay,
     apply_replay,
     dp_slot_start,
     extend_replay,
+    gathered_replay,
     replay_weights,
 )
 
@@ -118,6 +121,73 @@ def test_a_dp_rank_s_rows_start_after_the_ranks_before_it_or_at_its_equal_slot()
     assert dp_slot_start([3, 5, 2], 2, 10, max_padding=False) == 8
     assert dp_slot_start([3, 5, 2], 2, 15, max_padding=True) == 10
     assert dp_slot_start([3, 5, 2], 0, 15, max_padding=True) == 0
+
+
+@unit
+def test_dp_ranks_gather_each_other_s_replayed_rows_into_their_slots(monkeypatch):
+    """Two DP ranks (3 and 2 tokens, gathered end to end into 5 rows): the sum of what each puts in its slot
+    (the all-reduce, stood in for) holds every rank's replayed rows, and nothing where none is replayed."""
+    sent = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda codes, group: sent.append(codes))
+    ids = torch.arange(12, dtype=torch.int32).view(3, 2, 2)
+    rank0 = ForwardReplay(ids=ids, replayed=torch.tensor([True, False, True]), rerouted=torch.zeros(3, dtype=bool))
+    rank1 = ForwardReplay(ids=ids[:2] + 100, replayed=torch.tensor([False, True]), rerouted=torch.zeros(2, dtype=bool))
+    gathered_replay(rank0, 5, DpSlot(start=0, writes=True, shape=(2, 2), group=None))
+    gathered_replay(rank1, 5, DpSlot(start=3, writes=True, shape=(2, 2), group=None))
+    gathered_replay(rank1, 5, DpSlot(start=3, writes=False, shape=(2, 2), group=None))  # its attention-TP peer
+    total = sum(sent)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda codes, group: codes.copy_(total))
+    both = gathered_replay(rank1, 5, DpSlot(start=3, writes=True, shape=(2, 2), group=None))
+    assert both.replayed.tolist() == [True, False, True, False, True] and both.start == 3
+    assert both.ids[[0, 2, 4]].tolist() == [ids[0].tolist(), ids[2].tolist(), (ids[1] + 100).tolist()]
+
+
+class _Mode:
+    def __init__(self, extend: bool):
+        self.extend = extend
+
+    def is_extend(self) -> bool:
+        return self.extend
+
+
+def _batch(kept_rows: list | None, extend=True, prefix=0, length=2):
+    """A one-request batch feeding ``length`` positions from ``prefix``; its request keeps ``kept_rows``."""
+    req = _req(kept_rows)
+    req.skip_radix_cache_insert = False
+    return SimpleNamespace(reqs=[req], prefix_lens=[prefix], extend_lens=[length], forward_mode=_Mode(extend))
+
+
+@unit
+def test_a_replayed_forward_runs_off_the_prefill_graph_and_keeps_rerouted_kv_out_of_the_cache(monkeypatch):
+    monkeypatch.setattr(sglang_route_replay, "_dp_attention", lambda: (False, False))
+    graphs = object()
+    worker = SimpleNamespace(model_runner=SimpleNamespace(device="cpu", prefill_cuda_graph_runner=graphs))
+    batch = _batch([5, 6])
+    with sglang_route_replay.replaying(worker, batch):
+        active = sglang_route_replay._active
+        assert worker.model_runner.prefill_cuda_graph_runner is None and active.replayed.tolist() == [True, True]
+        active.layers, active.rerouted[1] = 1, True  # a layer replayed, the router would have chosen otherwise
+    assert worker.model_runner.prefill_cuda_graph_runner is graphs and sglang_route_replay._active is None
+    assert batch.reqs[0].skip_radix_cache_insert
+    agreeing = _batch([5, 6])
+    with sglang_route_replay.replaying(worker, agreeing):
+        sglang_route_replay._active.layers = 1
+    assert not agreeing.reqs[0].skip_radix_cache_insert  # the router's own routes: ordinary KV, shared
+    with sglang_route_replay.replaying(worker, _batch([5, 6], prefix=2)):  # nothing kept where it feeds
+        assert sglang_route_replay._active is None and worker.model_runner.prefill_cuda_graph_runner is graphs
+    with pytest.raises(RuntimeError, match="routed no MoE layer"):  # a top-k format that skips select_experts
+        with sglang_route_replay.replaying(worker, _batch([5, 6])):
+            pass
+    assert worker.model_runner.prefill_cuda_graph_runner is graphs
+
+
+@unit
+def test_a_dp_rank_votes_against_the_prefill_graph_for_a_batch_it_replays(monkeypatch):
+    asked = []
+    monkeypatch.setattr(sglang_route_replay, "_original_vote", lambda **kwargs: asked.append(kwargs) or True)
+    assert sglang_route_replay.prefill_graph_vote(local_batch=_batch([5, 6]), num_tokens=2) is False
+    assert sglang_route_replay.prefill_graph_vote(local_batch=_batch(None), num_tokens=2) is True
+    assert sglang_route_replay.prefill_graph_vote(local_batch=None, num_tokens=0) is True and len(asked) == 2
 
 
 @unit

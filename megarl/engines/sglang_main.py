@@ -7,7 +7,8 @@ on torch's own unpickler (:mod:`megarl.platform.sglang_ipc`, every platform) and
 weight-sync buckets (:mod:`megarl.engines.pipelined_load`), bounds its weight-update groups by the
 driver's ``sync.timeout_s`` (:mod:`megarl.engines.update_group`), keeps the routes a request's prefix was
 computed with, sent with it or kept at a retraction (:mod:`megarl.platform.sglang_kept_routes`), and replays
-them when the prefix is computed again (:mod:`megarl.platform.sglang_route_replay`), lets a paused
+them when the prefix is computed again (:mod:`megarl.platform.sglang_route_replay`; ``MEGARL_ROUTE_REPLAY=off``
+in the environment leaves the replay out, for ``tools/bench/route_replay.py``'s baseline), lets a paused
 scheduler wait on its sockets rather than spin (:mod:`megarl.platform.sglang_paused_wait`), then runs SGLang's own
 ``sglang.launch_server`` main with the same arguments. All are applied at import time on purpose: on
 GPU SGLang starts its scheduler and detokenizer with the "spawn" start method, and a spawned child
@@ -55,7 +56,8 @@ with gc_paused():  # most of SGLang is imported here
     pipelined_load.install()
     update_group.install()
     sglang_kept_routes.install()
-    sglang_route_replay.install()
+    if os.environ.get(sglang_route_replay.OFF_ENV) != "off":
+        sglang_route_replay.install()
     sglang_paused_wait.install()
     if sglang_tokenizer_stops.SKIP_TOKENIZER_FLAG in sys.argv:
         sglang_tokenizer_stops.install()

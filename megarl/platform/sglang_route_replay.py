@@ -41,6 +41,8 @@ import torch
 
 from megarl.platform.sglang_kept_routes import KEPT_ROUTES
 
+OFF_ENV = "MEGARL_ROUTE_REPLAY"  # "off": the engine's entry point does not install the replay (a bench's baseline)
+
 _original_forward = None  # SGLang's functions, kept by install()
 _original_post_process = None
 _original_vote = None
@@ -131,48 +133,65 @@ def dp_slot_start(counts: list[int], rank: int, buffer_len: int, max_padding: bo
     return rank * (buffer_len // len(counts)) if max_padding else sum(counts[:rank])
 
 
-def gathered_replay(local: ForwardReplay, num_rows: int, device: torch.device) -> ForwardReplay:
+@dataclass(frozen=True)
+class DpSlot:
+    """Where a DP-attention rank's rows go in the gathered MoE input: ``start``, its first row there;
+    ``writes``, whether it writes them (attention-TP and -CP rank 0: its DP group's other ranks hold the
+    same rows); ``shape`` (layers, top-k) of a row; ``group``, the process group of the gather."""
+
+    start: int
+    writes: bool
+    shape: tuple[int, int]
+    group: object
+
+
+def gathered_replay(local: ForwardReplay, num_rows: int, slot: DpSlot) -> ForwardReplay:
     """Every DP rank's replayed rows in the gathered layout of ``num_rows`` rows: each rank's ids + 1
     in its slot (0 where nothing is replayed), summed over the ranks. A collective: every rank of the
     gather calls it in the same forward (``local`` empty on a rank that replays nothing)."""
+    codes = torch.zeros((num_rows, *slot.shape), dtype=torch.int32, device=local.replayed.device)
+    if slot.writes:
+        rows = local.replayed.nonzero().flatten()
+        codes[slot.start + rows] = local.ids[rows] + 1
+    torch.distributed.all_reduce(codes, group=slot.group)
+    replayed = codes[:, 0, 0] > 0
+    return ForwardReplay(ids=codes - 1, replayed=replayed, rerouted=torch.zeros_like(replayed), start=slot.start)
+
+
+def _dp_slot() -> DpSlot:
+    """This rank's :class:`DpSlot` in the forward in progress (SGLang's DP-attention state)."""
     from sglang.srt.layers import dp_attention
     from sglang.srt.runtime_context import get_parallel
-
-    parallel = get_parallel()
-    start = dp_slot_start(dp_attention.get_dp_global_num_tokens(), dp_attention.dp_gather_slot(),
-                          dp_attention.get_global_dp_buffer_len(), dp_attention.is_dp_max_padding())
-    codes = torch.zeros((num_rows, *_routes_shape()), dtype=torch.int32, device=device)
-    if parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0:  # the DP group's other ranks hold the same rows
-        rows = local.replayed.nonzero().flatten()
-        codes[start + rows] = local.ids[rows] + 1
-    group = (torch.distributed.group.WORLD if dp_attention.world_dp_gather_enabled()
-             else parallel.tp_group.device_group)
-    torch.distributed.all_reduce(codes, group=group)
-    replayed = codes[:, 0, 0] > 0
-    return ForwardReplay(ids=codes - 1, replayed=replayed, rerouted=torch.zeros_like(replayed), start=start)
-
-
-def _routes_shape() -> tuple[int, int]:
-    """(layers, top-k) of the routed-experts capturer."""
     from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
 
-    capturer = get_global_experts_capturer()
-    return capturer.num_layers, capturer.topk_size
+    parallel, capturer = get_parallel(), get_global_experts_capturer()
+    start = dp_slot_start(dp_attention.get_dp_global_num_tokens(), dp_attention.dp_gather_slot(),
+                          dp_attention.get_global_dp_buffer_len(), dp_attention.is_dp_max_padding())
+    group = torch.distributed.group.WORLD if dp_attention.world_dp_gather_enabled() else parallel.tp_group.device_group
+    return DpSlot(start=start, writes=parallel.attn_tp_rank == 0 and parallel.attn_cp_rank == 0,
+                  shape=(capturer.num_layers, capturer.topk_size), group=group)
+
+
+def _dp_attention() -> tuple[bool, bool]:
+    """(DP attention on, an extend batch on some DP rank in the forward in progress)."""
+    from sglang.srt.layers import dp_attention
+
+    enabled = dp_attention.is_dp_attention_enabled()
+    return enabled, enabled and dp_attention.get_is_extend_in_batch()
 
 
 def _replay_for(topk_ids: torch.Tensor) -> ForwardReplay | None:
     """The replay of the forward in progress for an MoE input of ``topk_ids``' rows, gathered over
     the DP ranks under DP attention; None when nothing is replayed (or a CUDA graph is captured)."""
-    from sglang.srt.layers import dp_attention
-
     if _active is None or (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
-    if not dp_attention.is_dp_attention_enabled():
+    dp, extending = _dp_attention()
+    if not dp:
         return _active
-    if not dp_attention.get_is_extend_in_batch():
+    if not extending:
         return None
     if _active.gathered is None:
-        _active.gathered = gathered_replay(_active, topk_ids.shape[0], topk_ids.device)
+        _active.gathered = gathered_replay(_active, topk_ids.shape[0], _dp_slot())
     return _active.gathered
 
 
@@ -213,12 +232,10 @@ def replaying(worker, batch):
     ``skip_radix_cache_insert``, as for positional embedding overrides): its KV is not what its
     tokens alone determine, and the cache's dedup of equal tokens would swap it for another's."""
     global _active
-    from sglang.srt.layers import dp_attention
-
     host = None
     if batch is not None and batch.forward_mode.is_extend():
         host = extend_replay(batch.reqs, batch.prefix_lens, batch.extend_lens)
-    dp = dp_attention.is_dp_attention_enabled()
+    dp = _dp_attention()[0]
     if host is None and not dp:
         yield
         return
