@@ -344,3 +344,61 @@ def test_a_resumed_producer_takes_the_carried_groups_back_before_drawing_new_pro
     assert manager.calls["p2"] == 1 and not manager.calls["p0"] and not manager.calls["p1"]  # 0, 1 not generated
     resumed_ledger.check()
     assert resumed_ledger.samples.ended[Outcome.ABORTED_RESUBMITTED] == 2  # the carried group's, counted once
+
+
+class PausingPool:
+    """The policy pool's pause and continue, recorded; while paused the manager's requests come back."""
+
+    def __init__(self, manager):
+        self.manager, self.calls = manager, []
+
+    async def pause(self, mode):
+        self.calls.append(("pause", mode))
+        self.manager.pending = 0  # the aborted requests answer
+
+    async def continue_generation(self):
+        self.calls.append(("continue",))
+
+
+class InFlightManager:
+    """What carry() reads of a rollout manager: single-turn groups in flight and their requests."""
+
+    episodes = None
+
+    def __init__(self, in_flight):
+        self.in_flight, self.pending, self.marks = in_flight, 1, []
+
+    def mark(self):
+        self.marks.append(len(self.marks))
+        return self.marks[-1]
+
+    async def returned(self, mark, timeout_s):
+        await asyncio.sleep(0)
+        return self.pending == 0
+
+
+def test_a_checkpoint_reads_the_groups_in_flight_through_one_abort_pause_and_lets_them_go_on():
+    from megarl.engines.types import PauseMode
+    from megarl.rollout.group import PartialGroup
+
+    ledger = Ledger()
+    ledger.started(3, 12)
+    ledger.returned(1, 4, 0)  # prompt 0 buffered; 1 in flight with samples back, 2 with none back yet
+    manager = InFlightManager({"1": PartialGroup([sample([0]) for _ in range(4)], resubmitted=4)})
+    pool = PausingPool(manager)
+
+    async def carry():
+        buffer = RolloutBuffer(4, 1, ledger)
+        buffer.restore([Group(0, [sample([0]) for _ in range(4)])], reserved=2)
+        producer = RolloutProducer(manager, CountingSource(), buffer, ledger, prompts_per_step=2, samples_per_prompt=4,
+                                   lag=1, dynamic_sampling=False, next_index=3,
+                                   requeue=[(0, Prompt("p0")), (1, Prompt("p1")), (2, Prompt("p2"))])
+        return await producer.carry(pool)
+
+    position = asyncio.run(carry())
+    assert pool.calls == [("pause", PauseMode.ABORT), ("continue",)] and manager.marks == [0]
+    assert position["requeue"] == [[2, {"text": "p2"}]]  # nothing of it came back: generated anew
+    carried = position["carried"]
+    assert [g[0] for g in carried["buffered"]] == [0] and [p[0] for p in carried["partial"]] == [1]
+    samples = position["ledger"]["samples"]
+    assert (samples["started"], samples["in_flight"], samples["buffered"]) == (8, 4, 4)

@@ -124,5 +124,5 @@ def test_a_killed_run_continues_the_groups_its_checkpoint_carried(tmp_path, warm
     ended = sum(last[f"buffer/{o}"] for o in ("trained", "dropped_stale", "dropped_filter", "aborted_resubmitted",
                                                "error"))
     assert last["buffer/samples_started"] == ended + last["buffer/samples_in_flight"] + last["buffer/samples_buffered"]
-    print(f"\n[measured] resumed from step {start}: {len(carried.buffered)} buffered and {len(carried.partial)} partial "
-          f"groups carried, {recorded} recorded tokens continued")
+    print(f"\n[measured] resumed from step {start}: {len(carried.buffered)} buffered and {len(carried.partial)} "
+          f"partial groups carried, {recorded} recorded tokens continued")

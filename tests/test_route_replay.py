@@ -19,6 +19,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from megarl.engines.client import SGLangClient, generate_payload, shared_prompts
 from megarl.engines.types import SamplingParams, ServedModel
+from megarl.platform import sglang_route_replay
 from megarl.platform.sglang_kept_routes import (
     KEPT_ROUTES,
     ROUTES_PARAM,
@@ -27,7 +28,6 @@ from megarl.platform.sglang_kept_routes import (
     encode_routes,
     take_request_routes,
 )
-from megarl.platform import sglang_route_replay
 from megarl.platform.sglang_route_replay import (
     DpSlot,
     ForwardReplay,
@@ -104,6 +104,8 @@ def test_replayed_rows_take_the_kept_experts_and_their_scores_and_are_marked_whe
     assert replay.rerouted.tolist() == [False, True, False]
     with pytest.raises(RuntimeError, match="top-k ids where the batch replays"):  # a fused shared expert's column
         apply_replay(replay, 0, torch.zeros(3, 3, dtype=torch.int32), torch.zeros(3, 3), logits, _config())
+    with pytest.raises(RuntimeError, match="packs its top-k ids"):  # ids the experts read before the override
+        apply_replay(replay, 0, chosen.clone(), weights, logits, _config(fused_gate_packed_ids=True))
 
 
 @unit

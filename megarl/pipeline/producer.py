@@ -253,7 +253,7 @@ class RolloutProducer:
         if self.manager.episodes is not None:
             return self.position(CarriedRollouts(self.buffer.groups(), []))
         mark = self.manager.mark()
-        await pool.pause_generation(PauseMode.ABORT)
+        await pool.pause(PauseMode.ABORT)
         try:
             if not await self.manager.returned(mark, CARRY_SETTLE_S):
                 log.warning("checkpoint: some requests in flight did not come back within %.0f s; their groups are "

@@ -24,7 +24,9 @@ Where it acts, in SGLang 0.5.23:
   before the expert-location remap and the routed-experts capture, so the replayed ids are remapped
   and captured like chosen ones. Top-k outputs that skip it (CUDA's ``BYPASSED`` and Triton-kernel
   formats, a model's own fused gate such as Kimi-K3's) cannot replay: a forward that had rows to
-  replay and routed none through it is refused with the reason (the engine stops, its log says why).
+  replay and routed none through it is refused with the reason (the engine stops, its log says why);
+  so is one whose router packs its ids for the experts before the override (flashinfer mxfp4's fused
+  gate, SGLang's experimental ``SGLANG_OPT_LORA_FUSED_TOPK_PACK``).
 - DP attention: the MoE runs on every DP rank's tokens gathered in a buffer (SGLang's
   ``dp_gather_partial``), so every rank needs every rank's replayed rows. Each rank votes against the
   prefill CUDA graph for a batch it replays (``dp_attn._local_prefill_cuda_graph_vote``, a min over
@@ -34,6 +36,7 @@ Where it acts, in SGLang 0.5.23:
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -42,6 +45,7 @@ import torch
 from megarl.platform.sglang_kept_routes import KEPT_ROUTES
 
 OFF_ENV = "MEGARL_ROUTE_REPLAY"  # "off": the engine's entry point does not install the replay (a bench's baseline)
+LORA_TOPK_PACK_ENV = "SGLANG_OPT_LORA_FUSED_TOPK_PACK"  # SGLang's experimental fused top-k + pack for LoRA MoE
 
 _original_forward = None  # SGLang's functions, kept by install()
 _original_post_process = None
@@ -109,6 +113,9 @@ def apply_replay(replay: ForwardReplay, layer: int, topk_ids: torch.Tensor, topk
     :func:`replay_weights`, scaled by ``config.routed_scaling_factor`` where SGLang scales its own
     (``apply_routed_scaling_factor_on_output``); rows whose chosen experts (as a set) were others are
     marked in ``replay.rerouted``. ``config`` is SGLang's ``TopKConfig``."""
+    if getattr(config, "fused_gate_packed_ids", False) or os.environ.get(LORA_TOPK_PACK_ENV, "") not in ("", "0"):
+        raise RuntimeError("route replay: the router packs its top-k ids for the experts itself (flashinfer mxfp4 "
+                           f"fused gate, or {LORA_TOPK_PACK_ENV}), before they can be replayed")
     if topk_ids.shape[0] != replay.ids.shape[0] or topk_ids.shape[1] != replay.ids.shape[2]:
         raise RuntimeError(f"route replay: the MoE input has {tuple(topk_ids.shape)} top-k ids where the batch "
                            f"replays {replay.ids.shape[0]} rows of {replay.ids.shape[2]} (a fused shared expert's "
