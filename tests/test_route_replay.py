@@ -217,6 +217,9 @@ def test_a_request_s_routes_move_off_its_parameters_and_a_bad_entry_aborts_it():
     req.sampling_params.custom_params = {ROUTES_PARAM: encode_routes(np.ones((4, 2, 2), np.int32))}
     take_request_routes(req, (2, 2), 8)  # 4 rows for a 4-token prompt: its last token has none
     assert len(aborted) == 1 and ROUTES_PARAM in aborted[0] and req.sampling_params.custom_params is None
+    req.sampling_params.custom_params = {ROUTES_PARAM: encode_routes(routes)}
+    take_request_routes(req, None, 8)  # an engine that captures no routes cannot replay them: refused, not ignored
+    assert len(aborted) == 2 and "--enable-return-routed-experts" in aborted[1]
 
 
 @unit

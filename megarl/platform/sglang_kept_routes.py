@@ -68,9 +68,11 @@ def decode_routes(entry, shape: tuple[int, int], num_experts: int, max_rows: int
     return torch.from_numpy(flat.copy()).view(n, *shape)
 
 
-def take_request_routes(req, shape: tuple[int, int], num_experts: int) -> None:
+def take_request_routes(req, shape: tuple[int, int] | None, num_experts: int | None) -> None:
     """Move ``req``'s :data:`ROUTES_PARAM` entry, if any, from its sampling parameters to
-    ``req.megarl_kept_routes``; a malformed one aborts the request (HTTP 400, the reason)."""
+    ``req.megarl_kept_routes``; a malformed one, or one the engine cannot replay (``shape`` (layers,
+    top-k) None: routed experts not captured; ``num_experts`` None: not an MoE model it knows), aborts
+    the request (HTTP 400, the reason)."""
     params = req.sampling_params
     custom = params.custom_params
     if not isinstance(custom, dict) or ROUTES_PARAM not in custom:
@@ -78,6 +80,10 @@ def take_request_routes(req, shape: tuple[int, int], num_experts: int) -> None:
     entry = custom[ROUTES_PARAM]
     params.custom_params = {k: v for k, v in custom.items() if k != ROUTES_PARAM} or None
     try:
+        if shape is None or num_experts is None:
+            raise ValueError(f"custom_params[{ROUTES_PARAM!r}]: this engine cannot replay routes (it needs "
+                             "--enable-return-routed-experts and an MoE model with num_experts, n_routed_experts "
+                             "or num_local_experts in its config)")
         setattr(req, KEPT_ROUTES, decode_routes(entry, shape, num_experts, len(req.origin_input_ids) - 1))
     except ValueError as e:
         req.set_finish_with_abort(str(e))
@@ -86,11 +92,14 @@ def take_request_routes(req, shape: tuple[int, int], num_experts: int) -> None:
 def create_request(scheduler, recv_req, *args, **kwargs):
     """SGLang's ``Scheduler._create_generation_req``, taking the request's kept routes off its
     parameters (:func:`take_request_routes`)."""
+    from sglang.srt.state_capturer.routed_experts import get_global_experts_capturer
+
     req = _original_create(scheduler, recv_req, *args, **kwargs)
+    capturer = get_global_experts_capturer()
     config = scheduler.model_config.hf_text_config
-    num_experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts", None)
-    if num_experts:  # an MoE model: a dense one routes nothing and keeps nothing
-        take_request_routes(req, (config.num_hidden_layers, config.num_experts_per_tok), num_experts)
+    experts = next((getattr(config, name) for name in ("num_experts", "n_routed_experts", "num_local_experts")
+                    if getattr(config, name, None)), None)
+    take_request_routes(req, None if capturer is None else (capturer.num_layers, capturer.topk_size), experts)
     return req
 
 
