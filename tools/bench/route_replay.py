@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=5, help="first RL steps left out of each run's figures")
     args = parser.parse_args()
     work = work_directory(args.work_dir, "megarl_route_replay_")
+    work.mkdir(parents=True, exist_ok=True)
     figures: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
     for repeat in range(args.repeats):
         order = list(VARIANTS) if repeat % 2 == 0 else list(reversed(VARIANTS))
