@@ -58,6 +58,8 @@ with gc_paused():  # most of SGLang is imported here
     sglang_kept_routes.install()
     if os.environ.get(sglang_route_replay.OFF_ENV) != "off":
         sglang_route_replay.install()
+    else:
+        print(f"{sglang_route_replay.OFF_ENV}=off: recomputed prefixes are routed afresh", file=sys.stderr)
     sglang_paused_wait.install()
     if sglang_tokenizer_stops.SKIP_TOKENIZER_FLAG in sys.argv:
         sglang_tokenizer_stops.install()
