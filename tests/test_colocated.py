@@ -121,7 +121,8 @@ class SlowClient:
         self._running = asyncio.Event()  # cleared while paused
         self._running.set()
 
-    async def generate_batch(self, prompts, params, *, group_ids, return_routed_experts, return_sampling_mask):
+    async def generate_batch(self, prompts, params, *, group_ids, return_routed_experts, return_sampling_mask,
+                             prefix_routes=None):
         self.sent.append(time.monotonic())
         await asyncio.sleep(self.transit)
         await self._running.wait()

@@ -38,7 +38,8 @@ class StandIn:
     async def _answer_or_hang(self):
         await self.link.wait()
 
-    async def generate_batch(self, prompts, params, *, group_ids, return_routed_experts, return_sampling_mask):
+    async def generate_batch(self, prompts, params, *, group_ids, return_routed_experts, return_sampling_mask,
+                             prefix_routes=None):
         self.requests.append(list(group_ids))
         await asyncio.sleep(self.delay)
         await self._answer_or_hang()

@@ -28,11 +28,13 @@ class FakeClient:
     def __init__(self, delay=0.05, fail_times=0):
         self.model, self.delay, self.fail_times = MODEL, delay, fail_times
         self.requests: list[list[str]] = []
+        self.routes: list = []  # each request's prefix routes
         self.calls: list[str] = []
 
     async def generate_batch(self, prompts, params, *, group_ids, return_routed_experts=True,
-                             return_sampling_mask=True):
+                             return_sampling_mask=True, prefix_routes=None):
         self.requests.append(list(group_ids))
+        self.routes.append(prefix_routes)
         if self.fail_times > 0:
             self.fail_times -= 1
             await asyncio.sleep(self.delay / 2)
@@ -89,6 +91,19 @@ def test_least_loaded_placement():
     assert [s.group_id for s in out] == [f"g{i}" for i in range(5)]  # prompt order kept
     assert [s.response_ids for s in out] == [[i + 10] for i in range(5)]
     assert pool.in_flight == [0, 0]
+
+
+def test_each_prompt_s_prefix_routes_go_with_it_to_its_engine():
+    clients = [FakeClient(), FakeClient()]
+    routes = [np.full((1, 2, 2), i, np.int16) for i in range(3)]
+
+    async def body():
+        await EnginePool(clients).generate_batch([[i, i] for i in range(3)], PARAMS, group_ids=["a", "b", "c"],
+                                                 prefix_routes=[routes[0], None, routes[2]])
+
+    asyncio.run(body())
+    assert clients[0].requests == [["a", "c"]] and clients[1].requests == [["b"]]
+    assert [r[0, 0, 0] for r in clients[0].routes[0]] == [0, 2] and clients[1].routes == [[None]]
 
 
 def test_lost_request_is_resubmitted_after_the_restart_exactly_once():
