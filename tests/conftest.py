@@ -19,10 +19,11 @@ pytest_plugins = ("tiers", "pytester")
 # time, never a test.
 LONGEST_FIRST = (
     "test_multinode_faults.py", "test_weight_sync.py", "test_multinode.py", "test_rl_episodes.py",
-    "test_rl_resume.py", "test_rehearsal.py", "test_multinode_sharded.py", "test_platform_cpu.py", "test_slurm.py",
-    "test_critic_run.py", "test_no_orphans.py", "test_sync_never_hangs.py", "test_rl_resume_lora.py",
-    "test_weight_sync_sharded_engine.py", "test_sglang_cpu_fork.py", "test_tensor_route.py", "test_rank_pool.py",
-    "test_sglang_engine.py", "test_engine_parallel.py",
+    "test_rl_resume.py", "test_rl_resume_in_flight.py", "test_weight_update_mid_request.py", "test_rehearsal.py",
+    "test_multinode_sharded.py", "test_platform_cpu.py", "test_slurm.py", "test_critic_run.py", "test_no_orphans.py",
+    "test_sync_never_hangs.py", "test_rl_resume_lora.py", "test_weight_sync_sharded_engine.py",
+    "test_sglang_cpu_fork.py", "test_tensor_route.py", "test_rank_pool.py", "test_sglang_engine.py",
+    "test_engine_parallel.py",
     "test_rollout_pool.py", "test_rl_sync.py", "test_config.py", "test_layouts.py", "test_weight_sync_sharded.py",
     "test_weight_sync_sharded_dp_attention.py",
     "test_sglang_cpu_compat.py", "test_lora.py", "test_config_keys.py", "test_critic.py",
