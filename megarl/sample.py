@@ -160,8 +160,8 @@ _JSON = ("reward", "advantage", "group_id", "episode_id", "turn_ends", "turn_rew
 
 def samples_to_bytes(samples: Sequence[RolloutSample]) -> bytes:
     """``samples`` as one compressed ``.npz`` (no pickled objects): every per-token record (ids, loss
-    mask, log-probs, versions, routes, sampling mask, mixed flags, advantages) and the scalar fields, so
-    that :func:`samples_from_bytes` gives equal samples back."""
+    mask, log-probs, versions, routes, sampling mask with its kept ids' log-probs, mixed flags,
+    advantages) and the scalar fields, so that :func:`samples_from_bytes` gives equal samples back."""
     import io
     import json
 
@@ -174,6 +174,8 @@ def samples_to_bytes(samples: Sequence[RolloutSample]) -> bytes:
                 arrays[f"{i}.{name}"] = np.asarray(value, np.int64) if name.endswith("_ids") else value
         if s.sampling_mask is not None:
             arrays[f"{i}.mask_ids"], arrays[f"{i}.mask_offsets"] = s.sampling_mask.ids, s.sampling_mask.offsets
+            if s.sampling_mask.logprobs is not None:
+                arrays[f"{i}.mask_logprobs"] = s.sampling_mask.logprobs
         meta.append({name: getattr(s, name) for name in _JSON} | {"finish_reason": s.finish_reason.value})
     arrays["meta"] = np.array(json.dumps(meta))
     out = io.BytesIO()
@@ -192,8 +194,8 @@ def samples_from_bytes(data: bytes) -> list[RolloutSample]:
     for i, meta in enumerate(json.loads(str(arrays.pop("meta")))):
         fields = {name: arrays.get(f"{i}.{name}") for name in _ARRAYS}
         fields["prompt_ids"], fields["response_ids"] = fields["prompt_ids"].tolist(), fields["response_ids"].tolist()
-        mask = (SamplingMask(arrays[f"{i}.mask_ids"], arrays[f"{i}.mask_offsets"]) if f"{i}.mask_ids" in arrays
-                else None)
+        mask = (SamplingMask(arrays[f"{i}.mask_ids"], arrays[f"{i}.mask_offsets"], arrays.get(f"{i}.mask_logprobs"))
+                if f"{i}.mask_ids" in arrays else None)
         meta = meta | {"turn_ends": tuple(meta["turn_ends"]), "turn_rewards": tuple(meta["turn_rewards"]),
                        "finish_reason": FinishReason(meta["finish_reason"])}
         samples.append(RolloutSample(**fields, sampling_mask=mask, **meta))

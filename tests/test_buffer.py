@@ -239,9 +239,10 @@ def _full_sample(seed: int) -> RolloutSample:
     return RolloutSample(
         prompt_ids=[1, 2], response_ids=[3, 4, 5], loss_mask=np.array([1, 0, 1], np.uint8),
         rollout_logprobs=rng.normal(size=r).astype(np.float32), model_version=np.array([0, 1, 1], np.int32),
-        routed_experts=rng.integers(0, 8, (4, 2, 2)).astype(np.int16), sampling_mask=SamplingMask.from_rows(
-            [[3, 7], [4], [5, 6]]), finish_reason=FinishReason.ABORTED, reward=0.5, advantage=-1.0, group_id="7",
-        episode_id="7.1", turn_ends=(1, 3), turn_rewards=(0.1, 0.2), episode_end="done",
+        routed_experts=rng.integers(0, 8, (4, 2, 2)).astype(np.int16), sampling_mask=SamplingMask(
+            np.array([3, 7, 4, 5, 6], np.int32), np.array([0, 2, 3, 5], np.int32),
+            rng.normal(size=5).astype(np.float32)), finish_reason=FinishReason.ABORTED, reward=0.5, advantage=-1.0,
+        group_id="7", episode_id="7.1", turn_ends=(1, 3), turn_rewards=(0.1, 0.2), episode_end="done",
         token_advantages=rng.normal(size=r).astype(np.float32), teacher_logprobs=rng.normal(size=r).astype(np.float32),
         role="solver", tool_calls={"add": 2}, mixed_versions=np.array([False, True, True]), prefill_tokens=9,
         cached_tokens=4)
@@ -251,7 +252,8 @@ def _equal(a: RolloutSample, b: RolloutSample) -> bool:
     for f in dataclasses.fields(RolloutSample):
         x, y = getattr(a, f.name), getattr(b, f.name)
         if f.name == "sampling_mask":
-            x, y = (x.ids.tolist(), x.offsets.tolist()), (y.ids.tolist(), y.offsets.tolist())
+            x, y = [[m.ids.tolist(), m.offsets.tolist(), None if m.logprobs is None else m.logprobs.tolist()]
+                    for m in (x, y)]
         elif isinstance(x, np.ndarray):
             if x.dtype != y.dtype or not np.array_equal(x, y):
                 return False
@@ -262,11 +264,14 @@ def _equal(a: RolloutSample, b: RolloutSample) -> bool:
 
 
 def test_a_checkpoint_carries_every_per_token_record_of_its_samples():
+    from megarl import sample as sample_module
     from megarl.pipeline.carried import CarriedRollouts, PartialEntry
     from megarl.rollout.group import PartialGroup
     from megarl.sample import samples_from_bytes, samples_to_bytes
     from megarl.tasks.prompts import Prompt as TaskPrompt
 
+    stored = set(sample_module._ARRAYS) | set(sample_module._JSON) | {"sampling_mask", "finish_reason"}
+    assert stored == {f.name for f in dataclasses.fields(RolloutSample)}  # a new field is stored, or this fails
     samples = [_full_sample(i) for i in range(3)]
     assert all(_equal(a, b) for a, b in zip(samples, samples_from_bytes(samples_to_bytes(samples))))
     carried = CarriedRollouts([Group(4, samples[:1])], [PartialEntry(6, TaskPrompt("2+2=", "4"),
