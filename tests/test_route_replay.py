@@ -226,10 +226,10 @@ def test_a_request_s_routes_move_off_its_parameters_and_a_bad_entry_aborts_it():
 def test_the_client_sends_a_prompt_s_routes_in_its_own_parameters_and_leaves_it_out_of_the_shared_prefill():
     params = SamplingParams(max_new_tokens=4, top_k=5)
     routes = np.zeros((3, 2, 2), np.int16)
-    payload = generate_payload([[1, 2, 3, 4], [1, 2, 3, 4]], params, True, True, [routes, None])
+    payload = generate_payload([[1, 2, 3, 4], [1, 2, 3, 4]], params, True, True, prefix_routes=[routes, None])
     first, second = payload["sampling_params"]
     assert first["custom_params"][ROUTES_PARAM] == encode_routes(routes) and "custom_params" not in second
-    assert generate_payload([[1, 2]], params, True, True, [None])["sampling_params"] == params.to_json()
+    assert generate_payload([[1, 2]], params, True, True, prefix_routes=[None])["sampling_params"] == params.to_json()
     assert shared_prompts([[1, 2, 3, 4]] * 3, 1) == [0]
     assert shared_prompts([[1, 2, 3, 4]] * 3, 1, [routes, None, None]) == [1]
     client = SGLangClient("http://unused", ServedModel(vocab_size=16, num_layers=2, topk=2, num_experts=4,
