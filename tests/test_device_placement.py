@@ -154,19 +154,29 @@ def micro_batches_on_meta(rank, layout, hf_path):
             moved.append((weakref.ref(out.routed_experts), weakref.ref(out.sampling_mask.ids)))
         return out
 
-    def forward(tokens, position_ids, attention_mask, packed_seq_params=None):
+    def forward(tokens, position_ids, attention_mask, packed_seq_params=None, padding_mask=None):
         seen.append((sum(routes() is not None for routes, _ in moved), sum(ids() is not None for _, ids in moved),
                      max(len(r.replay_backward_list) for r in replay_routers())))
         return torch.zeros(*tokens.shape, 384, device="meta")
 
-    def loss(output, *, mb, sum_keys, **_):  # host tensors: megatron keeps the loss scale process-wide
+    def loss(output, *, mb, setup, **_):  # host tensors: megatron keeps the loss scale process-wide
         return torch.zeros(()), torch.tensor(len(mb.tokens)), {
-            "sums": torch.zeros(len(sum_keys), dtype=torch.float64), "mismatch": empty_mismatch(torch.device("cpu"))}
+            "sums": torch.zeros(len(setup.sum_keys), dtype=torch.float64),
+            "maxima": torch.full((len(setup.max_keys),), -float("inf"), dtype=torch.float64),
+            "mismatch": empty_mismatch(torch.device("cpu"))}
+
+    class HostLoadCounter(rl_step_module.LoadCounter):  # counts on meta have no data to reduce
+        @classmethod
+        def for_model(cls, chunks):
+            counter = super().for_model(chunks)
+            counter.counts = torch.zeros_like(counter.counts, device="cpu")
+            return counter
 
     for chunk in trainable.chunks:
         chunk.to("meta")
         chunk.forward = forward
     stand_ins = [(RLBatch, "to", recorded_to), (rl_step_module, "_micro_batch_loss", loss),
+                 (rl_step_module, "LoadCounter", HostLoadCounter),
                  (optimizer, "optimizer_step", lambda *args: (True, 0.0))]  # meta parameters: nothing to update
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in stand_ins]
     for owner, name, value in stand_ins:
