@@ -1,8 +1,12 @@
 """Agent functions for tests/test_agent_gateway.py, loaded by dotted path (``agent_examples:three_turns``).
 
 Each follows megarl's agent contract (``megarl/agents/rollout.py``). ``prompt.metadata["log"]``, when
-a test passes a list there, receives the messages of every chat call the agent made."""
+a test passes a list there, receives the messages of every chat call the agent made (in-driver episodes:
+an agent worker's copy of the prompt does not come back). ``*_sync`` agents are plain functions on the
+synchronous client."""
 import asyncio
+import threading
+import time
 
 
 def _log(prompt, messages):
@@ -84,3 +88,34 @@ async def rewrites_history(client, prompt):
     _log(prompt, messages)
     await client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
     return 0.5
+
+
+def three_turns_sync(client, prompt):
+    """``three_turns`` as a plain function on the synchronous client."""
+    messages = [{"role": "user", "content": prompt.text}]
+    for turn in range(3):
+        answer = client.chat.completions.create(model="policy", messages=messages, max_tokens=4, temperature=0.7)
+        messages += [{"role": "assistant", "content": answer.choices[0].message.content},
+                     {"role": "tool", "content": str(turn)}]
+    return 1.0
+
+
+async def blocks_its_loop(client, prompt):
+    """Blocks its event loop for ``prompt.metadata["block_s"]`` seconds (a blocking tool), then makes one call."""
+    time.sleep(prompt.metadata.get("block_s", 0.0))
+    await _one_call(client, prompt)
+    return 1.0
+
+
+def raises_sync(client, prompt):
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": prompt.text}], max_tokens=2)
+    raise ValueError("the agent lost its way")
+
+
+def hangs_sync(client, prompt):
+    time.sleep(3600)
+
+
+async def returns_a_lock(client, prompt):
+    await _one_call(client, prompt)
+    return threading.Lock()

@@ -110,12 +110,13 @@ def test_three_turn_agent_records_the_engine_tokens(client, tokenizer, hf, loop)
 def test_gateway_http_contract(client, tokenizer, loop):
     async def body():
         async with AgentGateway(client, tokenizer, PARAMS, max_turns=3) as gateway:
-            session = gateway.open_session("g", "e")
-            agent = openai.AsyncOpenAI(base_url=gateway.base_url(session.id), api_key="x", max_retries=0)
+            session, other = gateway.open_session("g", "e"), gateway.open_session("g", "f")
+            agent = openai.AsyncOpenAI(base_url=gateway.base_url(session.id), api_key=session.key, max_retries=0)
             lost = openai.AsyncOpenAI(base_url=gateway.base_url("no-such-session"), api_key="x", max_retries=0)
             try:
                 with pytest.raises(openai.NotFoundError, match="unknown session 'no-such-session'"):
                     await lost.chat.completions.create(model="m", messages=[{"role": "user", "content": "1"}])
+                await refused_without_the_sessions_key(gateway.base_url(session.id), other.key)
                 with pytest.raises(openai.BadRequestError, match="'messages' must be a non-empty list"):
                     await agent.chat.completions.create(model="m", messages=[])
                 with pytest.raises(openai.BadRequestError, match="'max_tokens' must be an integer >= 1"):
@@ -140,6 +141,21 @@ def test_gateway_http_contract(client, tokenizer, loop):
     assert b.prompt_ids == a.prompt_ids + a.response_ids + tokenizer.encode("\n", add_special_tokens=False)
     assert first.usage.completion_tokens == len(a.response_ids) and second.usage.prompt_tokens == len(b.prompt_ids)
     assert first.choices[0].text == tokenizer.decode(a.response_ids, skip_special_tokens=True)
+
+
+async def refused_without_the_sessions_key(url, other_key):
+    """A call without a credential, or with another session's, is a 401 naming what is wrong; nothing is
+    generated."""
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/completions", json={"model": "m", "prompt": "1"}) as response:
+            assert response.status == 401
+            assert "carries no credential for session" in (await response.json())["error"]["message"]
+    async with openai.AsyncOpenAI(base_url=url, api_key=other_key, max_retries=0) as stranger:
+        with pytest.raises(openai.AuthenticationError, match="is not the credential of session") as e:
+            await stranger.completions.create(model="m", prompt="1", max_tokens=1)
+    assert e.value.body["code"] == "invalid_api_key"
 
 
 def test_failing_agents_end_as_counted_errors(client, tokenizer, loop):
@@ -217,7 +233,8 @@ def test_two_roles_give_two_samples_with_their_rewards(client, tokenizer, hf, lo
     async def unknown_role():
         gateway = AgentGateway(client, tokenizer, PARAMS, max_turns=1, roles={"solver": client})
         async with gateway:
-            async with openai.AsyncOpenAI(base_url=gateway.base_url(gateway.open_session().id), api_key="x",
+            session = gateway.open_session()
+            async with openai.AsyncOpenAI(base_url=gateway.base_url(session.id), api_key=session.key,
                                           max_retries=0) as agent:
                 with pytest.raises(openai.NotFoundError, match="model 'critic' is not a role"):
                     await agent.chat.completions.create(model="critic", messages=[{"role": "user", "content": "1"}])

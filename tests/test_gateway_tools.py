@@ -81,7 +81,7 @@ def call(loop, gateway_args, requests):
     async def body():
         async with AgentGateway(*gateway_args[:3], **gateway_args[3]) as gateway:
             session = gateway.open_session("g", "e")
-            async with openai.AsyncOpenAI(base_url=gateway.base_url(session.id), api_key="x",
+            async with openai.AsyncOpenAI(base_url=gateway.base_url(session.id), api_key=session.key,
                                           max_retries=0) as agent:
                 answers = []
                 for request in requests:
@@ -182,7 +182,8 @@ def test_a_streamed_answer_is_the_unstreamed_one(client, tokenizer, preferring, 
 def test_what_the_gateway_does_not_implement_is_refused_by_name(client, tokenizer, loop):
     async def body():
         async with AgentGateway(client, tokenizer, SAMPLING, max_turns=2) as gateway:
-            async with openai.AsyncOpenAI(base_url=gateway.base_url(gateway.open_session().id), api_key="x",
+            session = gateway.open_session()
+            async with openai.AsyncOpenAI(base_url=gateway.base_url(session.id), api_key=session.key,
                                           max_retries=0) as agent:
                 messages = [{"role": "user", "content": "1"}]
                 refused = {"seed": dict(seed=3), "top_logprobs": dict(logprobs=True, top_logprobs=2),

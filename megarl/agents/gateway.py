@@ -1,11 +1,14 @@
 """megarl's OpenAI-compatible agent gateway: ``/v1/chat/completions`` and ``/v1/completions`` in
 front of the engines, recording every call of an episode into its :class:`~megarl.agents.trajectory.Trajectory`.
 
-An aiohttp server inside the driver's asyncio loop, on a free port of ``host`` (loopback by
-default: the agents run in the driver). Each episode is a session with an unguessable id; its
-base URL ``http://host:port/sessions/<id>/v1`` is what an ``openai.AsyncOpenAI(base_url=...)``
-client takes unchanged. A call is generated on the engines with megarl's own client (log-probs,
-routed experts, sampling mask, versions) and recorded; the answer is an OpenAI response body.
+An aiohttp server inside the driver's asyncio loop, on a free port of ``host`` (loopback when the
+agents run in the driver; this node's routable address when they run in agent workers on any node,
+``megarl/agents/workers.py``). Each episode is a session with an unguessable id and a credential of
+its own (``Session.key``); its base URL ``http://host:port/sessions/<id>/v1`` and its key are what an
+``openai.AsyncOpenAI(base_url=..., api_key=...)`` client takes unchanged. A call without the session's
+key as its bearer token is refused (401, code ``invalid_api_key``), before anything is parsed. A call
+is generated on the engines with megarl's own client (log-probs, routed experts, sampling mask,
+versions) and recorded; the answer is an OpenAI response body.
 
 Tokens, never re-tokenized (slime's router middleware and AReaL's ``areal/experimental/openai``
 client keep the engine's tokens for the same reason: text -> tokens does not invert tokens -> text).
@@ -65,6 +68,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hmac
 import json
 import logging
 import numbers
@@ -99,20 +103,23 @@ class GatewayError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
     def response(self) -> web.Response:
-        kind = {400: "invalid_request_error", 404: "invalid_request_error"}.get(self.status, "server_error")
+        kind = {400: "invalid_request_error", 401: "authentication_error",
+                404: "invalid_request_error"}.get(self.status, "server_error")
         return web.json_response({"error": {"message": self.message, "type": kind, "param": self.param,
                                             "code": self.code}}, status=self.status)
 
 
 @dataclass
 class Session:
-    """One episode's state in the gateway. ``turns``: calls per role; ``budget_end``: "max_turns" or
+    """One episode's state in the gateway. ``key``: the credential its calls carry (``Authorization:
+    Bearer <key>``, the OpenAI client's ``api_key``); ``turns``: calls per role; ``budget_end``: "max_turns" or
     "max_tokens" once a call was refused for a budget; ``engine_failure``: an engine was unreachable;
     ``tool_call_counts``: this episode's share of the gateway's (answers with ``parsed`` or ``unparsable`` calls)."""
 
     id: str
     group_id: str
     episode_id: str
+    key: str = field(default_factory=lambda: secrets.token_urlsafe(24), repr=False)
     trajectory: Trajectory = field(default_factory=Trajectory)
     turns: collections.Counter[str] = field(default_factory=collections.Counter)
     budget_end: str | None = None
@@ -141,7 +148,8 @@ class _Request:
 
 class AgentGateway:
     """The gateway (module docstring). ``async with`` (or :meth:`start` / :meth:`aclose`); then per
-    episode :meth:`open_session`, :meth:`base_url`, and :meth:`close_session` (later calls: 404).
+    episode :meth:`open_session` (its ``key`` is the client's ``api_key``), :meth:`base_url`, and
+    :meth:`close_session` (later calls: 404).
 
     ``max_response_tokens`` None: a segment's response is bounded by the context only.
     ``tool_call_parser``: SGLang's parser of the served model's tool calls (``megarl/agents/parsers.py``);
@@ -233,6 +241,7 @@ class AgentGateway:
     async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
         try:
             session = self._session(request.match_info["session"])
+            _authenticate(request, session)
             body = await _json_body(request)
             call = self._parse(body, chat, session)
             role, target = self._role(call.model)
@@ -454,6 +463,17 @@ class AgentGateway:
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+
+def _authenticate(request: web.Request, session: Session) -> None:
+    """401 unless the request's bearer token is ``session``'s key."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise GatewayError(401, f"the call carries no credential for session {session.id!r}: pass the episode's "
+                                "session key as the OpenAI client's api_key", "invalid_api_key")
+    if not hmac.compare_digest(token.encode(), session.key.encode()):
+        raise GatewayError(401, f"the call's api_key is not the credential of session {session.id!r} (each "
+                                "episode's client gets its own key)", "invalid_api_key")
 
 
 async def _json_body(request: web.Request) -> dict:

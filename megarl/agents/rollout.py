@@ -1,14 +1,15 @@
 """Agent programs as rollouts: ``task.agent = "package.module:function"`` runs that function once per
 episode against megarl's gateway (``megarl/agents/gateway.py``) and turns what it generated into samples.
 
-The contract of an agent function::
+The contract of an agent function, ``async def`` or plain::
 
     async def agent(client: openai.AsyncOpenAI, prompt: megarl.tasks.prompts.Prompt) -> float | dict[str, float] | None
+    def agent(client: openai.OpenAI, prompt: megarl.tasks.prompts.Prompt) -> float | dict[str, float] | None
 
-``client`` is an ordinary ``openai.AsyncOpenAI`` whose base URL is this episode's gateway session
-(no retries, ``timeout_s`` per request); the agent calls ``client.chat.completions.create`` or
-``client.completions.create`` as often as it needs, with ``model`` naming the role when there are
-roles (anything otherwise). Its return value:
+``client`` is an ordinary OpenAI client whose base URL is this episode's gateway session and whose
+``api_key`` is that session's credential (no retries, ``timeout_s`` per request); the agent calls
+``client.chat.completions.create`` or ``client.completions.create`` as often as it needs, with ``model``
+naming the role when there are roles (anything otherwise). Its return value:
 
 - a float: the episode's reward, given to every sample;
 - a dict: the reward of each role (multi-agent); it must name exactly the trained roles that made
@@ -16,7 +17,11 @@ roles (anything otherwise). Its return value:
 - None: the rollout's reward function scores each sample's final completion (``reward_fn``; without
   one the rewards stay None for the caller to fill).
 
-The agent must not block the event loop (it runs in the driver's loop; use ``await``).
+Where it runs: with ``workers`` (:class:`~megarl.agents.workers.AgentWorkers`, ``task.agent_workers`` > 0)
+each episode runs in a thread of an agent worker process on any node, its client talking to the gateway
+over the network, its tools' work there; without, in the driver: an ``async def`` agent in the driver's
+event loop (it must not block it: one blocking call or CPU-bound tool stalls every episode), a plain
+one in a thread of its own. The samples are the same either way: the gateway records them in the driver.
 
 An episode gives one sample per segment of its trajectory (``megarl/agents/trajectory.py``: one
 per trained role, more when an agent rewrote its history), with ``role`` and ``episode_end`` set:
@@ -28,9 +33,9 @@ unparsable tool calls). Its ``episode_end``:
 - ``max_turns`` / ``max_tokens``: the gateway refused a call for a budget (whatever the agent did
   then); ``finish_reason`` length, the recorded samples kept, the agent's reward if it returned one;
 - ``error: ...``: the agent raised, ran past ``timeout_s``, returned something else than the above,
-  or made no call; ``finish_reason`` error, reward 0.0 (not trained on), counted in ``errors`` by
-  kind (raised, timeout, malformed_result, no_calls) and logged once per kind. An episode without a
-  call to a trained role gives one empty error sample.
+  or made no call, or its worker died; ``finish_reason`` error, reward 0.0 (not trained on), counted in
+  ``errors`` by kind (raised, timeout, malformed_result, no_calls, worker_lost) and logged once per
+  kind. An episode without a call to a trained role gives one empty error sample.
 
 An engine that was unreachable during the episode raises :class:`EngineUnreachable` (no later
 episode could run either), as ``RolloutManager`` does. The design follows AReaL's
@@ -48,10 +53,11 @@ import numbers
 from collections.abc import Collection, Mapping
 
 import numpy as np
-import openai
 
 from megarl.agents.gateway import AgentGateway, Session
+from megarl.agents.invoke import Failure, run_agent
 from megarl.agents.spec import AgentFn, AgentResult
+from megarl.agents.workers import AgentWorkers
 from megarl.engines.protocol import Engines
 from megarl.engines.types import SamplingParams
 from megarl.sample import FinishReason, RolloutSample
@@ -60,8 +66,6 @@ from megarl.tasks.reward_types import RewardFn, RewardInput
 from megarl.tasks.rewards import RewardScorer
 
 log = logging.getLogger(__name__)
-
-_CANCEL_GRACE_S = 1.0  # how long a timed-out agent may take to honour its cancellation
 
 
 class AgentEpisodes:
@@ -74,14 +78,16 @@ class AgentEpisodes:
     episodes whose agent returned None, with ``reward_timeout_s`` (its failures: reward 0, error).
     Counters over the object's life: ``errors`` (episode errors by kind), ``budget_ends`` (by
     budget), ``reward_errors`` (by kind), ``tool_call_counts`` (the gateway's). ``partial_rollout``,
-    ``tool_call_parser`` and ``host``: the gateway's (``megarl/agents/gateway.py``).
+    ``tool_call_parser`` and ``host``: the gateway's (``megarl/agents/gateway.py``; with ``workers``, a
+    ``host`` the workers' nodes reach). ``workers``: where the episodes run (None: in the driver); the
+    caller closes them.
     """
 
     def __init__(self, target: Engines, tokenizer, agent: AgentFn, params: SamplingParams, *, max_turns: int,
                  max_response_tokens: int | None, timeout_s: float, routing: bool = True, sampling_mask: bool = True,
                  roles: Mapping[str, Engines | None] | None = None, reward_fn: RewardFn | None = None,
                  reward_timeout_s: float = 30.0, partial_rollout: str = "continue", frozen_roles: Collection[str] = (),
-                 tool_call_parser: str | None = None, host: str = "127.0.0.1"):
+                 tool_call_parser: str | None = None, host: str = "127.0.0.1", workers: AgentWorkers | None = None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         resolved = {role: t if t is not None else target for role, t in roles.items()} if roles is not None else None
@@ -89,7 +95,7 @@ class AgentEpisodes:
                                     max_response_tokens=max_response_tokens, roles=resolved, routing=routing,
                                     sampling_mask=sampling_mask, partial_rollout=partial_rollout,
                                     frozen_roles=frozen_roles, tool_call_parser=tool_call_parser, host=host)
-        self.tokenizer, self.agent, self.timeout_s = tokenizer, agent, timeout_s
+        self.tokenizer, self.agent, self.timeout_s, self.workers = tokenizer, agent, timeout_s, workers
         self.routing, self.sampling_mask = routing, sampling_mask
         self.scorer = RewardScorer(reward_fn, reward_timeout_s) if reward_fn is not None else None
         self._starting = asyncio.Lock()
@@ -125,13 +131,12 @@ class AgentEpisodes:
             if not self.gateway.started:
                 await self.gateway.start()
         session = self.gateway.open_session(group_id, episode_id)
-        client = openai.AsyncOpenAI(base_url=self.gateway.base_url(session.id), api_key="megarl-gateway",
-                                    max_retries=0, timeout=self.timeout_s)
+        runner = run_agent if self.workers is None else self.workers.run
         try:
-            result, failure = await self._run_agent(client, prompt)
+            result, failure = await runner(self.agent, self.gateway.base_url(session.id), session.key, prompt,
+                                           self.timeout_s)
         finally:
             self.gateway.close_session(session.id)
-            await client.close()
         if session.engine_failure is not None:
             raise session.engine_failure
         if failure is None:
@@ -147,7 +152,7 @@ class AgentEpisodes:
         return samples
 
     async def _finish(self, samples: list[RolloutSample], session: Session, result: AgentResult,
-                      failure: tuple[str, str] | None, prompt: Prompt) -> None:
+                      failure: Failure | None, prompt: Prompt) -> None:
         """How the episode ended and its rewards, on the samples of an episode that did not fail."""
         end = session.budget_end or "done"
         if session.budget_end is not None:
@@ -162,30 +167,7 @@ class AgentEpisodes:
         elif self.scorer is not None:
             await self._score(prompt, samples, session)
 
-    async def _run_agent(self, client: openai.AsyncOpenAI,
-                         prompt: Prompt) -> tuple[AgentResult, tuple[str, str] | None]:
-        """(the agent's result, None) or (None, (error kind, reason)); a cancelled run cancels the agent."""
-        try:
-            task = asyncio.ensure_future(self.agent(client, prompt))
-        except Exception as e:  # noqa: BLE001 -- a failing or non-async agent function ends the episode, counted
-            return None, ("raised", f"agent raised {type(e).__name__}: {e}")
-        try:
-            done, _ = await asyncio.wait({task}, timeout=self.timeout_s)
-        finally:
-            if not task.done():
-                task.cancel()
-        if not done:
-            await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)  # an agent that ignores cancellation is left
-            task.add_done_callback(lambda t: t.cancelled() or t.exception())  # its late error is not reported
-            return None, ("timeout", f"agent ran past the timeout of {self.timeout_s:g} s")
-        if task.cancelled():
-            return None, ("raised", "agent was cancelled")
-        error = task.exception()
-        if error is not None:
-            return None, ("raised", f"agent raised {type(error).__name__}: {error}")
-        return task.result(), None
-
-    def _check_result(self, result, session: Session) -> tuple[str, str] | None:
+    def _check_result(self, result, session: Session) -> Failure | None:
         called = session.trajectory.roles
         if not called:
             return "no_calls", "agent made no call to the gateway"
@@ -208,7 +190,7 @@ class AgentEpisodes:
                                         "per role, or None")
         return None
 
-    def _error(self, failure: tuple[str, str], samples: list[RolloutSample], prompt: Prompt, group_id: str,
+    def _error(self, failure: Failure, samples: list[RolloutSample], prompt: Prompt, group_id: str,
                episode_id: str) -> list[RolloutSample]:
         kind, reason = failure
         self.errors[kind] += 1

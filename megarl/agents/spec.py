@@ -14,11 +14,14 @@ if TYPE_CHECKING:
     from megarl.tasks.prompts import Prompt
 
 AgentResult = float | dict[str, float] | None
-AgentFn = Callable[["openai.AsyncOpenAI", "Prompt"], Awaitable[AgentResult]]
+# ``async def agent(openai.AsyncOpenAI, Prompt)`` or ``def agent(openai.OpenAI, Prompt)``
+AgentFn = Callable[["openai.AsyncOpenAI", "Prompt"], Awaitable[AgentResult]] \
+    | Callable[["openai.OpenAI", "Prompt"], AgentResult]
 
 
 def load_agent(spec: str) -> AgentFn:
-    """The ``async def`` named by ``"package.module:function"``; ValueError naming what is wrong."""
+    """The function (``async def`` or plain) named by ``"package.module:function"``; ValueError naming what
+    is wrong."""
     module_name, sep, name = spec.partition(":")
     if not sep or not module_name or not name:
         raise ValueError(f"task.agent: must be 'package.module:function', got {spec!r}")
@@ -29,6 +32,7 @@ def load_agent(spec: str) -> AgentFn:
     fn = getattr(module, name, None)
     if fn is None:
         raise ValueError(f"task.agent: {spec!r}: module {module_name!r} has no {name!r}")
-    if not inspect.iscoroutinefunction(fn):
-        raise ValueError(f"task.agent: {spec!r} must be an 'async def' function of (client, prompt)")
+    if not inspect.isfunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+        raise ValueError(f"task.agent: {spec!r} must be a function of (client, prompt), 'async def' or plain; "
+                         f"got {type(fn).__name__}")
     return fn

@@ -240,6 +240,11 @@ class TaskConfig:
     # episode response budget incl. observations; None = context - prompt
     max_response_tokens: Optional[int] = setting(None, ge=1)
     agent_timeout_s: float = setting(120.0, gt=0)  # an agent episode running longer ends as error (counted)
+    # agent worker processes (Ray actors on any node) that run the agent episodes, their tools' work with them,
+    # talking to the driver's gateway over the network; 0 = in the driver's event loop (megarl/agents/workers.py)
+    agent_workers: int = setting(0, ge=0)
+    agent_worker_cpus: float = setting(1.0, ge=0)  # Ray CPUs each agent worker reserves
+    agent_worker_episodes: int = setting(16, ge=1)  # episodes one agent worker runs at once (a thread each)
     roles: Optional[list[str]] = None  # multi-agent: the roles an agent names as ``model`` (the policy's unless frozen)
     # multi-agent: the policy engines that serve a role's calls, e.g. [{role: verifier, engines: [1]}],
     # or a frozen model that does ({role: verifier, hf_path: ...}: not trained on); a role not placed

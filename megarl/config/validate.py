@@ -369,6 +369,8 @@ def _check_episodes(task: DictConfig, num_engines: int) -> None:
         fail("task.agent", f"an episode is an environment's (task.env={task.env}) or an agent's, not both")
     if task.roles is not None and task.agent is None:
         fail("task.roles", "roles are named by an agent program: set task.agent")
+    if task.agent_workers and task.agent is None:
+        fail("task.agent_workers", "agent workers run an agent program's episodes: set task.agent")
     if task.roles is not None and (not task.roles or len(set(task.roles)) != len(task.roles)):
         fail("task.roles", f"must be distinct role names, got {list(task.roles)}")
     if task.role_engines:

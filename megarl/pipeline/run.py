@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -346,7 +347,8 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
     stack = contextlib.AsyncExitStack()
     try:
         start_tasks_eagerly(stack)
-        stack.enter_context(ray_for_run(layout.world_size + RunTopology.from_config(cfg).engine_count))
+        agent_cpus = math.ceil(cfg.task.agent_workers * cfg.task.agent_worker_cpus) if cfg.task.agent else 0
+        stack.enter_context(ray_for_run(layout.world_size + RunTopology.from_config(cfg).engine_count + agent_cpus))
         StopRequest.install()  # again: ray.init replaced the handlers with its own (which just die)
         with StopRequest.cancels_the_start_up():
             pipe = await _start_pipeline(cfg, start_checkpoint, layout, stack)

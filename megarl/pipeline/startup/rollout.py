@@ -2,9 +2,10 @@
 
 :func:`start_rollout` builds the prompt source (at a resumed run's data position, without the held-out
 prompts of the evaluation, whose managers it builds too: ``eval.*``), the reward (with
-the judge on its engine, ``reward.judge``), the teacher's scorer (``teacher.hf_path``), the episode
-runner of multi-turn tasks (:func:`episode_runner`), the :class:`RolloutManager` on the policy pool,
-the bounded buffer and the producer that fills it; the producer is not started.
+the judge on its engine, ``reward.judge``), the teacher's scorer (``teacher.hf_path``), the agent
+workers (``task.agent_workers``), the episode runner of multi-turn tasks (:func:`episode_runner`), the
+:class:`RolloutManager` on the policy pool, the bounded buffer and the producer that fills it; the
+producer is not started.
 """
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ from omegaconf import DictConfig
 from megarl.agents.parsers import tool_call_parser
 from megarl.agents.rollout import AgentEpisodes
 from megarl.agents.spec import load_agent
+from megarl.agents.workers import AgentWorkers
 from megarl.config.topology import RunTopology
 from megarl.engines.pool import EnginePool
 from megarl.engines.protocol import Engines
 from megarl.engines.types import EngineUnreachable, SamplingParams
 from megarl.models.hf_config import read_hf_config
+from megarl.parallel.network import node_address
 from megarl.pipeline.buffer import RolloutBuffer
 from megarl.pipeline.judge import make_judge
 from megarl.pipeline.modes import lag_and_capacity
@@ -59,13 +62,23 @@ class Rollout:
     evaluation: EvalParts | None = None
 
 
+@dataclass
+class _Shared:
+    """What the training's and the evaluation's managers share: the teacher's scorer (the training's
+    alone uses it) and the agent workers (None: agents run in the driver)."""
+
+    teacher: TeacherScorer | None
+    agent_workers: AgentWorkers | None
+
+
 def episode_runner(cfg: DictConfig, target: EnginePool, tokenizer, params: SamplingParams,
-                   frozen: Mapping[str, Engines] | None = None, model_type: str | None = None):
+                   frozen: Mapping[str, Engines] | None = None, model_type: str | None = None,
+                   agent_workers: AgentWorkers | None = None):
     """What turns a prompt into multi-turn episodes: an environment (``task.env``), an agent program
     behind the OpenAI gateway (``task.agent``; its roles on the engines ``task.role_engines`` names,
     ``frozen``: role -> the engine of the frozen model serving it; its tool calls read by
-    ``rollout.tool_call_parser``, or the parser of ``model_type``, the policy's family), or None for
-    single-turn prompts."""
+    ``rollout.tool_call_parser``, or the parser of ``model_type``, the policy's family; its episodes in
+    ``agent_workers``, the gateway then on this node's routable address), or None for single-turn prompts."""
     task = cfg.task
     if task.agent is not None:
         frozen = dict(frozen or {})
@@ -77,7 +90,9 @@ def episode_runner(cfg: DictConfig, target: EnginePool, tokenizer, params: Sampl
                              max_response_tokens=task.max_response_tokens, timeout_s=task.agent_timeout_s,
                              routing=cfg.rollout.keep_routing, sampling_mask=cfg.rollout.top_k > 0, roles=roles,
                              partial_rollout=cfg.buffer.partial_rollout, frozen_roles=frozen,
-                             tool_call_parser=tool_call_parser(cfg.rollout.tool_call_parser, model_type))
+                             tool_call_parser=tool_call_parser(cfg.rollout.tool_call_parser, model_type),
+                             host=node_address() if agent_workers is not None else "127.0.0.1",
+                             workers=agent_workers)
     if task.env is None:
         return None
     budget = task.max_response_tokens or target.model.context_length  # and each episode's context
@@ -99,8 +114,19 @@ def _teacher(cfg: DictConfig, pools: Mapping[str, EnginePool], api_key: str,
     return teacher
 
 
+def _agent_workers(cfg: DictConfig, stack: contextlib.AsyncExitStack) -> AgentWorkers | None:
+    """The run's agent workers (``task.agent_workers`` > 0 with ``task.agent``), None otherwise."""
+    task = cfg.task
+    if task.agent is None or not task.agent_workers:
+        return None
+    workers = AgentWorkers(task.agent_workers, task.agent_worker_cpus, task.agent_worker_episodes)
+    stack.push_async_callback(workers.aclose)
+    log.info("%d agent workers, %d episodes each at once", task.agent_workers, task.agent_worker_episodes)
+    return workers
+
+
 def _manager(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[str, EnginePool],
-             teacher: TeacherScorer | None, stack: contextlib.AsyncExitStack, evaluation: str | None = None,
+             shared: _Shared, stack: contextlib.AsyncExitStack, evaluation: str | None = None,
              samples_per_prompt: int | None = None) -> RolloutManager:
     """The rollout manager on the policy pool, with the run's reward, episodes and teacher; ``evaluation``
     ``"sampled"`` / ``"greedy"``: one of the evaluation's (``eval.temperature`` / greedy, ``samples_per_prompt``
@@ -113,7 +139,8 @@ def _manager(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[s
     # The engine's log-probs are always those of the distribution it sampled from (renormalised
     # over its top-k mask); keep_sampling_mask decides whether the trainer applies that mask too.
     frozen = {a.role: pools[a.name] for a in RunTopology.from_config(cfg).auxiliary if a.role is not None}
-    episodes = episode_runner(cfg, pool, tokenizer, params, frozen, read_hf_config(start_checkpoint).model_type)
+    episodes = episode_runner(cfg, pool, tokenizer, params, frozen, read_hf_config(start_checkpoint).model_type,
+                              shared.agent_workers)
     if isinstance(episodes, AgentEpisodes):
         stack.push_async_callback(episodes.aclose)
     training = evaluation is None
@@ -121,7 +148,7 @@ def _manager(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[s
                           samples_per_prompt or r.samples_per_prompt, routing=r.keep_routing and training,
                           sampling_mask=r.top_k > 0 and training, reward_timeout_s=cfg.reward.timeout_s,
                           episodes=episodes,
-                          teacher=teacher if training else None, add_special_tokens=not cfg.task.chat_template)
+                          teacher=shared.teacher if training else None, add_special_tokens=not cfg.task.chat_template)
 
 
 def heldout_prompts(cfg: DictConfig, tokenizer) -> tuple[list[Prompt], frozenset[str]]:
@@ -138,10 +165,10 @@ def heldout_prompts(cfg: DictConfig, tokenizer) -> tuple[list[Prompt], frozenset
 
 
 def _evaluation(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[str, EnginePool],
-                prompts: list[Prompt], stack: contextlib.AsyncExitStack) -> EvalParts:
+                prompts: list[Prompt], shared: _Shared, stack: contextlib.AsyncExitStack) -> EvalParts:
     """The evaluation's parts: its managers on the policy pool."""
-    sampled = _manager(cfg, start_checkpoint, tokenizer, pools, None, stack, "sampled", cfg.eval.samples_per_prompt)
-    greedy = _manager(cfg, start_checkpoint, tokenizer, pools, None, stack, "greedy", 1) if cfg.eval.greedy else None
+    sampled = _manager(cfg, start_checkpoint, tokenizer, pools, shared, stack, "sampled", cfg.eval.samples_per_prompt)
+    greedy = _manager(cfg, start_checkpoint, tokenizer, pools, shared, stack, "greedy", 1) if cfg.eval.greedy else None
     return EvalParts(prompts=prompts, sampled=sampled, greedy=greedy)
 
 
@@ -152,7 +179,8 @@ def start_rollout(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapp
     starts; ``api_key``: the engines'. What needs closing goes into ``stack``."""
     r = cfg.rollout
     teacher = _teacher(cfg, pools, api_key, stack)
-    manager = _manager(cfg, start_checkpoint, tokenizer, pools, teacher, stack)
+    shared = _Shared(teacher, _agent_workers(cfg, stack))
+    manager = _manager(cfg, start_checkpoint, tokenizer, pools, shared, stack)
     evaluates = cfg.eval.interval > 0 or cfg.eval.before_training
     prompts, held_out = heldout_prompts(cfg, tokenizer) if evaluates else ([], frozenset())
     source = make_prompt_source(cfg.task, tokenizer, exclude=held_out)
@@ -165,5 +193,5 @@ def start_rollout(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapp
                                dynamic_sampling=r.dynamic_sampling, engine_version=resumed.step,
                                requeue=resumed.requeue, next_index=resumed.next_index,
                                fatal=(EngineUnreachable,), carried=resumed.carried)
-    evaluation = _evaluation(cfg, start_checkpoint, tokenizer, pools, prompts, stack) if evaluates else None
+    evaluation = _evaluation(cfg, start_checkpoint, tokenizer, pools, prompts, shared, stack) if evaluates else None
     return Rollout(producer=producer, buffer=buffer, teacher=teacher, evaluation=evaluation)
