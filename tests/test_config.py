@@ -142,6 +142,8 @@ BAD_INPUTS = [
     (["reward.type=remote"], "reward.url", "needs reward.url"),
     (["rollout.top_k=0"], "rollout.top_k", "must be >= 1 or -1, got 0"),
     (["rollout.top_k=-1"], "rollout.top_k", "finite top_k"),
+    (["task.agent_workers=2"], "task.agent_workers", "agent workers run an agent program's episodes: set task.agent"),
+    ([AGENT, "task.agent_workers=-1"], "task.agent_workers", "must be >= 0"),
     ([AGENT, "task.role_engines=[{role:solver,engines:[0]}]"], "task.role_engines",
      "places the roles of task.roles on engines: set task.roles"),
     ([AGENT, ROLES, "task.role_engines=[{role:critic,engines:[0]}]"], "task.role_engines[0].role",
