@@ -2,8 +2,8 @@
 episodes with tool calls generated on a real SGLang server (CPU), trained with Keep Routing and Keep
 Sampling Mask on Megatron: the trainer's forward over whole episodes (policy turns and the tool's
 tokens) reproduces the engine's per-turn log-probs and replays its routing. The same for agent programs
-through the OpenAI-compatible gateway: two roles, a frozen role, and an OpenAI Agents SDK agent calling
-its tool."""
+through the OpenAI-compatible gateway: two roles (their episodes in an agent worker), a frozen role, and an
+OpenAI Agents SDK agent calling its tool."""
 import json
 
 import pytest
@@ -36,11 +36,13 @@ def test_calculator_episodes_train_on_whole_trajectories(tmp_path):
 
 
 def test_a_two_role_agent_trains_through_the_gateway(tmp_path, tiny_checkpoint):
-    """``task.agent`` with two roles served by the policy (tests/agent_examples.py): each role's calls are
+    """``task.agent`` with two roles served by the policy (tests/agent_examples.py), its episodes run in an
+    agent worker (``task.agent_workers``; the worker process costs a few CPU-seconds): each role's calls are
     samples of their own, grouped per role, counted in the ledger, and reproduced by the trainer."""
     run = tmp_path / "run"
     assert main(["recipe=tiny_moe_cpu", "mode=sync", "steps=1", "warmup.steps=0", "task.agent=agent_examples:"
-                 "solver_and_verifier", "task.roles=[solver,verifier]", "rollout.prompts_per_step=4",
+                 "solver_and_verifier", "task.roles=[solver,verifier]", "task.agent_workers=1",
+                 "task.agent_worker_cpus=0", "rollout.prompts_per_step=4",
                  "rollout.samples_per_prompt=2", f"model.hf_path={tiny_checkpoint}", f"logging.run_dir={run}"]) == 0
     [row] = [row for row in read_metrics(run) if "reward/mean" in row]
     assert row["reward/mean"] == (1.0 - 0.5) / 2  # the agent's reward per role, one sample per role and episode

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from megarl.agents.parsers import tool_call_parser
 from megarl.agents.rollout import AgentEpisodes
 from megarl.agents.spec import load_agent
-from megarl.agents.workers import AgentWorkers
+from megarl.agents.workers import AgentWorkerError, AgentWorkers
 from megarl.config.topology import RunTopology
 from megarl.engines.pool import EnginePool
 from megarl.engines.protocol import Engines
@@ -192,6 +192,6 @@ def start_rollout(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapp
                                samples_per_prompt=r.samples_per_prompt, lag=lag,
                                dynamic_sampling=r.dynamic_sampling, engine_version=resumed.step,
                                requeue=resumed.requeue, next_index=resumed.next_index,
-                               fatal=(EngineUnreachable,), carried=resumed.carried)
+                               fatal=(EngineUnreachable, AgentWorkerError), carried=resumed.carried)
     evaluation = _evaluation(cfg, start_checkpoint, tokenizer, pools, prompts, shared, stack) if evaluates else None
     return Rollout(producer=producer, buffer=buffer, teacher=teacher, evaluation=evaluation)
