@@ -1,8 +1,9 @@
 """Agent episodes in agent workers (``megarl/agents/workers.py``: Ray actors, the gateway reached over the
-network with each session's credential) on the shared tiny SGLang engine (CPU): the samples are those of the
-in-driver mode, field for field (greedy, a flushed prefix cache before each mode), for an ``async def`` and a
-plain agent; an agent that blocks its event loop stalls no other episode in a worker (it does in the driver);
-failing agents end as the same counted errors, plus an unpicklable result and a worker that died."""
+network with each session's credential) on the shared tiny SGLang engine (CPU): the samples are those of
+the in-driver mode, field for field (greedy, a flushed prefix cache before each mode), for an ``async def``
+and a plain agent (the plain one in the driver too); an agent that blocks its event loop stalls no other
+episode in a worker (it does in the driver); failing agents end as the same counted errors, plus an
+unpicklable result and a worker that died."""
 import asyncio
 import dataclasses
 import time
@@ -64,13 +65,13 @@ def test_worker_episodes_are_the_in_driver_ones(client, tokenizer, workers, loop
     prompts = [Prompt("3+4="), Prompt("5+1=")]
     loop.run_until_complete(client.flush_cache())
     in_driver = run_all(loop, episodes(client, tokenizer, "three_turns"), prompts)
-    for agent in ("three_turns", "three_turns_sync"):
+    for agent, pool in (("three_turns_sync", None), ("three_turns", workers), ("three_turns_sync", workers)):
         loop.run_until_complete(client.flush_cache())
-        in_workers = run_all(loop, episodes(client, tokenizer, agent, workers), prompts)
-        assert len(in_workers) == len(in_driver) == 2
-        for a, b in zip(in_driver, in_workers):
+        other = run_all(loop, episodes(client, tokenizer, agent, pool), prompts)
+        assert len(other) == len(in_driver) == 2
+        for a, b in zip(in_driver, other):
             assert len(a) == len(b) == 1
-            assert_same(a[0], b[0], f"{agent}: ")
+            assert_same(a[0], b[0], f"{agent} {'in a worker' if pool else 'in the driver'}: ")
     sample = in_driver[0][0]
     assert sample.episode_end == "done" and sample.reward == 1.0 and len(sample.turn_ends) == 3
     assert sample.routed_experts is not None and sample.sampling_mask is not None
