@@ -363,7 +363,7 @@ def test_an_idle_engine_leaves_the_cores_alone(engine, tokenizer):
 
 def test_a_paused_engine_leaves_the_cores_alone_and_wakes_for_the_next_call(engine, tokenizer):
     """Paused (a weight sync's window), the engine's processes use almost no CPU: SGLang's paused loop
-    polls its sockets without a wait, a whole core, unless :mod:`megarl.platform.sglang_paused_wait`
+    polls its sockets without a wait, a whole core, unless :mod:`megarl.engine_process.paused_wait`
     lets it sleep as an idle one does. Control calls and generation answer at once after it."""
     processes = server_processes(engine)
 
@@ -565,7 +565,7 @@ def test_partial_rollout_across_a_weight_update_carries_both_versions(engine, ch
 @pytest.mark.processes
 def test_start_failure_reports_the_server_log(checkpoint, tmp_path):
     """A server that exits during its start: here at its first argument check, before it imports SGLang
-    (megarl.engines.model_registry reads ``--json-model-override-args``), so the failure costs no import."""
+    (megarl.engine_process.model_registry reads ``--json-model-override-args``), so the failure costs no import."""
     settings = EngineSettings(model_path=str(checkpoint), extra_args=("--json-model-override-args", "no-such-json"),
                               log_path=str(tmp_path / "server.log"))
     engine = SGLangEngine(settings)

@@ -391,7 +391,7 @@ def test_a_refused_pause_leaves_no_update_session_open_on_the_others(single, eng
 
 
 def test_bucket_waiting_at_session_end_is_loaded(single, engine, checkpoint, prompt, tmp_path, monkeypatch):
-    """The engine loads each bucket during the next one's receive (megarl.engines.pipelined_load);
+    """The engine loads each bucket during the next one's receive (megarl.engine_process.pipelined_load);
     when no load call carries the version (a caller other than megarl's driver), the bucket
     received last is loaded by end_weight_update: every new weight is served, the label unchanged."""
     rl_steps(single, Layout(), checkpoint, 1, seed=40)

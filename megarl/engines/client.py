@@ -20,7 +20,7 @@ one request that prefills each such prompt once (:meth:`SGLangClient._prefill_sh
 
 A prompt that resubmits a prefix (``abort_resubmit``'s continuation, a resumed partial sample) can carry
 the routes its tokens were computed with (``prefix_routes``): the engine replays them when it computes
-the prompt (:mod:`megarl.platform.sglang_route_replay`), so the new tokens see the context the trainer's
+the prompt (:mod:`megarl.engine_process.route_replay`), so the new tokens see the context the trainer's
 forward replays. Such a prompt is left out of the shared prefill, which would route it afresh.
 """
 from __future__ import annotations
@@ -44,8 +44,8 @@ from megarl.engines.types import (
     SamplingParams,
     ServedModel,
 )
-from megarl.platform.sglang_kept_routes import ROUTES_PARAM, encode_routes
 from megarl.sample import FinishReason, RolloutSample, SamplingMask
+from megarl.wire.routes import ROUTES_PARAM, encode_routes
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def generate_payload(prompts: list[list[int]] | list[int], params: SamplingParam
     experts and the sampling mask (with the log-probs of the sampling distribution: of the sampled token, or
     with ``support_logprobs`` of every kept id, SGLang's ``sampling_logprobs_mode`` ``support``) as asked; a
     prompt's ``prefix_routes`` (when given and not None) ride in its own sampling parameters, for the engine to
-    replay (:func:`megarl.platform.sglang_kept_routes.encode_routes`)."""
+    replay (:func:`megarl.wire.routes.encode_routes`)."""
     sampling = params.to_json()
     if any(r is not None for r in prefix_routes):
         sampling = [sampling if r is None else {**sampling, "custom_params": {ROUTES_PARAM: encode_routes(r)}}

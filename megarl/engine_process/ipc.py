@@ -2,7 +2,7 @@
 
 SGLang's scheduler sends each finished request's routed experts (an int32 tensor per request) and
 other host tensors to its detokenizer with ``pickle`` over ZMQ. Two costs come with that, and
-:func:`install` (run by ``megarl.engines.sglang_main`` in every SGLang process, before SGLang is
+:func:`install` (run by ``megarl.engine_process.sglang_main`` in every SGLang process, before SGLang is
 imported) removes both:
 
 - torch pickles a tensor through ``torch.save`` into an in-memory file and unpickles it with
