@@ -449,7 +449,7 @@ def _membership(cfg: DictConfig, plan: EnginePlan, pool: EnginePool, sync,
                 stack: contextlib.AsyncExitStack) -> Membership:
     """The policy pool's membership, its engines under watch (``rollout.engine_*``, ``rollout.max_engines``)."""
     r = cfg.rollout
-    pool.lost_after_s = r.engine_lost_s
+    pool.membership.lost_after_s = r.engine_lost_s
     membership = Membership(pool, sync, template=plan.settings["policy"][0],
                             launch={"num_cpus": ENGINE_CPUS, "num_gpus": plan.gpus["policy"]},
                             run_dir=Path(cfg.logging.run_dir), max_engines=r.max_engines, drain_s=r.engine_drain_s)
