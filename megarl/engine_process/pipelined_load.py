@@ -25,7 +25,7 @@ GPU the receive runs on NCCL's stream, which waits for the loads queued before i
 collective after the current stream's work), so a buffer is never overwritten while a load still
 reads it. Memory: two bucket buffers per engine rank during a session (SGLang: one per call);
 device buffers are freed at its end, host buffers stay for the next session (new host pages cost a
-fault per 4 KiB, ~50 ms per 256 MiB here).
+fault per 4 KiB).
 
 Sharded-resharding buckets (load format ``megarl_sharded``) are served by :mod:`megarl.engine_process.sharded_load`.
 

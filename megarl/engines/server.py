@@ -391,8 +391,8 @@ class SGLangEngine:
     def _freeze_gc(self) -> None:
         """Take what the server's processes hold after start-up (imported modules, the model) out of
         Python's garbage collection (SGLang's ``/freeze_gc``, in the tokenizer, scheduler and
-        detokenizer). Without it a full collection over that graph stalls them for ~0.3 s every few
-        steps of the demo's rollout: a third of the steps took twice as long."""
+        detokenizer). Without it a full collection over that graph stalls them every few steps of
+        a rollout."""
         headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
         response = httpx.post(self.url + "/freeze_gc", headers=headers, timeout=30.0)
         if response.status_code != 200:

@@ -23,14 +23,14 @@ shared-memory segment's count on the CPU), which the one engine rank that opens 
 serialisation per (engine, engine rank), never one shared by several engines or ranks.
 
 On CPU the ranks keep their shared-memory buffers from one sync to the next, and the engine keeps them
-mapped (:mod:`megarl.engine_process.pipelined_load`): a new buffer costs a page fault per 4 KiB on each side
-(~50 ms per 256 MiB here), about a third of a colocated sync. On GPU the buffers are freed after each
+mapped (:mod:`megarl.engine_process.pipelined_load`): a new buffer costs a page fault per 4 KiB on each side,
+a large part of a colocated sync. On GPU the buffers are freed after each
 sync (device memory the training step needs).
 
 A shared-memory segment's name goes when its last holder frees it (torch's refcount in the segment),
 which a SIGKILLed holder never does: a run's trainer ranks (``ray.kill``) and engine servers (killed
-with their process group) leave their segments in ``/dev/shm`` (64 MiB each in the tiny runs; 1.4 GB
-on this machine after a day's tests). Each rank lists the segments it makes in a manifest
+with their process group) leave their segments in ``/dev/shm``, one bucket's size each, adding up
+over runs. Each rank lists the segments it makes in a manifest
 ``/dev/shm/megarl-tensor-sync-<pid>``; :func:`remove_orphaned_segments`, run as a rank joins the route,
 unlinks the segments of ranks that are gone and that no live process maps.
 """
