@@ -260,7 +260,8 @@ ATTACKS = [("POST", "/generate", {"input_ids": prompt, "sampling_params": {"max_
 
 async def greedy(client):
     await client.flush_cache()
-    s = await client.generate(prompt, GREEDY, return_routed_experts=False, return_sampling_mask=False)
+    (s,) = await client.generate_batch([prompt], GREEDY, group_ids=[''], return_routed_experts=False,
+                                      return_sampling_mask=False)
     return s.response_ids, [float(x) for x in s.rollout_logprobs]
 
 async def main():
@@ -619,7 +620,8 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 ray.init(address="auto")
 
 async def answer(client):
-    s = await client.generate(prompt, GREEDY, return_routed_experts=False, return_sampling_mask=False)
+    (s,) = await client.generate_batch([prompt], GREEDY, group_ids=[''], return_routed_experts=False,
+                                      return_sampling_mask=False)
     return {"tokens": s.response_ids, "logprobs": [float(x) for x in s.rollout_logprobs]}
 
 async def main():

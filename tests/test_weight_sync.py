@@ -22,6 +22,7 @@ import pytest
 import torch
 from hf_oracle import hf_from_state, hf_greedy, load_hf, make_samples
 from in_flight import start_decoding
+from single_request import generate_one
 
 from megarl.config import default_config, load_config
 from megarl.engines.client import SGLangClient
@@ -106,7 +107,7 @@ def single(ray_local, checkpoint):
 
 async def engine_greedy(client: SGLangClient, prompt: list[int]):
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    return await client.generate(prompt, params, return_routed_experts=False, return_sampling_mask=False)
+    return await generate_one(client, prompt, params, return_routed_experts=False, return_sampling_mask=False)
 
 
 def check_engine_equals_hf(sample, hf_tokens, hf_logprobs, version):

@@ -402,16 +402,6 @@ class SGLangEngine:
     def is_alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
 
-    def check_alive(self) -> None:
-        """Raise EngineDiedError (with the log tail) when the server process has exited."""
-        if self._process is None:
-            raise EngineDiedError("engine not started")
-        if self._process.poll() is not None:
-            raise EngineDiedError(
-                f"SGLang server pid {self._process.pid} exited with code {self._process.returncode}; "
-                f"log tail ({self.log_path}):\n{self.log_tail()}"
-            )
-
     def stop(self) -> None:
         """SIGTERM the server's process group, SIGKILL whatever is left after ``stop_timeout_s``."""
         process, self._process = self._process, None
