@@ -331,10 +331,25 @@ def test_abort_request_by_id_returns_the_partial_sample(engine, tokenizer):
 
 
 def test_engine_generates_after_pause_and_continue(engine, tokenizer):
-    async def body(client):
-        return await generate_one(client, tokenizer.encode("4+4="), SamplingParams(max_new_tokens=4, top_k=5))
+    """Paused in each mode and continued, the engine answers as it did before the pause (greedy: the
+    same tokens, the same finish)."""
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    prompt = tokenizer.encode("4+4=")
+    kwargs = dict(return_routed_experts=False, return_sampling_mask=False)
 
-    assert run_client(engine, body).finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    async def body(client):
+        before = await generate_one(client, prompt, greedy, **kwargs)
+        after = {}
+        for mode in PauseMode:
+            await client.pause_generation(mode)
+            await client.continue_generation()
+            after[mode] = await generate_one(client, prompt, greedy, **kwargs)
+        return before, after
+
+    before, after = run_client(engine, body)
+    assert before.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    assert {mode: (s.response_ids, s.finish_reason) for mode, s in after.items()} == {
+        mode: (before.response_ids, before.finish_reason) for mode in PauseMode}
 
 
 def server_processes(engine) -> list[psutil.Process]:
