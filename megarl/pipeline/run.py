@@ -246,7 +246,7 @@ class Pipeline:
         """Sync the trainer's weights into the engines as ``version`` and let generation use them;
         the sync's metrics. A failed sync is reported and survived: engines held with partial
         weights are brought to ``version`` from disk, dead ones when their supervisor has
-        restarted them (``pool.on_restart``). Disaggregated engines come and go around it
+        restarted them (``pool.membership.on_restart``). Disaggregated engines come and go around it
         (:mod:`megarl.pipeline.membership`; ``rollout/engines`` in the metrics)."""
         self.books.sync_started()
         await self.settle_evaluation()  # no evaluation request is in flight across a sync
