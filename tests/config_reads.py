@@ -94,8 +94,9 @@ class _Reads:
     def scope(self, body: list[ast.AST], env: dict[str, set[str]]) -> None:
         """Reads in ``body`` (a function's or a module's), ``env`` its names that hold sections."""
         env = dict(env)
+        nodes = [n for stmt in body for n in ast.walk(stmt)]
         for _ in range(3):  # assignments, until aliases of aliases are in
-            for node in (n for stmt in body for n in ast.walk(stmt)):
+            for node in nodes:
                 if isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
                     held = self.sections(node.value, env)
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
@@ -105,7 +106,7 @@ class _Reads:
                     held = self.sections(node.context_expr, env)
                     if held:
                         env[node.optional_vars.id] = held
-        for node in (n for stmt in body for n in ast.walk(stmt)):
+        for node in nodes:
             self._reads_at(node, env)
 
     def _reads_at(self, node: ast.AST, env: dict[str, set[str]]) -> None:
