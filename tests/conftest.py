@@ -5,13 +5,17 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every Ray the tests start or join (the session's cluster, the drivers and fake nodes they start, whose
+# environment is this one) runs without token authentication, whatever the machine holds
+# (~/.ray/auth_token): the tests set it here rather than depend on launch/test.sh setting it.
+os.environ["RAY_AUTH_MODE"] = "disabled"
 
 # tests/tiers.py: every test is marked unit or known to start processes (`pytest -m unit` runs the unit tier).
 # pytester: for tests/test_tiers.py.
 pytest_plugins = ("tiers", "pytester")
 
-# The files that take longest (per-file worker seconds of a full run, 2026-12-04: weight sync 156 s, the
-# end-to-end runs 35-100 s, the platform scenarios 77 s; test_gpu_lock.py reads pip's cached reports and
+# The files that take longest (by per-file worker seconds of a full run: weight sync, the end-to-end
+# runs, the platform scenarios; test_gpu_lock.py reads pip's cached reports and
 # the TP2+EP2 engine is one per worker, tp2_ep2_engine), longest first. launch/test.sh hands out whole
 # files to two workers in collection order (pytest-xdist --dist loadfile --no-loadscope-reorder); these go
 # first, so that the run ends on short files that fill both workers, not on one worker's long file while

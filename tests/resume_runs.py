@@ -43,7 +43,7 @@ def engine_processes(tmp_path: Path) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if "megarl.engines.sglang_main" in cmdline and str(tmp_path / "warm") in cmdline:
+        if "megarl.engine_process.sglang_main" in cmdline and str(tmp_path / "warm") in cmdline:
             found.append(proc)
     return found
 

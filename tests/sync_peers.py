@@ -3,7 +3,7 @@
 ``python tests/sync_peers.py sender`` is a trainer stage's sending rank: the real
 :class:`megarl.sync.transports.distributed.DistributedSender` (group formation, bounded broadcasts).
 ``python tests/sync_peers.py receiver`` is an engine rank: it joins through
-:func:`megarl.engines.update_group.join`, what SGLang's ``/init_weights_update_group`` runs in a
+:func:`megarl.engine_process.update_group.join`, what SGLang's ``/init_weights_update_group`` runs in a
 megarl engine, and receives each bucket with the broadcast SGLang's receive path makes. Every
 command is answered by one JSON line per event (``ready`` first, once imported; ``joined``, ``sent``,
 ``received``, ``closed``,
@@ -79,7 +79,7 @@ class Receiver:
 
     @guarded
     def join(self, c: dict) -> None:
-        from megarl.engines.update_group import join
+        from megarl.engine_process.update_group import join
         from megarl.sync.transports.distributed import group_name
 
         time.sleep(c.get("delay_s", 0.0))
@@ -106,7 +106,7 @@ class Receiver:
 def main(role: str) -> None:
     import sglang.srt.utils.common  # noqa: F401  (the joins' imports, before the peer says it is ready)
 
-    import megarl.engines.update_group  # noqa: F401
+    import megarl.engine_process.update_group  # noqa: F401
     import megarl.sync.transports.distributed  # noqa: F401
 
     peer = Sender() if role == "sender" else Receiver()

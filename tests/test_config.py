@@ -504,31 +504,83 @@ def _schema_keys(cls=None, prefix=""):
             yield f"{prefix}{f.name}"
 
 
+def _run_sources() -> list[Path]:
+    """megarl/ outside config/ (but for the run's topology, which the start-up builds its engines from),
+    planner/ and plan.py: the code a run reads its config with."""
+    found = []
+    for path in sorted((ROOT / "megarl").rglob("*.py")):
+        parts = path.relative_to(ROOT / "megarl").parts
+        if not ((parts[0] in ("config", "planner") and parts != ("config", "topology.py")) or parts == ("plan.py",)):
+            found.append(path)
+    return found
+
+
 @pytest.mark.unit
 def test_every_config_key_is_read_by_the_run_or_is_a_planner_input():
     """A key nothing but the config's checks and the planner reads is a setting users change for nothing
-    (rollout.mem_fraction_static and trainer.optimizer_cpu_offload were): each key's name is read (an
-    attribute, or a string for item access) somewhere in megarl/ outside config/ (but for the run's topology,
-    which the start-up builds its engines from), planner/ and plan.py, or
+    (rollout.mem_fraction_static, trainer.optimizer_cpu_offload and rollout.engine were): each key is read
+    from its own section (tests/config_reads.py: ``reward.judge.temperature`` where the judge's section
+    is read, not wherever a ``.temperature`` appears) by the run's code (:func:`_run_sources`), or is
     interpolated into another key's default (``${run_name}``), unless it is one of the planner's inputs."""
-    import ast
     import re
 
-    read = set()
-    for path in (ROOT / "megarl").rglob("*.py"):
-        parts = path.relative_to(ROOT / "megarl").parts
-        if (parts[0] in ("config", "planner") and parts != ("config", "topology.py")) or parts == ("plan.py",):
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute):
-                read.add(node.attr)
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                read.add(node.value)
+    from config_reads import keys_read
+
+    from megarl.config.schema import MegarlConfig
+
     keys = set(_schema_keys())
     assert PLANNER_INPUTS <= keys
     interpolated = set(re.findall(r"\$\{([\w.]+)\}", (ROOT / "megarl" / "config" / "schema.py").read_text()))
-    unread = sorted(k for k in keys - PLANNER_INPUTS - interpolated if k.rsplit(".", 1)[-1] not in read)
+    unread = sorted(keys - PLANNER_INPUTS - interpolated - keys_read(_run_sources(), MegarlConfig))
     assert not unread, f"config keys the run never reads: {unread}"
+
+
+@pytest.mark.unit
+def test_config_reads_follow_each_key_by_its_section(tmp_path):
+    """The reader counts a key where its own section is read, through aliases, parameters and calls; a
+    key of the same name in another section does not count."""
+    import dataclasses
+
+    from config_reads import keys_read
+
+    @dataclasses.dataclass
+    class Judge:
+        temperature: float = 0.0
+        timeout_s: float = 1.0
+
+    @dataclasses.dataclass
+    class Rollout:
+        temperature: float = 1.0
+        top_p: float = 1.0
+        engine: str = "sglang"
+
+    @dataclasses.dataclass
+    class Reward:
+        judge: Judge = dataclasses.field(default_factory=Judge)
+
+    @dataclasses.dataclass
+    class Run:
+        steps: int = 1
+        rollout: Rollout = dataclasses.field(default_factory=Rollout)
+        reward: Reward = dataclasses.field(default_factory=Reward)
+
+    source = tmp_path / "run.py"
+    source.write_text(
+        "def start(cfg):\n"
+        "    r, j = cfg.rollout, cfg.reward.judge\n"
+        "    sample(r)\n"
+        "    Scorer(j).score()\n"
+        "    return cfg.steps, r.engine_resource, 'engine', getattr(j, 'timeout_s')\n"
+        "def sample(rollout):\n"
+        "    return rollout.temperature\n"
+        "class Scorer:\n"
+        "    def __init__(self, settings):\n"
+        "        self.settings = settings\n"
+        "    def score(self):\n"
+        "        return self.settings.timeout_s\n")
+    assert keys_read([source], Run) == {"steps", "rollout.temperature", "reward.judge.timeout_s"}
+    source.write_text(source.read_text().replace("return rollout.temperature", "return rollout.top_p"))
+    assert "rollout.temperature" not in keys_read([source], Run)  # the judge's is not the rollout's
 
 
 def _tied_copy(src: str, dst: Path, architecture: str, keep_lm_head: bool) -> Path:

@@ -3,7 +3,7 @@
 Checked in README.md and docs/*.md: every word that starts with a top-level folder of the
 repository (``megarl/``, ``tests/``, ``tools/``, ...), in prose, `inline code` or code blocks; a
 bare file name in inline code (``gather.py``) that no file under megarl/, tests/ or tools/ has;
-dotted module names in code (``megarl.engines.sglang_main``); relative Markdown links. Run outputs
+dotted module names in code (``megarl.engine_process.sglang_main``); relative Markdown links. Run outputs
 (``runs/...``, ``checkpoints/...``) are not repository paths and are not checked. The design lives
 in docs/architecture.md: nothing may cite a DESIGN.md outside the repository.
 """

@@ -81,7 +81,7 @@ def test_gpu_engine_is_launched_in_bfloat16_with_an_explicit_attention_backend(t
 @pytest.mark.unit
 def test_schedulers_wait_on_their_sockets_when_idle_or_paused_on_gpu_and_cpu(tiny_checkpoint):
     """``--sleep-on-idle`` on both platforms: without it SGLang's scheduler polls in a busy loop while
-    idle, and the paused loop's wait (:mod:`megarl.platform.sglang_paused_wait`) has no sleeper to use."""
+    idle, and the paused loop's wait (:mod:`megarl.engine_process.paused_wait`) has no sleeper to use."""
     from sglang.srt.server_args import ServerArgs
 
     gpu = command_of(policy_settings(tiny("model.dtype=bfloat16"), tiny_checkpoint, HOPPER)[0])

@@ -1,4 +1,4 @@
-"""megarl/engines/import_guard.py: a package kept out of a process cannot be imported there, with the
+"""megarl/engine_process/import_guard.py: a package kept out of a process cannot be imported there, with the
 reason in the error; an SGLang server's set-up keeps megatron out, which SGLang's debug dumper takes
 for "not installed", although this environment has it."""
 import importlib
@@ -9,7 +9,7 @@ import sys
 import fresh_python
 import pytest
 
-from megarl.engines.import_guard import keep_out
+from megarl.engine_process.import_guard import keep_out
 
 
 @pytest.mark.unit
@@ -36,11 +36,11 @@ def test_a_kept_out_package_and_its_submodules_fail_to_import_and_others_do_not(
         del sys.modules[name]
 
 
-# A server's set-up (what importing megarl.engines.sglang_main does before SGLang's main runs), then the
+# A server's set-up (what importing megarl.engine_process.sglang_main does before SGLang's main runs), then the
 # module of SGLang's that imports megatron wherever it can
 SERVER_SET_UP = """
 import json, sys
-import megarl.engines.sglang_main
+import megarl.engine_process.sglang_main
 from sglang.srt.debug_utils import dumper
 print(json.dumps({"dumper_has_megatron": dumper._MegatronPlugin._available,
                   "imported": sorted(m for m in sys.modules if m.partition(".")[0] == "megatron")}))

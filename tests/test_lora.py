@@ -16,6 +16,7 @@ import torch
 from hf_oracle import hf_from_state, hf_greedy, load_hf, make_samples, router_topk, sharpened_checkpoint
 from in_flight import start_decoding
 from lora_runs import ATTENTION, merged_by_hand, read_adapter, trained_group
+from single_request import generate_one
 
 from megarl.config import ConfigError, load_config
 from megarl.config.platform_rules import refuse_what_is_not_built
@@ -62,7 +63,7 @@ def prompt(checkpoint):
 
 async def engine_greedy(client: SGLangClient, prompt: list[int]):
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    return await client.generate(prompt, params, return_routed_experts=True, return_sampling_mask=False)
+    return await generate_one(client, prompt, params, return_routed_experts=True, return_sampling_mask=False)
 
 
 async def shared_prefill_copies(client: SGLangClient, prompt: list[int], copies: int = 3):
@@ -274,11 +275,12 @@ def test_requests_in_flight_keep_their_adapter_and_its_version(mode, engine, che
         async with SGLangClient(engine.url, engine.model) as client:
             sync = AdapterSync(sync_settings(tmp_path), RandomAdapterTrainer(checkpoint), [client])
             await sync.update(1, mode)
-            alone = await client.generate(prompt, params, return_routed_experts=False, return_sampling_mask=False)
+            alone = await generate_one(client, prompt, params, return_routed_experts=False, return_sampling_mask=False)
             finished = {}
 
             async def one(i):
-                sample = await client.generate(prompt, params, return_routed_experts=False, return_sampling_mask=False)
+                sample = await generate_one(client, prompt, params, return_routed_experts=False,
+                                            return_sampling_mask=False)
                 finished[i] = asyncio.get_running_loop().time()
                 return sample
 
@@ -288,7 +290,7 @@ def test_requests_in_flight_keep_their_adapter_and_its_version(mode, engine, che
             await sync.update(2, mode)
             synced_at = asyncio.get_running_loop().time()
             samples = await asyncio.gather(*in_flight)
-            after = await client.generate(prompt, params, return_routed_experts=False, return_sampling_mask=False)
+            after = await generate_one(client, prompt, params, return_routed_experts=False, return_sampling_mask=False)
             await sync.close()
             return alone, samples, after, synced_at, finished
 

@@ -1,4 +1,4 @@
-"""megarl/engines/model_registry.py: SGLang's registry imports the served architecture's module alone and
+"""megarl/engine_process/model_registry.py: SGLang's registry imports the served architecture's module alone and
 resolves every architecture to the class SGLang's own full registry gives."""
 import json
 import os
@@ -7,14 +7,14 @@ import sys
 import fresh_python
 import pytest
 
-from megarl.engines.model_registry import MODULE_VARIABLE, install, served_architectures
+from megarl.engine_process.model_registry import MODULE_VARIABLE, install, served_architectures
 
 # A fresh process: install() for a server of the given checkpoint, then SGLang's registry as its model
 # loader uses it: the served architecture, then another one (e.g. a draft model's), then SGLang's full
 # registry against defining_module() for every architecture in it.
 SERVER = """
 import json, sys
-from megarl.engines import model_registry
+from megarl.engine_process import model_registry
 from megarl.platform import sglang_cpu
 installed = model_registry.install(["--model-path", sys.argv[1]])
 sglang_cpu.apply()

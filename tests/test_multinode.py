@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pytest
 
-from megarl.engines.server import API_KEY_ENV
 from megarl.metrics.sink import read_metrics
 from megarl.rehearsal import fake_nodes as netns
 from megarl.rehearsal.ray_nodes import RayOnNodes, node_env
+from megarl.wire.launch import API_KEY_ENV
 
 FAKE_NODE_COUNT = 3
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,7 +163,7 @@ def test_client_sends_the_key_on_every_call(tiny_checkpoint):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from megarl.engines.client import SGLangClient
-    from megarl.engines.server import API_KEY_ENV, EngineSettings, SGLangEngine
+    from megarl.engines.server import EngineSettings, SGLangEngine
     from megarl.engines.types import ServedModel
 
     seen: list[tuple[str, str | None]] = []
@@ -260,7 +260,8 @@ ATTACKS = [("POST", "/generate", {"input_ids": prompt, "sampling_params": {"max_
 
 async def greedy(client):
     await client.flush_cache()
-    s = await client.generate(prompt, GREEDY, return_routed_experts=False, return_sampling_mask=False)
+    (s,) = await client.generate_batch([prompt], GREEDY, group_ids=[''], return_routed_experts=False,
+                                      return_sampling_mask=False)
     return s.response_ids, [float(x) for x in s.rollout_logprobs]
 
 async def main():
@@ -429,7 +430,7 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tiny_checkpoint, tmp_
     # The engine's node 0 server process (in node 1 or 2: Ray places the engine's nodes), as soon as it
     # appears: its address and port, from its command line, and its key, from its environment; the probe
     # from node 1 starts at once.
-    server = until(lambda: [s for node in (n1, n2) for s in processes_in(node, "megarl.engines.sglang_main")
+    server = until(lambda: [s for node in (n1, n2) for s in processes_in(node, "megarl.engine_process.sglang_main")
                             if "--node-rank 0 " in s[1]])
     assert server, f"no engine started in nodes 1-2 (exit {driver.poll()}):\n{out_path.read_text()[-6000:]}"
     argv = server[0][1].split()
@@ -446,7 +447,7 @@ def test_rl_run_spans_three_nodes(fake_nodes, ray_cluster, tiny_checkpoint, tmp_
     # While the run goes on (its two small steps take seconds after the placement line): who runs where, seen
     # from the process table.
     ranks = {node.index: processes_in(node, "TrainerRank") for node in fake_nodes}
-    servers = {node.index: processes_in(node, "megarl.engines.sglang_main") for node in fake_nodes}
+    servers = {node.index: processes_in(node, "megarl.engine_process.sglang_main") for node in fake_nodes}
 
     try:
         driver.wait(max(1.0, deadline - time.monotonic()))
@@ -561,7 +562,7 @@ def test_an_engine_spans_two_nodes_and_restarts_whole(fake_nodes, ray_cluster, t
             if line.strip() == "KILL":
                 break
         assert lines and lines[-1].strip() == "KILL", "".join(lines)[-6000:]
-        servers = {node.index: processes_in(node, "megarl.engines.sglang_main") for node in fake_nodes}
+        servers = {node.index: processes_in(node, "megarl.engine_process.sglang_main") for node in fake_nodes}
         node_rank = {i: {cmd.split("--node-rank ")[1].split()[0] for _, cmd in found} for i, found in servers.items()}
         assert node_rank[0] == set() and sorted(node_rank[1] | node_rank[2]) == ["0", "1"], servers
         follower = 1 if node_rank[1] == {"1"} else 2
@@ -619,7 +620,8 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 ray.init(address="auto")
 
 async def answer(client):
-    s = await client.generate(prompt, GREEDY, return_routed_experts=False, return_sampling_mask=False)
+    (s,) = await client.generate_batch([prompt], GREEDY, group_ids=[''], return_routed_experts=False,
+                                      return_sampling_mask=False)
     return {"tokens": s.response_ids, "logprobs": [float(x) for x in s.rollout_logprobs]}
 
 async def main():

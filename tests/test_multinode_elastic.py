@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from megarl.engines.actor import EngineInfo
-from megarl.engines.pool import ACTIVE, GONE, LEAVING, LOST, EnginePool
+from megarl.engines.membership import ACTIVE, GONE, LEAVING, LOST
+from megarl.engines.pool import EnginePool
 from megarl.engines.supervisor import StartedEngine
 from megarl.engines.types import EngineError, SamplingParams, ServedModel
 from megarl.pipeline.membership import LEAVE_FILE, Membership
@@ -92,17 +93,17 @@ def test_a_silent_engine_is_lost_within_the_bound_and_rejoins_through_a_full_syn
     pool = EnginePool(clients, [Owner(), Owner()], on_restart=full_sync, lost_after_s=0.3)
 
     async def body():
-        watch = asyncio.create_task(pool.watch(0.05))
+        watch = asyncio.create_task(pool.membership.watch(0.05))
         clients[1].link.clear()  # its link goes down before it answers
         clients[1].update_open = True  # a sync began on it, and its cleanup could not reach it
         t0 = asyncio.get_running_loop().time()
         result = await pool.generate_batch_counted([[i] for i in range(6)], PARAMS, group_ids=list("abcdef"))
         waited = asyncio.get_running_loop().time() - t0
-        states, returned_while_silent = pool.states, pool.returned()
+        states, returned_while_silent = pool.membership.states, pool.membership.returned()
         clients[1].link.set()  # the link is back
         await asyncio.sleep(0.15)
-        returned = pool.returned()
-        await pool.rejoin(1)
+        returned = pool.membership.returned()
+        await pool.membership.rejoin(1)
         again = await pool.generate_batch([[i] for i in range(4)], PARAMS, group_ids=list("wxyz"))
         watch.cancel()
         return result, waited, states, returned_while_silent, returned, again
@@ -113,7 +114,7 @@ def test_a_silent_engine_is_lost_within_the_bound_and_rejoins_through_a_full_syn
     assert 0.3 <= waited < 1.5  # the bound plus a probe period or two, not the request's timeout
     assert states == [ACTIVE, LOST] and silent_returned == [] and returned == [1]
     assert clients[0].requests[:2] == [list("ace"), list("bdf")]  # its own, then engine 1's
-    assert synced == [1] and pool.states == [ACTIVE, ACTIVE] and pool.size == 2
+    assert synced == [1] and pool.membership.states == [ACTIVE, ACTIVE] and pool.size == 2
     assert not clients[1].update_open and ["end_weight_update"] in clients[1].requests  # closed before the sync
     assert answers(again) == [(g, [i]) for i, g in enumerate("wxyz")]
     assert clients[1].requests[-1] == ["x", "z"]  # the returned engine takes prompts again
@@ -124,11 +125,11 @@ def test_the_last_engine_is_waited_for_not_lost():
     pool = EnginePool([client], [Owner()], lost_after_s=0.1)
 
     async def body():
-        watch = asyncio.create_task(pool.watch(0.05))
+        watch = asyncio.create_task(pool.membership.watch(0.05))
         client.link.clear()
         batch = asyncio.create_task(pool.generate_batch([[1]], PARAMS, group_ids=["a"]))
         await asyncio.sleep(0.4)
-        states = pool.states
+        states = pool.membership.states
         client.link.set()
         out = await batch
         watch.cancel()
@@ -151,18 +152,18 @@ def test_an_engine_joins_synced_and_one_leaves_after_its_requests():
     events = []
 
     async def full_sync(index, client, info):
-        events.append(("sync", index, pool.states[index]))
+        events.append(("sync", index, pool.membership.states[index]))
 
     pool = EnginePool(clients, owners, on_restart=full_sync)
     newcomer = started("http://10.0.0.4:1")
 
     async def body():
-        index = await pool.admit(newcomer)
+        index = await pool.membership.admit(newcomer)
         busy = asyncio.create_task(pool.generate_batch([[1], [2], [3]], PARAMS, group_ids=["a", "b", "c"]))
         await asyncio.sleep(0.05)  # engine 0 holds "a" (0.3 s)
-        leaving = asyncio.create_task(pool.remove(0, drain_s=5.0))
+        leaving = asyncio.create_task(pool.membership.remove(0, drain_s=5.0))
         await asyncio.sleep(0.05)
-        during = pool.states[0]
+        during = pool.membership.states[0]
         later = await pool.generate_batch([[i] for i in range(4)], PARAMS, group_ids=list("wxyz"))
         await leaving
         return index, during, await busy, later
@@ -171,12 +172,12 @@ def test_an_engine_joins_synced_and_one_leaves_after_its_requests():
     assert index == 2 and events == [("sync", 2, LEAVING)]  # synced before it took a prompt
     assert answers(first) == [("a", [1]), ("b", [2]), ("c", [3])]
     assert clients[0].requests == [["a"]]  # it finished "a", and got nothing while leaving
-    assert during == LEAVING and pool.states == [GONE, ACTIVE, ACTIVE] and owners[0].stopped
+    assert during == LEAVING and pool.membership.states == [GONE, ACTIVE, ACTIVE] and owners[0].stopped
     assert clients[0].closed and [c.base_url for c in pool.clients] == ["http://10.0.0.3:1", "http://10.0.0.4:1"]
     assert newcomer.client.requests == [["c"], ["x", "z"]]  # placed least-loaded with engine 1
     assert pool.resubmitted == 0  # drained, nothing resubmitted
     with pytest.raises(ValueError, match="serves"):
-        asyncio.run(pool.admit(started("http://10.0.0.5:1", ServedModel(vocab_size=7, num_layers=1, topk=1,
+        asyncio.run(pool.membership.admit(started("http://10.0.0.5:1", ServedModel(vocab_size=7, num_layers=1, topk=1,
                                                                           num_experts=2, context_length=8))))
 
 
@@ -187,15 +188,15 @@ def test_a_drain_past_its_bound_resubmits_and_the_last_engine_cannot_leave():
     async def body():
         busy = asyncio.create_task(pool.generate_batch_counted([[1], [2]], PARAMS, group_ids=["a", "b"]))
         await asyncio.sleep(0.05)
-        await pool.remove(0, drain_s=0.1)
+        await pool.membership.remove(0, drain_s=0.1)
         result = await busy
         with pytest.raises(ValueError, match="last one"):
-            await pool.remove(1, drain_s=0.1)
+            await pool.membership.remove(1, drain_s=0.1)
         return result
 
     result = asyncio.run(body())
     assert answers(result.samples) == [("a", [1]), ("b", [2])] and result.resubmitted == 1
-    assert pool.states == [GONE, ACTIVE]
+    assert pool.membership.states == [GONE, ACTIVE]
 
 
 class RecordingSync:
@@ -215,14 +216,14 @@ def test_the_leave_file_names_engines_by_url_or_node_and_lost_ones_leave_the_syn
     membership = Membership(pool, sync, template=SimpleNamespace(nnodes=1), launch={}, run_dir=tmp_path,
                             max_engines=3, drain_s=1.0)
     (tmp_path / LEAVE_FILE).write_text("10.0.0.3\nhttp://10.0.0.9:1\n")
-    pool.mark_lost(2, "a test")
+    pool.membership.mark_lost(2, "a test")
 
     async def body():
         await membership.before_sync()
         return await membership.after_sync()
 
     metrics = asyncio.run(body())
-    assert pool.states == [ACTIVE, GONE, LOST] and not (tmp_path / LEAVE_FILE).exists()
+    assert pool.membership.states == [ACTIVE, GONE, LOST] and not (tmp_path / LEAVE_FILE).exists()
     assert [c.base_url for c in sync.engines] == ["http://10.0.0.2:1"] and sync.closed == 1
     assert metrics == {"rollout/engines": 1.0}
     assert membership.max_engines == 2  # the engine that left is not replaced; the lost one may be

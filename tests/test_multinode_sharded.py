@@ -42,7 +42,8 @@ GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
 ray.init(address="auto")
 
 async def answer(client):
-    s = await client.generate(prompt, GREEDY, return_routed_experts=True, return_sampling_mask=False)
+    (s,) = await client.generate_batch([prompt], GREEDY, group_ids=[''], return_routed_experts=True,
+                                      return_sampling_mask=False)
     return {"tokens": s.response_ids, "logprobs": [float(x) for x in s.rollout_logprobs],
             "experts": s.routed_experts.tolist()}
 

@@ -27,7 +27,7 @@ def _servers(model: Path) -> list[psutil.Process]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if "megarl.engines.sglang_main" in cmdline and str(model) in cmdline:
+        if "megarl.engine_process.sglang_main" in cmdline and str(model) in cmdline:
             found.append(proc)
     return found
 

@@ -18,15 +18,33 @@ from megarl.planner.weight_sync import (
 )
 
 
+def _encoded_fraction(every: int, numel: int = 2**22) -> tuple[float, float]:
+    """(changed fraction, wire bytes over whole bytes) of a bf16 tensor whose every ``every``-th element
+    changed (``every`` < 0: all but every ``-every``-th), encoded by the delta sync's own encoder."""
+    import torch
+
+    from megarl.wire.weight_delta import changed_mask, choose, encode, largest_gap
+
+    old = torch.zeros(numel, dtype=torch.bfloat16)
+    new = old.clone()
+    if every > 0:
+        new[::every] = 1.0
+    else:
+        new[:] = 1.0
+        new[::-every] = 0.0
+    mask = changed_mask(new, old)
+    changed = int(mask.sum())
+    pieces = encode("w", new, mask, choose(numel, changed, 2, largest_gap(mask)))
+    return changed / numel, sum(t.numel() * t.element_size() for _, t in pieces) / (numel * 2)
+
+
 @pytest.mark.unit
-@pytest.mark.parametrize("changed, expected", [
-    (0.0005, 0.0005 * 4 / 2),  # bf16: gaps (steps of ~2000 fit in 16 bits), 4 bytes per change over 2 per element
-    (1e-6, 1e-6 * 6 / 2),  # steps of ~10**6: sparse, int32 indices
-    (0.1, (1 / 8 + 0.1 * 2) / 2),  # bitmap: one bit per element + the changed values
-    (0.99, 1.0),  # whole
-])
-def test_delta_wire_fraction_is_the_smallest_encoding(changed, expected):
-    assert delta_wire_fraction(changed, 2) == pytest.approx(expected)
+@pytest.mark.parametrize("every", [2000, 10**6, 10, -100], ids=["gaps", "sparse", "bitmap", "whole"])
+def test_delta_wire_fraction_is_what_the_encoder_sends(every):
+    """The planner's wire fraction for evenly spread changes against the bytes the delta sync's encoder
+    (megarl/wire/weight_delta.py) makes of such a tensor."""
+    changed, sent = _encoded_fraction(every)
+    assert delta_wire_fraction(changed, 2) == pytest.approx(sent, rel=1e-3)
 
 
 @pytest.mark.unit

@@ -73,7 +73,8 @@ def kill_once_partial_groups_are_carried(tmp_path: Path) -> None:
         proc.wait(timeout=60)
     deadline = time.monotonic() + 30  # the killed driver's SGLang server ends itself
     while time.monotonic() < deadline and any(
-            "megarl.engines.sglang_main" in (p.info["cmdline"] or []) and str(tmp_path / "base") in p.info["cmdline"]
+            "megarl.engine_process.sglang_main" in (p.info["cmdline"] or [])
+            and str(tmp_path / "base") in p.info["cmdline"]
             for p in psutil.process_iter(["cmdline"])):
         time.sleep(0.5)
 

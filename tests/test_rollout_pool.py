@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from megarl.engines.actor import EngineInfo
-from megarl.engines.pool import EnginePool, sglang_router_available
+from megarl.engines.pool import EnginePool
 from megarl.engines.server import EngineSettings
 from megarl.engines.types import EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.sample import FinishReason, RolloutSample
@@ -62,12 +62,6 @@ class FakeSupervisor:
 
 
 PARAMS = SamplingParams(max_new_tokens=4, top_k=5)
-
-
-def test_router_detection_says_what_this_machine_has():
-    import importlib.util
-
-    assert sglang_router_available() == (importlib.util.find_spec("sglang_router") is not None)
 
 
 def test_least_loaded_placement():

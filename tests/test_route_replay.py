@@ -1,5 +1,5 @@
-"""The engine replays the routes a prefix was computed with (megarl/platform/sglang_route_replay.py,
-megarl/platform/sglang_kept_routes.py) and the client sends them (megarl/engines/client.py).
+"""The engine replays the routes a prefix was computed with (megarl/engine_process/route_replay.py,
+megarl/engine_process/kept_routes.py) and the client sends them (megarl/engines/client.py).
 
 Unit: the gate weights of replayed ids against megatron-core's ``RouterReplay`` (the trainer's), a
 batch's replayed rows, the top-k override and its refusal, the prefix cache's cut, the DP slot, the
@@ -17,18 +17,13 @@ import torch
 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
-from megarl.engines.client import SGLangClient, generate_payload, shared_prompts
-from megarl.engines.types import SamplingParams, ServedModel
-from megarl.platform import sglang_route_replay
-from megarl.platform.sglang_kept_routes import (
+from megarl.engine_process import route_replay
+from megarl.engine_process.kept_routes import (
     KEPT_ROUTES,
-    ROUTES_PARAM,
     agreeing_rows,
-    decode_routes,
-    encode_routes,
     take_request_routes,
 )
-from megarl.platform.sglang_route_replay import (
+from megarl.engine_process.route_replay import (
     DpSlot,
     ForwardReplay,
     apply_replay,
@@ -37,6 +32,9 @@ from megarl.platform.sglang_route_replay import (
     gathered_replay,
     replay_weights,
 )
+from megarl.engines.client import SGLangClient, generate_payload, shared_prompts
+from megarl.engines.types import SamplingParams, ServedModel
+from megarl.wire.routes import ROUTES_PARAM, decode_routes, encode_routes
 
 unit = pytest.mark.unit
 
@@ -161,24 +159,24 @@ def _batch(kept_rows: list | None, extend=True, prefix=0, length=2):
 
 @unit
 def test_a_replayed_forward_runs_off_the_prefill_graph_and_keeps_rerouted_kv_out_of_the_cache(monkeypatch):
-    monkeypatch.setattr(sglang_route_replay, "_dp_attention", lambda: (False, False))
+    monkeypatch.setattr(route_replay, "_dp_attention", lambda: (False, False))
     graphs = object()
     worker = SimpleNamespace(model_runner=SimpleNamespace(device="cpu", prefill_cuda_graph_runner=graphs))
     batch = _batch([5, 6])
-    with sglang_route_replay.replaying(worker, batch):
-        active = sglang_route_replay._active
+    with route_replay.replaying(worker, batch):
+        active = route_replay._active
         assert worker.model_runner.prefill_cuda_graph_runner is None and active.replayed.tolist() == [True, True]
         active.layers, active.rerouted[1] = 1, True  # a layer replayed, the router would have chosen otherwise
-    assert worker.model_runner.prefill_cuda_graph_runner is graphs and sglang_route_replay._active is None
+    assert worker.model_runner.prefill_cuda_graph_runner is graphs and route_replay._active is None
     assert batch.reqs[0].skip_radix_cache_insert
     agreeing = _batch([5, 6])
-    with sglang_route_replay.replaying(worker, agreeing):
-        sglang_route_replay._active.layers = 1
+    with route_replay.replaying(worker, agreeing):
+        route_replay._active.layers = 1
     assert not agreeing.reqs[0].skip_radix_cache_insert  # the router's own routes: ordinary KV, shared
-    with sglang_route_replay.replaying(worker, _batch([5, 6], prefix=2)):  # nothing kept where it feeds
-        assert sglang_route_replay._active is None and worker.model_runner.prefill_cuda_graph_runner is graphs
+    with route_replay.replaying(worker, _batch([5, 6], prefix=2)):  # nothing kept where it feeds
+        assert route_replay._active is None and worker.model_runner.prefill_cuda_graph_runner is graphs
     with pytest.raises(RuntimeError, match="routed no MoE layer"):  # a top-k format that skips select_experts
-        with sglang_route_replay.replaying(worker, _batch([5, 6])):
+        with route_replay.replaying(worker, _batch([5, 6])):
             pass
     assert worker.model_runner.prefill_cuda_graph_runner is graphs
 
@@ -186,10 +184,10 @@ def test_a_replayed_forward_runs_off_the_prefill_graph_and_keeps_rerouted_kv_out
 @unit
 def test_a_dp_rank_votes_against_the_prefill_graph_for_a_batch_it_replays(monkeypatch):
     asked = []
-    monkeypatch.setattr(sglang_route_replay, "_original_vote", lambda **kwargs: asked.append(kwargs) or True)
-    assert sglang_route_replay.prefill_graph_vote(local_batch=_batch([5, 6]), num_tokens=2) is False
-    assert sglang_route_replay.prefill_graph_vote(local_batch=_batch(None), num_tokens=2) is True
-    assert sglang_route_replay.prefill_graph_vote(local_batch=None, num_tokens=0) is True and len(asked) == 2
+    monkeypatch.setattr(route_replay, "_original_vote", lambda **kwargs: asked.append(kwargs) or True)
+    assert route_replay.prefill_graph_vote(local_batch=_batch([5, 6]), num_tokens=2) is False
+    assert route_replay.prefill_graph_vote(local_batch=_batch(None), num_tokens=2) is True
+    assert route_replay.prefill_graph_vote(local_batch=None, num_tokens=0) is True and len(asked) == 2
 
 
 @unit

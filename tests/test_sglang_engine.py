@@ -20,9 +20,10 @@ import psutil
 import pybase64
 import pytest
 import torch
+from single_request import abort_request, generate_one
 
 from megarl.engines.client import SGLangClient, decode_routed_experts
-from megarl.engines.server import EngineDiedError, EngineSettings, EngineStartError, SGLangEngine
+from megarl.engines.server import EngineSettings, EngineStartError, SGLangEngine
 from megarl.engines.types import EngineError, PauseMode, SamplingParams, ServedModel
 from megarl.sample import FinishReason, RolloutSample, SamplingMask
 
@@ -197,7 +198,7 @@ def test_routing_mask_and_logprobs_equal_the_hf_forward(engine, hf_model, tokeni
     params = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, top_k=20)
 
     async def body(client):
-        return await asyncio.gather(*(client.generate(tokenizer.encode(t), params, group_id=t) for t in PROMPTS))
+        return await asyncio.gather(*(generate_one(client, tokenizer.encode(t), params, group_id=t) for t in PROMPTS))
 
     samples = run_client(engine, body)
     max_diff, rows = 0.0, 0
@@ -223,7 +224,7 @@ def test_logprobs_are_of_the_temperature_scaled_distribution(engine, hf_model, t
     params = SamplingParams(max_new_tokens=16, temperature=0.7, top_p=0.95, top_k=20)
 
     async def body(client):
-        return await client.generate(tokenizer.encode("6+3="), params)
+        return await generate_one(client, tokenizer.encode("6+3="), params)
 
     sample = run_client(engine, body)
     max_diff, _ = check_against_hf(sample, hf_model, temperature=params.temperature)
@@ -236,7 +237,7 @@ def test_without_metadata_logprobs_are_full_vocabulary(engine, hf_model, tokeniz
     params = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=20)
 
     async def body(client):
-        return await client.generate(tokenizer.encode("2+3="), params, return_routed_experts=False,
+        return await generate_one(client, tokenizer.encode("2+3="), params, return_routed_experts=False,
                                      return_sampling_mask=False)
 
     sample = run_client(engine, body)
@@ -252,7 +253,7 @@ def test_pause_with_abort_returns_partial_samples(engine, hf_model, tokenizer):
     params = SamplingParams(max_new_tokens=56, temperature=1.0, top_k=20, ignore_eos=True)
 
     async def body(client):
-        tasks = [asyncio.create_task(client.generate(tokenizer.encode(t), params)) for t in PROMPTS]
+        tasks = [asyncio.create_task(generate_one(client, tokenizer.encode(t), params)) for t in PROMPTS]
         await until_mid_generation(tasks)
         try:
             await asyncio.wait_for(client.pause_generation(PauseMode.ABORT), timeout=60)
@@ -282,7 +283,7 @@ def test_pause_that_keeps_requests_resumes_them_on_continue(engine, hf_model, to
 
     async def body(client):
         for _ in range(3):  # again when a loaded machine let every request end before the pause took hold
-            tasks = [asyncio.create_task(client.generate(tokenizer.encode(t), params)) for t in PROMPTS[:3]]
+            tasks = [asyncio.create_task(generate_one(client, tokenizer.encode(t), params)) for t in PROMPTS[:3]]
             await until_mid_generation(tasks)
             try:
                 await asyncio.wait_for(client.pause_generation(mode), timeout=60)
@@ -310,12 +311,12 @@ def test_abort_request_by_id_returns_the_partial_sample(engine, tokenizer):
     async def body(client):
         for attempt in range(3):  # again when a loaded machine let a second request end before the abort
             rids = [f"abort-me-{attempt}-{i}" for i in range(3)]
-            tasks = [asyncio.create_task(client.generate(tokenizer.encode(t), params, rid=rid))
+            tasks = [asyncio.create_task(generate_one(client, tokenizer.encode(t), params, rid=rid))
                      for t, rid in zip(PROMPTS, rids)]
             await until_mid_generation(tasks)
             for rid, task in zip(rids, tasks):
                 if not task.done():
-                    await client.abort_request(rid)
+                    await abort_request(client, rid)
             samples = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
             if sum(s.finish_reason is not FinishReason.ABORTED for s in samples) == 1:
                 break
@@ -330,10 +331,25 @@ def test_abort_request_by_id_returns_the_partial_sample(engine, tokenizer):
 
 
 def test_engine_generates_after_pause_and_continue(engine, tokenizer):
-    async def body(client):
-        return await client.generate(tokenizer.encode("4+4="), SamplingParams(max_new_tokens=4, top_k=5))
+    """Paused in each mode and continued, the engine answers as it did before the pause (greedy: the
+    same tokens, the same finish)."""
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    prompt = tokenizer.encode("4+4=")
+    kwargs = dict(return_routed_experts=False, return_sampling_mask=False)
 
-    assert run_client(engine, body).finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    async def body(client):
+        before = await generate_one(client, prompt, greedy, **kwargs)
+        after = {}
+        for mode in PauseMode:
+            await client.pause_generation(mode)
+            await client.continue_generation()
+            after[mode] = await generate_one(client, prompt, greedy, **kwargs)
+        return before, after
+
+    before, after = run_client(engine, body)
+    assert before.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
+    assert {mode: (s.response_ids, s.finish_reason) for mode, s in after.items()} == {
+        mode: (before.response_ids, before.finish_reason) for mode in PauseMode}
 
 
 def server_processes(engine) -> list[psutil.Process]:
@@ -350,7 +366,7 @@ def test_an_idle_engine_leaves_the_cores_alone(engine, tokenizer):
     """After a request, an idle engine's processes (server, scheduler, detokenizer) use almost no CPU:
     without ``--sleep-on-idle`` the scheduler polls in a busy loop, a whole core (~1 s of CPU a second)."""
     async def body(client):
-        return await client.generate(tokenizer.encode("2+2="), SamplingParams(max_new_tokens=2, top_k=5))
+        return await generate_one(client, tokenizer.encode("2+2="), SamplingParams(max_new_tokens=2, top_k=5))
 
     run_client(engine, body)
     processes = server_processes(engine)
@@ -363,7 +379,7 @@ def test_an_idle_engine_leaves_the_cores_alone(engine, tokenizer):
 
 def test_a_paused_engine_leaves_the_cores_alone_and_wakes_for_the_next_call(engine, tokenizer):
     """Paused (a weight sync's window), the engine's processes use almost no CPU: SGLang's paused loop
-    polls its sockets without a wait, a whole core, unless :mod:`megarl.platform.sglang_paused_wait`
+    polls its sockets without a wait, a whole core, unless :mod:`megarl.engine_process.paused_wait`
     lets it sleep as an idle one does. Control calls and generation answer at once after it."""
     processes = server_processes(engine)
 
@@ -378,7 +394,7 @@ def test_a_paused_engine_leaves_the_cores_alone_and_wakes_for_the_next_call(engi
         await client.end_weight_update()
         await client.continue_generation()
         control_s = time.perf_counter() - t0
-        sample = await client.generate(tokenizer.encode("3+4="), SamplingParams(max_new_tokens=2, top_k=5))
+        sample = await generate_one(client, tokenizer.encode("3+4="), SamplingParams(max_new_tokens=2, top_k=5))
         return used, control_s, sample
 
     used, control_s, sample = run_client(engine, body)
@@ -404,7 +420,7 @@ def test_the_prefix_cache_is_the_settings_choice(engine, tiny_engine):
 
 def test_empty_prompt_is_a_clear_error(engine):
     async def body(client):
-        return await asyncio.wait_for(client.generate([], SamplingParams(max_new_tokens=4, top_k=5)), 30)
+        return await asyncio.wait_for(generate_one(client, [], SamplingParams(max_new_tokens=4, top_k=5)), 30)
 
     with pytest.raises(ValueError, match="empty prompt"):
         run_client(engine, body)
@@ -416,11 +432,11 @@ def test_prompt_longer_than_the_context_is_a_clear_error(engine, tokenizer):
 
     async def too_long_prompt(client):
         params = SamplingParams(max_new_tokens=4, top_k=5)
-        return await asyncio.wait_for(client.generate(one_digit * (context + 10), params), 60)
+        return await asyncio.wait_for(generate_one(client, one_digit * (context + 10), params), 60)
 
     async def too_long_with_response(client):
         params = SamplingParams(max_new_tokens=8, top_k=5)
-        return await asyncio.wait_for(client.generate(one_digit * (context - 2), params), 60)
+        return await asyncio.wait_for(generate_one(client, one_digit * (context - 2), params), 60)
 
     with pytest.raises(EngineError, match="longer than the model's context length"):
         run_client(engine, too_long_prompt)
@@ -431,7 +447,7 @@ def test_prompt_longer_than_the_context_is_a_clear_error(engine, tokenizer):
 
 def test_out_of_vocabulary_prompt_is_rejected_before_it_reaches_the_engine(engine):
     async def body(client):
-        return await client.generate([1, engine.model.vocab_size], SamplingParams(max_new_tokens=4, top_k=5))
+        return await generate_one(client, [1, engine.model.vocab_size], SamplingParams(max_new_tokens=4, top_k=5))
 
     with pytest.raises(ValueError, match="outside the vocabulary"):
         run_client(engine, body)
@@ -440,7 +456,7 @@ def test_out_of_vocabulary_prompt_is_rejected_before_it_reaches_the_engine(engin
 
 def test_mask_without_finite_top_k_is_rejected(engine):
     async def body(client):
-        return await client.generate([1, 5], SamplingParams(max_new_tokens=4))
+        return await generate_one(client, [1, 5], SamplingParams(max_new_tokens=4))
 
     with pytest.raises(ValueError, match="finite top_k"):
         run_client(engine, body)
@@ -477,7 +493,7 @@ def test_weight_version_labels_every_generated_token(engine, tokenizer):
         await client.set_weight_version(7)
         try:
             version = await client.weight_version()
-            sample = await client.generate(tokenizer.encode("6+1="), SamplingParams(max_new_tokens=6, top_k=5))
+            sample = await generate_one(client, tokenizer.encode("6+1="), SamplingParams(max_new_tokens=6, top_k=5))
         finally:
             await client.set_weight_version(0)
         return version, sample, await client.weight_version()
@@ -509,12 +525,12 @@ def test_update_weights_from_disk_changes_outputs_and_versions(engine, checkpoin
 
     async def body(client):
         kwargs = dict(return_routed_experts=False, return_sampling_mask=False)
-        before = await client.generate(prompt, greedy, **kwargs)
+        before = await generate_one(client, prompt, greedy, **kwargs)
         await client.update_weights_from_disk(checkpoint_42_43, version=5)
-        updated = await client.generate(prompt, greedy, **kwargs)
+        updated = await generate_one(client, prompt, greedy, **kwargs)
         version = await client.weight_version()
         await client.update_weights_from_disk(checkpoint, version=0)
-        restored = await client.generate(prompt, greedy, **kwargs)
+        restored = await generate_one(client, prompt, greedy, **kwargs)
         return before, updated, version, restored
 
     before, updated, version, restored = run_client(engine, body)
@@ -533,7 +549,7 @@ def test_partial_rollout_across_a_weight_update_carries_both_versions(engine, ch
     async def body(client):
         kwargs = dict(return_routed_experts=False, return_sampling_mask=False)
         for _ in range(3):  # again when a loaded machine let every request end before the pause took hold
-            tasks = [asyncio.create_task(client.generate(tokenizer.encode(t), greedy, **kwargs))
+            tasks = [asyncio.create_task(generate_one(client, tokenizer.encode(t), greedy, **kwargs))
                      for t in PROMPTS[:4]]
             await until_mid_generation(tasks)
             await asyncio.wait_for(client.pause_generation(PauseMode.RETRACT), timeout=60)
@@ -565,7 +581,7 @@ def test_partial_rollout_across_a_weight_update_carries_both_versions(engine, ch
 @pytest.mark.processes
 def test_start_failure_reports_the_server_log(checkpoint, tmp_path):
     """A server that exits during its start: here at its first argument check, before it imports SGLang
-    (megarl.engines.model_registry reads ``--json-model-override-args``), so the failure costs no import."""
+    (megarl.engine_process.model_registry reads ``--json-model-override-args``), so the failure costs no import."""
     settings = EngineSettings(model_path=str(checkpoint), extra_args=("--json-model-override-args", "no-such-json"),
                               log_path=str(tmp_path / "server.log"))
     engine = SGLangEngine(settings)
@@ -629,8 +645,7 @@ def test_death_is_detected_and_stop_leaves_no_process(engine):
     while engine.is_alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not engine.is_alive()
-    with pytest.raises(EngineDiedError, match="exited with code -9"):
-        engine.check_alive()
+    assert engine._process.returncode == -9  # the server itself was killed, not ended by its owner
     engine.stop()
     psutil.wait_procs(group, timeout=30)
     assert [p.pid for p in psutil.process_iter(["pid"]) if _pgid(p) == pgid] == []

@@ -1,4 +1,4 @@
-"""megarl.platform.sglang_ipc: how SGLang's processes pickle tensors to each other.
+"""megarl.engine_process.ipc: how SGLang's processes pickle tensors to each other.
 
 Each check runs in a fresh interpreter: install() changes pickling for the whole process, and the
 megatron-core half needs a process where ``megatron.core`` is not imported yet.
@@ -24,9 +24,9 @@ def run_python(code: str) -> str:
 def test_tensors_pickled_after_megatron_core_is_imported_name_torchs_loader_only_when_installed(installed):
     out = run_python(f"""
         import pickle, torch
-        from megarl.platform import sglang_ipc
+        from megarl.engine_process import ipc
         if {installed}:
-            sglang_ipc.install()
+            ipc.install()
         import megatron.core
         t = torch.arange(6.0).requires_grad_()  # keeps torch's own reduction either way
         data = pickle.dumps(t, protocol=5)
@@ -40,9 +40,9 @@ def test_tensors_pickled_after_megatron_core_is_imported_name_torchs_loader_only
 def test_host_tensors_round_trip_as_bytes_and_others_keep_torchs_reduction():
     out = run_python("""
         import pickle, warnings, torch
-        from megarl.platform import sglang_ipc
-        sglang_ipc.install()
-        sglang_ipc.install()  # idempotent
+        from megarl.engine_process import ipc
+        ipc.install()
+        ipc.install()  # idempotent
         warnings.simplefilter("error")
         base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
         cases = [torch.randint(0, 8, (5, 2, 2), dtype=torch.int32), base[:, 1::2], base.t(), torch.tensor(2.5),
@@ -54,9 +54,9 @@ def test_host_tensors_round_trip_as_bytes_and_others_keep_torchs_reduction():
             assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t.resolve_conj()), t
             assert pickle.loads(pickle.dumps(t, protocol=2)).equal(t.resolve_conj())  # older protocols too
             back += back  # writable, no warning
-            assert sglang_ipc.reduce_tensor(t)[0] is sglang_ipc.tensor_from_bytes
+            assert ipc.reduce_tensor(t)[0] is ipc.tensor_from_bytes
         grad = torch.ones(3, requires_grad=True)
-        assert sglang_ipc.reduce_tensor(grad)[0] is not sglang_ipc.tensor_from_bytes
+        assert ipc.reduce_tensor(grad)[0] is not ipc.tensor_from_bytes
         assert pickle.loads(pickle.dumps(grad)).requires_grad
         print("ok")
     """)
@@ -66,9 +66,9 @@ def test_host_tensors_round_trip_as_bytes_and_others_keep_torchs_reduction():
 def test_install_after_megatron_core_is_imported_is_refused():
     out = run_python("""
         import megatron.core
-        from megarl.platform import sglang_ipc
+        from megarl.engine_process import ipc
         try:
-            sglang_ipc.install()
+            ipc.install()
         except RuntimeError as e:
             print(e)
     """)

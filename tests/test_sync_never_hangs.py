@@ -32,7 +32,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from megarl.engines import update_group
+from megarl.engine_process import update_group
 from megarl.engines.types import EngineUnreachable
 from megarl.platform.description import Platform
 from megarl.sync import SyncSettings, WeightSync, WeightSyncError
@@ -41,6 +41,7 @@ from megarl.sync.errors import TIMEOUT_KEY
 from megarl.sync.report import SenderStats
 from megarl.sync.transports.base import Sender
 from megarl.sync.transports.distributed import DistributedSender, DistributedSpec, group_environment, link_backend
+from megarl.wire import group_timeout
 
 ROOT = Path(__file__).resolve().parents[1]
 PEERS = str(ROOT / "tests" / "sync_peers.py")
@@ -56,11 +57,11 @@ STUCK_BOUND_S = 4.0
 
 @pytest.mark.unit
 def test_group_name_carries_the_bound_to_the_engines():
-    name = update_group.timed_name("megarl-abc-pp1", 12.5)
-    assert update_group.timeout_of(name).total_seconds() == 12.5
-    assert update_group.timeout_of("weight_update_group") is None  # SGLang's default name: torch's default
+    name = group_timeout.timed_name("megarl-abc-pp1", 12.5)
+    assert group_timeout.timeout_of(name).total_seconds() == 12.5
+    assert group_timeout.timeout_of("weight_update_group") is None  # SGLang's default name: torch's default
     with pytest.raises(ValueError, match="timeout"):
-        update_group.timed_name("g", 0)
+        group_timeout.timed_name("g", 0)
 
 
 @pytest.mark.unit
@@ -93,7 +94,7 @@ def test_engine_join_without_sender_fails_within_the_bound():
     import sglang.srt.utils.common  # noqa: F401  (imported before the clock starts)
 
     updater = type("Updater", (), {"tp_rank": 0, "_model_update_group": {}})()
-    name = update_group.timed_name("nobody-pp0", 1.0)
+    name = group_timeout.timed_name("nobody-pp0", 1.0)
     t0 = time.monotonic()
     ok, message = update_group.init_weights_update_group(updater, "127.0.0.1", _free_port(), 1, 2, name, "gloo")
     assert not ok and "Failed to initialize" in message and updater._model_update_group == {}
@@ -356,7 +357,7 @@ def test_engine_join_is_bounded_by_the_group_name(client, loop):
     its name carries (SGLang alone would wait torch's 30 min), and serves on."""
     from megarl.engines.types import EngineError
 
-    name = update_group.timed_name("nobody-pp0", 2.0)
+    name = group_timeout.timed_name("nobody-pp0", 2.0)
     t0 = time.monotonic()
     with pytest.raises(EngineError, match="Failed to initialize custom process group"):
         loop.run_until_complete(client.init_weights_update_group(

@@ -1,4 +1,4 @@
-"""The delta sync's wire format and the sender's encoding (megarl/engines/weight_delta.py,
+"""The delta sync's wire format and the sender's encoding (megarl/wire/weight_delta.py,
 megarl/sync/delta.py), on plain tensors: the encoding each case gets, bit-exact round trips through a
 bucket and SGLang's flat layout, whole buckets on a full sync, a version gap or a large change."""
 import math
@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
-from megarl.engines.weight_delta import (
+from megarl.sync.buckets import pack, unpack
+from megarl.sync.delta import DeltaEncoder, DeltaPlan, KeptWeights
+from megarl.wire.weight_delta import (
     BITMAP,
     GAPS,
     INDICES,
@@ -20,8 +22,6 @@ from megarl.engines.weight_delta import (
     pack_bits,
     unpack_bits,
 )
-from megarl.sync.buckets import pack, unpack
-from megarl.sync.delta import DeltaEncoder, DeltaPlan, KeptWeights
 
 pytestmark = pytest.mark.unit
 

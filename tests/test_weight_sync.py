@@ -22,6 +22,7 @@ import pytest
 import torch
 from hf_oracle import hf_from_state, hf_greedy, load_hf, make_samples
 from in_flight import start_decoding
+from single_request import generate_one
 
 from megarl.config import default_config, load_config
 from megarl.engines.client import SGLangClient
@@ -106,7 +107,7 @@ def single(ray_local, checkpoint):
 
 async def engine_greedy(client: SGLangClient, prompt: list[int]):
     params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-    return await client.generate(prompt, params, return_routed_experts=False, return_sampling_mask=False)
+    return await generate_one(client, prompt, params, return_routed_experts=False, return_sampling_mask=False)
 
 
 def check_engine_equals_hf(sample, hf_tokens, hf_logprobs, version):
@@ -391,7 +392,7 @@ def test_a_refused_pause_leaves_no_update_session_open_on_the_others(single, eng
 
 
 def test_bucket_waiting_at_session_end_is_loaded(single, engine, checkpoint, prompt, tmp_path, monkeypatch):
-    """The engine loads each bucket during the next one's receive (megarl.engines.pipelined_load);
+    """The engine loads each bucket during the next one's receive (megarl.engine_process.pipelined_load);
     when no load call carries the version (a caller other than megarl's driver), the bucket
     received last is loaded by end_weight_update: every new weight is served, the label unchanged."""
     rl_steps(single, Layout(), checkpoint, 1, seed=40)

@@ -1,5 +1,5 @@
 """Sharded resharding's slice map and point-to-point exchange (megarl/sync/slices.py,
-megarl/engines/weight_shards.py), against the full tensors sliced another way.
+megarl/wire/weight_shards.py), against the full tensors sliced another way.
 
 A Qwen3-MoE-shaped tensor table (the tiny demo model's sizes) is split as a TP2xEP2 trainer holds it;
 the engine ranks' parts follow SGLang's loaders. The unit tests apply the planned transfers in memory
@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from megarl.engines.weight_shards import Piece, assemble, entry_name, exchange, parse_entries
 from megarl.sync.engine_layout import EngineLayout
 from megarl.sync.slices import EngineRank, Split, chunk, engine_piece, plan_transfers
+from megarl.wire.weight_shards import Piece, assemble, entry_name, exchange, parse_entries
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, MOE_FFN, VOCAB, LAYERS = 64, 4, 2, 16, 8, 128, 384, 2
 
@@ -360,7 +360,7 @@ def test_planner_counts_what_the_slice_map_sends_each_engine_rank(engine_tp, eng
 
 @pytest.mark.unit
 def test_buckets_cut_by_parameter_bytes_and_each_engine_rank_keeps_its_entries():
-    from megarl.engines.sharded_load import own_transfers
+    from megarl.engine_process.sharded_load import own_transfers
     from megarl.sync.sharded_rank import cut
     from megarl.sync.transports.sharded import entries_by_engine
 
@@ -381,10 +381,10 @@ def sharded_delta_sync(full, transfers, senders, baselines, loaded, plan, versio
     each sender's :class:`SliceDelta` encodes its slices, each engine rank applies what it receives to its
     :class:`SliceBaseline` and "loads" its part of every tensor it is handed into ``loaded``. Returns (the
     stats, whether the sync sent changed elements, bytes on the wire)."""
-    from megarl.engines.sharded_load import SliceBaseline, own_transfers
-    from megarl.engines.weight_shards import assemble, pack_pair, unpack_pair
+    from megarl.engine_process.sharded_load import SliceBaseline, own_transfers
     from megarl.sync.report import SenderStats
     from megarl.sync.transports.sharded import entries_by_engine
+    from megarl.wire.weight_shards import assemble, pack_pair, unpack_pair
 
     stats, wire, deltas = SenderStats(stage=0), {}, set()
     for src, sender in enumerate(senders):
@@ -448,11 +448,11 @@ def test_delta_over_sharded_slices_loads_what_a_full_sync_loads(engine_tp, engin
 
 @pytest.mark.unit
 def test_sharded_delta_after_a_failed_sync_goes_whole_and_a_delta_needs_a_baseline():
-    from megarl.engines.sharded_load import SliceBaseline
-    from megarl.engines.weight_shards import Piece, Transfer
+    from megarl.engine_process.sharded_load import SliceBaseline
     from megarl.sync.delta import DeltaPlan
     from megarl.sync.report import SenderStats
     from megarl.sync.sharded_rank import SliceDelta
+    from megarl.wire.weight_shards import Piece, Transfer
 
     sender, piece = SliceDelta(), Piece("w", "float32", (4, 2), 0, 0, 2)
     transfer = Transfer(0, 1, piece, piece)

@@ -3,7 +3,7 @@
 and the experts split over both ranks. After a sharded sync the engine's parameters (SGLang's own per-rank
 hashes, ``/weights_checker``) equal those a disk load of the same weights gives. A slice map that splits
 attention over both ranks, as an engine without DP attention has it, fails the sync on the engine (the rows
-a rank's loader read but never received are NaN: megarl/engines/sharded_load.py's check), which is then held
+a rank's loader read but never received are NaN: megarl/engine_process/sharded_load.py's check), which is then held
 paused (it never serves those weights) until a good sync.
 
 SGLang's CPU path starts a DP-attention engine and loads weights into it but cannot run its forward (its
@@ -29,7 +29,6 @@ from test_weight_sync_sharded_engine import rank_hashes
 from megarl.config import load_config
 from megarl.engines.client import SGLangClient
 from megarl.engines.types import PauseMode
-from megarl.engines.weight_shards import LOAD_FORMAT, Piece, exchange, join_all
 from megarl.parallel import free_port
 from megarl.sync import WeightSync
 from megarl.sync.buckets import BucketIndex, TensorEntry
@@ -39,6 +38,7 @@ from megarl.sync.report import SenderStats
 from megarl.sync.settings import SyncSettings
 from megarl.sync.slices import EngineRank, engine_piece, plan_transfers
 from megarl.sync.transports.sharded import entries_by_engine, join_link
+from megarl.wire.weight_shards import LOAD_FORMAT, Piece, exchange, join_all
 
 pytestmark = pytest.mark.processes
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from hf_oracle import hf_from_state, hf_greedy
+from single_request import generate_one
 from test_weight_sync import NEW_TOKENS, checkpoint, prompt, rl_steps, serve, settings, sync_and_compare, trained_group  # noqa: F401
 
 from megarl.config import default_config
@@ -71,7 +72,7 @@ async def sync_and_generate(engine, group, transport: str, version: int, tmp_pat
         finally:
             await sync.close()
         params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
-        sample = await client.generate(tokens, params, return_routed_experts=True, return_sampling_mask=False)
+        sample = await generate_one(client, tokens, params, return_routed_experts=True, return_sampling_mask=False)
         return report, sample
 
 

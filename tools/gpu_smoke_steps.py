@@ -174,7 +174,8 @@ def engine_memory(ckpt: str) -> None:
 
     async def run() -> dict:
         async with SGLangClient(engine.url, engine.model) as c:
-            before = await c.generate([1, 2, 3, 4], greedy, return_routed_experts=True, return_sampling_mask=True)
+            (before,) = await c.generate_batch([[1, 2, 3, 4]], greedy, group_ids=["smoke"], return_routed_experts=True,
+                                                return_sampling_mask=True)
             f0 = free_gib()
             await c.pause_generation(PauseMode.RETRACT)
             await c.release_memory(("kv_cache", "weights"))
@@ -184,7 +185,8 @@ def engine_memory(ckpt: str) -> None:
             f2 = free_gib()
             await c.update_weights_from_disk(ckpt, version=1)
             await c.continue_generation()
-            after = await c.generate([1, 2, 3, 4], greedy, return_routed_experts=True, return_sampling_mask=True)
+            (after,) = await c.generate_batch([[1, 2, 3, 4]], greedy, group_ids=["smoke"], return_routed_experts=True,
+                                               return_sampling_mask=True)
         assert f1 - f0 > 0.5 and f1 - f2 > 0.5, (f0, f1, f2)
         assert after.response_ids == before.response_ids, (before.response_ids, after.response_ids)
         return {"released_gib": f1 - f0, "resumed_gib": f1 - f2, "tokens": list(before.response_ids)}

@@ -122,7 +122,7 @@ def _check_served_output_layer(checkpoint: str) -> None:
     hf = hf_config_if_present(checkpoint)
     if not hf.tie_word_embeddings or "lm_head.weight" in _stored_tensor_names(Path(checkpoint)):
         return
-    from megarl.engines.model_registry import ties_embeddings
+    from megarl.engine_process.model_registry import ties_embeddings
 
     for architecture in hf.architectures:
         if ties_embeddings(architecture) is False:

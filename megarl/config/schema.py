@@ -304,7 +304,6 @@ class TeacherConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = setting("sglang", choices=("sglang",))
     num_engines: int = setting(1, ge=1)
     engine_tp: int = setting(1, ge=1)
     engine_ep: int = setting(1, ge=1)

@@ -20,7 +20,7 @@ one request that prefills each such prompt once (:meth:`SGLangClient._prefill_sh
 
 A prompt that resubmits a prefix (``abort_resubmit``'s continuation, a resumed partial sample) can carry
 the routes its tokens were computed with (``prefix_routes``): the engine replays them when it computes
-the prompt (:mod:`megarl.platform.sglang_route_replay`), so the new tokens see the context the trainer's
+the prompt (:mod:`megarl.engine_process.route_replay`), so the new tokens see the context the trainer's
 forward replays. Such a prompt is left out of the shared prefill, which would route it afresh.
 """
 from __future__ import annotations
@@ -44,8 +44,8 @@ from megarl.engines.types import (
     SamplingParams,
     ServedModel,
 )
-from megarl.platform.sglang_kept_routes import ROUTES_PARAM, encode_routes
 from megarl.sample import FinishReason, RolloutSample, SamplingMask
+from megarl.wire.routes import ROUTES_PARAM, encode_routes
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def generate_payload(prompts: list[list[int]] | list[int], params: SamplingParam
     experts and the sampling mask (with the log-probs of the sampling distribution: of the sampled token, or
     with ``support_logprobs`` of every kept id, SGLang's ``sampling_logprobs_mode`` ``support``) as asked; a
     prompt's ``prefix_routes`` (when given and not None) ride in its own sampling parameters, for the engine to
-    replay (:func:`megarl.platform.sglang_kept_routes.encode_routes`)."""
+    replay (:func:`megarl.wire.routes.encode_routes`)."""
     sampling = params.to_json()
     if any(r is not None for r in prefix_routes):
         sampling = [sampling if r is None else {**sampling, "custom_params": {ROUTES_PARAM: encode_routes(r)}}
@@ -246,38 +246,6 @@ class SGLangClient:
             # SGLang 0.5.23 crashes the whole server on an out-of-vocabulary id instead of rejecting it.
             raise ValueError(f"prompt_ids outside the vocabulary [0, {self.model.vocab_size}): {bad[:8]}")
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        params: SamplingParams,
-        *,
-        return_routed_experts: bool = True,
-        return_sampling_mask: bool = True,
-        rid: str | None = None,
-        group_id: str = "",
-        episode_id: str = "",
-    ) -> RolloutSample:
-        """Generate one response. ``rollout_logprobs`` are of the temperature-scaled distribution
-        (softmax of logits / temperature), renormalised over the sampling mask when it is returned.
-
-        Raises ValueError for bad input (empty prompt, ids outside the vocabulary, a mask without a
-        finite top_k, stop strings or a grammar for an engine without its tokenizer) and EngineError
-        when the engine rejects the request (e.g. a prompt longer than the context) or is unreachable.
-        An aborted request returns its partial response.
-        """
-        self._validate_prompt(prompt_ids)
-        if return_sampling_mask and params.top_k <= 0:
-            raise ValueError("return_sampling_mask needs a finite top_k (<= the engine's --sampling-mask-max-tokens)")
-        await self._check_text_params(params)
-        payload = generate_payload(list(prompt_ids), params, return_routed_experts, return_sampling_mask,
-                                   self.support_logprobs)
-        if rid is not None:
-            payload["rid"] = rid
-        adapter = self._name_adapter(payload)
-        out = (await self._post("/generate", payload)).json()
-        return self._to_sample(list(prompt_ids), out, return_routed_experts, return_sampling_mask, group_id, episode_id,
-                               adapter)
-
     async def generate_batch_counted(self, prompts: list[list[int]], params: SamplingParams, *, group_ids: list[str],
                                      return_routed_experts: bool = True, return_sampling_mask: bool = True,
                                      affinity: Sequence[str | None] | None = None,
@@ -301,7 +269,12 @@ class SGLangClient:
     ) -> list[RolloutSample]:
         """One response per prompt, sent as one request (SGLang batches it), joined with the other calls of
         this event-loop turn that share ``params`` and the flags (:mod:`megarl.engines.coalesce`).
-        Same contract as :meth:`generate`; ``affinity`` keys are met by construction (one engine serves
+        ``rollout_logprobs`` are of the temperature-scaled distribution (softmax of logits / temperature),
+        renormalised over the sampling mask when it is returned. Raises ValueError for bad input (empty
+        prompt, ids outside the vocabulary, a mask without a finite top_k, stop strings or a grammar for an
+        engine without its tokenizer) and EngineError when the engine rejects the request (e.g. a prompt
+        longer than the context) or is unreachable; an aborted request returns its partial response.
+        ``affinity`` keys are met by construction (one engine serves
         every request). ``prefix_routes[i]`` (integer [n, L, k], n < len(prompts[i]), or None): the
         routes prompt ``i``'s first n tokens were computed with, replayed by the engine (ValueError for a
         shape or an expert id the served model does not have)."""
@@ -424,12 +397,8 @@ class SGLangClient:
         self._paused = None
         log.info("%s: generation continued", self.base_url)
 
-    async def abort_request(self, rid: str) -> None:
-        """Abort one request; its ``generate`` call returns the partial response (finish_reason aborted)."""
-        await self._post("/abort_request", {"rid": rid})
-
     async def abort_all_requests(self) -> None:
-        """Abort every request the engine's scheduler holds (each ``generate`` call returns its
+        """Abort every request the engine's scheduler holds (each ``generate_batch`` call returns its
         partial response); requests still waiting in a paused engine are not reached."""
         await self._post("/abort_request", {"abort_all": True})
 

@@ -6,14 +6,11 @@ not yet answered, counted per prompt; ties go to the lower index), and each engi
 batch is sent as one request (SGLang batches it). A prompt with an affinity key (its prompt group's
 id) goes to the engine that served the key last, which holds the group's prefixes, unless that
 engine is ``affinity_slack`` prompts busier than the least-loaded one (:mod:`megarl.engines.affinity`).
-sglang-router (the Rust cache-aware router) is
-detected with :func:`sglang_router_available` but not used by this pool: it is not installed on
-the CPU machines megarl is tested on, and routing through it would hide which engine lost a
-request, which the recovery below needs. Placing through sglang-router on GPU clusters is left to do.
+The pool does not route through sglang-router (the Rust cache-aware router): routing through it
+would hide which engine lost a request, which the recovery below needs.
 
-Recovery: when an engine becomes unreachable (its process died, see
-:class:`megarl.engines.actor.EngineActor`), the pool waits for its supervisor to restart
-it, re-pauses it if the pool is paused, calls ``on_restart`` (e.g. to push the current weights),
+Recovery: when an engine becomes unreachable, the pool waits for it to come back (its membership's
+:meth:`~megarl.engines.membership.EngineMembership.recover`: restarted, re-paused, ``on_restart`` run)
 and resubmits every prompt of the lost request, placed again least-loaded. A lost HTTP request
 returns nothing, so each resubmission is the whole request; each prompt index yields exactly one
 sample, whatever engines died. ``resubmitted`` counts the resubmitted prompts. A prompt lost more
@@ -24,14 +21,8 @@ Subsets: :meth:`EnginePool.subset` gives some of the pool's engines as engines o
 (:class:`PoolSubset`: placement, and resubmission after a death, among those engines only; the
 pool's hold and recovery apply), e.g. one multi-agent role per group of engines.
 
-Membership: an engine is *active* (takes prompts), *leaving* (takes none; what it holds runs to its
-end), *lost* (silent for ``lost_after_s``, or its restart did not come within that bound while
-another engine serves: what it held is resubmitted to the others, once) or *gone* (stopped, or its
-actor died with its node). :meth:`EnginePool.watch` probes every engine each period and marks the
-silent ones lost (never the last active one: with no other engine the pool waits for it, as
-before). A lost engine that answers again rejoins (:meth:`EnginePool.rejoin`) through ``on_restart`` (a
-full weight sync), and so does an engine started while the pool runs (:meth:`EnginePool.start_engine`
-then :meth:`EnginePool.admit`); :meth:`EnginePool.remove` drains an engine and stops it.
+Membership (:attr:`EnginePool.membership`, :mod:`megarl.engines.membership`): which engines take prompts
+(active, leaving, lost, gone), probed, lost, rejoined, admitted and removed there.
 
 Hold (colocated placement, :mod:`megarl.pipeline.colocate`): while the pool is held no request
 reaches an engine (new and resubmitted ones wait in the pool), and :meth:`EnginePool.hold` returns
@@ -40,68 +31,22 @@ once none is in flight; the engines' weights and KV cache can then be released a
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
-from megarl.engines.actor import EngineInfo
 from megarl.engines.affinity import EngineAffinity
 from megarl.engines.client import SGLangClient
-from megarl.engines.supervisor import (
-    EngineSupervisor,
-    RayEngineSupervisor,
-    StartedEngine,
-    remove_engine_actors,
-    start_engines,
-)
+from megarl.engines.membership import ACTIVE, LEAVING, EngineMembership, PoolMember, RestartHook, active
+from megarl.engines.supervisor import EngineSupervisor, remove_engine_actors, start_engines
 from megarl.engines.types import BatchResult, EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel
 from megarl.sample import RolloutSample
 
 log = logging.getLogger(__name__)
 
 
-def sglang_router_available() -> bool:
-    """True when the ``sglang_router`` package is importable (it is not on megarl's CPU machines)."""
-    return importlib.util.find_spec("sglang_router") is not None
-
-
-RestartHook = Callable[[int, SGLangClient, EngineInfo], Awaitable[None]]
-
-
-ACTIVE, LEAVING, LOST, GONE = "active", "leaving", "lost", "gone"  # an engine's membership (module docstring)
-
-
-class _Engine:
-    def __init__(self, index: int, client: SGLangClient, supervisor: EngineSupervisor | None):
-        self.index, self.client, self.supervisor = index, client, supervisor
-        self.in_flight = 0
-        self.incarnation: int | None = None  # last seen EngineInfo.incarnation
-        self.recovery = asyncio.Lock()  # one recovery at a time; the others wait for its on_restart
-        self.state = ACTIVE
-        self.cut = asyncio.Event()  # set when it is lost: its requests in flight are resubmitted elsewhere
-        self.silent_since: float | None = None  # monotonic time of the first unanswered probe in a row
-        self.answers = True  # the last probe's outcome
-
-
-async def _end_open_update(client: SGLangClient) -> None:
-    """End the weight-update session a sync left open on ``client``'s engine when it was cut off (the
-    engine refuses when none is open: nothing to end)."""
-    try:
-        await client.end_weight_update()
-    except EngineUnreachable:
-        raise
-    except EngineError:
-        pass
-
-
-def _active(engines: list[_Engine]) -> list[_Engine]:
-    return [e for e in engines if e.state == ACTIVE]
-
-
-async def _unless_cut(engine: _Engine, request: Awaitable):
+async def _unless_cut(engine: PoolMember, request: Awaitable):
     """``request``'s result, or EngineUnreachable (the request cancelled) once ``engine`` is cut off."""
     task, cut = asyncio.ensure_future(request), asyncio.ensure_future(engine.cut.wait())
     try:
@@ -132,37 +77,26 @@ class EnginePool:
         models = {c.model for c in clients}
         if len(models) != 1:
             raise ValueError(f"the engines serve different models: {models}")
-        self._engines = [_Engine(i, c, supervisors[i] if supervisors else None) for i, c in enumerate(clients)]
-        self.on_restart, self.max_attempts, self.lost_after_s = on_restart, max_attempts, lost_after_s
+        self.membership = EngineMembership(
+            [PoolMember(i, c, supervisors[i] if supervisors else None) for i, c in enumerate(clients)],
+            on_restart=on_restart, lost_after_s=lost_after_s)
+        self._engines = self.membership.members  # by index, gone ones kept
+        self.max_attempts = max_attempts
         self.affinity = EngineAffinity(affinity_slack)
         self.resubmitted = 0  # prompts resubmitted after an engine died, over the pool's life
-        self._paused: PauseMode | None = None
-        self._actors: list = []  # Ray actors this pool launched (removed by aclose)
-        self._placements: list = []  # per launched engine, its placement group when over several nodes, else None
         self._open = asyncio.Event()  # cleared while held: requests wait in the pool (see hold())
         self._open.set()
-        self._idle = asyncio.Condition()  # notified when a request ends (hold() waits for none in flight)
         self._released: dict[int, tuple[int | None, set[str]]] = {}  # engine -> (incarnation, released tags)
 
     @property
     def clients(self) -> list[SGLangClient]:
         """The clients of the engines not gone (weight sync and control go to these)."""
-        return [e.client for e in self._engines if e.state != GONE]
-
-    @property
-    def all_clients(self) -> list[SGLangClient]:
-        """Every engine's client by index, gone ones included (aligned with :attr:`states`)."""
-        return [e.client for e in self._engines]
-
-    @property
-    def states(self) -> list[str]:
-        """Each engine's membership (``active``, ``leaving``, ``lost``, ``gone``), by index."""
-        return [e.state for e in self._engines]
+        return self.membership.clients
 
     @property
     def size(self) -> int:
         """The engines taking prompts now (active)."""
-        return len(_active(self._engines))
+        return self.membership.size
 
     @property
     def model(self) -> ServedModel:
@@ -189,22 +123,18 @@ class EnginePool:
                                        unresponsive_restart_s=unresponsive_restart_s,
                                        request_timeout_s=request_timeout_s, seats=seats)
         pool = cls([e.client for e in launched], [e.supervisor for e in launched], **pool_kwargs)
-        pool._actors, pool._placements = [e.actor for e in launched], [e.placement for e in launched]
+        pool.membership.actors = [e.actor for e in launched]
+        pool.membership.placements = [e.placement for e in launched]
         for engine, started in zip(pool._engines, launched):
             engine.incarnation = started.info.incarnation
         log.info("engine pool: %d engines at %s (nodes %s)", len(launched), [e.info.url for e in launched],
                  [e.info.node for e in launched])
         return pool
 
-    @staticmethod
-    async def start_engine(settings, **launch_kwargs) -> StartedEngine:
-        """Start one more engine (``settings``; :meth:`launch`'s keyword arguments) for :meth:`admit`."""
-        return (await start_engines([settings], **launch_kwargs))[0]
-
     @property
     def actors(self) -> list:
         """The Ray actor handles of the engines this pool launched ([] for a pool over given clients)."""
-        return list(self._actors)
+        return list(self.membership.actors)
 
     async def aclose(self) -> None:
         """Close the clients, stop the engines this pool launched and remove their actors (a Ray the
@@ -212,12 +142,13 @@ class EnginePool:
 
         for engine in self._engines:
             await engine.client.aclose()
-        if self._actors:
+        members = self.membership
+        if members.actors:
             try:
-                await asyncio.gather(*(a.stop.remote() for a in self._actors))
+                await asyncio.gather(*(a.stop.remote() for a in members.actors))
             finally:
-                remove_engine_actors(self._actors, self._placements)
-                self._actors, self._placements = [], []
+                remove_engine_actors(members.actors, members.placements)
+                members.actors, members.placements = [], []
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -253,7 +184,7 @@ class EnginePool:
                              f"got {indices}")
         return PoolSubset(self, [self._engines[i] for i in indices])
 
-    async def _generate(self, engines: list[_Engine], prompts: list[list[int]], params: SamplingParams,
+    async def _generate(self, engines: list[PoolMember], prompts: list[list[int]], params: SamplingParams,
                         group_ids: list[str], return_routed_experts: bool, return_sampling_mask: bool,
                         affinity: Sequence[str | None] | None = None,
                         prefix_routes: Sequence[np.ndarray | None] | None = None) -> BatchResult:
@@ -265,7 +196,7 @@ class EnginePool:
         samples: list[RolloutSample | None] = [None] * len(prompts)
         resubmitted = 0
 
-        async def run(engine: _Engine, indices: list[int], attempt: int) -> None:
+        async def run(engine: PoolMember, indices: list[int], attempt: int) -> None:
             nonlocal resubmitted
             await self._open.wait()  # not while the pool is held (colocated: the trainer has the devices)
             if engine.state not in (ACTIVE, LEAVING):  # lost while this request waited: not sent, placed again
@@ -291,8 +222,8 @@ class EnginePool:
                 return
             finally:
                 engine.in_flight -= len(indices)
-                await self._request_ended()
-            await self._recover(engine)
+                await self.membership.request_ended()
+            await self.membership.recover(engine)
             resubmitted += len(indices)
             self.resubmitted += len(indices)
             await asyncio.gather(*(run(e, part, attempt + 1)
@@ -303,59 +234,26 @@ class EnginePool:
         assert all(s is not None for s in samples)
         return BatchResult(samples=samples, resubmitted=resubmitted)
 
-    def _place(self, engines: list[_Engine], indices: list[int],
-               affinity: Sequence[str | None] | None) -> list[tuple[_Engine, list[int]]]:
+    def _place(self, engines: list[PoolMember], indices: list[int],
+               affinity: Sequence[str | None] | None) -> list[tuple[PoolMember, list[int]]]:
         """Placement (:class:`EngineAffinity`) among the active ones of ``engines``; EngineUnreachable when
         none is."""
-        active = _active(engines)
-        if not active:
+        candidates = active(engines)
+        if not candidates:
             raise EngineUnreachable(f"no engine left to take prompts: engines {[e.index for e in engines]} are "
                                     f"{[e.state for e in engines]}")
-        return self.affinity.place(active, indices, affinity)
-
-    async def _recover(self, engine: _Engine) -> None:
-        """Wait until ``engine`` runs again; after a restart, re-pause it and run ``on_restart``
-        (every request that lost its engine waits for both before it is resubmitted). While another
-        engine is active the wait is bounded by ``lost_after_s``: past it, or when the engine cannot
-        come back, it is lost (its prompts go to the others); the last active engine is waited for."""
-        async with engine.recovery:
-            if engine.state != ACTIVE:
-                return  # lost, leaving or gone: the prompts go to the others
-            others = len(_active(self._engines)) > 1
-            try:
-                info = await asyncio.wait_for(engine.supervisor.ensure_healthy(),
-                                              self.lost_after_s if others else None)
-            except (TimeoutError, EngineUnreachable) as e:
-                if not others:
-                    raise
-                self.mark_lost(engine.index, f"no restart within {self.lost_after_s:g} s" if isinstance(e, TimeoutError)
-                               else f"it cannot come back ({e})")
-                return
-            await self._restarted(engine, info)
-
-    async def _restarted(self, engine: _Engine, info: EngineInfo) -> None:
-        """After ``ensure_healthy`` gave ``info`` (under ``engine.recovery``): if the engine restarted,
-        re-pause it when the pool is paused and run ``on_restart``."""
-        if info.incarnation == engine.incarnation:
-            return  # no restart since the last recovery (or a dropped connection): resubmit as it is
-        log.warning("engine %d restarted (incarnation %d, %d restarts)", engine.index, info.incarnation,
-                    info.restarts)
-        if self._paused is not None:
-            await engine.client.pause_generation(self._paused)
-        if self.on_restart is not None:
-            await self.on_restart(engine.index, engine.client, info)
-        engine.incarnation = info.incarnation
+        return self.affinity.place(candidates, indices, affinity)
 
     # --- control ------------------------------------------------------------------------------
 
     async def _on_every_engine(self, call: Callable[[SGLangClient], Awaitable]) -> list:
-        async def one(engine: _Engine):
+        async def one(engine: PoolMember):
             try:
                 return await call(engine.client)
             except EngineUnreachable:
                 if engine.supervisor is None:
                     raise
-                await self._recover(engine)
+                await self.membership.recover(engine)
                 if engine.state not in (ACTIVE, LEAVING):
                     return None  # lost meanwhile: it rejoins through a full sync (rejoin)
                 return await call(engine.client)
@@ -366,137 +264,18 @@ class EnginePool:
     async def pause(self, mode: PauseMode = PauseMode.ABORT) -> None:
         """Pause every engine (see ``SGLangClient.pause_generation``); an engine restarted while the
         pool is paused is paused too before anything is resubmitted to it."""
-        self._paused = PauseMode(mode)
+        self.membership.paused = PauseMode(mode)
         await self._on_every_engine(lambda c: c.pause_generation(mode))
 
     async def continue_generation(self) -> None:
         await self._on_every_engine(lambda c: c.continue_generation())
-        self._paused = None
-
-    # --- membership: lost, returned, joined and leaving engines ---------------------------------
-
-    def mark_lost(self, index: int, why: str) -> None:
-        """Engine ``index`` takes no more prompts and its requests in flight are resubmitted to the others."""
-        engine = self._engines[index]
-        if engine.state in (LOST, GONE):
-            return
-        engine.state, engine.answers = LOST, False  # it returns once a probe gets an answer again
-        engine.cut.set()
-        log.warning("engine %d at %s lost: %s; its requests go to the other %d engines", index,
-                    engine.client.base_url, why, self.size)
-
-    async def watch(self, period_s: float) -> None:
-        """Probe every engine each ``period_s`` (its weight version, answered within the period); an
-        active one silent for ``lost_after_s`` while another is active is lost. Runs until cancelled."""
-        while True:
-            await asyncio.sleep(period_s)
-            await asyncio.gather(*(self._probe(e, period_s) for e in self._engines if e.state in (ACTIVE, LOST)))
-
-    async def _probe(self, engine: _Engine, timeout_s: float) -> None:
-        try:
-            await asyncio.wait_for(engine.client.weight_version(), timeout_s)
-            engine.answers, engine.silent_since = True, None
-            return
-        except Exception:  # silent, refused or broken alike: not answering
-            engine.answers = False
-        now = time.monotonic()
-        engine.silent_since = engine.silent_since or now
-        silent_s = now - engine.silent_since
-        if engine.state == ACTIVE and silent_s >= self.lost_after_s and len(_active(self._engines)) > 1:
-            self.mark_lost(engine.index, f"no answer for {silent_s:.0f} s (lost_after_s {self.lost_after_s:g})")
-
-    def returned(self) -> list[int]:
-        """The lost engines that answered their last probe (for :meth:`rejoin`)."""
-        return [e.index for e in self._engines if e.state == LOST and e.answers and e.silent_since is None]
-
-    async def rejoin(self, index: int) -> None:
-        """Lost engine ``index``, answering again, takes prompts again after ``on_restart`` (a full sync);
-        a weight-update session a sync cut off left open on it is ended first, and it is re-paused when
-        the pool is paused."""
-        engine = self._engines[index]
-        async with engine.recovery:
-            if engine.supervisor is not None:
-                info = await engine.supervisor.ensure_healthy()
-                engine.incarnation = info.incarnation
-            else:
-                info = None
-            await _end_open_update(engine.client)
-            if self._paused is not None:
-                await engine.client.pause_generation(self._paused)
-            if self.on_restart is not None:
-                await self.on_restart(index, engine.client, info)
-            engine.state, engine.cut = ACTIVE, asyncio.Event()
-        log.warning("engine %d at %s rejoined; %d engines take prompts", index, engine.client.base_url, self.size)
-
-    async def admit(self, started: StartedEngine) -> int:
-        """Add an engine started while the pool runs (:meth:`start_engine`): ``on_restart`` brings it to
-        the current weights (paused first when the pool is), then it takes prompts. Its index."""
-        if started.client.model != self.model:
-            raise ValueError(f"the engine at {started.client.base_url} serves {started.client.model}, "
-                             f"the pool {self.model}")
-        engine = _Engine(len(self._engines), started.client, started.supervisor)
-        engine.incarnation, engine.state = started.info.incarnation, LEAVING  # takes no prompt before its sync
-        self._engines.append(engine)
-        self._actors.append(started.actor)
-        self._placements.append(started.placement)
-        async with engine.recovery:
-            if self._paused is not None:
-                await engine.client.pause_generation(self._paused)
-            if self.on_restart is not None:
-                await self.on_restart(engine.index, engine.client, started.info)
-            engine.state = ACTIVE
-        log.info("engine %d joined at %s (node %s); %d engines take prompts", engine.index, started.info.url,
-                 started.info.node, self.size)
-        return engine.index
-
-    async def remove(self, index: int, drain_s: float) -> None:
-        """Engine ``index`` leaves: it takes no more prompts, its requests in flight run up to ``drain_s``
-        (then they are resubmitted to the others), then it is stopped. ValueError for the last active engine."""
-        engine = self._engines[index]
-        if engine.state == ACTIVE and self.size == 1:
-            raise ValueError(f"engine {index} is the last one taking prompts: it cannot leave")
-        if engine.state == ACTIVE:
-            engine.state = LEAVING
-        async with self._idle:
-            try:
-                await asyncio.wait_for(self._idle.wait_for(lambda: engine.in_flight == 0), drain_s)
-            except TimeoutError:
-                log.warning("engine %d still had %d prompts after %g s of drain: resubmitting them", index,
-                            engine.in_flight, drain_s)
-        engine.cut.set()
-        await self.discard(index)
-
-    async def discard(self, index: int, timeout_s: float = 30.0) -> None:
-        """Stop engine ``index`` (best effort: its node may be gone) and forget it."""
-        engine = self._engines[index]
-        if engine.state == GONE:
-            return
-        engine.state = GONE
-        engine.cut.set()
-        await engine.client.aclose()
-        if engine.supervisor is not None and hasattr(engine.supervisor, "stop"):
-            await engine.supervisor.stop(timeout_s)
-            if isinstance(engine.supervisor, RayEngineSupervisor) and engine.supervisor.actor in self._actors:
-                at = self._actors.index(engine.supervisor.actor)
-                del self._actors[at], self._placements[at]
-        log.info("engine %d at %s stopped and left the pool; %d engines take prompts", index,
-                 engine.client.base_url, self.size)
-
-    async def gone(self, timeout_s: float) -> list[int]:
-        """The lost engines whose owner is gone for good (their actor died with their node)."""
-        lost = [e for e in self._engines if e.state == LOST and e.supervisor is not None]
-        found = await asyncio.gather(*(e.supervisor.gone(timeout_s) for e in lost))
-        return [e.index for e, is_gone in zip(lost, found) if is_gone]
+        self.membership.paused = None
 
     # --- hold and memory release (colocated placement: megarl.pipeline.colocate) ----------------
 
     @property
     def held(self) -> bool:
         return not self._open.is_set()
-
-    async def _request_ended(self) -> None:
-        async with self._idle:
-            self._idle.notify_all()
 
     async def hold(self, *, abort: bool, abort_interval_s: float = 0.2) -> None:
         """Send nothing more to the engines until :meth:`unhold` (new and resubmitted requests wait
@@ -512,9 +291,9 @@ class EnginePool:
         while sum(self.in_flight):
             if abort:
                 await self._on_every_engine(lambda c: c.abort_all_requests())
-            async with self._idle:
+            async with self.membership.idle:
                 try:
-                    await asyncio.wait_for(self._idle.wait_for(lambda: sum(self.in_flight) == 0),
+                    await asyncio.wait_for(self.membership.idle.wait_for(lambda: sum(self.in_flight) == 0),
                                            abort_interval_s if abort else None)
                 except TimeoutError:
                     pass
@@ -541,7 +320,7 @@ class EnginePool:
     async def resume_memory(self, tags: Sequence[str]) -> None:
         """Map the regions ``tags`` again on every engine that released them and still runs the
         incarnation that did (a restarted engine starts with all its memory mapped)."""
-        async def one(engine: _Engine) -> None:
+        async def one(engine: PoolMember) -> None:
             incarnation, released = self._released.get(engine.index, (None, set()))
             todo = [t for t in tags if t in released]
             if todo and incarnation == engine.incarnation:
@@ -568,7 +347,7 @@ class PoolSubset:
     least-loaded among them, and a prompt lost with its engine is resubmitted among them; holds,
     pauses, weight sync and recovery stay the pool's."""
 
-    def __init__(self, pool: EnginePool, engines: list[_Engine]):
+    def __init__(self, pool: EnginePool, engines: list[PoolMember]):
         self.pool, self._engines = pool, engines
 
     @property

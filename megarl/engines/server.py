@@ -1,6 +1,6 @@
 """One SGLang server process: start it with the flags megarl needs, wait for health, watch, stop.
 
-The server runs as ``python -m megarl.engines.sglang_main`` (SGLang's own launch_server behind
+The server runs as ``python -m megarl.engine_process.sglang_main`` (SGLang's own launch_server behind
 megarl's CPU compatibility layer) in a process group of its own, so ``stop()`` reaches its
 scheduler and detokenizer children too and leaves no orphans.
 """
@@ -27,16 +27,13 @@ from megarl.engines.types import ServedModel
 from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraConfig
 from megarl.parallel import free_port, rendezvous_host
 from megarl.parallel.nccl import pin_nccl_environment
-from megarl.platform.sglang_tokenizer_stops import SKIP_TOKENIZER_FLAG
+from megarl.wire.launch import API_KEY_ENV, SKIP_TOKENIZER_FLAG
 
 log = logging.getLogger(__name__)
 SCRATCH_PREFIX = "megarl-sglang-"  # a running server's TMPDIR, under the system's temporary directory
-# The server's API key travels in this environment variable (readable by its user alone, unlike a
-# command line, which every user of the node sees in ps); megarl.engines.sglang_main hands it to SGLang.
-API_KEY_ENV = "MEGARL_ENGINE_API_KEY"
 HEALTH_PROBE_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"  # SGLang's: /health generates a token first
 HEALTH_POLL_S = 0.1  # start()'s interval between /health requests
-SERVER_MODULE = "megarl.engines.sglang_main"  # SGLang's launch_server behind megarl's CPU compatibility layer
+SERVER_MODULE = "megarl.engine_process.sglang_main"  # SGLang's launch_server behind megarl's CPU compatibility layer
 
 
 class EngineStartError(RuntimeError):
@@ -87,7 +84,7 @@ class EngineSettings:
     support_logprobs: bool = False
     # False: --skip-tokenizer-init, for engines that only get token ids and no stop strings or grammar
     # (the scheduler sends its output to the HTTP process directly, without the detokenizer's hop);
-    # responses still end at the tokenizer's EOS (megarl.platform.sglang_tokenizer_stops)
+    # responses still end at the tokenizer's EOS (megarl.engine_process.tokenizer_stops)
     tokenizer: bool = True
     random_seed: int = 0
     tp: int = 1
@@ -244,7 +241,7 @@ class SGLangEngine:
             "--enable-return-routed-experts", "--sampling-mask-max-tokens", str(s.sampling_mask_max_tokens),
             "--skip-server-warmup", "--log-level", "warning",
             # an idle scheduler otherwise polls its sockets in a busy loop, a whole core taken from the trainer
-            # and the other engines, and so does a paused one (megarl.platform.sglang_paused_wait): a weight
+            # and the other engines, and so does a paused one (megarl.engine_process.paused_wait): a weight
             # sync's window, a colocated training step; with it, it waits on them (a request wakes it at once)
             "--sleep-on-idle",
         ]
@@ -394,8 +391,8 @@ class SGLangEngine:
     def _freeze_gc(self) -> None:
         """Take what the server's processes hold after start-up (imported modules, the model) out of
         Python's garbage collection (SGLang's ``/freeze_gc``, in the tokenizer, scheduler and
-        detokenizer). Without it a full collection over that graph stalls them for ~0.3 s every few
-        steps of the demo's rollout: a third of the steps took twice as long."""
+        detokenizer). Without it a full collection over that graph stalls them every few steps of
+        a rollout."""
         headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
         response = httpx.post(self.url + "/freeze_gc", headers=headers, timeout=30.0)
         if response.status_code != 200:
@@ -404,16 +401,6 @@ class SGLangEngine:
 
     def is_alive(self) -> bool:
         return self._process is not None and self._process.poll() is None
-
-    def check_alive(self) -> None:
-        """Raise EngineDiedError (with the log tail) when the server process has exited."""
-        if self._process is None:
-            raise EngineDiedError("engine not started")
-        if self._process.poll() is not None:
-            raise EngineDiedError(
-                f"SGLang server pid {self._process.pid} exited with code {self._process.returncode}; "
-                f"log tail ({self.log_path}):\n{self.log_tail()}"
-            )
 
     def stop(self) -> None:
         """SIGTERM the server's process group, SIGKILL whatever is left after ``stop_timeout_s``."""

@@ -247,7 +247,7 @@ class Pipeline:
         """Sync the trainer's weights into the engines as ``version`` and let generation use them;
         the sync's metrics. A failed sync is reported and survived: engines held with partial
         weights are brought to ``version`` from disk, dead ones when their supervisor has
-        restarted them (``pool.on_restart``). Disaggregated engines come and go around it
+        restarted them (``pool.membership.on_restart``). Disaggregated engines come and go around it
         (:mod:`megarl.pipeline.membership`; ``rollout/engines`` in the metrics)."""
         self.books.sync_started()
         await self.settle_evaluation()  # no evaluation request is in flight across a sync
@@ -451,7 +451,7 @@ def _membership(cfg: DictConfig, plan: EnginePlan, pool: EnginePool, sync,
                 stack: contextlib.AsyncExitStack) -> Membership:
     """The policy pool's membership, its engines under watch (``rollout.engine_*``, ``rollout.max_engines``)."""
     r = cfg.rollout
-    pool.lost_after_s = r.engine_lost_s
+    pool.membership.lost_after_s = r.engine_lost_s
     membership = Membership(pool, sync, template=plan.settings["policy"][0],
                             launch={"num_cpus": ENGINE_CPUS, "num_gpus": plan.gpus["policy"]},
                             run_dir=Path(cfg.logging.run_dir), max_engines=r.max_engines, drain_s=r.engine_drain_s)

@@ -1,2 +1,5 @@
 """Arithmetic of the parallelism and memory planner (``python -m megarl.plan``), one concept a module:
-architecture resolution, parameter counts, trainer memory, engine memory, weight sync, the layout."""
+architecture resolution (``arch``), parameter counts (``params``), byte units (``units``), trainer memory
+(``trainer_memory``), engine memory (``engine_memory``), LoRA sizes (``lora``), weight sync
+(``weight_sync``) and its delta memory (``delta_memory``), where each rank runs (``placement``) and the
+plan of one layout (``layout``)."""

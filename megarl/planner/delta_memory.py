@@ -3,7 +3,7 @@
 A delta sync compares what it sends with what it sent last, and each engine rank applies it to what it
 loaded last: both ends keep host copies in ``model.dtype`` from the first delta sync on. Over
 ``distributed`` and ``tensor`` every engine rank keeps the whole model (each receives every bucket:
-:mod:`megarl.engines.pipelined_load`) and each pipeline stage's sender its stage's share, pinned
+:mod:`megarl.engine_process.pipelined_load`) and each pipeline stage's sender its stage's share, pinned
 (:mod:`megarl.sync.delta`); over ``sharded`` every engine rank keeps only the slices it loads
 (:func:`megarl.planner.weight_sync.engine_rank_params`) and every trainer rank the slices it holds
 (:func:`megarl.planner.weight_sync.trainer_rank_params`). A node's bytes are the copies of the ranks the

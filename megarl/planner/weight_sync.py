@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from megarl.config.errors import ConfigError
-from megarl.engines.weight_delta import MAX_GAP
 from megarl.planner.arch import Arch
 from megarl.planner.lora import LoraPlan
 from megarl.planner.params import (
@@ -46,6 +45,7 @@ from megarl.planner.params import (
     layer_params,
 )
 from megarl.planner.units import dtype_bytes
+from megarl.wire.weight_delta import MAX_GAP
 
 MIB = 2**20
 DELTA_CHANGE_FRACTION = 5e-4  # bf16 elements changed by one Adam step at RL learning rates (verl: 0.02-0.05%)
@@ -150,7 +150,7 @@ def delta_wire_fraction(changed: float, element_size: int) -> float:
     """Bytes a delta sync moves over a whole sync's when a fraction ``changed`` of the elements changed
     (evenly spread, so steps between changes of about ``1 / changed``): per tensor the smallest of gaps
     (a 16-bit step + value per change, while the steps fit in 16 bits), sparse (int32 index + value),
-    bitmap (one bit per element + value per change) and whole (:mod:`megarl.engines.weight_delta`)."""
+    bitmap (one bit per element + value per change) and whole (:mod:`megarl.wire.weight_delta`)."""
     index_bytes = 2 if changed > 0 and 1 / changed <= MAX_GAP else 4
     return min(changed * (index_bytes + element_size), 1 / 8 + changed * element_size, element_size) / element_size
 

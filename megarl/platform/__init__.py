@@ -1,5 +1,5 @@
-"""What megatron-core, megatron-bridge and SGLang need on a machine without a GPU (inactive on GPUs),
-and, on every platform, how SGLang's processes pickle tensors beside megatron-core
-(:mod:`megarl.platform.sglang_ipc`) and the routes an SGLang request keeps for its prefix and replays
-when it computes it again (:mod:`megarl.platform.sglang_kept_routes`,
-:mod:`megarl.platform.sglang_route_replay`)."""
+"""The machine a process runs on (``description``: the CPU or CUDA, from which every GPU decision is made)
+and what megatron-core, megatron-bridge and SGLang need on one without a GPU (inactive on GPUs):
+megatron's work-arounds (``megatron_cpu``), SGLang's (``sglang_cpu``, with batched attention in
+``sglang_cpu_attention`` and top-k sampling in ``sglang_cpu_sampling``), ``torch.compile`` deferred to a
+function's first call (``torch_compile``) and the named work-around with its switch (``workarounds``)."""

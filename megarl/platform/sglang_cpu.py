@@ -1,7 +1,7 @@
 """What SGLang 0.5.23 needs to serve on a machine without a GPU; inactive when CUDA is available.
 
 ``apply()`` must run before anything imports sglang, in every SGLang process
-(``megarl.engines.sglang_main`` calls it at import time; on CPU the scheduler and detokenizer are
+(``megarl.engine_process.sglang_main`` calls it at import time; on CPU the scheduler and detokenizer are
 forked from that process and inherit it, see ``spawn_reimports_sglang``). Each work-around is named after the
 failure it prevents; ``MEGARL_SGLANG_WORKAROUNDS_OFF=name,name`` turns single ones off, which the
 tests use to show that each one is needed:

@@ -20,9 +20,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from megarl.parallel.network import node_address
 from megarl.rehearsal.stand_ins import nccl_variables
+from megarl.wire.launch import API_KEY_ENV
 
 RECORD_PREFIX = "REHEARSAL-SERVER "
-API_KEY_ENV = "MEGARL_ENGINE_API_KEY"  # megarl.engines.server.API_KEY_ENV (not imported: it pulls torch in)
 REACH_TIMEOUT_S = 60.0  # how long a node of an engine tries to reach node 0's --dist-init-addr
 
 

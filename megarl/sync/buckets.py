@@ -50,7 +50,7 @@ class BucketIndex:
     ``stage`` is the pipeline stage that sent it, ``seq`` its position in that stage's stream,
     ``last`` whether it is that stream's final bucket (the driver's last engine call carries the
     new weight version). ``delta``: a bucket of a delta-mode sync, whose entries may be encoded
-    pieces (:mod:`megarl.engines.weight_delta`) and which the engine records as its baseline.
+    pieces (:mod:`megarl.wire.weight_delta`) and which the engine records as its baseline.
     """
 
     stage: int

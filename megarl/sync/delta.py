@@ -3,7 +3,7 @@
 With ``sync.delta`` on, every sync of a link runs in delta mode (:class:`DeltaPlan`). The driver
 names the version the engines' baseline holds (``base``; None when unknown: an engine started,
 restarted or recovered, or the last sync failed); when the sender's kept copy is of that version the
-bucket's tensors travel as their changed elements (:mod:`megarl.engines.weight_delta`), otherwise (a
+bucket's tensors travel as their changed elements (:mod:`megarl.wire.weight_delta`), otherwise (a
 full sync, or a version gap: the engines do not hold the trainer's previous version) whole. Either
 way the engines record what they load as their next baseline, and the sender refreshes its copy.
 
@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.engines.weight_delta import INDICES, VALUES, aligned_order, changed_mask, choose, encode, largest_gap
 from megarl.sync.buckets import DTYPE_NAMES, Bucket, BucketIndex, TensorEntry
+from megarl.wire.weight_delta import INDICES, VALUES, aligned_order, changed_mask, choose, encode, largest_gap
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ class DeltaEncoder:
 
 def changed_pieces(name: str, new: torch.Tensor, old: torch.Tensor | None) -> tuple[int, list | None]:
     """The elements of ``new`` that differ from ``old`` (None, or another shape or dtype: all of them) and
-    their smallest encoding under ``name`` (:func:`megarl.engines.weight_delta.choose`): (changed count,
+    their smallest encoding under ``name`` (:func:`megarl.wire.weight_delta.choose`): (changed count,
     (piece name, tensor) pieces: [] when nothing changed, None when ``new`` travels whole)."""
     mask = (torch.ones(new.numel(), dtype=torch.bool, device=new.device)
             if old is None or old.shape != new.shape or old.dtype != new.dtype else changed_mask(new, old))

@@ -19,7 +19,7 @@ copy, each slice travels as its changed elements (:func:`megarl.sync.delta.chang
 at all, and ``next`` gathers every rank's encoded parts (metadata) so that rank 0 can post them; a bucket
 whose encoding on this rank exceeds ``max_fraction`` of its slices' bytes travels whole from this rank.
 Otherwise (first sync, after a failure or recovery, a version gap) the slices travel whole and the engine
-ranks keep them as their baseline (:mod:`megarl.engines.sharded_load`).
+ranks keep them as their baseline (:mod:`megarl.engine_process.sharded_load`).
 """
 from __future__ import annotations
 
@@ -29,17 +29,6 @@ import time
 
 import torch
 
-from megarl.engines.weight_delta import aligned_order
-from megarl.engines.weight_shards import (
-    BASE_FORMAT,
-    DELTA_FORMAT,
-    LOAD_FORMAT,
-    Piece,
-    Transfer,
-    entry_name,
-    exchange,
-    join_all,
-)
 from megarl.sync.abort import wait_unless_aborted
 from megarl.sync.buckets import BucketIndex, TensorEntry
 from megarl.sync.delta import DeltaPlan, KeptWeights, changed_pieces
@@ -49,6 +38,17 @@ from megarl.sync.local_export import LocalSlice, local_tasks, task_model_bytes, 
 from megarl.sync.report import SenderStats
 from megarl.sync.slices import EngineRank, engine_piece, plan_transfers
 from megarl.sync.transports.sharded import ShardedSpec, device, entries_by_engine, join_link
+from megarl.wire.weight_delta import aligned_order
+from megarl.wire.weight_shards import (
+    BASE_FORMAT,
+    DELTA_FORMAT,
+    LOAD_FORMAT,
+    Piece,
+    Transfer,
+    entry_name,
+    exchange,
+    join_all,
+)
 
 
 def cut(sizes: list[int], capacity: int) -> list[range]:
@@ -92,7 +92,7 @@ class SliceDelta:
 
     def encode(self, values: dict[Transfer, torch.Tensor], counted, stats: SenderStats) -> dict[Transfer, torch.Tensor]:
         """This rank's transfers of one bucket (transfer -> its slice) as they travel: each slice whole, as
-        its changed elements (parts named by their entries: :mod:`megarl.engines.weight_shards`) or not at all;
+        its changed elements (parts named by their entries: :mod:`megarl.wire.weight_shards`) or not at all;
         all whole when the parts exceed ``plan.max_fraction`` of the slices' bytes; ordered by element size,
         largest first (each pair's pieces are packed flat in this order). Refreshes the kept
         copies; counts elements, changed elements and whole bytes of the transfers to ranks ``counted(dst)``."""

@@ -22,14 +22,14 @@ tensors, and any tensor of a group of one rank, whole; a routed expert only on t
 dimension. :func:`plan_transfers` intersects what every engine rank loads with what the trainer ranks
 hold: a piece held by several ranks (replicated tensors, data-parallel copies) comes from one of them,
 chosen so that the bytes spread over the holders. :class:`Piece` and :class:`Transfer` are the wire
-format's (:mod:`megarl.engines.weight_shards`: the engine side reads them too).
+format's (:mod:`megarl.wire.weight_shards`: the engine side reads them too).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megarl.engines.weight_shards import Piece, Transfer
 from megarl.sync.engine_layout import EngineLayout
+from megarl.wire.weight_shards import Piece, Transfer
 
 VOCAB_PADDING = 64  # SGLang's DEFAULT_VOCAB_PADDING_SIZE (rows of a vocab-parallel table per padding unit)
 

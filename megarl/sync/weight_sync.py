@@ -28,7 +28,7 @@ one) to the current version through a disk checkpoint and returns it to the set;
 Never hang: ``timeout_s`` bounds :meth:`WeightSync.setup` and each sync as a whole, and below them
 every group formation and every bucket's collective on both sides of the link (the trainer's
 senders, the engines' joins and receives: :mod:`megarl.sync.transports.distributed`,
-:mod:`megarl.engines.update_group`), so no process waits past it for a peer that is gone; the
+:mod:`megarl.engine_process.update_group`), so no process waits past it for a peer that is gone; the
 failure path then returns within a few seconds (the trainer's abort leaves a stuck transfer to its
 bounded thread, the engines are probed at once), so the driver's :class:`WeightSyncError` comes about
 ``timeout_s`` after a peer is lost. An engine it lists as failed (unreachable, dead) is out of the

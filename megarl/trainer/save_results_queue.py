@@ -3,7 +3,7 @@
 megatron-core's ``torch_dist`` save (``dist_checkpointing/strategies/filesystem_async.py``,
 ``get_write_results_queue``) reports its writers' results through a ``multiprocessing`` Manager queue,
 whose server it starts (spawn: a fresh interpreter that re-imports the saving process's main module)
-in the saving process on the first save and keeps for the process's life, ~750 MB resident; when the
+in the saving process on the first save and keeps for the process's life (a whole interpreter resident); when the
 rank is killed (SIGKILL: Ray ends its actors so) that server is orphaned and lives on. A queue across
 processes is needed only by an asynchronous save, whose writer runs in another process. megarl's
 saves are synchronous (``save_checkpoint``): the writers are threads of the saving rank, which

@@ -118,7 +118,7 @@ class CorePinner(threading.Thread):
         for proc in psutil.Process().children(recursive=True):
             try:
                 cmdline = " ".join(proc.cmdline())
-                if "engine" in members and "megarl.engines.sglang_main" in cmdline:
+                if "engine" in members and "megarl.engine_process.sglang_main" in cmdline:
                     members["engine"] += [proc, *proc.children(recursive=True)]
                 elif "trainer" in members and "TrainerRank" in cmdline:
                     members["trainer"].append(proc)

@@ -15,7 +15,7 @@ import threading
 import time
 
 ROLES = (("sglang::scheduler", "sglang_scheduler"), ("sglang::detokenizer", "sglang_detokenizer"),
-         ("megarl.engines.sglang_main", "sglang_http"), ("ray::TrainerRank", "trainer"),
+         ("megarl.engine_process.sglang_main", "sglang_http"), ("ray::TrainerRank", "trainer"),
          ("ray::EngineActor", "engine_actor"), ("ray", "ray"), ("gcs_server", "ray"), ("raylet", "ray"))
 
 

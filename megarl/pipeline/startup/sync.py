@@ -34,5 +34,5 @@ async def start_sync(cfg: DictConfig, trainer: TrainerGroup, pool: EnginePool, s
     async def bring_to_current(index, client, info):
         await sync.recover(client)
 
-    pool.on_restart = bring_to_current
+    pool.membership.on_restart = bring_to_current
     return sync

@@ -1,4 +1,5 @@
-"""Weight transports, one module each, behind :mod:`megarl.sync.transports.base`'s interface.
+"""Weight transports, one module each (``distributed``, ``tensor``, ``disk``, ``sharded``), behind
+:mod:`megarl.sync.transports.base`'s interface, their process groups on the trainer's side in ``groups``.
 
 :data:`REGISTRY` is the one place a transport is named: its name -> the factory of its
 trainer-rank half (a :class:`~megarl.sync.link.RankLink`) and of its driver half (:class:`EngineSide`).

@@ -59,8 +59,8 @@ def finish_fields(finish: Finish | None) -> dict:
 @dataclass
 class KeptBuffers:
     """Host bucket buffers a sender keeps from one sync to the next (at most ``limit``, the two a
-    sync has alive): a new host buffer costs a page fault per 4 KiB when first written, ~50 ms per
-    256 MiB here. Device buffers are not kept: the training step needs that memory."""
+    sync has alive): a new host buffer costs a page fault per 4 KiB when first written.
+    Device buffers are not kept: the training step needs that memory."""
 
     limit: int = 2
     buffers: list[torch.Tensor] = field(default_factory=list)

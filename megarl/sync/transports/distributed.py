@@ -7,12 +7,12 @@ SGLang's ``/init_weights_update_group``). gloo on CPU, NCCL on GPU. Each bucket 
 ``_receive_bucketed_weights_from_distributed``): the engine allocates one flat byte buffer from the
 bucket's names/dtypes/shapes, receives it in one broadcast and loads the views. A delta-mode bucket
 (``sync.delta``) goes the same way as load format ``megarl_delta``
-(:mod:`megarl.engines.weight_delta`), which megarl's engine-side load decodes.
+(:mod:`megarl.wire.weight_delta`), which megarl's engine-side load decodes.
 
 The sender joins with ``sglang.srt.utils.common.init_custom_process_group``, the rendezvous SGLang
 uses itself (a plain ``torch.distributed.init_process_group`` does not match it and hangs).
 
-Bounds (``sync.timeout_s``, carried in the group name to the engines: :mod:`megarl.engines.update_group`):
+Bounds (``sync.timeout_s``, carried in the group name to the engines: :mod:`megarl.engine_process.update_group`):
 either side may start first, and the group forms once both have, or both fail after the bound; the
 sender waits for each bucket's broadcast at most the bound (``Work.wait`` with a timeout blocks the
 CPU on gloo and NCCL alike) and then raises :class:`~megarl.sync.errors.WeightSyncError`, as does a
@@ -32,13 +32,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from megarl.engines.update_group import timed_name
-from megarl.engines.weight_delta import LOAD_FORMAT as DELTA_LOAD_FORMAT
 from megarl.platform.description import Platform, detect
 from megarl.sync.buckets import Bucket, BucketIndex
 from megarl.sync.errors import WeightSyncError, past_bound
 from megarl.sync.transports.base import EngineSide, Finish, LinkSpec, Sender, finish_fields
 from megarl.sync.transports.groups import group_environment, link_backend, made_in
+from megarl.wire.group_timeout import timed_name
+from megarl.wire.weight_delta import LOAD_FORMAT as DELTA_LOAD_FORMAT
 
 log = logging.getLogger(__name__)
 

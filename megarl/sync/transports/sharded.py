@@ -2,7 +2,7 @@
 ranks that hold them; no rank gathers the model.
 
 One process group (``{prefix}-sharded``, marked with ``sync.timeout_s`` for the engines:
-:func:`megarl.engines.update_group.timed_name`) holds every trainer rank (group rank = trainer rank) and every
+:func:`megarl.wire.group_timeout.timed_name`) holds every trainer rank (group rank = trainer rank) and every
 engine rank (``trainer_ranks + i * engine_tp + r`` for rank ``r`` of engine ``i``, joined through SGLang's
 ``/init_weights_update_group``); it meets at trainer rank 0's address, with
 ``sglang.srt.utils.common.init_custom_process_group`` as SGLang does. gloo on CPU, NCCL on GPU. One group
@@ -15,7 +15,7 @@ Each bucket (:mod:`megarl.sync.sharded_rank` on the trainer ranks) is a plan of 
 (:mod:`megarl.sync.slices`); the driver posts each engine the entries addressed to its ranks as one
 ``/update_weights_from_distributed`` call in load format ``megarl_sharded`` (in delta mode, ``sync.delta``:
 ``megarl_sharded_base`` or ``megarl_sharded_delta``, the changed elements of each slice;
-:mod:`megarl.engines.weight_shards`, served by :mod:`megarl.engines.sharded_load`), while the trainer
+:mod:`megarl.wire.weight_shards`, served by :mod:`megarl.engine_process.sharded_load`), while the trainer
 ranks send.
 """
 from __future__ import annotations
@@ -29,13 +29,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from megarl.engines.update_group import timed_name
 from megarl.platform.description import detect
 from megarl.sync.buckets import BucketIndex
 from megarl.sync.engine_layout import EngineLayout, layout_from_server_info
 from megarl.sync.errors import WeightSyncError, past_bound
 from megarl.sync.transports.base import EngineSide, Finish, LinkSpec, finish_fields
 from megarl.sync.transports.groups import group_environment, link_backend, made_in
+from megarl.wire.group_timeout import timed_name
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ class ShardedEngineSide(EngineSide):
 
 def entries_by_engine(transfers: list, trainer_ranks: int, engine_tp: int, num_engines: int) -> list[tuple]:
     """Per engine, the (names, dtypes, full shapes) of the transfers to its ranks, in plan order."""
-    from megarl.engines.weight_shards import entry_name
+    from megarl.wire.weight_shards import entry_name
 
     out = [([], [], []) for _ in range(num_engines)]
     for t in transfers:

@@ -15,7 +15,7 @@ of per-rank payloads (:meth:`TensorEngineSide.payload`) and posts it to that eng
 SGLang's ``flattened_bucket`` dict (``flattened_tensor`` + ``FlattenedTensorMetadata`` list) pickled with
 SGLang's ``MultiprocessingSerializer``, base64 over HTTP to ``/update_weights_from_tensor``, whose
 tp_worker deserialises the entry at its rank's index: only handles travel, the bytes are read in place.
-A delta-mode bucket's dict also holds ``megarl_delta: True`` (:mod:`megarl.engines.weight_delta`). A
+A delta-mode bucket's dict also holds ``megarl_delta: True`` (:mod:`megarl.wire.weight_delta`). A
 buffer stays alive until the engines have answered (the next bucket reuses it).
 
 Every serialisation of a CUDA tensor takes one reference in the producer's CUDA-IPC reference counts (a
@@ -23,14 +23,14 @@ shared-memory segment's count on the CPU), which the one engine rank that opens 
 serialisation per (engine, engine rank), never one shared by several engines or ranks.
 
 On CPU the ranks keep their shared-memory buffers from one sync to the next, and the engine keeps them
-mapped (:mod:`megarl.engines.pipelined_load`): a new buffer costs a page fault per 4 KiB on each side
-(~50 ms per 256 MiB here), about a third of a colocated sync. On GPU the buffers are freed after each
+mapped (:mod:`megarl.engine_process.pipelined_load`): a new buffer costs a page fault per 4 KiB on each side,
+a large part of a colocated sync. On GPU the buffers are freed after each
 sync (device memory the training step needs).
 
 A shared-memory segment's name goes when its last holder frees it (torch's refcount in the segment),
 which a SIGKILLed holder never does: a run's trainer ranks (``ray.kill``) and engine servers (killed
-with their process group) leave their segments in ``/dev/shm`` (64 MiB each in the tiny runs; 1.4 GB
-on this machine after a day's tests). Each rank lists the segments it makes in a manifest
+with their process group) leave their segments in ``/dev/shm``, one bucket's size each, adding up
+over runs. Each rank lists the segments it makes in a manifest
 ``/dev/shm/megarl-tensor-sync-<pid>``; :func:`remove_orphaned_segments`, run as a rank joins the route,
 unlinks the segments of ranks that are gone and that no live process maps.
 """
@@ -46,13 +46,13 @@ import torch
 
 from megarl.engines.pinning import shared_trainer_rank
 from megarl.engines.shared_memory import SHARED_MEMORY, mapped_segments, unlink_unmapped
-from megarl.engines.weight_delta import BUCKET_FLAG
 from megarl.platform.description import Platform, detect
 from megarl.sync.buckets import DTYPES, Bucket, BucketIndex
 from megarl.sync.link import RankContext
 from megarl.sync.report import SenderStats
 from megarl.sync.stage_link import StageLink
 from megarl.sync.transports.base import EngineSide, Finish, LinkSpec, Sender, finish_fields
+from megarl.wire.weight_delta import BUCKET_FLAG
 
 LOAD_FORMAT = "flattened_bucket"
 MANIFEST_PREFIX = "megarl-tensor-sync-"  # + the sender's pid: the names of its segments, one a line

@@ -7,7 +7,6 @@ at SGLang's additional stop tokens (``Req._check_token_based_finish``). :func:`i
 """
 from __future__ import annotations
 
-SKIP_TOKENIZER_FLAG = "--skip-tokenizer-init"  # SGLang's flag that starts a server without its tokenizer
 _original = None  # SGLang's ModelConfig._get_hf_eos_token_id, kept by install()
 
 

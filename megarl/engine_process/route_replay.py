@@ -4,7 +4,7 @@ After a weight update a retracted request is prefilled anew, and ``abort_resubmi
 prefix again: on its own SGLang would route those positions afresh, under the new weights, while the
 trainer replays each token's recorded routes, so every token sampled after the update would see a
 context the trainer's forward does not. Here the positions that hold kept routes
-(:mod:`megarl.platform.sglang_kept_routes`) are routed through them, as megatron-core's
+(:mod:`megarl.engine_process.kept_routes`) are routed through them, as megatron-core's
 ``RouterReplay`` routes the trainer's (``moe_utils.topk_routing_with_score_function`` with
 ``REPLAY_FORWARD``): the router still computes its logits, the expert ids are the kept ones, and the
 gate weights are the router's own scores at those ids (softmax over the gathered logits when the
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.platform.sglang_kept_routes import KEPT_ROUTES
+from megarl.engine_process.kept_routes import KEPT_ROUTES
 
 OFF_ENV = "MEGARL_ROUTE_REPLAY"  # "off": the engine's entry point does not install the replay (a bench's baseline)
 LORA_TOPK_PACK_ENV = "SGLANG_OPT_LORA_FUSED_TOPK_PACK"  # SGLang's experimental fused top-k + pack for LoRA MoE

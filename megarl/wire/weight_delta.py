@@ -1,7 +1,7 @@
 """The wire format of a delta weight sync: a tensor travels as the elements that changed, or whole.
 
 Both halves use it: the trainer's senders encode (:mod:`megarl.sync.delta`), the engines decode
-(:mod:`megarl.engines.pipelined_load`). An element changed when its bits differ (so ``-0.0`` vs ``0.0``
+(:mod:`megarl.engine_process.pipelined_load`). An element changed when its bits differ (so ``-0.0`` vs ``0.0``
 and NaN payloads count, and the engine ends bit-identical to a full sync). A tensor of ``n`` elements,
 ``k`` of them changed, of ``s`` bytes each, travels as the smallest of
 

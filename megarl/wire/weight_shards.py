@@ -14,7 +14,7 @@ rank in the group.
 
 Delta mode (``sync.delta``): a bucket travels as :data:`BASE_FORMAT` (a full sync: every slice whole, which
 the engine rank keeps as its baseline) or :data:`DELTA_FORMAT`, where a slice travels whole, not at all
-(unchanged), or as its changed elements in :mod:`megarl.engines.weight_delta`'s encodings: one entry per
+(unchanged), or as its changed elements in :mod:`megarl.wire.weight_delta`'s encodings: one entry per
 encoded part, named ``{slice entry}{suffix}`` (e.g. ``...:shard.0.4.0.0.64:delta.values``), its dtype and
 flat 1-D shape. A part's :class:`Piece` is whole and named by that entry.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megarl.engines.weight_delta import base_name
+from megarl.wire.weight_delta import base_name
 
 LOAD_FORMAT = "megarl_sharded"
 BASE_FORMAT = "megarl_sharded_base"  # delta mode, a full sync: the slices become the engine ranks' baselines

@@ -5,7 +5,7 @@ format in three serial steps: allocate a fresh flat buffer (new pages, faulted i
 receive the broadcast into it, load its views into the model. The link idles while the engine
 loads, and the sender idles with it.
 
-:func:`install` (run by :mod:`megarl.engines.sglang_main` in every SGLang process) changes such a
+:func:`install` (run by :mod:`megarl.engine_process.sglang_main` in every SGLang process) changes such a
 call inside a weight-update session (``begin_weight_update`` .. ``end_weight_update``) to:
 
 1. start receiving the call's bucket (an asynchronous broadcast) into one of two reused buffers
@@ -25,15 +25,15 @@ GPU the receive runs on NCCL's stream, which waits for the loads queued before i
 collective after the current stream's work), so a buffer is never overwritten while a load still
 reads it. Memory: two bucket buffers per engine rank during a session (SGLang: one per call);
 device buffers are freed at its end, host buffers stay for the next session (new host pages cost a
-fault per 4 KiB, ~50 ms per 256 MiB here).
+fault per 4 KiB).
 
-Sharded-resharding buckets (load format ``megarl_sharded``) are served by :mod:`megarl.engines.sharded_load`.
+Sharded-resharding buckets (load format ``megarl_sharded``) are served by :mod:`megarl.engine_process.sharded_load`.
 
 Colocated buckets (``/update_weights_from_tensor`` from host shared memory) keep their mapping: see
 :func:`load_flattened_bucket`.
 
 Delta-mode buckets (``sync.delta``; load format ``megarl_delta`` over the distributed path, a flagged
-bucket dict over the tensor path; the format is :mod:`megarl.engines.weight_delta`'s) are decoded
+bucket dict over the tensor path; the format is :mod:`megarl.wire.weight_delta`'s) are decoded
 against this process's baseline, the HF tensors as last loaded (a scatter of the new values into
 them), and the full tensors each bucket touches go through SGLang's own ``load_weights``, exactly as
 a whole bucket's do: the engine ends bit-identical to a full sync. Memory: the baseline is one host
@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megarl.engines.sharded_load import missing_group_reply, named_update_group, update_weights_from_sharded
-from megarl.engines.weight_delta import BUCKET_FLAG, decode
-from megarl.engines.weight_delta import LOAD_FORMAT as DELTA_FORMAT
-from megarl.engines.weight_shards import FORMATS as SHARDED_FORMATS
+from megarl.engine_process.sharded_load import missing_group_reply, named_update_group, update_weights_from_sharded
+from megarl.wire.weight_delta import BUCKET_FLAG, decode
+from megarl.wire.weight_delta import LOAD_FORMAT as DELTA_FORMAT
+from megarl.wire.weight_shards import FORMATS as SHARDED_FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def _load_waiting(manager, session: _Session) -> tuple[bool, str]:
 def update_weights_from_distributed(manager, recv_req, original):
     """SGLang's ``update_weights_from_distributed`` with the receive of this bucket overlapping the
     load of the previous one (see the module docstring); a sharded bucket goes to
-    :mod:`megarl.engines.sharded_load`; ``original`` serves every other call."""
+    :mod:`megarl.engine_process.sharded_load`; ``original`` serves every other call."""
     if recv_req.load_format in SHARDED_FORMATS:
         return update_weights_from_sharded(manager, recv_req)
     if recv_req.load_format not in (FORMAT, DELTA_FORMAT) or manager._session is None:

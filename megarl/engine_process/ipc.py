@@ -2,12 +2,12 @@
 
 SGLang's scheduler sends each finished request's routed experts (an int32 tensor per request) and
 other host tensors to its detokenizer with ``pickle`` over ZMQ. Two costs come with that, and
-:func:`install` (run by ``megarl.engines.sglang_main`` in every SGLang process, before SGLang is
+:func:`install` (run by ``megarl.engine_process.sglang_main`` in every SGLang process, before SGLang is
 imported) removes both:
 
 - torch pickles a tensor through ``torch.save`` into an in-memory file and unpickles it with
-  ``torch.load``: ~100 us per tensor on this machine, ~0.05 s for the demo's 512 requests a step on
-  each side. A host tensor is pickled here as its bytes, dtype and shape instead (~12 us; values,
+  ``torch.load``, a fixed cost per tensor paid for each of a step's requests on each side (figures:
+  docs/cpu_platform.md). A host tensor is pickled here as its bytes, dtype and shape instead (values,
   dtype and shape equal; a view arrives as a tensor of its own). CUDA tensors, tensors that require
   grad and other layouts keep torch's own reduction.
 - megatron-core replaces ``torch.storage._load_from_bytes`` when ``megatron.core`` is imported

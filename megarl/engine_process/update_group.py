@@ -4,10 +4,10 @@ SGLang 0.5.23 joins ``/init_weights_update_group`` with ``init_custom_process_gr
 torch's default (30 min for gloo, 10 min for NCCL) then bounds the rendezvous and every receive on the
 group, and the engine's scheduler, which runs both, serves nothing while it waits for a trainer that is
 gone. SGLang's request carries no timeout field, so the driver puts its bound in the group name
-(:func:`timed_name`: ``<name>.timeout<ms>ms``) and :func:`install` (run in every SGLang process by
-:mod:`megarl.engines.sglang_main`) makes SGLang's join pass it on (:func:`join`): the rendezvous, the
-group's connection set-up and each broadcast the engine receives on it then fail after that time, and
-the scheduler answers again. A name without the mark keeps torch's default.
+(:mod:`megarl.wire.group_timeout`) and :func:`install` (run in every SGLang process by
+:mod:`megarl.engine_process.sglang_main`) makes SGLang's join pass it on (:func:`join`): the rendezvous,
+the group's connection set-up and each broadcast the engine receives on it then fail after that time,
+and the scheduler answers again. A name without the mark keeps torch's default.
 
 NCCL (GPU): a receive is queued on NCCL's stream; the group's timeout is the watchdog's, which aborts
 the communicator of a receive past it and, under torch's default ``TORCH_NCCL_ASYNC_ERROR_HANDLING``
@@ -15,27 +15,11 @@ the communicator of a receive past it and, under torch's default ``TORCH_NCCL_AS
 """
 from __future__ import annotations
 
-import datetime
 import logging
-import re
+
+from megarl.wire.group_timeout import timeout_of
 
 log = logging.getLogger(__name__)
-
-_MARK = re.compile(r"\.timeout(\d+)ms$")
-
-
-def timed_name(name: str, timeout_s: float) -> str:
-    """``name`` marked with the bound ``timeout_s`` (seconds, > 0) for the engines that join it."""
-    if not timeout_s > 0:
-        raise ValueError(f"a weight-update group's timeout must be > 0 s, got {timeout_s}")
-    return f"{name}.timeout{max(1, round(timeout_s * 1000))}ms"
-
-
-def timeout_of(name: str) -> datetime.timedelta | None:
-    """The bound marked in group ``name`` by :func:`timed_name`; None for a name without the mark."""
-    match = _MARK.search(name)
-    return None if match is None else datetime.timedelta(milliseconds=int(match.group(1)))
-
 
 def join(master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str):
     """Join ``group_name`` as ``rank`` of ``world_size`` (rank 0, the sender, hosts the rendezvous at

@@ -3,14 +3,14 @@
 A request's kept routes (``Req.megarl_kept_routes``, int32 [n, L, k]: the experts of positions
 ``[0, n)`` in every layer, in the engine's order) are the routes its prefix was computed with
 before, which any later recomputation of those positions replays
-(:mod:`megarl.platform.sglang_route_replay`), so that the tokens sampled after it see the context the
+(:mod:`megarl.engine_process.route_replay`), so that the tokens sampled after it see the context the
 trainer's one forward with the recorded routes sees (docs/architecture.md, "Partial rollouts").
 They come from two places:
 
 - **the request**: a caller that resubmits a prefix (``abort_resubmit``'s continuation, a resumed
   run's partial sample) sends its recorded rows in the sampling parameters' ``custom_params`` under
-  :data:`ROUTES_PARAM` (:func:`encode_routes`); :func:`create_request` takes them off the parameters
-  into the request (a malformed entry aborts the request with HTTP 400 naming it);
+  :data:`~megarl.wire.routes.ROUTES_PARAM` (:mod:`megarl.wire.routes`); :func:`create_request` takes
+  them off the parameters into the request (a malformed entry aborts the request with HTTP 400 naming it);
 - **a retraction**: SGLang 0.5.23 records each fed token's routed experts
   (``--enable-return-routed-experts``) in a host buffer indexed by the token's KV slot
   (``RoutedExpertsCapturer.on_forward_end``); a retracted request (a ``/pause_generation`` in mode
@@ -28,44 +28,15 @@ trainer then replays: one route per token, whichever request computed it.
 """
 from __future__ import annotations
 
-import numpy as np
-import pybase64
 import torch
 
+from megarl.wire.routes import ROUTES_PARAM, decode_routes
+
 KEPT_ROUTES = "megarl_kept_routes"  # the Req attribute: int32 [n, L, k], rows of positions [0, n)
-ROUTES_PARAM = "megarl_replay_routes"  # the custom_params key a request's kept rows travel under
 
 _original_release = None  # SGLang's functions, kept by install()
 _original_create = None
 _original_match = None
-
-
-def encode_routes(routes: np.ndarray) -> dict:
-    """The :data:`ROUTES_PARAM` entry of ``routes`` (integer [n, L, k]): shape and base64 int32 ids
-    (JSON scalars only, as SGLang's ``custom_params`` require)."""
-    n, layers, topk = routes.shape
-    ids = np.ascontiguousarray(routes, dtype=np.int32)
-    return {"rows": n, "layers": layers, "topk": topk, "ids": pybase64.b64encode(ids.tobytes()).decode()}
-
-
-def decode_routes(entry, shape: tuple[int, int], num_experts: int, max_rows: int) -> torch.Tensor:
-    """int32 [n, L, k] from an :func:`encode_routes` entry; ValueError naming what is wrong for a
-    malformed one: ``shape`` (L, k) is the engine's, ids within ``[0, num_experts)``, at most
-    ``max_rows`` rows (a prompt's tokens but its last)."""
-    if not isinstance(entry, dict) or set(entry) != {"rows", "layers", "topk", "ids"}:
-        raise ValueError(f"custom_params[{ROUTES_PARAM!r}] must hold rows, layers, topk and ids")
-    n = entry["rows"]
-    if (entry["layers"], entry["topk"]) != tuple(shape) or not isinstance(n, int) or not 0 < n <= max_rows:
-        raise ValueError(f"custom_params[{ROUTES_PARAM!r}]: {n} rows of {entry['layers']} x {entry['topk']} "
-                         f"where the engine routes {shape[0]} x {shape[1]} for at most {max_rows} rows")
-    try:
-        flat = np.frombuffer(pybase64.b64decode(entry["ids"]), dtype=np.int32)
-    except (ValueError, TypeError):  # not base64, or not whole int32s
-        flat = np.zeros(0, np.int32)
-    if flat.size != n * shape[0] * shape[1] or (flat.size and flat.view(np.uint32).max() >= num_experts):
-        raise ValueError(f"custom_params[{ROUTES_PARAM!r}]: ids are not {n} x {shape[0]} x {shape[1]} experts "
-                         f"in [0, {num_experts})")
-    return torch.from_numpy(flat.copy()).view(n, *shape)
 
 
 def take_request_routes(req, shape: tuple[int, int] | None, num_experts: int | None) -> None:

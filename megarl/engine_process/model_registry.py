@@ -5,7 +5,7 @@ cost paid by every engine start), unless ``SGLANG_EXTERNAL_MODEL_PACKAGE``
 names a package of models: then it imports that package only, resolves an architecture found there
 at once and imports the default models only for one it does not (its "fast startup path",
 ``sglang/srt/models/registry.py``). :func:`install` points that variable at
-:mod:`megarl.engines.sglang_models`, whose one module re-exports the ``EntryClass`` of the SGLang
+:mod:`megarl.engine_process.sglang_models`, whose one module re-exports the ``EntryClass`` of the SGLang
 module that defines the served checkpoint's first architecture (found by reading the sources, not by
 importing them). Anything else resolves through SGLang's full import: another
 architecture, ``--model-impl transformers``, a draft model. A user's own
@@ -21,8 +21,8 @@ import os
 import re
 from pathlib import Path
 
-PACKAGE = "megarl.engines.sglang_models"
-MODULE_VARIABLE = "MEGARL_SGLANG_MODEL_MODULE"  # read by megarl.engines.sglang_models.served
+PACKAGE = "megarl.engine_process.sglang_models"
+MODULE_VARIABLE = "MEGARL_SGLANG_MODEL_MODULE"  # read by megarl.engine_process.sglang_models.served
 ENTRY_CLASS = re.compile(r"^EntryClass\s*=\s*(\[[^\]]*\]|[^\n]*)", re.MULTILINE)  # a name or a list of names
 DEFINED_CLASS = re.compile(r"^class (\w+)", re.MULTILINE)
 

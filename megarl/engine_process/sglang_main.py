@@ -1,15 +1,15 @@
-"""Entry point of an SGLang server process: ``python -m megarl.engines.sglang_main <launch_server args>``.
+"""Entry point of an SGLang server process: ``python -m megarl.engine_process.sglang_main <launch_server args>``.
 
-Keeps megatron out of the server's imports (:mod:`megarl.engines.import_guard`), points SGLang's model
-registry at the served architecture's module alone (:mod:`megarl.engines.model_registry`), applies
+Keeps megatron out of the server's imports (:mod:`megarl.engine_process.import_guard`), points SGLang's model
+registry at the served architecture's module alone (:mod:`megarl.engine_process.model_registry`), applies
 megarl's SGLang CPU work-arounds (only when no GPU is present), keeps SGLang's inter-process tensors
-on torch's own unpickler (:mod:`megarl.platform.sglang_ipc`, every platform) and overlaps the receive and the load of
-weight-sync buckets (:mod:`megarl.engines.pipelined_load`), bounds its weight-update groups by the
-driver's ``sync.timeout_s`` (:mod:`megarl.engines.update_group`), keeps the routes a request's prefix was
-computed with, sent with it or kept at a retraction (:mod:`megarl.platform.sglang_kept_routes`), and replays
-them when the prefix is computed again (:mod:`megarl.platform.sglang_route_replay`; ``MEGARL_ROUTE_REPLAY=off``
+on torch's own unpickler (:mod:`megarl.engine_process.ipc`, every platform) and overlaps the receive and the load of
+weight-sync buckets (:mod:`megarl.engine_process.pipelined_load`), bounds its weight-update groups by the
+driver's ``sync.timeout_s`` (:mod:`megarl.engine_process.update_group`), keeps the routes a request's prefix was
+computed with, sent with it or kept at a retraction (:mod:`megarl.engine_process.kept_routes`), and replays
+them when the prefix is computed again (:mod:`megarl.engine_process.route_replay`; ``MEGARL_ROUTE_REPLAY=off``
 in the environment leaves the replay out, for ``tools/bench/route_replay.py``'s baseline), lets a paused
-scheduler wait on its sockets rather than spin (:mod:`megarl.platform.sglang_paused_wait`), then runs SGLang's own
+scheduler wait on its sockets rather than spin (:mod:`megarl.engine_process.paused_wait`), then runs SGLang's own
 ``sglang.launch_server`` main with the same arguments. All are applied at import time on purpose: on
 GPU SGLang starts its scheduler and detokenizer with the "spawn" start method, and a spawned child
 re-imports this module (as ``__mp_main__``) before it runs any of SGLang's code (the registry's
@@ -35,36 +35,36 @@ import signal
 import sys
 import threading
 
-from megarl.engines import import_guard, model_registry
+from megarl.engine_process import import_guard, model_registry
 from megarl.gc_pause import gc_paused
+from megarl.wire.launch import API_KEY_ENV, SKIP_TOKENIZER_FLAG
 
 import_guard.keep_out(import_guard.SERVER_KEPT_OUT, import_guard.SERVER_REASON)
 with gc_paused():  # most of SGLang is imported here
     model_registry.install(sys.argv[1:])  # before anything imports SGLang's registry
-    from megarl.engines import pipelined_load, update_group
-    from megarl.platform import (
-        sglang_cpu,
-        sglang_ipc,
-        sglang_kept_routes,
-        sglang_paused_wait,
-        sglang_route_replay,
-        sglang_tokenizer_stops,
+    from megarl.engine_process import (
+        ipc,
+        kept_routes,
+        paused_wait,
+        pipelined_load,
+        route_replay,
+        tokenizer_stops,
+        update_group,
     )
+    from megarl.platform import sglang_cpu
 
     sglang_cpu.apply()
-    sglang_ipc.install()
+    ipc.install()
     pipelined_load.install()
     update_group.install()
-    sglang_kept_routes.install()
-    if os.environ.get(sglang_route_replay.OFF_ENV) != "off":
-        sglang_route_replay.install()
+    kept_routes.install()
+    if os.environ.get(route_replay.OFF_ENV) != "off":
+        route_replay.install()
     else:
-        print(f"{sglang_route_replay.OFF_ENV}=off: recomputed prefixes are routed afresh", file=sys.stderr)
-    sglang_paused_wait.install()
-    if sglang_tokenizer_stops.SKIP_TOKENIZER_FLAG in sys.argv:
-        sglang_tokenizer_stops.install()
-
-from megarl.engines.server import API_KEY_ENV  # noqa: E402  (after SGLang's set-up above)
+        print(f"{route_replay.OFF_ENV}=off: recomputed prefixes are routed afresh", file=sys.stderr)
+    paused_wait.install()
+    if SKIP_TOKENIZER_FLAG in sys.argv:
+        tokenizer_stops.install()
 
 OWNER_GONE_GRACE_S = 3.0  # SIGTERM's time to unlink SGLang's shared memory before the group is killed
 

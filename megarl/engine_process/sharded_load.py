@@ -1,7 +1,7 @@
 """Engine-side load of a sharded-resharding bucket (load format ``megarl_sharded``; runs in SGLang's scheduler
-of every engine rank, routed here by :mod:`megarl.engines.pipelined_load`).
+of every engine rank, routed here by :mod:`megarl.engine_process.pipelined_load`).
 
-The request lists the bucket's transfers into this engine (:mod:`megarl.engines.weight_shards`); this rank
+The request lists the bucket's transfers into this engine (:mod:`megarl.wire.weight_shards`); this rank
 keeps those addressed to its own rank of the update group, receives them from the trainer ranks that send
 them (one buffer per sender, all at once) and loads each tensor through SGLang's own ``load_weights``: its
 slices sit at their rows of an uninitialised tensor of the full HF shape, and the parameter's weight loader
@@ -13,7 +13,7 @@ the buckets are each engine rank's share, not the model).
 Delta mode (``sync.delta``, load formats ``megarl_sharded_base`` / ``megarl_sharded_delta``): each engine
 rank keeps, in host memory, a baseline of only its own slices as last loaded (:class:`SliceBaseline`: the
 bytes this rank loads, not the model's), applies the changed elements to them in place
-(:func:`megarl.engines.weight_delta.decode`), and loads every slice of each tensor that changed (a tensor
+(:func:`megarl.wire.weight_delta.decode`), and loads every slice of each tensor that changed (a tensor
 split over several senders is loaded whole on this rank: its unchanged slices come from the baseline).
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ import logging
 
 import torch
 
-from megarl.engines.weight_delta import decode
-from megarl.engines.weight_shards import (
+from megarl.wire.weight_delta import decode
+from megarl.wire.weight_shards import (
     BASE_FORMAT,
     LOAD_FORMAT,
     Piece,
@@ -116,7 +116,7 @@ def receive(recv_req, group, device) -> list[tuple[str, torch.Tensor]]:
 
 def check_received(manager, selector) -> tuple[bool, str]:
     """(success, message): whether every parameter of the runners ``selector`` names is free of the NaN
-    rows :func:`~megarl.engines.weight_shards.assemble` fills in for rows this rank did not receive (a slice
+    rows :func:`~megarl.wire.weight_shards.assemble` fills in for rows this rank did not receive (a slice
     map that disagrees with this engine's loaders fails the sync here instead of loading them)."""
     for _, runner in manager._select_runners(selector):
         bad = unreceived_parameters(runner.model)
