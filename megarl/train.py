@@ -11,6 +11,8 @@ Ray cluster, or a trainer rank whose process dies alone, ends the run with one l
 SIGTERM or SIGUSR1 makes the run checkpoint after the current step and exit (during start-up: exit
 at once, status 0), and so does Ctrl-C during the RL steps; a second Ctrl-C, or one before the steps
 begin, stops at once (exit status 130, one line saying where the same command would start again).
+A driver whose environment names an owner process (``MEGARL_END_WITH_PID``, :mod:`megarl.lifetime`) ends
+with it.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config import ConfigError, load_config
+from megarl.lifetime import end_with_owner_from_env
 from megarl.log import setup_logging
 from megarl.pipeline.node_watch import NODE_LOST_EXIT, TrainerLost
 
@@ -129,6 +132,7 @@ def run(cfg: DictConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     """The command line (``argv``, default ``sys.argv[1:]``) run; the process's exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
+    end_with_owner_from_env()  # started by a test worker: ends with it (megarl.lifetime)
     print_job = False
     if "--cfg" in args:
         at = args.index("--cfg")

@@ -5,6 +5,8 @@ import os
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Drivers this test process starts (directly or through a shell) end with it, killed or not (megarl.lifetime).
+os.environ["MEGARL_END_WITH_PID"] = str(os.getpid())
 
 # tests/tiers.py: every test is marked unit or known to start processes (`pytest -m unit` runs the unit tier).
 # pytester: for tests/test_tiers.py.
