@@ -228,6 +228,7 @@ class Driver:
 
     def __init__(self, cluster: RayOnNodes, run: Path, tiny_checkpoint: str, *overrides: str):
         self.run, self.log = run, run.parent / f"{run.name}-driver.log"
+        self.offset = self.log.stat().st_size if self.log.exists() else 0  # a requeue's driver appends to the log
         args = ["recipe=tiny_moe_cpu", "mode=sync", "placement=disaggregated", "warmup.steps=0",
                 f"model.hf_path={tiny_checkpoint}", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
                 "sync.transport=distributed", "sync.timeout_s=120", f"logging.run_dir={run}", *overrides]
@@ -257,7 +258,10 @@ class Driver:
         return next((r for r in self.rows() if r["time"] > since and r["rollout/engines"] == count), None)
 
     def output(self) -> str:
-        return self.log.read_text(errors="replace")
+        """What this driver wrote to the log (an earlier driver's lines of the same run left out)."""
+        with open(self.log, "rb") as log:
+            log.seek(self.offset)
+            return log.read().decode(errors="replace")
 
     def kill(self) -> None:
         if self.process.poll() is None:
