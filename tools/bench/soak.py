@@ -104,7 +104,7 @@ def step_rate(rows: list[dict], first: int, last: int) -> float | None:
     times = {r["step"]: r["time"] for r in rows}
     if first not in times or last not in times or last <= first:
         return None
-    return (last - first) / (times[last] - times[first])
+    return round((last - first) / (times[last] - times[first]), 4)
 
 
 def new_rows(path: Path, offset: int) -> tuple[list[dict], int]:
