@@ -21,13 +21,15 @@ log = logging.getLogger(__name__)
 
 OWNER_ENV = "MEGARL_END_WITH_PID"  # a process id: the driver ends when that process does
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# Looked up here, not in the forked child: a dlopen there could wait on a lock another thread held at the fork.
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
 _watching: set[int] = set()
 
 
 def die_with_parent() -> None:
     """For ``subprocess.Popen(preexec_fn=...)``: the child gets SIGKILL when its parent's starting thread
     exits (Linux); OSError where the kernel refuses."""
-    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+    if _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
