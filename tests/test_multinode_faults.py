@@ -27,6 +27,7 @@ from megarl.pipeline.node_watch import (
     dead_nodes,
     loss_of,
     node_ids,
+    rank_died_in,
     watch_trainer,
 )
 from megarl.pipeline.run import Pipeline
@@ -71,6 +72,26 @@ def test_a_lost_node_cancels_the_run_which_then_raises_the_loss():
     lost = asyncio.run(body())
     assert isinstance(lost, TrainerNodeLost) and "10.0.0.3" in str(lost)
     assert loss_of(None) is None
+
+
+@pytest.mark.unit
+def test_a_call_to_a_rank_that_died_in_start_up_is_its_loss():
+    from ray.exceptions import ActorDiedError
+
+    died = ActorDiedError()
+    died.error_msg = ("The actor died unexpectedly before finishing this task.\n\tclass_name: TrainerRank\n"
+                      "\tactor_id: 9e4f\n\tpid: 4845\n\tip: 10.213.0.5\nThe actor is dead because ...")
+    try:
+        try:
+            raise died
+        except ActorDiedError as e:
+            raise WeightSyncError("weight sync to version 1 failed", 1, [], []) from e
+    except WeightSyncError as wrapped:
+        lost = rank_died_in(wrapped)
+    assert isinstance(lost, TrainerRankLost) and "died during start-up (ip: 10.213.0.5; ActorDiedError" in str(lost)
+    other = ActorDiedError()
+    other.error_msg = "The actor died.\n\tclass_name: EngineActor"
+    assert rank_died_in(other) is None and rank_died_in(ValueError("x")) is None
 
 
 @pytest.mark.unit
@@ -229,6 +250,7 @@ class Driver:
     def __init__(self, cluster: RayOnNodes, run: Path, tiny_checkpoint: str, *overrides: str):
         self.run, self.log = run, run.parent / f"{run.name}-driver.log"
         self.offset = self.log.stat().st_size if self.log.exists() else 0  # a requeue's driver appends to the log
+        self.started = time.time()
         args = ["recipe=tiny_moe_cpu", "mode=sync", "placement=disaggregated", "warmup.steps=0",
                 f"model.hf_path={tiny_checkpoint}", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
                 "sync.transport=distributed", "sync.timeout_s=120", f"logging.run_dir={run}", *overrides]
@@ -284,17 +306,28 @@ def assert_ledger_adds_up(row: dict) -> None:
 
 def kill_rank_during(node, call: str, driver: Driver, timeout: float = 600) -> float:
     """SIGKILL the trainer rank's process on ``node`` once it runs ``call`` (Ray titles a rank's process
-    ``ray::TrainerRank.<call>`` while the call runs); the monotonic time of the kill."""
-    deadline = time.monotonic() + timeout
+    ``ray::TrainerRank.<call>`` while the call runs) after the driver's first step of its own (a weight sync
+    of the run, not the start-up's); the monotonic time of the kill."""
+    deadline, rank, stepped = time.monotonic() + timeout, None, False
     while driver.process.poll() is None and time.monotonic() < deadline:
-        for pid in node.pids():
-            with contextlib.suppress(psutil.Error):
-                if " ".join(psutil.Process(pid).cmdline()).startswith(f"ray::TrainerRank.{call}"):
-                    os.kill(pid, signal.SIGKILL)
-                    return time.monotonic()
-        time.sleep(0.05)
+        if rank is None or not stepped:
+            rank = next((p for p in map(psutil.Process, node.pids()) if _title(p).startswith("ray::TrainerRank")),
+                        None)
+            stepped = any(r["time"] > driver.started for r in driver.rows())
+            time.sleep(0.2)
+            continue
+        if _title(rank).startswith(f"ray::TrainerRank.{call}"):
+            os.kill(rank.pid, signal.SIGKILL)
+            return time.monotonic()
+        time.sleep(0.01)
     driver.kill()
     pytest.fail(f"no trainer rank ran {call} on node {node.index} within {timeout:g} s:\n{driver.output()[-6000:]}")
+
+
+def _title(process: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        return " ".join(process.cmdline())
+    return ""
 
 
 def ended_for_a_requeue(driver: Driver, lost_at: float, names: str) -> int:
@@ -312,6 +345,9 @@ def ended_for_a_requeue(driver: Driver, lost_at: float, names: str) -> int:
     return kept
 
 
+STEPS = 6  # room for a step of each requeued run before its kill, and for the last requeue's
+
+
 @pytest.mark.network
 def test_a_lost_trainer_node_or_rank_ends_the_run_and_the_requeues_resume_exactly(cluster, tiny_checkpoint,
                                                                                    tmp_path):
@@ -320,10 +356,11 @@ def test_a_lost_trainer_node_or_rank_ends_the_run_and_the_requeues_resume_exactl
     naming node 3; the newest complete checkpoint is intact. Node 3 back, the same command (the
     requeue) resumes from that checkpoint; node 3's rank process alone is killed during a training step:
     the same status and a line naming the rank and node 3; requeued again, the rank is killed during a
-    weight sync: the same. The last requeue finishes: step numbers continue, no prompt trained twice."""
+    weight sync: the same (each after a step of the requeued run). The last requeue finishes: step
+    numbers continue, no prompt trained twice."""
     n3 = cluster.nodes[3]
     run = tmp_path / "run"
-    overrides = ("parallel.world_size=2", "trainer.save_interval=1", "cluster.node_check_s=1", "steps=4")
+    overrides = ("parallel.world_size=2", "trainer.save_interval=1", "cluster.node_check_s=1", f"steps={STEPS}")
     started, ended = time.monotonic(), []
     first = Driver(cluster, run, tiny_checkpoint, *overrides)
     try:
@@ -357,9 +394,9 @@ def test_a_lost_trainer_node_or_rank_ends_the_run_and_the_requeues_resume_exactl
           f"{time.monotonic() - started:.0f} s in all")
     assert last.process.returncode == 0, last.output()[-8000:]
     assert f"resuming at step {kept}" in last.output()
-    assert [r["step"] for r in last.rows()] == list(range(1, 5))
+    assert [r["step"] for r in last.rows()] == list(range(1, STEPS + 1))
     prompts = trained_prompts(run)
-    assert len(prompts) == len(set(prompts)) == 4 * 2  # every prompt trained once over all the runs
+    assert len(prompts) == len(set(prompts)) == STEPS * 2  # every prompt trained once over all the runs
 
 
 TRANSFER_MBIT = 4  # an engine node's link while a test waits for a sync's bucket: ~4 s for the tiny model's

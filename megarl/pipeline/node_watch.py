@@ -84,6 +84,26 @@ def rank_loss_message(ranks: dict[int, str], addresses: list[str]) -> str:
     return f"trainer rank process died while its node stayed in the Ray cluster ({named})"
 
 
+RANK_CLASS = "TrainerRank"  # the trainer ranks' actor class, as Ray names it in an actor's death
+
+
+def rank_died_in(error: BaseException) -> TrainerRankLost | None:
+    """The loss of a trainer rank's process when ``error`` (or an error it was raised from) is Ray's report
+    of a call to a dead trainer rank (a start-up call, made before the watch runs); else None."""
+    from ray.exceptions import RayActorError
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, RayActorError) and f"class_name: {RANK_CLASS}" in str(error):
+            lines = str(error).strip().splitlines()
+            where = next((line.strip() for line in lines if line.strip().startswith("ip:")), "ip: unknown")
+            return TrainerRankLost(f"trainer rank process died during start-up ({where}; {type(error).__name__}: "
+                                   f"{lines[0] if lines else ''})")
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def cancel_on_loss(watch: asyncio.Task, task: asyncio.Task) -> None:
     """When ``watch`` ends with :class:`TrainerLost`, cancel ``task`` (the run), which then raises
     it (:func:`loss_of`)."""

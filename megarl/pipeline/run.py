@@ -48,7 +48,7 @@ from megarl.pipeline.evaluation import Evaluation
 from megarl.pipeline.ledger import Ledger
 from megarl.pipeline.membership import Membership
 from megarl.pipeline.modes import PAUSE_FOR_PARTIAL_ROLLOUT
-from megarl.pipeline.node_watch import cancel_on_loss, confirmed_loss, loss_of, watch_trainer
+from megarl.pipeline.node_watch import cancel_on_loss, confirmed_loss, loss_of, rank_died_in, watch_trainer
 from megarl.pipeline.producer import RolloutProducer
 from megarl.pipeline.signals import StopRequest
 from megarl.pipeline.startup.engines import ENGINE_CPUS, EnginePlan
@@ -341,7 +341,8 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
     """Build (or resume) the run's pipeline; everything is stopped when the block exits. Engines
     start with the trainer ranks and load while the ranks build (colocated ones once they are built).
     A stop request during start-up cancels it (:meth:`StopRequest.cancels_the_start_up`). A trainer node
-    or rank lost while the block runs ends it with :class:`~megarl.pipeline.node_watch.TrainerLost`."""
+    or rank lost while the block runs, or a rank whose process died during start-up, ends it with
+    :class:`~megarl.pipeline.node_watch.TrainerLost`."""
     layout = Layout.from_config(cfg.parallel)
     stack = contextlib.AsyncExitStack()
     try:
@@ -352,8 +353,12 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
             pipe = await _start_pipeline(cfg, start_checkpoint, layout, stack)
         watch = await _watch_trainer(pipe.trainer, cfg.cluster.node_check_s)
     except BaseException as e:
-        await stack.__aexit__(type(e), e, e.__traceback__)
-        raise
+        lost = rank_died_in(e)  # before the watch runs: a call to the dead rank failed
+        if lost is None:
+            await stack.__aexit__(type(e), e, e.__traceback__)
+            raise
+        await _close_after_loss(stack, lost)
+        raise lost from None
     try:
         yield pipe
     except BaseException as e:
