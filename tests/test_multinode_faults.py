@@ -311,8 +311,7 @@ def kill_rank_during(node, call: str, driver: Driver, timeout: float = 600) -> f
     deadline, rank, stepped = time.monotonic() + timeout, None, False
     while driver.process.poll() is None and time.monotonic() < deadline:
         if rank is None or not stepped:
-            rank = next((p for p in map(psutil.Process, node.pids()) if _title(p).startswith("ray::TrainerRank")),
-                        None)
+            rank = next((p for p in map(_process, node.pids()) if _title(p).startswith("ray::TrainerRank")), None)
             stepped = any(r["time"] > driver.started for r in driver.rows())
             time.sleep(0.2)
             continue
@@ -324,8 +323,15 @@ def kill_rank_during(node, call: str, driver: Driver, timeout: float = 600) -> f
     pytest.fail(f"no trainer rank ran {call} on node {node.index} within {timeout:g} s:\n{driver.output()[-6000:]}")
 
 
-def _title(process: psutil.Process) -> str:
+def _process(pid: int) -> psutil.Process | None:
     with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid)
+    return None
+
+
+def _title(process: psutil.Process | None) -> str:
+    """The process's title (its command line), "" for one that is gone."""
+    with contextlib.suppress(psutil.Error, AttributeError):
         return " ".join(process.cmdline())
     return ""
 
