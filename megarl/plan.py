@@ -78,7 +78,8 @@ def render(plan: LayoutPlan, console: Console) -> None:
 
     w = plan.sync
     payload = {"model": "", "adapter": " (LoRA adapters alone)", "merged": " (the model, LoRA merged)"}[w.payload]
-    sync = Table(title=f"weight sync per engine{payload}; GPUs in all: {plan.total_gpus}")
+    sync = Table(title=f"weight sync per engine{payload}; devices in all: {plan.total_gpus} (GPUs; on a machine "
+                       "without one, CPU processes)")
     for col in ("bytes", "buckets", "largest tensor", "seconds"):
         sync.add_column(col, justify="right")
     sync.add_row(_bytes(w.bytes_per_sync), str(w.buckets), _bytes(w.largest_tensor_bytes), f"{w.seconds:.3g}")

@@ -6,10 +6,13 @@ and one line naming the key, and so do delta syncs whose host copies do not fit 
 their RL starting checkpoint; the RL modes (``sync``, ``one_step_off``, ``async``) run it first when
 ``warmup.steps`` > 0 and its checkpoint is missing, else start from ``model.hf_path``. A run
 directory with a checkpoint resumes from it (``trainer.resume``). A trainer node that leaves the
-Ray cluster ends the run with one line naming it and status 75 (:mod:`megarl.pipeline.node_watch`).
+Ray cluster, or a trainer rank whose process dies alone, ends the run with one line naming it and status 75
+(:mod:`megarl.pipeline.node_watch`).
 SIGTERM or SIGUSR1 makes the run checkpoint after the current step and exit (during start-up: exit
 at once, status 0), and so does Ctrl-C during the RL steps; a second Ctrl-C, or one before the steps
 begin, stops at once (exit status 130, one line saying where the same command would start again).
+A driver whose environment names an owner process (``MEGARL_END_WITH_PID``, :mod:`megarl.lifetime`) ends
+with it.
 """
 from __future__ import annotations
 
@@ -21,8 +24,9 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config import ConfigError, load_config
+from megarl.lifetime import end_with_owner_from_env
 from megarl.log import setup_logging
-from megarl.pipeline.node_watch import NODE_LOST_EXIT, TrainerNodeLost
+from megarl.pipeline.node_watch import NODE_LOST_EXIT, TrainerLost
 
 log = logging.getLogger("megarl.train")
 
@@ -128,6 +132,7 @@ def run(cfg: DictConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     """The command line (``argv``, default ``sys.argv[1:]``) run; the process's exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
+    end_with_owner_from_env()  # started by a test worker: ends with it (megarl.lifetime)
     print_job = False
     if "--cfg" in args:
         at = args.index("--cfg")
@@ -150,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"megarl: interrupted{'' if cfg is None else '; ' + what_a_rerun_does(cfg)}", file=sys.stderr)
         return 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
-    except TrainerNodeLost as exc:
+    except TrainerLost as exc:
         print(f"megarl: {exc}; {what_a_rerun_does(cfg)}", file=sys.stderr)
         return NODE_LOST_EXIT  # slurm/megarl.sbatch requeues the job on it
     return 0

@@ -9,6 +9,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # environment is this one) runs without token authentication, whatever the machine holds
 # (~/.ray/auth_token): the tests set it here rather than depend on launch/test.sh setting it.
 os.environ["RAY_AUTH_MODE"] = "disabled"
+# Drivers this test process starts (directly or through a shell) end with it, killed or not (megarl.lifetime).
+os.environ["MEGARL_END_WITH_PID"] = str(os.getpid())
 
 # tests/tiers.py: every test is marked unit or known to start processes (`pytest -m unit` runs the unit tier).
 # pytester: for tests/test_tiers.py.

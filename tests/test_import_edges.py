@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lowest first. Keep in step with the table in docs/architecture.md ("Packages").
 LAYERS: dict[str, int] = {
-    "sample": 0, "log": 0, "gc_pause": 0, "parallel": 0, "platform": 0, "metrics": 0, "fields": 0, "wire": 0,
+    "sample": 0, "log": 0, "gc_pause": 0, "lifetime": 0, "parallel": 0, "platform": 0, "metrics": 0, "fields": 0,
+    "wire": 0,
     "algos": 1, "tasks": 1,
     "models": 2, "engine_process": 2,
     "engines": 3,

@@ -1,8 +1,10 @@
 """Faults at cluster scale: a trainer node that leaves the Ray cluster is found dead from Ray's node
-table (megarl/pipeline/node_watch.py) and ends the run with one line naming it and status 75, which
+table, and a trainer rank whose process dies alone from Ray's answer to a call to it
+(megarl/pipeline/node_watch.py); either ends the run with one line naming it and status 75, which
 slurm/megarl.sbatch requeues; the requeued run, the conversion tool and the rerun message take the
 newest *complete* checkpoint, never the ``latest`` pointer alone."""
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -12,12 +14,22 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 from omegaconf import OmegaConf
 from test_multinode import PYTHON, ROOT
 
 from megarl.metrics.sink import read_metrics
-from megarl.pipeline.node_watch import TrainerNodeLost, cancel_on_loss, dead_nodes, loss_of, node_ids
+from megarl.pipeline.node_watch import (
+    TrainerNodeLost,
+    TrainerRankLost,
+    cancel_on_loss,
+    dead_nodes,
+    loss_of,
+    node_ids,
+    rank_died_in,
+    watch_trainer,
+)
 from megarl.pipeline.run import Pipeline
 from megarl.rehearsal import fake_nodes as netns
 from megarl.rehearsal.ray_nodes import RayOnNodes, node_env
@@ -60,6 +72,51 @@ def test_a_lost_node_cancels_the_run_which_then_raises_the_loss():
     lost = asyncio.run(body())
     assert isinstance(lost, TrainerNodeLost) and "10.0.0.3" in str(lost)
     assert loss_of(None) is None
+
+
+@pytest.mark.unit
+def test_a_call_to_a_rank_that_died_in_start_up_is_its_loss():
+    from ray.exceptions import ActorDiedError
+
+    died = ActorDiedError()
+    died.error_msg = ("The actor died unexpectedly before finishing this task.\n\tclass_name: TrainerRank\n"
+                      "\tactor_id: 9e4f\n\tpid: 4845\n\tip: 10.213.0.5\nThe actor is dead because ...")
+    try:
+        try:
+            raise died
+        except ActorDiedError as e:
+            raise WeightSyncError("weight sync to version 1 failed", 1, [], []) from e
+    except WeightSyncError as wrapped:
+        lost = rank_died_in(wrapped)
+    assert isinstance(lost, TrainerRankLost) and "died during start-up (ip: 10.213.0.5; ActorDiedError" in str(lost)
+    other = ActorDiedError()
+    other.error_msg = "The actor died.\n\tclass_name: EngineActor"
+    assert rank_died_in(other) is None and rank_died_in(ValueError("x")) is None
+
+
+@pytest.mark.unit
+def test_the_watch_names_a_dead_rank_on_a_live_node_and_a_dead_node_as_such(monkeypatch):
+    """Ray's node table and the ranks' answers, stood in for: a rank whose process is gone on a node still
+    alive ends the watch with TrainerRankLost naming the rank and its node; one whose node Ray reports dead
+    by the time the watch looks again, with TrainerNodeLost."""
+    import ray
+
+    nodes = [ray_node("a", "10.0.0.2"), ray_node("b", "10.0.0.3")]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    answers = iter([{}, {}, {1: "ActorDiedError: The actor died unexpectedly"}])
+
+    async def dead_ranks(timeout_s):
+        return next(answers)
+
+    with pytest.raises(TrainerRankLost, match=r"\(rank 1 on 10.0.0.3: ActorDiedError: The actor died unexpectedly\)"):
+        asyncio.run(watch_trainer(["10.0.0.2", "10.0.0.3"], dead_ranks, 0.01))
+
+    async def node_went_with_its_rank(timeout_s):
+        nodes[1] = ray_node("b", "10.0.0.3", alive=False)  # Ray reports the node after its rank
+        return {1: "ActorDiedError: The actor died because its node has died"}
+
+    with pytest.raises(TrainerNodeLost, match="trainer node 10.0.0.3 left the Ray cluster"):
+        asyncio.run(watch_trainer(["10.0.0.2", "10.0.0.3"], node_went_with_its_rank, 0.01))
 
 
 class FailingSync:
@@ -192,6 +249,8 @@ class Driver:
 
     def __init__(self, cluster: RayOnNodes, run: Path, tiny_checkpoint: str, *overrides: str):
         self.run, self.log = run, run.parent / f"{run.name}-driver.log"
+        self.offset = self.log.stat().st_size if self.log.exists() else 0  # a requeue's driver appends to the log
+        self.started = time.time()
         args = ["recipe=tiny_moe_cpu", "mode=sync", "placement=disaggregated", "warmup.steps=0",
                 f"model.hf_path={tiny_checkpoint}", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
                 "sync.transport=distributed", "sync.timeout_s=120", f"logging.run_dir={run}", *overrides]
@@ -221,7 +280,10 @@ class Driver:
         return next((r for r in self.rows() if r["time"] > since and r["rollout/engines"] == count), None)
 
     def output(self) -> str:
-        return self.log.read_text(errors="replace")
+        """What this driver wrote to the log (an earlier driver's lines of the same run left out)."""
+        with open(self.log, "rb") as log:
+            log.seek(self.offset)
+            return log.read().decode(errors="replace")
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -242,46 +304,105 @@ def assert_ledger_adds_up(row: dict) -> None:
     assert row["buffer/samples_started"] == ended + row["buffer/samples_in_flight"] + row["buffer/samples_buffered"]
 
 
+def kill_rank_during(node, call: str, driver: Driver, timeout: float = 600) -> float:
+    """SIGKILL the trainer rank's process on ``node`` once it runs ``call`` (Ray titles a rank's process
+    ``ray::TrainerRank.<call>`` while the call runs) after the driver's first step of its own (a weight sync
+    of the run, not the start-up's); the monotonic time of the kill."""
+    deadline, rank, stepped = time.monotonic() + timeout, None, False
+    while driver.process.poll() is None and time.monotonic() < deadline:
+        if rank is None or not stepped:
+            rank = next((p for p in map(_process, node.pids()) if _title(p).startswith("ray::TrainerRank")), None)
+            stepped = any(r["time"] > driver.started for r in driver.rows())
+            time.sleep(0.2)
+            continue
+        if _title(rank).startswith(f"ray::TrainerRank.{call}"):
+            os.kill(rank.pid, signal.SIGKILL)
+            return time.monotonic()
+        time.sleep(0.01)
+    driver.kill()
+    pytest.fail(f"no trainer rank ran {call} on node {node.index} within {timeout:g} s:\n{driver.output()[-6000:]}")
+
+
+def _process(pid: int) -> psutil.Process | None:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid)
+    return None
+
+
+def _title(process: psutil.Process | None) -> str:
+    """The process's title (its command line), "" for one that is gone."""
+    with contextlib.suppress(psutil.Error, AttributeError):
+        return " ".join(process.cmdline())
+    return ""
+
+
+def ended_for_a_requeue(driver: Driver, lost_at: float, names: str) -> int:
+    """The driver ended within the bound after its loss at ``lost_at`` (monotonic), status 75 and one last
+    line matching ``names``; the step the same command resumes after (a complete checkpoint's)."""
+    driver.process.wait(240)
+    ended_s = time.monotonic() - lost_at
+    output = driver.output()
+    assert driver.process.returncode == 75, output[-8000:]
+    assert ended_s < 1 + 60 + 60, ended_s  # the check period, Ray's detection of the loss, the teardown
+    last = [line for line in output.splitlines() if line.startswith("megarl: ")]
+    assert len(last) == 1 and re.search(names, last[0]), output[-4000:]
+    kept = int(re.search(r"resumes after step (\d+)", last[0]).group(1))
+    assert checkpoint_dir(driver.run / "checkpoints") == step_dir(driver.run / "checkpoints", kept)
+    return kept
+
+
+STEPS = 6  # room for a step of each requeued run before its kill, and for the last requeue's
+
+
 @pytest.mark.network
-def test_a_killed_trainer_node_ends_the_run_and_the_requeue_resumes_exactly(cluster, tiny_checkpoint, tmp_path):
+def test_a_lost_trainer_node_or_rank_ends_the_run_and_the_requeues_resume_exactly(cluster, tiny_checkpoint,
+                                                                                   tmp_path):
     """Trainer ranks on nodes 0 and 3 (DP2), a checkpoint every step. Node 3 is killed mid-run: the
     driver ends within the bound, exit status 75 (what slurm/megarl.sbatch requeues on) and one line
     naming node 3; the newest complete checkpoint is intact. Node 3 back, the same command (the
-    requeue) resumes from that checkpoint and finishes: step numbers continue, no prompt trained twice."""
+    requeue) resumes from that checkpoint; node 3's rank process alone is killed during a training step:
+    the same status and a line naming the rank and node 3; requeued again, the rank is killed during a
+    weight sync: the same (each after a step of the requeued run). The last requeue finishes: step
+    numbers continue, no prompt trained twice."""
     n3 = cluster.nodes[3]
     run = tmp_path / "run"
-    overrides = ("parallel.world_size=2", "trainer.save_interval=1", "cluster.node_check_s=1", "steps=4")
-    started = time.monotonic()
+    overrides = ("parallel.world_size=2", "trainer.save_interval=1", "cluster.node_check_s=1", f"steps={STEPS}")
+    started, ended = time.monotonic(), []
     first = Driver(cluster, run, tiny_checkpoint, *overrides)
     try:
         first.until(lambda: len(first.rows()) >= 2, 600, "two steps")
         killed = time.monotonic()
         netns.kill_namespace_processes(n3.namespace, hard=True)
-        first.process.wait(240)
-        ended_s = time.monotonic() - killed
+        kept = ended_for_a_requeue(first, killed, rf"trainer node {re.escape(n3.address)} left the Ray cluster")
+        ended.append(time.monotonic() - killed)
     finally:
         first.kill()
         cluster.start(3)
-    output = first.output()
-    assert first.process.returncode == 75, output[-8000:]
-    assert ended_s < 1 + 60 + 60, ended_s  # the check period, Ray's node-death detection, the teardown
-    last = [line for line in output.splitlines() if line.startswith("megarl: ")]
-    assert len(last) == 1 and f"trainer node {n3.address} left the Ray cluster" in last[0], output[-4000:]
-    kept = int(re.search(r"resumes after step (\d+)", last[0]).group(1))
-    assert kept >= 1 and checkpoint_dir(run / "checkpoints") == step_dir(run / "checkpoints", kept)
-
-    again = Driver(cluster, run, tiny_checkpoint, *overrides)  # the requeued job: the same command
+    assert kept >= 1
+    rank_lost = rf"trainer rank process died while its node stayed in the Ray cluster \(rank \d on {n3.address}:"
+    for call in ("rl_step", "weight_sync"):  # the requeued job (the same command), its rank killed in the call
+        again = Driver(cluster, run, tiny_checkpoint, *overrides)
+        try:
+            killed = kill_rank_during(n3, call, again)
+            resumed = ended_for_a_requeue(again, killed, rank_lost)
+            ended.append(time.monotonic() - killed)
+        finally:
+            again.kill()
+        assert f"resuming at step {kept}" in again.output() and resumed >= kept
+        kept = resumed
+    last = Driver(cluster, run, tiny_checkpoint, *overrides)
     try:
-        again.process.wait(900)
+        last.process.wait(900)
     finally:
-        again.kill()
-    print(f"\n[measured] trainer node killed after step {kept}, driver ended in {ended_s:.0f} s, requeue finished: "
-          f"{time.monotonic() - started:.0f} s")
-    assert again.process.returncode == 0, again.output()[-8000:]
-    assert f"resuming at step {kept}" in again.output()
-    assert [r["step"] for r in again.rows()] == list(range(1, 5))
+        last.kill()
+    print(f"\n[measured] trainer node killed, then a rank in a step, then in a sync: the driver ended "
+          f"{', '.join(f'{s:.0f}' for s in ended)} s after; the last requeue finished: "
+          f"{time.monotonic() - started:.0f} s in all")
+    assert last.process.returncode == 0, last.output()[-8000:]
+    assert f"resuming at step {kept}" in last.output()
+    assert [r["step"] for r in last.rows()] == list(range(1, STEPS + 1))
     prompts = trained_prompts(run)
-    assert len(prompts) == len(set(prompts)) == 4 * 2  # every prompt trained once over both runs
+    assert len(prompts) == len(set(prompts)) == STEPS * 2  # every prompt trained once over all the runs
 
 
 TRANSFER_MBIT = 4  # an engine node's link while a test waits for a sync's bucket: ~4 s for the tiny model's

@@ -154,6 +154,16 @@ def test_tiny_counts_equal_the_checkpoint(tiny_ckpt):
     assert counts.embedding == model.get_input_embeddings().weight.numel()
 
 
+def test_max_total_tokens_caps_the_engines_kv_cache(tiny_ckpt):
+    """The CPU recipe's ``rollout.max_total_tokens`` (SGLang's --max-total-tokens) is its engine's KV cache;
+    without it the cache is what the memory fraction leaves."""
+    capped = plan_layout(load_config(["recipe=tiny_moe_cpu", f"model.hf_path={tiny_ckpt}"])).engine
+    sized = plan_layout(load_config(["recipe=tiny_moe_cpu", f"model.hf_path={tiny_ckpt}",
+                                     "rollout.max_total_tokens=null"])).engine
+    assert capped.kv_tokens_per_engine == 65536 and capped.kv_cache == 65536 * capped.kv_bytes_per_token
+    assert sized.kv_cache == sized.pool - sized.weights and sized.kv_tokens_per_engine > 65536
+
+
 def test_too_small_gpu_is_refused_with_the_limit_named(capsys):
     args = ["recipe=qwen3_30b_a3b", "trainer.gpu_memory_gb=1"]
     assert main(args) == EXIT_DOES_NOT_FIT

@@ -472,8 +472,9 @@ class ClusterConfig:
     # host memory of one node, GiB: the host copies delta syncs keep (sync.delta) may take half of it; None = the
     # driver's node's, read at start (the planner then reports them unchecked)
     host_memory_gb: Optional[float] = setting(None, gt=0)
-    # seconds between the driver's checks that every trainer rank's node is alive in Ray; a lost one ends the
-    # run (exit status 75) within this plus Ray's own node-death detection, its last checkpoint intact
+    # seconds between the driver's checks that every trainer rank's node is alive in Ray and every rank's process
+    # answers; a lost node or rank ends the run (exit status 75) within this plus Ray's own detection of the
+    # death, its last checkpoint intact
     node_check_s: float = setting(5.0, gt=0)
 
 

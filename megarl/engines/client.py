@@ -54,6 +54,12 @@ log = logging.getLogger(__name__)
 MEMORY_TAGS = ("weights", "kv_cache")
 
 
+# A pooled connection idle this long is dropped, not reused. A server closes a connection idle for its
+# keep-alive timeout (SGLang's uvicorn: ``SGLANG_TIMEOUT_KEEP_ALIVE``, 5 s by default); a request sent on it
+# as that timer fires is never read and fails with a ReadError, though the engine is healthy. httpx's own
+# limit is the same 5 s, so a connection idle for just under it raced the server's close; below it, none does.
+IDLE_CONNECTION_S = 2.0
+
 _FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORTED}
 
 
@@ -65,6 +71,12 @@ def _rejected_by_the_engine(error: BaseException) -> bool:
 def auth_headers(api_key: str | None) -> dict[str, str]:
     """The header that authenticates a request to an engine started with ``api_key`` (none without)."""
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def engine_limits() -> httpx.Limits:
+    """The connection pool's limits of a client of an engine: httpx's, idle connections dropped after
+    ``IDLE_CONNECTION_S``."""
+    return httpx.Limits(max_connections=100, max_keepalive_connections=20, keepalive_expiry=IDLE_CONNECTION_S)
 
 
 def parse_weight_version(version: str) -> int:
@@ -192,7 +204,7 @@ class SGLangClient:
         # a sampling mask comes with the engine's log-prob of every kept id (SamplingMask.logprobs)
         self.support_logprobs = support_logprobs
         self._http = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(request_timeout_s, connect=10.0),
-                                       headers=auth_headers(api_key))
+                                       headers=auth_headers(api_key), limits=engine_limits())
         # the LoRA adapter requests name (None: the base weights), set by megarl.sync.adapter
         self.adapter: LoraAdapter | None = None
         # concurrent generate_batch calls go out as one request; a rejection is retried call by call

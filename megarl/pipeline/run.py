@@ -49,7 +49,7 @@ from megarl.pipeline.evaluation import Evaluation
 from megarl.pipeline.ledger import Ledger
 from megarl.pipeline.membership import Membership
 from megarl.pipeline.modes import PAUSE_FOR_PARTIAL_ROLLOUT
-from megarl.pipeline.node_watch import cancel_on_loss, confirmed_loss, loss_of, watch_trainer_nodes
+from megarl.pipeline.node_watch import cancel_on_loss, confirmed_loss, loss_of, rank_died_in, watch_trainer
 from megarl.pipeline.producer import RolloutProducer
 from megarl.pipeline.signals import StopRequest
 from megarl.pipeline.startup.engines import ENGINE_CPUS, EnginePlan
@@ -342,7 +342,8 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
     """Build (or resume) the run's pipeline; everything is stopped when the block exits. Engines
     start with the trainer ranks and load while the ranks build (colocated ones once they are built).
     A stop request during start-up cancels it (:meth:`StopRequest.cancels_the_start_up`). A trainer node
-    lost while the block runs ends it with :class:`~megarl.pipeline.node_watch.TrainerNodeLost`."""
+    or rank lost while the block runs, or a rank whose process died during start-up, ends it with
+    :class:`~megarl.pipeline.node_watch.TrainerLost`."""
     layout = Layout.from_config(cfg.parallel)
     stack = contextlib.AsyncExitStack()
     try:
@@ -352,10 +353,14 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
         StopRequest.install()  # again: ray.init replaced the handlers with its own (which just die)
         with StopRequest.cancels_the_start_up():
             pipe = await _start_pipeline(cfg, start_checkpoint, layout, stack)
-        watch = await _watch_trainer_nodes(pipe.trainer, cfg.cluster.node_check_s)
+        watch = await _watch_trainer(pipe.trainer, cfg.cluster.node_check_s)
     except BaseException as e:
-        await stack.__aexit__(type(e), e, e.__traceback__)
-        raise
+        lost = rank_died_in(e)  # before the watch runs: a call to the dead rank failed
+        if lost is None:
+            await stack.__aexit__(type(e), e, e.__traceback__)
+            raise
+        await _close_after_loss(stack, lost)
+        raise lost from None
     try:
         yield pipe
     except BaseException as e:
@@ -383,20 +388,21 @@ def start_tasks_eagerly(stack: contextlib.AsyncExitStack) -> None:
     loop.set_task_factory(asyncio.eager_task_factory)
 
 
-async def _watch_trainer_nodes(trainer: TrainerGroup, period_s: float) -> asyncio.Task:
-    """Watch the trainer ranks' nodes (:mod:`megarl.pipeline.node_watch`): the loss of one cancels this task."""
-    watch = asyncio.create_task(watch_trainer_nodes(await trainer.node_addresses(), period_s))
+async def _watch_trainer(trainer: TrainerGroup, period_s: float) -> asyncio.Task:
+    """Watch the trainer ranks and their nodes (:mod:`megarl.pipeline.node_watch`): the loss of one cancels
+    this task."""
+    watch = asyncio.create_task(watch_trainer(await trainer.node_addresses(), trainer.dead_ranks, period_s))
     cancel_on_loss(watch, asyncio.current_task())
     return watch
 
 
 async def _close_after_loss(stack: contextlib.AsyncExitStack, lost: BaseException) -> None:
-    """Stop what the run holds after a trainer node was lost, within ``LOSS_TEARDOWN_S``: calls to its
-    ranks fail or hang, so errors there are logged, not raised."""
+    """Stop what the run holds after a trainer node or rank was lost, within ``LOSS_TEARDOWN_S``: calls to
+    its ranks fail or hang, so errors there are logged, not raised."""
     try:
         await asyncio.wait_for(stack.__aexit__(type(lost), lost, None), LOSS_TEARDOWN_S)
     except BaseException as e:  # the lost node's share of the teardown
-        log.warning("teardown after the trainer node loss: %s: %s", type(e).__name__, e)
+        log.warning("teardown after the trainer's loss: %s: %s", type(e).__name__, e)
 
 
 async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout,

@@ -78,7 +78,8 @@ def engine_memory(arch: Arch, cfg: DictConfig, engine: EnginePoolSpec | None = N
     serving ``arch`` (its own ranks, no adapters, the KV cache what its weights leave). Either's pool is
     ``rollout.mem_fraction_static`` of ``trainer.gpu_memory_gb`` and must hold one sequence of
     ``rollout.max_prompt_tokens + max_new_tokens`` per attention replica (what a teacher scores; a
-    judge's template and answer come on top)."""
+    judge's template and answer come on top). ``rollout.max_total_tokens`` caps every engine's KV cache at
+    that many tokens a replica, as SGLang's ``--max-total-tokens`` does (the CPU recipes size theirs so)."""
     r = cfg.rollout
     size = dtype_bytes(cfg.model.dtype)
     tp, ep, dp_attention = (r.engine_tp, r.engine_ep, r.engine_dp_attention) if engine is None else \
@@ -92,11 +93,12 @@ def engine_memory(arch: Arch, cfg: DictConfig, engine: EnginePoolSpec | None = N
     kv_cache = round(r.kv_cache_gb * GIB) if r.kv_cache_gb is not None and engine is None else \
         max(0, pool - weights - lora_buffers)
     per_token = kv_bytes_per_token(arch, attention_tp, size)
+    tokens = kv_cache // per_token if r.max_total_tokens is None else min(kv_cache // per_token, r.max_total_tokens)
     replicas = tp if dp_attention else 1
     return EngineMemory(
         gpus_per_engine=tp, attention_tp=attention_tp, weights=weights, pool=pool,
-        kv_cache=kv_cache, kv_bytes_per_token=per_token,
-        kv_tokens_per_replica=kv_cache // per_token, kv_tokens_per_engine=(kv_cache // per_token) * replicas,
+        kv_cache=kv_cache if r.max_total_tokens is None else tokens * per_token, kv_bytes_per_token=per_token,
+        kv_tokens_per_replica=tokens, kv_tokens_per_engine=tokens * replicas,
         max_sequence_tokens=r.max_prompt_tokens + r.max_new_tokens, lora_buffers=lora_buffers, lora_slots=slots,
     )
 

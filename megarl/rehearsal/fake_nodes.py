@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megarl.lifetime import die_with_parent
+
 PREFIX = "mrl"
 SUBNET = "10.213.0"  # private /24 of the fake nodes: node i is SUBNET.(i + 2)
 IFACE = "eth0"  # the node's side of its veth pair
@@ -155,8 +157,11 @@ class Node:
                 self.shm, *argv]
 
     def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
-        """Start ``argv`` in this node (in a session of its own); it is killed at teardown."""
+        """Start ``argv`` in this node (in a session of its own); it is killed at teardown, and by the kernel
+        when the thread that started it ends (:func:`megarl.lifetime.die_with_parent`: a killed test worker's
+        Ray nodes and drivers end with it)."""
         kwargs.setdefault("start_new_session", True)
+        kwargs.setdefault("preexec_fn", die_with_parent)
         process = subprocess.Popen(self.command(argv), **kwargs)
         self.processes.append(process)
         return process

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import httpx
 import numpy as np
 
-from megarl.engines.client import auth_headers
+from megarl.engines.client import auth_headers, engine_limits
 from megarl.sample import FinishReason, RolloutSample
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,8 @@ class TeacherScorer:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.base_url, self.vocab_size, self.timeout_s = base_url, vocab_size, timeout_s
         timeout = httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=auth_headers(api_key))
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=auth_headers(api_key),
+                                       limits=engine_limits())
         self.errors: collections.Counter[str] = collections.Counter()
 
     async def aclose(self) -> None:

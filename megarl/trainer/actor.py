@@ -247,6 +247,12 @@ class TrainerRank:
         return getattr(self._weight_sync, call)(*args)
 
     @ray.method(concurrency_group=SYNC_ABORT_GROUP)
+    def pid(self) -> int:
+        """This rank's process id; answered while another call of this rank runs (the driver's watch:
+        :mod:`megarl.pipeline.node_watch`)."""
+        return os.getpid()
+
+    @ray.method(concurrency_group=SYNC_ABORT_GROUP)
     def weight_sync_abort(self) -> None:
         """Drop the running sync and the links; runs while another call of this rank waits on a transfer."""
         if self._weight_sync is not None:  # nothing to drop on a rank that never linked
@@ -257,6 +263,12 @@ class TrainerRank:
         from megarl.models.bridge import export_hf_state
 
         return export_hf_state(self.trainable.model)
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
 @ray.remote(num_cpus=0)
@@ -419,6 +431,13 @@ class TrainerGroup(WeightSyncTrainer):
     async def node_addresses(self) -> list[str]:
         """The address of the node each rank runs on, in rank order."""
         return await self._call_all("node_address")
+
+    async def dead_ranks(self, timeout_s: float) -> dict[int, str]:
+        """Rank -> why, for each rank whose process is gone (Ray fails a call to it); a rank that does
+        not answer within ``timeout_s`` is not counted (its process may be busy or its node slow)."""
+        calls = [asyncio.wait_for(asyncio.wrap_future(rank.pid.remote().future()), timeout_s) for rank in self.ranks]
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        return {r: _first_line(e) for r, e in enumerate(outcomes) if isinstance(e, ray.exceptions.RayActorError)}
 
     async def places(self) -> list[Place]:
         """Where each rank runs (its Ray node and GPU), in rank order."""
