@@ -5,7 +5,7 @@ child made with :func:`die_with_parent` (``PR_SET_PDEATHSIG``: SIGKILL when the 
 exits); a driver started further down (through a shell, a launcher) watches the process named by
 ``OWNER_ENV`` (a pidfd: :func:`end_with_owner_from_env`). The test suite names each worker so: a killed
 worker takes its drivers with it, and they take their runs (Ray ends a dead driver's actors, an SGLang
-server ends with its engine actor: :mod:`megarl.engines.sglang_main`). A driver started by a user names no
+server ends with its engine actor: :mod:`megarl.engine_process.sglang_main`). A driver started by a user names no
 owner and outlives its shell, as a long run should.
 """
 from __future__ import annotations
