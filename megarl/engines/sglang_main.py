@@ -8,8 +8,10 @@ weight-sync buckets (:mod:`megarl.engines.pipelined_load`), bounds its weight-up
 driver's ``sync.timeout_s`` (:mod:`megarl.engines.update_group`), keeps the routes a request's prefix was
 computed with, sent with it or kept at a retraction (:mod:`megarl.platform.sglang_kept_routes`), and replays
 them when the prefix is computed again (:mod:`megarl.platform.sglang_route_replay`; ``MEGARL_ROUTE_REPLAY=off``
-in the environment leaves the replay out, for ``tools/bench/route_replay.py``'s baseline), lets a paused
-scheduler wait on its sockets rather than spin (:mod:`megarl.platform.sglang_paused_wait`), then runs SGLang's own
+in the environment leaves the replay out, for ``tools/bench/route_replay.py``'s baseline), answers a
+request's per-token metadata as binary arrays when it asks (:mod:`megarl.platform.sglang_compact_metadata`),
+lets a paused scheduler wait on its sockets rather than spin (:mod:`megarl.platform.sglang_paused_wait`),
+then runs SGLang's own
 ``sglang.launch_server`` main with the same arguments. All are applied at import time on purpose: on
 GPU SGLang starts its scheduler and detokenizer with the "spawn" start method, and a spawned child
 re-imports this module (as ``__mp_main__``) before it runs any of SGLang's code (the registry's
@@ -43,6 +45,7 @@ with gc_paused():  # most of SGLang is imported here
     model_registry.install(sys.argv[1:])  # before anything imports SGLang's registry
     from megarl.engines import pipelined_load, update_group
     from megarl.platform import (
+        sglang_compact_metadata,
         sglang_cpu,
         sglang_ipc,
         sglang_kept_routes,
@@ -56,6 +59,7 @@ with gc_paused():  # most of SGLang is imported here
     pipelined_load.install()
     update_group.install()
     sglang_kept_routes.install()
+    sglang_compact_metadata.install()
     if os.environ.get(sglang_route_replay.OFF_ENV) != "off":
         sglang_route_replay.install()
     else:
