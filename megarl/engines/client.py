@@ -269,7 +269,8 @@ def checked_routes(flat: np.ndarray, num_tokens: int, model: ServedModel) -> np.
     shape = (num_tokens - 1, model.num_layers, model.topk)
     if flat.size != shape[0] * shape[1] * shape[2]:
         raise EngineError(f"routed_experts holds {flat.size} ids, expected {shape} for {num_tokens} tokens")
-    if flat.size and (flat.min() < 0 or flat.max() >= model.num_experts):
+    signed = flat.dtype.kind == "i"  # unsigned ids cannot be negative: one pass fewer
+    if flat.size and ((signed and flat.min() < 0) or flat.max() >= model.num_experts):
         raise EngineError(f"routed_experts ids outside [0, {model.num_experts}): {flat.min()}..{flat.max()}")
     return flat.reshape(shape)
 

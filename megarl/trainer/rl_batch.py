@@ -70,22 +70,24 @@ class RLBatch:
         return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
 
     def select(self, indices: Sequence[int]) -> RLBatch:
-        """The samples ``indices``, in that order, as a batch of their own."""
+        """The samples ``indices``, in that order, as a batch of their own: each column's rows of a sample are
+        one slice of it (a sample's positions, and their mask entries, lie side by side), copied once."""
         idx = torch.as_tensor(list(indices), dtype=torch.long)
         lengths = self.lengths[idx]
-        positions = _ranges(self.cu_seqlens[:-1][idx], lengths)
+        starts = self.cu_seqlens[:-1][idx]
+        spans = list(zip(starts.tolist(), (starts + lengths).tolist()))
         cu = torch.zeros(len(idx) + 1, dtype=torch.long)
         torch.cumsum(lengths, 0, out=cu[1:])
         mask = None
         if self.sampling_mask is not None:
             offsets = self.sampling_mask.offsets.long()
-            counts = (offsets[1:] - offsets[:-1])[positions]
-            new_offsets = torch.zeros(len(positions) + 1, dtype=torch.long)
-            torch.cumsum(counts, 0, out=new_offsets[1:])
-            taken = _ranges(offsets[:-1][positions], counts)
+            new_offsets = torch.zeros(int(cu[-1]) + 1, dtype=torch.long)
+            torch.cumsum(_cut(offsets[1:] - offsets[:-1], spans), 0, out=new_offsets[1:])
+            entries = list(zip(offsets[starts].tolist(), offsets[starts + lengths].tolist()))
             logprobs = self.sampling_mask.logprobs
-            mask = CsrMask(self.sampling_mask.ids[taken], new_offsets, None if logprobs is None else logprobs[taken])
-        per_position = {name: None if getattr(self, name) is None else getattr(self, name)[positions]
+            mask = CsrMask(_cut(self.sampling_mask.ids, entries), new_offsets,
+                           None if logprobs is None else _cut(logprobs, entries))
+        per_position = {name: None if getattr(self, name) is None else _cut(getattr(self, name), spans)
                         for name in _PER_POSITION}
         return RLBatch(**per_position, cu_seqlens=cu, advantages=self.advantages[idx], sampling_mask=mask,
                        group_ids=None if self.group_ids is None else self.group_ids[idx])
@@ -136,6 +138,11 @@ def _as_tensor(value):
     if not isinstance(value, np.ndarray):
         return value
     return torch.from_numpy(value if value.flags.writeable else value.copy())
+
+
+def _cut(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows ``[a, b)`` of ``tensor`` for each span, back to back (one copy)."""
+    return torch.cat([tensor[a:b] for a, b in spans]) if spans else tensor[:0].clone()
 
 
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

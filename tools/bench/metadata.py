@@ -210,6 +210,20 @@ def replay(model, body: bytes, prompts: list[list[int]], samples_per_prompt: int
                        for name in stages.seconds if name != "received"}}
 
 
+def rates(result: dict, model, prompt_tokens: int, response_tokens: int, command: str) -> dict:
+    """The planner's rates (:mod:`megarl.planner.metadata`): each stage's CPU seconds over the bytes the planner
+    counts for the bench's samples, per path."""
+    from megarl.planner.metadata import STAGES, Width, bytes_per_sample
+
+    width = Width(model.num_layers, model.topk, model.num_experts, model.vocab_size)
+    out = {"command": command, "width": vars(width) | {"top_k": TOP_K}}
+    for path in ("old", "new"):
+        one = bytes_per_sample(path, width, prompt_tokens, response_tokens, TOP_K, True)
+        samples = result[path]["tokens"] / response_tokens
+        out[path] = {s: result[path]["stages"][s]["cpu_s"] / (one[s] * samples) for s in STAGES[1:]}
+    return out
+
+
 def check_same_values(model, old_body: bytes, prompts: list[list[int]]) -> None:
     """The new path's samples of ``old_body`` packed by the engine's own function equal the old path's."""
     from megarl.engines.client import SGLangClient
@@ -237,6 +251,8 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20, help="replays of the recorded bodies per path")
     parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--rates", default=None, help="write the planner's rates here "
+                        "(megarl/planner/metadata_rates.json)")
     args = parser.parse_args()
     work = work_directory(args.work_dir, "megarl-metadata-")
     rng = np.random.default_rng(0)
@@ -251,6 +267,11 @@ def main() -> int:
         "tokens_per_s": result["new"]["tokens_per_s"] / result["old"]["tokens_per_s"]}
     result["workload"] = {"routing": SHAPE, "top_k": TOP_K, **{k: v for k, v in vars(args).items() if k != "json"}}
     Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.rates:
+        command = (f"python tools/bench/metadata.py --json F --rates {args.rates} --prompts {args.prompts} "
+                   f"--samples {args.samples} --new-tokens {args.new_tokens} --repeats {args.repeats}")
+        Path(args.rates).write_text(json.dumps(rates(result, model, args.prompt_tokens, args.new_tokens, command),
+                                               indent=2) + "\n")
     print(json.dumps({path: {k: result[path][k] for k in ("tokens_per_s", "driver_cpu_s_per_token")}
                       for path in ("old", "new")} | {"new_over_old": result["new_over_old"]}, indent=2))
     return 0
