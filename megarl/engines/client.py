@@ -225,7 +225,7 @@ def compact_metadata(meta: dict, section: memoryview, response_ids: list[int], p
     elif with_mask:
         if "mask_ids" not in arrays:
             raise EngineError(f"request {request} asked for a sampling mask but got none")
-        mask, logprobs = compact_sampling_mask(arrays, np.asarray(response_ids, dtype=np.int32), support)
+        mask, logprobs = compact_sampling_mask(arrays, response_ids, support)
     else:
         logprobs = arrays.get("logprobs", np.zeros(0, np.float32))
     if len(logprobs) != r:
@@ -239,7 +239,7 @@ def compact_metadata(meta: dict, section: memoryview, response_ids: list[int], p
     return logprobs, mask, routing
 
 
-def compact_sampling_mask(arrays: dict[str, np.ndarray], response_ids: np.ndarray,
+def compact_sampling_mask(arrays: dict[str, np.ndarray], response_ids: list[int],
                           support: bool) -> tuple[SamplingMask, np.ndarray]:
     """The sampling mask (CSR, int32) and each sampled token's log-prob (float32 [R]) from the compact
     arrays ``mask_lengths``, ``mask_ids`` and ``mask_logprobs`` ([R], or [nnz] with ``support``)."""
@@ -255,11 +255,11 @@ def compact_sampling_mask(arrays: dict[str, np.ndarray], response_ids: np.ndarra
     if len(values) != len(ids):
         raise EngineError(f"{len(values)} support log-probs for {len(ids)} kept ids")
     rows = np.repeat(np.arange(len(lengths)), lengths)
-    hits = np.flatnonzero(ids == np.repeat(response_ids, lengths))
+    hits = np.flatnonzero(ids == np.repeat(np.asarray(response_ids, dtype=np.int32), lengths))
     found, first = np.unique(rows[hits], return_index=True)  # each row's first kept id that is its token
     if len(found) != len(lengths):
         i = int(np.flatnonzero(~np.isin(np.arange(len(lengths)), found))[0])
-        raise EngineError(f"response token {i} ({int(response_ids[i])}) is not in its recorded sampling support")
+        raise EngineError(f"response token {i} ({response_ids[i]}) is not in its recorded sampling support")
     return SamplingMask(ids, offsets, values), values[hits[first]]
 
 

@@ -25,6 +25,8 @@ engine's HTTP process, where the answer is made, not in the client.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import orjson
 import pybase64
@@ -38,6 +40,7 @@ _original_generate = None  # SGLang's TokenizerManager.generate_request and orjs
 _original_response = None
 
 
+@functools.cache
 def expert_dtype(num_experts: int) -> np.dtype:
     """The smallest of uint8, int16, int32 that holds expert ids ``[0, num_experts)``."""
     for name in _EXPERT_DTYPES:

@@ -94,6 +94,20 @@ def recorded(work: Path, prompts: list[list[int]], new_tokens: int) -> tuple[dic
     return {path: f.read_bytes() for path, f in files.items()}, model
 
 
+def from_answer(path: Path, copies: int) -> tuple[dict[str, bytes], object, list[list[int]]]:
+    """An engine's recorded JSON answer (the old path's, ``copies`` times over as one batch), its binary form made
+    by the engine's own function (the new path's), the model of its ``config.json`` beside it, and prompts of
+    the answer's prompt lengths (the replay reads their lengths alone)."""
+    from megarl.engines.types import ServedModel
+    from megarl.platform.sglang_compact_metadata import expert_dtype, pack_answer
+
+    outs = orjson.loads(path.read_bytes()) * copies
+    old = orjson.dumps(outs)
+    model = ServedModel.from_hf_config(path.parent)
+    prompts = [[1] * out["meta_info"]["prompt_tokens"] for out in outs]
+    return {"old": old, "new": pack_answer(orjson.loads(old), expert_dtype(model.num_experts))}, model, prompts
+
+
 def nbytes(value) -> int:
     """Bytes of the arrays and tensors in ``value`` (a sample, a batch, a micro-batch, lists of them)."""
     import dataclasses
@@ -251,6 +265,9 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=20, help="replays of the recorded bodies per path")
     parser.add_argument("--work-dir", default=None)
+    parser.add_argument("--answer", default=None, help="replay this recorded JSON answer of the checkpoint in its "
+                        "directory instead of recording (the new path's made from it by the engine's packing)")
+    parser.add_argument("--answer-copies", type=int, default=16, help="copies of --answer's responses in a step")
     parser.add_argument("--rates", default=None, help="write the planner's rates here "
                         "(megarl/planner/metadata_rates.json)")
     args = parser.parse_args()
@@ -258,7 +275,10 @@ def main() -> int:
     rng = np.random.default_rng(0)
     prompts = [p for p in rng.integers(3, 300, (args.prompts, args.prompt_tokens)).tolist()
                for _ in range(args.samples)]
-    bodies, model = recorded(work, prompts, args.new_tokens)
+    if args.answer:
+        bodies, model, prompts = from_answer(Path(args.answer), args.answer_copies)
+    else:
+        bodies, model = recorded(work, prompts, args.new_tokens)
     check_same_values(model, bodies["old"], prompts)
     result = {path: replay(model, bodies[path], prompts, args.samples, path == "new", args.repeats)
               for path in ("old", "new")}
@@ -268,8 +288,10 @@ def main() -> int:
     result["workload"] = {"routing": SHAPE, "top_k": TOP_K, **{k: v for k, v in vars(args).items() if k != "json"}}
     Path(args.json).write_text(json.dumps(result, indent=2))
     if args.rates:
-        command = (f"python tools/bench/metadata.py --json F --rates {args.rates} --prompts {args.prompts} "
-                   f"--samples {args.samples} --new-tokens {args.new_tokens} --repeats {args.repeats}")
+        source = f"--answer {args.answer} --answer-copies {args.answer_copies} " if args.answer else ""
+        command = (f"python tools/bench/metadata.py --json F --rates {args.rates} {source}--prompts {args.prompts} "
+                   f"--samples {args.samples} --prompt-tokens {args.prompt_tokens} --new-tokens {args.new_tokens} "
+                   f"--repeats {args.repeats}")
         Path(args.rates).write_text(json.dumps(rates(result, model, args.prompt_tokens, args.new_tokens, command),
                                                indent=2) + "\n")
     print(json.dumps({path: {k: result[path][k] for k in ("tokens_per_s", "driver_cpu_s_per_token")}
