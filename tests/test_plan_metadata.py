@@ -1,6 +1,6 @@
 """The planner's per-token metadata: its byte counts are those of the real samples and batches, and on the large
-recipes the driver's seconds a step on megarl's path are a small share of SGLang's JSON answers' (at the rates
-in megarl/planner/metadata_rates.json; docs/status.md has the measured figures against the goal of a tenth)."""
+recipes the driver's seconds a step on megarl's path are at most a tenth of SGLang's JSON answers' (at the rates
+in megarl/planner/metadata_rates.json, which docs/status.md's command measures)."""
 import numpy as np
 import pytest
 from test_compact_metadata import MODEL, engine_answer
@@ -42,8 +42,8 @@ def test_the_planners_bytes_are_those_of_the_samples_and_the_batch():
 
 
 @pytest.mark.parametrize("recipe", ["qwen3_235b_a22b", "deepseek_v3_671b"])
-def test_the_driver_spends_a_small_share_of_the_json_paths_seconds(recipe):
+def test_the_driver_spends_at_most_a_tenth_of_the_json_paths_seconds(recipe):
     metadata = plan_layout(load_config([f"recipe={recipe}"])).metadata
     assert metadata.new.bytes["batch"] < 0.55 * metadata.old.bytes["batch"]  # uint8 routes, int32 mask ids
-    assert metadata.driver_ratio <= 0.125, f"{recipe}: {metadata.new.driver_seconds:.1f} s against " \
-                                           f"{metadata.old.driver_seconds:.1f} s of the driver a step"
+    assert metadata.driver_ratio <= 0.1, f"{recipe}: {metadata.new.driver_seconds:.1f} s against " \
+                                         f"{metadata.old.driver_seconds:.1f} s of the driver a step"
