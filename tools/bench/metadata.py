@@ -26,6 +26,10 @@ path's, array for array.
 
 Usage: python tools/bench/metadata.py --json FILE [--prompts 4 --samples 4 --new-tokens 256 --repeats 20]
        [--work-dir D]   (a run with the same --work-dir and workload replays the bodies recorded before)
+       [--rates megarl/planner/metadata_rates.json]   (the planner's rates, from this run)
+       [--answer FILE --answer-copies N --prompt-tokens P --new-tokens R]   (replay an engine's JSON answer
+       recorded beside its checkpoint instead of serving one; the new path's answer made from it by the engine's
+       packing function)
 """
 from __future__ import annotations
 
