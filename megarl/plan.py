@@ -2,7 +2,8 @@
 
 Prints the parameter counts, the LoRA adapters' sizes (with ``lora.enabled``), each trainer pipeline
 stage's per-GPU memory, one engine GPU's weights and KV cache (a policy engine's, and each auxiliary
-engine's whose checkpoint is here to read), the weight sync's bytes and time, and
+engine's whose checkpoint is here to read), the weight sync's bytes and time, the per-token metadata's
+bytes and CPU seconds a step at each stage (:mod:`megarl.planner.metadata`), and
 the placement (the node and device of every trainer and engine rank, the teacher's, judge's and
 frozen roles' engines included, the weight-sync groups) as rich tables, and writes the same as JSON.
 Exit status: 0 when the layout fits, 2 with one line per broken limit on stderr when it does not or
@@ -26,6 +27,7 @@ from megarl.config import ConfigError, load_config
 from megarl.config.errors import PlacementError
 from megarl.planner.layout import AuxiliaryPlan, LayoutPlan, broken_limits, gib_dict, plan_layout
 from megarl.planner.lora import LoraPlan
+from megarl.planner.metadata import STAGES, MetadataPlan
 from megarl.planner.placement import PlacementPlan, ranges, span
 from megarl.planner.weight_sync import WeightSyncPlan
 
@@ -85,6 +87,7 @@ def render(plan: LayoutPlan, console: Console) -> None:
     sync.add_row(_bytes(w.bytes_per_sync), str(w.buckets), _bytes(w.largest_tensor_bytes), f"{w.seconds:.3g}")
     console.print(sync)
     render_sync_paths(w, console)
+    render_metadata(plan.metadata, console)
     render_placement(plan.placement, console)
 
 
@@ -103,6 +106,19 @@ def render_sync_paths(w: WeightSyncPlan, console: Console) -> None:
                    else "the same over the trainer's stage senders (what they last sent)")
         console.print(f"sync.delta keeps {_bytes(w.delta_host_bytes)} in host memory on each engine rank (its "
                       f"baseline); {senders}")
+
+
+def render_metadata(m: MetadataPlan, console: Console) -> None:
+    """The step's per-token metadata: bytes and CPU seconds at each stage, megarl's path beside SGLang's JSON."""
+    table = Table(title=f"per-token metadata a step ({m.samples:,} samples, up to {m.tokens:,} tokens; rates of "
+                        f"{m.rates_command}): bytes / CPU seconds")
+    for col in ("path", *STAGES, "driver seconds"):
+        table.add_column(col, justify="right")
+    for name, p in (("new", m.new), ("old (JSON)", m.old)):
+        cells = [_bytes(p.bytes[s]) + ("" if s == "response" else f" / {p.seconds[s]:.3g}") for s in STAGES]
+        table.add_row(name, *cells, f"{p.driver_seconds:.3g}")
+    console.print(table)
+    console.print(f"driver seconds a step, new / old: {m.driver_ratio:.3f} (rank_input: each trainer DP rank's share)")
 
 
 def render_auxiliary(auxiliary: list[AuxiliaryPlan], console: Console) -> None:

@@ -2,7 +2,8 @@
 
 Shapes, for P prompt tokens, R response tokens and T = P + R:
 ``loss_mask`` uint8 [R], ``rollout_logprobs`` float32 [R], ``model_version`` int32 [R],
-``routed_experts`` int16/int32 [T-1, L, k] (L = the model's layers, k = experts per token) or None
+``routed_experts`` uint8/int16/int32 [T-1, L, k] (the engine's compact expert ids are the smallest of them
+that holds the model's experts) (L = the model's layers, k = experts per token) or None
 (not requested, or the request was aborted before the engine ran it),
 ``sampling_mask`` CSR over the R response positions or None (None = full vocabulary),
 ``token_advantages`` float32 [R] or None (added to ``advantage`` at each response token: on-policy
@@ -129,8 +130,9 @@ class RolloutSample:
         if self.routed_experts is not None:
             t = len(self.prompt_ids) + r
             re = self.routed_experts
-            if re.dtype not in (np.int16, np.int32) or re.ndim != 3 or re.shape[0] != t - 1:
-                raise ValueError(f"routed_experts must be int16/int32 [T-1={t - 1}, L, k], got {re.dtype} {re.shape}")
+            if re.dtype not in (np.uint8, np.int16, np.int32) or re.ndim != 3 or re.shape[0] != t - 1:
+                raise ValueError(f"routed_experts must be uint8/int16/int32 [T-1={t - 1}, L, k], "
+                                 f"got {re.dtype} {re.shape}")
         if self.sampling_mask is not None and self.sampling_mask.num_rows != r:
             raise ValueError(f"sampling_mask has {self.sampling_mask.num_rows} rows, response has {r} tokens")
         for name in ("token_advantages", "teacher_logprobs"):

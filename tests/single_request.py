@@ -6,6 +6,7 @@ from __future__ import annotations
 from megarl.engines.client import SGLangClient, generate_payload
 from megarl.engines.types import SamplingParams
 from megarl.sample import RolloutSample
+from megarl.wire.metadata import unpack_answer
 
 
 async def generate_one(client: SGLangClient, prompt_ids: list[int], params: SamplingParams, *,
@@ -22,9 +23,9 @@ async def generate_one(client: SGLangClient, prompt_ids: list[int], params: Samp
     if rid is not None:
         payload["rid"] = rid
     adapter = client._name_adapter(payload)
-    out = (await client._post("/generate", payload)).json()
+    out, section = unpack_answer((await client._post("/generate", payload)).content)
     return client._to_sample(list(prompt_ids), out, return_routed_experts, return_sampling_mask, group_id,
-                             episode_id, adapter)
+                             episode_id, adapter, section)
 
 
 async def abort_request(client: SGLangClient, rid: str) -> None:

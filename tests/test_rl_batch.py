@@ -138,4 +138,4 @@ def test_every_sample_of_a_mixed_batch_reads_back_as_built_on_its_own():
             [[]] * len(s.response_ids)
         assert rows == [[]] * len(pad) + own
     assert batch.advantages.tolist() == [float(b) for b in range(40)]
-    assert batch.routed_experts.dtype == torch.int16 and batch.sampling_mask.ids.dtype == torch.int64
+    assert batch.routed_experts.dtype == torch.int16 and batch.sampling_mask.ids.dtype == torch.int32

@@ -116,7 +116,7 @@ def check_against_hf(sample, hf_model, with_mask=True, temperature=1.0):
     ids = sample.prompt_ids + sample.response_ids
     p, r = len(sample.prompt_ids), len(sample.response_ids)
     logits, hf_topk = hf_forward(hf_model, ids[:-1])  # the last token is never fed: no routing row
-    assert sample.routed_experts.dtype == np.int16
+    assert sample.routed_experts.dtype == np.uint8  # the binary answer's ids: 8 experts fit uint8
     assert sample.routed_experts.shape == (len(ids) - 1, hf_model.config.num_hidden_layers, hf_topk.shape[-1])
     np.testing.assert_array_equal(np.sort(sample.routed_experts, -1), np.sort(hf_topk, -1))
     log_probs = torch.log_softmax(logits[p - 1 :] / temperature, dim=-1)  # [R, V]: row i predicts token i

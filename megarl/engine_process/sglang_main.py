@@ -8,8 +8,10 @@ weight-sync buckets (:mod:`megarl.engine_process.pipelined_load`), bounds its we
 driver's ``sync.timeout_s`` (:mod:`megarl.engine_process.update_group`), keeps the routes a request's prefix was
 computed with, sent with it or kept at a retraction (:mod:`megarl.engine_process.kept_routes`), and replays
 them when the prefix is computed again (:mod:`megarl.engine_process.route_replay`; ``MEGARL_ROUTE_REPLAY=off``
-in the environment leaves the replay out, for ``tools/bench/route_replay.py``'s baseline), lets a paused
-scheduler wait on its sockets rather than spin (:mod:`megarl.engine_process.paused_wait`), then runs SGLang's own
+in the environment leaves the replay out, for ``tools/bench/route_replay.py``'s baseline), answers a
+request's per-token metadata as binary arrays when it asks (:mod:`megarl.engine_process.compact_metadata`),
+lets a paused scheduler wait on its sockets rather than spin (:mod:`megarl.engine_process.paused_wait`), then
+runs SGLang's own
 ``sglang.launch_server`` main with the same arguments. All are applied at import time on purpose: on
 GPU SGLang starts its scheduler and detokenizer with the "spawn" start method, and a spawned child
 re-imports this module (as ``__mp_main__``) before it runs any of SGLang's code (the registry's
@@ -43,6 +45,7 @@ import_guard.keep_out(import_guard.SERVER_KEPT_OUT, import_guard.SERVER_REASON)
 with gc_paused():  # most of SGLang is imported here
     model_registry.install(sys.argv[1:])  # before anything imports SGLang's registry
     from megarl.engine_process import (
+        compact_metadata,
         ipc,
         kept_routes,
         paused_wait,
@@ -58,6 +61,7 @@ with gc_paused():  # most of SGLang is imported here
     pipelined_load.install()
     update_group.install()
     kept_routes.install()
+    compact_metadata.install()
     if os.environ.get(route_replay.OFF_ENV) != "off":
         route_replay.install()
     else:

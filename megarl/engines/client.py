@@ -31,7 +31,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import orjson
 import pybase64
 
 from megarl.engines.coalesce import BatchCoalescer
@@ -45,6 +44,7 @@ from megarl.engines.types import (
     ServedModel,
 )
 from megarl.sample import FinishReason, RolloutSample, SamplingMask
+from megarl.wire.metadata import COMPACT, HEADER, compact_arrays, expert_dtype, unpack_answer
 from megarl.wire.routes import ROUTES_PARAM, encode_routes
 
 log = logging.getLogger(__name__)
@@ -188,14 +188,116 @@ def shared_prompts(prompts: list[list[int]], min_tokens: int, prefix_routes: Seq
     return sorted(shared)
 
 
+MetadataAsked = tuple[bool, bool, bool, bool]  # (routes, sampling mask, never ran, support log-probs)
+Metadata = tuple[np.ndarray, "SamplingMask | None", "np.ndarray | None"]  # log-probs, mask, routes
+
+
+def json_metadata(meta: dict, response_ids: list[int], prompt_len: int, model: ServedModel,
+                  asked: MetadataAsked) -> Metadata:
+    """A response's log-probs (float32 [R]), sampling mask and routes ([T-1, L, k] in ``model.routing_dtype``)
+    from SGLang's JSON fields (a request sent without :data:`~megarl.wire.metadata.HEADER`)."""
+    with_routing, with_mask, never_ran, support = asked
+    request = meta.get("id")
+    token_logprobs = meta["output_token_logprobs"]
+    if [t[1] for t in token_logprobs] != response_ids:
+        raise EngineError(f"output_token_logprobs ids disagree with output_ids for request {request}")
+    if with_mask:
+        logprobs = meta.get("output_token_sampling_logprobs", [] if never_ran else None)
+        rows = meta.get("output_token_sampling_mask", [] if never_ran else None)
+        if logprobs is None or rows is None:
+            raise EngineError(f"request {request} asked for a sampling mask but got none")
+        mask, logprobs = sampling_mask_of(rows, logprobs, response_ids, support)
+    else:
+        logprobs, mask = [t[0] for t in token_logprobs], None
+    routing = None
+    if with_routing:
+        if "routed_experts" not in meta:
+            raise EngineError(f"request {request} asked for routed experts but got none "
+                              "(is the server started with --enable-return-routed-experts?)")
+        routing = decode_routed_experts(meta["routed_experts"], prompt_len + len(response_ids), model)
+    return np.asarray(logprobs, dtype=np.float32), mask, routing
+
+
+def compact_metadata(meta: dict, section: memoryview, response_ids: list[int], prompt_len: int, model: ServedModel,
+                     asked: MetadataAsked) -> Metadata:
+    """:func:`json_metadata` from a binary answer's arrays (:mod:`megarl.wire.metadata`, the
+    array ``section``): the same values, views of the section, routes in ``expert_dtype(model.num_experts)``."""
+    with_routing, with_mask, never_ran, support = asked
+    request, r = meta.get("id"), len(response_ids)
+    try:
+        arrays = compact_arrays(meta[COMPACT], section)
+    except ValueError as e:
+        raise EngineError(f"request {request}: {e}") from None
+    if "routed_experts" in arrays and arrays["routed_experts"].dtype != expert_dtype(model.num_experts):
+        raise EngineError(f"request {request}: routed experts as {arrays['routed_experts'].dtype}, "
+                          f"expected {expert_dtype(model.num_experts)}")
+    mask = None
+    if with_mask and never_ran:
+        mask, logprobs = SamplingMask(np.zeros(0, np.int32), np.zeros(1, np.int32)), np.zeros(0, np.float32)
+    elif with_mask:
+        if "mask_ids" not in arrays:
+            raise EngineError(f"request {request} asked for a sampling mask but got none")
+        mask, logprobs = compact_sampling_mask(arrays, response_ids, support)
+    else:
+        logprobs = arrays.get("logprobs", np.zeros(0, np.float32))
+    if len(logprobs) != r:
+        raise EngineError(f"request {request}: {len(logprobs)} log-probs for {r} response tokens")
+    routing = None
+    if with_routing:
+        if "routed_experts" not in arrays:
+            raise EngineError(f"request {request} asked for routed experts but got none "
+                              "(is the server started with --enable-return-routed-experts?)")
+        routing = checked_routes(arrays["routed_experts"], prompt_len + r, model)
+    return logprobs, mask, routing
+
+
+def compact_sampling_mask(arrays: dict[str, np.ndarray], response_ids: list[int],
+                          support: bool) -> tuple[SamplingMask, np.ndarray]:
+    """The sampling mask (CSR, int32) and each sampled token's log-prob (float32 [R]) from the compact
+    arrays ``mask_lengths``, ``mask_ids`` and ``mask_logprobs`` ([R], or [nnz] with ``support``)."""
+    lengths, ids, values = arrays["mask_lengths"], arrays["mask_ids"], arrays["mask_logprobs"]
+    if len(lengths) != len(response_ids):
+        raise EngineError(f"a sampling mask of {len(lengths)} rows for {len(response_ids)} response tokens")
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] != len(ids):
+        raise EngineError(f"sampling mask rows hold {offsets[-1]} ids, the response sent {len(ids)}")
+    if not support:
+        return SamplingMask(ids, offsets), values
+    if len(values) != len(ids):
+        raise EngineError(f"{len(values)} support log-probs for {len(ids)} kept ids")
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    hits = np.flatnonzero(ids == np.repeat(np.asarray(response_ids, dtype=np.int32), lengths))
+    found, first = np.unique(rows[hits], return_index=True)  # each row's first kept id that is its token
+    if len(found) != len(lengths):
+        i = int(np.flatnonzero(~np.isin(np.arange(len(lengths)), found))[0])
+        raise EngineError(f"response token {i} ({response_ids[i]}) is not in its recorded sampling support")
+    return SamplingMask(ids, offsets, values), values[hits[first]]
+
+
+def checked_routes(flat: np.ndarray, num_tokens: int, model: ServedModel) -> np.ndarray:
+    """``flat`` expert ids as [num_tokens - 1, num_layers, topk]; EngineError for another count or an id
+    outside ``[0, model.num_experts)``."""
+    shape = (num_tokens - 1, model.num_layers, model.topk)
+    if flat.size != shape[0] * shape[1] * shape[2]:
+        raise EngineError(f"routed_experts holds {flat.size} ids, expected {shape} for {num_tokens} tokens")
+    signed = flat.dtype.kind == "i"  # unsigned ids cannot be negative: one pass fewer
+    if flat.size and ((signed and flat.min() < 0) or flat.max() >= model.num_experts):
+        raise EngineError(f"routed_experts ids outside [0, {model.num_experts}): {flat.min()}..{flat.max()}")
+    return flat.reshape(shape)
+
+
 class SGLangClient:
     """Async client of one SGLang HTTP server. Use ``async with`` or call ``aclose()``.
 
     ``api_key``: the server's ``--api-key``, sent as ``Authorization: Bearer`` on every request
-    (generation, control and weight updates alike); it is never logged."""
+    (generation, control and weight updates alike); it is never logged. ``compact_metadata``: ask for the
+    per-token metadata as binary arrays (:mod:`megarl.wire.metadata`, decoded by
+    :func:`compact_metadata`); False: SGLang's JSON fields (:func:`json_metadata`), the same values."""
 
     def __init__(self, base_url: str, model: ServedModel, request_timeout_s: float = 600.0,
-                 api_key: str | None = None, shared_prefill_min_tokens: int = 0, support_logprobs: bool = False):
+                 api_key: str | None = None, shared_prefill_min_tokens: int = 0, support_logprobs: bool = False,
+                 compact_metadata: bool = True):
         if shared_prefill_min_tokens < 0:
             raise ValueError(f"shared_prefill_min_tokens must be >= 0 (0: off), got {shared_prefill_min_tokens}")
         self.base_url = base_url
@@ -203,8 +305,10 @@ class SGLangClient:
         self.shared_prefill_min_tokens = shared_prefill_min_tokens  # see _prefill_shared
         # a sampling mask comes with the engine's log-prob of every kept id (SamplingMask.logprobs)
         self.support_logprobs = support_logprobs
+        # responses carry the per-token metadata as binary arrays (compact_metadata), or as SGLang's JSON
+        headers = auth_headers(api_key) | ({HEADER: expert_dtype(model.num_experts).name} if compact_metadata else {})
         self._http = httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(request_timeout_s, connect=10.0),
-                                       headers=auth_headers(api_key), limits=engine_limits())
+                                       headers=headers, limits=engine_limits())
         # the LoRA adapter requests name (None: the base weights), set by megarl.sync.adapter
         self.adapter: LoraAdapter | None = None
         # concurrent generate_batch calls go out as one request; a rejection is retried call by call
@@ -327,9 +431,8 @@ class SGLangClient:
         adapter = self._name_adapter(payload)
         firsts = shared_prompts(prompts, self.shared_prefill_min_tokens, routes)
         cached_first = await self._prefill_shared([prompts[i] for i in firsts], adapter) if firsts else []
-        outs = orjson.loads((await self._post("/generate", payload)).content)
-        samples = [self._to_sample(p, out, return_routed_experts, return_sampling_mask, g, "", adapter)
-                   for p, out, g in zip(prompts, outs, group_ids)]
+        body = (await self._post("/generate", payload)).content
+        samples = self.samples_of(body, prompts, group_ids, (return_routed_experts, return_sampling_mask), adapter)
         for i, cached in zip(firsts, cached_first):  # the prefill's prompt tokens count as the first copy's
             samples[i].prefill_tokens += len(prompts[i])
             samples[i].cached_tokens += cached
@@ -346,7 +449,7 @@ class SGLangClient:
         payload = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 0}}
         if adapter is not None:  # the adapter is part of the prefix cache's key
             payload["lora_path"] = adapter.name
-        outs = orjson.loads((await self._post("/generate", payload)).content)
+        outs, _ = unpack_answer((await self._post("/generate", payload)).content)
         return [int(out["meta_info"].get("cached_tokens", 0)) for out in outs]
 
     def _name_adapter(self, payload: dict) -> LoraAdapter | None:
@@ -356,40 +459,34 @@ class SGLangClient:
             payload["lora_path"] = adapter.name
         return adapter
 
+    def samples_of(self, body: bytes, prompts: list[list[int]], group_ids: list[str], asked: tuple[bool, bool],
+                   adapter: LoraAdapter | None = None) -> list[RolloutSample]:
+        """The samples of a batch ``/generate`` answer ``body`` (JSON or binary,
+        :func:`~megarl.wire.metadata.unpack_answer`) to ``prompts``; ``asked``: whether routes
+        and sampling masks were asked for; ``adapter``: the one the request named."""
+        outs, section = unpack_answer(body)
+        return [self._to_sample(p, out, *asked, g, "", adapter, section) for p, out, g in zip(prompts, outs, group_ids)]
+
     def _to_sample(self, prompt_ids, out, with_routing, with_mask, group_id, episode_id,
-                   adapter: LoraAdapter | None = None) -> RolloutSample:
+                   adapter: LoraAdapter | None = None, section: memoryview | None = None) -> RolloutSample:
         meta = out["meta_info"]
         response_ids = list(out["output_ids"])
         r = len(response_ids)
         finish = meta["finish_reason"]
         if finish is None or finish["type"] not in _FINISH_REASONS:
             raise EngineError(f"unknown finish_reason {finish!r} for request {meta.get('id')}")
-        token_logprobs = meta["output_token_logprobs"]
-        if [t[1] for t in token_logprobs] != response_ids:
-            raise EngineError(f"output_token_logprobs ids disagree with output_ids for request {meta.get('id')}")
         # A request aborted before it was scheduled comes back with no tokens and no metadata.
         never_ran = r == 0 and finish["type"] == "abort"
-        if with_mask:
-            logprobs = meta.get("output_token_sampling_logprobs", [] if never_ran else None)
-            rows = meta.get("output_token_sampling_mask", [] if never_ran else None)
-            if logprobs is None or rows is None:
-                raise EngineError(f"request {meta.get('id')} asked for a sampling mask but got none")
-            mask, logprobs = sampling_mask_of(rows, logprobs, response_ids, self.support_logprobs)
+        asked = (with_routing and not never_ran, with_mask, never_ran, self.support_logprobs)
+        if COMPACT in meta and section is not None:
+            logprobs, mask, routing = compact_metadata(meta, section, response_ids, len(prompt_ids), self.model, asked)
         else:
-            logprobs = [t[0] for t in token_logprobs]
-            mask = None
-        routing = None
-        if with_routing and not never_ran:
-            if "routed_experts" not in meta:
-                raise EngineError(f"request {meta.get('id')} asked for routed experts but got none "
-                                  "(is the server started with --enable-return-routed-experts?)")
-            routing = decode_routed_experts(meta["routed_experts"], len(prompt_ids) + r, self.model)
+            logprobs, mask, routing = json_metadata(meta, response_ids, len(prompt_ids), self.model, asked)
         # a request keeps the adapter it named to its end: every token is that adapter's version
         versions = _model_versions(meta, r) if adapter is None else np.full(r, adapter.version, dtype=np.int32)
         return RolloutSample(
             prompt_ids=prompt_ids, response_ids=response_ids, loss_mask=np.ones(r, dtype=np.uint8),
-            rollout_logprobs=np.asarray(logprobs, dtype=np.float32),
-            model_version=versions, routed_experts=routing, sampling_mask=mask,
+            rollout_logprobs=logprobs, model_version=versions, routed_experts=routing, sampling_mask=mask,
             finish_reason=_FINISH_REASONS[finish["type"]], group_id=group_id, episode_id=episode_id,
             mixed_versions=mixed_version_tokens(versions, self._entered_in_place, meta.get("cached_tokens", 0) > 0),
             prefill_tokens=len(prompt_ids), cached_tokens=int(meta.get("cached_tokens", 0)),

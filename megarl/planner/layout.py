@@ -12,6 +12,7 @@ from megarl.planner.arch import Arch, resolve_arch, served_arch
 from megarl.planner.delta_memory import busiest_node, delta_memory_problem, node_host_bytes
 from megarl.planner.engine_memory import EngineMemory, engine_memory
 from megarl.planner.lora import LoraPlan, lora_plan
+from megarl.planner.metadata import MetadataPlan, metadata_plan
 from megarl.planner.params import ParamCounts, count_params
 from megarl.planner.placement import PlacementPlan, place
 from megarl.planner.trainer_memory import StageMemory, trainer_memory
@@ -52,6 +53,7 @@ class LayoutPlan:
     engine_gpus: int  # all engines together
     total_gpus: int  # the policy's engines share the trainer's GPUs when colocated; auxiliary engines have their own
     placement: PlacementPlan  # the node and device of every rank, the weight-sync groups
+    metadata: MetadataPlan  # the step's per-token metadata: bytes and CPU seconds at each stage
     lora: LoraPlan | None = None  # the LoRA adapters (lora.enabled)
     auxiliary: list[AuxiliaryPlan] = field(default_factory=list)  # the teacher's, judge's, frozen roles' engines
 
@@ -64,6 +66,9 @@ class LayoutPlan:
         out["placement"] = self.placement.to_dict()
         out["trainer"] = [dict(asdict(s), total=s.total) for s in self.trainer]
         out["params"]["mtp_excluded_from_total"] = True
+        for path in ("new", "old"):
+            out["metadata"][path]["driver_seconds"] = getattr(self.metadata, path).driver_seconds
+        out["metadata"]["driver_ratio"] = self.metadata.driver_ratio
         if self.lora is not None:
             out["lora"].update(ratio=self.lora.ratio, trainable_fraction=self.lora.trainable_fraction)
         return out
@@ -72,7 +77,7 @@ class LayoutPlan:
 def plan_layout(cfg: DictConfig) -> LayoutPlan:
     """Everything the planner computes for ``cfg`` (a loaded, validated config)."""
     arch = resolve_arch(cfg)
-    r = cfg.rollout
+    r, p = cfg.rollout, cfg.parallel
     engine_gpus = r.num_engines * r.engine_tp
     colocated = Placement(cfg.placement) == Placement.colocated
     lora = lora_plan(arch, cfg)
@@ -83,7 +88,9 @@ def plan_layout(cfg: DictConfig) -> LayoutPlan:
         sync=weight_sync_plan(arch, cfg, lora), trainer_gpus=cfg.parallel.world_size, engine_gpus=engine_gpus,
         total_gpus=(max(cfg.parallel.world_size, engine_gpus) if colocated else cfg.parallel.world_size + engine_gpus)
         + sum(engine.devices for engine in auxiliary),
-        placement=place(topology), lora=lora, auxiliary=[auxiliary_plan(engine, cfg) for engine in auxiliary],
+        placement=place(topology), lora=lora,
+        metadata=metadata_plan(arch, r, dp=p.world_size // (p.tp * p.pp * p.cp)),
+        auxiliary=[auxiliary_plan(engine, cfg) for engine in auxiliary],
     )
 
 

@@ -30,7 +30,8 @@ class RLBatch:
     :attr:`mixed_tokens`), ``rollout_logprobs``
     float32 [N] (0 outside the response), ``staleness`` int32 [N] (the trainer's weight version
     minus the ``model_version`` of the target on response positions, 0 elsewhere),
-    ``routed_experts`` int16 [N, L, k] or None, the sampling mask as CSR over the N positions
+    ``routed_experts`` uint8 (every sample's ids uint8) or int16 [N, L, k] or None, the sampling mask as CSR
+    (int32 ids, int64 offsets) over the N positions
     (empty rows = full vocabulary) or None, ``token_advantages`` float32 [N] (added to the sample's
     advantage on response positions, 0 elsewhere) or None, ``old_logprobs`` float32 [N] (the trainer's
     log-probs before the step's first update, :func:`megarl.trainer.rl_step.policy_logprobs`; 0 off the
@@ -69,22 +70,24 @@ class RLBatch:
         return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
 
     def select(self, indices: Sequence[int]) -> RLBatch:
-        """The samples ``indices``, in that order, as a batch of their own."""
+        """The samples ``indices``, in that order, as a batch of their own: each column's rows of a sample are
+        one slice of it (a sample's positions, and their mask entries, lie side by side), copied once."""
         idx = torch.as_tensor(list(indices), dtype=torch.long)
         lengths = self.lengths[idx]
-        positions = _ranges(self.cu_seqlens[:-1][idx], lengths)
+        starts = self.cu_seqlens[:-1][idx]
+        spans = list(zip(starts.tolist(), (starts + lengths).tolist()))
         cu = torch.zeros(len(idx) + 1, dtype=torch.long)
         torch.cumsum(lengths, 0, out=cu[1:])
         mask = None
         if self.sampling_mask is not None:
             offsets = self.sampling_mask.offsets.long()
-            counts = (offsets[1:] - offsets[:-1])[positions]
-            new_offsets = torch.zeros(len(positions) + 1, dtype=torch.long)
-            torch.cumsum(counts, 0, out=new_offsets[1:])
-            taken = _ranges(offsets[:-1][positions], counts)
+            new_offsets = torch.zeros(int(cu[-1]) + 1, dtype=torch.long)
+            torch.cumsum(_cut(offsets[1:] - offsets[:-1], spans), 0, out=new_offsets[1:])
+            entries = list(zip(offsets[starts].tolist(), offsets[starts + lengths].tolist()))
             logprobs = self.sampling_mask.logprobs
-            mask = CsrMask(self.sampling_mask.ids[taken], new_offsets, None if logprobs is None else logprobs[taken])
-        per_position = {name: None if getattr(self, name) is None else getattr(self, name)[positions]
+            mask = CsrMask(_cut(self.sampling_mask.ids, entries), new_offsets,
+                           None if logprobs is None else _cut(logprobs, entries))
+        per_position = {name: None if getattr(self, name) is None else _cut(getattr(self, name), spans)
                         for name in _PER_POSITION}
         return RLBatch(**per_position, cu_seqlens=cu, advantages=self.advantages[idx], sampling_mask=mask,
                        group_ids=None if self.group_ids is None else self.group_ids[idx])
@@ -99,6 +102,22 @@ class RLBatch:
                  if f.name != "sampling_mask"}
         return RLBatch(**moved, sampling_mask=mask)
 
+    def __getstate__(self) -> dict:
+        """Pickled (Ray's transfer to a trainer rank) with each host tensor as a numpy array, which pickle's
+        protocol 5 hands over out of band, without a copy in the sender (torch pickles a tensor's bytes
+        in band); :meth:`__setstate__` makes them tensors again."""
+        state = {name: _as_numpy(value) for name, value in vars(self).items() if name != "sampling_mask"}
+        mask = self.sampling_mask
+        state["sampling_mask"] = None if mask is None else tuple(map(_as_numpy, (mask.ids, mask.offsets,
+                                                                                 mask.logprobs)))
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """The batch :meth:`__getstate__` gave, each array a tensor over its own writable memory."""
+        mask = state.pop("sampling_mask")
+        vars(self).update({name: _as_tensor(value) for name, value in state.items()})
+        self.sampling_mask = None if mask is None else CsrMask(*map(_as_tensor, mask))
+
     def position_advantages(self) -> torch.Tensor:
         """The advantage at every position, float32 [N]: the sample's, plus its token advantage."""
         per_sample = torch.repeat_interleave(self.advantages, self.lengths, output_size=len(self.tokens))
@@ -107,6 +126,23 @@ class RLBatch:
 
 _PER_POSITION = ("tokens", "targets", "loss_mask", "rollout_logprobs", "staleness", "routed_experts",
                  "token_advantages", "old_logprobs", "mixed_versions", "old_values", "returns")
+
+
+def _as_numpy(value):
+    """A host tensor's numpy view (anything else as it is)."""
+    return value.numpy() if isinstance(value, torch.Tensor) and value.device.type == "cpu" else value
+
+
+def _as_tensor(value):
+    """A numpy array as a tensor over writable memory (its own, or a copy of a read-only buffer's)."""
+    if not isinstance(value, np.ndarray):
+        return value
+    return torch.from_numpy(value if value.flags.writeable else value.copy())
+
+
+def _cut(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows ``[a, b)`` of ``tensor`` for each span, back to back (one copy)."""
+    return torch.cat([tensor[a:b] for a, b in spans]) if spans else tensor[:0].clone()
 
 
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -197,8 +233,8 @@ def _scatter_responses(samples: Sequence[RolloutSample], at: np.ndarray, n: int,
 
 
 def _routing(samples: Sequence[RolloutSample], lengths: np.ndarray) -> Optional[torch.Tensor]:
-    """The samples' routed experts back to back, int16 [N, L, k] (sample b: ``lengths[b]`` rows); None
-    unless every sample has them."""
+    """The samples' routed experts back to back, [N, L, k] (sample b: ``lengths[b]`` rows), uint8 when every
+    sample's are (the engine's compact ids), else int16; None unless every sample has them."""
     if any(s.routed_experts is None for s in samples):
         return None
     shape = samples[0].routed_experts.shape[1:]
@@ -206,7 +242,8 @@ def _routing(samples: Sequence[RolloutSample], lengths: np.ndarray) -> Optional[
         if sample.routed_experts.shape != (t, *shape):
             raise ValueError(f"sample {b}: routed_experts {tuple(sample.routed_experts.shape)} must be "
                              f"[T-1={t}, {shape[0]}, {shape[1]}]")
-    return torch.from_numpy(np.concatenate([s.routed_experts for s in samples]).astype(np.int16, copy=False))
+    dtype = np.uint8 if all(s.routed_experts.dtype == np.uint8 for s in samples) else np.int16
+    return torch.from_numpy(np.concatenate([s.routed_experts for s in samples]).astype(dtype, copy=False))
 
 
 def _sampling_mask(samples: Sequence[RolloutSample], at: np.ndarray, n: int) -> Optional[CsrMask]:
@@ -222,7 +259,7 @@ def _sampling_mask(samples: Sequence[RolloutSample], at: np.ndarray, n: int) -> 
     offsets = torch.zeros(n + 1, dtype=torch.long)
     torch.cumsum(torch.from_numpy(counts), 0, out=offsets[1:])
     present = [m for m in masks if m is not None]
-    ids = np.concatenate([m.ids for m in present]).astype(np.int64)
+    ids = np.concatenate([m.ids for m in present])
     logprobs = None
     if all(m.logprobs is not None for m in present):
         logprobs = torch.from_numpy(np.concatenate([m.logprobs for m in present]))
