@@ -151,9 +151,11 @@ class RolloutProducer:
                 "stopping instead of spinning"))
 
     def _bad_prompt(self, exc: BadPrompt) -> None:
-        """A row of the source that is no prompt: one prompt ended as error (no samples started)."""
+        """A row of the source that is no prompt: one prompt ended as error (no samples started), and a failed
+        group towards ``max_consecutive_failed_groups`` (a source of nothing but such rows stops the run)."""
         self.ledger.started(1, 0)
         self.ledger.dropped_in_flight(0, Outcome.ERROR)
+        self._count_failed(False, str(exc))
         self.bad_prompts += 1
         if self.bad_prompts <= 5:
             log.warning("skipped a row that is no prompt (%d so far; counted in buffer/prompts_error%s): %s",
