@@ -103,10 +103,10 @@ def run(cfg: DictConfig, command: list[str] | None = None) -> None:
     from megarl.planner.delta_memory import check_delta_memory, node_host_bytes
 
     refuse_what_is_not_built(cfg)
-    check_model(cfg)
     if cfg.mode != "warmup":
         check_delta_memory(cfg, node_host_bytes(cfg))
         StopRequest.install()
+    check_model(cfg)
     run_dir = open_run_dir(cfg, command or [])
     hf_path = ensure_model(cfg)
     if cfg.mode == "warmup":
