@@ -223,7 +223,7 @@ def _json_line(path: Path, number: int, line: str, first: bool) -> dict | None:
     """Line ``number`` of a JSON Lines file as a dict; None when it is the ``first`` row and the whole file
     is one JSON document instead; ValueError naming the file and the line otherwise."""
     try:
-        row = json.loads(line)
+        row = json.loads(line.rstrip())
     except json.JSONDecodeError as exc:
         if first and _is_json_document(path):
             return None
