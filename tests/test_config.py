@@ -349,6 +349,30 @@ def test_a_checkpoint_config_that_is_not_a_json_object_is_named(tmp_path):
 
 
 @pytest.mark.unit
+def test_a_checkpoint_without_its_weights_or_tokenizer_is_named(tmp_path):
+    from megarl.config.inputs import checkpoint_files_problem
+
+    (tmp_path / "config.json").write_text("{}")
+    assert checkpoint_files_problem(tmp_path) == (f"{tmp_path} holds no weights (no model.safetensors, nor a "
+                                                  "model.safetensors.index.json)")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}))
+    (tmp_path / "model-1.safetensors").write_bytes(b"")
+    assert checkpoint_files_problem(tmp_path) == (f"{tmp_path} lacks 1 of the 2 weight files its index lists "
+                                                  "(model-2.safetensors): an unfinished download or copy?")
+    (tmp_path / "model-2.safetensors").write_bytes(b"")
+    assert checkpoint_files_problem(tmp_path) == (f"{tmp_path} holds no tokenizer (none of tokenizer.json, "
+                                                  "tokenizer_config.json, tokenizer.model)")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert checkpoint_files_problem(tmp_path) is None
+    index.write_text("{")
+    assert checkpoint_files_problem(tmp_path).startswith(f"{index} is not a safetensors index (JSONDecodeError: ")
+    index.write_text("[]")
+    with pytest.raises(ConfigError, match=r"^teacher.hf_path: .* is not a safetensors index \(TypeError"):
+        loaded(["recipe=tiny_moe_cpu", f"teacher.hf_path={tmp_path}", "algorithm.opd_coef=1.0"])
+
+
+@pytest.mark.unit
 def test_a_chat_template_is_asked_of_a_tokenizer_that_has_one(tiny_checkpoint, tmp_path):
     import shutil
 
