@@ -136,3 +136,18 @@ def test_setting_aside_keeps_earlier_runs_and_mlflow_store(tmp_path):
     second = set_aside(tmp_path)
     assert first != second and (first / "engine-0.log").is_file() and (second / "metrics.jsonl").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mlruns", "previous"]
+
+
+def test_a_server_log_is_rotated_when_its_server_starts_past_the_bound(tmp_path):
+    from megarl.log import rotate_log
+
+    log = tmp_path / "engine-0.log"
+    assert not rotate_log(log, max_bytes=10)  # no log yet
+    for start in range(4):
+        log.write_text(f"start {start}\n" + "x" * 20)
+        assert rotate_log(log, max_bytes=10, backups=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["engine-0.log.1", "engine-0.log.2"]
+    assert (tmp_path / "engine-0.log.1").read_text().startswith("start 3") and \
+        (tmp_path / "engine-0.log.2").read_text().startswith("start 2")
+    log.write_text("small\n")
+    assert not rotate_log(log, max_bytes=10) and log.read_text() == "small\n"
