@@ -112,3 +112,29 @@ def test_a_bad_file_or_path_fails_at_start_naming_it(case, bad_inputs, tmp_path)
         assert text in err, err
     assert elapsed < LOAD_LIMIT_S, f"{elapsed:.1f} s"
     assert not (tmp_path / "no").exists() and not (tmp_path / "base").exists() and not (tmp_path / "run").exists()
+
+
+def test_a_rerun_of_a_finished_run_or_in_another_mode_says_so_in_one_line(tmp_path):
+    """After the demo's async run (its run directory as it leaves it: latest = 300, config.yaml's mode): the
+    same command exits 0 saying nothing is left, ``mode=sync`` exits 2 saying the directory holds an async run;
+    neither starts anything nor moves the run."""
+    root = tmp_path / "run" / "checkpoints"
+    root.mkdir(parents=True)
+    (root / "latest").write_text("300\n")
+    (tmp_path / "run" / "config.yaml").write_text("mode: async\n")
+    make = "model.make_tiny_if_missing=true"
+    done, elapsed = train(make, tmp_path=tmp_path)
+    assert done.returncode == 0 and elapsed < LOAD_LIMIT_S, (done.stderr[-2000:], elapsed)
+    assert done.stderr.strip() == (
+        f"megarl: {tmp_path / 'run'} already reached step 300 of steps=300: nothing left to train; steps=N above 300 "
+        f"continues it, `python -m megarl.train recipe=tiny_moe_cpu model.hf_path={tmp_path / 'base'} "
+        f"warmup.save_hf_path={tmp_path / 'sft'} logging.run_dir={tmp_path / 'run'} {make} trainer.resume=false` "
+        f"starts over (the old run set aside under {tmp_path / 'run'}/previous/)")
+    other, elapsed = train(make, "mode=sync", tmp_path=tmp_path)
+    assert other.returncode == 2 and elapsed < LOAD_LIMIT_S, (other.stderr[-2000:], elapsed)
+    err = other.stderr.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(
+        f"megarl: config error: mode: {tmp_path / 'run'} holds a mode=async run at step 300, which mode=sync does not "
+        "continue; `python -m megarl.train recipe=tiny_moe_cpu "), err
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["checkpoints", "config.yaml"]
+    assert not (tmp_path / "base").exists()
