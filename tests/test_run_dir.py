@@ -151,3 +151,22 @@ def test_a_server_log_is_rotated_when_its_server_starts_past_the_bound(tmp_path)
         (tmp_path / "engine-0.log.2").read_text().startswith("start 2")
     log.write_text("small\n")
     assert not rotate_log(log, max_bytes=10) and log.read_text() == "small\n"
+
+
+def test_a_warm_up_whose_checkpoint_exists_is_skipped_with_a_log_line(tmp_path, caplog, monkeypatch):
+    import logging
+
+    from megarl import train
+
+    warm = tmp_path / "sft"
+    warm.mkdir()
+    (warm / "config.json").write_text("{}")
+    monkeypatch.setattr(train, "warmup", lambda cfg: pytest.fail("the warm-up ran again"))
+    cfg = config(tmp_path / "run", f"warmup.save_hf_path={warm}", "warmup.steps=100")
+    with caplog.at_level(logging.INFO, logger="megarl.train"):
+        assert train.rl_start(cfg, tmp_path / "base") == str(warm)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"warm-up skipped: its checkpoint {warm} exists (warmup.steps=100 is not run again; delete it or set "
+        "warmup.save_hf_path to warm up anew)"]
+    no_warmup = config(tmp_path / "run", "warmup.steps=0")
+    assert train.rl_start(no_warmup, tmp_path / "base") == str(tmp_path / "base")
