@@ -101,8 +101,8 @@ class RolloutProducer:
 
     async def run(self) -> None:
         """Produce until cancelled. A failing group, or a source row that is no prompt, is logged and
-        counted, never fatal; anything else that ends production fails the run (:meth:`guard`)
-        rather than leaving it waiting for groups that never come."""
+        counted, fatal only as the last of ``max_consecutive_failed_groups`` in a row; anything else that ends
+        production fails the run (:meth:`guard`) rather than leaving it waiting for groups that never come."""
         try:
             self._take_back()
             await self._produce()
@@ -135,6 +135,8 @@ class RolloutProducer:
             except BadPrompt as exc:
                 self._bad_prompt(exc)
                 await self.buffer.release()
+                if self.failure.done():  # a source of nothing but such rows: the run ends (guard)
+                    return
                 continue
             self.ledger.started(1, self.samples_per_prompt)
             task = asyncio.create_task(self._one_group(index, prompt))
