@@ -1,9 +1,11 @@
-"""Process-wide logging set-up: megarl at INFO, the libraries' import chatter at WARNING."""
+"""Process-wide logging set-up: megarl at INFO, the libraries' import chatter at WARNING; the rotation of the
+log files megarl's servers write (:func:`rotate_log`)."""
 from __future__ import annotations
 
 import logging
 import os
 import warnings
+from pathlib import Path
 
 QUIET = ("megatron", "transformers", "torch.distributed", "ray", "hydra", "sglang", "httpx")
 
@@ -31,3 +33,23 @@ def setup_logging(level: str | None = None) -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="megatron")
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+LOG_ROTATE_BYTES = 64 << 20  # a server log larger than this is rotated when its server (re)starts
+LOG_BACKUPS = 2  # rotated copies kept: <log>.1 (the newest) .. <log>.<LOG_BACKUPS>
+
+
+def rotate_log(path: str | Path, max_bytes: int = LOG_ROTATE_BYTES, backups: int = LOG_BACKUPS) -> bool:
+    """Before a process starts appending to ``path``: when the file has more than ``max_bytes``, shift
+    ``path.1`` .. ``path.<backups - 1>`` up by one (the oldest dropped) and move ``path`` to ``path.1``.
+    Whether it rotated. The disk a log takes is then at most about ``(backups + 1) * max_bytes`` plus what
+    one server writes between its starts."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size <= max_bytes:
+        return False
+    for n in range(backups - 1, 0, -1):
+        older = path.with_name(f"{path.name}.{n}")
+        if older.exists():
+            older.replace(path.with_name(f"{path.name}.{n + 1}"))
+    path.replace(path.with_name(f"{path.name}.1"))
+    return True

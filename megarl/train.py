@@ -5,12 +5,13 @@ and one line naming the key, and so do delta syncs whose host copies do not fit 
 (:mod:`megarl.planner.delta_memory`). ``mode=warmup`` runs the tiny recipes' supervised warm-up that makes
 their RL starting checkpoint; the RL modes (``sync``, ``one_step_off``, ``async``) run it first when
 ``warmup.steps`` > 0 and its checkpoint is missing, else start from ``model.hf_path``. A run
-directory with a checkpoint resumes from it (``trainer.resume``). A trainer node that leaves the
-Ray cluster, or a trainer rank whose process dies alone, ends the run with one line naming it and status 75
-(:mod:`megarl.pipeline.node_watch`).
+directory belongs to one run (:mod:`megarl.pipeline.run_dir`): one with a checkpoint resumes from it
+(``trainer.resume``), in its own mode, or says in one line that it has nothing left to train (exit 0);
+starting over sets the old run aside. A trainer node that leaves the Ray cluster, or a trainer rank whose
+process dies alone, ends the run with one line naming it and status 75 (:mod:`megarl.pipeline.node_watch`).
 SIGTERM or SIGUSR1 makes the run checkpoint after the current step and exit (during start-up: exit
 at once, status 0), and so does Ctrl-C during the RL steps; a second Ctrl-C, or one before the steps
-begin, stops at once (exit status 130, one line saying where the same command would start again).
+begin, stops at once (exit status 130, one line naming the command that resumes and its step).
 A driver whose environment names an owner process (``MEGARL_END_WITH_PID``, :mod:`megarl.lifetime`) ends
 with it.
 """
@@ -63,33 +64,18 @@ async def rl(cfg: DictConfig, start_checkpoint: str) -> None:
             await pipe.end_step(step, batch, stats, result, synced)
 
 
-def resuming(cfg: DictConfig) -> bool:
-    """Whether this run continues from a checkpoint in its run directory."""
-    from megarl.trainer.checkpoint import latest_step
-
-    return (cfg.mode != "warmup" and cfg.trainer.resume
-            and latest_step(Path(cfg.logging.run_dir) / "checkpoints") is not None)
-
-
-def prepare_run_dir(cfg: DictConfig) -> Path:
-    """The run directory, made if absent, with the run's resolved ``config.yaml``; a new run (not a resume)
-    starts with no metrics or trained-prompt rows of an earlier one in it."""
-    run_dir = Path(cfg.logging.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    if not resuming(cfg):
-        for name in ("metrics.jsonl", "trained_prompts.jsonl"):
-            (run_dir / name).unlink(missing_ok=True)
-    return run_dir
+def check_model(cfg: DictConfig) -> None:
+    """``model.hf_path`` is an HF checkpoint directory, or the tiny demo checkpoint is to be built there
+    (``model.make_tiny_if_missing``: the recipe's own path, :func:`megarl.config.load_config`); ConfigError else."""
+    hf_path = Path(cfg.model.hf_path)
+    if not (hf_path / "config.json").is_file() and not cfg.model.make_tiny_if_missing:
+        raise ConfigError(f"model.hf_path: {hf_path} is not an HF checkpoint directory (no config.json)")
 
 
 def ensure_model(cfg: DictConfig) -> Path:
-    """``model.hf_path``, the tiny demo checkpoint built there when it is missing and
-    ``model.make_tiny_if_missing``; ConfigError when it is missing otherwise."""
+    """``model.hf_path``, the tiny demo checkpoint built there when it is missing (:func:`check_model`)."""
     hf_path = Path(cfg.model.hf_path)
     if not (hf_path / "config.json").is_file():
-        if not cfg.model.make_tiny_if_missing:
-            raise ConfigError(f"model.hf_path: {hf_path} is not an HF checkpoint directory (no config.json)")
         from megarl.models.tiny_moe import TinyMoeSpec, make_tiny_moe
 
         log.info("building the tiny demo checkpoint at %s", hf_path)
@@ -98,9 +84,24 @@ def ensure_model(cfg: DictConfig) -> Path:
     return hf_path
 
 
-def run(cfg: DictConfig) -> None:
-    """The run ``cfg`` describes, from its run directory and model to its curves' PNG (module docstring)."""
+def rl_start(cfg: DictConfig, hf_path: Path) -> str:
+    """The checkpoint RL starts from: the warm-up's when ``warmup.steps`` > 0 (made first when absent; an existing
+    one is used as it is, and a log line says so), else ``model.hf_path``."""
+    if cfg.warmup.steps <= 0:
+        return str(hf_path)
+    if (Path(cfg.warmup.save_hf_path) / "config.json").is_file():
+        log.info("warm-up skipped: its checkpoint %s exists (warmup.steps=%d is not run again; delete it or set "
+                 "warmup.save_hf_path to warm up anew)", cfg.warmup.save_hf_path, cfg.warmup.steps)
+    else:
+        warmup(cfg)
+    return cfg.warmup.save_hf_path
+
+
+def run(cfg: DictConfig, command: list[str] | None = None) -> None:
+    """The run ``cfg`` describes, from its run directory and model to its curves' PNG (module docstring);
+    ``command``: the driver's arguments, for the lines that say how to resume or start over."""
     from megarl.config.platform_rules import refuse_what_is_not_built
+    from megarl.pipeline.run_dir import open_run_dir
     from megarl.pipeline.signals import StopRequest
     from megarl.planner.delta_memory import check_delta_memory, node_host_bytes
 
@@ -108,22 +109,21 @@ def run(cfg: DictConfig) -> None:
     if cfg.mode != "warmup":
         check_delta_memory(cfg, node_host_bytes(cfg))
         StopRequest.install()
-    run_dir, hf_path = prepare_run_dir(cfg), ensure_model(cfg)
+    check_model(cfg)
+    run_dir = open_run_dir(cfg, command or [])
+    hf_path = ensure_model(cfg)
     if cfg.mode == "warmup":
         warmup(cfg)
     else:
-        start = str(hf_path)
-        if cfg.warmup.steps > 0:  # RL starts from the warmed-up checkpoint, made first if absent
-            if not (Path(cfg.warmup.save_hf_path) / "config.json").is_file():
-                warmup(cfg)
-            start = cfg.warmup.save_hf_path
         try:
-            asyncio.run(rl(cfg, start))
+            asyncio.run(rl(cfg, rl_start(cfg, hf_path)))
         except asyncio.CancelledError:
             if StopRequest.signal_name is None:
                 raise
-            log.warning("stopped by %s during start-up; %s", StopRequest.signal_name, what_a_rerun_does(cfg))
+            log.warning("stopped by %s during start-up; %s", StopRequest.signal_name, what_a_rerun_does(cfg, command))
             return
+        if StopRequest.signal_name is not None:
+            log.warning("stopped by %s; %s", StopRequest.signal_name, what_a_rerun_does(cfg, command))
     from megarl.metrics.plot import plot_run
 
     log.info("curves: %s", plot_run(run_dir)[0])
@@ -131,6 +131,8 @@ def run(cfg: DictConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The command line (``argv``, default ``sys.argv[1:]``) run; the process's exit status."""
+    from megarl.pipeline.run_dir import NothingLeftToTrain
+
     args = list(sys.argv[1:] if argv is None else argv)
     end_with_owner_from_env()  # started by a test worker: ends with it (megarl.lifetime)
     print_job = False
@@ -148,36 +150,41 @@ def main(argv: list[str] | None = None) -> int:
         if print_job:
             print(OmegaConf.to_yaml(cfg), end="")
             return 0
-        run(cfg)
+        run(cfg, args)
     except ConfigError as exc:
         print(f"megarl: config error: {exc}", file=sys.stderr)
         return 2
+    except NothingLeftToTrain as exc:
+        print(f"megarl: {exc}", file=sys.stderr)
+        return 0
     except KeyboardInterrupt:
-        print(f"megarl: interrupted{'' if cfg is None else '; ' + what_a_rerun_does(cfg)}", file=sys.stderr)
+        print(f"megarl: interrupted{'' if cfg is None else '; ' + what_a_rerun_does(cfg, args)}", file=sys.stderr)
         return 130  # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
     except TrainerLost as exc:
-        print(f"megarl: {exc}; {what_a_rerun_does(cfg)}", file=sys.stderr)
+        print(f"megarl: {exc}; {what_a_rerun_does(cfg, args)}", file=sys.stderr)
         return NODE_LOST_EXIT  # slurm/megarl.sbatch requeues the job on it
     return 0
 
 
-def what_a_rerun_does(cfg: DictConfig) -> str:
-    """After a run was interrupted: where the same command would start (the newest complete
-    checkpoint, as a resume takes it)."""
+def what_a_rerun_does(cfg: DictConfig, command: list[str] | None = None) -> str:
+    """After a run was interrupted: the command that resumes it (``command``, the driver's arguments, without
+    ``trainer.resume=false``) and where it would start (the newest complete checkpoint, as a resume takes it)."""
+    from megarl.pipeline.run_dir import resume_command
     from megarl.trainer.checkpoint import CheckpointError, latest_step, newest_complete
 
     if cfg.mode == "warmup":
         return "the warm-up saves its checkpoint at its end only: the same command starts it over"
     root = Path(cfg.logging.run_dir) / "checkpoints"
-    if latest_step(root) is None or not cfg.trainer.resume:
+    if latest_step(root) is None:
         return "no checkpoint to resume from: the same command starts the run over"
+    rerun = "the same command" if command is None else f"`{resume_command(command)}`"
     try:
         path, skipped = newest_complete(root)
     except CheckpointError as e:
-        return f"{e}: the same command cannot resume (move the checkpoints aside to start over)"
+        return f"{e}: {rerun} cannot resume (trainer.resume=false starts over, the old run set aside)"
     step = int(path.name.removeprefix("iter_"))
-    passed = f"; newer ones are incomplete: {'; '.join(skipped)}" if skipped else ""
-    return f"the same command resumes after step {step} (the run's newest complete checkpoint{passed})"
+    passed = f"; newer ones skipped: {'; '.join(skipped)}" if skipped else ""
+    return f"{rerun} resumes after step {step} (the run's newest complete checkpoint{passed})"
 
 
 if __name__ == "__main__":

@@ -79,7 +79,7 @@ def warmed_up(tmp_path_factory, worker_id, ray_session):
     shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
     root = shared / "warmed_up"
     base, warm, run = root / "base", root / "warm", root / "warmup"
-    overrides = [f"model.hf_path={base}", f"warmup.save_hf_path={warm}"]
+    overrides = [f"model.hf_path={base}", "model.make_tiny_if_missing=true", f"warmup.save_hf_path={warm}"]
     with FileLock(str(shared / "warmed_up.lock")):
         if not (root / "done").is_file():
             assert main(["recipe=tiny_moe_cpu", "mode=warmup", "warmup.steps=30", f"logging.run_dir={run}",

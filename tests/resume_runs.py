@@ -27,7 +27,8 @@ STEPS = 8
 def command(tmp_path: Path, recipe: str) -> list[str]:
     return [sys.executable, "-m", "megarl.train", f"recipe={recipe}", f"steps={STEPS}", "trainer.save_interval=2",
             "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4", "warmup.steps=30",
-            f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'warm'}",
+            f"model.hf_path={tmp_path / 'base'}", "model.make_tiny_if_missing=true",
+            f"warmup.save_hf_path={tmp_path / 'warm'}",
             f"logging.run_dir={tmp_path / 'run'}"]
 
 

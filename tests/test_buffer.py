@@ -225,6 +225,22 @@ def test_rows_that_are_no_prompt_are_counted_and_production_goes_on():
     ledger.check()
 
 
+class SourceOfBadRows(CountingSource):
+    """No row is a prompt."""
+
+    def next_batch(self, n):
+        raise BadPrompt("row 7 has no string 'prompt' (got NoneType)")
+
+
+def test_a_source_of_nothing_but_bad_rows_fails_the_run_instead_of_spinning():
+    from megarl.pipeline.producer import GenerationFailing
+
+    ledger = Ledger()
+    with pytest.raises(GenerationFailing, match=r"the last 64 prompt groups all failed \(last: row 7 has no string"):
+        asyncio.run(take_once(ScriptedManager(lambda i: "ok"), SourceOfBadRows(), ledger, 2))
+    assert ledger.prompts.ended[Outcome.ERROR] >= 64
+
+
 def test_a_source_that_fails_fails_the_run_instead_of_hanging_it():
     with pytest.raises(OSError, match="the dataset's disk went away"):
         asyncio.run(take_once(ScriptedManager(lambda i: "ok"), SourceWithBadRows(broken_after=1), Ledger(), 2))

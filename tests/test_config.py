@@ -317,6 +317,64 @@ def test_dataset_fields_are_checked_from_the_first_rows(tmp_path):
 
 
 @pytest.mark.unit
+def test_every_line_of_a_jsonl_dataset_is_read_and_a_bad_one_named(tmp_path):
+    dataset = ["recipe=tiny_moe_cpu", "task.name=jsonl", "warmup.steps=0", "reward.type=exact_match"]
+    rows = [json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) for i in range(200)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(rows[:150] + ['{"prompt": "x"'] + rows[150:]) + "\n")  # past the first 100 rows
+    with pytest.raises(ConfigError, match=r"^task.path: .*rows.jsonl line 151 is not valid JSON \(Expecting ',' "
+                                          r"delimiter at column 15\): '\{\"prompt\": \"x\"'$"):
+        loaded([*dataset, f"task.path={path}"])
+    path.write_text("\n".join([rows[0], "[1, 2]"]) + "\n")
+    with pytest.raises(ConfigError, match=r"^task.path: .*rows.jsonl line 2 is a JSON list, not an object of fields"):
+        loaded([*dataset, f"task.path={path}"])
+    path.write_text('{"prompt": "a",\n "answer": "b"}\n')  # one JSON document over two lines: the full read decides
+    loaded([*dataset, f"task.path={path}"])
+
+
+@pytest.mark.unit
+def test_the_recipes_tiny_model_is_built_at_its_own_path_only(tmp_path):
+    assert load_config(["recipe=tiny_moe_cpu"]).model.make_tiny_if_missing
+    elsewhere = f"model.hf_path={tmp_path / 'mistyped'}"
+    assert not load_config(["recipe=tiny_moe_cpu", elsewhere]).model.make_tiny_if_missing
+    assert load_config(["recipe=tiny_moe_cpu", elsewhere, "model.make_tiny_if_missing=true"]).model.make_tiny_if_missing
+
+
+@pytest.mark.unit
+def test_a_checkpoint_config_that_is_not_a_json_object_is_named(tmp_path):
+    (tmp_path / "config.json").write_text('["qwen3_moe"]')
+    with pytest.raises(ConfigError, match=r"^teacher.hf_path: .*config.json holds a JSON list, not an object"):
+        load_config(["recipe=tiny_moe_cpu", f"teacher.hf_path={tmp_path}"])
+    (tmp_path / "config.json").write_bytes(b'{"model_type": "\xff"}')
+    with pytest.raises(ConfigError, match=r"^model.hf_path: .*config.json is not UTF-8 text"):
+        load_config(["recipe=tiny_moe_cpu", f"model.hf_path={tmp_path}"])
+
+
+@pytest.mark.unit
+def test_a_checkpoint_without_its_weights_or_tokenizer_is_named(tmp_path):
+    from megarl.config.inputs import checkpoint_files_problem
+
+    (tmp_path / "config.json").write_text("{}")
+    assert checkpoint_files_problem(tmp_path) == (f"{tmp_path} holds no weights (no model.safetensors, nor a "
+                                                  "model.safetensors.index.json)")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}))
+    (tmp_path / "model-1.safetensors").write_bytes(b"")
+    assert checkpoint_files_problem(tmp_path) == (f"{tmp_path} lacks 1 of the 2 weight files its index lists "
+                                                  "(model-2.safetensors): an unfinished download or copy?")
+    (tmp_path / "model-2.safetensors").write_bytes(b"")
+    assert checkpoint_files_problem(tmp_path) == (f"{tmp_path} holds no tokenizer (none of tokenizer.json, "
+                                                  "tokenizer_config.json, tokenizer.model)")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert checkpoint_files_problem(tmp_path) is None
+    index.write_text("{")
+    assert checkpoint_files_problem(tmp_path).startswith(f"{index} is not a safetensors index (JSONDecodeError: ")
+    index.write_text("[]")
+    with pytest.raises(ConfigError, match=r"^teacher.hf_path: .* is not a safetensors index \(TypeError"):
+        loaded(["recipe=tiny_moe_cpu", f"teacher.hf_path={tmp_path}", "algorithm.opd_coef=1.0"])
+
+
+@pytest.mark.unit
 def test_a_chat_template_is_asked_of_a_tokenizer_that_has_one(tiny_checkpoint, tmp_path):
     import shutil
 

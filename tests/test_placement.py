@@ -322,6 +322,9 @@ def test_a_job_of_other_nodes_than_the_config_is_refused():
         refuse_beyond_allocation(cfg, hopper, {"MEGARL_GPUS_PER_NODE": "8"})
     with pytest.raises(ConfigError, match=r"^cluster.num_nodes: the layout needs 2 nodes of 4 GPUs, this job has 1"):
         refuse_beyond_allocation(cfg, hopper, {"MEGARL_NUM_NODES": "1"})
+    refuse_beyond_allocation(cfg, hopper, {"MEGARL_GPUS_PER_NODE": "h100:4"})  # SLURM's --gpus-per-node=type:N
+    with pytest.raises(ConfigError, match=r"^MEGARL_GPUS_PER_NODE: '4\(x2\)' is not a count \(N, or SLURM's type:N\)"):
+        refuse_beyond_allocation(cfg, hopper, {"MEGARL_GPUS_PER_NODE": "4(x2)"})
 
 
 def test_the_driver_refuses_a_layout_beyond_the_job_before_starting_anything(tmp_path, capsys, monkeypatch):

@@ -19,7 +19,8 @@ def test_calculator_episodes_train_on_whole_trajectories(tmp_path):
     run = tmp_path / "run"
     assert main(["recipe=tiny_moe_calculator", "mode=sync", "steps=2", "warmup.steps=40",
                  "rollout.prompts_per_step=8", "rollout.samples_per_prompt=4",
-                 f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'sft'}",
+                 f"model.hf_path={tmp_path / 'base'}", "model.make_tiny_if_missing=true",
+                 f"warmup.save_hf_path={tmp_path / 'sft'}",
                  f"logging.run_dir={run}"]) == 0
     rows = [row for row in read_metrics(run) if "reward/mean" in row]
     assert [row["step"] for row in rows] == [1, 2]
@@ -96,7 +97,8 @@ def test_an_agents_sdk_agent_calls_its_tool_and_trains(tmp_path):
     run = tmp_path / "run"
     assert main(["recipe=tiny_moe_tool_calling", "mode=sync", "steps=1", "warmup.steps=60",
                  "warmup.tool_fraction=1.0", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
-                 f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'sft'}",
+                 f"model.hf_path={tmp_path / 'base'}", "model.make_tiny_if_missing=true",
+                 f"warmup.save_hf_path={tmp_path / 'sft'}",
                  f"logging.run_dir={run}", "eval.prompts=8"]) == 0
     [row] = [row for row in read_metrics(run) if "reward/mean" in row]
     assert row["agent/tool_call_frac"] >= 0.5, row  # the warm-up's format, parsed by SGLang's qwen25 parser

@@ -35,7 +35,8 @@ PROMPTS, SAMPLES = 4, 4
 def arguments(tmp_path: Path) -> list[str]:
     return ["recipe=tiny_moe_cpu", f"steps={STEPS}", "trainer.save_interval=2", f"rollout.prompts_per_step={PROMPTS}",
             f"rollout.samples_per_prompt={SAMPLES}", "rollout.max_new_tokens=48", "buffer.max_staleness=3",
-            "warmup.steps=0", f"model.hf_path={tmp_path / 'base'}", f"logging.run_dir={tmp_path / 'run'}"]
+            "warmup.steps=0", f"model.hf_path={tmp_path / 'base'}", "model.make_tiny_if_missing=true",
+            f"logging.run_dir={tmp_path / 'run'}"]
 
 
 def carried_at(checkpoint: Path) -> CarriedRollouts | None:

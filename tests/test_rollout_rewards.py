@@ -82,6 +82,22 @@ def test_raise_and_timeout_are_counted_and_logged_once_per_kind(caplog):
     assert len(warnings) == 2 and sum("KeyError" in w for w in warnings) == 1
 
 
+def test_a_result_that_is_no_finite_number_is_a_counted_error():
+    import numpy as np
+
+    results = {"a": "0.5", "b": None, "c": float("nan"), "d": float("-inf"), "e": np.float32(0.25), "f": True}
+
+    async def odd(inp: RewardInput):
+        return results[inp.response_text]
+
+    scorer = RewardScorer(odd, timeout_s=5)
+    outcomes = {t: run(scorer(make_input(t))) for t in results}
+    assert {t: o.value for t, o in outcomes.items()} == {"a": 0.0, "b": 0.0, "c": 0.0, "d": 0.0, "e": 0.25, "f": 1.0}
+    assert outcomes["a"].error == "not_a_number: returned str '0.5', not a finite number"
+    assert outcomes["c"].error == "not_a_number: returned float 'nan', not a finite number"
+    assert scorer.errors == {"not_a_number": 4}
+
+
 USER_MODULE = '''
 import asyncio
 

@@ -92,7 +92,8 @@ def test_tiny_recipe_runs_on_the_ray_cluster_with_overrides(job):
     del job["env"]["MEGARL_TRAIN_CMD"]
     tmp = job["tmp"]
     overrides = ["recipe=tiny_moe_cpu", "mode=warmup", "run_name=from_sbatch", "warmup.steps=1", "warmup.lr=0.0005",
-                 f"model.hf_path={tmp / 'base'}", f"warmup.save_hf_path={tmp / 'sft'}",
+                 f"model.hf_path={tmp / 'base'}", "model.make_tiny_if_missing=true",
+                 f"warmup.save_hf_path={tmp / 'sft'}",
                  f"logging.run_dir={tmp / 'run'}"]
     head, worker = job["nodes"][0].address, job["nodes"][1].address
     proc = _sbatch(job, *overrides)

@@ -27,7 +27,8 @@ def hf_answer_loss(path: str) -> float:
 
 def test_warmup_lowers_the_loss_and_saves_a_better_checkpoint(tmp_path):
     base, warm, run = tmp_path / "base", tmp_path / "warm", tmp_path / "run"
-    assert main(["recipe=tiny_moe_cpu", "mode=warmup", f"model.hf_path={base}", f"warmup.save_hf_path={warm}",
+    assert main(["recipe=tiny_moe_cpu", "mode=warmup", f"model.hf_path={base}", "model.make_tiny_if_missing=true",
+                 f"warmup.save_hf_path={warm}",
                  f"logging.run_dir={run}", "warmup.steps=30"]) == 0
     losses = [row["warmup/loss"] for row in read_metrics(run)]
     assert len(losses) == 30

@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 
 from megarl.agents.spec import load_agent
 from megarl.config.errors import ConfigError, fail, one_line
+from megarl.config.validate import checkpoint_keys
 from megarl.metrics.trackers import missing_tracker
 from megarl.models.hf_config import hf_config_if_present, quantized_refusal
 from megarl.tasks.prompts import DATASET_TASKS, dataset_fields, has_chat_template
@@ -27,6 +28,9 @@ EXPERT_BIAS_FAMILIES = ("deepseek_v3", "glm4_moe")
 
 def check_inputs(cfg: DictConfig) -> None:
     """What an RL run reads, checked before it starts anything (a warm-up reads only the policy's checkpoint)."""
+    for key, path in checkpoint_keys(cfg):
+        if (Path(path) / "config.json").is_file() and (why := checkpoint_files_problem(Path(path))) is not None:
+            fail(key, why)
     _check_unquantized(cfg)
     if cfg.mode == "warmup":
         return
@@ -68,6 +72,29 @@ def check_inputs(cfg: DictConfig) -> None:
         if context is not None and cfg.rollout.max_new_tokens >= context:
             fail("rollout.max_new_tokens", f"{cfg.rollout.max_new_tokens} leaves no room for a prompt in the model's "
                  f"context of {context} tokens ({checkpoint})")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def checkpoint_files_problem(checkpoint: Path) -> str | None:
+    """What an HF checkpoint directory with a config.json lacks for megarl to load it: safetensors weights (the
+    one file, or every shard its index lists) and a tokenizer; None when nothing."""
+    index = checkpoint / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            return f"{index} is not a safetensors index ({type(exc).__name__}: {one_line(str(exc))})"
+        missing = [name for name in shards if not (checkpoint / name).is_file()]
+        if missing:
+            return (f"{checkpoint} lacks {len(missing)} of the {len(shards)} weight files its index lists "
+                    f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): an unfinished download or copy?")
+    elif not any(checkpoint.glob("*.safetensors")):
+        return f"{checkpoint} holds no weights (no model.safetensors, nor a model.safetensors.index.json)"
+    if not any((checkpoint / name).is_file() for name in TOKENIZER_FILES):
+        return f"{checkpoint} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
+    return None
 
 
 def _check_unquantized(cfg: DictConfig) -> None:

@@ -108,9 +108,16 @@ def load_config(args: list[str]) -> DictConfig:
         raise ConfigError(_one_line(exc)) from exc
     if cfg.sync.transport == "auto":  # the weights' way into the engines follows the placement
         cfg.sync.transport = "tensor" if cfg.placement == "colocated" else "distributed"
+    if _overridden(overrides, "model.hf_path") and not _overridden(overrides, "model.make_tiny_if_missing"):
+        cfg.model.make_tiny_if_missing = False  # the recipe's build-if-missing is for the recipe's own path
     make_paths_absolute(cfg)
     validate(cfg)
     return cfg
+
+
+def _overridden(overrides: list[str], key: str) -> bool:
+    """Whether a command-line override sets ``key``."""
+    return any(o.lstrip("+").split("=", 1)[0] == key for o in overrides)
 
 
 # The keys that hold a file or directory of the run. Processes on other nodes read them (trainer ranks and

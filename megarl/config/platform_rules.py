@@ -63,14 +63,26 @@ def refuse_beyond_allocation(cfg: DictConfig, platform: Platform, environ: Mappi
     on CUDA, nodes of ``MEGARL_GPUS_PER_NODE`` GPUs must be ``cluster.gpus_per_node`` (every placement
     counts devices by it), and the layout must fit ``MEGARL_NUM_NODES`` nodes."""
     environ = os.environ if environ is None else environ
-    gpus, nodes = environ.get("MEGARL_GPUS_PER_NODE"), environ.get("MEGARL_NUM_NODES")
-    if platform.is_cuda and gpus and int(gpus) and int(gpus) != cfg.cluster.gpus_per_node:
+    gpus, nodes = _env_count(environ, "MEGARL_GPUS_PER_NODE"), _env_count(environ, "MEGARL_NUM_NODES")
+    if platform.is_cuda and gpus and gpus != cfg.cluster.gpus_per_node:
         fail("cluster.gpus_per_node", f"is {cfg.cluster.gpus_per_node}, but this job's nodes have {gpus} GPUs each "
              f"(MEGARL_GPUS_PER_NODE): set cluster.gpus_per_node={gpus}")
     needed = RunTopology.from_config(cfg).nodes
-    if nodes and needed > int(nodes):
+    if nodes and needed > nodes:
         fail("cluster.num_nodes", f"the layout needs {needed} nodes of {cfg.cluster.gpus_per_node} GPUs, this job has "
              f"{nodes} (MEGARL_NUM_NODES): submit it with slurm/submit.sh, which asks the planner")
+
+
+def _env_count(environ: Mapping[str, str], name: str) -> int | None:
+    """The count an environment variable of the job gives: ``N``, or SLURM's ``type:N`` (``--gpus-per-node=h100:8``);
+    None when unset or empty; ConfigError naming the variable for anything else."""
+    value = environ.get(name, "").strip()
+    if not value:
+        return None
+    count = value.rsplit(":", 1)[-1]
+    if not count.isdigit():
+        fail(name, f"{value!r} is not a count (N, or SLURM's type:N); slurm/megarl.sbatch sets it from the job")
+    return int(count)
 
 
 def refuse_what_is_not_built(cfg: DictConfig, platform: Platform | None = None) -> None:

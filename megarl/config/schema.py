@@ -109,7 +109,9 @@ class ArchConfig:
 @dataclass
 class ModelConfig:
     hf_path: str = MISSING  # HF checkpoint directory (config.json + safetensors + tokenizer)
-    make_tiny_if_missing: bool = False  # build the demo's tiny checkpoint at hf_path when it is absent
+    # build the demo's tiny checkpoint at hf_path when it is absent; a recipe's true holds for its own hf_path only
+    # (a model.hf_path given on the command line must exist, unless make_tiny_if_missing=true is given there too)
+    make_tiny_if_missing: bool = False
     tiny_variant: TinyVariant = TinyVariant.arithmetic  # which tiny checkpoint (megarl/models/tiny_moe.py)
     dtype: str = setting("float32", choices=DTYPES)  # float32 | bfloat16 | float16: parameter and compute dtype
     transformer_impl: TransformerImpl = TransformerImpl.auto
@@ -175,7 +177,10 @@ class TrainerConfig(OptimizerConfig):
     gpu_memory_gb: float = setting(80.0, gt=0)  # per-device memory the planner checks layouts against
     seed: int = setting(1234, ge=0)
     save_interval: int = setting(0, ge=0)  # steps between checkpoints (run_dir/checkpoints); 0 = only at the end
-    resume: bool = True  # continue from run_dir/checkpoints when it holds one (data position and counts too)
+    # continue from run_dir/checkpoints when it holds one (data position and counts too); false: start over, the old
+    # run's checkpoints, metrics and event files moved to run_dir/previous/<time>/
+    resume: bool = True
+    keep_checkpoints: int = setting(3, ge=0)  # the newest checkpoints kept in run_dir/checkpoints; 0 = every one
     # planner: per-device GB for CUDA context, NCCL buffers, fragmentation
     reserved_memory_gb: float = setting(4.0, ge=0)
 

@@ -18,7 +18,7 @@ from megarl.config.schema import MegarlConfig
 from megarl.config.topology import RunTopology, check_role_engines, check_topology, checkpoint_arch
 from megarl.fields import out_of_bounds
 from megarl.metrics.trackers import TRACKERS
-from megarl.models.hf_config import hf_config_if_present
+from megarl.models.hf_config import InvalidHfConfig, hf_config_if_present
 from megarl.models.lora import LoraConfig
 from megarl.parallel import PipelineSplitError, stage_layer_counts
 from megarl.sync.settings import delta_refusal
@@ -34,6 +34,7 @@ def validate(cfg: DictConfig) -> None:
     found = out_of_bounds(cfg, MegarlConfig)
     if found is not None:
         fail(*found)
+    _check_checkpoint_configs(cfg)
     arch = _arch_numbers(cfg)
     _check_parallel(cfg, arch)
     check_topology(RunTopology.from_config(cfg), arch, cfg.cluster.num_nodes)
@@ -60,6 +61,24 @@ def validate(cfg: DictConfig) -> None:
     _check_optimizer_offload(cfg)
     _check_trackers(cfg.logging.trackers)
     _check_eval(cfg)
+
+
+def checkpoint_keys(cfg: DictConfig) -> list[tuple[str, str]]:
+    """(key, path) of every HF checkpoint directory the config names (set or not yet made)."""
+    keys = [("model.hf_path", cfg.model.hf_path), ("warmup.save_hf_path", cfg.warmup.save_hf_path),
+            ("critic.hf_path", cfg.critic.hf_path), ("teacher.hf_path", cfg.teacher.hf_path),
+            ("reward.judge.hf_path", cfg.reward.judge.hf_path)]
+    keys += [(f"task.role_engines[{i}].hf_path", e.hf_path) for i, e in enumerate(cfg.task.role_engines)]
+    return [(key, path) for key, path in keys if path]
+
+
+def _check_checkpoint_configs(cfg: DictConfig) -> None:
+    """Every checkpoint's config.json that is present is a JSON object (every later read of it relies on that)."""
+    for key, path in checkpoint_keys(cfg):
+        try:
+            hf_config_if_present(path)
+        except InvalidHfConfig as exc:
+            fail(key, str(exc))
 
 
 def _check_sync(cfg: DictConfig) -> None:

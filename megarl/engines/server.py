@@ -24,6 +24,7 @@ import psutil
 
 from megarl.engines.shared_memory import SHARED_MEMORY, mapped_segments, unlink_unmapped
 from megarl.engines.types import ServedModel
+from megarl.log import rotate_log
 from megarl.models.lora import ENGINE_ADAPTER_SLOTS, LoraConfig
 from megarl.parallel import free_port, rendezvous_host
 from megarl.parallel.nccl import pin_nccl_environment
@@ -341,6 +342,7 @@ class SGLangEngine:
         t0 = time.monotonic()
         remove_orphaned_scratch()
         self._scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
+        rotate_log(self.log_path)
         with open(self.log_path, "ab") as log_file:
             self._process = subprocess.Popen(
                 self.command(), env=self.environment(), stdout=log_file, stderr=subprocess.STDOUT,

@@ -111,12 +111,25 @@ class HfConfig:
                    quantization=quantization, **values)
 
 
+class InvalidHfConfig(ValueError):
+    """A checkpoint's config.json that is not a JSON object; the message names the file (and the line)."""
+
+
 def read_hf_config(hf_path: str | Path) -> HfConfig:
-    """The numbers of ``hf_path/config.json``; FileNotFoundError when there is none."""
+    """The numbers of ``hf_path/config.json``; FileNotFoundError when there is none, :class:`InvalidHfConfig`
+    when it is not a JSON object."""
     path = Path(hf_path) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{hf_path} has no config.json (not an HF checkpoint directory)")
-    return HfConfig.from_dict(json.loads(path.read_text()), str(path))
+    try:
+        raw = json.loads(path.read_bytes())
+    except json.JSONDecodeError as exc:
+        raise InvalidHfConfig(f"{path} is not valid JSON (line {exc.lineno} column {exc.colno}: {exc.msg})") from exc
+    except UnicodeDecodeError as exc:
+        raise InvalidHfConfig(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    if not isinstance(raw, dict):
+        raise InvalidHfConfig(f"{path} holds a JSON {type(raw).__name__}, not an object of model settings")
+    return HfConfig.from_dict(raw, str(path))
 
 
 def hf_config_if_present(hf_path: str | Path | None) -> Optional[HfConfig]:

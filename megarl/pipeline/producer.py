@@ -101,8 +101,8 @@ class RolloutProducer:
 
     async def run(self) -> None:
         """Produce until cancelled. A failing group, or a source row that is no prompt, is logged and
-        counted, never fatal; anything else that ends production fails the run (:meth:`guard`)
-        rather than leaving it waiting for groups that never come."""
+        counted, fatal only as the last of ``max_consecutive_failed_groups`` in a row; anything else that ends
+        production fails the run (:meth:`guard`) rather than leaving it waiting for groups that never come."""
         try:
             self._take_back()
             await self._produce()
@@ -135,6 +135,8 @@ class RolloutProducer:
             except BadPrompt as exc:
                 self._bad_prompt(exc)
                 await self.buffer.release()
+                if self.failure.done():  # a source of nothing but such rows: the run ends (guard)
+                    return
                 continue
             self.ledger.started(1, self.samples_per_prompt)
             task = asyncio.create_task(self._one_group(index, prompt))
@@ -151,9 +153,11 @@ class RolloutProducer:
                 "stopping instead of spinning"))
 
     def _bad_prompt(self, exc: BadPrompt) -> None:
-        """A row of the source that is no prompt: one prompt ended as error (no samples started)."""
+        """A row of the source that is no prompt: one prompt ended as error (no samples started), and a failed
+        group towards ``max_consecutive_failed_groups`` (a source of nothing but such rows stops the run)."""
         self.ledger.started(1, 0)
         self.ledger.dropped_in_flight(0, Outcome.ERROR)
+        self._count_failed(False, str(exc))
         self.bad_prompts += 1
         if self.bad_prompts <= 5:
             log.warning("skipped a row that is no prompt (%d so far; counted in buffer/prompts_error%s): %s",

@@ -61,6 +61,7 @@ from megarl.rollout.teacher import TeacherScorer
 from megarl.sample import RolloutSample
 from megarl.sync import AdapterSync, WeightSync, WeightSyncError
 from megarl.trainer.actor import TrainerGroup
+from megarl.trainer.checkpoint import prune_checkpoints
 from megarl.trainer.launch import ray_for_run
 from megarl.trainer.rl_batch import RLBatch, build_rl_batch
 from megarl.trainer.rl_step import RLStepResult
@@ -134,8 +135,7 @@ class Pipeline:
             for step in range(self.start_step + 1, self.cfg.steps + 1):
                 yield step
                 if self.stop_signal is not None:
-                    log.warning("stopped by %s after step %d (checkpoint saved); rerun the same command to resume",
-                                self.stop_signal, step)
+                    log.warning("stopped by %s after step %d (checkpoint saved)", self.stop_signal, step)
                     return
 
     async def take_batch(self, step: int) -> Batch:
@@ -334,7 +334,9 @@ class Pipeline:
         if self.kl_control is not None:
             position["kl_ctrl"] = self.kl_control.state_dict()
         path = await self.trainer.save_checkpoint(str(checkpoint_dir(self.cfg)), step, position)
-        log.info("step %d: checkpoint %s", step, path)
+        pruned = prune_checkpoints(checkpoint_dir(self.cfg), self.cfg.trainer.keep_checkpoints)
+        log.info("step %d: checkpoint %s%s", step, path,
+                 f" (deleted {', '.join(p.name for p in pruned)}: trainer.keep_checkpoints)" if pruned else "")
 
 
 @contextlib.asynccontextmanager

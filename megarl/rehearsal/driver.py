@@ -92,7 +92,7 @@ async def rehearse_recipe(name: str, overrides: list[str], work: Path) -> dict:
     os.chdir(here)  # the recipe's relative paths resolve here (load_config makes them absolute)
     cfg = load_config([f"recipe={name}", *overrides, *scaled.overrides, f"model.hf_path={checkpoint}"])
     report = {"recipe": name, "overrides": list(scaled.overrides), "nodes": scaled.nodes}
-    Path(cfg.logging.run_dir).mkdir(parents=True, exist_ok=True)  # as megarl.train's prepare_run_dir
+    Path(cfg.logging.run_dir).mkdir(parents=True, exist_ok=True)  # as megarl.pipeline.run_dir's open_run_dir
     async with contextlib.AsyncExitStack() as stack:
         placed = await place_run(cfg, checkpoint, Layout.from_config(cfg.parallel), stack, TARGET,
                                  secrets.token_urlsafe(16), Processes(StandInGroup, STAND_IN_SERVER))

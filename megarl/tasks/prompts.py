@@ -189,9 +189,11 @@ TASKS = ("arithmetic", *DATASET_TASKS)
 
 def dataset_fields(path: str | Path, file_format: str, max_rows: int = 100) -> list[str] | None:
     """The field names of a ``jsonl`` / ``parquet`` dataset, read without loading it: the keys of
-    the first ``max_rows`` JSON lines (in order of appearance), or the Parquet schema. None when the
-    file cannot be read that cheaply (e.g. a JSON document rather than JSON Lines); the full read
-    (:class:`DatasetSource`) decides then. Raises ValueError for an empty or unreadable file."""
+    the first ``max_rows`` JSON lines (in order of appearance), or the Parquet schema. Every line of a
+    JSON Lines file is parsed (HF ``datasets`` cannot load a file with one bad line): ValueError naming
+    the file and the line for a line that is not a JSON object. None for a JSON document rather than
+    JSON Lines (the full read, :class:`DatasetSource`, decides then). ValueError for an empty or
+    unreadable file."""
     path = Path(path)
     if file_format == "parquet":
         import pyarrow.parquet as pq
@@ -203,22 +205,45 @@ def dataset_fields(path: str | Path, file_format: str, max_rows: int = 100) -> l
     names: dict[str, None] = {}
     rows = 0
     with path.open(encoding="utf-8-sig", errors="replace") as f:
-        for line in f:
+        for number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                return None if rows == 0 else list(names)
-            if not isinstance(row, dict):
+            row = _json_line(path, number, line, first=rows == 0)
+            if row is None:
                 return None
-            names.update(dict.fromkeys(row))
+            if rows < max_rows:
+                names.update(dict.fromkeys(row))
             rows += 1
-            if rows == max_rows:
-                break
     if rows == 0:
         raise ValueError(f"{path} has no rows")
     return list(names)
+
+
+def _json_line(path: Path, number: int, line: str, first: bool) -> dict | None:
+    """Line ``number`` of a JSON Lines file as a dict; None when it is the ``first`` row and the whole file
+    is one JSON document instead; ValueError naming the file and the line otherwise."""
+    try:
+        row = json.loads(line.rstrip())
+    except json.JSONDecodeError as exc:
+        if first and _is_json_document(path):
+            return None
+        raise ValueError(f"{path} line {number} is not valid JSON ({exc.msg} at column {exc.colno}): "
+                         f"{line.strip()[:80]!r}") from exc
+    if not isinstance(row, dict):
+        if first and isinstance(row, list):
+            return None
+        raise ValueError(f"{path} line {number} is a JSON {type(row).__name__}, not an object of fields: "
+                         f"{line.strip()[:80]!r}")
+    return row
+
+
+def _is_json_document(path: Path) -> bool:
+    """Whether the whole file is one JSON value (a document the datasets library reads as rows)."""
+    try:
+        json.loads(path.read_text(encoding="utf-8-sig", errors="replace"))
+    except json.JSONDecodeError:
+        return False
+    return True
 
 
 def has_chat_template(hf_path: str | Path) -> bool:

@@ -3,9 +3,10 @@ model over HTTP, and user functions given by dotted path; all awaited with a tim
 
 A reward function is ``async fn(RewardInput) -> float`` (user functions may also be plain
 functions; they run in a worker thread). :class:`RewardScorer` applies the timeout and turns a
-raise or a timeout into a :class:`RewardOutcome` with ``error`` set: the caller marks that sample
-``FinishReason.ERROR`` with reward 0.0. Errors are counted per kind and each kind is logged once,
-so a broken reward never kills the run nor floods the log.
+raise, a timeout or a result that is no finite number (``not_a_number``: a string, None, NaN) into
+a :class:`RewardOutcome` with ``error`` set: the caller marks that sample ``FinishReason.ERROR`` with
+reward 0.0. Errors are counted per kind and each kind is logged once, so a broken reward never kills
+the run nor floods the log.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import collections
 import importlib
 import inspect
 import logging
+import math
 from dataclasses import dataclass
 
 import httpx
@@ -161,6 +163,18 @@ def _rule_reward(reward_cfg) -> RewardFn:
     raise ValueError(f"reward.type: {kind!r} is not one of {', '.join(REWARD_TYPES)}")
 
 
+def _finite_number(raw) -> float | None:
+    """A reward function's result as a float: a number (python, numpy, a one-element tensor) that is finite;
+    None for anything else (a string, None, NaN, an infinity)."""
+    if isinstance(raw, (str, bytes)):
+        return None
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
 class RewardScorer:
     """Awaits a reward function with a timeout; never raises for the function's failures.
 
@@ -176,11 +190,14 @@ class RewardScorer:
 
     async def __call__(self, inp: RewardInput) -> RewardOutcome:
         try:
-            value = float(await asyncio.wait_for(self.fn(inp), self.timeout_s))
+            raw = await asyncio.wait_for(self.fn(inp), self.timeout_s)
         except asyncio.TimeoutError:
             return self._failed("timeout", f"no reward within {self.timeout_s:g} s")
         except Exception as e:  # noqa: BLE001 -- any failure of user code becomes a counted error
             return self._failed(type(e).__name__, str(e))
+        value = _finite_number(raw)
+        if value is None:
+            return self._failed("not_a_number", f"returned {type(raw).__name__} {str(raw)[:60]!r}, not a finite number")
         return RewardOutcome(value)
 
     def _failed(self, kind: str, message: str) -> RewardOutcome:

@@ -20,9 +20,10 @@ A save writes ``iter_<step>.tmp`` first; once every rank's files are written, th
 them (each a share of the files), rank 0 writes ``complete.json``, renames the directory to
 ``iter_<step>`` and then replaces ``latest`` (write-then-rename): a crash at any point leaves the
 previous checkpoint and its ``latest`` intact. A checkpoint counts only when every file its
-``complete.json`` lists is there with its size and checksum: a resume takes the newest such one
-and names, in one warning, the newer ones it skipped (truncated, missing or corrupted files, no
-``complete.json``) and why. RNG states are restored only under the layout they were saved with (ranks
+``complete.json`` lists is there with its size and checksum: a resume takes the newest such one at or
+before ``latest`` and names, in one warning, the newer ones it skipped (truncated, missing or corrupted
+files, no ``complete.json``, past ``latest``) and why. :func:`prune_checkpoints` keeps the newest few.
+RNG states are restored only under the layout they were saved with (ranks
 of another layout draw different streams anyway); model, optimizer, schedule, step and data
 position are restored under any layout.
 """
@@ -230,16 +231,20 @@ def _load_critic(directory: Path, critic) -> None:
 
 
 def newest_complete(root: Path) -> tuple[Path, tuple[str, ...]]:
-    """The newest checkpoint under ``root`` whose files all match its ``complete.json``, and the
-    newer ones skipped, each as "iter_<step> (why)"; warns once (rank 0) when it skipped any.
+    """The newest checkpoint under ``root`` at or before the step ``latest`` names (any, without a ``latest``)
+    whose files all match its ``complete.json``, and the newer ones skipped, each as "iter_<step> (why)";
+    warns once (rank 0) when it skipped any. A directory past ``latest`` was not saved by the run ``latest``
+    belongs to (or its save never finished): it is skipped.
 
     Collective: every rank checks a share of each candidate's files and all agree on the answer (a
     process outside a process group checks them all).
     Raises :class:`CheckpointError` naming ``root`` when no checkpoint there is complete.
     """
     skipped = []
+    latest = latest_step(root)
     for path in sorted(root.glob("iter_" + "[0-9]" * 7), reverse=True):
-        problem = _verify(path)
+        step = int(path.name.removeprefix("iter_"))
+        problem = f"past latest, step {latest}" if latest is not None and step > latest else _verify(path)
         if problem is None:
             if skipped and _rank_and_world()[0] == 0:
                 log.warning("resuming from %s, the newest complete checkpoint; skipped %s", path,
@@ -248,6 +253,20 @@ def newest_complete(root: Path) -> tuple[Path, tuple[str, ...]]:
         skipped.append(f"{path.name} ({problem})")
     found = f": {'; '.join(skipped)}" if skipped else " (no iter_<step> directory)"
     raise CheckpointError(f"{root} holds no complete checkpoint{found}")
+
+
+def prune_checkpoints(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the ``keep`` newest checkpoints at or before ``latest`` under ``root`` (0: keep every one);
+    the directories deleted. Run it after a save (the newest is complete then); directories past ``latest``
+    are left to :func:`newest_complete` to report."""
+    latest = latest_step(root)
+    if keep == 0 or latest is None:
+        return []
+    ours = [p for p in sorted(Path(root).glob("iter_" + "[0-9]" * 7)) if int(p.name.removeprefix("iter_")) <= latest]
+    doomed = ours[:-keep]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
 
 
 def _verify(path: Path) -> str | None:

@@ -24,7 +24,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser, *, steps: int, promp
 
 def workload_overrides(work: Path, args: argparse.Namespace) -> list[str]:
     """Config overrides for every run of a bench: checkpoints under ``work``, the parsed workload, no resume."""
-    return [f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={work / 'warm'}", f"steps={args.steps}",
+    return [f"model.hf_path={work / 'base'}", "model.make_tiny_if_missing=true",
+            f"warmup.save_hf_path={work / 'warm'}", f"steps={args.steps}",
             f"warmup.steps={args.warmup_steps}", f"rollout.prompts_per_step={args.prompts}",
             f"rollout.samples_per_prompt={args.samples}", f"rollout.max_new_tokens={args.max_new_tokens}",
             "trainer.resume=false"]

@@ -154,7 +154,8 @@ def train(overrides: list[str]) -> float:
 
 def shared_overrides(work: Path, warm: Path) -> list[str]:
     """Every run's: the base checkpoint in ``work``, the warm-up checkpoint at ``warm``, no resume."""
-    return [f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={warm}", "trainer.resume=false"]
+    return [f"model.hf_path={work / 'base'}", "model.make_tiny_if_missing=true",
+            f"warmup.save_hf_path={warm}", "trainer.resume=false"]
 
 
 def teacher_overrides(steps: int, work: Path) -> list[str]:

@@ -73,7 +73,8 @@ def run(args) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         base, warm = f"{tmp}/base", f"{tmp}/warm"
-        common = ["recipe=tiny_moe_cpu", f"model.hf_path={base}", f"warmup.save_hf_path={warm}",
+        common = ["recipe=tiny_moe_cpu", f"model.hf_path={base}", "model.make_tiny_if_missing=true",
+                  f"warmup.save_hf_path={warm}",
                   f"warmup.steps={args.warmup_steps}"]
         if main([*common, "mode=warmup", f"logging.run_dir={tmp}/warmup"]) != 0:
             raise RuntimeError("the warm-up failed")

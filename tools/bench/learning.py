@@ -77,7 +77,8 @@ def main() -> int:
     args = parser.parse_args()
 
     work = work_directory(args.work_dir, "megarl-learning-")
-    common = [f"recipe={args.recipe}", f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={work / 'warm'}",
+    common = [f"recipe={args.recipe}", f"model.hf_path={work / 'base'}", "model.make_tiny_if_missing=true",
+              f"warmup.save_hf_path={work / 'warm'}",
               f"steps={args.steps}", "trainer.resume=false", *args.set]
     train([*common, "mode=warmup", f"logging.run_dir={work / 'warmup'}"])
     figures = {}

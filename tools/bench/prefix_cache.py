@@ -60,7 +60,8 @@ def main() -> int:
 
     setup_logging()
     work = work_directory(args.work_dir, "megarl-bench-")
-    common = ["recipe=tiny_moe_calculator", f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={work / 'warm'}",
+    common = ["recipe=tiny_moe_calculator", f"model.hf_path={work / 'base'}", "model.make_tiny_if_missing=true",
+              f"warmup.save_hf_path={work / 'warm'}",
               f"steps={args.steps}", f"mode={args.mode}", "trainer.resume=false", *args.set]
     figures: dict[int, list[float]] = {1: [], 2: []}
     step_s: dict[int, list[float]] = {1: [], 2: []}

@@ -101,7 +101,8 @@ def main() -> int:
         parser.error(f"unknown variants {unknown}; valid: {', '.join(VARIANTS)}")
 
     work = work_directory(args.work_dir, "megarl-score-centering-")
-    common = [f"recipe={args.recipe}", f"model.hf_path={work / 'base'}", f"warmup.save_hf_path={work / 'warm'}",
+    common = [f"recipe={args.recipe}", f"model.hf_path={work / 'base'}", "model.make_tiny_if_missing=true",
+              f"warmup.save_hf_path={work / 'warm'}",
               f"steps={args.steps}", "trainer.resume=false", *args.set]
     if not (work / "warm" / "config.json").is_file():
         train([*common, "mode=warmup", f"logging.run_dir={work / 'warmup'}"])
