@@ -324,3 +324,37 @@ def test_a_driver_without_a_gpu_sets_the_run_up_for_the_clusters_gpu_nodes(monke
     assert asyncio.run(placement.work_platform(tiny("model.dtype=bfloat16"))) == HOPPER and len(asked) == 1
     with pytest.raises(ConfigError, match=r"^model.dtype: float32 on cuda"):
         asyncio.run(placement.work_platform(tiny()))
+
+
+@pytest.mark.unit
+def test_evaluation_requests_go_before_the_streams_queued_ones(tiny_checkpoint, monkeypatch):
+    """The engines run SGLang's priority scheduling (checked by its own parser on both platforms): in its
+    scheduler's queue order (SchedulePolicy with the command line's settings), the held-out evaluation's
+    requests, sent at ``EVAL_PRIORITY``, come before the training stream's queued ones, which carry none (the
+    engine's default, 0) and keep their arrival order; none preempts a running request."""
+    from sglang.srt.managers.schedule_policy import SchedulePolicy
+    from sglang.srt.server_args import ServerArgs
+
+    from megarl.engines.client import generate_payload
+    from megarl.engines.types import SamplingParams
+    from megarl.pipeline.evaluation import EVAL_PRIORITY
+
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    for platform in (HOPPER, Platform.cpu()):
+        dtype = ["model.dtype=bfloat16"] if platform is HOPPER else []
+        args = parser.parse_args(command_of(policy_settings(tiny(*dtype), tiny_checkpoint, platform)[0])[3:])
+        assert args.enable_priority_scheduling and args.disable_priority_preemption
+        assert args.schedule_policy in ("fcfs", "lof") and args.default_priority_value == 0  # SGLang's condition
+    stream = generate_payload([[1, 2]], SamplingParams(max_new_tokens=3), True, True)
+    evaluation = generate_payload([[1, 2]], SamplingParams(max_new_tokens=3, priority=EVAL_PRIORITY), False, False)
+    assert "priority" not in stream and evaluation["priority"] == EVAL_PRIORITY > args.default_priority_value
+    assert "priority" not in evaluation["sampling_params"]
+    arrivals = [("stream", 0), ("stream", 1), ("eval", 2), ("stream", 3), ("eval", 4)]
+    queue = [SimpleNamespace(name=f"{who}{t}", priority=evaluation["priority"] if who == "eval" else 0,
+                             time_stats=SimpleNamespace(wait_queue_entry_time=float(t))) for who, t in arrivals]
+    cache = SimpleNamespace(disable=True, supports_fast_match_prefix=lambda: False)  # --disable-radix-cache's
+    monkeypatch.setenv("SGLANG_ENABLE_WAITING_PREFIX_REFRESH", "false")  # the cache's upkeep after the sort
+    SchedulePolicy(args.schedule_policy, cache, False, args.enable_priority_scheduling,
+                   args.schedule_low_priority_values_first).calc_priority(queue)
+    assert [r.name for r in queue] == ["eval2", "eval4", "stream0", "stream1", "stream3"]

@@ -140,7 +140,8 @@ def generate_payload(prompts: list[list[int]] | list[int], params: SamplingParam
                      prefix_routes: Sequence[np.ndarray | None] = ()) -> dict:
     """The ``/generate`` body of a batch of token-id prompts (or one prompt): per-token log-probs always, routed
     experts and the sampling mask (with the log-probs of the sampling distribution: of the sampled token, or
-    with ``support_logprobs`` of every kept id, SGLang's ``sampling_logprobs_mode`` ``support``) as asked; a
+    with ``support_logprobs`` of every kept id, SGLang's ``sampling_logprobs_mode`` ``support``) as asked, at
+    ``params.priority`` in the engine's queue (unless the default, 0); a
     prompt's ``prefix_routes`` (when given and not None) ride in its own sampling parameters, for the engine to
     replay (:func:`megarl.wire.routes.encode_routes`)."""
     sampling = params.to_json()
@@ -149,6 +150,8 @@ def generate_payload(prompts: list[list[int]] | list[int], params: SamplingParam
                     for r in prefix_routes]
     payload = {"input_ids": prompts, "sampling_params": sampling, "return_logprob": True,
                "return_routed_experts": return_routed_experts, "return_sampling_mask": return_sampling_mask}
+    if params.priority:
+        payload["priority"] = params.priority
     if return_sampling_mask:
         payload["sampling_logprobs_mode"] = "support" if support_logprobs else "selected"
     return payload
@@ -430,7 +433,8 @@ class SGLangClient:
                                    routes)
         adapter = self._name_adapter(payload)
         firsts = shared_prompts(prompts, self.shared_prefill_min_tokens, routes)
-        cached_first = await self._prefill_shared([prompts[i] for i in firsts], adapter) if firsts else []
+        cached_first = (await self._prefill_shared([prompts[i] for i in firsts], adapter, params.priority)
+                        if firsts else [])
         body = (await self._post("/generate", payload)).content
         samples = self.samples_of(body, prompts, group_ids, (return_routed_experts, return_sampling_mask), adapter)
         for i, cached in zip(firsts, cached_first):  # the prefill's prompt tokens count as the first copy's
@@ -438,15 +442,18 @@ class SGLangClient:
             samples[i].cached_tokens += cached
         return samples
 
-    async def _prefill_shared(self, prompts: list[list[int]], adapter: LoraAdapter | None) -> list[int]:
+    async def _prefill_shared(self, prompts: list[list[int]], adapter: LoraAdapter | None,
+                              priority: int = 0) -> list[int]:
         """Prefill ``prompts`` (each shared by several requests of a batch about to be sent) in one
         request that generates nothing, so that their copies in the batch find them in the engine's
         prefix cache: SGLang prefills the requests of one batch side by side (its default ``fcfs``
         policy shares no prefix inside a batch), so a GRPO group's G copies of a prompt would each
         compute it. Returns each prompt's ``cached_tokens``. SGLang's parallel sampling (``n`` > 1,
         tokenizer_manager ``_handle_batch_request``) prefills a prompt first the same way, one prompt
-        at a time."""
+        at a time. ``priority``: the batch's (its place in the engine's queue)."""
         payload = {"input_ids": prompts, "sampling_params": {"max_new_tokens": 0}}
+        if priority:
+            payload["priority"] = priority
         if adapter is not None:  # the adapter is part of the prefix cache's key
             payload["lora_path"] = adapter.name
         outs, _ = unpack_answer((await self._post("/generate", payload)).content)

@@ -245,6 +245,10 @@ class SGLangEngine:
             # and the other engines, and so does a paused one (megarl.engine_process.paused_wait): a weight
             # sync's window, a colocated training step; with it, it waits on them (a request wakes it at once)
             "--sleep-on-idle",
+            # a request's priority (SamplingParams.priority) orders the queue: held-out evaluations go before the
+            # training stream's queued requests; none preempts a running one (the threshold's default, 10, would
+            # let only far higher ones; off outright, no request's computed tokens are thrown away for another)
+            "--enable-priority-scheduling", "--default-priority-value", "0", "--disable-priority-preemption",
         ]
         if self.device == "cpu":
             # --disable-overlap-schedule: overlapping the next batch's scheduling with the forward pays on a

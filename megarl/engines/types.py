@@ -64,7 +64,10 @@ class ServedModel:
 class SamplingParams:
     """Per-request sampling. top_k <= 0 means no top-k; a sampling mask needs a finite top_k. ``grammar``:
     SGLang sampling-param entries that constrain generation (``json_schema``, ``ebnf``, ``structural_tag``:
-    name, value), sent as they are; the sampling mask and log-probs are then those of the constrained logits."""
+    name, value), sent as they are; the sampling mask and log-probs are then those of the constrained logits.
+    ``priority``: the request's place in the engine's queue (SGLang's priority scheduling, which megarl's
+    engines run with: a higher value is scheduled before the queued requests of a lower one, the running
+    ones are never preempted for it; 0 is the engines' default)."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -73,6 +76,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     grammar: tuple[tuple[str, object], ...] = ()
+    priority: int = 0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -83,6 +87,7 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
     def to_json(self) -> dict:
+        """SGLang's ``sampling_params`` (the priority goes beside them, in the request)."""
         out = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
                "top_k": self.top_k, "ignore_eos": self.ignore_eos}
         if self.stop:

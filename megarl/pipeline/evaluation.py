@@ -32,6 +32,9 @@ from megarl.sample import FinishReason
 from megarl.tasks.prompts import Prompt
 
 log = logging.getLogger(__name__)
+# the evaluation's requests' priority in the engines' queues (SamplingParams.priority): ahead of the training
+# stream's queued requests (0), so that an evaluation ends long before the next sync
+EVAL_PRIORITY = 1
 
 
 @dataclass

@@ -27,6 +27,7 @@ from megarl.engines.types import EngineUnreachable, SamplingParams
 from megarl.models.hf_config import read_hf_config
 from megarl.parallel.network import node_address
 from megarl.pipeline.buffer import RolloutBuffer
+from megarl.pipeline.evaluation import EVAL_PRIORITY
 from megarl.pipeline.judge import make_judge
 from megarl.pipeline.modes import lag_and_capacity
 from megarl.pipeline.producer import RolloutProducer
@@ -130,12 +131,12 @@ def _manager(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[s
              samples_per_prompt: int | None = None) -> RolloutManager:
     """The rollout manager on the policy pool, with the run's reward, episodes and teacher; ``evaluation``
     ``"sampled"`` / ``"greedy"``: one of the evaluation's (``eval.temperature`` / greedy, ``samples_per_prompt``
-    answers, no routes, masks nor teacher)."""
+    answers, no routes, masks nor teacher, ahead of the training stream in the engines' queues: ``EVAL_PRIORITY``)."""
     r, pool = cfg.rollout, pools["policy"]
     judge = make_judge(cfg.reward.judge, pools["judge"], tokenizer) if "judge" in pools else None
     temperature = {None: r.temperature, "sampled": cfg.eval.temperature, "greedy": 0.0}[evaluation]
     params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=temperature, top_p=r.top_p,
-                            top_k=r.top_k)
+                            top_k=r.top_k, priority=0 if evaluation is None else EVAL_PRIORITY)
     # The engine's log-probs are always those of the distribution it sampled from (renormalised
     # over its top-k mask); keep_sampling_mask decides whether the trainer applies that mask too.
     frozen = {a.role: pools[a.name] for a in RunTopology.from_config(cfg).auxiliary if a.role is not None}
