@@ -24,7 +24,7 @@ from megarl.algos.kl import kl_penalty
 from megarl.algos.kl_control import KLController
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.algos.policy_loss import CovBand, clip_cov, dppo, kl_cov, ppo
-from megarl.config.schema import AlgorithmConfig
+from megarl.algos.settings import AlgorithmConfig
 from megarl.sample import FinishReason, RolloutSample
 
 pytestmark = pytest.mark.unit

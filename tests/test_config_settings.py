@@ -7,10 +7,12 @@ import typing
 
 import pytest
 
-from megarl.config.schema import MegarlConfig, OptimizerConfig, TrainerConfig, WarmupConfig
+from megarl.algos.settings import AlgorithmConfig
+from megarl.config.schema import MegarlConfig
 from megarl.models.lora import LoraConfig
 from megarl.sync.settings import SyncConfig, SyncSettings
 from megarl.trainer.optimizer import OptimizerSettings
+from megarl.trainer.settings import CriticConfig, OptimizerConfig, TrainerConfig, WarmupConfig
 from megarl.trainer.warmup import WarmupJob
 
 pytestmark = pytest.mark.unit
@@ -27,8 +29,12 @@ def _declared(cls) -> set[str]:
 
 def test_owned_sections_are_the_components_classes():
     hints = typing.get_type_hints(MegarlConfig)
-    assert hints["lora"] is LoraConfig and LoraConfig.__module__ == "megarl.models.lora"
-    assert hints["sync"] is SyncConfig and SyncConfig.__module__ == "megarl.sync.settings"
+    owned = {"lora": (LoraConfig, "megarl.models.lora"), "sync": (SyncConfig, "megarl.sync.settings"),
+             "algorithm": (AlgorithmConfig, "megarl.algos.settings"),
+             "trainer": (TrainerConfig, "megarl.trainer.settings"),
+             "critic": (CriticConfig, "megarl.trainer.settings"), "warmup": (WarmupConfig, "megarl.trainer.settings")}
+    for key, (cls, module) in owned.items():
+        assert hints[key] is cls and cls.__module__ == module, key
 
 
 def test_settings_inherit_their_sections_fields_and_declare_none_again():
@@ -43,9 +49,10 @@ def test_settings_inherit_their_sections_fields_and_declare_none_again():
 
 def test_settings_from_a_loaded_config_carry_its_values():
     from megarl.config import load_config
+    from megarl.config.components import optimizer_settings
 
     cfg = load_config(["recipe=tiny_moe_cpu", "trainer.adam_beta1=0.25", "sync.bucket_mb=8", "steps=7"])
-    opt = OptimizerSettings.from_config(cfg, updates_per_step=3)
+    opt = optimizer_settings(cfg, updates_per_step=3)
     assert (opt.lr, opt.adam_beta1, opt.lr_decay_steps, opt.dtype) == (5e-4, 0.25, 21, "float32")
     sync = SyncSettings.from_config(cfg.sync, engine_tp=2)
     assert dataclasses.asdict(sync) == {**{f.name: cfg.sync[f.name] for f in dataclasses.fields(SyncConfig)},

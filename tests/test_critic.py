@@ -124,10 +124,10 @@ def checks(tiny_checkpoint, tmp_path_factory):
     from omegaconf import OmegaConf
 
     from megarl.config import load_config
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
 
     cfg = load_config(["recipe=tiny_moe_ppo_cpu", f"model.hf_path={tiny_checkpoint}", "algorithm.lam=0.9"])
-    settings = OptimizerSettings.from_config(cfg)
+    settings = optimizer_settings(cfg)
     algo = dataclasses.replace(OmegaConf.to_object(cfg.algorithm), off_policy_correction="none")
     root = tmp_path_factory.mktemp("critic") / "checkpoints"
     return run_ranks(critic_checks, Layout(), tiny_checkpoint, settings, cfg, algo, str(root))[0] | {
@@ -215,9 +215,9 @@ def test_critic_of_a_policy_with_tied_embeddings(tied_checkpoint):
     from hf_oracle import hf_values
 
     from megarl.config import default_config
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
 
-    settings = OptimizerSettings.from_config(default_config(), lr=1e-3)
+    settings = optimizer_settings(default_config(), lr=1e-3)
     batch, head, values, losses = run_ranks(tied_critic_checks, Layout(), tied_checkpoint, settings)[0]
     torch.testing.assert_close(values, hf_values(tied_checkpoint, batch, head), atol=2e-5, rtol=1e-4)
     assert losses[1] < losses[0], losses

@@ -62,11 +62,11 @@ def _build(hf_path):
     import torch
 
     from megarl.config import default_config
+    from megarl.config.components import optimizer_settings
     from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
 
     torch.manual_seed(0)
-    return build_trainable(hf_path, Layout(), OptimizerSettings.from_config(default_config(), lr=1e-3),
+    return build_trainable(hf_path, Layout(), optimizer_settings(default_config(), lr=1e-3),
                            transformer_impl="local", routing_replay=True)
 
 
@@ -87,7 +87,7 @@ def _batches(hf_path):
 
 def _steps(trainable, sft_batch, rl_batch, vocab_size):
     """(supervised loss, RL metrics without perf/) of one step each, packed."""
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.rl_step import rl_step
     from megarl.trainer.sft_step import supervised_step
 
@@ -113,7 +113,7 @@ def inputs_on_meta_model(rank, layout, hf_path):
         chunk.to("meta")
         chunk.register_forward_pre_hook(record, with_kwargs=True)
     out = {}
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.rl_step import rl_step
     from megarl.trainer.sft_step import supervised_step
 
@@ -138,7 +138,7 @@ def micro_batches_on_meta(rank, layout, hf_path):
 
     import megarl.trainer.optimizer as optimizer
     import megarl.trainer.rl_step as rl_step_module
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.mismatch import empty_mismatch
     from megarl.trainer.rl_batch import RLBatch
     from megarl.trainer.routing_replay import replay_routers

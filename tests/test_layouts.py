@@ -35,12 +35,12 @@ def supervised_steps(layout, hf_path):
     from megatron.core import parallel_state
 
     from megarl.config import default_config
+    from megarl.config.components import optimizer_settings
     from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
     from megarl.trainer.sft_step import supervised_step
     from megarl.trainer.token_batch import token_batch
 
-    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-3),
+    trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=1e-3),
                                 transformer_impl="local")
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(5, 12, (8,), generator=gen).tolist()
@@ -58,7 +58,7 @@ def rl_cases(trainable, layout, hf, loads):
     each case's expert load (engine's, trainer's) counts."""
     from hf_oracle import make_samples
 
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.pipeline.bookkeeping import load_metrics
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import rl_step
@@ -85,7 +85,7 @@ def packing_diffs(trainable, layout, hf):
     import torch
     from hf_oracle import make_samples
 
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import local_micro_batches, reference_logprobs, rl_step
 
@@ -161,14 +161,14 @@ def layout_checks(rank, layout, hf_path):
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from megarl.config import default_config
+    from megarl.config.components import optimizer_settings
     from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
 
     sft = supervised_steps(layout, hf_path)
     RouterReplay.clear_global_router_replay_instances()
     # lr 0; a plain DDP all-reduce (no distributed optimizer) leaves every DP rank the whole reduced
     # gradient, which packing_diffs compares
-    frozen_settings = dataclasses.replace(OptimizerSettings.from_config(default_config(), lr=0.0),
+    frozen_settings = dataclasses.replace(optimizer_settings(default_config(), lr=0.0),
                                           use_distributed_optimizer=False)
     frozen = build_trainable(hf_path, layout, frozen_settings, transformer_impl="local", routing_replay=True)
     hf = load_hf(hf_path)
@@ -301,16 +301,16 @@ def reference_kl_checks(rank, layout, hf_path):
     """[(sum of sequence_kl, rl_step's KL metric, trained tokens)] over three steps with a reference."""
     from hf_oracle import load_hf, make_samples
 
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.config import default_config
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.config.components import optimizer_settings
     from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
     from megarl.trainer.reference import ReferenceWeights
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import rl_step, sequence_kl
 
     hf = load_hf(hf_path)
-    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-2),
+    trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=1e-2),
                                 transformer_impl="local", routing_replay=True)
     reference = ReferenceWeights(trainable.chunks)
     algo = AlgorithmConfig(kl_coef=0.1, kl_type="k3")

@@ -186,7 +186,7 @@ def test_merged_sync_of_expert_adapters_equals_hf_with_them_merged(ray_local, en
 
 def kl_to_reference(group, checkpoint: str) -> list[float]:
     """Per sample, the summed low-variance KL of the group's policy to its reference on HF samples."""
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.rl_batch import build_rl_batch
 
     hf = load_hf(checkpoint)

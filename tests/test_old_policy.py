@@ -85,12 +85,12 @@ def old_policy_checks(rank, layout, hf_path, settings, algo):
 @pytest.fixture(scope="module")
 def checks(tiny_checkpoint):
     from megarl.config import load_config
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
 
     cfg = load_config(["recipe=tiny_moe_cpu", f"model.hf_path={tiny_checkpoint}",
                        f"trainer.updates_per_step={UPDATES}"])
     assert cfg.algorithm.old_policy == "recompute" and cfg.algorithm.off_policy_correction == "tis"
-    settings = OptimizerSettings.from_config(cfg, updates_per_step=UPDATES)
+    settings = optimizer_settings(cfg, updates_per_step=UPDATES)
     return run_ranks(old_policy_checks, Layout(), tiny_checkpoint, settings, _algorithm(cfg))[0]
 
 

@@ -132,13 +132,13 @@ def measure_rank(rank, layout, hf_path):
     from megatron.core import parallel_state
     from transformers import AutoConfig
 
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.config import default_config
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.config.components import optimizer_settings
     from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
     from megarl.trainer.rl_step import rl_step
 
-    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-4),
+    trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=1e-4),
                                 transformer_impl="local", routing_replay=True)
     hf = AutoConfig.from_pretrained(hf_path)
     batch = synthetic_batch(hf.vocab_size, hf.num_hidden_layers, hf.num_local_experts, hf.num_experts_per_tok)
@@ -254,10 +254,10 @@ def measure_recompute(rank, layout, hf_path):
     from megatron.core.transformer.moe.router_replay import RouterReplay
     from transformers import AutoConfig
 
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.config import default_config
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.config.components import optimizer_settings
     from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
     from megarl.trainer.rl_step import rl_step
 
     hf = AutoConfig.from_pretrained(hf_path)
@@ -265,7 +265,7 @@ def measure_recompute(rank, layout, hf_path):
     out = {"stage": parallel_state.get_pipeline_model_parallel_rank()}
     for recompute in RECOMPUTE:
         RouterReplay.clear_global_router_replay_instances()
-        trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=0.0),
+        trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=0.0),
                                     transformer_impl="local", routing_replay=True, recompute=recompute)
         params = [p for chunk in trainable.chunks for p in chunk.parameters()]
         meter = SavedTensorMeter({p.untyped_storage().data_ptr() for p in params})

@@ -55,7 +55,7 @@ def balancing_step(rank, layout):
     from megatron.core.transformer.moe import router as megatron_router
     from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.metrics.expert_load import route_counts
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import rl_step

@@ -28,10 +28,10 @@ KWARGS = dict(max_tokens_per_microbatch=16, sequence_parallel=False)
 
 def _frozen(hf_path, layout, recompute):
     from megarl.config import default_config
+    from megarl.config.components import optimizer_settings
     from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
 
-    settings = dataclasses.replace(OptimizerSettings.from_config(default_config(), lr=0.0),
+    settings = dataclasses.replace(optimizer_settings(default_config(), lr=0.0),
                                    use_distributed_optimizer=False)  # every rank keeps its whole gradient
     return build_trainable(hf_path, layout, settings, transformer_impl="local", routing_replay=True,
                            recompute=recompute)
@@ -39,7 +39,7 @@ def _frozen(hf_path, layout, recompute):
 
 def _replayed_step(trainable, batch, vocab_size):
     """(grad norm, metrics, {(chunk, parameter): gradient}) of one Keep Routing step."""
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.rl_step import rl_step
 
     result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
@@ -53,13 +53,13 @@ def _critic(hf_path, layout, batch):
     from megatron.core.utils import unwrap_model
 
     from megarl.config import default_config
+    from megarl.config.components import optimizer_settings
     from megarl.trainer.critic import CriticSettings, build_critic, critic_values
     from megarl.trainer.model_setup import ModelSettings
-    from megarl.trainer.optimizer import OptimizerSettings
 
     model = ModelSettings(transformer_impl="local", dispatcher="alltoall", routing_replay=False, recompute="none",
                           recompute_num_layers=None, moe_aux_loss_coeff=0.0, reference=False)
-    critic = build_critic(CriticSettings(hf_path, OptimizerSettings.from_config(default_config())), layout, model)
+    critic = build_critic(CriticSettings(hf_path, optimizer_settings(default_config())), layout, model)
     last = unwrap_model(critic.chunks)[-1]
     head = last.output_layer if last.post_process else None
     return (None if head is None else (head.weight.detach().clone(), head.bias.detach().clone()),
@@ -69,7 +69,7 @@ def _critic(hf_path, layout, batch):
 def virtual_stage_checks(rank, layout, hf_path):
     from hf_oracle import load_hf, make_samples
 
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.models.bridge import export_hf_state
     from megarl.sync.gather import stage_hf_stream
     from megarl.trainer.convert import _megatron_logits

@@ -16,6 +16,7 @@ import pytest
 from hf_oracle import load_hf, make_samples
 
 from megarl.config import load_config
+from megarl.config.components import optimizer_settings
 from megarl.engines.client import SGLangClient
 from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.engines.types import PauseMode
@@ -42,19 +43,18 @@ def bf16_engine(tiny_checkpoint, tmp_path_factory):
 def bf16_trainer(tiny_checkpoint):
     from megarl.trainer.actor import TrainerGroup
     from megarl.trainer.model_setup import ModelSettings
-    from megarl.trainer.optimizer import OptimizerSettings
 
     cfg = load_config(OVERRIDES)
     group = TrainerGroup(Layout())
     model = ModelSettings("local", "alltoall", routing_replay=False, recompute="none", recompute_num_layers=None,
                           moe_aux_loss_coeff=0.0, reference=False)
-    asyncio.run(group.build(tiny_checkpoint, OptimizerSettings.from_config(cfg, lr=LR), model))
+    asyncio.run(group.build(tiny_checkpoint, optimizer_settings(cfg, lr=LR), model))
     yield group
     group.shutdown()
 
 
 def rl_step(group, hf, seed: int) -> None:
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.rl_batch import build_rl_batch
 
     batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=seed))

@@ -205,12 +205,12 @@ def trainer_logprobs(rank, layout, jobs):
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from megarl.config import default_config
+    from megarl.config.components import optimizer_settings
     from megarl.models.hf_config import read_hf_config
     from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
     from megarl.trainer.rl_step import policy_logprobs
 
-    settings = OptimizerSettings.from_config(default_config(), lr=0.0)
+    settings = optimizer_settings(default_config(), lr=0.0)
     out = []
     for path, samples in jobs:
         trainable = build_trainable(path, layout, settings, transformer_impl="local", routing_replay=True)

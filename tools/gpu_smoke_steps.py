@@ -86,7 +86,7 @@ def sft(ckpt: str, impl: str = "local") -> None:
 def _rl_metrics(ckpt: str, dtype: str, impl: str) -> dict:
     from hf_oracle import load_hf, make_samples
 
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.parallel import Layout
     from megarl.trainer.distributed import shutdown_rank
     from megarl.trainer.model_setup import build_trainable

@@ -22,7 +22,7 @@ from megarl.config.errors import PlacementError, fail
 from megarl.config.schema import Placement
 from megarl.engines.launch_plan import attention_backend, dtype_refusal, memory_saver_refusal
 from megarl.engines.server import EngineSettings, lora_serving, nodes_of
-from megarl.models.hf_config import hf_config_if_present, read_hf_config
+from megarl.models.hf_config import checkpoint_arch, read_hf_config
 from megarl.models.lora import LoraConfig
 from megarl.platform.description import Platform
 
@@ -151,17 +151,6 @@ def _auxiliary_entries(cfg) -> list[tuple]:
         wanted += [frozen(f"role-{entry.role}", f"task.role_engines[{i}]", entry, entry.role)
                    for i, entry in enumerate(cfg.task.role_engines) if entry.hf_path]
     return wanted
-
-
-def checkpoint_arch(hf_path: str | None) -> dict:
-    """The layer, head, expert and vocabulary numbers of an HF checkpoint's config.json ({} when the
-    checkpoint is not present); ``num_experts`` 0 for a dense model (a config.json naming no experts)."""
-    hf = hf_config_if_present(hf_path) if hf_path else None
-    if hf is None:
-        return {}
-    return {"num_layers": hf.num_layers, "num_experts": hf.num_experts or 0,
-            "num_attention_heads": hf.num_attention_heads, "num_query_groups": hf.num_query_groups,
-            "vocab_size": hf.vocab_size}
 
 
 def check_topology(topology: RunTopology, policy_arch: dict, num_nodes: int | None) -> None:

@@ -15,10 +15,10 @@ from megarl.algos.gae import CRITIC_ADVANTAGES
 from megarl.algos.rejection import rejection_config_error
 from megarl.config.errors import ConfigError, PlacementError, fail, one_line
 from megarl.config.schema import MegarlConfig
-from megarl.config.topology import RunTopology, check_role_engines, check_topology, checkpoint_arch
+from megarl.config.topology import RunTopology, check_role_engines, check_topology
 from megarl.fields import out_of_bounds
 from megarl.metrics.trackers import TRACKERS
-from megarl.models.hf_config import hf_config_if_present
+from megarl.models.hf_config import checkpoint_arch, hf_config_if_present
 from megarl.models.lora import LoraConfig
 from megarl.parallel import PipelineSplitError, stage_layer_counts
 from megarl.sync.settings import delta_refusal
@@ -26,7 +26,7 @@ from megarl.tasks.judge import check_judge_config
 from megarl.tasks.prompts import DATASET_TASKS
 from megarl.tasks.rewards import check_reward_url
 
-__all__ = ["PlacementError", "checkpoint_arch", "validate"]
+__all__ = ["PlacementError", "validate"]
 
 
 def validate(cfg: DictConfig) -> None:

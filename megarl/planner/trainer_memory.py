@@ -49,13 +49,14 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from megarl.config.schema import Recompute, TransformerImpl
+from megarl.config.schema import TransformerImpl
 from megarl.models.lora import LoraConfig
 from megarl.parallel import stage_layers
 from megarl.planner.arch import Arch
 from megarl.planner.lora import adapter_count
 from megarl.planner.params import embedding_params, head_params, layer_params
 from megarl.planner.units import GIB, dtype_bytes
+from megarl.trainer.settings import Recompute
 
 FP32 = 4
 

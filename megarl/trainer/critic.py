@@ -14,12 +14,11 @@ summed gradient by the global token count, as for the policy).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from megarl.algos.value_loss import clipped_value_loss
-from megarl.config.schema import OptimizerConfig
 from megarl.trainer.context_parallel import token_count_share
 from megarl.trainer.device import model_device
 from megarl.trainer.optimizer import OptimizerSettings
@@ -36,18 +35,6 @@ class CriticSettings:
 
     hf_path: str  # HF checkpoint of the backbone (the head starts fresh)
     optimizer: OptimizerSettings
-
-    @classmethod
-    def from_config(cls, cfg, start_checkpoint: str) -> CriticSettings | None:
-        """From ``cfg.critic`` (None when ``critic.enabled`` is false); ``start_checkpoint``: the policy's,
-        used when ``critic.hf_path`` is unset. The LR decays over the policy's optimizer steps."""
-        c = cfg.critic
-        if not c.enabled:
-            return None
-        keys = {f.name: c[f.name] for f in fields(OptimizerConfig)}
-        optimizer = OptimizerSettings(**keys, lr_decay_steps=max(cfg.steps * cfg.trainer.updates_per_step, 1),
-                                      dtype=cfg.model.dtype)
-        return cls(hf_path=c.hf_path or start_checkpoint, optimizer=optimizer)
 
 
 def build_critic(settings: CriticSettings, layout, model):

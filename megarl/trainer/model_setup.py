@@ -12,7 +12,8 @@ from megarl.trainer.optimizer import OptimizerSettings, build_optimizer
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """How a trainer rank builds its model (besides the layout and the optimizer); from the config."""
+    """How a trainer rank builds its model (besides the layout and the optimizer)
+    (:func:`megarl.config.components.model_settings`)."""
 
     transformer_impl: str  # auto | local | transformer_engine
     dispatcher: str  # alltoall | allgather
@@ -23,16 +24,6 @@ class ModelSettings:
     reference: bool  # keep the starting weights as the KL reference (algorithm.kl_coef != 0)
     lora: LoraConfig | None = None  # train LoRA adapters on a frozen base (cfg.lora)
     moe_expert_bias_update_rate: float | None = None  # None: the checkpoint family's
-
-    @classmethod
-    def from_config(cls, cfg) -> ModelSettings:
-        t = cfg.trainer
-        return cls(transformer_impl=str(cfg.model.transformer_impl.value),
-                   dispatcher=str(cfg.parallel.dispatcher.value),
-                   routing_replay=cfg.rollout.keep_routing, recompute=str(t.recompute.value),
-                   recompute_num_layers=t.recompute_num_layers, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
-                   reference=cfg.algorithm.kl_coef != 0.0, lora=LoraConfig.when_enabled(cfg.lora),
-                   moe_expert_bias_update_rate=cfg.model.moe_expert_bias_update_rate)
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 from megarl.algos.aggregation import ROW_WEIGHTED, prompt_mean_weights
 from megarl.algos.is_diagnostics import MAXIMA, SEQUENCE_SUMS, TOKEN_SUMS, diagnostics
 from megarl.algos.objective import LossInputs, rl_loss
-from megarl.config.schema import AlgorithmConfig
+from megarl.algos.settings import AlgorithmConfig
 from megarl.trainer.context_parallel import ContextParallelRank, row_length_multiple, this_cp_rank, token_count_share
 from megarl.trainer.device import collective_device, model_device
 from megarl.trainer.expert_load import ExpertLoad, LoadCounter

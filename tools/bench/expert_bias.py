@@ -38,11 +38,12 @@ def tiny_sigmoid_moe(layout, *, rate: float, aux_coeff: float, lr: float, replay
     from megatron.core.utils import get_model_config
 
     from megarl.config import default_config
+    from megarl.config.components import optimizer_settings
     from megarl.models import packed_attention
     from megarl.models.bridge import parallel_settings
     from megarl.models.layers import LOCAL_UNFUSED
     from megarl.models.replayed_balancing import count_replayed_routes
-    from megarl.trainer.optimizer import OptimizerSettings, build_optimizer
+    from megarl.trainer.optimizer import build_optimizer
 
     RouterReplay.clear_global_router_replay_instances()  # a model built before in this process
     provider = GPTModelProvider(
@@ -64,7 +65,7 @@ def tiny_sigmoid_moe(layout, *, rate: float, aux_coeff: float, lr: float, replay
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
         wrap_with_ddp=True, use_cpu_initialization=True)
     get_model_config(chunks[0]).finalize_model_grads_func = finalize_model_grads
-    settings = dataclasses.replace(OptimizerSettings.from_config(default_config(), lr=lr),
+    settings = dataclasses.replace(optimizer_settings(default_config(), lr=lr),
                                    use_distributed_optimizer=False)
     return chunks, *build_optimizer(chunks, settings)
 
@@ -94,7 +95,7 @@ def train(name: str, steps: int, rate: float, aux: float, lr: float) -> dict:
     """One configuration's steps from the same seed; its load per step and the means of its first and last five."""
     import torch
 
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.metrics.expert_load import expert_load_metrics
     from megarl.parallel import Layout
     from megarl.trainer.rl_batch import build_rl_batch
