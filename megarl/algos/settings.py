@@ -19,7 +19,7 @@ from megarl.algos.score_centering import SCORE_CENTERING
 from megarl.fields import setting
 
 
-@dataclass
+@dataclass(frozen=True)
 class AlgorithmConfig:
     """What each name means, with the peers' (verl, slime, SkyRL, AReaL, prime-rl) formula it follows: the
     docstrings of ``megarl/algos/``. Off-policy correction: ``w`` is the trainer/rollout probability ratio at

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from megarl.models.lora import LoraConfig
 from megarl.trainer.critic import CriticSettings
 from megarl.trainer.model_setup import ModelSettings
 from megarl.trainer.optimizer import OptimizerSettings
@@ -47,7 +46,7 @@ def model_settings(cfg) -> ModelSettings:
                          dispatcher=str(cfg.parallel.dispatcher.value),
                          routing_replay=cfg.rollout.keep_routing, recompute=str(t.recompute.value),
                          recompute_num_layers=t.recompute_num_layers, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff,
-                         reference=cfg.algorithm.kl_coef != 0.0, lora=LoraConfig.when_enabled(cfg.lora),
+                         reference=cfg.algorithm.kl_coef != 0.0, lora=cfg.enabled_lora,
                          moe_expert_bias_update_rate=cfg.model.moe_expert_bias_update_rate)
 
 

@@ -11,6 +11,7 @@ or comments.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
@@ -18,6 +19,7 @@ from typing import Optional
 from omegaconf import MISSING
 
 from megarl.algos.settings import AlgorithmConfig
+from megarl.config.topology import Placement, RunTopology
 from megarl.fields import setting
 from megarl.metrics.trackers import MlflowConfig, WandbConfig
 from megarl.models.lora import LoraConfig
@@ -38,11 +40,6 @@ ARCH_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")  # model.arch.family: t
 MODES = ("warmup", "sync", "one_step_off", "async")
 
 
-class Placement(str, Enum):
-    colocated = "colocated"  # trainer and engines share devices; engines release memory while training
-    disaggregated = "disaggregated"  # separate device pools
-
-
 class Dispatcher(str, Enum):
     alltoall = "alltoall"
     allgather = "allgather"
@@ -59,7 +56,7 @@ class TinyVariant(str, Enum):
     tool_calling = "tool_calling"  # 256 positions, a tokenizer and chat template for OpenAI function calling
 
 
-@dataclass
+@dataclass(frozen=True)
 class ArchConfig:
     """Architecture numbers; for a recipe whose checkpoint is present they are read from it.
 
@@ -92,7 +89,7 @@ class ArchConfig:
     attention_bias: Optional[bool] = None  # bias on the q/k/v projections; None = checkpoint, else family default
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     hf_path: str = MISSING  # HF checkpoint directory (config.json + safetensors + tokenizer)
     make_tiny_if_missing: bool = False  # build the demo's tiny checkpoint at hf_path when it is absent
@@ -110,7 +107,7 @@ class ModelConfig:
     arch: ArchConfig = field(default_factory=ArchConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """Trainer layout. world_size = tp * pp * cp * dp; experts are split over ep * etp ranks."""
 
@@ -130,7 +127,7 @@ class ParallelConfig:
     backend: str = setting("auto", choices=("auto", "gloo", "nccl"))  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
 
 
-@dataclass
+@dataclass(frozen=True)
 class RoleEngines:
     """Where one multi-agent role's calls go (``task.role_engines``): some of the policy's engines, or a
     frozen model of its own."""
@@ -145,7 +142,7 @@ class RoleEngines:
     engine_ep: Optional[int] = setting(None, ge=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TaskConfig:
     name: str = setting("arithmetic", choices=TASKS)  # arithmetic (synthetic, built in) | jsonl | parquet
     path: Optional[str] = None  # dataset file for jsonl / parquet
@@ -173,7 +170,7 @@ class TaskConfig:
     role_engines: list[RoleEngines] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True)
 class JudgeConfig:
     """A generative reward model (megarl/tasks/judge.py): its own SGLang engine answers ``prompt_template``
     (``{prompt}``: the prompt as the dataset wrote it, without the policy's chat template; ``{response}``,
@@ -195,7 +192,7 @@ class JudgeConfig:
     engine_ep: int = setting(1, ge=1)  # its expert-parallel ranks (dividing engine_tp)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RewardConfig:
     """How samples are scored (megarl/tasks/rewards.py). A reward that raises or exceeds
     timeout_s gives the sample reward 0 and finish_reason error (counted, never fatal)."""
@@ -210,7 +207,7 @@ class RewardConfig:
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TeacherConfig:
     """On-policy distillation: a teacher served by its own SGLang engine scores the student's samples
     (one prefill request per sample: the log-prob of every response token)."""
@@ -223,7 +220,7 @@ class TeacherConfig:
     engine_ep: Optional[int] = setting(None, ge=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutConfig:
     engine: str = setting("sglang", choices=("sglang",))
     num_engines: int = setting(1, ge=1)
@@ -270,7 +267,7 @@ class RolloutConfig:
     engine_drain_s: float = setting(60.0, ge=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class BufferConfig:
     max_staleness: int = setting(1, ge=0)
     max_buffer_batches: int = setting(2, ge=1)
@@ -282,7 +279,7 @@ class BufferConfig:
     carry_in_flight: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClusterConfig:
     """The machines a layout is placed on (planner: ``python -m megarl.plan`` reports which node and
     device holds each trainer and engine rank, and refuses a layout that cannot be placed)."""
@@ -299,7 +296,7 @@ class ClusterConfig:
     node_check_s: float = setting(5.0, gt=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     """Held-out evaluation during the run (megarl/pipeline/evaluation.py): the policy's engines answer held-out
     prompts, never in the training stream (the arithmetic task: problems its own seed picks, left out of training;
@@ -322,7 +319,7 @@ class EvalConfig:
     seed: int = setting(1, ge=0)  # picks the held-out problems (arithmetic) or rows of task.path
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     run_dir: str = "runs/${run_name}"  # metrics.jsonl and the resolved config.yaml go here
     # where metrics.jsonl's rows also go: tensorboard (run_dir/tensorboard) | wandb | mlflow
@@ -332,7 +329,7 @@ class LoggingConfig:
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MegarlConfig:
     run_name: str = "run"
     # one of MODES (warmup: the supervised warm-up alone, for the tiny demos)
@@ -355,3 +352,13 @@ class MegarlConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @functools.cached_property
+    def topology(self) -> RunTopology:
+        """The run's engine pools and devices, computed once from this config (the whole run reads this one)."""
+        return RunTopology.from_config(self)
+
+    @functools.cached_property
+    def enabled_lora(self) -> LoraConfig | None:
+        """The ``lora`` section, checked and with its targets a tuple, when adapters are trained; else None."""
+        return LoraConfig.when_enabled(self.lora)

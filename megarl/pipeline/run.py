@@ -36,7 +36,6 @@ from megarl.algos.advantages import BatchStats
 from megarl.algos.gae import ragged_gae
 from megarl.algos.kl_control import KLController
 from megarl.algos.value_loss import value_metrics
-from megarl.config.topology import RunTopology
 from megarl.engines.pool import EnginePool
 from megarl.engines.types import PauseMode
 from megarl.metrics.trackers import TrackerSettings
@@ -346,7 +345,7 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
     stack = contextlib.AsyncExitStack()
     try:
         start_tasks_eagerly(stack)
-        stack.enter_context(ray_for_run(layout.world_size + RunTopology.from_config(cfg).engine_count))
+        stack.enter_context(ray_for_run(layout.world_size + cfg.topology.engine_count))
         StopRequest.install()  # again: ray.init replaced the handlers with its own (which just die)
         with StopRequest.cancels_the_start_up():
             pipe = await _start_pipeline(cfg, start_checkpoint, layout, stack)

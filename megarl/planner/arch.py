@@ -106,7 +106,7 @@ def _resolve(given, hf, family: str, key: str, path_key: str, where: str) -> Arc
     for f in fields(Arch):
         if f.name in values:
             continue
-        value = given[f.name]
+        value = getattr(given, f.name)
         if value is None or value == getattr(_SCHEMA_DEFAULTS, f.name):
             from_ckpt = getattr(hf, f.name) if hf else None
             value = from_ckpt if from_ckpt is not None else value

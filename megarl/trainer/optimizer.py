@@ -9,7 +9,7 @@ from megarl.fields import setting
 from megarl.trainer.settings import DTYPES, OptimizerConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerSettings(OptimizerConfig):
     """The optimizer and LR schedule of one run: the ``trainer`` section's optimizer keys (its schema node,
     :class:`megarl.trainer.settings.OptimizerConfig`) and what the run derives from the rest of the config

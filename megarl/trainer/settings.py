@@ -19,7 +19,7 @@ class Recompute(str, Enum):
     full = "full"
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerConfig:
     """The optimizer's keys of the ``trainer`` section (``megarl/trainer/optimizer.py`` extends it with what
     a run derives: the decay length and the dtype)."""
@@ -37,7 +37,7 @@ class OptimizerConfig:
     optimizer_cpu_offload: bool = False  # fp32 master weights and Adam moments in host memory (megatron-core)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainerConfig(OptimizerConfig):
     # optimizer steps per RL step: the batch's prompt groups split into this many mini-batches, one update
     # each (slime's --num-steps-per-rollout; verl's ppo_mini_batch_size = batch / this)
@@ -55,7 +55,7 @@ class TrainerConfig(OptimizerConfig):
     reserved_memory_gb: float = setting(4.0, ge=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CriticConfig(OptimizerConfig):
     """PPO's value model (``algorithm.advantage=gae``, megarl/trainer/critic.py): the policy's architecture with a
     scalar head, on the trainer ranks beside the policy (same layout), with the optimizer keys above of its own
@@ -66,7 +66,7 @@ class CriticConfig(OptimizerConfig):
     value_clip: float = setting(0.5, gt=0)  # clip range of the value loss around the values before the step
 
 
-@dataclass
+@dataclass(frozen=True)
 class WarmupConfig:
     """Supervised warm-up on synthetic arithmetic problems (task.name=arithmetic; the tiny demos'
     starting point). Off by default: RL starts from model.hf_path."""

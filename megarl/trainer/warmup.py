@@ -21,7 +21,7 @@ from megarl.trainer.token_batch import TokenBatch, masked_token_batch, token_bat
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class WarmupJob(WarmupConfig):
     """One warm-up run: the config's ``warmup`` section (its schema node,
     :class:`megarl.trainer.settings.WarmupConfig`) and what it takes from the rest

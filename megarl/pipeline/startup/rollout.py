@@ -18,7 +18,6 @@ from omegaconf import DictConfig
 from megarl.agents.parsers import tool_call_parser
 from megarl.agents.rollout import AgentEpisodes
 from megarl.agents.spec import load_agent
-from megarl.config.topology import RunTopology
 from megarl.engines.pool import EnginePool
 from megarl.engines.protocol import Engines
 from megarl.engines.types import EngineUnreachable, SamplingParams
@@ -112,7 +111,7 @@ def _manager(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[s
                             top_k=r.top_k)
     # The engine's log-probs are always those of the distribution it sampled from (renormalised
     # over its top-k mask); keep_sampling_mask decides whether the trainer applies that mask too.
-    frozen = {a.role: pools[a.name] for a in RunTopology.from_config(cfg).auxiliary if a.role is not None}
+    frozen = {a.role: pools[a.name] for a in cfg.topology.auxiliary if a.role is not None}
     episodes = episode_runner(cfg, pool, tokenizer, params, frozen, read_hf_config(start_checkpoint).model_type)
     if isinstance(episodes, AgentEpisodes):
         stack.push_async_callback(episodes.aclose)
