@@ -10,6 +10,7 @@ from megarl.config import default_config
 from megarl.config.components import optimizer_settings
 from megarl.models.lora import LoraConfig
 from megarl.parallel import Layout
+from megarl.trainer.micro_batching import MicroBatching
 
 ATTENTION = LoraConfig(enabled=True, rank=8, alpha=16, dropout=0.0, target_modules=("linear_qkv", "linear_proj"),
                        sync="adapter")
@@ -31,9 +32,9 @@ def trained_group(layout: Layout, checkpoint: str, lora: LoraConfig = ATTENTION,
     hf = load_hf(checkpoint)
     for step in range(steps):
         batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=step))
-        asyncio.run(group.rl_step(batch, AlgorithmConfig(), vocab_size=hf.config.vocab_size,
-                                  max_tokens_per_microbatch=32, keep_routing=False,
-                                  sequence_parallel=layout.sequence_parallel))
+        batching = MicroBatching(max_tokens=32, vocab_size=hf.config.vocab_size, keep_routing=False,
+                                 sequence_parallel=layout.sequence_parallel)
+        asyncio.run(group.rl_step(batch, AlgorithmConfig(), batching))
     return group
 
 

@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 
@@ -93,7 +94,8 @@ def _steps(trainable, sft_batch, rl_batch, vocab_size):
 
     sft = supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, sft_batch, 24, pack=True)
     rl = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, rl_batch, AlgorithmConfig(),
-                 vocab_size=vocab_size, max_tokens_per_microbatch=24, keep_routing=True, sequence_parallel=False)
+                 batching=MicroBatching(max_tokens=24, vocab_size=vocab_size, keep_routing=True,
+                                        sequence_parallel=False))
     return sft.loss, {k: v for k, v in rl.metrics.items() if not k.startswith("perf/")}
 
 
@@ -120,8 +122,8 @@ def inputs_on_meta_model(rank, layout, hf_path):
     for name, step in (
         ("sft", lambda: supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, sft_batch, 24)),
         ("rl", lambda: rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, rl_batch, AlgorithmConfig(),
-                               vocab_size=256, max_tokens_per_microbatch=24, keep_routing=True,
-                               sequence_parallel=False)),
+                               batching=MicroBatching(max_tokens=24, vocab_size=256, keep_routing=True,
+                                                      sequence_parallel=False))),
     ):
         seen.clear()
         with pytest.raises(_ReachedModel):
@@ -183,8 +185,8 @@ def micro_batches_on_meta(rank, layout, hf_path):
         setattr(owner, name, value)
     try:  # the rank process serves later tests (kept ranks): its modules are put back
         rl_step_module.rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, rl_batch,
-                               AlgorithmConfig(), vocab_size=256, max_tokens_per_microbatch=1, keep_routing=True,
-                               sequence_parallel=False)
+                               AlgorithmConfig(), batching=MicroBatching(max_tokens=1, vocab_size=256,
+                                                                         keep_routing=True, sequence_parallel=False))
     finally:
         for owner, name, value in originals:
             setattr(owner, name, value)

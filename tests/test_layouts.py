@@ -15,6 +15,7 @@ import pytest
 
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 
@@ -69,8 +70,9 @@ def rl_cases(trainable, layout, hf, loads):
     def step(case, samples, keep_routing=True, keep_mask=True, pack=True):
         batch = build_rl_batch(samples, with_sampling_mask=keep_mask)
         result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
-                         vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=keep_routing,
-                         sequence_parallel=layout.sequence_parallel, pack=pack)
+                         batching=MicroBatching(max_tokens=24, vocab_size=hf.config.vocab_size,
+                                                keep_routing=keep_routing, sequence_parallel=layout.sequence_parallel,
+                                                pack=pack))
         loads[case] = (result.expert_load.engine, result.expert_load.trainer)
         metrics = {k: v for k, v in result.metrics.items() if not k.startswith("perf/")} | load_metrics(result)
         return case, (result.grad_norm, metrics)
@@ -95,11 +97,11 @@ def packing_diffs(trainable, layout, hf):
         runs = {}
         for pack in (False, True):
             result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
-                             vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=keep,
-                             sequence_parallel=layout.sequence_parallel, pack=pack)
+                             batching=MicroBatching(max_tokens=24, vocab_size=hf.config.vocab_size, keep_routing=keep,
+                                                    sequence_parallel=layout.sequence_parallel, pack=pack))
             grads = torch.cat([p.main_grad.flatten().clone() for c in trainable.chunks for p in c.parameters()])
-            plan, dp_rank, micro = local_micro_batches(batch, 24, pack=pack,
-                                                       sequence_parallel=layout.sequence_parallel, pad_id=0)
+            plan, dp_rank, micro = local_micro_batches(
+                batch, MicroBatching(max_tokens=24, sequence_parallel=layout.sequence_parallel, pack=pack))
             logprobs = reference_logprobs(trainable.chunks, micro, vocab_size=hf.config.vocab_size, temperature=1.0,
                                           replay=keep, sequence_parallel=layout.sequence_parallel)
             per_sample = {}
@@ -314,14 +316,14 @@ def reference_kl_checks(rank, layout, hf_path):
                                 transformer_impl="local", routing_replay=True)
     reference = ReferenceWeights(trainable.chunks)
     algo = AlgorithmConfig(kl_coef=0.1, kl_type="k3")
-    kwargs = dict(vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=True,
-                  sequence_parallel=layout.sequence_parallel)
+    batching = MicroBatching(max_tokens=24, vocab_size=hf.config.vocab_size, keep_routing=True,
+                             sequence_parallel=layout.sequence_parallel)
     out = []
     for step in range(3):
         batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=10 + step))
-        per_sample = sequence_kl(trainable.chunks, batch, algo.kl_type, reference, **kwargs)
-        result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, algo,
-                         reference=reference, **kwargs)
+        per_sample = sequence_kl(trainable.chunks, batch, algo.kl_type, reference, batching)
+        result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, algo, batching,
+                         reference=reference)
         out.append((sum(per_sample), result.metrics["kl"], float(batch.loss_mask.sum())))
     return out
 

@@ -25,6 +25,7 @@ from megarl.engines.types import PauseMode, SamplingParams
 from megarl.models.lora import LoraConfig, unmatched_targets
 from megarl.parallel import Layout
 from megarl.sync import AdapterSync, SyncSettings, WeightSyncError
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 
@@ -191,8 +192,9 @@ def kl_to_reference(group, checkpoint: str) -> list[float]:
 
     hf = load_hf(checkpoint)
     batch = build_rl_batch(make_samples(hf, 4, top_k=5, seed=7))
-    return asyncio.run(group.sequence_kl(batch, AlgorithmConfig(kl_type="low_var_kl"), vocab_size=hf.config.vocab_size,
-                                         max_tokens_per_microbatch=32, keep_routing=False, sequence_parallel=False))
+    return asyncio.run(group.sequence_kl(batch, AlgorithmConfig(kl_type="low_var_kl"),
+        batching=MicroBatching(max_tokens=32, vocab_size=hf.config.vocab_size, keep_routing=False,
+                               sequence_parallel=False)))
 
 
 def test_checkpoint_holds_adapters_only_and_restores_them(ray_local, checkpoint, tmp_path):

@@ -21,6 +21,7 @@ import pytest
 
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 
@@ -145,8 +146,8 @@ def measure_rank(rank, layout, hf_path):
 
     def step():
         return rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
-                       vocab_size=hf.vocab_size, max_tokens_per_microbatch=4096, keep_routing=True,
-                       sequence_parallel=layout.sequence_parallel)
+                       batching=MicroBatching(max_tokens=4096, vocab_size=hf.vocab_size, keep_routing=True,
+                                              sequence_parallel=layout.sequence_parallel))
 
     step()  # the optimizer creates its state on the first step
     params = {id(p): p for chunk in trainable.chunks for p in chunk.parameters()}.values()
@@ -271,8 +272,8 @@ def measure_recompute(rank, layout, hf_path):
         meter = SavedTensorMeter({p.untyped_storage().data_ptr() for p in params})
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
-                    vocab_size=hf.vocab_size, max_tokens_per_microbatch=SAMPLES * POSITIONS // 2, keep_routing=True,
-                    sequence_parallel=layout.sequence_parallel)
+                    batching=MicroBatching(max_tokens=SAMPLES * POSITIONS // 2, vocab_size=hf.vocab_size,
+                                           keep_routing=True, sequence_parallel=layout.sequence_parallel))
         out[recompute] = (torch.cat([p.main_grad.flatten().clone() for p in params]), meter.peak)
     return out
 

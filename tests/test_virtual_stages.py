@@ -20,10 +20,11 @@ import torch
 
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 LAYOUT = Layout(world_size=2, pp=2, vpp=2)
-KWARGS = dict(max_tokens_per_microbatch=16, sequence_parallel=False)
+BATCHING = MicroBatching(max_tokens=16, sequence_parallel=False)
 
 
 def _frozen(hf_path, layout, recompute):
@@ -43,7 +44,7 @@ def _replayed_step(trainable, batch, vocab_size):
     from megarl.trainer.rl_step import rl_step
 
     result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
-                     vocab_size=vocab_size, keep_routing=True, **KWARGS)
+                     dataclasses.replace(BATCHING, vocab_size=vocab_size, keep_routing=True))
     grads = {(i, name): p.main_grad.clone() for i, c in enumerate(trainable.chunks) for name, p in c.named_parameters()}
     return result.grad_norm, result.metrics, grads
 
@@ -63,7 +64,7 @@ def _critic(hf_path, layout, batch):
     last = unwrap_model(critic.chunks)[-1]
     head = last.output_layer if last.post_process else None
     return (None if head is None else (head.weight.detach().clone(), head.bias.detach().clone()),
-            critic_values(critic.chunks, batch, **KWARGS))
+            critic_values(critic.chunks, batch, BATCHING))
 
 
 def virtual_stage_checks(rank, layout, hf_path):
@@ -79,16 +80,16 @@ def virtual_stage_checks(rank, layout, hf_path):
     hf = load_hf(hf_path)
     vocab = hf.config.vocab_size
     forced = build_rl_batch(make_samples(hf, 8, top_k=5, seed=1, rotate_experts=3))
-    plan, _, _ = local_micro_batches(forced, pack=True, pad_id=0, max_tokens=16, sequence_parallel=False)
+    plan, _, _ = local_micro_batches(forced, BATCHING)
     out = {"micro_batches": plan.num_micro_batches}
     trainable = _frozen(hf_path, layout, "none")
     out["plain"] = _replayed_step(trainable, forced, vocab)
     natural = build_rl_batch(make_samples(hf, 8, top_k=5, seed=2))
     out["recorded"] = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, natural, AlgorithmConfig(),
-                              vocab_size=vocab, keep_routing=False, **KWARGS).metrics
+                              dataclasses.replace(BATCHING, vocab_size=vocab, keep_routing=False)).metrics
     small = natural.select([0, 1])
-    out["small"] = (small, policy_logprobs(trainable.chunks, small, vocab_size=vocab, keep_routing=True,
-                                           max_tokens_per_microbatch=64, sequence_parallel=False))
+    out["small"] = (small, policy_logprobs(trainable.chunks, small, MicroBatching(
+        max_tokens=64, vocab_size=vocab, keep_routing=True)))
     ids = natural.tokens[:int(natural.cu_seqlens[1])]
     out["logits"] = (ids, _megatron_logits(trainable.chunks, ids, vocab))
     out["export"] = export_hf_state(trainable.model)

@@ -29,6 +29,7 @@ from megarl.engines.client import SGLangClient
 from megarl.engines.types import EngineError, PauseMode, SamplingParams
 from megarl.parallel import Layout
 from megarl.sync import SyncReport, SyncSettings, WeightSync, WeightSyncError
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 
@@ -79,9 +80,9 @@ def rl_steps(group, layout: Layout, checkpoint: str, steps: int, seed: int) -> N
     hf = load_hf(checkpoint)
     for step in range(steps):
         batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=seed + step))
-        asyncio.run(group.rl_step(batch, AlgorithmConfig(), vocab_size=hf.config.vocab_size,
-                                  max_tokens_per_microbatch=32, keep_routing=False,
-                                  sequence_parallel=layout.sequence_parallel))
+        batching = MicroBatching(max_tokens=32, vocab_size=hf.config.vocab_size, keep_routing=False,
+                                 sequence_parallel=layout.sequence_parallel)
+        asyncio.run(group.rl_step(batch, AlgorithmConfig(), batching))
 
 
 def trained_group(layout: Layout, checkpoint: str, steps: int = 2):

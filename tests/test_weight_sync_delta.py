@@ -22,6 +22,7 @@ from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.engines.types import PauseMode
 from megarl.parallel import Layout
 from megarl.sync import SyncSettings, WeightSync
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -58,8 +59,9 @@ def rl_step(group, hf, seed: int) -> None:
     from megarl.trainer.rl_batch import build_rl_batch
 
     batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=seed))
-    asyncio.run(group.rl_step(batch, AlgorithmConfig(), vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=32,
-                              keep_routing=False, sequence_parallel=False))
+    asyncio.run(group.rl_step(batch, AlgorithmConfig(), batching=MicroBatching(max_tokens=32,
+                                                                               vocab_size=hf.config.vocab_size,
+                              keep_routing=False, sequence_parallel=False)))
 
 
 def sync_settings(tmp_path, transport: str, delta: bool) -> SyncSettings:

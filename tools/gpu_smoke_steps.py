@@ -89,6 +89,7 @@ def _rl_metrics(ckpt: str, dtype: str, impl: str) -> dict:
     from megarl.algos.settings import AlgorithmConfig
     from megarl.parallel import Layout
     from megarl.trainer.distributed import shutdown_rank
+    from megarl.trainer.micro_batching import MicroBatching
     from megarl.trainer.model_setup import build_trainable
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import rl_step
@@ -101,8 +102,8 @@ def _rl_metrics(ckpt: str, dtype: str, impl: str) -> dict:
         out = {}
         for pack in (True, False):
             result = rl_step(t.chunks, t.optimizer, t.scheduler, batch, AlgorithmConfig(),
-                             vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=True,
-                             sequence_parallel=False, pack=pack)
+                             batching=MicroBatching(max_tokens=24, vocab_size=hf.config.vocab_size, keep_routing=True,
+                                                    sequence_parallel=False, pack=pack))
             out["packed" if pack else "padded"] = {k: v for k, v in result.metrics.items()
                                                    if k.startswith(("mismatch/", "routing/", "loss"))}
         return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from megarl.trainer.critic import CriticSettings
+from megarl.trainer.micro_batching import MicroBatching
 from megarl.trainer.model_setup import ModelSettings
 from megarl.trainer.optimizer import OptimizerSettings
 from megarl.trainer.settings import OptimizerConfig, WarmupConfig
@@ -60,3 +61,13 @@ def warmup_job(cfg) -> WarmupJob:
                      max_operand=cfg.task.max_operand, seed=cfg.task.seed,
                      transformer_impl=cfg.model.transformer_impl.value, dispatcher=cfg.parallel.dispatcher.value,
                      env=cfg.task.env, tool_calling=cfg.model.tiny_variant.value == "tool_calling")
+
+
+def micro_batching(cfg, vocab_size: int, pad_id: int) -> MicroBatching:
+    """How every trainer step of the run cuts and runs its batch: ``trainer.max_tokens_per_microbatch``,
+    ``trainer.pack_sequences``, ``parallel.sequence_parallel``, ``rollout.keep_routing`` and ``rollout.temperature``,
+    with the served model's ``vocab_size`` and the tokenizer's ``pad_id``."""
+    return MicroBatching(max_tokens=cfg.trainer.max_tokens_per_microbatch,
+                         sequence_parallel=cfg.parallel.sequence_parallel, pack=cfg.trainer.pack_sequences,
+                         pad_id=pad_id, vocab_size=vocab_size, keep_routing=cfg.rollout.keep_routing,
+                         temperature=cfg.rollout.temperature)

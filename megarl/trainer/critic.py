@@ -21,6 +21,7 @@ import torch
 from megarl.algos.value_loss import clipped_value_loss
 from megarl.trainer.context_parallel import token_count_share
 from megarl.trainer.device import model_device
+from megarl.trainer.micro_batching import MicroBatching
 from megarl.trainer.optimizer import OptimizerSettings
 from megarl.trainer.packing import ModelInput, to_grid
 from megarl.trainer.rl_batch import RLBatch
@@ -57,15 +58,13 @@ def _token_values(output: torch.Tensor, mi: ModelInput) -> torch.Tensor:
     return mi.to_ragged(picked, rows)
 
 
-def critic_values(chunks: list, batch: RLBatch, *, max_tokens_per_microbatch: int, sequence_parallel: bool,
-                  pack: bool = True, pad_id: int = 0) -> torch.Tensor | None:
+def critic_values(chunks: list, batch: RLBatch, batching: MicroBatching) -> torch.Tensor | None:
     """The critic's value at every position of ``batch``, float32 [N] on the host (0 off the trained
     positions), from one forward-only pass: the whole batch on every rank of the last PP stage
     (gathered over DP), None elsewhere; a collective of every rank."""
     from megatron.core import parallel_state
 
-    plan, dp_rank, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
-                                               sequence_parallel=sequence_parallel, pad_id=pad_id)
+    plan, dp_rank, micro = local_micro_batches(batch, batching)
     collected: list[torch.Tensor] = []
 
     def forward_step(data_iterator, model):
@@ -107,9 +106,8 @@ def _value_loss(output: torch.Tensor, mb: RLBatch, mi: ModelInput, clip: float, 
     return loss_sum, num_tokens, {"sums": sums}
 
 
-def critic_step(chunks: list, optimizer, scheduler, batch: RLBatch, *, value_clip: float,
-                max_tokens_per_microbatch: int, sequence_parallel: bool, pack: bool = True,
-                pad_id: int = 0) -> RLStepResult:
+def critic_step(chunks: list, optimizer, scheduler, batch: RLBatch, batching: MicroBatching,
+                value_clip: float) -> RLStepResult:
     """One critic update on ``batch`` (identical on every rank; each DP rank trains its share), which must
     carry ``old_values`` and ``returns``. Metrics (last PP stage): ``critic/value_loss`` (token mean of the
     clipped loss), ``critic/value_clipfrac`` (share of trained tokens where the clipped term was the
@@ -121,8 +119,7 @@ def critic_step(chunks: list, optimizer, scheduler, batch: RLBatch, *, value_cli
     if batch.old_values is None or batch.returns is None:
         raise ValueError("a critic step needs the batch's old_values and returns (critic_values, then ragged_gae)")
     device = model_device(chunks)
-    plan, _, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
-                                         sequence_parallel=sequence_parallel, pad_id=pad_id)
+    plan, _, micro = local_micro_batches(batch, batching)
 
     def forward_step(data_iterator, model):
         mb, mi = on_device(model, *next(data_iterator))

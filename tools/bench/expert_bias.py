@@ -22,6 +22,8 @@ import json
 import logging
 import sys
 
+from megarl.trainer.micro_batching import MicroBatching
+
 log = logging.getLogger("bench.expert_bias")
 
 LAYERS, EXPERTS, TOPK, VOCAB = 2, 8, 2, 384
@@ -106,8 +108,8 @@ def train(name: str, steps: int, rate: float, aux: float, lr: float) -> dict:
     per_step = []
     for step in range(steps):
         batch = build_rl_batch(clustered_samples(step), with_sampling_mask=False)
-        result = rl_step(chunks, optimizer, scheduler, batch, AlgorithmConfig(), vocab_size=VOCAB,
-                         max_tokens_per_microbatch=512, keep_routing=False, sequence_parallel=False)
+        result = rl_step(chunks, optimizer, scheduler, batch, AlgorithmConfig(),
+            batching=MicroBatching(max_tokens=512, vocab_size=VOCAB, keep_routing=False, sequence_parallel=False))
         load = result.expert_load
         metrics = expert_load_metrics(load.engine, load.trainer, load.layers)
         per_step.append({k.removeprefix("experts/trainer/"): metrics[k] for k in

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from megarl.trainer.micro_batching import MicroBatching
+
 log = logging.getLogger("bench.packing")
 
 
@@ -80,8 +82,8 @@ def run(samples: int, tail_frac: float, repeats: int, max_tokens: int) -> dict:
             for pack in (False, True):
                 t0 = time.perf_counter()
                 rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
-                        vocab_size=hf.vocab_size, max_tokens_per_microbatch=max_tokens, keep_routing=True,
-                        sequence_parallel=False, pack=pack)
+                        batching=MicroBatching(max_tokens=max_tokens, vocab_size=hf.vocab_size, keep_routing=True,
+                                               sequence_parallel=False, pack=pack))
                 if r:
                     times[pack].append(time.perf_counter() - t0)
         result = {"samples": samples, "real_tokens": real, "tail_frac": tail_frac,
