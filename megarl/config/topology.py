@@ -194,7 +194,7 @@ def check_role_engines(task, num_engines: int) -> None:
             fail(f"task.role_engines[{i}].role", f"{entry.role!r} is placed more than once")
         engines = list(entry.engines)
         for name in ("engine_tp", "engine_ep"):
-            if entry.hf_path is None and entry[name] is not None:
+            if entry.hf_path is None and getattr(entry, name) is not None:
                 fail(f"task.role_engines[{i}].{name}", f"sets the ranks of a frozen model's engine (with hf_path); "
                      f"{entry.role!r} is served by the policy's engines, whose ranks are rollout.{name}")
         if entry.hf_path is not None:

@@ -335,7 +335,7 @@ def _check_distillation(cfg: DictConfig) -> None:
 
 def _check_reward(reward: DictConfig) -> None:
     for kind, key in (("remote", "url"), ("function", "path")):
-        if reward.type == kind and not reward[key]:
+        if reward.type == kind and not getattr(reward, key):
             fail(f"reward.{key}", f"reward type {kind} needs reward.{key}")
     if reward.type == "remote":
         try:
