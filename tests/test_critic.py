@@ -41,9 +41,10 @@ def _critic(hf_path, layout, settings):
 
 
 def _build(hf_path, layout, settings):
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
 
-    return build_trainable(hf_path, layout, settings, transformer_impl="local"), _critic(hf_path, layout, settings)
+    policy = build_trainable(hf_path, layout, settings, ModelSettings(transformer_impl="local"))
+    return policy, _critic(hf_path, layout, settings)
 
 
 def _head(critic) -> tuple[torch.Tensor, torch.Tensor]:

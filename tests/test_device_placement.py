@@ -64,11 +64,11 @@ def _build(hf_path):
 
     from megarl.config import default_config
     from megarl.config.components import optimizer_settings
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
 
     torch.manual_seed(0)
     return build_trainable(hf_path, Layout(), optimizer_settings(default_config(), lr=1e-3),
-                           transformer_impl="local", routing_replay=True)
+                           ModelSettings(transformer_impl="local", routing_replay=True))
 
 
 def _batches(hf_path):

@@ -29,7 +29,6 @@ NOT_YET = {
     "megarl/agents/gateway.py:AgentGateway.__init__",
     "megarl/models/bridge.py:build_megatron_model",
     "megarl/pipeline/producer.py:RolloutProducer.__init__",
-    "megarl/trainer/model_setup.py:build_trainable",
     "megarl/trainer/convert.py:to_hf_rank",
     "megarl/trainer/convert.py:to_hf",
     "megarl/rollout/group.py:RolloutManager.__init__",

@@ -37,12 +37,12 @@ def supervised_steps(layout, hf_path):
 
     from megarl.config import default_config
     from megarl.config.components import optimizer_settings
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.sft_step import supervised_step
     from megarl.trainer.token_batch import token_batch
 
     trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=1e-3),
-                                transformer_impl="local")
+                                ModelSettings(transformer_impl="local"))
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(5, 12, (8,), generator=gen).tolist()
     batch = token_batch([torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths], [2] * 8)
@@ -164,7 +164,7 @@ def layout_checks(rank, layout, hf_path):
 
     from megarl.config import default_config
     from megarl.config.components import optimizer_settings
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
 
     sft = supervised_steps(layout, hf_path)
     RouterReplay.clear_global_router_replay_instances()
@@ -172,7 +172,8 @@ def layout_checks(rank, layout, hf_path):
     # gradient, which packing_diffs compares
     frozen_settings = dataclasses.replace(optimizer_settings(default_config(), lr=0.0),
                                           use_distributed_optimizer=False)
-    frozen = build_trainable(hf_path, layout, frozen_settings, transformer_impl="local", routing_replay=True)
+    frozen = build_trainable(hf_path, layout, frozen_settings,
+                             ModelSettings(transformer_impl="local", routing_replay=True))
     hf = load_hf(hf_path)
     loads = {}
     rl = rl_cases(frozen, layout, hf, loads)
@@ -306,14 +307,14 @@ def reference_kl_checks(rank, layout, hf_path):
     from megarl.algos.settings import AlgorithmConfig
     from megarl.config import default_config
     from megarl.config.components import optimizer_settings
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.reference import ReferenceWeights
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import rl_step, sequence_kl
 
     hf = load_hf(hf_path)
     trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=1e-2),
-                                transformer_impl="local", routing_replay=True)
+                                ModelSettings(transformer_impl="local", routing_replay=True))
     reference = ReferenceWeights(trainable.chunks)
     algo = AlgorithmConfig(kl_coef=0.1, kl_type="k3")
     batching = MicroBatching(max_tokens=24, vocab_size=hf.config.vocab_size, keep_routing=True,

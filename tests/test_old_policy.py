@@ -70,16 +70,16 @@ def old_policy_checks(rank, layout, hf_path, settings, algo):
     from hf_oracle import load_hf
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
 
     hf = load_hf(hf_path)
     batching = MicroBatching(max_tokens=24, vocab_size=hf.config.vocab_size, keep_routing=True,
                              sequence_parallel=False)
-    trainable = build_trainable(hf_path, layout, settings, transformer_impl="local", routing_replay=True)
+    trainable = build_trainable(hf_path, layout, settings, ModelSettings(transformer_impl="local", routing_replay=True))
     records = mini_batch_records(trainable, hf, algo, batching)
     RouterReplay.clear_global_router_replay_instances()
-    frozen = build_trainable(hf_path, layout, dataclasses.replace(settings, lr=0.0), transformer_impl="local",
-                             routing_replay=True)
+    frozen = build_trainable(hf_path, layout, dataclasses.replace(settings, lr=0.0),
+                             ModelSettings(transformer_impl="local", routing_replay=True))
     return records, one_update_metrics(frozen, hf, algo, batching)
 
 

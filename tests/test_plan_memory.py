@@ -136,11 +136,11 @@ def measure_rank(rank, layout, hf_path):
     from megarl.algos.settings import AlgorithmConfig
     from megarl.config import default_config
     from megarl.config.components import optimizer_settings
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.rl_step import rl_step
 
     trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=1e-4),
-                                transformer_impl="local", routing_replay=True)
+                                ModelSettings(transformer_impl="local", routing_replay=True))
     hf = AutoConfig.from_pretrained(hf_path)
     batch = synthetic_batch(hf.vocab_size, hf.num_hidden_layers, hf.num_local_experts, hf.num_experts_per_tok)
 
@@ -258,7 +258,7 @@ def measure_recompute(rank, layout, hf_path):
     from megarl.algos.settings import AlgorithmConfig
     from megarl.config import default_config
     from megarl.config.components import optimizer_settings
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.rl_step import rl_step
 
     hf = AutoConfig.from_pretrained(hf_path)
@@ -267,7 +267,7 @@ def measure_recompute(rank, layout, hf_path):
     for recompute in RECOMPUTE:
         RouterReplay.clear_global_router_replay_instances()
         trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=0.0),
-                                    transformer_impl="local", routing_replay=True, recompute=recompute)
+                                    ModelSettings(transformer_impl="local", routing_replay=True, recompute=recompute))
         params = [p for chunk in trainable.chunks for p in chunk.parameters()]
         meter = SavedTensorMeter({p.untyped_storage().data_ptr() for p in params})
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):

@@ -30,12 +30,12 @@ BATCHING = MicroBatching(max_tokens=16, sequence_parallel=False)
 def _frozen(hf_path, layout, recompute):
     from megarl.config import default_config
     from megarl.config.components import optimizer_settings
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
 
     settings = dataclasses.replace(optimizer_settings(default_config(), lr=0.0),
                                    use_distributed_optimizer=False)  # every rank keeps its whole gradient
-    return build_trainable(hf_path, layout, settings, transformer_impl="local", routing_replay=True,
-                           recompute=recompute)
+    return build_trainable(hf_path, layout, settings,
+                           ModelSettings(transformer_impl="local", routing_replay=True, recompute=recompute))
 
 
 def _replayed_step(trainable, batch, vocab_size):

@@ -208,13 +208,14 @@ def trainer_logprobs(rank, layout, jobs):
     from megarl.config import default_config
     from megarl.config.components import optimizer_settings
     from megarl.models.hf_config import read_hf_config
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.rl_step import policy_logprobs
 
     settings = optimizer_settings(default_config(), lr=0.0)
     out = []
     for path, samples in jobs:
-        trainable = build_trainable(path, layout, settings, transformer_impl="local", routing_replay=True)
+        trainable = build_trainable(path, layout, settings,
+                                    ModelSettings(transformer_impl="local", routing_replay=True))
         batch = build_rl_batch(samples, with_advantages=False)
         flat = policy_logprobs(trainable.chunks, batch, batching=MicroBatching(max_tokens=256,
                                                                                vocab_size=read_hf_config(path).vocab_size,

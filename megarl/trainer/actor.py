@@ -140,11 +140,7 @@ class TrainerRank:
         from megarl.trainer.model_setup import build_trainable
         from megarl.trainer.reference import ReferenceWeights
 
-        self.trainable = build_trainable(hf_path, self.layout, optimizer, transformer_impl=model.transformer_impl,
-                                         dispatcher=model.dispatcher, routing_replay=model.routing_replay,
-                                         moe_aux_loss_coeff=model.moe_aux_loss_coeff, recompute=model.recompute,
-                                         recompute_num_layers=model.recompute_num_layers, lora=model.lora,
-                                         moe_expert_bias_update_rate=model.moe_expert_bias_update_rate)
+        self.trainable = build_trainable(hf_path, self.layout, optimizer, model)
         self.reference = ReferenceWeights(self.trainable.chunks) if model.reference else None
         self.critic = None if critic is None else build_critic(critic, self.layout, model)
         return sum(p.numel() for chunk in self.trainable.chunks for p in chunk.parameters())

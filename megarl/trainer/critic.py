@@ -14,6 +14,7 @@ summed gradient by the global token count, as for the policy).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,9 @@ def build_critic(settings: CriticSettings, layout, model):
     model_setup.ModelSettings (layer implementation, dispatcher, recompute), without routing replay or LoRA."""
     from megarl.trainer.model_setup import build_trainable
 
-    return build_trainable(settings.hf_path, layout, settings.optimizer, transformer_impl=model.transformer_impl,
-                           dispatcher=model.dispatcher, routing_replay=False,
-                           moe_aux_loss_coeff=model.moe_aux_loss_coeff, recompute=model.recompute,
-                           recompute_num_layers=model.recompute_num_layers, value_head=True)
+    backbone = dataclasses.replace(model, routing_replay=False, reference=False, lora=None,
+                                   moe_expert_bias_update_rate=None)
+    return build_trainable(settings.hf_path, layout, settings.optimizer, backbone, value_head=True)
 
 
 def _token_values(output: torch.Tensor, mi: ModelInput) -> torch.Tensor:

@@ -94,12 +94,12 @@ def run_warmup(rank: int, layout: Layout, job: WarmupJob) -> list[float]:
 
     from megarl.metrics.sink import MetricsFile
     from megarl.models.bridge import save_hf_checkpoint
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.sft_step import supervised_step
 
     tokenizer = AutoTokenizer.from_pretrained(job.hf_path)
-    trainable = build_trainable(job.hf_path, layout, job.optimizer, transformer_impl=job.transformer_impl,
-                                dispatcher=job.dispatcher)
+    trainable = build_trainable(job.hf_path, layout, job.optimizer,
+                                ModelSettings(transformer_impl=job.transformer_impl, dispatcher=job.dispatcher))
     rng = random.Random(job.seed)  # the same global batch on every rank; each takes its DP share
     reporter = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                 and parallel_state.get_tensor_model_parallel_rank() == 0

@@ -60,7 +60,7 @@ def run(samples: int, tail_frac: float, repeats: int, max_tokens: int) -> dict:
     from megarl.models.tiny_moe import make_tiny_moe
     from megarl.parallel import Layout, free_port
     from megarl.trainer.distributed import init_rank
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.packing import plan_micro_batches
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import rl_step
@@ -73,7 +73,7 @@ def run(samples: int, tail_frac: float, repeats: int, max_tokens: int) -> dict:
         hf = AutoConfig.from_pretrained(hf_path)
         init_rank(0, Layout(), "127.0.0.1", free_port(), backend="gloo")
         trainable = build_trainable(hf_path, Layout(), optimizer_settings(default_config(), lr=1e-5),
-                                    transformer_impl="local", routing_replay=True)
+                                    ModelSettings(transformer_impl="local", routing_replay=True))
         batch = build_rl_batch(long_tailed_samples(samples, hf.max_position_embeddings, tail_frac, hf.vocab_size,
                                                    hf.num_hidden_layers, hf.num_local_experts, hf.num_experts_per_tok))
         real = int(batch.lengths.sum())
