@@ -55,7 +55,7 @@ def test_settings_from_a_loaded_config_carry_its_values():
     opt = optimizer_settings(cfg, updates_per_step=3)
     assert (opt.lr, opt.adam_beta1, opt.lr_decay_steps, opt.dtype) == (5e-4, 0.25, 21, "float32")
     sync = SyncSettings.from_config(cfg.sync, engine_tp=2)
-    assert dataclasses.asdict(sync) == {**{f.name: cfg.sync[f.name] for f in dataclasses.fields(SyncConfig)},
+    assert dataclasses.asdict(sync) == {**{f.name: getattr(cfg.sync, f.name) for f in dataclasses.fields(SyncConfig)},
                                         "engine_tp": 2}
 
 
