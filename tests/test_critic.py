@@ -123,14 +123,13 @@ def one_update(rank, layout, hf_path, settings, batch, value_clip):
 
 @pytest.fixture(scope="module")
 def checks(tiny_checkpoint, tmp_path_factory):
-    from omegaconf import OmegaConf
 
     from megarl.config import load_config
     from megarl.config.components import optimizer_settings
 
     cfg = load_config(["recipe=tiny_moe_ppo_cpu", f"model.hf_path={tiny_checkpoint}", "algorithm.lam=0.9"])
     settings = optimizer_settings(cfg)
-    algo = dataclasses.replace(OmegaConf.to_object(cfg.algorithm), off_policy_correction="none")
+    algo = dataclasses.replace(cfg.algorithm, off_policy_correction="none")
     root = tmp_path_factory.mktemp("critic") / "checkpoints"
     return run_ranks(critic_checks, Layout(), tiny_checkpoint, settings, cfg, algo, str(root))[0] | {
         "root": root, "hf_path": tiny_checkpoint, "cfg": cfg, "settings": settings}

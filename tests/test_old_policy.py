@@ -97,9 +97,8 @@ def checks(tiny_checkpoint):
 
 def _algorithm(cfg):
     """The recipe's algorithm section with the narrowed clip range (module docstring)."""
-    from omegaconf import OmegaConf
 
-    return dataclasses.replace(OmegaConf.to_object(cfg.algorithm), clip_low=CLIP, clip_high=CLIP)
+    return dataclasses.replace(cfg.algorithm, clip_low=CLIP, clip_high=CLIP)
 
 
 def recipe_loss(record, algo) -> float:
