@@ -25,6 +25,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from megarl.config import ConfigError, load_config
+from megarl.config.components import warmup_job
 from megarl.lifetime import end_with_owner_from_env
 from megarl.log import setup_logging
 from megarl.pipeline.node_watch import NODE_LOST_EXIT, TrainerLost
@@ -36,9 +37,9 @@ def warmup(cfg: DictConfig) -> list[float]:
     """Supervised warm-up on every trainer rank; saves the HF checkpoint; returns the losses."""
     from megarl.parallel import Layout
     from megarl.trainer.launch import run_ranks
-    from megarl.trainer.warmup import WarmupJob, run_warmup
+    from megarl.trainer.warmup import run_warmup
 
-    job = WarmupJob.from_config(cfg)
+    job = warmup_job(cfg)
     losses = run_ranks(run_warmup, Layout.from_config(cfg.parallel), job, backend=cfg.parallel.backend,
                        seed=cfg.trainer.seed)[-1]
     log.info("warm-up loss %.3f -> %.3f over %d steps; HF checkpoint: %s", losses[0], losses[-1], len(losses),

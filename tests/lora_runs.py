@@ -7,8 +7,10 @@ from pathlib import Path
 from hf_oracle import load_hf, make_samples
 
 from megarl.config import default_config
+from megarl.config.components import optimizer_settings
 from megarl.models.lora import LoraConfig
 from megarl.parallel import Layout
+from megarl.trainer.micro_batching import MicroBatching
 
 ATTENTION = LoraConfig(enabled=True, rank=8, alpha=16, dropout=0.0, target_modules=("linear_qkv", "linear_proj"),
                        sync="adapter")
@@ -18,22 +20,21 @@ def trained_group(layout: Layout, checkpoint: str, lora: LoraConfig = ATTENTION,
                   reference: bool = False):
     """A LoRA TrainerGroup under ``layout`` after ``steps`` RL steps at lr 2e-2 (the adapters move
     visibly); ``reference``: with the KL reference (the starting weights)."""
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.actor import TrainerGroup
     from megarl.trainer.model_setup import ModelSettings
-    from megarl.trainer.optimizer import OptimizerSettings
     from megarl.trainer.rl_batch import build_rl_batch
 
     group = TrainerGroup(layout)
     model = ModelSettings("local", "alltoall", routing_replay=False, recompute="none", recompute_num_layers=None,
                           moe_aux_loss_coeff=0.0, reference=reference, lora=lora)
-    asyncio.run(group.build(checkpoint, OptimizerSettings.from_config(default_config(), lr=2e-2), model))
+    asyncio.run(group.build(checkpoint, optimizer_settings(default_config(), lr=2e-2), model))
     hf = load_hf(checkpoint)
     for step in range(steps):
         batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=step))
-        asyncio.run(group.rl_step(batch, AlgorithmConfig(), vocab_size=hf.config.vocab_size,
-                                  max_tokens_per_microbatch=32, keep_routing=False,
-                                  sequence_parallel=layout.sequence_parallel))
+        batching = MicroBatching(max_tokens=32, vocab_size=hf.config.vocab_size, keep_routing=False,
+                                 sequence_parallel=layout.sequence_parallel)
+        asyncio.run(group.rl_step(batch, AlgorithmConfig(), batching))
     return group
 
 

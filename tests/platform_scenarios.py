@@ -25,20 +25,19 @@ LAYOUTS = {
 
 def scenario(rank, layout, name, hf_path, out_dir):
     from megarl.config import default_config
+    from megarl.config.components import optimizer_settings
     from megarl.models.bridge import build_megatron_model, save_hf_checkpoint
     from megarl.models.lora import LoraConfig
-    from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.sft_step import supervised_step
     from megarl.trainer.token_batch import token_batch
 
     if name == "save_hf":
         save_hf_checkpoint(build_megatron_model(hf_path, layout, transformer_impl="local"), out_dir)
         return "saved"
-    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-3),
-                                transformer_impl="local",
-                                lora=LoraConfig(True, 4, 8, 0.0, ("linear_qkv",), "adapter") if name == "train_lora"
-                                else None)
+    lora = LoraConfig(True, 4, 8, 0.0, ("linear_qkv",), "adapter") if name == "train_lora" else None
+    trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=1e-3),
+                                ModelSettings(transformer_impl="local", lora=lora))
     sequences = [[1, 5 + i, 7, 9, 11 + i, 2] for i in range(4)]
     batch = token_batch(sequences, [3] * 4)
     loss = supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, 64).loss

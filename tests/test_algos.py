@@ -12,7 +12,7 @@ from megarl.algos.kl import kl_penalty
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.algos.off_policy import correction, masked_is, off_policy_sequence_mask, truncated_is
 from megarl.algos.policy_loss import cispo, gspo, policy_loss_fn, ppo
-from megarl.config.schema import AlgorithmConfig
+from megarl.algos.settings import AlgorithmConfig
 
 pytestmark = pytest.mark.unit
 

@@ -19,8 +19,8 @@ from megarl.algos.objective import LossInputs, rl_loss
 from megarl.algos.off_policy import correction
 from megarl.algos.policy_loss import ppo
 from megarl.algos.rejection import CRITERIA, parse_criteria, rejection_keep
+from megarl.algos.settings import AlgorithmConfig
 from megarl.algos.value_loss import clipped_value_loss
-from megarl.config.schema import AlgorithmConfig
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,7 @@ from megarl.algos.kl import kl_penalty
 from megarl.algos.kl_control import KLController
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.algos.policy_loss import CovBand, clip_cov, dppo, kl_cov, ppo
-from megarl.config.schema import AlgorithmConfig
+from megarl.algos.settings import AlgorithmConfig
 from megarl.sample import FinishReason, RolloutSample
 
 pytestmark = pytest.mark.unit
@@ -467,6 +467,7 @@ def test_the_run_takes_the_rewards_kl_coefficient_from_verls_controller():
     import asyncio
 
     from megarl.config import load_config
+    from megarl.config.components import micro_batching
     from megarl.pipeline.run import Pipeline, resumed_kl_control
 
     cfg = load_config(["recipe=tiny_moe_cpu", "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.05",
@@ -475,13 +476,14 @@ def test_the_run_takes_the_rewards_kl_coefficient_from_verls_controller():
     scripted = [[0.03, 0.01, 0.2, 0.04], [0.3, 0.5, 0.2, 0.1], [0.0, 0.0, 0.0, 0.0], [0.06, 0.02, 0.08, 0.04]]
 
     class Trainer:
-        async def sequence_kl(self, batch, algo, **kwargs):
+        async def sequence_kl(self, batch, algo, batching):
             assert len(batch) == len(lengths)
             return scripted[self.step]
 
     trainer = Trainer()
     pipe = Pipeline(cfg=cfg, trainer=trainer, pool=None, sync=None, buffer=None, producer=None, ledger=None,
-                    books=None, pad_id=0, vocab_size=384, start_step=0, kl_control=resumed_kl_control(cfg, None))
+                    books=None, batching=micro_batching(cfg, vocab_size=384, pad_id=0), start_step=0,
+                    kl_control=resumed_kl_control(cfg, None))
     samples = [RolloutSample(prompt_ids=[1], response_ids=[2] * n, loss_mask=np.ones(n, np.uint8),
                              rollout_logprobs=np.zeros(n, np.float32), model_version=np.zeros(n, np.int32),
                              routed_experts=None, sampling_mask=None, finish_reason=FinishReason.STOP, reward=1.0,

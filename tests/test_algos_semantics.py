@@ -19,7 +19,7 @@ from megarl.algos.kl import kl_penalty
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.algos.off_policy import correction
 from megarl.algos.policy_loss import cispo, ppo, sapo
-from megarl.config.schema import AlgorithmConfig
+from megarl.algos.settings import AlgorithmConfig
 from megarl.sample import FinishReason, RolloutSample
 
 pytestmark = pytest.mark.unit

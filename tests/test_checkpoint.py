@@ -32,12 +32,11 @@ DATA_POSITION = {"consumed_prompts": 16, "rng_seed": 7, "order": [3, 1, 2]}
 
 def _trainable(hf_path, layout):
     from megarl.config import default_config
-    from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
 
-    return build_trainable(hf_path, layout,
-                           dataclasses.replace(OptimizerSettings.from_config(default_config()), **SETTINGS),
-                           transformer_impl="local")
+    return build_trainable(hf_path, layout, dataclasses.replace(optimizer_settings(default_config()), **SETTINGS),
+                           ModelSettings(transformer_impl="local"))
 
 
 def _batch():

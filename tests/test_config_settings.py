@@ -7,10 +7,12 @@ import typing
 
 import pytest
 
-from megarl.config.schema import MegarlConfig, OptimizerConfig, TrainerConfig, WarmupConfig
+from megarl.algos.settings import AlgorithmConfig
+from megarl.config.schema import MegarlConfig
 from megarl.models.lora import LoraConfig
 from megarl.sync.settings import SyncConfig, SyncSettings
 from megarl.trainer.optimizer import OptimizerSettings
+from megarl.trainer.settings import CriticConfig, OptimizerConfig, TrainerConfig, WarmupConfig
 from megarl.trainer.warmup import WarmupJob
 
 pytestmark = pytest.mark.unit
@@ -27,8 +29,12 @@ def _declared(cls) -> set[str]:
 
 def test_owned_sections_are_the_components_classes():
     hints = typing.get_type_hints(MegarlConfig)
-    assert hints["lora"] is LoraConfig and LoraConfig.__module__ == "megarl.models.lora"
-    assert hints["sync"] is SyncConfig and SyncConfig.__module__ == "megarl.sync.settings"
+    owned = {"lora": (LoraConfig, "megarl.models.lora"), "sync": (SyncConfig, "megarl.sync.settings"),
+             "algorithm": (AlgorithmConfig, "megarl.algos.settings"),
+             "trainer": (TrainerConfig, "megarl.trainer.settings"),
+             "critic": (CriticConfig, "megarl.trainer.settings"), "warmup": (WarmupConfig, "megarl.trainer.settings")}
+    for key, (cls, module) in owned.items():
+        assert hints[key] is cls and cls.__module__ == module, key
 
 
 def test_settings_inherit_their_sections_fields_and_declare_none_again():
@@ -43,12 +49,13 @@ def test_settings_inherit_their_sections_fields_and_declare_none_again():
 
 def test_settings_from_a_loaded_config_carry_its_values():
     from megarl.config import load_config
+    from megarl.config.components import optimizer_settings
 
     cfg = load_config(["recipe=tiny_moe_cpu", "trainer.adam_beta1=0.25", "sync.bucket_mb=8", "steps=7"])
-    opt = OptimizerSettings.from_config(cfg, updates_per_step=3)
+    opt = optimizer_settings(cfg, updates_per_step=3)
     assert (opt.lr, opt.adam_beta1, opt.lr_decay_steps, opt.dtype) == (5e-4, 0.25, 21, "float32")
     sync = SyncSettings.from_config(cfg.sync, engine_tp=2)
-    assert dataclasses.asdict(sync) == {**{f.name: cfg.sync[f.name] for f in dataclasses.fields(SyncConfig)},
+    assert dataclasses.asdict(sync) == {**{f.name: getattr(cfg.sync, f.name) for f in dataclasses.fields(SyncConfig)},
                                         "engine_tp": 2}
 
 
@@ -81,3 +88,47 @@ def test_no_schema_section_is_mirrored_by_another_dataclass():
                 if obj not in section.__mro__ and len(_declared(obj) & names) > max(2, len(names) // 2):
                     mirrors.append((obj.__qualname__, section.__name__, sorted(_declared(obj) & names)))
     assert {(name, section) for name, section, _ in mirrors} == NOT_SETTINGS, mirrors
+
+
+def test_load_config_returns_the_frozen_typed_config():
+    from megarl.config import load_config
+
+    cfg = load_config(["recipe=tiny_moe_cpu", "algorithm.clip_high=0.3", "rollout.num_engines=2"])
+    assert type(cfg) is MegarlConfig and type(cfg.algorithm) is AlgorithmConfig
+    assert type(cfg.trainer) is TrainerConfig and type(cfg.sync) is SyncConfig
+    assert (cfg.algorithm.clip_high, cfg.rollout.num_engines) == (0.3, 2)
+    assert cfg.algorithm.loss_scale_factor == cfg.rollout.max_new_tokens  # interpolations resolved
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.algorithm.clip_high = 0.5
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.steps = 1
+
+
+def test_the_run_topology_is_built_once_a_run(monkeypatch):
+    """Loading (its checks), the planner and the start-up's readers share the config's one topology."""
+    from megarl.config import load_config
+    from megarl.config.topology import RunTopology
+    from megarl.planner.layout import plan_layout
+    from megarl.planner.placement import place
+
+    built = []
+    original = RunTopology.from_config.__func__
+    monkeypatch.setattr(RunTopology, "from_config", classmethod(lambda cls, c: built.append(c) or original(cls, c)))
+    cfg = load_config(["recipe=qwen3_30b_a3b"])
+    plan_layout(cfg)
+    place(cfg.topology)
+    assert cfg.topology is cfg.topology and len(built) == 1 and built[0] is cfg
+
+
+def test_only_the_run_config_builds_the_topology():
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    callers = []
+    for path in sorted((root / "megarl").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "from_config" and \
+                    isinstance(node.value, ast.Name) and node.value.id == "RunTopology":
+                callers.append(path.relative_to(root).as_posix())
+    assert callers == ["megarl/config/schema.py"]

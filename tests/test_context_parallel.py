@@ -10,9 +10,9 @@ import torch.multiprocessing as mp
 from omegaconf import OmegaConf
 
 from megarl.algos.objective import LossInputs, rl_loss
+from megarl.algos.settings import AlgorithmConfig
 from megarl.config.errors import ConfigError
 from megarl.config.platform_rules import check_context_parallel
-from megarl.config.schema import AlgorithmConfig
 from megarl.parallel.network import free_port
 from megarl.platform.description import GPU_MODULES, Platform
 from megarl.trainer.context_parallel import (

@@ -24,9 +24,10 @@ import torch
 
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
-KWARGS = dict(max_tokens_per_microbatch=24, sequence_parallel=False)
+BATCHING = MicroBatching(max_tokens=24, sequence_parallel=False)
 
 
 def _critic(hf_path, layout, settings):
@@ -40,9 +41,10 @@ def _critic(hf_path, layout, settings):
 
 
 def _build(hf_path, layout, settings):
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
 
-    return build_trainable(hf_path, layout, settings, transformer_impl="local"), _critic(hf_path, layout, settings)
+    policy = build_trainable(hf_path, layout, settings, ModelSettings(transformer_impl="local"))
+    return policy, _critic(hf_path, layout, settings)
 
 
 def _head(critic) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,10 +59,10 @@ def _gae_step(cfg, critic, whole, samples):
     from megarl.pipeline.run import Pipeline
     from megarl.trainer.critic import critic_values
 
-    async def values(batch, **kwargs):
-        return critic_values(critic.chunks, batch, **kwargs)
+    async def values(batch, batching):
+        return critic_values(critic.chunks, batch, batching)
 
-    driver = SimpleNamespace(cfg=cfg, trainer=SimpleNamespace(critic_values=values), critic_kwargs=lambda: KWARGS)
+    driver = SimpleNamespace(cfg=cfg, trainer=SimpleNamespace(critic_values=values), batching=BATCHING)
     return asyncio.run(Pipeline.gae_targets(driver, whole, samples, None))
 
 
@@ -83,23 +85,23 @@ def critic_checks(rank, layout, hf_path, settings, cfg, algo, root):
     half = whole.select(range(4))
     out["half"] = half
     out["policy"] = rl_step(policy.chunks, policy.optimizer, policy.scheduler, half, algo,
-                            vocab_size=hf.config.vocab_size, keep_routing=False, **KWARGS).metrics
+                            dataclasses.replace(BATCHING, vocab_size=hf.config.vocab_size, keep_routing=False)).metrics
     def update():
-        return critic_step(critic.chunks, critic.optimizer, critic.scheduler, whole, value_clip=10.0,
-                           **KWARGS).metrics["critic/value_loss"]
+        return critic_step(critic.chunks, critic.optimizer, critic.scheduler, whole, BATCHING,
+                           value_clip=10.0).metrics["critic/value_loss"]
 
     out["losses"] = [update()]
-    out["after_one"] = critic_values(critic.chunks, whole, **KWARGS)
+    out["after_one"] = critic_values(critic.chunks, whole, BATCHING)
     out["losses"] += [update() for _ in range(3)]
     save_checkpoint(root, 1, policy, {"position": 1}, critic=critic)
-    out["saved"] = critic_values(critic.chunks, whole, **KWARGS)
+    out["saved"] = critic_values(critic.chunks, whole, BATCHING)
     fresh_policy, fresh_critic = _build(hf_path, layout, settings)
-    out["fresh"] = critic_values(fresh_critic.chunks, whole, **KWARGS)
+    out["fresh"] = critic_values(fresh_critic.chunks, whole, BATCHING)
     load_checkpoint(root, fresh_policy, critic=fresh_critic)
-    out["restored"] = critic_values(fresh_critic.chunks, whole, **KWARGS)
+    out["restored"] = critic_values(fresh_critic.chunks, whole, BATCHING)
     for model in (critic, fresh_critic):
-        critic_step(model.chunks, model.optimizer, model.scheduler, whole, value_clip=10.0, **KWARGS)
-    out["continued"] = [critic_values(m.chunks, whole, **KWARGS) for m in (critic, fresh_critic)]
+        critic_step(model.chunks, model.optimizer, model.scheduler, whole, BATCHING, value_clip=10.0)
+    out["continued"] = [critic_values(m.chunks, whole, BATCHING) for m in (critic, fresh_critic)]
     save_checkpoint(f"{root}_policy_only", 1, policy, {"position": 1})
     try:
         load_checkpoint(f"{root}_policy_only", fresh_policy, critic=fresh_critic)
@@ -113,22 +115,21 @@ def one_update(rank, layout, hf_path, settings, batch, value_clip):
     from megarl.trainer.critic import critic_step, critic_values
 
     critic = _critic(hf_path, layout, settings)
-    kwargs = dict(KWARGS, sequence_parallel=layout.sequence_parallel)
-    before = critic_values(critic.chunks, batch, **kwargs)
-    critic_step(critic.chunks, critic.optimizer, critic.scheduler, batch, value_clip=value_clip, **kwargs)
-    return before, critic_values(critic.chunks, batch, **kwargs)
+    batching = dataclasses.replace(BATCHING, sequence_parallel=layout.sequence_parallel)
+    before = critic_values(critic.chunks, batch, batching)
+    critic_step(critic.chunks, critic.optimizer, critic.scheduler, batch, batching, value_clip=value_clip)
+    return before, critic_values(critic.chunks, batch, batching)
 
 
 @pytest.fixture(scope="module")
 def checks(tiny_checkpoint, tmp_path_factory):
-    from omegaconf import OmegaConf
 
     from megarl.config import load_config
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
 
     cfg = load_config(["recipe=tiny_moe_ppo_cpu", f"model.hf_path={tiny_checkpoint}", "algorithm.lam=0.9"])
-    settings = OptimizerSettings.from_config(cfg)
-    algo = dataclasses.replace(OmegaConf.to_object(cfg.algorithm), off_policy_correction="none")
+    settings = optimizer_settings(cfg)
+    algo = dataclasses.replace(cfg.algorithm, off_policy_correction="none")
     root = tmp_path_factory.mktemp("critic") / "checkpoints"
     return run_ranks(critic_checks, Layout(), tiny_checkpoint, settings, cfg, algo, str(root))[0] | {
         "root": root, "hf_path": tiny_checkpoint, "cfg": cfg, "settings": settings}
@@ -204,10 +205,10 @@ def tied_critic_checks(rank, layout, hf_path, settings):
     critic = _critic(hf_path, layout, settings)
     head = _head(critic)
     batch = build_rl_batch(make_samples(load_hf(hf_path), 8, top_k=5, seed=11))
-    values = critic_values(critic.chunks, batch, **KWARGS)
+    values = critic_values(critic.chunks, batch, BATCHING)
     target = dataclasses.replace(batch, old_values=values, returns=values + batch.loss_mask)
-    losses = [critic_step(critic.chunks, critic.optimizer, critic.scheduler, target, value_clip=10.0,
-                          **KWARGS).metrics["critic/value_loss"] for _ in range(2)]
+    losses = [critic_step(critic.chunks, critic.optimizer, critic.scheduler, target, BATCHING,
+                          value_clip=10.0).metrics["critic/value_loss"] for _ in range(2)]
     return batch, head, values, losses
 
 
@@ -215,9 +216,9 @@ def test_critic_of_a_policy_with_tied_embeddings(tied_checkpoint):
     from hf_oracle import hf_values
 
     from megarl.config import default_config
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
 
-    settings = OptimizerSettings.from_config(default_config(), lr=1e-3)
+    settings = optimizer_settings(default_config(), lr=1e-3)
     batch, head, values, losses = run_ranks(tied_critic_checks, Layout(), tied_checkpoint, settings)[0]
     torch.testing.assert_close(values, hf_values(tied_checkpoint, batch, head), atol=2e-5, rtol=1e-4)
     assert losses[1] < losses[0], losses

@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 
@@ -62,12 +63,12 @@ def _build(hf_path):
     import torch
 
     from megarl.config import default_config
-    from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
 
     torch.manual_seed(0)
-    return build_trainable(hf_path, Layout(), OptimizerSettings.from_config(default_config(), lr=1e-3),
-                           transformer_impl="local", routing_replay=True)
+    return build_trainable(hf_path, Layout(), optimizer_settings(default_config(), lr=1e-3),
+                           ModelSettings(transformer_impl="local", routing_replay=True))
 
 
 def _batches(hf_path):
@@ -87,13 +88,14 @@ def _batches(hf_path):
 
 def _steps(trainable, sft_batch, rl_batch, vocab_size):
     """(supervised loss, RL metrics without perf/) of one step each, packed."""
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.rl_step import rl_step
     from megarl.trainer.sft_step import supervised_step
 
     sft = supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, sft_batch, 24, pack=True)
     rl = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, rl_batch, AlgorithmConfig(),
-                 vocab_size=vocab_size, max_tokens_per_microbatch=24, keep_routing=True, sequence_parallel=False)
+                 batching=MicroBatching(max_tokens=24, vocab_size=vocab_size, keep_routing=True,
+                                        sequence_parallel=False))
     return sft.loss, {k: v for k, v in rl.metrics.items() if not k.startswith("perf/")}
 
 
@@ -113,15 +115,15 @@ def inputs_on_meta_model(rank, layout, hf_path):
         chunk.to("meta")
         chunk.register_forward_pre_hook(record, with_kwargs=True)
     out = {}
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.rl_step import rl_step
     from megarl.trainer.sft_step import supervised_step
 
     for name, step in (
         ("sft", lambda: supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, sft_batch, 24)),
         ("rl", lambda: rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, rl_batch, AlgorithmConfig(),
-                               vocab_size=256, max_tokens_per_microbatch=24, keep_routing=True,
-                               sequence_parallel=False)),
+                               batching=MicroBatching(max_tokens=24, vocab_size=256, keep_routing=True,
+                                                      sequence_parallel=False))),
     ):
         seen.clear()
         with pytest.raises(_ReachedModel):
@@ -138,7 +140,7 @@ def micro_batches_on_meta(rank, layout, hf_path):
 
     import megarl.trainer.optimizer as optimizer
     import megarl.trainer.rl_step as rl_step_module
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.mismatch import empty_mismatch
     from megarl.trainer.rl_batch import RLBatch
     from megarl.trainer.routing_replay import replay_routers
@@ -183,8 +185,8 @@ def micro_batches_on_meta(rank, layout, hf_path):
         setattr(owner, name, value)
     try:  # the rank process serves later tests (kept ranks): its modules are put back
         rl_step_module.rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, rl_batch,
-                               AlgorithmConfig(), vocab_size=256, max_tokens_per_microbatch=1, keep_routing=True,
-                               sequence_parallel=False)
+                               AlgorithmConfig(), batching=MicroBatching(max_tokens=1, vocab_size=256,
+                                                                         keep_routing=True, sequence_parallel=False))
     finally:
         for owner, name, value in originals:
             setattr(owner, name, value)

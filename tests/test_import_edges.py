@@ -30,8 +30,8 @@ LAYERS: dict[str, int] = {
     "engines": 3,
     "rollout": 4, "agents": 4,
     "sync": 5,
-    "config": 6,
-    "trainer": 7,
+    "trainer": 6,
+    "config": 7,
     "planner": 8,
     "pipeline": 9,
     "train": 10, "plan": 10, "rehearsal": 10,
@@ -177,6 +177,22 @@ def test_no_upward_or_mutual_import_between_units():
     assert not bad, "imports against the layering (docs/architecture.md, Packages):\n" + "\n".join(bad)
 
 
+# The run config composes the components' sections from above: none of them reads it.
+CONFIG_FREE = ("algos", "engines", "rollout", "sync", "trainer")
+
+
+def config_imports(sources: dict[str, str]) -> list[str]:
+    """`megarl/path.py:line` of each import of ``megarl.config`` (any of its modules) by a module of
+    :data:`CONFIG_FREE`."""
+    return sorted(f"{e.path}:{e.line}" for e in edges(sources)
+                  if unit_of(e.source) in CONFIG_FREE and unit_of(e.target) == "config")
+
+
+def test_no_component_imports_the_run_config():
+    found = config_imports(load_sources())
+    assert not found, "modules that import megarl.config (take your typed section instead):\n" + "\n".join(found)
+
+
 def test_no_two_modules_import_each_other():
     loops = module_cycles(load_sources())
     assert not loops, ("import loops between modules (deferred and TYPE_CHECKING imports count):\n"
@@ -219,6 +235,18 @@ def test_checker_flags_mutual_imports_in_one_layer_and_module_cycles():
         ["megarl.engines.a", "megarl.engines.b"],  # closed only under TYPE_CHECKING
         ["megarl.rollout.x", "megarl.rollout.y", "megarl.rollout.z"],  # closed by a deferred import
     ]
+
+
+def test_checker_flags_a_component_reading_the_run_config():
+    fake = {
+        "megarl/config/__init__.py": "",
+        "megarl/config/schema.py": "from megarl.trainer.settings import TrainerConfig\n",
+        "megarl/trainer/settings.py": "",
+        "megarl/trainer/step.py": "def f():\n    from megarl.config.schema import MegarlConfig\n",
+        "megarl/sync/rank.py": "from megarl import config\n",
+        "megarl/planner/arch.py": "from megarl.config.schema import MegarlConfig\n",
+    }
+    assert config_imports(fake) == ["megarl/sync/rank.py:1", "megarl/trainer/step.py:2"]
 
 
 def test_checker_flags_an_unplaced_unit():

@@ -15,6 +15,7 @@ import pytest
 
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 
@@ -35,13 +36,13 @@ def supervised_steps(layout, hf_path):
     from megatron.core import parallel_state
 
     from megarl.config import default_config
-    from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.sft_step import supervised_step
     from megarl.trainer.token_batch import token_batch
 
-    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-3),
-                                transformer_impl="local")
+    trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=1e-3),
+                                ModelSettings(transformer_impl="local"))
     gen = torch.Generator().manual_seed(0)
     lengths = torch.randint(5, 12, (8,), generator=gen).tolist()
     batch = token_batch([torch.randint(3, 250, (n,), generator=gen).tolist() for n in lengths], [2] * 8)
@@ -58,7 +59,7 @@ def rl_cases(trainable, layout, hf, loads):
     each case's expert load (engine's, trainer's) counts."""
     from hf_oracle import make_samples
 
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.pipeline.bookkeeping import load_metrics
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import rl_step
@@ -69,8 +70,9 @@ def rl_cases(trainable, layout, hf, loads):
     def step(case, samples, keep_routing=True, keep_mask=True, pack=True):
         batch = build_rl_batch(samples, with_sampling_mask=keep_mask)
         result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
-                         vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=keep_routing,
-                         sequence_parallel=layout.sequence_parallel, pack=pack)
+                         batching=MicroBatching(max_tokens=24, vocab_size=hf.config.vocab_size,
+                                                keep_routing=keep_routing, sequence_parallel=layout.sequence_parallel,
+                                                pack=pack))
         loads[case] = (result.expert_load.engine, result.expert_load.trainer)
         metrics = {k: v for k, v in result.metrics.items() if not k.startswith("perf/")} | load_metrics(result)
         return case, (result.grad_norm, metrics)
@@ -85,7 +87,7 @@ def packing_diffs(trainable, layout, hf):
     import torch
     from hf_oracle import make_samples
 
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import local_micro_batches, reference_logprobs, rl_step
 
@@ -95,11 +97,11 @@ def packing_diffs(trainable, layout, hf):
         runs = {}
         for pack in (False, True):
             result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
-                             vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=keep,
-                             sequence_parallel=layout.sequence_parallel, pack=pack)
+                             batching=MicroBatching(max_tokens=24, vocab_size=hf.config.vocab_size, keep_routing=keep,
+                                                    sequence_parallel=layout.sequence_parallel, pack=pack))
             grads = torch.cat([p.main_grad.flatten().clone() for c in trainable.chunks for p in c.parameters()])
-            plan, dp_rank, micro = local_micro_batches(batch, 24, pack=pack,
-                                                       sequence_parallel=layout.sequence_parallel, pad_id=0)
+            plan, dp_rank, micro = local_micro_batches(
+                batch, MicroBatching(max_tokens=24, sequence_parallel=layout.sequence_parallel, pack=pack))
             logprobs = reference_logprobs(trainable.chunks, micro, vocab_size=hf.config.vocab_size, temperature=1.0,
                                           replay=keep, sequence_parallel=layout.sequence_parallel)
             per_sample = {}
@@ -161,16 +163,17 @@ def layout_checks(rank, layout, hf_path):
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from megarl.config import default_config
-    from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
 
     sft = supervised_steps(layout, hf_path)
     RouterReplay.clear_global_router_replay_instances()
     # lr 0; a plain DDP all-reduce (no distributed optimizer) leaves every DP rank the whole reduced
     # gradient, which packing_diffs compares
-    frozen_settings = dataclasses.replace(OptimizerSettings.from_config(default_config(), lr=0.0),
+    frozen_settings = dataclasses.replace(optimizer_settings(default_config(), lr=0.0),
                                           use_distributed_optimizer=False)
-    frozen = build_trainable(hf_path, layout, frozen_settings, transformer_impl="local", routing_replay=True)
+    frozen = build_trainable(hf_path, layout, frozen_settings,
+                             ModelSettings(transformer_impl="local", routing_replay=True))
     hf = load_hf(hf_path)
     loads = {}
     rl = rl_cases(frozen, layout, hf, loads)
@@ -301,27 +304,27 @@ def reference_kl_checks(rank, layout, hf_path):
     """[(sum of sequence_kl, rl_step's KL metric, trained tokens)] over three steps with a reference."""
     from hf_oracle import load_hf, make_samples
 
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.config import default_config
-    from megarl.config.schema import AlgorithmConfig
-    from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.reference import ReferenceWeights
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import rl_step, sequence_kl
 
     hf = load_hf(hf_path)
-    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-2),
-                                transformer_impl="local", routing_replay=True)
+    trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=1e-2),
+                                ModelSettings(transformer_impl="local", routing_replay=True))
     reference = ReferenceWeights(trainable.chunks)
     algo = AlgorithmConfig(kl_coef=0.1, kl_type="k3")
-    kwargs = dict(vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=True,
-                  sequence_parallel=layout.sequence_parallel)
+    batching = MicroBatching(max_tokens=24, vocab_size=hf.config.vocab_size, keep_routing=True,
+                             sequence_parallel=layout.sequence_parallel)
     out = []
     for step in range(3):
         batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=10 + step))
-        per_sample = sequence_kl(trainable.chunks, batch, algo.kl_type, reference, **kwargs)
-        result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, algo,
-                         reference=reference, **kwargs)
+        per_sample = sequence_kl(trainable.chunks, batch, algo.kl_type, reference, batching)
+        result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, algo, batching,
+                         reference=reference)
         out.append((sum(per_sample), result.metrics["kl"], float(batch.loss_mask.sum())))
     return out
 

@@ -26,6 +26,7 @@ from megarl.engines.types import PauseMode, SamplingParams
 from megarl.models.lora import LoraConfig, unmatched_targets
 from megarl.parallel import Layout
 from megarl.sync import AdapterSync, SyncSettings, WeightSyncError
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 
@@ -187,13 +188,14 @@ def test_merged_sync_of_expert_adapters_equals_hf_with_them_merged(ray_local, en
 
 def kl_to_reference(group, checkpoint: str) -> list[float]:
     """Per sample, the summed low-variance KL of the group's policy to its reference on HF samples."""
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.rl_batch import build_rl_batch
 
     hf = load_hf(checkpoint)
     batch = build_rl_batch(make_samples(hf, 4, top_k=5, seed=7))
-    return asyncio.run(group.sequence_kl(batch, AlgorithmConfig(kl_type="low_var_kl"), vocab_size=hf.config.vocab_size,
-                                         max_tokens_per_microbatch=32, keep_routing=False, sequence_parallel=False))
+    return asyncio.run(group.sequence_kl(batch, AlgorithmConfig(kl_type="low_var_kl"),
+        batching=MicroBatching(max_tokens=32, vocab_size=hf.config.vocab_size, keep_routing=False,
+                               sequence_parallel=False)))
 
 
 def test_checkpoint_holds_adapters_only_and_restores_them(ray_local, checkpoint, tmp_path):

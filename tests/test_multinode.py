@@ -606,6 +606,7 @@ import asyncio, dataclasses, json, sys
 import ray
 from safetensors.torch import save_file
 from megarl.config import default_config, load_config
+from megarl.config.components import optimizer_settings
 from megarl.engines.pinning import colocated_seats
 from megarl.engines.pool import EnginePool
 from megarl.engines.server import EngineSettings
@@ -628,7 +629,7 @@ async def main():
     group = TrainerGroup(Layout(world_size=2, pp=2))
     model = ModelSettings("local", "alltoall", routing_replay=False, recompute="none", recompute_num_layers=None,
                           moe_aux_loss_coeff=0.0, reference=False)
-    await group.build(trainer_model, OptimizerSettings.from_config(default_config()), model)
+    await group.build(trainer_model, optimizer_settings(default_config()), model)
     places = await group.places()
     settings = [EngineSettings(model_path=engine_model, dtype="float32", max_total_tokens=1024, device="cpu",
                                log_path=f"{out_dir}/engine-{e}.log") for e in range(2)]

@@ -29,6 +29,7 @@ import asyncio, dataclasses, json, sys
 import ray
 from safetensors.torch import save_file
 from megarl.config import default_config, load_config
+from megarl.config.components import optimizer_settings
 from megarl.engines.pool import EnginePool
 from megarl.engines.server import EngineSettings
 from megarl.engines.types import PauseMode, SamplingParams
@@ -51,7 +52,7 @@ async def main():
     group = TrainerGroup(Layout(world_size=4, tp=2, ep=2))
     model = ModelSettings("local", "alltoall", routing_replay=False, recompute="none", recompute_num_layers=None,
                           moe_aux_loss_coeff=0.0, reference=False)
-    await group.build(trainer_model, OptimizerSettings.from_config(default_config()), model)
+    await group.build(trainer_model, optimizer_settings(default_config()), model)
     settings = EngineSettings(model_path=engine_model, dtype="float32", max_total_tokens=1024, tp=2, ep=2,
                               device="cpu", log_path=out_dir + "/engine.log")
     pool = await EnginePool.launch([settings], num_cpus=0.5)

@@ -17,6 +17,7 @@ import pytest
 
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 UPDATES = 4
@@ -30,7 +31,7 @@ def _grid(flat, cu):
     return to_grid(flat, cu)
 
 
-def mini_batch_records(trainable, hf, algo, kwargs) -> list[dict]:
+def mini_batch_records(trainable, hf, algo, batching) -> list[dict]:
     """Per mini-batch of one step: its metrics, the log-probs before the step and before its update, and
     what the loss needs (ragged tensors, as lists)."""
     from hf_oracle import make_samples
@@ -39,19 +40,19 @@ def mini_batch_records(trainable, hf, algo, kwargs) -> list[dict]:
     from megarl.trainer.rl_step import policy_logprobs, rl_step
 
     batch = build_rl_batch(make_samples(hf, PER_UPDATE * UPDATES, top_k=5, seed=7))
-    batch.old_logprobs = policy_logprobs(trainable.chunks, batch, **kwargs)
+    batch.old_logprobs = policy_logprobs(trainable.chunks, batch, batching)
     records = []
     for k in range(UPDATES):
         mb = batch.select(range(PER_UPDATE * k, PER_UPDATE * (k + 1)))
-        current = policy_logprobs(trainable.chunks, mb, **kwargs)
-        result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, mb, algo, **kwargs)
+        current = policy_logprobs(trainable.chunks, mb, batching)
+        result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, mb, algo, batching)
         records.append({"metrics": result.metrics, "current": current, "old": mb.old_logprobs,
                         "rollout": mb.rollout_logprobs, "mask": mb.loss_mask, "cu": mb.cu_seqlens,
                         "advantages": mb.advantages})
     return records
 
 
-def one_update_metrics(trainable, hf, algo, kwargs) -> tuple[dict, dict]:
+def one_update_metrics(trainable, hf, algo, batching) -> tuple[dict, dict]:
     """The metrics of one update on a frozen model without and with the recomputed old policy."""
     from hf_oracle import make_samples
 
@@ -59,9 +60,9 @@ def one_update_metrics(trainable, hf, algo, kwargs) -> tuple[dict, dict]:
     from megarl.trainer.rl_step import policy_logprobs, rl_step
 
     batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=3))
-    plain = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, algo, **kwargs)
-    batch.old_logprobs = policy_logprobs(trainable.chunks, batch, **kwargs)
-    recomputed = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, algo, **kwargs)
+    plain = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, algo, batching)
+    batch.old_logprobs = policy_logprobs(trainable.chunks, batch, batching)
+    recomputed = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, algo, batching)
     return plain.metrics, recomputed.metrics
 
 
@@ -69,36 +70,35 @@ def old_policy_checks(rank, layout, hf_path, settings, algo):
     from hf_oracle import load_hf
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
 
     hf = load_hf(hf_path)
-    kwargs = dict(vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=True,
-                  sequence_parallel=False)
-    trainable = build_trainable(hf_path, layout, settings, transformer_impl="local", routing_replay=True)
-    records = mini_batch_records(trainable, hf, algo, kwargs)
+    batching = MicroBatching(max_tokens=24, vocab_size=hf.config.vocab_size, keep_routing=True,
+                             sequence_parallel=False)
+    trainable = build_trainable(hf_path, layout, settings, ModelSettings(transformer_impl="local", routing_replay=True))
+    records = mini_batch_records(trainable, hf, algo, batching)
     RouterReplay.clear_global_router_replay_instances()
-    frozen = build_trainable(hf_path, layout, dataclasses.replace(settings, lr=0.0), transformer_impl="local",
-                             routing_replay=True)
-    return records, one_update_metrics(frozen, hf, algo, kwargs)
+    frozen = build_trainable(hf_path, layout, dataclasses.replace(settings, lr=0.0),
+                             ModelSettings(transformer_impl="local", routing_replay=True))
+    return records, one_update_metrics(frozen, hf, algo, batching)
 
 
 @pytest.fixture(scope="module")
 def checks(tiny_checkpoint):
     from megarl.config import load_config
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
 
     cfg = load_config(["recipe=tiny_moe_cpu", f"model.hf_path={tiny_checkpoint}",
                        f"trainer.updates_per_step={UPDATES}"])
     assert cfg.algorithm.old_policy == "recompute" and cfg.algorithm.off_policy_correction == "tis"
-    settings = OptimizerSettings.from_config(cfg, updates_per_step=UPDATES)
+    settings = optimizer_settings(cfg, updates_per_step=UPDATES)
     return run_ranks(old_policy_checks, Layout(), tiny_checkpoint, settings, _algorithm(cfg))[0]
 
 
 def _algorithm(cfg):
     """The recipe's algorithm section with the narrowed clip range (module docstring)."""
-    from omegaconf import OmegaConf
 
-    return dataclasses.replace(OmegaConf.to_object(cfg.algorithm), clip_low=CLIP, clip_high=CLIP)
+    return dataclasses.replace(cfg.algorithm, clip_low=CLIP, clip_high=CLIP)
 
 
 def recipe_loss(record, algo) -> float:

@@ -21,6 +21,7 @@ import pytest
 
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 
@@ -132,21 +133,21 @@ def measure_rank(rank, layout, hf_path):
     from megatron.core import parallel_state
     from transformers import AutoConfig
 
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.config import default_config
-    from megarl.config.schema import AlgorithmConfig
-    from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.rl_step import rl_step
 
-    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-4),
-                                transformer_impl="local", routing_replay=True)
+    trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=1e-4),
+                                ModelSettings(transformer_impl="local", routing_replay=True))
     hf = AutoConfig.from_pretrained(hf_path)
     batch = synthetic_batch(hf.vocab_size, hf.num_hidden_layers, hf.num_local_experts, hf.num_experts_per_tok)
 
     def step():
         return rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
-                       vocab_size=hf.vocab_size, max_tokens_per_microbatch=4096, keep_routing=True,
-                       sequence_parallel=layout.sequence_parallel)
+                       batching=MicroBatching(max_tokens=4096, vocab_size=hf.vocab_size, keep_routing=True,
+                                              sequence_parallel=layout.sequence_parallel))
 
     step()  # the optimizer creates its state on the first step
     params = {id(p): p for chunk in trainable.chunks for p in chunk.parameters()}.values()
@@ -254,10 +255,10 @@ def measure_recompute(rank, layout, hf_path):
     from megatron.core.transformer.moe.router_replay import RouterReplay
     from transformers import AutoConfig
 
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.config import default_config
-    from megarl.config.schema import AlgorithmConfig
-    from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.rl_step import rl_step
 
     hf = AutoConfig.from_pretrained(hf_path)
@@ -265,14 +266,14 @@ def measure_recompute(rank, layout, hf_path):
     out = {"stage": parallel_state.get_pipeline_model_parallel_rank()}
     for recompute in RECOMPUTE:
         RouterReplay.clear_global_router_replay_instances()
-        trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=0.0),
-                                    transformer_impl="local", routing_replay=True, recompute=recompute)
+        trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=0.0),
+                                    ModelSettings(transformer_impl="local", routing_replay=True, recompute=recompute))
         params = [p for chunk in trainable.chunks for p in chunk.parameters()]
         meter = SavedTensorMeter({p.untyped_storage().data_ptr() for p in params})
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
-                    vocab_size=hf.vocab_size, max_tokens_per_microbatch=SAMPLES * POSITIONS // 2, keep_routing=True,
-                    sequence_parallel=layout.sequence_parallel)
+                    batching=MicroBatching(max_tokens=SAMPLES * POSITIONS // 2, vocab_size=hf.vocab_size,
+                                           keep_routing=True, sequence_parallel=layout.sequence_parallel))
         out[recompute] = (torch.cat([p.main_grad.flatten().clone() for p in params]), meter.peak)
     return out
 

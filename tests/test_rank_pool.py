@@ -38,13 +38,13 @@ def gloo_threads() -> int:
 def train_step(rank, layout, hf_path):
     """Build the tiny MoE under ``layout`` and train one step, as a run() function of a test or tool would."""
     from megarl.config import default_config
-    from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.sft_step import supervised_step
     from megarl.trainer.token_batch import token_batch
 
-    trainable = build_trainable(hf_path, layout, OptimizerSettings.from_config(default_config(), lr=1e-3),
-                                transformer_impl="local")
+    trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=1e-3),
+                                ModelSettings(transformer_impl="local"))
     batch = token_batch([[1, 5 + i, 7, 9, 11 + i, 2] for i in range(4)], [3] * 4)
     return supervised_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, 64).loss
 

@@ -29,11 +29,12 @@ def scaled(name: str):
 def test_the_scaled_recipe_keeps_its_shape_on_a_few_nodes(name):
     big, small = load_config([f"recipe={name}"]), scaled(name)
     assert not_rehearsable(big) is None
-    assert small.cluster.gpus_per_node == NODE_GPUS and RunTopology.from_config(small).nodes <= MAX_NODES
+    assert small.cluster.gpus_per_node == NODE_GPUS and small.topology.nodes <= MAX_NODES
     for key in ("placement", "parallel.pp", "parallel.vpp", "sync.transport", "rollout.engine_dp_attention",
                 "lora.enabled"):
         head, _, tail = key.partition(".")
-        assert (big[head][tail] if tail else big[head]) == (small[head][tail] if tail else small[head]), key
+        assert (getattr(getattr(big, head), tail) if tail else getattr(big, head)) == \
+            (getattr(getattr(small, head), tail) if tail else getattr(small, head)), key
     wide = lambda cfg: nodes_of(cfg.rollout.engine_tp, cfg.cluster.gpus_per_node) > 1  # noqa: E731
     assert wide(big) == wide(small)  # an engine wider than a node stays wider than one
     shares = lambda cfg: cfg.rollout.engine_tp / cfg.cluster.gpus_per_node  # noqa: E731

@@ -23,6 +23,8 @@ from megarl.trainer.launch import run_ranks
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
 from expert_bias import EXPERTS, LAYERS, TOPK  # noqa: E402
 
+from megarl.trainer.micro_batching import MicroBatching
+
 RATE = 0.01
 
 
@@ -55,7 +57,7 @@ def balancing_step(rank, layout):
     from megatron.core.transformer.moe import router as megatron_router
     from megatron.core.transformer.moe.moe_utils import get_updated_expert_bias
 
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.metrics.expert_load import route_counts
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import rl_step
@@ -77,8 +79,8 @@ def balancing_step(rank, layout):
     megatron_router.get_tokens_per_expert_and_token_count = spy
     try:
         result = rl_step(chunks, optimizer, scheduler, build_rl_batch(samples, with_sampling_mask=False),
-                         AlgorithmConfig(), vocab_size=384, max_tokens_per_microbatch=40, keep_routing=True,
-                         sequence_parallel=layout.sequence_parallel, pack=False)
+                         AlgorithmConfig(), MicroBatching(max_tokens=40, vocab_size=384, keep_routing=True,
+                                                          sequence_parallel=layout.sequence_parallel, pack=False))
     finally:
         megatron_router.get_tokens_per_expert_and_token_count = counted
     replayed = torch.from_numpy(route_counts([s.routed_experts for s in samples], EXPERTS)).double()

@@ -18,7 +18,7 @@ import torch
 
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.algos.score_centering import Centering, centering, head
-from megarl.config.schema import AlgorithmConfig
+from megarl.algos.settings import AlgorithmConfig
 from megarl.engines.client import generate_payload, sampling_mask_of
 from megarl.engines.types import EngineError, SamplingParams
 from megarl.rollout.splice import splice_continuation

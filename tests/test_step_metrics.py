@@ -12,7 +12,7 @@ import torch
 from megarl.algos.aggregation import prompt_mean_weights
 from megarl.algos.objective import LossInputs, rl_loss
 from megarl.algos.score_centering import Centering
-from megarl.config.schema import AlgorithmConfig
+from megarl.algos.settings import AlgorithmConfig
 from megarl.metrics.sink import MetricsFile, read_metrics
 from megarl.trainer.rl_step import step_max_keys, step_metrics, step_sum_keys
 

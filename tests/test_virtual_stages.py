@@ -20,30 +20,31 @@ import torch
 
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 LAYOUT = Layout(world_size=2, pp=2, vpp=2)
-KWARGS = dict(max_tokens_per_microbatch=16, sequence_parallel=False)
+BATCHING = MicroBatching(max_tokens=16, sequence_parallel=False)
 
 
 def _frozen(hf_path, layout, recompute):
     from megarl.config import default_config
-    from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.config.components import optimizer_settings
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
 
-    settings = dataclasses.replace(OptimizerSettings.from_config(default_config(), lr=0.0),
+    settings = dataclasses.replace(optimizer_settings(default_config(), lr=0.0),
                                    use_distributed_optimizer=False)  # every rank keeps its whole gradient
-    return build_trainable(hf_path, layout, settings, transformer_impl="local", routing_replay=True,
-                           recompute=recompute)
+    return build_trainable(hf_path, layout, settings,
+                           ModelSettings(transformer_impl="local", routing_replay=True, recompute=recompute))
 
 
 def _replayed_step(trainable, batch, vocab_size):
     """(grad norm, metrics, {(chunk, parameter): gradient}) of one Keep Routing step."""
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.rl_step import rl_step
 
     result = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
-                     vocab_size=vocab_size, keep_routing=True, **KWARGS)
+                     dataclasses.replace(BATCHING, vocab_size=vocab_size, keep_routing=True))
     grads = {(i, name): p.main_grad.clone() for i, c in enumerate(trainable.chunks) for name, p in c.named_parameters()}
     return result.grad_norm, result.metrics, grads
 
@@ -53,23 +54,23 @@ def _critic(hf_path, layout, batch):
     from megatron.core.utils import unwrap_model
 
     from megarl.config import default_config
+    from megarl.config.components import optimizer_settings
     from megarl.trainer.critic import CriticSettings, build_critic, critic_values
     from megarl.trainer.model_setup import ModelSettings
-    from megarl.trainer.optimizer import OptimizerSettings
 
     model = ModelSettings(transformer_impl="local", dispatcher="alltoall", routing_replay=False, recompute="none",
                           recompute_num_layers=None, moe_aux_loss_coeff=0.0, reference=False)
-    critic = build_critic(CriticSettings(hf_path, OptimizerSettings.from_config(default_config())), layout, model)
+    critic = build_critic(CriticSettings(hf_path, optimizer_settings(default_config())), layout, model)
     last = unwrap_model(critic.chunks)[-1]
     head = last.output_layer if last.post_process else None
     return (None if head is None else (head.weight.detach().clone(), head.bias.detach().clone()),
-            critic_values(critic.chunks, batch, **KWARGS))
+            critic_values(critic.chunks, batch, BATCHING))
 
 
 def virtual_stage_checks(rank, layout, hf_path):
     from hf_oracle import load_hf, make_samples
 
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.models.bridge import export_hf_state
     from megarl.sync.gather import stage_hf_stream
     from megarl.trainer.convert import _megatron_logits
@@ -79,16 +80,16 @@ def virtual_stage_checks(rank, layout, hf_path):
     hf = load_hf(hf_path)
     vocab = hf.config.vocab_size
     forced = build_rl_batch(make_samples(hf, 8, top_k=5, seed=1, rotate_experts=3))
-    plan, _, _ = local_micro_batches(forced, pack=True, pad_id=0, max_tokens=16, sequence_parallel=False)
+    plan, _, _ = local_micro_batches(forced, BATCHING)
     out = {"micro_batches": plan.num_micro_batches}
     trainable = _frozen(hf_path, layout, "none")
     out["plain"] = _replayed_step(trainable, forced, vocab)
     natural = build_rl_batch(make_samples(hf, 8, top_k=5, seed=2))
     out["recorded"] = rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, natural, AlgorithmConfig(),
-                              vocab_size=vocab, keep_routing=False, **KWARGS).metrics
+                              dataclasses.replace(BATCHING, vocab_size=vocab, keep_routing=False)).metrics
     small = natural.select([0, 1])
-    out["small"] = (small, policy_logprobs(trainable.chunks, small, vocab_size=vocab, keep_routing=True,
-                                           max_tokens_per_microbatch=64, sequence_parallel=False))
+    out["small"] = (small, policy_logprobs(trainable.chunks, small, MicroBatching(
+        max_tokens=64, vocab_size=vocab, keep_routing=True)))
     ids = natural.tokens[:int(natural.cu_seqlens[1])]
     out["logits"] = (ids, _megatron_logits(trainable.chunks, ids, vocab))
     out["export"] = export_hf_state(trainable.model)

@@ -25,10 +25,12 @@ from in_flight import start_decoding
 from single_request import generate_one
 
 from megarl.config import default_config, load_config
+from megarl.config.components import optimizer_settings
 from megarl.engines.client import SGLangClient
 from megarl.engines.types import EngineError, PauseMode, SamplingParams
 from megarl.parallel import Layout
 from megarl.sync import SyncReport, SyncSettings, WeightSync, WeightSyncError
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")  # the test process's Ray for the module's runs (conftest)
 
@@ -73,27 +75,26 @@ def prompt(checkpoint):
 
 def rl_steps(group, layout: Layout, checkpoint: str, steps: int, seed: int) -> None:
     """``steps`` RL steps (lr 1e-2, so the weights move visibly) on samples made by the HF model."""
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.rl_batch import build_rl_batch
 
     hf = load_hf(checkpoint)
     for step in range(steps):
         batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=seed + step))
-        asyncio.run(group.rl_step(batch, AlgorithmConfig(), vocab_size=hf.config.vocab_size,
-                                  max_tokens_per_microbatch=32, keep_routing=False,
-                                  sequence_parallel=layout.sequence_parallel))
+        batching = MicroBatching(max_tokens=32, vocab_size=hf.config.vocab_size, keep_routing=False,
+                                 sequence_parallel=layout.sequence_parallel)
+        asyncio.run(group.rl_step(batch, AlgorithmConfig(), batching))
 
 
 def trained_group(layout: Layout, checkpoint: str, steps: int = 2):
     """A TrainerGroup under ``layout`` after ``steps`` RL steps."""
     from megarl.trainer.actor import TrainerGroup
     from megarl.trainer.model_setup import ModelSettings
-    from megarl.trainer.optimizer import OptimizerSettings
 
     group = TrainerGroup(layout)
     model = ModelSettings("local", "alltoall", routing_replay=False, recompute="none", recompute_num_layers=None,
                           moe_aux_loss_coeff=0.0, reference=False)
-    asyncio.run(group.build(checkpoint, OptimizerSettings.from_config(default_config(), lr=1e-2), model))
+    asyncio.run(group.build(checkpoint, optimizer_settings(default_config(), lr=1e-2), model))
     rl_steps(group, layout, checkpoint, steps, seed=0)
     return group
 

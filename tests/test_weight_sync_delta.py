@@ -16,11 +16,13 @@ import pytest
 from hf_oracle import load_hf, make_samples
 
 from megarl.config import load_config
+from megarl.config.components import optimizer_settings
 from megarl.engines.client import SGLangClient
 from megarl.engines.server import EngineSettings, SGLangEngine
 from megarl.engines.types import PauseMode
 from megarl.parallel import Layout
 from megarl.sync import SyncSettings, WeightSync
+from megarl.trainer.micro_batching import MicroBatching
 
 pytestmark = pytest.mark.usefixtures("ray_local")
 
@@ -42,24 +44,24 @@ def bf16_engine(tiny_checkpoint, tmp_path_factory):
 def bf16_trainer(tiny_checkpoint):
     from megarl.trainer.actor import TrainerGroup
     from megarl.trainer.model_setup import ModelSettings
-    from megarl.trainer.optimizer import OptimizerSettings
 
     cfg = load_config(OVERRIDES)
     group = TrainerGroup(Layout())
     model = ModelSettings("local", "alltoall", routing_replay=False, recompute="none", recompute_num_layers=None,
                           moe_aux_loss_coeff=0.0, reference=False)
-    asyncio.run(group.build(tiny_checkpoint, OptimizerSettings.from_config(cfg, lr=LR), model))
+    asyncio.run(group.build(tiny_checkpoint, optimizer_settings(cfg, lr=LR), model))
     yield group
     group.shutdown()
 
 
 def rl_step(group, hf, seed: int) -> None:
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.trainer.rl_batch import build_rl_batch
 
     batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=seed))
-    asyncio.run(group.rl_step(batch, AlgorithmConfig(), vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=32,
-                              keep_routing=False, sequence_parallel=False))
+    asyncio.run(group.rl_step(batch, AlgorithmConfig(), batching=MicroBatching(max_tokens=32,
+                                                                               vocab_size=hf.config.vocab_size,
+                              keep_routing=False, sequence_parallel=False)))
 
 
 def sync_settings(tmp_path, transport: str, delta: bool) -> SyncSettings:

@@ -26,6 +26,7 @@ from single_request import generate_one
 from test_weight_sync import NEW_TOKENS, checkpoint, prompt, rl_steps, serve, settings, sync_and_compare, trained_group  # noqa: F401
 
 from megarl.config import default_config
+from megarl.config.components import optimizer_settings
 from megarl.engines.client import SGLangClient
 from megarl.engines.types import PauseMode, SamplingParams
 from megarl.parallel import Layout
@@ -116,12 +117,11 @@ def scheduled_group(hf_path: str):
     """A TP2xEP2 TrainerGroup whose first RL step runs at lr 1e-2 and every later one at ``TINY_LR``."""
     from megarl.trainer.actor import TrainerGroup
     from megarl.trainer.model_setup import ModelSettings
-    from megarl.trainer.optimizer import OptimizerSettings
 
     group = TrainerGroup(TP2_EP2)
     model = ModelSettings("local", "alltoall", routing_replay=False, recompute="none", recompute_num_layers=None,
                           moe_aux_loss_coeff=0.0, reference=False)
-    optimizer = dataclasses.replace(OptimizerSettings.from_config(default_config(), lr=1e-2), min_lr=TINY_LR,
+    optimizer = dataclasses.replace(optimizer_settings(default_config(), lr=1e-2), min_lr=TINY_LR,
                                     lr_decay_style="linear", lr_decay_steps=1, lr_warmup_steps=0)
     asyncio.run(group.build(hf_path, optimizer, model))
     return group

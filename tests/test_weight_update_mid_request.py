@@ -33,6 +33,7 @@ from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.prompts import Prompt
 from megarl.tasks.rewards import arithmetic_reward
 from megarl.trainer.launch import run_ranks
+from megarl.trainer.micro_batching import MicroBatching
 from megarl.trainer.rl_batch import build_rl_batch
 
 LOGPROB_TOLERANCE = 1e-5
@@ -205,19 +206,20 @@ def trainer_logprobs(rank, layout, jobs):
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
     from megarl.config import default_config
+    from megarl.config.components import optimizer_settings
     from megarl.models.hf_config import read_hf_config
-    from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.rl_step import policy_logprobs
 
-    settings = OptimizerSettings.from_config(default_config(), lr=0.0)
+    settings = optimizer_settings(default_config(), lr=0.0)
     out = []
     for path, samples in jobs:
-        trainable = build_trainable(path, layout, settings, transformer_impl="local", routing_replay=True)
+        trainable = build_trainable(path, layout, settings,
+                                    ModelSettings(transformer_impl="local", routing_replay=True))
         batch = build_rl_batch(samples, with_advantages=False)
-        flat = policy_logprobs(trainable.chunks, batch, vocab_size=read_hf_config(path).vocab_size,
-                               max_tokens_per_microbatch=256,
-                               keep_routing=True, sequence_parallel=layout.sequence_parallel)
+        flat = policy_logprobs(trainable.chunks, batch, batching=MicroBatching(max_tokens=256,
+                                                                               vocab_size=read_hf_config(path).vocab_size,
+                               keep_routing=True, sequence_parallel=layout.sequence_parallel))
         RouterReplay.clear_global_router_replay_instances()
         if flat is None:
             return None

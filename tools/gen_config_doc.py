@@ -114,7 +114,9 @@ def sections(cls, prefix: str = ""):
 
 def render() -> str:
     classes = [c for _, cls in sections(schema.MegarlConfig) for c in cls.__mro__ if dataclasses.is_dataclass(c)]
-    modules = {inspect.getmodule(c) for c in classes} | {schema}
+    enums = [t for c in classes for t in typing.get_type_hints(c).values()
+             if isinstance(t, type) and issubclass(t, enum.Enum)]
+    modules = {inspect.getmodule(c) for c in [*classes, *enums]} | {schema}
     comments = {k: v for module in sorted(modules, key=lambda m: m.__name__)
                 for k, v in source_comments(module).items()}
     out = [HEADER]

@@ -68,11 +68,11 @@ def sft(ckpt: str, impl: str = "local") -> None:
     """Three packed bfloat16 supervised steps (the loss falls) and one padded."""
     from megarl.parallel import Layout
     from megarl.trainer.device import model_device
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.sft_step import supervised_step
 
     _join()
-    t = build_trainable(ckpt, Layout(), _settings("bfloat16"), transformer_impl=impl)
+    t = build_trainable(ckpt, Layout(), _settings("bfloat16"), ModelSettings(transformer_impl=impl))
     batch = _sft_batch()
     packed = [supervised_step(t.chunks, t.optimizer, t.scheduler, batch, 32, pack=True) for _ in range(3)]
     padded = supervised_step(t.chunks, t.optimizer, t.scheduler, batch, 32, pack=False)
@@ -86,23 +86,25 @@ def sft(ckpt: str, impl: str = "local") -> None:
 def _rl_metrics(ckpt: str, dtype: str, impl: str) -> dict:
     from hf_oracle import load_hf, make_samples
 
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.parallel import Layout
     from megarl.trainer.distributed import shutdown_rank
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.micro_batching import MicroBatching
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import rl_step
 
     _join()
     try:
-        t = build_trainable(ckpt, Layout(), _settings(dtype, lr=0.0), transformer_impl=impl, routing_replay=True)
+        t = build_trainable(ckpt, Layout(), _settings(dtype, lr=0.0),
+                            ModelSettings(transformer_impl=impl, routing_replay=True))
         hf = load_hf(ckpt)
         batch = build_rl_batch(make_samples(hf, 8, top_k=5, seed=1))
         out = {}
         for pack in (True, False):
             result = rl_step(t.chunks, t.optimizer, t.scheduler, batch, AlgorithmConfig(),
-                             vocab_size=hf.config.vocab_size, max_tokens_per_microbatch=24, keep_routing=True,
-                             sequence_parallel=False, pack=pack)
+                             batching=MicroBatching(max_tokens=24, vocab_size=hf.config.vocab_size, keep_routing=True,
+                                                    sequence_parallel=False, pack=pack))
             out["packed" if pack else "padded"] = {k: v for k, v in result.metrics.items()
                                                    if k.startswith(("mismatch/", "routing/", "loss"))}
         return out
@@ -127,14 +129,15 @@ def optimizer_offload(ckpt: str) -> None:
 
     from megarl.parallel import Layout
     from megarl.trainer.distributed import shutdown_rank
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.sft_step import supervised_step
 
     runs = {}
     for offload in (False, True):
         _join()
         try:
-            t = build_trainable(ckpt, Layout(), _settings("bfloat16", offload=offload), transformer_impl="local")
+            t = build_trainable(ckpt, Layout(), _settings("bfloat16", offload=offload),
+                                ModelSettings(transformer_impl="local"))
             batch = _sft_batch()
             losses = [supervised_step(t.chunks, t.optimizer, t.scheduler, batch, 32).loss for _ in range(3)]
             inner = [o.optimizer for o in getattr(t.optimizer, "chained_optimizers", [t.optimizer])]

@@ -228,7 +228,7 @@ def assign_advantages(samples: list[RolloutSample], algorithm, penalties: Sequen
                       distill: bool = False) -> BatchStats:
     """Every advantage of one step's ``samples``, in place, and the step's reward stats.
 
-    ``algorithm`` is the ``algorithm`` section of the config (``megarl.config.schema.AlgorithmConfig``).
+    ``algorithm`` is the ``algorithm`` section of the config (``megarl.algos.settings.AlgorithmConfig``).
     In order: the sequence advantage of ``algorithm.advantage`` over each prompt group, from the
     reward minus ``penalties`` (:func:`fill_advantages`); the process advantages of groups with turn
     rewards (:func:`megarl.algos.process.fill_process_advantages`); with ``distill`` (a teacher

@@ -220,7 +220,7 @@ def _penalties(batch: LossInputs, cfg, agg, mask: torch.Tensor, sums: dict) -> t
 
 def rl_loss(batch: LossInputs, cfg) -> LossOutput:
     """The configured loss of one (micro-)batch; ``cfg`` is the ``algorithm`` section of the config
-    (``megarl.config.schema.AlgorithmConfig``)."""
+    (``megarl.algos.settings.AlgorithmConfig``)."""
     trained = batch.loss_mask > 0
     trainer_logprobs = _correction_inputs(batch, cfg)
     corrected, keep = _keep(batch, cfg, trainer_logprobs)

@@ -190,7 +190,7 @@ def _check_dataset(task: DictConfig) -> None:
     if names is None:  # not cheaply readable: the full read at start-up checks the fields
         return
     for key in ("prompt_key", "answer_key"):
-        field = task[key]
+        field = getattr(task, key)
         if field and field not in names:
             fail(f"task.{key}", f"{field!r} is not a field of {task.path}; its rows have {', '.join(names)}")
 

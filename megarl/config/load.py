@@ -13,9 +13,9 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from megarl.config.errors import ConfigError
+from megarl.config.errors import ConfigError, fail
 from megarl.config.schema import MegarlConfig
 from megarl.config.validate import validate
 
@@ -23,9 +23,25 @@ SCHEMA_NAME = "megarl_schema"
 
 
 def default_config() -> DictConfig:
-    """The schema's defaults as a typed config (``model.hf_path`` unset): the one source of defaults
-    for settings built outside a recipe (tests, tools)."""
-    return OmegaConf.structured(MegarlConfig)
+    """The schema's defaults as a structured config that may be changed (``model.hf_path`` unset): the one
+    source of defaults for settings built outside a recipe (tests, tools)."""
+    return _writable(OmegaConf.structured(MegarlConfig))
+
+
+def _writable(node: DictConfig) -> DictConfig:
+    """``node`` with the read-only flag its frozen dataclasses set cleared at every level, in place: Hydra
+    merges the recipe and the overrides into it (the typed config :func:`load_config` returns is frozen)."""
+    node._set_flag("readonly", None)
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _writable(child)
+        elif isinstance(child, ListConfig):
+            child._set_flag("readonly", None)
+            for item in [] if child._is_none() or child._is_missing() else child:
+                if isinstance(item, DictConfig):
+                    _writable(item)
+    return node
 
 
 def recipes_dir() -> Path:
@@ -44,7 +60,7 @@ def _register_schema() -> None:
     """Put the schema in Hydra's config store, once per process (storing converts the whole schema)."""
     store = ConfigStore.instance()
     if f"{SCHEMA_NAME}.yaml" not in store.repo:
-        store.store(name=SCHEMA_NAME, node=MegarlConfig)
+        store.store(name=SCHEMA_NAME, node=default_config())
 
 
 def _split_recipe(args: list[str]) -> tuple[Path, list[str]]:
@@ -87,8 +103,10 @@ def _unknown_keys(cfg: DictConfig, schema: DictConfig, prefix: str = "") -> list
     return found
 
 
-def load_config(args: list[str]) -> DictConfig:
-    """Compose ``recipe=NAME`` plus overrides into a resolved, validated config (a typed DictConfig)."""
+def load_config(args: list[str]) -> MegarlConfig:
+    """Compose ``recipe=NAME`` plus overrides into the run config: resolved, its paths absolute, validated,
+    and frozen (a :class:`MegarlConfig` of the schema's dataclasses; its topology is computed once, by
+    :attr:`MegarlConfig.topology`)."""
     path, overrides = _split_recipe(args)
     _register_schema()
     GlobalHydra.instance().clear()
@@ -111,8 +129,20 @@ def load_config(args: list[str]) -> DictConfig:
     if _overridden(overrides, "model.hf_path") and not _overridden(overrides, "model.make_tiny_if_missing"):
         cfg.model.make_tiny_if_missing = False  # the recipe's build-if-missing is for the recipe's own path
     make_paths_absolute(cfg)
-    validate(cfg)
-    return cfg
+    _check_set(cfg)
+    typed = OmegaConf.to_object(cfg)
+    validate(typed)
+    return typed
+
+
+def _check_set(cfg: DictConfig) -> None:
+    """ConfigError naming the first key a recipe must set and left unset (``???``)."""
+    for i, entry in enumerate(cfg.task.role_engines):
+        if OmegaConf.is_missing(entry, "role"):
+            fail(f"task.role_engines[{i}].role", "missing: name the role its engines serve")
+    unset = sorted(OmegaConf.missing_keys(cfg))
+    if unset:
+        fail(unset[0], "missing: set it in the recipe or as an override")
 
 
 def _overridden(overrides: list[str], key: str) -> bool:

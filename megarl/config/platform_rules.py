@@ -12,10 +12,8 @@ from omegaconf import DictConfig
 from megarl.config.errors import ConfigError, fail, one_line
 from megarl.config.inputs import check_inputs
 from megarl.config.schema import Placement, TransformerImpl
-from megarl.config.topology import RunTopology
 from megarl.engines.launch_plan import dtype_refusal, ipc_transport_refusal, memory_saver_refusal
 from megarl.models.layers import choose_layers
-from megarl.models.lora import LoraConfig
 from megarl.platform.description import Platform, detect
 
 
@@ -67,7 +65,7 @@ def refuse_beyond_allocation(cfg: DictConfig, platform: Platform, environ: Mappi
     if platform.is_cuda and gpus and gpus != cfg.cluster.gpus_per_node:
         fail("cluster.gpus_per_node", f"is {cfg.cluster.gpus_per_node}, but this job's nodes have {gpus} GPUs each "
              f"(MEGARL_GPUS_PER_NODE): set cluster.gpus_per_node={gpus}")
-    needed = RunTopology.from_config(cfg).nodes
+    needed = cfg.topology.nodes
     if nodes and needed > nodes:
         fail("cluster.num_nodes", f"the layout needs {needed} nodes of {cfg.cluster.gpus_per_node} GPUs, this job has "
              f"{nodes} (MEGARL_NUM_NODES): submit it with slurm/submit.sh, which asks the planner")
@@ -108,7 +106,7 @@ def refuse_what_is_not_built(cfg: DictConfig, platform: Platform | None = None) 
         if r.engine_dp_attention:
             fail("rollout.engine_dp_attention", "SGLang's CPU attention backend cannot run DP attention "
                  "('TorchNativeAttnBackend' has no get_cpu_graph_seq_len_fill_value); it runs on GPU engines")
-        lora = LoraConfig.when_enabled(cfg.lora)
+        lora = cfg.enabled_lora
         if lora is not None and lora.sync == "adapter" and lora.targets_experts:
             fail("lora.target_modules", "SGLang's CPU path cannot serve LoRA on the MoE layers' "
                  "linear_fc1/linear_fc2: "

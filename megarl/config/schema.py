@@ -4,27 +4,22 @@ Every recipe in ``recipes/`` composes onto :class:`MegarlConfig`; Hydra rejects 
 wrong types. Each field declares its range or its names once (:func:`megarl.fields.setting`), checked
 for every section by :func:`megarl.fields.out_of_bounds`; :mod:`megarl.config.validate` rejects
 impossible combinations (layouts that do not divide, MoE with TP>1 and no sequence parallel, ...). A
-component that owns its section declares it beside its code (``lora``: :class:`megarl.models.lora.LoraConfig`,
-``sync``: :class:`megarl.sync.settings.SyncConfig`) and the schema nests it. Units are in the field names
+component that owns its section declares it beside its code and the schema nests it: ``algorithm``
+(:mod:`megarl.algos.settings`), ``trainer``, ``critic`` and ``warmup`` (:mod:`megarl.trainer.settings`),
+``sync`` (:mod:`megarl.sync.settings`), ``lora`` (:mod:`megarl.models.lora`). Units are in the field names
 or comments.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
-from omegaconf import II, MISSING
+from omegaconf import MISSING
 
-from megarl.algos.advantages import ADVANTAGES, TOKEN_LEVEL
-from megarl.algos.aggregation import AGGREGATIONS
-from megarl.algos.distill import OPD_BASELINES
-from megarl.algos.gae import CRITIC_ADVANTAGES
-from megarl.algos.kl import KL_ESTIMATORS
-from megarl.algos.kl_control import KL_CONTROLLERS
-from megarl.algos.off_policy import CORRECTIONS, LEVELS, OLD_POLICIES
-from megarl.algos.policy_loss import DPPO_TYPES, POLICY_LOSSES
-from megarl.algos.score_centering import SCORE_CENTERING
+from megarl.algos.settings import AlgorithmConfig
+from megarl.config.topology import Placement, RunTopology
 from megarl.fields import setting
 from megarl.metrics.trackers import MlflowConfig, WandbConfig
 from megarl.models.lora import LoraConfig
@@ -33,9 +28,8 @@ from megarl.rollout.group import PARTIAL_ROLLOUT_MODES
 from megarl.sync.settings import SyncConfig
 from megarl.tasks.prompts import TASKS
 from megarl.tasks.rewards import REWARD_TYPES
+from megarl.trainer.settings import DTYPES, CriticConfig, TrainerConfig, WarmupConfig
 
-DTYPES = ("float32", "bfloat16", "float16")  # model.dtype
-LR_DECAY_STYLES = ("constant", "linear", "cosine")  # trainer.lr_decay_style (megatron-core's schedules)
 ARCH_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")  # model.arch.family: the planner's architectures
 
 # What ``python -m megarl.train`` runs (a string: ``async`` cannot name an Enum member):
@@ -44,11 +38,6 @@ ARCH_FAMILIES = ("qwen3_moe", "deepseek_v3", "glm4_moe")  # model.arch.family: t
 #   one_step_off  RL, generation runs one step ahead of training
 #   async         RL, two free-running loops joined by the buffer
 MODES = ("warmup", "sync", "one_step_off", "async")
-
-
-class Placement(str, Enum):
-    colocated = "colocated"  # trainer and engines share devices; engines release memory while training
-    disaggregated = "disaggregated"  # separate device pools
 
 
 class Dispatcher(str, Enum):
@@ -67,13 +56,7 @@ class TinyVariant(str, Enum):
     tool_calling = "tool_calling"  # 256 positions, a tokenizer and chat template for OpenAI function calling
 
 
-class Recompute(str, Enum):
-    none = "none"
-    selective = "selective"
-    full = "full"
-
-
-@dataclass
+@dataclass(frozen=True)
 class ArchConfig:
     """Architecture numbers; for a recipe whose checkpoint is present they are read from it.
 
@@ -106,7 +89,7 @@ class ArchConfig:
     attention_bias: Optional[bool] = None  # bias on the q/k/v projections; None = checkpoint, else family default
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     hf_path: str = MISSING  # HF checkpoint directory (config.json + safetensors + tokenizer)
     # build the demo's tiny checkpoint at hf_path when it is absent; a recipe's true holds for its own hf_path only
@@ -126,7 +109,7 @@ class ModelConfig:
     arch: ArchConfig = field(default_factory=ArchConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     """Trainer layout. world_size = tp * pp * cp * dp; experts are split over ep * etp ranks."""
 
@@ -146,70 +129,7 @@ class ParallelConfig:
     backend: str = setting("auto", choices=("auto", "gloo", "nccl"))  # auto (nccl on GPU, gloo on CPU) | gloo | nccl
 
 
-@dataclass
-class OptimizerConfig:
-    """The optimizer's keys of the ``trainer`` section (``megarl/trainer/optimizer.py`` extends it with what
-    a run derives: the decay length and the dtype)."""
-
-    lr: float = setting(1e-3, ge=0)
-    min_lr: float = setting(0.0, ge=0)
-    lr_warmup_steps: int = setting(0, ge=0)
-    lr_decay_style: str = setting("constant", choices=LR_DECAY_STYLES)  # constant | linear | cosine
-    weight_decay: float = setting(0.0, ge=0)
-    adam_beta1: float = setting(0.9, ge=0, lt=1)
-    adam_beta2: float = setting(0.99, ge=0, lt=1)
-    adam_eps: float = setting(1e-8, gt=0)
-    clip_grad: float = setting(1.0, ge=0)
-    use_distributed_optimizer: bool = True
-    optimizer_cpu_offload: bool = False  # fp32 master weights and Adam moments in host memory (megatron-core)
-
-
-@dataclass
-class TrainerConfig(OptimizerConfig):
-    # optimizer steps per RL step: the batch's prompt groups split into this many mini-batches, one update
-    # each (slime's --num-steps-per-rollout; verl's ppo_mini_batch_size = batch / this)
-    updates_per_step: int = setting(1, ge=1)
-    # token budget of one micro-batch (packed: about this many real tokens)
-    max_tokens_per_microbatch: int = setting(4096, ge=1)
-    pack_sequences: bool = True  # packed (THD) micro-batches, DP ranks balanced by tokens; false: right-padded rows
-    recompute: Recompute = Recompute.none
-    recompute_num_layers: Optional[int] = setting(None, ge=1)
-    gpu_memory_gb: float = setting(80.0, gt=0)  # per-device memory the planner checks layouts against
-    seed: int = setting(1234, ge=0)
-    save_interval: int = setting(0, ge=0)  # steps between checkpoints (run_dir/checkpoints); 0 = only at the end
-    # continue from run_dir/checkpoints when it holds one (data position and counts too); false: start over, the old
-    # run's checkpoints, metrics and event files moved to run_dir/previous/<time>/
-    resume: bool = True
-    keep_checkpoints: int = setting(3, ge=0)  # the newest checkpoints kept in run_dir/checkpoints; 0 = every one
-    # planner: per-device GB for CUDA context, NCCL buffers, fragmentation
-    reserved_memory_gb: float = setting(4.0, ge=0)
-
-
-@dataclass
-class CriticConfig(OptimizerConfig):
-    """PPO's value model (``algorithm.advantage=gae``, megarl/trainer/critic.py): the policy's architecture with a
-    scalar head, on the trainer ranks beside the policy (same layout), with the optimizer keys above of its own
-    and a checkpoint beside the policy's in every run checkpoint."""
-
-    enabled: bool = False  # build and train the critic (required by, and only with, algorithm.advantage=gae)
-    hf_path: Optional[str] = None  # HF checkpoint of its backbone (the head starts fresh); None = the policy's start
-    value_clip: float = setting(0.5, gt=0)  # clip range of the value loss around the values before the step
-
-
-@dataclass
-class WarmupConfig:
-    """Supervised warm-up on synthetic arithmetic problems (task.name=arithmetic; the tiny demos'
-    starting point). Off by default: RL starts from model.hf_path."""
-
-    steps: int = setting(0, ge=0)  # > 0: RL starts from save_hf_path, made by this many warm-up steps when absent
-    batch_size: int = setting(64, ge=1)
-    lr: float = setting(1e-3, ge=0)
-    log_interval: int = setting(10, ge=1)
-    save_hf_path: str = "checkpoints/warmup_hf"  # where the warmed-up HF checkpoint is written
-    tool_fraction: float = setting(0.5, ge=0, le=1)  # task.env=calculator: share of warm-up examples that call the tool
-
-
-@dataclass
+@dataclass(frozen=True)
 class RoleEngines:
     """Where one multi-agent role's calls go (``task.role_engines``): some of the policy's engines, or a
     frozen model of its own."""
@@ -224,7 +144,7 @@ class RoleEngines:
     engine_ep: Optional[int] = setting(None, ge=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TaskConfig:
     name: str = setting("arithmetic", choices=TASKS)  # arithmetic (synthetic, built in) | jsonl | parquet
     path: Optional[str] = None  # dataset file for jsonl / parquet
@@ -257,7 +177,7 @@ class TaskConfig:
     role_engines: list[RoleEngines] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(frozen=True)
 class JudgeConfig:
     """A generative reward model (megarl/tasks/judge.py): its own SGLang engine answers ``prompt_template``
     (``{prompt}``: the prompt as the dataset wrote it, without the policy's chat template; ``{response}``,
@@ -279,7 +199,7 @@ class JudgeConfig:
     engine_ep: int = setting(1, ge=1)  # its expert-parallel ranks (dividing engine_tp)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RewardConfig:
     """How samples are scored (megarl/tasks/rewards.py). A reward that raises or exceeds
     timeout_s gives the sample reward 0 and finish_reason error (counted, never fatal)."""
@@ -294,7 +214,7 @@ class RewardConfig:
     judge: JudgeConfig = field(default_factory=JudgeConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TeacherConfig:
     """On-policy distillation: a teacher served by its own SGLang engine scores the student's samples
     (one prefill request per sample: the log-prob of every response token)."""
@@ -307,7 +227,7 @@ class TeacherConfig:
     engine_ep: Optional[int] = setting(None, ge=1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutConfig:
     num_engines: int = setting(1, ge=1)
     engine_tp: int = setting(1, ge=1)
@@ -353,107 +273,7 @@ class RolloutConfig:
     engine_drain_s: float = setting(60.0, ge=0)
 
 
-@dataclass
-class AlgorithmConfig:
-    """What each name means, with the peers' (verl, slime, SkyRL, AReaL, prime-rl) formula it follows: the
-    docstrings of ``megarl/algos/``. Off-policy correction: ``w`` is the trainer/rollout probability ratio at
-    ``off_policy_level``; rejected tokens (mis, off_policy_rejection, the vetoes, off_policy_mask_kl) leave the
-    loss. Metrics of the step (``metrics.jsonl`` and TensorBoard, under these names): ``train/loss``,
-    ``train/pg_loss``, ``train/kl``, ``train/entropy``, ``train/clip_fraction``, ``train/clip_fraction_low``,
-    ``train/clip_fraction_high``, ``train/dual_clip_fraction``, ``train/cov_fraction`` (clip_cov, kl_cov),
-    ``train/is_weight_mean``, ``train/rejected_tokens``, ``train/rejected_sequences``, ``train/ppo_kl``; with the
-    engine's log-probs, the trainer against the engine (verl's names): ``off_policy/rollout_is_mean``,
-    ``off_policy/rollout_is_max``, ``off_policy/rollout_is_min``, ``off_policy/rollout_is_std``,
-    ``off_policy/rollout_is_ratio_fraction_high``, ``off_policy/rollout_is_ratio_fraction_low`` (token weights
-    against is_threshold), ``off_policy/ess``, ``off_policy/kl``, ``off_policy/k3_kl``, ``off_policy/chi2_token``,
-    ``off_policy/chi2_seq``, ``off_policy/training_ppl``, ``off_policy/rollout_ppl``, ``off_policy/log_ppl_diff``
-    (signed, per sequence rollout minus trainer mean log-prob), ``off_policy/log_ppl_diff_max``,
-    ``off_policy/log_ppl_diff_min``, ``off_policy/log_ppl_abs_diff``, ``off_policy/ppl_ratio``; policy_loss=cispo:
-    ``cispo/ratio_mean``, ``cispo/ratio_clamped_mean``, ``cispo/ratio_max``, ``cispo/ratio_min`` (over the tokens
-    in the loss); score_centering: ``score_centering/support_tv``, ``score_centering/head_mass``; kl_in_reward:
-    ``kl/coef`` (the coefficient the step's rewards took) and ``kl/reward_kl`` (the batch's mean token KL)."""
-
-    # grpo | dr_grpo | rloo | reinforce_pp (REINFORCE++-baseline, whitened over tokens) | maxrl ((r - mean) /
-    # (mean + 1e-6), SkyRL) | reinforce_plus_plus (verl's REINFORCE++: token returns discounted by gamma, whitened)
-    # | opd (0: the teacher's alone) | gae (PPO with a value model: verl's compute_gae_advantage_return over the
-    # critic's values, needs critic.enabled; megarl/algos/gae.py)
-    advantage: str = setting("grpo", choices=(*ADVANTAGES, *TOKEN_LEVEL, *CRITIC_ADVANTAGES))
-    gamma: float = setting(1.0, ge=0, le=1)  # gae, reinforce_plus_plus: discount per token
-    lam: float = setting(1.0, ge=0, le=1)  # gae: the lambda of GAE (1: Monte-Carlo returns minus values)
-    # ppo | gspo | cispo | sapo | dppo (DPPO's binary trust-region mask) | clip_cov | kl_cov (the covariance losses)
-    policy_loss: str = setting("ppo", choices=tuple(POLICY_LOSSES))
-    # the PPO ratio's old policy: recompute (the trainer's log-probs before the step's first update, one
-    # forward-only pass when trainer.updates_per_step > 1) | rollout (the engine's log-probs: verl's bypass mode,
-    # the ratio to the rollout policy is the off-policy correction; off_policy_correction must be none)
-    old_policy: str = setting("recompute", choices=OLD_POLICIES)
-    clip_low: float = setting(0.2, ge=0)  # ratio band [1 - clip_low, 1 + clip_high] of ppo, gspo, cispo, clip_cov
-    clip_high: float = setting(0.2, ge=0)
-    clip_absolute: bool = False  # cispo: the IS-weight bounds are [clip_low, clip_high] themselves (lower may be 0)
-    dual_clip: Optional[float] = setting(None, gt=1)  # c > 1 for PPO dual clip
-    sapo_tau_pos: float = setting(1.0, gt=0)  # sapo: gate temperature for tokens with advantage > 0 (verl tau_pos)
-    sapo_tau_neg: float = setting(1.05, gt=0)  # sapo: gate temperature for advantage <= 0 (verl tau_neg)
-    # dppo: binary_tv (|p - p_old| trust region) | binary_kl (binary KL of the sampled token's probability)
-    dppo_type: str = setting("binary_tv", choices=DPPO_TYPES)
-    dppo_delta_low: float = setting(0.2, ge=0)  # dppo: the divergence bound for tokens with advantage < 0
-    dppo_delta_high: float = setting(0.2, ge=0)  # dppo: the divergence bound for tokens with advantage > 0
-    # clip_cov: the share of trained tokens detached at most (at least one) among those of covariance in
-    # (clip_cov_lb, clip_cov_ub) (verl clip_cov_ratio)
-    clip_cov_ratio: float = setting(2e-4, gt=0, le=1)
-    # clip_cov: the covariance band (clip_cov_lb, clip_cov_ub) of the candidates (lb below ub)
-    clip_cov_lb: float = setting(1.0, ge=-1000, le=1000)
-    clip_cov_ub: float = setting(5.0, ge=-1000, le=1000)
-    kl_cov_ratio: float = setting(2e-4, gt=0, le=1)  # kl_cov: share of trained tokens of largest covariance penalised
-    kl_cov_coef: float = setting(1.0, ge=0)  # kl_cov: weight of |logp - logp_old| on them (verl ppo_kl_coef)
-    # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm (Dr.GRPO: sum / (B * C))
-    # | prompt_mean (token mean within each prompt group, then the mean over groups; SkyRL)
-    loss_agg: str = setting("token_mean", choices=tuple(AGGREGATIONS))
-    # C of seq_mean_token_sum_norm (verl loss_scale_factor)
-    loss_scale_factor: int = setting(II("rollout.max_new_tokens"), ge=1)
-    kl_coef: float = setting(0.0, ge=0)  # weight of the KL to the reference policy (the starting checkpoint)
-    # k1 | k2 | k3 | low_var_kl (k3 clamped to [-10, 10]) | k1_is | k2_is | k3_is (x pi/pi_old) | low_var_kl_is
-    # (clamp(pi/pi_old * k3, -10, 10), slime's clamp after the weight) | abs (|k1|, verl's and SkyRL's)
-    kl_type: str = setting("k3", choices=tuple(KL_ESTIMATORS))
-    kl_in_reward: bool = False  # true: reward - kl_coef * sum_t KL_t pre-advantage (verl use_kl_in_reward); false: loss
-    # fixed (kl_coef throughout) | adaptive (verl's AdaptiveKLController from kl_coef towards kl_target; needs
-    # kl_in_reward, where verl applies it)
-    kl_ctrl: str = setting("fixed", choices=KL_CONTROLLERS)
-    kl_target: float = setting(0.1, gt=0)  # adaptive: the mean token KL it steers towards
-    kl_horizon: float = setting(10000.0, gt=0)  # adaptive: samples over which an error of 20% moves kl_coef by 20%
-    entropy_coef: float = setting(0.0, ge=0)
-    # on-policy distillation: per-token advantage opd_coef * (teacher_logp - student_logp) (needs teacher.hf_path);
-    # alone with advantage=opd, added to the reward advantage otherwise
-    opd_coef: float = setting(0.0, ge=0)
-    # none (slime, miles: teacher_logp - student_logp as it is) | batch_mean (tinker-cookbook: minus its mean over
-    # the batch's trained tokens, a baseline that keeps the gradient's expectation and cuts its variance)
-    opd_baseline: str = setting("none", choices=OPD_BASELINES)
-    # none | tis (w clamped to [is_threshold_low, is_threshold]) | mis (reject tokens/sequences with w outside it)
-    off_policy_correction: str = setting("none", choices=CORRECTIONS)
-    # token | sequence (product of token ratios) | geometric (their geometric mean)
-    off_policy_level: str = setting("token", choices=LEVELS)
-    is_threshold: float = setting(2.0, ge=1)  # upper bound C of w (>= 1)
-    # lower bound of w in [0, 1]; null: 0 for tis, 1 / is_threshold for mis
-    is_threshold_low: Optional[float] = setting(None, ge=0, le=1)
-    # reject a sequence with a token ratio below this (e.g. 1e-4)
-    off_policy_veto_threshold: Optional[float] = setting(None, gt=0, le=1)
-    # reject a sequence with a token ratio above this (SkyRL's outlier_token_is_threshold_high, e.g. 100)
-    off_policy_veto_threshold_high: Optional[float] = setting(None, ge=1)
-    # verl's rejection criteria (rollout_rs), comma-separated, all must pass: token_k1..3, seq_sum_k1..3,
-    # seq_mean_k1..3, seq_max_k2..3 (megarl/algos/rejection.py); independent of the weight of off_policy_correction
-    off_policy_rejection: Optional[str] = None
-    # their thresholds (rollout_rs_threshold): one for all or one each, comma-separated; k1: "lower_upper" or upper
-    # (quote it: unquoted, YAML and Hydra read 0.5_2 as the number 0.52)
-    off_policy_rejection_threshold: Optional[str] = None
-    # reject sequences with A < 0 and KL to the rollout policy > this
-    off_policy_mask_kl: Optional[float] = setting(None, ge=0)
-    # none | exact (each token's score centred by its expectation under the engine's distribution over the recorded
-    # top-k/top-p support: needs rollout.keep_sampling_mask) | tail (over the support's score_centering_head most
-    # probable ids, the rest of the engine's mass modelled proportional to the trainer's); composes with
-    # off_policy_correction (megarl/algos/score_centering.py)
-    score_centering: str = setting("none", choices=SCORE_CENTERING)
-    score_centering_head: int = setting(8, ge=1)  # tail: recorded ids kept per token (the engine's most probable)
-
-
-@dataclass
+@dataclass(frozen=True)
 class BufferConfig:
     max_staleness: int = setting(1, ge=0)
     max_buffer_batches: int = setting(2, ge=1)
@@ -465,7 +285,7 @@ class BufferConfig:
     carry_in_flight: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClusterConfig:
     """The machines a layout is placed on (planner: ``python -m megarl.plan`` reports which node and
     device holds each trainer and engine rank, and refuses a layout that cannot be placed)."""
@@ -483,7 +303,7 @@ class ClusterConfig:
     node_check_s: float = setting(5.0, gt=0)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     """Held-out evaluation during the run (megarl/pipeline/evaluation.py): the policy's engines answer held-out
     prompts, never in the training stream (the arithmetic task: problems its own seed picks, left out of training;
@@ -506,7 +326,7 @@ class EvalConfig:
     seed: int = setting(1, ge=0)  # picks the held-out problems (arithmetic) or rows of task.path
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoggingConfig:
     run_dir: str = "runs/${run_name}"  # metrics.jsonl and the resolved config.yaml go here
     # where metrics.jsonl's rows also go: tensorboard (run_dir/tensorboard) | wandb | mlflow
@@ -516,7 +336,7 @@ class LoggingConfig:
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
-@dataclass
+@dataclass(frozen=True)
 class MegarlConfig:
     run_name: str = "run"
     # one of MODES (warmup: the supervised warm-up alone, for the tiny demos)
@@ -539,3 +359,13 @@ class MegarlConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @functools.cached_property
+    def topology(self) -> RunTopology:
+        """The run's engine pools and devices, computed once from this config (the whole run reads this one)."""
+        return RunTopology.from_config(self)
+
+    @functools.cached_property
+    def enabled_lora(self) -> LoraConfig | None:
+        """The ``lora`` section, checked and with its targets a tuple, when adapters are trained; else None."""
+        return LoraConfig.when_enabled(self.lora)

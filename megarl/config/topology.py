@@ -1,6 +1,6 @@
 """The run's topology: its trainer ranks and engine pools, their devices and how each engine is launched.
 
-Built once from a loaded config (:meth:`RunTopology.from_config`) and read by the load-time checks
+Built once from a loaded config (:attr:`megarl.config.schema.MegarlConfig.topology`) and read by the load-time checks
 (:func:`check_topology`), the planner (``megarl/planner/placement.py``, ``megarl/plan.py``) and the
 start-up (``megarl/pipeline/run.py``), so that they cannot disagree on which pools a run has or where.
 
@@ -14,16 +14,13 @@ model serves.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from megarl.config.errors import PlacementError, fail
-from megarl.config.schema import Placement
 from megarl.engines.launch_plan import attention_backend, dtype_refusal, memory_saver_refusal
 from megarl.engines.server import EngineSettings, lora_serving, nodes_of
-from megarl.models.hf_config import hf_config_if_present, read_hf_config
-from megarl.models.lora import LoraConfig
+from megarl.models.hf_config import checkpoint_arch, read_hf_config
 from megarl.platform.description import Platform
 
 
@@ -33,6 +30,11 @@ def engine_devices_start(first_free: int, engine_tp: int, gpus_per_node: int) ->
     its own)."""
     step = min(engine_tp, gpus_per_node)
     return -(-first_free // step) * step
+
+
+class Placement(str, Enum):
+    colocated = "colocated"  # trainer and engines share devices; engines release memory while training
+    disaggregated = "disaggregated"  # separate device pools
 
 
 @dataclass(frozen=True)
@@ -153,17 +155,6 @@ def _auxiliary_entries(cfg) -> list[tuple]:
     return wanted
 
 
-def checkpoint_arch(hf_path: str | None) -> dict:
-    """The layer, head, expert and vocabulary numbers of an HF checkpoint's config.json ({} when the
-    checkpoint is not present); ``num_experts`` 0 for a dense model (a config.json naming no experts)."""
-    hf = hf_config_if_present(hf_path) if hf_path else None
-    if hf is None:
-        return {}
-    return {"num_layers": hf.num_layers, "num_experts": hf.num_experts or 0,
-            "num_attention_heads": hf.num_attention_heads, "num_query_groups": hf.num_query_groups,
-            "vocab_size": hf.vocab_size}
-
-
 def check_topology(topology: RunTopology, policy_arch: dict, num_nodes: int | None) -> None:
     """Engine ranks that divide their model (``policy_arch``: the policy's heads, KV heads and experts, None
     where unknown; an auxiliary pool's from its checkpoint) and fit a node or whole nodes; colocated engines
@@ -195,9 +186,6 @@ def check_role_engines(task, num_engines: int) -> None:
     Raises :class:`ConfigError` naming the entry's key."""
     if task.roles is None:
         fail("task.role_engines", "places the roles of task.roles on engines: set task.roles")
-    for i, entry in enumerate(task.role_engines):
-        if OmegaConf.is_missing(entry, "role"):
-            fail(f"task.role_engines[{i}].role", "missing: name the role its engines serve")
     placed = [entry.role for entry in task.role_engines]
     for i, entry in enumerate(task.role_engines):
         if entry.role not in task.roles:
@@ -206,7 +194,7 @@ def check_role_engines(task, num_engines: int) -> None:
             fail(f"task.role_engines[{i}].role", f"{entry.role!r} is placed more than once")
         engines = list(entry.engines)
         for name in ("engine_tp", "engine_ep"):
-            if entry.hf_path is None and entry[name] is not None:
+            if entry.hf_path is None and getattr(entry, name) is not None:
                 fail(f"task.role_engines[{i}].{name}", f"sets the ranks of a frozen model's engine (with hf_path); "
                      f"{entry.role!r} is served by the policy's engines, whose ranks are rollout.{name}")
         if entry.hf_path is not None:
@@ -308,7 +296,7 @@ def pool_engine_settings(cfg, topology: RunTopology, pool: EnginePoolSpec, platf
                     shared_prefill_min_tokens=r.shared_prefill_min_tokens) if like_policy else {}),
             support_logprobs=policy and cfg.algorithm.score_centering != "none",
             tokenizer=not policy or multi_turn(cfg),
-            **(lora_serving(LoraConfig.when_enabled(cfg.lora)) if policy else {})))
+            **(lora_serving(cfg.enabled_lora) if policy else {})))
     return out
 
 

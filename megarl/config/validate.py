@@ -15,18 +15,17 @@ from megarl.algos.gae import CRITIC_ADVANTAGES
 from megarl.algos.rejection import rejection_config_error
 from megarl.config.errors import ConfigError, PlacementError, fail, one_line
 from megarl.config.schema import MegarlConfig
-from megarl.config.topology import RunTopology, check_role_engines, check_topology, checkpoint_arch
+from megarl.config.topology import check_role_engines, check_topology
 from megarl.fields import out_of_bounds
 from megarl.metrics.trackers import TRACKERS
-from megarl.models.hf_config import InvalidHfConfig, hf_config_if_present
-from megarl.models.lora import LoraConfig
+from megarl.models.hf_config import InvalidHfConfig, checkpoint_arch, hf_config_if_present
 from megarl.parallel import PipelineSplitError, stage_layer_counts
 from megarl.sync.settings import delta_refusal
 from megarl.tasks.judge import check_judge_config
 from megarl.tasks.prompts import DATASET_TASKS
 from megarl.tasks.rewards import check_reward_url
 
-__all__ = ["PlacementError", "checkpoint_arch", "validate"]
+__all__ = ["PlacementError", "validate"]
 
 
 def validate(cfg: DictConfig) -> None:
@@ -37,7 +36,7 @@ def validate(cfg: DictConfig) -> None:
     _check_checkpoint_configs(cfg)
     arch = _arch_numbers(cfg)
     _check_parallel(cfg, arch)
-    check_topology(RunTopology.from_config(cfg), arch, cfg.cluster.num_nodes)
+    check_topology(cfg.topology, arch, cfg.cluster.num_nodes)
     _check_sync(cfg)
     _check_rollout(cfg, arch)
     _check_algorithm(cfg)
@@ -120,7 +119,7 @@ def _arch_numbers(cfg: DictConfig) -> dict:
     """The recipe's architecture numbers, the checkpoint's where the recipe leaves one unset; a recipe
     number the checkpoint contradicts is an error."""
     keys = ("num_layers", "num_experts", "num_attention_heads", "num_query_groups", "vocab_size")
-    arch = {k: cfg.model.arch[k] for k in keys}
+    arch = {k: getattr(cfg.model.arch, k) for k in keys}
     for k, v in checkpoint_arch(cfg.model.hf_path).items():
         if arch[k] is not None and v is not None and arch[k] != v:
             fail(f"model.arch.{k}", f"the recipe says {arch[k]}, {cfg.model.hf_path}/config.json says {v}")
@@ -194,7 +193,7 @@ def _check_elastic(cfg: DictConfig) -> None:
 def _check_lora(cfg: DictConfig) -> None:
     """Targets an adapter can have; adapters an engine can serve."""
     try:
-        lora = LoraConfig.when_enabled(cfg.lora)
+        lora = cfg.enabled_lora
     except ValueError as e:
         raise ConfigError(str(e)) from e
     if lora is None or lora.sync != "adapter":
@@ -349,13 +348,13 @@ def _check_distillation(cfg: DictConfig) -> None:
         fail("algorithm.off_policy_mask_kl", "needs per-sequence advantages; on-policy distillation (teacher.hf_path) "
              "gives per-token ones")
     for name in ("engine_tp", "engine_ep"):
-        if cfg.teacher[name] is not None and not teacher:
+        if getattr(cfg.teacher, name) is not None and not teacher:
             fail(f"teacher.{name}", "sets the ranks of the teacher's engine: set teacher.hf_path too")
 
 
 def _check_reward(reward: DictConfig) -> None:
     for kind, key in (("remote", "url"), ("function", "path")):
-        if reward.type == kind and not reward[key]:
+        if reward.type == kind and not getattr(reward, key):
             fail(f"reward.{key}", f"reward type {kind} needs reward.{key}")
     if reward.type == "remote":
         try:

@@ -44,7 +44,7 @@ MAX_PARAM_CHARS = 6000  # MLflow's limit on a param's value
 MAX_FAILURES = 3  # a tracker whose log raises this many times in a row is dropped
 
 
-@dataclass
+@dataclass(frozen=True)
 class WandbConfig:
     """Weights & Biases (``logging.trackers`` naming ``wandb``)."""
 
@@ -57,7 +57,7 @@ class WandbConfig:
     mode: str = setting("online", choices=("online", "offline"))
 
 
-@dataclass
+@dataclass(frozen=True)
 class MlflowConfig:
     """MLflow (``logging.trackers`` naming ``mlflow``)."""
 
@@ -197,7 +197,8 @@ class TrackerSettings:
         from omegaconf import OmegaConf
 
         return cls(names=list(cfg.logging.trackers), wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow,
-                   run_name=cfg.run_name, config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
+                   run_name=cfg.run_name,
+                   config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True))
 
 
 def start_tracker(name: str, settings: TrackerSettings, run_dir: Path) -> Tracker:

@@ -152,3 +152,14 @@ def quantized_refusal(hf_path: str | Path, role: str) -> Optional[str]:
             f"cannot use as {role}: it trains, serves and syncs weights in model.dtype and has no path for quantized "
             f"ones (a weight sync would cast bf16 into FP8 parameters beside stale scales); use the bf16 release "
             f"or dequantize it first")
+
+
+def checkpoint_arch(hf_path: str | None) -> dict:
+    """The layer, head, expert and vocabulary numbers of an HF checkpoint's config.json ({} when the
+    checkpoint is not present); ``num_experts`` 0 for a dense model (a config.json naming no experts)."""
+    hf = hf_config_if_present(hf_path) if hf_path else None
+    if hf is None:
+        return {}
+    return {"num_layers": hf.num_layers, "num_experts": hf.num_experts or 0,
+            "num_attention_heads": hf.num_attention_heads, "num_query_groups": hf.num_query_groups,
+            "vocab_size": hf.vocab_size}

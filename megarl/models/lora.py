@@ -36,7 +36,7 @@ SYNC_MODES = ("adapter", "merged")
 ENGINE_ADAPTER_SLOTS = 3
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraConfig:
     """LoRA: train low-rank adapters on a frozen base (megatron-bridge PEFT) and sync only them."""
 
@@ -58,9 +58,8 @@ class LoraConfig:
         (:data:`MEGATRON_TO_HF`) -> ValueError naming the key."""
         if not lora.enabled:
             return None
-        typed = cls(**{f.name: lora[f.name] if not isinstance(lora, cls) else getattr(lora, f.name)
-                       for f in fields(cls)})
-        typed.target_modules = tuple(typed.target_modules)
+        keys = {f.name: lora[f.name] if not isinstance(lora, cls) else getattr(lora, f.name) for f in fields(cls)}
+        typed = cls(**dict(keys, target_modules=tuple(keys["target_modules"])))
         check_bounds(typed, "lora.")
         typed.check_targets()
         return typed

@@ -73,7 +73,7 @@ class TinyMoeSpec:
         names = {"hidden_size": "hidden_size", "num_layers": "num_layers", "num_experts": "num_experts",
                  "topk": "moe_topk", "num_heads": "num_attention_heads", "num_kv_heads": "num_query_groups",
                  "moe_ffn_hidden_size": "moe_ffn_hidden_size", "vocab_size": "vocab_size"}
-        given = {mine: arch[theirs] for mine, theirs in names.items() if arch[theirs] is not None}
+        given = {mine: getattr(arch, theirs) for mine, theirs in names.items() if getattr(arch, theirs) is not None}
         variant = {**TOOL_CALLING_DEFAULTS, "tool_calling": True} if tool_calling else {}
         return cls(**{**variant, **given})
 

@@ -37,7 +37,7 @@ from megarl.algos.advantages import BatchStats
 from megarl.algos.gae import ragged_gae
 from megarl.algos.kl_control import KLController
 from megarl.algos.value_loss import value_metrics
-from megarl.config.topology import RunTopology
+from megarl.config.components import micro_batching
 from megarl.engines.pool import EnginePool
 from megarl.engines.types import PauseMode
 from megarl.metrics.trackers import TrackerSettings
@@ -63,6 +63,7 @@ from megarl.sync import AdapterSync, WeightSync, WeightSyncError
 from megarl.trainer.actor import TrainerGroup
 from megarl.trainer.checkpoint import prune_checkpoints
 from megarl.trainer.launch import ray_for_run
+from megarl.trainer.micro_batching import MicroBatching
 from megarl.trainer.rl_batch import RLBatch, build_rl_batch
 from megarl.trainer.rl_step import RLStepResult
 
@@ -98,8 +99,7 @@ class Pipeline:
     producer: RolloutProducer
     ledger: Ledger
     books: StepBooks
-    pad_id: int
-    vocab_size: int
+    batching: MicroBatching  # how every trainer step cuts and runs its batch
     start_step: int  # the last completed step (0 for a new run)
     colocation: Colocation | None = None  # placement=colocated: engines and trainer take turns
     teacher: TeacherScorer | None = None  # on-policy distillation (teacher.hf_path): scores every sample
@@ -166,7 +166,7 @@ class Pipeline:
         whole = self.rl_batch(samples, step)
         fit = await self.gae_targets(whole, samples, penalties) if self.cfg.critic.enabled else {}
         if len(parts) > 1 and self.cfg.algorithm.old_policy == "recompute":
-            whole.old_logprobs = await self.trainer.policy_logprobs(whole, **self.step_kwargs())
+            whole.old_logprobs = await self.trainer.policy_logprobs(whole, self.batching)
         results, start = [], 0
         for groups in parts:
             count = sum(len(g.samples) for g in groups)
@@ -180,10 +180,9 @@ class Pipeline:
     async def _update(self, mini: RLBatch) -> RLStepResult:
         """One policy update on the mini-batch ``mini``, then, with a critic, one critic update on it (its
         ``critic/*`` metrics join the result's)."""
-        result = await self.trainer.rl_step(mini, self.cfg.algorithm, **self.step_kwargs())
+        result = await self.trainer.rl_step(mini, self.cfg.algorithm, self.batching)
         if self.cfg.critic.enabled:
-            fitted = await self.trainer.critic_step(mini, value_clip=self.cfg.critic.value_clip,
-                                                    **self.critic_kwargs())
+            fitted = await self.trainer.critic_step(mini, self.batching, self.cfg.critic.value_clip)
             result.metrics |= fitted.metrics
         return result
 
@@ -196,7 +195,7 @@ class Pipeline:
             raise ValueError("algorithm.advantage=gae takes the sequence reward alone, but the batch has per-token "
                              "advantages (turn rewards)")
         a = self.cfg.algorithm
-        values = await self.trainer.critic_values(whole, **self.critic_kwargs())
+        values = await self.trainer.critic_values(whole, self.batching)
         rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
         if penalties is not None:
             rewards -= torch.tensor(penalties, dtype=torch.float64)
@@ -221,7 +220,7 @@ class Pipeline:
             return None
         batch = build_rl_batch(samples, with_sampling_mask=self.cfg.rollout.keep_sampling_mask, with_advantages=False,
                                trainer_version=step - 1)
-        sums = await self.trainer.sequence_kl(batch, algo, **self.step_kwargs())
+        sums = await self.trainer.sequence_kl(batch, algo, self.batching)
         trained = torch.zeros(len(batch), dtype=torch.float64).index_add_(
             0, torch.repeat_interleave(torch.arange(len(batch)), batch.lengths), (batch.loss_mask > 0).double())
         mean_kl = sum(kl / max(n, 1.0) for kl, n in zip(sums, trained.tolist())) / len(sums)
@@ -229,19 +228,6 @@ class Pipeline:
         self.kl_control.update(mean_kl, len(samples))
         self._kl_metrics = {"kl/coef": beta, "kl/reward_kl": mean_kl}
         return [beta * kl for kl in sums]
-
-    def step_kwargs(self) -> dict:
-        """The rl_step arguments that come from the config and the served model."""
-        r, p = self.cfg.rollout, self.cfg.parallel
-        return dict(vocab_size=self.vocab_size, max_tokens_per_microbatch=self.cfg.trainer.max_tokens_per_microbatch,
-                    keep_routing=r.keep_routing, sequence_parallel=p.sequence_parallel, temperature=r.temperature,
-                    pack=self.cfg.trainer.pack_sequences, pad_id=self.pad_id)
-
-    def critic_kwargs(self) -> dict:
-        """The critic_values / critic_step arguments that come from the config."""
-        return dict(max_tokens_per_microbatch=self.cfg.trainer.max_tokens_per_microbatch,
-                    sequence_parallel=self.cfg.parallel.sequence_parallel, pack=self.cfg.trainer.pack_sequences,
-                    pad_id=self.pad_id)
 
     async def sync_weights(self, version: int) -> dict[str, float]:
         """Sync the trainer's weights into the engines as ``version`` and let generation use them;
@@ -351,7 +337,7 @@ async def open_pipeline(cfg: DictConfig, start_checkpoint: str) -> AsyncIterator
     try:
         start_tasks_eagerly(stack)
         agent_cpus = math.ceil(cfg.task.agent_workers * cfg.task.agent_worker_cpus) if cfg.task.agent else 0
-        stack.enter_context(ray_for_run(layout.world_size + RunTopology.from_config(cfg).engine_count + agent_cpus))
+        stack.enter_context(ray_for_run(layout.world_size + cfg.topology.engine_count + agent_cpus))
         StopRequest.install()  # again: ray.init replaced the handlers with its own (which just die)
         with StopRequest.cancels_the_start_up():
             pipe = await _start_pipeline(cfg, start_checkpoint, layout, stack)
@@ -426,8 +412,9 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     membership = None if plan.colocated else _membership(cfg, plan, pool, sync, stack)
     books = StepBooks(Path(cfg.logging.run_dir), resumed.step, stack, TrackerSettings.from_config(cfg))
     pipe = Pipeline(cfg=cfg, trainer=trainer, pool=pool, sync=sync, buffer=rollout.buffer, producer=rollout.producer,
-                    ledger=resumed.ledger, books=books, pad_id=tokenizer.pad_token_id,
-                    vocab_size=pool.model.vocab_size, start_step=resumed.step, colocation=colocation,
+                    ledger=resumed.ledger, books=books,
+                    batching=micro_batching(cfg, pool.model.vocab_size, tokenizer.pad_token_id),
+                    start_step=resumed.step, colocation=colocation,
                     teacher=rollout.teacher, membership=membership,
                     kl_control=resumed_kl_control(cfg, resumed.position),
                     evaluation=_evaluation(cfg, rollout, books, stack))

@@ -6,6 +6,7 @@ checkpoint is present (the tiny demo) may leave them ``None`` and they are read 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 from omegaconf import DictConfig
@@ -88,9 +89,10 @@ def served_arch(hf_path: str, key: str) -> Arch | None:
     hf = hf_config_if_present(hf_path)
     if hf is None:
         return None
-    given = dict(ArchConfig().__dict__)
+    given = ArchConfig()
     if not hf.num_experts:  # dense: the planner's MoE numbers describe it with no routed experts
-        given.update(num_experts=0, moe_topk=0, moe_ffn_hidden_size=0, first_k_dense_layers=hf.num_layers)
+        given = dataclasses.replace(given, num_experts=0, moe_topk=0, moe_ffn_hidden_size=0,
+                                    first_k_dense_layers=hf.num_layers)
     family = _MODEL_TYPE_FAMILY.get(hf.model_type, hf.model_type or "unknown")
     return _resolve(given, hf, family, key, key, hf.path)
 
@@ -106,7 +108,7 @@ def _resolve(given, hf, family: str, key: str, path_key: str, where: str) -> Arc
     for f in fields(Arch):
         if f.name in values:
             continue
-        value = given[f.name]
+        value = getattr(given, f.name)
         if value is None or value == getattr(_SCHEMA_DEFAULTS, f.name):
             from_ckpt = getattr(hf, f.name) if hf else None
             value = from_ckpt if from_ckpt is not None else value

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from megarl.config.errors import fail
-from megarl.config.topology import RunTopology
 from megarl.planner.arch import Arch, resolve_arch
 from megarl.planner.params import count_params
 from megarl.planner.placement import place
@@ -51,7 +50,7 @@ def busiest_node(arch: Arch, cfg: DictConfig) -> NodeCopies:
     """The node holding the most bytes of delta copies under ``cfg`` (a loaded config with ``sync.delta``)."""
     size = dtype_bytes(cfg.model.dtype)
     model_bytes = count_params(arch).total * size
-    plan = place(RunTopology.from_config(cfg))
+    plan = place(cfg.topology)
     if cfg.sync.transport == "sharded":
         attention_tp = 1 if cfg.rollout.engine_dp_attention else None
         engine_bytes = engine_rank_params(arch, cfg.rollout.engine_tp, attention_tp) * size

@@ -87,7 +87,7 @@ def engine_memory(arch: Arch, cfg: DictConfig, engine: EnginePoolSpec | None = N
     attention_tp = 1 if dp_attention else tp
     weights = round(size * engine_weight_params(arch, tp, attention_tp))
     pool = round(r.mem_fraction_static * cfg.trainer.gpu_memory_gb * GIB)
-    lora = LoraConfig.when_enabled(cfg.lora) if engine is None else None
+    lora = cfg.enabled_lora if engine is None else None
     slots = ENGINE_ADAPTER_SLOTS if lora is not None and lora.sync == "adapter" else 0
     lora_buffers = slots * size * engine_adapter_params(arch, lora, tp, ep, attention_tp) if slots else 0
     kv_cache = round(r.kv_cache_gb * GIB) if r.kv_cache_gb is not None and engine is None else \

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from omegaconf import DictConfig
 
 from megarl.config.schema import Placement
-from megarl.config.topology import EnginePoolSpec, RunTopology
+from megarl.config.topology import EnginePoolSpec
 from megarl.planner.arch import Arch, resolve_arch, served_arch
 from megarl.planner.delta_memory import busiest_node, delta_memory_problem, node_host_bytes
 from megarl.planner.engine_memory import EngineMemory, engine_memory
@@ -81,7 +81,7 @@ def plan_layout(cfg: DictConfig) -> LayoutPlan:
     engine_gpus = r.num_engines * r.engine_tp
     colocated = Placement(cfg.placement) == Placement.colocated
     lora = lora_plan(arch, cfg)
-    topology = RunTopology.from_config(cfg)
+    topology = cfg.topology
     auxiliary = topology.auxiliary
     return LayoutPlan(
         arch=arch, params=count_params(arch), trainer=trainer_memory(arch, cfg), engine=engine_memory(arch, cfg),

@@ -153,7 +153,7 @@ class LoraPlan:
 
 def lora_plan(arch: Arch, cfg: DictConfig) -> LoraPlan | None:
     """The adapters' sizes for ``cfg`` (None when ``lora.enabled`` is false)."""
-    lora = LoraConfig.when_enabled(cfg.lora)
+    lora = cfg.enabled_lora
     if lora is None:
         return None
     size = dtype_bytes(cfg.model.dtype)

@@ -49,13 +49,13 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from megarl.config.schema import Recompute, TransformerImpl
-from megarl.models.lora import LoraConfig
+from megarl.config.schema import TransformerImpl
 from megarl.parallel import stage_layers
 from megarl.planner.arch import Arch
 from megarl.planner.lora import adapter_count
 from megarl.planner.params import embedding_params, head_params, layer_params
 from megarl.planner.units import GIB, dtype_bytes
+from megarl.trainer.settings import Recompute
 
 FP32 = 4
 
@@ -179,7 +179,7 @@ def stage_memory(arch: Arch, cfg: DictConfig, stage: int) -> StageMemory:
     layers = stage_layers(arch.num_layers, p.pp, p.vpp or 1, stage, p.first_stage_layers, p.last_stage_layers)
     dense, experts = _stage_params(arch, p, stage, layers, head=head_params(arch) / p.tp)
     params = dense + experts
-    lora = LoraConfig.when_enabled(cfg.lora)
+    lora = cfg.enabled_lora
     if lora is not None:  # the base is frozen: only the adapters have gradients and optimizer state
         adapters = adapter_count(arch, lora, layers)
         dense, experts = adapters.tp_split / p.tp, adapters.experts / (p.ep * (p.etp or p.tp))

@@ -137,7 +137,7 @@ def check_ipc(cfg: DictConfig, records: Records) -> list[str]:
     """With ``sync.transport=tensor``: every engine rank's feeding trainer rank on its node and GPU."""
     if cfg.sync.transport != "tensor":
         return []
-    pool = RunTopology.from_config(cfg).policy
+    pool = cfg.topology.policy
     per_node = pool.tp // nodes_of(pool.tp, cfg.cluster.gpus_per_node)
     problems = []
     for rank, (engine, engine_rank) in sorted(tensor_feeds(pool.num_engines, pool.tp).items()):
@@ -172,6 +172,6 @@ def check_paths(cfg: DictConfig, checkpoints: str, records: Records) -> list[str
 def check_all(cfg: DictConfig, checkpoints: str, plan: PlacementPlan, records: Records) -> list[str]:
     """Every check's problems, in order."""
     names = NodeNames()
-    topology = RunTopology.from_config(cfg)
+    topology = cfg.topology
     return (check_trainer(plan, records, names) + check_engines(topology, plan, records, names)
             + check_ipc(cfg, records) + check_nccl(records) + check_paths(cfg, checkpoints, records))

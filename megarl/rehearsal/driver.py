@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -23,7 +24,6 @@ import traceback
 from pathlib import Path
 
 from megarl.config import load_config
-from megarl.config.topology import RunTopology
 from megarl.engines.server import nodes_of
 from megarl.models.hf_config import HF_KEYS
 from megarl.parallel import Layout
@@ -56,9 +56,9 @@ class StandInGroup(TrainerGroup):
 def stand_in_checkpoint(cfg, where: Path) -> str:
     """A directory with a ``config.json`` of ``cfg.model.arch``'s numbers (what the engines' settings and the
     config checks read of a checkpoint); its path."""
-    arch = cfg.model.arch
-    config = {HF_KEYS[k][0]: arch[k] for k in arch if k in HF_KEYS and arch[k] is not None}
-    config |= {"model_type": arch.family, "architectures": [], "max_position_embeddings": CONTEXT_LENGTH}
+    arch = dataclasses.asdict(cfg.model.arch)
+    config = {HF_KEYS[k][0]: v for k, v in arch.items() if k in HF_KEYS and v is not None}
+    config |= {"model_type": arch["family"], "architectures": [], "max_position_embeddings": CONTEXT_LENGTH}
     where.mkdir(parents=True, exist_ok=True)
     (where / "config.json").write_text(json.dumps(config, indent=1))
     return str(where)
@@ -97,7 +97,7 @@ async def rehearse_recipe(name: str, overrides: list[str], work: Path) -> dict:
         placed = await place_run(cfg, checkpoint, Layout.from_config(cfg.parallel), stack, TARGET,
                                  secrets.token_urlsafe(16), Processes(StandInGroup, STAND_IN_SERVER))
         trainer = list(await asyncio.gather(*(r.recorded.remote() for r in placed.trainer.ranks)))
-    topology = RunTopology.from_config(cfg)
+    topology = cfg.topology
     servers = server_records(cfg.logging.run_dir, topology.policy.num_engines,
                              nodes_of(topology.policy.tp, topology.gpus_per_node))
     records = Records(trainer, servers)

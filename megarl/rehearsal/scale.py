@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from megarl.config.topology import RunTopology
 from megarl.engines.launch_plan import CUDA_DTYPES
 
 NODE_GPUS = 2  # GPUs of a fake node
@@ -45,7 +44,7 @@ def not_rehearsable(cfg: DictConfig) -> str | None:
     """Why the rehearsal does not cover the loaded recipe ``cfg`` (None when it does)."""
     if cfg.model.dtype not in CUDA_DTYPES:
         return f"written for the CPU (model.dtype={cfg.model.dtype}): the suite runs it for real"
-    if RunTopology.from_config(cfg).auxiliary:
+    if cfg.topology.auxiliary:
         return "has auxiliary engines (teacher, judge or frozen roles), which the scaling rule does not cover"
     return None
 

@@ -10,7 +10,7 @@ from megarl.sync.transports import TRANSPORTS
 MIB = 2**20
 
 
-@dataclass
+@dataclass(frozen=True)
 class SyncConfig:
     # auto (tensor when colocated, else distributed) | distributed | tensor | disk | sharded (each engine rank
     # receives only the slices it loads, point to point from the trainer ranks holding them; parallel.pp=1)
@@ -30,7 +30,7 @@ class SyncConfig:
         return int(self.bucket_mb * MIB)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SyncSettings(SyncConfig):
     """A :class:`SyncConfig` (``transport`` resolved: distributed | tensor | disk | sharded; ``bucket_mb`` 0: one
     tensor per bucket, i.e. one engine call per tensor; ``timeout_s`` also bounds each group formation)

@@ -140,11 +140,7 @@ class TrainerRank:
         from megarl.trainer.model_setup import build_trainable
         from megarl.trainer.reference import ReferenceWeights
 
-        self.trainable = build_trainable(hf_path, self.layout, optimizer, transformer_impl=model.transformer_impl,
-                                         dispatcher=model.dispatcher, routing_replay=model.routing_replay,
-                                         moe_aux_loss_coeff=model.moe_aux_loss_coeff, recompute=model.recompute,
-                                         recompute_num_layers=model.recompute_num_layers, lora=model.lora,
-                                         moe_expert_bias_update_rate=model.moe_expert_bias_update_rate)
+        self.trainable = build_trainable(hf_path, self.layout, optimizer, model)
         self.reference = ReferenceWeights(self.trainable.chunks) if model.reference else None
         self.critic = None if critic is None else build_critic(critic, self.layout, model)
         return sum(p.numel() for chunk in self.trainable.chunks for p in chunk.parameters())
@@ -170,37 +166,37 @@ class TrainerRank:
         """``fn(rank, layout, *args)`` on this rank (:func:`megarl.trainer.launch.run_ranks`)."""
         return fn(self.rank, self.layout, *args)
 
-    def rl_step(self, batch, algo, **kwargs):
+    def rl_step(self, batch, algo, batching):
         from megarl.trainer.rl_step import rl_step
 
         t = self.trainable
-        return rl_step(t.chunks, t.optimizer, t.scheduler, batch, algo, reference=self.reference, **kwargs)
+        return rl_step(t.chunks, t.optimizer, t.scheduler, batch, algo, batching, reference=self.reference)
 
-    def policy_logprobs(self, batch, **kwargs):
+    def policy_logprobs(self, batch, batching):
         """The old-policy pass: ``megarl.trainer.rl_step.policy_logprobs`` of ``batch``."""
         from megarl.trainer.rl_step import policy_logprobs
 
-        return policy_logprobs(self.trainable.chunks, batch, **kwargs)
+        return policy_logprobs(self.trainable.chunks, batch, batching)
 
-    def sequence_kl(self, batch, algo, **kwargs):
+    def sequence_kl(self, batch, algo, batching):
         from megarl.trainer.rl_step import sequence_kl
 
         if self.reference is None:
             raise ValueError("algorithm.kl_in_reward needs the reference policy (built when algorithm.kl_coef != 0)")
-        return sequence_kl(self.trainable.chunks, batch, algo.kl_type, self.reference, **kwargs)
+        return sequence_kl(self.trainable.chunks, batch, algo.kl_type, self.reference, batching)
 
-    def critic_values(self, batch, **kwargs):
+    def critic_values(self, batch, batching):
         """The critic's values of ``batch`` before the step's updates (``megarl.trainer.critic.critic_values``)."""
         from megarl.trainer.critic import critic_values
 
-        return critic_values(self._built_critic().chunks, batch, **kwargs)
+        return critic_values(self._built_critic().chunks, batch, batching)
 
-    def critic_step(self, batch, **kwargs):
+    def critic_step(self, batch, batching, value_clip):
         """One critic update (``megarl.trainer.critic.critic_step``); its ``RLStepResult``."""
         from megarl.trainer.critic import critic_step
 
         c = self._built_critic()
-        return critic_step(c.chunks, c.optimizer, c.scheduler, batch, **kwargs)
+        return critic_step(c.chunks, c.optimizer, c.scheduler, batch, batching, value_clip)
 
     def _built_critic(self):
         if self.critic is None:
@@ -378,26 +374,26 @@ class TrainerGroup(WeightSyncTrainer):
         """:meth:`TrainerRank.build` on every rank; the reporting rank's parameter count."""
         return await self._call("build", hf_path, optimizer, model, critic)
 
-    async def rl_step(self, batch, algo, **kwargs):
+    async def rl_step(self, batch, algo, batching):
         """One RL optimizer step over ``batch`` (``megarl.trainer.rl_step.rl_step``); its ``RLStepResult``."""
-        return await self._call("rl_step", batch, algo, **kwargs)
+        return await self._call("rl_step", batch, algo, batching)
 
-    async def policy_logprobs(self, batch, **kwargs):
+    async def policy_logprobs(self, batch, batching):
         """The trainer's log-probs of ``batch`` before an update, float32 [N] (``rl_step.policy_logprobs``):
         the PPO ratio's old policy of a step's mini-batches."""
-        return await self._call("policy_logprobs", batch, **kwargs)
+        return await self._call("policy_logprobs", batch, batching)
 
-    async def critic_values(self, batch, **kwargs):
+    async def critic_values(self, batch, batching):
         """The critic's values of ``batch``, float32 [N] (``megarl.trainer.critic.critic_values``)."""
-        return await self._call("critic_values", batch, **kwargs)
+        return await self._call("critic_values", batch, batching)
 
-    async def critic_step(self, batch, **kwargs):
+    async def critic_step(self, batch, batching, value_clip):
         """One critic update on ``batch`` (``megarl.trainer.critic.critic_step``); its ``RLStepResult``."""
-        return await self._call("critic_step", batch, **kwargs)
+        return await self._call("critic_step", batch, batching, value_clip)
 
-    async def sequence_kl(self, batch, algo, **kwargs) -> list[float]:
+    async def sequence_kl(self, batch, algo, batching) -> list[float]:
         """Per sample, the summed KL of the policy to the reference (``rl_step.sequence_kl``)."""
-        return await self._call("sequence_kl", batch, algo, **kwargs)
+        return await self._call("sequence_kl", batch, algo, batching)
 
     async def save_checkpoint(self, root: str, step: int, data_position: dict) -> str:
         """Checkpoint under ``root`` at ``step`` with the driver's data position; its path."""

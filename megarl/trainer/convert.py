@@ -107,7 +107,7 @@ def hf_architecture(hf_path: str | Path) -> str:
 
 def check_layout(hf_path: str | Path, layout: Layout) -> None:
     """Raise :class:`ConversionError` when ``layout`` cannot shard the model of ``hf_path/config.json``."""
-    from megarl.config.topology import checkpoint_arch
+    from megarl.models.hf_config import checkpoint_arch
 
     arch = checkpoint_arch(str(hf_path))
     if not arch:

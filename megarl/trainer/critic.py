@@ -14,14 +14,15 @@ summed gradient by the global token count, as for the policy).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 
 from megarl.algos.value_loss import clipped_value_loss
-from megarl.config.schema import OptimizerConfig
 from megarl.trainer.context_parallel import token_count_share
 from megarl.trainer.device import model_device
+from megarl.trainer.micro_batching import MicroBatching
 from megarl.trainer.optimizer import OptimizerSettings
 from megarl.trainer.packing import ModelInput, to_grid
 from megarl.trainer.rl_batch import RLBatch
@@ -37,28 +38,15 @@ class CriticSettings:
     hf_path: str  # HF checkpoint of the backbone (the head starts fresh)
     optimizer: OptimizerSettings
 
-    @classmethod
-    def from_config(cls, cfg, start_checkpoint: str) -> CriticSettings | None:
-        """From ``cfg.critic`` (None when ``critic.enabled`` is false); ``start_checkpoint``: the policy's,
-        used when ``critic.hf_path`` is unset. The LR decays over the policy's optimizer steps."""
-        c = cfg.critic
-        if not c.enabled:
-            return None
-        keys = {f.name: c[f.name] for f in fields(OptimizerConfig)}
-        optimizer = OptimizerSettings(**keys, lr_decay_steps=max(cfg.steps * cfg.trainer.updates_per_step, 1),
-                                      dtype=cfg.model.dtype)
-        return cls(hf_path=c.hf_path or start_checkpoint, optimizer=optimizer)
-
 
 def build_critic(settings: CriticSettings, layout, model):
     """This rank's critic (a model_setup.TrainableModel) for ``layout``; ``model``: the policy's
     model_setup.ModelSettings (layer implementation, dispatcher, recompute), without routing replay or LoRA."""
     from megarl.trainer.model_setup import build_trainable
 
-    return build_trainable(settings.hf_path, layout, settings.optimizer, transformer_impl=model.transformer_impl,
-                           dispatcher=model.dispatcher, routing_replay=False,
-                           moe_aux_loss_coeff=model.moe_aux_loss_coeff, recompute=model.recompute,
-                           recompute_num_layers=model.recompute_num_layers, value_head=True)
+    backbone = dataclasses.replace(model, routing_replay=False, reference=False, lora=None,
+                                   moe_expert_bias_update_rate=None)
+    return build_trainable(settings.hf_path, layout, settings.optimizer, backbone, value_head=True)
 
 
 def _token_values(output: torch.Tensor, mi: ModelInput) -> torch.Tensor:
@@ -70,15 +58,13 @@ def _token_values(output: torch.Tensor, mi: ModelInput) -> torch.Tensor:
     return mi.to_ragged(picked, rows)
 
 
-def critic_values(chunks: list, batch: RLBatch, *, max_tokens_per_microbatch: int, sequence_parallel: bool,
-                  pack: bool = True, pad_id: int = 0) -> torch.Tensor | None:
+def critic_values(chunks: list, batch: RLBatch, batching: MicroBatching) -> torch.Tensor | None:
     """The critic's value at every position of ``batch``, float32 [N] on the host (0 off the trained
     positions), from one forward-only pass: the whole batch on every rank of the last PP stage
     (gathered over DP), None elsewhere; a collective of every rank."""
     from megatron.core import parallel_state
 
-    plan, dp_rank, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
-                                               sequence_parallel=sequence_parallel, pad_id=pad_id)
+    plan, dp_rank, micro = local_micro_batches(batch, batching)
     collected: list[torch.Tensor] = []
 
     def forward_step(data_iterator, model):
@@ -120,9 +106,8 @@ def _value_loss(output: torch.Tensor, mb: RLBatch, mi: ModelInput, clip: float, 
     return loss_sum, num_tokens, {"sums": sums}
 
 
-def critic_step(chunks: list, optimizer, scheduler, batch: RLBatch, *, value_clip: float,
-                max_tokens_per_microbatch: int, sequence_parallel: bool, pack: bool = True,
-                pad_id: int = 0) -> RLStepResult:
+def critic_step(chunks: list, optimizer, scheduler, batch: RLBatch, batching: MicroBatching,
+                value_clip: float) -> RLStepResult:
     """One critic update on ``batch`` (identical on every rank; each DP rank trains its share), which must
     carry ``old_values`` and ``returns``. Metrics (last PP stage): ``critic/value_loss`` (token mean of the
     clipped loss), ``critic/value_clipfrac`` (share of trained tokens where the clipped term was the
@@ -134,8 +119,7 @@ def critic_step(chunks: list, optimizer, scheduler, batch: RLBatch, *, value_cli
     if batch.old_values is None or batch.returns is None:
         raise ValueError("a critic step needs the batch's old_values and returns (critic_values, then ragged_gae)")
     device = model_device(chunks)
-    plan, _, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
-                                         sequence_parallel=sequence_parallel, pad_id=pad_id)
+    plan, _, micro = local_micro_batches(batch, batching)
 
     def forward_step(data_iterator, model):
         mb, mi = on_device(model, *next(data_iterator))

@@ -1,30 +1,22 @@
 """Megatron's (distributed) Adam optimizer with gradient clipping and the LR warm-up/decay schedule."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
-from megarl.config.schema import DTYPES, OptimizerConfig
 from megarl.fields import setting
+from megarl.trainer.settings import DTYPES, OptimizerConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimizerSettings(OptimizerConfig):
     """The optimizer and LR schedule of one run: the ``trainer`` section's optimizer keys (its schema node,
-    :class:`megarl.config.schema.OptimizerConfig`) and what the run derives from the rest of the config."""
+    :class:`megarl.trainer.settings.OptimizerConfig`) and what the run derives from the rest of the config
+    (:func:`megarl.config.components.optimizer_settings`)."""
 
     lr_decay_steps: int = setting(1, ge=1)  # steps over which the LR decays
     dtype: str = setting("float32", choices=DTYPES)  # the model's parameter and compute dtype
-
-    @classmethod
-    def from_config(cls, cfg, lr: float | None = None, updates_per_step: int = 1) -> OptimizerSettings:
-        """From a run config (``trainer``, ``model.dtype``, ``steps``); ``lr`` overrides
-        ``trainer.lr`` (the warm-up has its own); the LR decays over ``steps * updates_per_step``
-        optimizer steps (RL: ``trainer.updates_per_step``)."""
-        keys = {f.name: getattr(cfg.trainer, f.name) for f in fields(OptimizerConfig)}
-        return cls(**dict(keys, lr=keys["lr"] if lr is None else lr),
-                   lr_decay_steps=max(cfg.steps * updates_per_step, 1), dtype=cfg.model.dtype)
 
 
 def cpu_offload_options(offload: bool) -> dict:

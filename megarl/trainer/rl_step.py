@@ -24,11 +24,12 @@ import torch
 from megarl.algos.aggregation import ROW_WEIGHTED, prompt_mean_weights
 from megarl.algos.is_diagnostics import MAXIMA, SEQUENCE_SUMS, TOKEN_SUMS, diagnostics
 from megarl.algos.objective import LossInputs, rl_loss
-from megarl.config.schema import AlgorithmConfig
+from megarl.algos.settings import AlgorithmConfig
 from megarl.trainer.context_parallel import ContextParallelRank, row_length_multiple, this_cp_rank, token_count_share
 from megarl.trainer.device import collective_device, model_device
 from megarl.trainer.expert_load import ExpertLoad, LoadCounter
 from megarl.trainer.logprobs import csr_rows, vocab_parallel_logprobs
+from megarl.trainer.micro_batching import MicroBatching
 from megarl.trainer.mismatch import empty_mismatch, mismatch_metrics, mismatch_sums, reduce_mismatch
 from megarl.trainer.packing import (
     MicroBatchPlan,
@@ -107,20 +108,21 @@ def on_device(model, mb: RLBatch, mi: ModelInput) -> tuple[RLBatch, ModelInput]:
     return mb.to(device), mi.to(device)
 
 
-def local_micro_batches(batch: RLBatch, max_tokens: int, *, pack: bool, sequence_parallel: bool, pad_id: int
+def local_micro_batches(batch: RLBatch, batching: MicroBatching
                         ) -> tuple[MicroBatchPlan, int, list[tuple[RLBatch, ModelInput]]]:
-    """The plan of every DP rank for ``batch`` (host tensors), this rank's DP index, and this rank's
-    micro-batches on the host; the CP ranks of one DP rank share its micro-batches, each holding its part."""
+    """The plan of every DP rank for ``batch`` (host tensors) cut as ``batching`` says, this rank's DP index,
+    and this rank's micro-batches on the host; the CP ranks of one DP rank share its micro-batches, each
+    holding its part."""
     from megatron.core import parallel_state
 
     dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     tp = parallel_state.get_tensor_model_parallel_world_size()
     cp = this_cp_rank()
     cp_size = 1 if cp is None else cp.size
-    plan = plan_micro_batches(batch.lengths, dp, max_tokens, pack=pack, cp=cp_size,
-                              length_multiple=row_length_multiple(cp_size, tp, sequence_parallel),
+    plan = plan_micro_batches(batch.lengths, dp, batching.max_tokens, pack=batching.pack, cp=cp_size,
+                              length_multiple=row_length_multiple(cp_size, tp, batching.sequence_parallel),
                               count_multiple=micro_batch_count_multiple())
-    return plan, dp_rank, micro_batches(batch, plan, dp_rank, pad_id, cp)
+    return plan, dp_rank, micro_batches(batch, plan, dp_rank, batching.pad_id, cp)
 
 
 def forward_backward(chunks, micro: list, forward_step, forward_only: bool, length: int):
@@ -171,9 +173,8 @@ def reference_logprobs(chunks: list, micro: list, *, vocab_size: int, temperatur
     return collected
 
 
-def sequence_kl(chunks: list, batch: RLBatch, kl_type: str, reference: ReferenceWeights, *, vocab_size: int,
-                max_tokens_per_microbatch: int, keep_routing: bool, sequence_parallel: bool, temperature: float = 1.0,
-                pack: bool = True, pad_id: int = 0) -> list[float] | None:
+def sequence_kl(chunks: list, batch: RLBatch, kl_type: str, reference: ReferenceWeights,
+                batching: MicroBatching) -> list[float] | None:
     """Per sample, the sum over its trained tokens of the KL estimator ``kl_type`` between the
     policy the model holds and ``reference`` (both forward-only, same replay and mask): the penalty
     ``algorithm.kl_in_reward`` takes from the reward. The whole list on the last PP stage, else None."""
@@ -181,10 +182,9 @@ def sequence_kl(chunks: list, batch: RLBatch, kl_type: str, reference: Reference
 
     from megarl.algos.kl import kl_penalty
 
-    plan, dp_rank, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
-                                               sequence_parallel=sequence_parallel, pad_id=pad_id)
-    kwargs = dict(vocab_size=vocab_size, temperature=temperature, replay=keep_routing,
-                  sequence_parallel=sequence_parallel)
+    plan, dp_rank, micro = local_micro_batches(batch, batching)
+    kwargs = dict(vocab_size=batching.vocab_size, temperature=batching.temperature, replay=batching.keep_routing,
+                  sequence_parallel=batching.sequence_parallel)
     current = reference_logprobs(chunks, micro, **kwargs)
     with reference.swapped_in():
         ref = reference_logprobs(chunks, micro, **kwargs)
@@ -209,9 +209,7 @@ def merge_over_dp(local: dict) -> dict:
     return {i: value for part in gathered for i, value in part.items()}
 
 
-def policy_logprobs(chunks: list, batch: RLBatch, *, vocab_size: int, max_tokens_per_microbatch: int,
-                    keep_routing: bool, sequence_parallel: bool, temperature: float = 1.0, pack: bool = True,
-                    pad_id: int = 0) -> torch.Tensor | None:
+def policy_logprobs(chunks: list, batch: RLBatch, batching: MicroBatching) -> torch.Tensor | None:
     """The log-probs of the weights the model holds now at every trained position of ``batch``: float32 [N]
     on the host, 0 off the trained positions (:attr:`RLBatch.old_logprobs`), from one forward-only pass with
     the step's routing replay and sampling mask. The PPO ratio's old policy of every mini-batch of a step
@@ -219,10 +217,10 @@ def policy_logprobs(chunks: list, batch: RLBatch, *, vocab_size: int, max_tokens
     PP stage (gathered over DP), None elsewhere; a collective of every rank."""
     from megatron.core import parallel_state
 
-    plan, dp_rank, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
-                                               sequence_parallel=sequence_parallel, pad_id=pad_id)
-    per_micro = reference_logprobs(chunks, micro, vocab_size=vocab_size, temperature=temperature, replay=keep_routing,
-                                   sequence_parallel=sequence_parallel, trained_only=True)
+    plan, dp_rank, micro = local_micro_batches(batch, batching)
+    per_micro = reference_logprobs(chunks, micro, vocab_size=batching.vocab_size, temperature=batching.temperature,
+                                   replay=batching.keep_routing, sequence_parallel=batching.sequence_parallel,
+                                   trained_only=True)
     if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         return None
     local = {}
@@ -287,14 +285,13 @@ def _old_policy(algo: AlgorithmConfig, mb: RLBatch, logprobs: torch.Tensor) -> t
     return logprobs.detach() if mb.old_logprobs is None else to_grid(mb.old_logprobs, mb.cu_seqlens)
 
 
-def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmConfig, *, vocab_size: int,
-            max_tokens_per_microbatch: int, keep_routing: bool, sequence_parallel: bool,
-            temperature: float = 1.0, pack: bool = True, pad_id: int = 0,
+def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmConfig, batching: MicroBatching,
             reference: ReferenceWeights | None = None) -> RLStepResult:
-    """One update on ``batch`` (identical on every rank; each DP rank trains its share).
+    """One update on ``batch`` (identical on every rank; each DP rank trains its share), cut and run as
+    ``batching`` says.
 
-    ``keep_routing`` replays ``batch.routed_experts`` (the model must be built with routing replay).
-    ``pack``: packed micro-batches (else padded rows). ``reference``: the frozen reference policy
+    ``batching.keep_routing`` replays ``batch.routed_experts`` (the model must be built with routing replay).
+    ``reference``: the frozen reference policy
     whose log-probs (same replay and mask) the KL term of ``algo`` needs when ``kl_coef != 0``.
     The PPO ratio's old policy: ``batch.old_logprobs`` when set (:func:`policy_logprobs` before the step's
     first update, for a step of several), else the current log-probs (a step of one update), or the
@@ -311,15 +308,15 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
     from megarl.trainer.optimizer import optimizer_step
 
     load = LoadCounter.for_model(chunks) if batch.routed_experts is not None and replay_routers() else None
-    routing = StepRouting(keep_routing, batch.routed_experts is not None, sequence_parallel, load)
+    vocab_size, temperature, keep_routing = batching.vocab_size, batching.temperature, batching.keep_routing
+    routing = StepRouting(keep_routing, batch.routed_experts is not None, batching.sequence_parallel, load)
     _check_step_inputs(chunks, batch, algo, reference, routing)
-    plan, _, micro = local_micro_batches(batch, max_tokens_per_microbatch, pack=pack,
-                                         sequence_parallel=sequence_parallel, pad_id=pad_id)
+    plan, _, micro = local_micro_batches(batch, batching)
     refs = [None] * len(micro)
     if reference is not None and algo.kl_coef != 0.0 and not algo.kl_in_reward:
         with reference.swapped_in():
             refs = reference_logprobs(chunks, micro, vocab_size=vocab_size, temperature=temperature,
-                                      replay=keep_routing, sequence_parallel=sequence_parallel)
+                                      replay=keep_routing, sequence_parallel=batching.sequence_parallel)
     setup = LossSetup(algo, step_sum_keys(algo), step_max_keys(algo), vocab_size, temperature,
                       prompt_weights_by_group(batch, algo, model_device(chunks)))
     loss = partial(_micro_batch_loss, setup=setup)
@@ -340,7 +337,7 @@ def rl_step(chunks: list, optimizer, scheduler, batch: RLBatch, algo: AlgorithmC
                "perf/dp_token_imbalance": plan.imbalance(batch.lengths)}
     return RLStepResult(grad_norm=grad_norm, applied=applied,
                         metrics=metrics | _reduced_metrics(reduced, setup, routing),
-                        expert_load=None if load is None else load.reduced(sequence_parallel))
+                        expert_load=None if load is None else load.reduced(batching.sequence_parallel))
 
 
 @dataclass(frozen=True)

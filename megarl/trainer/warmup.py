@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from megarl.config.schema import WarmupConfig
 from megarl.parallel import Layout
 from megarl.tasks import arithmetic, calculator, tool_calling
 from megarl.trainer.optimizer import OptimizerSettings
+from megarl.trainer.settings import WarmupConfig
 from megarl.trainer.token_batch import TokenBatch, masked_token_batch, token_batch
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(kw_only=True)
+@dataclass(frozen=True, kw_only=True)
 class WarmupJob(WarmupConfig):
     """One warm-up run: the config's ``warmup`` section (its schema node,
-    :class:`megarl.config.schema.WarmupConfig`) and what it takes from the rest (:meth:`from_config`)."""
+    :class:`megarl.trainer.settings.WarmupConfig`) and what it takes from the rest
+    (:func:`megarl.config.components.warmup_job`)."""
 
     hf_path: str
     run_dir: str
@@ -36,18 +37,6 @@ class WarmupJob(WarmupConfig):
     dispatcher: str
     env: str | None  # calculator: examples are episodes, tool_fraction of them calling the tool
     tool_calling: bool = False  # the tool-calling tiny model: examples are its task's chat episodes, as above
-
-    @classmethod
-    def from_config(cls, cfg) -> WarmupJob:
-        """From a run config: ``warmup`` (steps, batch, lr, logging, output), the task's operands
-        and seed, the trainer's micro-batch budget and optimizer (with ``warmup.lr``), the model."""
-        w = cfg.warmup
-        return cls(**{f.name: getattr(w, f.name) for f in fields(WarmupConfig)}, hf_path=cfg.model.hf_path,
-                   run_dir=cfg.logging.run_dir, optimizer=OptimizerSettings.from_config(cfg, w.lr),
-                   max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
-                   max_operand=cfg.task.max_operand, seed=cfg.task.seed,
-                   transformer_impl=cfg.model.transformer_impl.value, dispatcher=cfg.parallel.dispatcher.value,
-                   env=cfg.task.env, tool_calling=cfg.model.tiny_variant.value == "tool_calling")
 
 
 def answer_batch(tokenizer, problems: list[arithmetic.Problem]) -> TokenBatch:
@@ -105,12 +94,12 @@ def run_warmup(rank: int, layout: Layout, job: WarmupJob) -> list[float]:
 
     from megarl.metrics.sink import MetricsFile
     from megarl.models.bridge import save_hf_checkpoint
-    from megarl.trainer.model_setup import build_trainable
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.sft_step import supervised_step
 
     tokenizer = AutoTokenizer.from_pretrained(job.hf_path)
-    trainable = build_trainable(job.hf_path, layout, job.optimizer, transformer_impl=job.transformer_impl,
-                                dispatcher=job.dispatcher)
+    trainable = build_trainable(job.hf_path, layout, job.optimizer,
+                                ModelSettings(transformer_impl=job.transformer_impl, dispatcher=job.dispatcher))
     rng = random.Random(job.seed)  # the same global batch on every rank; each takes its DP share
     reporter = (parallel_state.is_pipeline_last_stage(ignore_virtual=True)
                 and parallel_state.get_tensor_model_parallel_rank() == 0

@@ -22,6 +22,8 @@ import json
 import logging
 import sys
 
+from megarl.trainer.micro_batching import MicroBatching
+
 log = logging.getLogger("bench.expert_bias")
 
 LAYERS, EXPERTS, TOPK, VOCAB = 2, 8, 2, 384
@@ -38,11 +40,12 @@ def tiny_sigmoid_moe(layout, *, rate: float, aux_coeff: float, lr: float, replay
     from megatron.core.utils import get_model_config
 
     from megarl.config import default_config
+    from megarl.config.components import optimizer_settings
     from megarl.models import packed_attention
     from megarl.models.bridge import parallel_settings
     from megarl.models.layers import LOCAL_UNFUSED
     from megarl.models.replayed_balancing import count_replayed_routes
-    from megarl.trainer.optimizer import OptimizerSettings, build_optimizer
+    from megarl.trainer.optimizer import build_optimizer
 
     RouterReplay.clear_global_router_replay_instances()  # a model built before in this process
     provider = GPTModelProvider(
@@ -64,7 +67,7 @@ def tiny_sigmoid_moe(layout, *, rate: float, aux_coeff: float, lr: float, replay
         ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False),
         wrap_with_ddp=True, use_cpu_initialization=True)
     get_model_config(chunks[0]).finalize_model_grads_func = finalize_model_grads
-    settings = dataclasses.replace(OptimizerSettings.from_config(default_config(), lr=lr),
+    settings = dataclasses.replace(optimizer_settings(default_config(), lr=lr),
                                    use_distributed_optimizer=False)
     return chunks, *build_optimizer(chunks, settings)
 
@@ -94,7 +97,7 @@ def train(name: str, steps: int, rate: float, aux: float, lr: float) -> dict:
     """One configuration's steps from the same seed; its load per step and the means of its first and last five."""
     import torch
 
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.metrics.expert_load import expert_load_metrics
     from megarl.parallel import Layout
     from megarl.trainer.rl_batch import build_rl_batch
@@ -105,8 +108,8 @@ def train(name: str, steps: int, rate: float, aux: float, lr: float) -> dict:
     per_step = []
     for step in range(steps):
         batch = build_rl_batch(clustered_samples(step), with_sampling_mask=False)
-        result = rl_step(chunks, optimizer, scheduler, batch, AlgorithmConfig(), vocab_size=VOCAB,
-                         max_tokens_per_microbatch=512, keep_routing=False, sequence_parallel=False)
+        result = rl_step(chunks, optimizer, scheduler, batch, AlgorithmConfig(),
+            batching=MicroBatching(max_tokens=512, vocab_size=VOCAB, keep_routing=False, sequence_parallel=False))
         load = result.expert_load
         metrics = expert_load_metrics(load.engine, load.trainer, load.layers)
         per_step.append({k.removeprefix("experts/trainer/"): metrics[k] for k in

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from megarl.trainer.micro_batching import MicroBatching
+
 log = logging.getLogger("bench.packing")
 
 
@@ -52,13 +54,13 @@ def long_tailed_samples(n: int, context: int, tail_frac: float, vocab: int, laye
 def run(samples: int, tail_frac: float, repeats: int, max_tokens: int) -> dict:
     import torch
 
+    from megarl.algos.settings import AlgorithmConfig
     from megarl.config import default_config
-    from megarl.config.schema import AlgorithmConfig
+    from megarl.config.components import optimizer_settings
     from megarl.models.tiny_moe import make_tiny_moe
     from megarl.parallel import Layout, free_port
     from megarl.trainer.distributed import init_rank
-    from megarl.trainer.model_setup import build_trainable
-    from megarl.trainer.optimizer import OptimizerSettings
+    from megarl.trainer.model_setup import ModelSettings, build_trainable
     from megarl.trainer.packing import plan_micro_batches
     from megarl.trainer.rl_batch import build_rl_batch
     from megarl.trainer.rl_step import rl_step
@@ -70,8 +72,8 @@ def run(samples: int, tail_frac: float, repeats: int, max_tokens: int) -> dict:
 
         hf = AutoConfig.from_pretrained(hf_path)
         init_rank(0, Layout(), "127.0.0.1", free_port(), backend="gloo")
-        trainable = build_trainable(hf_path, Layout(), OptimizerSettings.from_config(default_config(), lr=1e-5),
-                                    transformer_impl="local", routing_replay=True)
+        trainable = build_trainable(hf_path, Layout(), optimizer_settings(default_config(), lr=1e-5),
+                                    ModelSettings(transformer_impl="local", routing_replay=True))
         batch = build_rl_batch(long_tailed_samples(samples, hf.max_position_embeddings, tail_frac, hf.vocab_size,
                                                    hf.num_hidden_layers, hf.num_local_experts, hf.num_experts_per_tok))
         real = int(batch.lengths.sum())
@@ -80,8 +82,8 @@ def run(samples: int, tail_frac: float, repeats: int, max_tokens: int) -> dict:
             for pack in (False, True):
                 t0 = time.perf_counter()
                 rl_step(trainable.chunks, trainable.optimizer, trainable.scheduler, batch, AlgorithmConfig(),
-                        vocab_size=hf.vocab_size, max_tokens_per_microbatch=max_tokens, keep_routing=True,
-                        sequence_parallel=False, pack=pack)
+                        batching=MicroBatching(max_tokens=max_tokens, vocab_size=hf.vocab_size, keep_routing=True,
+                                               sequence_parallel=False, pack=pack))
                 if r:
                     times[pack].append(time.perf_counter() - t0)
         result = {"samples": samples, "real_tokens": real, "tail_frac": tail_frac,

@@ -59,7 +59,7 @@ def plan_engines(cfg: DictConfig, start_checkpoint: str, api_key: str | None, pl
     the pools of its topology (:class:`megarl.config.topology.RunTopology`), each with its GPU decisions; disaggregated
     GPU engines reserve their devices through Ray (CUDA_VISIBLE_DEVICES reaches the server), colocated
     ones share the trainer's (each on its own, --base-gpu-id), CPU engines reserve half a CPU."""
-    topology = RunTopology.from_config(cfg)
+    topology = cfg.topology
     settings = {p.name: pool_engine_settings(cfg, topology, p, platform, api_key,
                                              start_checkpoint if p.name == "policy" else None)
                 for p in topology.pools}

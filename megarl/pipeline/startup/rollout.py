@@ -20,7 +20,6 @@ from megarl.agents.parsers import tool_call_parser
 from megarl.agents.rollout import AgentEpisodes
 from megarl.agents.spec import load_agent
 from megarl.agents.workers import AgentWorkerError, AgentWorkers
-from megarl.config.topology import RunTopology
 from megarl.engines.pool import EnginePool
 from megarl.engines.protocol import Engines
 from megarl.engines.types import EngineUnreachable, SamplingParams
@@ -139,7 +138,7 @@ def _manager(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[s
                             top_k=r.top_k, priority=0 if evaluation is None else EVAL_PRIORITY)
     # The engine's log-probs are always those of the distribution it sampled from (renormalised
     # over its top-k mask); keep_sampling_mask decides whether the trainer applies that mask too.
-    frozen = {a.role: pools[a.name] for a in RunTopology.from_config(cfg).auxiliary if a.role is not None}
+    frozen = {a.role: pools[a.name] for a in cfg.topology.auxiliary if a.role is not None}
     episodes = episode_runner(cfg, pool, tokenizer, params, frozen, read_hf_config(start_checkpoint).model_type,
                               shared.agent_workers)
     if isinstance(episodes, AgentEpisodes):

@@ -11,7 +11,6 @@ import contextlib
 from omegaconf import DictConfig
 
 from megarl.engines.pool import EnginePool
-from megarl.models.lora import LoraConfig
 from megarl.pipeline.modes import PAUSE_FOR_PARTIAL_ROLLOUT
 from megarl.sync import AdapterSync, SyncSettings, WeightSync
 from megarl.trainer.actor import TrainerGroup
@@ -22,7 +21,7 @@ async def start_sync(cfg: DictConfig, trainer: TrainerGroup, pool: EnginePool, s
     """The sync from ``trainer`` into ``pool``'s engines, set up, its engines at version ``start_step``
     (the run's last completed step; 0: they already serve the starting checkpoint); closed when
     ``stack`` closes."""
-    lora = LoraConfig.when_enabled(cfg.lora)
+    lora = cfg.enabled_lora
     sync_kind = AdapterSync if lora is not None and lora.sync == "adapter" else WeightSync
     sync = sync_kind(SyncSettings.from_config(cfg.sync, cfg.rollout.engine_tp), trainer, pool.clients,
                      initial_version=0)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from megarl.config.components import critic_settings, model_settings, optimizer_settings
 from megarl.parallel import Layout
 from megarl.pipeline.carried import CarriedRollouts
 from megarl.pipeline.ledger import Ledger
@@ -21,9 +22,6 @@ from megarl.platform.description import Platform
 from megarl.tasks.prompts import Prompt
 from megarl.trainer.actor import RankDevices, TrainerGroup
 from megarl.trainer.checkpoint import latest_step
-from megarl.trainer.critic import CriticSettings
-from megarl.trainer.model_setup import ModelSettings
-from megarl.trainer.optimizer import OptimizerSettings
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +78,8 @@ async def build_and_resume(trainer: TrainerGroup, cfg: DictConfig, start_checkpo
     CheckpointError naming the directory when none of its checkpoints is complete); where the run starts."""
     t = cfg.trainer
     await trainer.joined()
-    await trainer.build(start_checkpoint, OptimizerSettings.from_config(cfg, updates_per_step=t.updates_per_step),
-                        ModelSettings.from_config(cfg), CriticSettings.from_config(cfg, start_checkpoint))
+    await trainer.build(start_checkpoint, optimizer_settings(cfg, updates_per_step=t.updates_per_step),
+                        model_settings(cfg), critic_settings(cfg, start_checkpoint))
     if not (t.resume and latest_step(checkpoint_dir(cfg)) is not None):
         return Resumed()
     loaded = await trainer.load_checkpoint(str(checkpoint_dir(cfg)))
