@@ -3,8 +3,8 @@
 
 An expression holds a section when it is ``<anything>.<top-level section>`` (``cfg.rollout``,
 ``self.cfg.rollout``), a nested section of one (``cfg.reward.judge``), a name assigned such an
-expression in the same function, a parameter annotated with a section's class (or a class that extends
-it), ``self`` in such a class, or a call of such a class or of one of its class methods
+expression in the same function (or annotated with a section's class there), a parameter annotated
+with a section's class (or a class that extends it), ``self`` in such a class, or a call of such a class or of one of its class methods
 (``SyncSettings.from_config(cfg.sync, ...)``, ``LoraConfig.when_enabled(cfg.lora)``). A key is read by
 ``<section>.<key>``, ``getattr(<section>, "<key>")``, ``<section>["<key>"]`` or ``<section>.get("<key>")``;
 ``**<section>`` and ``asdict``/``OmegaConf.to_container``/``OmegaConf.to_object`` of it read every key.
@@ -102,6 +102,8 @@ class _Reads:
                     targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                     for target in targets:
                         self._bind(target, node.value, env)
+                    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):  # x: Section = ...
+                        env[node.target.id] = env.get(node.target.id, set()) | self._of_annotation(node.annotation)
                 elif isinstance(node, ast.withitem) and isinstance(node.optional_vars, ast.Name):
                     held = self.sections(node.context_expr, env)
                     if held:

@@ -29,6 +29,7 @@ from megarl.algos.off_policy import correction, off_policy_sequence_mask
 from megarl.algos.policy_loss import CovBand, PolicyLoss, policy_loss_fn
 from megarl.algos.rejection import parse_criteria
 from megarl.algos.score_centering import Centering
+from megarl.algos.settings import AlgorithmConfig
 
 
 @dataclass
@@ -89,7 +90,7 @@ class LossOutput:
     maxima: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _policy_kwargs(cfg) -> dict:
+def _policy_kwargs(cfg: AlgorithmConfig) -> dict:
     """The settings of ``cfg`` the configured policy loss takes."""
     if cfg.dual_clip is not None and cfg.policy_loss != "ppo":
         raise ValueError(f"dual_clip applies to the ppo policy loss only, not {cfg.policy_loss}")
@@ -122,7 +123,7 @@ def _count(flags: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return flags.sum().to(like.dtype)
 
 
-def _correction_inputs(batch: LossInputs, cfg) -> torch.Tensor:
+def _correction_inputs(batch: LossInputs, cfg: AlgorithmConfig) -> torch.Tensor:
     """The trainer's side of the off-policy correction (module docstring), [B, T], detached."""
     if cfg.old_policy == "rollout":
         if cfg.off_policy_correction != "none":
@@ -133,7 +134,7 @@ def _correction_inputs(batch: LossInputs, cfg) -> torch.Tensor:
     return batch.old_logprobs.detach()
 
 
-def _keep(batch: LossInputs, cfg, trainer_logprobs: torch.Tensor):
+def _keep(batch: LossInputs, cfg: AlgorithmConfig, trainer_logprobs: torch.Tensor):
     """The configured correction and its keep mask, with ``off_policy_mask_kl`` applied."""
     criteria = parse_criteria(cfg.off_policy_rejection, cfg.off_policy_rejection_threshold) \
         if cfg.off_policy_rejection else ()
@@ -200,7 +201,7 @@ def _policy_sums(pg: PolicyLoss, weights: torch.Tensor, batch: LossInputs, keep:
     return sums, maxima
 
 
-def _penalties(batch: LossInputs, cfg, agg, mask: torch.Tensor, sums: dict) -> torch.Tensor:
+def _penalties(batch: LossInputs, cfg: AlgorithmConfig, agg, mask: torch.Tensor, sums: dict) -> torch.Tensor:
     """The KL (in the loss) and entropy terms, 0 without them; their sums go into ``sums``."""
     total = mask.new_zeros(())
     if cfg.kl_coef != 0.0 and not cfg.kl_in_reward:  # in the reward, it is in the advantages already
@@ -218,7 +219,7 @@ def _penalties(batch: LossInputs, cfg, agg, mask: torch.Tensor, sums: dict) -> t
     return total
 
 
-def rl_loss(batch: LossInputs, cfg) -> LossOutput:
+def rl_loss(batch: LossInputs, cfg: AlgorithmConfig) -> LossOutput:
     """The configured loss of one (micro-)batch; ``cfg`` is the ``algorithm`` section of the config
     (``megarl.algos.settings.AlgorithmConfig``)."""
     trained = batch.loss_mask > 0

@@ -385,7 +385,8 @@ def _micro_batch_loss(output: torch.Tensor, *, mb: RLBatch, mi: ModelInput, ref:
     """megatron's loss function of one micro-batch ``mb`` (model input ``mi``, reference log-probs ``ref``
     or None) on this rank's logits ``output``: (loss sum, token count, {"sums": float64 [len(sum_keys)],
     "maxima": float64 [len(max_keys)], "mismatch": the train-inference mismatch sums}), all on the logits' device."""
-    device, algo = output.device, setup.algo
+    device = output.device
+    algo: AlgorithmConfig = setup.algo
     if len(mb) == 0:  # a padding-only micro-batch (a DP rank with fewer samples than micro-batches)
         return output.sum() * 0, torch.zeros((), dtype=torch.int, device=device), {
             "sums": torch.zeros(len(setup.sum_keys), dtype=torch.float64, device=device),
