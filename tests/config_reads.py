@@ -5,7 +5,7 @@ An expression holds a section when it is ``<anything>.<top-level section>`` (``c
 ``self.cfg.rollout``), a nested section of one (``cfg.reward.judge``), a name assigned such an
 expression in the same function (or annotated with a section's class there), a parameter annotated
 with a section's class (or a class that extends it), ``self`` in such a class, or a call of such a class
-or of one of its class methods (``SyncSettings.from_config(cfg.sync, ...)``, ``LoraConfig.when_enabled(cfg.lora)``). A key is read by
+or of one of its class methods (``SyncSettings.from_config(cfg.sync, ...)``). A key is read by
 ``<section>.<key>``, ``getattr(<section>, "<key>")``, ``<section>["<key>"]`` or ``<section>.get("<key>")``;
 ``**<section>`` and ``asdict``/``OmegaConf.to_container``/``OmegaConf.to_object`` of it read every key.
 """
