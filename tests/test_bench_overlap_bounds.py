@@ -7,7 +7,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tools" / "bench"))  # last: bench/agents.py is no SDK
 from async_vs_sync import CorePinner, cpu_ceiling, overlap_bound, paused_bound  # noqa: E402
 
 

@@ -8,7 +8,7 @@ import pytest
 
 pytestmark = pytest.mark.unit
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tools" / "bench"))  # last: bench/agents.py is no SDK
 from soak import compare, new_rows, report, step_rate  # noqa: E402
 
 

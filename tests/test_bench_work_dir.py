@@ -11,7 +11,7 @@ pytestmark = pytest.mark.processes
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import sys
-sys.path.insert(0, "tools/bench")
+sys.path.append("tools/bench")  # last: bench/agents.py is no SDK
 from work_dir import work_directory
 work = work_directory(sys.argv[1] or None, "megarl-bench-")
 (work / "warm").mkdir(parents=True)

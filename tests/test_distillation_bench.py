@@ -80,7 +80,7 @@ def test_an_override_for_one_variant_reaches_that_variants_runs_only(tmp_path):
 def test_a_teacher_made_here_is_the_demo_from_its_own_warm_up(tmp_path):
     # The recipe's student is a shorter warm-up than the demo's; the teacher made here must be the demo's
     # RL run (its recipe, its 60-step warm-up in a directory of its own), not RL from the student's warm-up.
-    sys.path.insert(0, str(REPO / "tools" / "bench"))
+    sys.path.append(str(REPO / "tools" / "bench"))  # last: bench/agents.py is no SDK
     import distillation
 
     from megarl.config import load_config

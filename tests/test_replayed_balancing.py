@@ -20,7 +20,7 @@ import pytest
 from megarl.parallel import Layout
 from megarl.trainer.launch import run_ranks
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tools" / "bench"))  # last: bench/agents.py is no SDK
 from expert_bias import EXPERTS, LAYERS, TOPK  # noqa: E402
 
 from megarl.trainer.micro_batching import MicroBatching
