@@ -90,9 +90,12 @@ def test_the_tool_schema_is_the_agents_sdks():
 
 
 def test_the_tool_calling_spec_widens_the_context_unless_the_recipe_says_otherwise():
-    arch = {"hidden_size": None, "num_layers": 2, "num_experts": None, "moe_topk": None, "num_attention_heads": None,
-            "num_query_groups": None, "moe_ffn_hidden_size": None, "vocab_size": None}
+    import dataclasses
+
+    from megarl.config.schema import ArchConfig
+
+    arch = ArchConfig(num_layers=2)  # the rest None: the spec's defaults
     spec = TinyMoeSpec.from_arch(arch, tool_calling=True)
     assert (spec.tool_calling, spec.max_position_embeddings, spec.vocab_size) == (True, 256, 640)
-    assert TinyMoeSpec.from_arch({**arch, "vocab_size": 768}, tool_calling=True).vocab_size == 768
+    assert TinyMoeSpec.from_arch(dataclasses.replace(arch, vocab_size=768), tool_calling=True).vocab_size == 768
     assert TinyMoeSpec.from_arch(arch) == TinyMoeSpec(num_layers=2)

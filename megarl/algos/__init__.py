@@ -5,4 +5,4 @@ token advantages (``distill``), policy losses, loss aggregation, KL estimators a
 (``policy_loss``, ``aggregation``, ``kl``, ``kl_control``), off-policy corrections, token and sequence
 rejection, score centering and the importance weights' diagnostics (``off_policy``, ``rejection``,
 ``score_centering``, ``is_diagnostics``), the critic's value loss (``value_loss``) and the loss they make
-up (``objective``); the ``algorithm`` config section (``settings``). Nothing of Megatron."""
+up (``objective``); their config section (``settings``). Nothing of Megatron."""
