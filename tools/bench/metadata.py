@@ -21,7 +21,9 @@ As the path runs, the driver and a trainer rank are processes of their own: ``--
 run with the driver's stages in the bench's process and the rank's in another, the batch handed over
 through shared memory standing for Ray's object store (a few steps in flight). Per path: ``tokens_per_s``
 (response tokens over the wall seconds of that whole pipelined run), ``driver_cpu_s_per_token`` and
-``rank_cpu_s_per_token`` (process CPU seconds of each side's stages a response token), ``stages`` (seconds,
+``rank_cpu_s_per_token`` (process CPU seconds of each side's stages a response token), ``core_share`` (each
+process's CPU seconds over the run's wall seconds: the share of a core the machine gave it),
+``tokens_per_cpu_bound_s`` (1 / the slower side's CPU a token: the rate with a core for each), ``stages`` (seconds,
 CPU seconds and ``bytes_per_token`` of what each stage hands on: the body, the samples' arrays, the batch's
 tensors, the pickle, the micro-batches); under ``one_process`` the same figures of ``--repeats`` steps with
 every stage in turn in the bench's process; and ``new_over_old`` ratios. Both paths decode the same values:
@@ -267,26 +269,27 @@ def rank_process(conn, names: list[str], compact: bool) -> None:
     from multiprocessing import shared_memory
 
     slots = [shared_memory.SharedMemory(name=name) for name in names]
-    stages, buf = Stages(), None
+    stages, buf, c0 = Stages(), None, time.process_time()
     while (message := conn.recv()) is not None:
         if message == "reset":  # the warm-up step is not counted
-            stages = Stages()
+            stages, c0 = Stages(), time.process_time()
             continue
         slot, places = message
         buf = slots[slot].buf
         rank_stage([buf[a : a + n].toreadonly() for a, n in places], stages, compact)
         conn.send(slot)
-    conn.send({"seconds": stages.seconds, "cpu": stages.cpu, "bytes": stages.bytes})
+    conn.send(({"seconds": stages.seconds, "cpu": stages.cpu, "bytes": stages.bytes}, time.process_time() - c0))
     del buf
     for shm in slots:
         shm.close()
 
 
 def pipelined(client, body: bytes, prompts: list[list[int]], samples_per_prompt: int, compact: bool,
-              repeats: int) -> tuple[Stages, Stages, int, float]:
+              repeats: int) -> tuple[Stages, Stages, int, float, dict]:
     """``repeats`` steps of ``body`` with the driver's stages in this process and the rank's in another, as they
     run: the batch handed over through an :class:`ObjectStore`, up to :data:`SLOTS` steps in flight, after one
-    step not counted; (driver's stages, rank's stages, response tokens, wall seconds of the whole run)."""
+    step not counted; (driver's stages, rank's stages, response tokens, wall seconds of the whole run, each
+    process's CPU seconds over those wall seconds: the share of a core the machine gave it)."""
     import multiprocessing
 
     loop = asyncio.new_event_loop()
@@ -311,14 +314,14 @@ def pipelined(client, body: bytes, prompts: list[list[int]], samples_per_prompt:
         step(Stages())
         store.free.append(ours.recv())  # the rank's imports and first calls: not counted
         ours.send("reset")
-        driver, tokens, t0 = Stages(), 0, time.perf_counter()
+        driver, tokens, t0, c0 = Stages(), 0, time.perf_counter(), time.process_time()
         for _ in range(repeats):
             tokens += step(driver)
         while len(store.free) < SLOTS:
             store.free.append(ours.recv())
-        wall = time.perf_counter() - t0
+        wall, driver_cpu = time.perf_counter() - t0, time.process_time() - c0
         ours.send(None)
-        figures, theirs_stages = ours.recv(), Stages()
+        (figures, rank_cpu), theirs_stages = ours.recv(), Stages()
         vars(theirs_stages).update(figures)
         rank.join(timeout=60)
     finally:
@@ -326,7 +329,7 @@ def pipelined(client, body: bytes, prompts: list[list[int]], samples_per_prompt:
             rank.kill()
         store.close()
         loop.close()
-    return driver, theirs_stages, tokens, wall
+    return driver, theirs_stages, tokens, wall, {"driver": driver_cpu / wall, "rank": rank_cpu / wall}
 
 
 def replay(model, body: bytes, prompts: list[list[int]], samples_per_prompt: int, compact: bool,
@@ -337,12 +340,15 @@ def replay(model, body: bytes, prompts: list[list[int]], samples_per_prompt: int
     from megarl.engines.client import SGLangClient
 
     client = SGLangClient("http://unused", model, compact_metadata=compact)
-    driver, rank, tokens, wall = pipelined(client, body, prompts, samples_per_prompt, compact, pipeline_repeats)
+    driver, rank, tokens, wall, shares = pipelined(client, body, prompts, samples_per_prompt, compact,
+                                                   pipeline_repeats)
     both = Stages()
     for stages in (driver, rank):
         for name in ("seconds", "cpu", "bytes"):
             getattr(both, name).update(getattr(stages, name))
-    result = figures(both, tokens, wall)
+    result = figures(both, tokens, wall) | {"core_share": shares}
+    # the pipeline's rate where each process holds a core of its own: its slower side's CPU a token
+    result["tokens_per_cpu_bound_s"] = 1 / max(result["driver_cpu_s_per_token"], result["rank_cpu_s_per_token"])
     loop = asyncio.new_event_loop()
     one_step(client, body, prompts, samples_per_prompt, Stages(), loop, compact)  # imports, first calls: not counted
     stages, tokens = Stages(), 0
@@ -437,8 +443,9 @@ def main() -> int:
                    f"--repeats {args.repeats}")
         Path(args.rates).write_text(json.dumps(rates(result, model, args.prompt_tokens, args.new_tokens, command),
                                                indent=2) + "\n")
-    print(json.dumps({path: {k: result[path][k] for k in ("tokens_per_s", "driver_cpu_s_per_token")}
-                      for path in ("old", "new")} | {"new_over_old": result["new_over_old"]}, indent=2))
+    shown = ("tokens_per_s", "driver_cpu_s_per_token", "rank_cpu_s_per_token", "core_share", "tokens_per_cpu_bound_s")
+    print(json.dumps({path: {k: result[path][k] for k in shown} for path in ("old", "new")}
+                     | {"new_over_old": result["new_over_old"]}, indent=2))
     return 0
 
 
