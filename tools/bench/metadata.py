@@ -440,7 +440,7 @@ def main() -> int:
         source = f"--answer {args.answer} --answer-copies {args.answer_copies} " if args.answer else ""
         command = (f"python tools/bench/metadata.py --json F --rates {args.rates} {source}--prompts {args.prompts} "
                    f"--samples {args.samples} --prompt-tokens {args.prompt_tokens} --new-tokens {args.new_tokens} "
-                   f"--repeats {args.repeats}")
+                   f"--repeats {args.repeats} --pipeline-repeats {args.pipeline_repeats}")
         Path(args.rates).write_text(json.dumps(rates(result, model, args.prompt_tokens, args.new_tokens, command),
                                                indent=2) + "\n")
     shown = ("tokens_per_s", "driver_cpu_s_per_token", "rank_cpu_s_per_token", "core_share", "tokens_per_cpu_bound_s")
