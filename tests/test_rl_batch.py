@@ -139,3 +139,26 @@ def test_every_sample_of_a_mixed_batch_reads_back_as_built_on_its_own():
         assert rows == [[]] * len(pad) + own
     assert batch.advantages.tolist() == [float(b) for b in range(40)]
     assert batch.routed_experts.dtype == torch.int16 and batch.sampling_mask.ids.dtype == torch.int32
+
+
+def test_a_run_of_consecutive_samples_selects_as_one_cut_of_its_own():
+    """Samples taken in the batch's order (one contiguous run of positions and mask entries) and out of it read
+    back the same values, each selection a copy of its own."""
+    rng = np.random.default_rng(1)
+    samples = [RolloutSample(
+        prompt_ids=rng.integers(0, 384, 3).tolist(), response_ids=rng.integers(0, 384, R).tolist(),
+        loss_mask=np.ones(R, np.uint8), rollout_logprobs=-rng.random(R).astype(np.float32),
+        model_version=np.zeros(R, np.int32), routed_experts=rng.integers(0, 8, (2 + R, 2, 2)).astype(np.uint8),
+        sampling_mask=SamplingMask.from_rows([rng.choice(384, 1 + r % 3, replace=False).tolist() for r in range(R)]),
+        finish_reason=FinishReason.STOP, advantage=0.0) for R in (2, 4, 3, 5)]
+    batch = build_rl_batch(samples)
+    run, apart = batch.select([1, 2, 3]), batch.select([3, 1, 2])
+    lo = batch.cu_seqlens[1].item()
+    assert torch.equal(run.routed_experts, batch.routed_experts[lo:])
+    assert torch.equal(run.sampling_mask.ids, batch.sampling_mask.ids[batch.sampling_mask.offsets[lo]:])
+    assert torch.equal(run.sampling_mask.offsets, batch.sampling_mask.offsets[lo:] - batch.sampling_mask.offsets[lo])
+    for name in ("tokens", "rollout_logprobs", "routed_experts"):
+        n = len(samples[3].prompt_ids) + len(samples[3].response_ids) - 1
+        assert torch.equal(getattr(apart, name), torch.cat([getattr(run, name)[-n:], getattr(run, name)[:-n]]))
+    run.routed_experts.fill_(7)
+    assert not torch.equal(batch.routed_experts[lo:], run.routed_experts)  # a copy, not a view of the batch

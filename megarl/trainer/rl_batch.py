@@ -75,7 +75,7 @@ class RLBatch:
         idx = torch.as_tensor(list(indices), dtype=torch.long)
         lengths = self.lengths[idx]
         starts = self.cu_seqlens[:-1][idx]
-        spans = list(zip(starts.tolist(), (starts + lengths).tolist()))
+        spans = _merged(zip(starts.tolist(), (starts + lengths).tolist()))
         cu = torch.zeros(len(idx) + 1, dtype=torch.long)
         torch.cumsum(lengths, 0, out=cu[1:])
         mask = None
@@ -83,7 +83,7 @@ class RLBatch:
             offsets = self.sampling_mask.offsets.long()
             new_offsets = torch.zeros(int(cu[-1]) + 1, dtype=torch.long)
             torch.cumsum(_cut(offsets[1:] - offsets[:-1], spans), 0, out=new_offsets[1:])
-            entries = list(zip(offsets[starts].tolist(), offsets[starts + lengths].tolist()))
+            entries = _merged(zip(offsets[starts].tolist(), offsets[starts + lengths].tolist()))
             logprobs = self.sampling_mask.logprobs
             mask = CsrMask(_cut(self.sampling_mask.ids, entries), new_offsets,
                            None if logprobs is None else _cut(logprobs, entries))
@@ -138,6 +138,18 @@ def _as_tensor(value):
     if not isinstance(value, np.ndarray):
         return value
     return torch.from_numpy(value if value.flags.writeable else value.copy())
+
+
+def _merged(spans) -> list[tuple[int, int]]:
+    """``spans`` ``[a, b)`` in order, each that begins where the one before ends joined to it (samples taken in
+    the batch's order are one span, cut in one piece)."""
+    out: list[tuple[int, int]] = []
+    for a, b in spans:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
 
 
 def _cut(tensor: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
