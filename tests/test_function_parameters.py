@@ -32,7 +32,6 @@ NOT_YET = {
     "megarl/trainer/convert.py:to_hf_rank",
     "megarl/trainer/convert.py:to_hf",
     "megarl/rollout/group.py:RolloutManager.__init__",
-    "megarl/algos/off_policy.py:correction",
     "megarl/engines/pool.py:EnginePool.launch",
     "megarl/engines/actor.py:launch_engine_actor",
 }
