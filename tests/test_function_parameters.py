@@ -27,7 +27,6 @@ LIBRARY_SIGNATURES = {
 NOT_YET = {
     "megarl/agents/rollout.py:AgentEpisodes.__init__",
     "megarl/agents/gateway.py:AgentGateway.__init__",
-    "megarl/models/bridge.py:build_megatron_model",
     "megarl/pipeline/producer.py:RolloutProducer.__init__",
     "megarl/trainer/convert.py:to_hf_rank",
     "megarl/trainer/convert.py:to_hf",

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from megarl.models.bridge import ModelSettings
 from megarl.trainer.critic import CriticSettings
 from megarl.trainer.micro_batching import MicroBatching
-from megarl.trainer.model_setup import ModelSettings
 from megarl.trainer.optimizer import OptimizerSettings
 from megarl.trainer.settings import OptimizerConfig, WarmupConfig
 from megarl.trainer.warmup import WarmupJob

@@ -329,11 +329,11 @@ def _load(chunks, ckpt: str, adapters_only: bool = False) -> None:
 def _loaded_model(hf_path: str, ckpt: str, layout: Layout, dtype: str, lora: LoraConfig | None = None):
     """The model of ``hf_path``'s architecture with the weights of the checkpoint ``ckpt``; with
     ``lora``, ``hf_path``'s weights with the checkpoint's adapters on them."""
-    from megarl.models.bridge import build_megatron_model
+    from megarl.models.bridge import ModelSettings, build_megatron_model
 
     architecture = hf_architecture(hf_path)
-    model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local",
-                                 load_weights=lora is not None, lora=lora)
+    model = build_megatron_model(hf_path, layout, ModelSettings(transformer_impl="local", lora=lora), dtype=dtype,
+                                 load_weights=lora is not None)
     check_checkpoint_matches(Path(ckpt), hf_path, architecture, _model_signature(model.chunks))
     _load(model.chunks, ckpt, adapters_only=lora is not None)
     return model
@@ -345,10 +345,10 @@ def to_megatron_rank(rank: int, layout: Layout, hf_path: str, out_dir: str, dtyp
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
-    from megarl.models.bridge import build_megatron_model
+    from megarl.models.bridge import ModelSettings, build_megatron_model
 
     architecture = hf_architecture(hf_path)
-    model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local")
+    model = build_megatron_model(hf_path, layout, ModelSettings(transformer_impl="local"), dtype=dtype)
     state = _megatron_state(model.chunks)
     state["megarl"] = {"model": _model_signature(model.chunks), "hf_architecture": architecture}
     dist_checkpointing.save(state, out_dir, sharded_strategy=get_default_save_sharded_strategy(FORMAT))
