@@ -28,8 +28,6 @@ NOT_YET = {
     "megarl/agents/rollout.py:AgentEpisodes.__init__",
     "megarl/agents/gateway.py:AgentGateway.__init__",
     "megarl/pipeline/producer.py:RolloutProducer.__init__",
-    "megarl/trainer/convert.py:to_hf_rank",
-    "megarl/trainer/convert.py:to_hf",
     "megarl/rollout/group.py:RolloutManager.__init__",
     "megarl/engines/pool.py:EnginePool.launch",
     "megarl/engines/actor.py:launch_engine_actor",
