@@ -29,8 +29,6 @@ NOT_YET = {
     "megarl/agents/gateway.py:AgentGateway.__init__",
     "megarl/pipeline/producer.py:RolloutProducer.__init__",
     "megarl/rollout/group.py:RolloutManager.__init__",
-    "megarl/engines/pool.py:EnginePool.launch",
-    "megarl/engines/actor.py:launch_engine_actor",
 }
 
 
