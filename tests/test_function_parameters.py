@@ -25,10 +25,7 @@ LIBRARY_SIGNATURES = {
     "megarl/platform/sglang_cpu_sampling.py:sample",
 }
 NOT_YET = {
-    "megarl/agents/rollout.py:AgentEpisodes.__init__",
-    "megarl/agents/gateway.py:AgentGateway.__init__",
     "megarl/pipeline/producer.py:RolloutProducer.__init__",
-    "megarl/rollout/group.py:RolloutManager.__init__",
 }
 
 
