@@ -24,9 +24,7 @@ LIBRARY_SIGNATURES = {
     "megarl/platform/sglang_cpu_attention.py:install._run_sdpa_forward_decode",
     "megarl/platform/sglang_cpu_sampling.py:sample",
 }
-NOT_YET = {
-    "megarl/pipeline/producer.py:RolloutProducer.__init__",
-}
+NOT_YET: set[str] = set()
 
 
 def parameter_counts(source: str) -> list[tuple[str, int]]:

@@ -14,7 +14,7 @@ from megarl.engines.pool import EnginePool
 from megarl.engines.types import GenerationOptions, SamplingParams, ServedModel
 from megarl.pipeline.buffer import RolloutBuffer
 from megarl.pipeline.ledger import Ledger
-from megarl.pipeline.producer import RolloutProducer
+from megarl.pipeline.producer import ProducerStart, Production, RolloutProducer
 from megarl.pipeline.run import start_tasks_eagerly
 from megarl.rollout.group import RolloutManager
 from megarl.tasks.prompts import Prompt
@@ -63,8 +63,9 @@ async def released_requests(eager: bool) -> list[dict]:
     async with contextlib.AsyncExitStack() as stack:
         if eager:
             start_tasks_eagerly(stack)
-        producer = RolloutProducer(manager, Prompts(), buffer, ledger, prompts_per_step=GROUPS,
-                                   samples_per_prompt=SAMPLES, lag=0, dynamic_sampling=False, engine_version=-1)
+        production = Production(prompts_per_step=GROUPS, samples_per_prompt=SAMPLES, lag=0, dynamic_sampling=False)
+        start = ProducerStart(engine_version=-1)
+        producer = RolloutProducer(manager, Prompts(), buffer, ledger, production, start)
         task = asyncio.create_task(producer.run())
         for _ in range(20):
             await asyncio.sleep(0)

@@ -30,7 +30,7 @@ from megarl.pipeline.buffer import RolloutBuffer
 from megarl.pipeline.evaluation import EVAL_PRIORITY
 from megarl.pipeline.judge import make_judge
 from megarl.pipeline.modes import lag_and_capacity
-from megarl.pipeline.producer import RolloutProducer
+from megarl.pipeline.producer import ProducerStart, Production, RolloutProducer
 from megarl.pipeline.startup.trainer import Resumed
 from megarl.rollout.env import EnvEpisodes, EpisodeLimits, make_env_factory
 from megarl.rollout.group import RolloutManager
@@ -189,10 +189,11 @@ def start_rollout(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapp
         source.load_state_dict(resumed.position["source"])
     lag, capacity, max_staleness = lag_and_capacity(cfg)
     buffer = RolloutBuffer(capacity, max_staleness, resumed.ledger)
-    producer = RolloutProducer(manager, source, buffer, resumed.ledger, prompts_per_step=r.prompts_per_step,
-                               samples_per_prompt=r.samples_per_prompt, lag=lag,
-                               dynamic_sampling=r.dynamic_sampling, engine_version=resumed.step,
-                               requeue=resumed.requeue, next_index=resumed.next_index,
-                               fatal=(EngineUnreachable, AgentWorkerError), carried=resumed.carried)
+    production = Production(prompts_per_step=r.prompts_per_step, samples_per_prompt=r.samples_per_prompt, lag=lag,
+                            dynamic_sampling=r.dynamic_sampling)
+    start = ProducerStart(engine_version=resumed.step, requeue=resumed.requeue, next_index=resumed.next_index,
+                          carried=resumed.carried)
+    producer = RolloutProducer(manager, source, buffer, resumed.ledger, production, start,
+                               fatal=(EngineUnreachable, AgentWorkerError))
     evaluation = _evaluation(cfg, start_checkpoint, tokenizer, pools, prompts, shared, stack) if evaluates else None
     return Rollout(producer=producer, buffer=buffer, teacher=teacher, evaluation=evaluation)
