@@ -307,7 +307,8 @@ def assert_ledger_adds_up(row: dict) -> None:
 def kill_rank_during(node, call: str, driver: Driver, timeout: float = 600) -> float:
     """SIGKILL the trainer rank's process on ``node`` once it runs ``call`` (Ray titles a rank's process
     ``ray::TrainerRank.<call>`` while the call runs) after the driver's first step of its own (a weight sync
-    of the run, not the start-up's); the monotonic time of the kill."""
+    of the run, not the start-up's); the monotonic time of the kill. The title is read from /proc every
+    millisecond: a sync's calls on a rank that does not send last about that long each."""
     deadline, rank, stepped = time.monotonic() + timeout, None, False
     while driver.process.poll() is None and time.monotonic() < deadline:
         if rank is None or not stepped:
@@ -315,10 +316,10 @@ def kill_rank_during(node, call: str, driver: Driver, timeout: float = 600) -> f
             stepped = any(r["time"] > driver.started for r in driver.rows())
             time.sleep(0.2)
             continue
-        if _title(rank).startswith(f"ray::TrainerRank.{call}"):
+        if _proc_title(rank.pid).startswith(f"ray::TrainerRank.{call}"):
             os.kill(rank.pid, signal.SIGKILL)
             return time.monotonic()
-        time.sleep(0.01)
+        time.sleep(0.001)
     driver.kill()
     pytest.fail(f"no trainer rank ran {call} on node {node.index} within {timeout:g} s:\n{driver.output()[-6000:]}")
 
@@ -333,6 +334,14 @@ def _title(process: psutil.Process | None) -> str:
     """The process's title (its command line), "" for one that is gone."""
     with contextlib.suppress(psutil.Error, AttributeError):
         return " ".join(process.cmdline())
+    return ""
+
+
+def _proc_title(pid: int) -> str:
+    """The title of process ``pid`` read straight from /proc (no psutil round), "" once it is gone."""
+    with contextlib.suppress(OSError):
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return cmdline.read().replace(b"\0", b" ").decode(errors="replace")
     return ""
 
 
@@ -380,8 +389,10 @@ def test_a_lost_trainer_node_or_rank_ends_the_run_and_the_requeues_resume_exactl
         cluster.start(3)
     assert kept >= 1
     rank_lost = rf"trainer rank process died while its node stayed in the Ray cluster \(rank \d on {n3.address}:"
-    for call in ("rl_step", "weight_sync"):  # the requeued job (the same command), its rank killed in the call
-        again = Driver(cluster, run, tiny_checkpoint, *overrides)
+    # the requeued job (the same command), its rank killed in the call; a sync of one engine call a tensor
+    # gives the rank's sync calls a few seconds a step to be caught in
+    for call, more in (("rl_step", ()), ("weight_sync", ("sync.bucket_mb=0",))):
+        again = Driver(cluster, run, tiny_checkpoint, *overrides, *more)
         try:
             killed = kill_rank_during(n3, call, again)
             resumed = ended_for_a_requeue(again, killed, rank_lost)
