@@ -26,14 +26,14 @@ LAYOUTS = {
 def scenario(rank, layout, name, hf_path, out_dir):
     from megarl.config import default_config
     from megarl.config.components import optimizer_settings
-    from megarl.models.bridge import build_megatron_model, save_hf_checkpoint
+    from megarl.models.bridge import ModelSettings, build_megatron_model, save_hf_checkpoint
     from megarl.models.lora import LoraConfig
-    from megarl.trainer.model_setup import ModelSettings, build_trainable
+    from megarl.trainer.model_setup import build_trainable
     from megarl.trainer.sft_step import supervised_step
     from megarl.trainer.token_batch import token_batch
 
     if name == "save_hf":
-        save_hf_checkpoint(build_megatron_model(hf_path, layout, transformer_impl="local"), out_dir)
+        save_hf_checkpoint(build_megatron_model(hf_path, layout, ModelSettings(transformer_impl="local")), out_dir)
         return "saved"
     lora = LoraConfig(True, 4, 8, 0.0, ("linear_qkv",), "adapter") if name == "train_lora" else None
     trainable = build_trainable(hf_path, layout, optimizer_settings(default_config(), lr=1e-3),

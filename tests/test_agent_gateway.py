@@ -12,12 +12,13 @@ import pytest
 import torch
 from hf_oracle import assert_sample_matches_hf
 
-from megarl.agents.gateway import AgentGateway
+from megarl.agents.gateway import AgentGateway, GatewaySettings
 from megarl.agents.rollout import AgentEpisodes
 from megarl.agents.spec import load_agent
-from megarl.engines.types import SamplingParams
+from megarl.engines.types import GenerationOptions, SamplingParams
 from megarl.sample import FinishReason
 from megarl.tasks.prompts import Prompt
+from megarl.tasks.rewards import RewardScorer
 
 LOGPROB_TOLERANCE = 1e-4
 PARAMS = SamplingParams(max_new_tokens=4, top_k=5)
@@ -50,9 +51,13 @@ class Recording:
         return samples
 
 
-def episodes(target, tokenizer, agent, **kwargs):
-    options = dict(max_turns=3, max_response_tokens=40, timeout_s=60.0)
-    return AgentEpisodes(target, tokenizer, load_agent(f"agent_examples:{agent}"), PARAMS, **{**options, **kwargs})
+def episodes(target, tokenizer, agent, timeout_s=60.0, reward_fn=None, roles=None, **settings):
+    """``agent``'s episodes through a gateway of ``GatewaySettings(**settings)`` (3 turns, 40 tokens unless
+    given), scored by ``reward_fn`` when it is given."""
+    settings = GatewaySettings(**{"max_turns": 3, "max_response_tokens": 40, **settings})
+    gateway = AgentGateway(target, tokenizer, GenerationOptions(PARAMS), settings, roles)
+    return AgentEpisodes(gateway, load_agent(f"agent_examples:{agent}"), timeout_s=timeout_s,
+                         scorer=RewardScorer(reward_fn) if reward_fn is not None else None)
 
 
 def run(loop, agents, prompt, episode_id="ep"):
@@ -109,7 +114,7 @@ def test_three_turn_agent_records_the_engine_tokens(client, tokenizer, hf, loop)
 
 def test_gateway_http_contract(client, tokenizer, loop):
     async def body():
-        async with AgentGateway(client, tokenizer, PARAMS, max_turns=3) as gateway:
+        async with AgentGateway(client, tokenizer, GenerationOptions(PARAMS), GatewaySettings(max_turns=3)) as gateway:
             session, other = gateway.open_session("g", "e"), gateway.open_session("g", "f")
             agent = openai.AsyncOpenAI(base_url=gateway.base_url(session.id), api_key=session.key, max_retries=0)
             lost = openai.AsyncOpenAI(base_url=gateway.base_url("no-such-session"), api_key="x", max_retries=0)
@@ -231,7 +236,8 @@ def test_two_roles_give_two_samples_with_their_rewards(client, tokenizer, hf, lo
         assert_sample_matches_hf(sample, hf, LOGPROB_TOLERANCE)
 
     async def unknown_role():
-        gateway = AgentGateway(client, tokenizer, PARAMS, max_turns=1, roles={"solver": client})
+        gateway = AgentGateway(client, tokenizer, GenerationOptions(PARAMS), GatewaySettings(max_turns=1),
+                               {"solver": client})
         async with gateway:
             session = gateway.open_session()
             async with openai.AsyncOpenAI(base_url=gateway.base_url(session.id), api_key=session.key,

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import ray
 
+from megarl.agents.gateway import AgentGateway, GatewaySettings
 from megarl.agents.rollout import AgentEpisodes
 from megarl.agents.spec import load_agent
 from megarl.agents.workers import AgentWorkers, agent_spec
-from megarl.engines.types import SamplingParams
+from megarl.engines.types import GenerationOptions, SamplingParams
 from megarl.parallel.network import node_address
 from megarl.sample import FinishReason
 from megarl.tasks.prompts import Prompt
@@ -31,10 +32,10 @@ def workers(ray_local, loop):
     loop.run_until_complete(pool.aclose())
 
 
-def episodes(target, tokenizer, agent, workers=None, params=GREEDY, **kwargs):
-    options = dict(max_turns=3, max_response_tokens=40, timeout_s=60.0, host=node_address() if workers else "127.0.0.1")
-    return AgentEpisodes(target, tokenizer, load_agent(f"agent_examples:{agent}"), params, workers=workers,
-                         **{**options, **kwargs})
+def episodes(target, tokenizer, agent, workers=None, params=GREEDY, timeout_s=60.0):
+    settings = GatewaySettings(max_turns=3, max_response_tokens=40, host=node_address() if workers else "127.0.0.1")
+    gateway = AgentGateway(target, tokenizer, GenerationOptions(params), settings)
+    return AgentEpisodes(gateway, load_agent(f"agent_examples:{agent}"), timeout_s=timeout_s, workers=workers)
 
 
 def run_all(loop, agents, prompts):

@@ -10,9 +10,10 @@ import torch
 from hf_oracle import assert_sample_matches_hf
 from test_agent_gateway import Recording
 
+from megarl.agents.gateway import AgentGateway, GatewaySettings
 from megarl.agents.rollout import AgentEpisodes
 from megarl.agents.spec import load_agent
-from megarl.engines.client import SamplingParams
+from megarl.engines.types import GenerationOptions, SamplingParams
 from megarl.tasks.prompts import Prompt
 
 AGENT = "megarl.agents.examples.agents_sdk_add:add_with_tool"
@@ -27,8 +28,9 @@ def hf(tiny_checkpoint):
 
 def test_an_agents_sdk_episode_is_the_engines_tokens(client, tokenizer, hf, loop):
     target = Recording(client)
-    agents = AgentEpisodes(target, tokenizer, load_agent(AGENT), SamplingParams(max_new_tokens=4, top_k=5),
-                           max_turns=2, max_response_tokens=40, timeout_s=60.0, tool_call_parser="qwen25")
+    gateway = AgentGateway(target, tokenizer, GenerationOptions(SamplingParams(max_new_tokens=4, top_k=5)),
+                           GatewaySettings(max_turns=2, max_response_tokens=40, tool_call_parser="qwen25"))
+    agents = AgentEpisodes(gateway, load_agent(AGENT), timeout_s=60.0)
 
     async def episode():
         try:

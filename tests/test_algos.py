@@ -10,7 +10,7 @@ from megarl.algos.advantages import advantage_fn, dr_grpo, group_index, grpo, re
 from megarl.algos.aggregation import aggregation_fn, seq_mean_token_mean, seq_mean_token_sum, token_mean
 from megarl.algos.kl import kl_penalty
 from megarl.algos.objective import LossInputs, rl_loss
-from megarl.algos.off_policy import correction, masked_is, off_policy_sequence_mask, truncated_is
+from megarl.algos.off_policy import CorrectionSpec, correction, masked_is, off_policy_sequence_mask, truncated_is
 from megarl.algos.policy_loss import cispo, gspo, policy_loss_fn, ppo
 from megarl.algos.settings import AlgorithmConfig
 
@@ -298,17 +298,17 @@ def test_importance_weights_by_hand(level, truncated, masked_keep):
 
 def test_correction_selects_by_config_names():
     old, rollout = _off_policy_inputs()
-    tis = correction("tis", "token", old, rollout, OP_MASK, 2.0)
+    tis = correction(old, rollout, OP_MASK, CorrectionSpec("tis", "token", 2.0))
     assert close(tis.weights, [[2.0, 0.4, 1.5], [0.3, 1.5, 0.0]]) and tis.keep.tolist() == (OP_MASK > 0).tolist()
-    assert close(correction("none", "token", old, None, OP_MASK, 2.0).weights, OP_MASK)
+    assert close(correction(old, None, OP_MASK, CorrectionSpec("none", "token", 2.0)).weights, OP_MASK)
     with pytest.raises(ValueError, match="unknown off_policy_correction 'pis'; valid: none, tis, mis"):
-        correction("pis", "token", old, rollout, OP_MASK, 2.0)
+        correction(old, rollout, OP_MASK, CorrectionSpec("pis", "token", 2.0))
     with pytest.raises(ValueError, match="unknown off_policy_level 'batch'; valid: token, sequence, geometric"):
-        correction("tis", "batch", old, rollout, OP_MASK, 2.0)
+        correction(old, rollout, OP_MASK, CorrectionSpec("tis", "batch", 2.0))
     with pytest.raises(ValueError, match="needs rollout_logprobs"):
-        correction("mis", "token", old, None, OP_MASK, 2.0)
+        correction(old, None, OP_MASK, CorrectionSpec("mis", "token", 2.0))
     with pytest.raises(ValueError, match="off_policy_veto_threshold needs rollout_logprobs"):
-        correction("none", "token", old, None, OP_MASK, 2.0, veto_threshold=1e-4)
+        correction(old, None, OP_MASK, CorrectionSpec("none", "token", 2.0, veto_threshold=1e-4))
     with pytest.raises(ValueError, match="is_threshold must be >= 1"):
         truncated_is(old, rollout, OP_MASK, 0.5)
     with pytest.raises(ValueError, match=r"is_threshold_low must be in \[0, 1\]"):

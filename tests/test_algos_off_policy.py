@@ -16,7 +16,7 @@ import torch
 from megarl.algos.gae import gae
 from megarl.algos.is_diagnostics import diagnostic_sums, diagnostics
 from megarl.algos.objective import LossInputs, rl_loss
-from megarl.algos.off_policy import correction
+from megarl.algos.off_policy import CorrectionSpec, correction
 from megarl.algos.policy_loss import ppo
 from megarl.algos.rejection import CRITERIA, parse_criteria, rejection_keep
 from megarl.algos.settings import AlgorithmConfig
@@ -33,7 +33,8 @@ def t(rows, dtype=torch.float32) -> torch.Tensor:
 
 def reject(old, rollout, mask, names: str, thresholds) -> torch.Tensor:
     """Rejection without reweighting (verl ``rollout_is=None``): the keep mask, as float."""
-    out = correction("none", "token", old, rollout, mask, 2.0, rejection=parse_criteria(names, thresholds))
+    spec = CorrectionSpec("none", "token", 2.0, rejection=parse_criteria(names, thresholds))
+    out = correction(old, rollout, mask, spec)
     assert torch.equal(out.weights, (mask > 0).to(old.dtype))  # no weight
     return out.keep.to(old.dtype)
 
@@ -114,7 +115,8 @@ def test_verl_mask_mode_truncates_and_rejects_apart():
     old = t([[-2.0] * 5, [-2.0] * 5])
     rollout = t([[-1.0] * 5, [-2.5] * 5])
     mask = torch.ones(2, 5)
-    out = correction("tis", "token", old, rollout, mask, 2.0, rejection=parse_criteria("token_k1", "0.5_2.0"))
+    spec = CorrectionSpec("tis", "token", 2.0, rejection=parse_criteria("token_k1", "0.5_2.0"))
+    out = correction(old, rollout, mask, spec)
     assert torch.allclose(out.weights[0], torch.full((5,), math.exp(-1.0)))
     assert torch.allclose(out.weights[1], torch.full((5,), math.exp(0.5)))
     assert out.keep.tolist() == [[False] * 5, [True] * 5]
@@ -129,8 +131,8 @@ def test_verl_basic_truncation_and_rejection_without_weights():
     old = torch.randn(4, 10, generator=gen)
     rollout = old + torch.randn(4, 10, generator=gen) * 0.1
     mask = torch.ones(4, 10)
-    assert correction("tis", "token", old, rollout, mask, 2.0).weights.max() <= 2.0
-    seq = correction("tis", "sequence", old, rollout, mask, 5.0).weights
+    assert correction(old, rollout, mask, CorrectionSpec("tis", "token", 2.0)).weights.max() <= 2.0
+    seq = correction(old, rollout, mask, CorrectionSpec("tis", "sequence", 5.0)).weights
     assert torch.equal(seq, seq[:, :1].expand_as(seq))
     assert torch.allclose(seq[:, 0], (old - rollout).sum(1).exp().clamp(max=5.0))
     keep = reject(old, rollout, mask, "seq_mean_k1", "0.5_1.5")
@@ -145,7 +147,7 @@ def test_truncation_at_one_level_and_rejection_at_another():
     rollout = t([[-1.1, -1.1, -1.1], [-1.5, -1.5, -1.5]])
     mask = torch.ones(2, 3)
     geometric = parse_criteria("seq_mean_k1", f"{1 / 1.2}_{1 / 0.8}")  # verl bounds rollout/train: SkyRL's inverted
-    out = correction("tis", "token", old, rollout, mask, 2.0, rejection=geometric)
+    out = correction(old, rollout, mask, CorrectionSpec("tis", "token", 2.0, rejection=geometric))
     assert torch.allclose(out.weights, t([[math.exp(0.1)] * 3, [math.exp(0.5)] * 3]))
     assert out.keep.tolist() == [[True] * 3, [False] * 3]
 
@@ -156,12 +158,13 @@ def test_skyrl_token_tis():
     """SkyRL ``test_compute_tis_ratio_token_level`` / ``_sequence_level`` / ``_with_cap`` / ``_with_mask``."""
     old, rollout = t([[-1.0, -1.5, -0.5]]), t([[-1.5, -1.0, -1.5]])
     ones = torch.ones(1, 3)
-    assert torch.allclose(correction("tis", "token", old, rollout, ones, 2.0).weights, t([[1.6487, 0.6065, 2.0]]),
-                          atol=1e-4)
-    assert torch.allclose(correction("tis", "sequence", old, rollout, ones, 5.0).weights, t([[2.7183] * 3]), atol=1e-4)
-    capped = correction("tis", "sequence", t([[-1.0] * 3]), t([[-2.0] * 3]), ones, 5.0).weights
+    token = correction(old, rollout, ones, CorrectionSpec("tis", "token", 2.0)).weights
+    assert torch.allclose(token, t([[1.6487, 0.6065, 2.0]]), atol=1e-4)
+    sequence = correction(old, rollout, ones, CorrectionSpec("tis", "sequence", 5.0)).weights
+    assert torch.allclose(sequence, t([[2.7183] * 3]), atol=1e-4)
+    capped = correction(t([[-1.0] * 3]), t([[-2.0] * 3]), ones, CorrectionSpec("tis", "sequence", 5.0)).weights
     assert torch.allclose(capped, t([[5.0] * 3]))
-    masked = correction("tis", "sequence", old, rollout, t([[1.0, 0.0, 1.0]]), 10.0).weights
+    masked = correction(old, rollout, t([[1.0, 0.0, 1.0]]), CorrectionSpec("tis", "sequence", 10.0)).weights
     assert torch.allclose(masked, t([[math.exp(1.5), 0.0, math.exp(1.5)]]))
 
 
@@ -180,7 +183,8 @@ def test_skyrl_token_tis():
     ([[-1.0, -1.0, -11.0]], [[-1.0, -1.0, -1.0]], [[1.0, 1.0, 1.0]], 1e-4, None, False),
 ])
 def test_skyrl_outlier_bounds_reject_whole_sequences(old, rollout, mask, low, high, kept):
-    out = correction("none", "token", t(old), t(rollout), t(mask), 2.0, veto_threshold=low, veto_threshold_high=high)
+    spec = CorrectionSpec("none", "token", 2.0, veto_threshold=low, veto_threshold_high=high)
+    out = correction(t(old), t(rollout), t(mask), spec)
     assert out.keep.tolist() == [[kept and bool(m) for m in mask[0]]]
 
 
@@ -216,7 +220,7 @@ def test_skyrl_token_mask_is_token_k1_rejection(old, rollout, mask, kept):
 def test_skyrl_sequence_masks(level, old, rollout, low, high, kept):
     """SkyRL's ``sequence_mask_metric`` geometric / product with ``[low, high]`` is ``mis`` at the geometric /
     sequence level, and verl's ``seq_mean_k1`` / ``seq_sum_k1`` with the inverse bounds, without a weight."""
-    mis = correction("mis", level, t(old), t(rollout), torch.ones(1, 3), high, threshold_low=low)
+    mis = correction(t(old), t(rollout), torch.ones(1, 3), CorrectionSpec("mis", level, high, threshold_low=low))
     assert mis.keep.tolist() == [[kept] * 3]
     option = "seq_mean_k1" if level == "geometric" else "seq_sum_k1"
     assert reject(t(old, f64), t(rollout, f64), torch.ones(1, 3, dtype=f64), option,
@@ -226,7 +230,7 @@ def test_skyrl_sequence_masks(level, old, rollout, low, high, kept):
 def test_mis_keeps_the_raw_weight_and_rejection_alone_keeps_none():
     """``mis`` (slime's mask mode) weighs a kept token by w; the same band as a rejection criterion weighs by 1."""
     old, rollout, mask = t([[-1.0, -1.0]]), t([[-1.3, -3.0]]), torch.ones(1, 2)
-    mis = correction("mis", "token", old, rollout, mask, 2.0)
+    mis = correction(old, rollout, mask, CorrectionSpec("mis", "token", 2.0))
     assert torch.allclose(mis.weights, t([[math.exp(0.3), math.exp(2.0)]])) and mis.keep.tolist() == [[True, False]]
     assert reject(old, rollout, mask, "token_k1", "0.5_2.0").tolist() == [[1.0, 0.0]]
 

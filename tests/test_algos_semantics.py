@@ -17,7 +17,7 @@ from megarl.algos.advantages import dr_grpo, fill_advantages, group_index, grpo,
 from megarl.algos.aggregation import aggregation_fn
 from megarl.algos.kl import kl_penalty
 from megarl.algos.objective import LossInputs, rl_loss
-from megarl.algos.off_policy import correction
+from megarl.algos.off_policy import CorrectionSpec, correction
 from megarl.algos.policy_loss import cispo, ppo, sapo
 from megarl.algos.settings import AlgorithmConfig
 from megarl.sample import FinishReason, RolloutSample
@@ -161,7 +161,7 @@ def test_levels_and_modes_match_slime_mis(level, kind, mode, low, high):
     transcribed in :func:`ref_mis`; megarl's ``tis`` without a lower bound is slime's truncate (bound 0),
     with one slime's clip."""
     old, rollout = _logprobs()
-    out = correction(kind, level, old, rollout, t(MASK), high, low)
+    out = correction(old, rollout, t(MASK), CorrectionSpec(kind, level, high, low))
     ref_low = low if low is not None else (0.0 if kind == "tis" else 1.0 / high)
     refs = [ref_mis(lr, m, level, mode, ref_low, high) for lr, m in zip(LOG_RATIOS, MASK)]
     assert close(out.weights, [w for w, _ in refs])
@@ -174,7 +174,7 @@ def test_log_ratios_are_clamped_to_20_before_exp():
     ``e^-20``."""
     rollout = t([[-30.0, -30.0], [-1.0, -1.0]])
     old = rollout + t([[15.0, 10.0], [-15.0, -10.0]])
-    out = correction("tis", "sequence", old, rollout, torch.ones(2, 2, dtype=f64), 1e12)
+    out = correction(old, rollout, torch.ones(2, 2, dtype=f64), CorrectionSpec("tis", "sequence", 1e12))
     assert close(out.weights, [[math.exp(20.0)] * 2, [math.exp(-20.0)] * 2], tol=1e-3)
     for row, weights in zip(([15.0, 10.0], [-15.0, -10.0]), out.weights.tolist()):
         assert close(weights, ref_mis(row, [1, 1], "sequence", "truncate", 0.0, 1e12)[0], tol=1e-3)
@@ -190,7 +190,7 @@ def test_veto_drops_whole_sequences_on_a_raw_token_ratio():
     log_ratios[1][3] = -50.0  # untrained
     old = rollout + t(log_ratios)
     for veto in (0.35, 0.25, 1e-4):
-        out = correction("none", "token", old, rollout, t(mask), 2.0, veto_threshold=veto)
+        out = correction(old, rollout, t(mask), CorrectionSpec("none", "token", 2.0, veto_threshold=veto))
         expected = [ref_mis(lr, m, "token", "truncate", 0.0, math.inf, veto=veto)[1] for lr, m in zip(log_ratios, mask)]
         assert out.keep.tolist() == [[bool(k) for k in ks] for ks in expected], veto
         assert close(out.weights, mask)
@@ -207,9 +207,9 @@ def test_tis_lower_bound_and_icepop_band_with_independent_bounds():
     rollout = torch.full((1, 4), -2.0, dtype=f64)
     old = rollout + t([[math.log(r) for r in ratios]])
     mask = torch.ones(1, 4, dtype=f64)
-    tis = correction("tis", "token", old, rollout, mask, 5.0, 0.5)
+    tis = correction(old, rollout, mask, CorrectionSpec("tis", "token", 5.0, 0.5))
     assert close(tis.weights, [[min(max(r, 0.5), 5.0) for r in ratios]]) and bool(tis.keep.all())
-    icepop = correction("mis", "token", old, rollout, mask, 5.0, 0.5)
+    icepop = correction(old, rollout, mask, CorrectionSpec("mis", "token", 5.0, 0.5))
     assert icepop.keep.tolist() == [[0.5 <= r <= 5.0 for r in ratios]]
     assert close(icepop.weights * icepop.keep, [[r if 0.5 <= r <= 5.0 else 0.0 for r in ratios]])
 

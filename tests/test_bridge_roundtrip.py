@@ -15,10 +15,10 @@ def roundtrip(rank, layout, hf_path, out_dir):
     from megatron.bridge.models.conversion.peft_bridge import MegatronPeftBridge
     from transformers import AutoModelForCausalLM
 
-    from megarl.models.bridge import build_megatron_model, export_hf_state, save_hf_checkpoint
+    from megarl.models.bridge import ModelSettings, build_megatron_model, export_hf_state, save_hf_checkpoint
     from megarl.sync.gather import stage_hf_stream
 
-    model = build_megatron_model(hf_path, layout, transformer_impl="local")
+    model = build_megatron_model(hf_path, layout, ModelSettings(transformer_impl="local"))
     original = load_file(f"{hf_path}/model.safetensors")
     exported = export_hf_state(model)
 

@@ -10,7 +10,7 @@ import pytest
 
 from megarl.pipeline.buffer import Group, RolloutBuffer, staleness
 from megarl.pipeline.ledger import AccountingError, Ledger, Outcome
-from megarl.pipeline.producer import RolloutProducer
+from megarl.pipeline.producer import ProducerStart, Production, RolloutProducer
 from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.prompts import BadPrompt
 
@@ -107,8 +107,8 @@ def test_every_prompt_and_attempt_ends_somewhere_and_the_totals_add_up():
 
     async def run():
         buffer = RolloutBuffer(capacity=2 * per_step, max_staleness=1, ledger=ledger)
-        producer = RolloutProducer(manager, CountingSource(), buffer, ledger, prompts_per_step=per_step,
-                                   samples_per_prompt=4, lag=1, dynamic_sampling=True)
+        production = Production(prompts_per_step=per_step, samples_per_prompt=4, lag=1, dynamic_sampling=True)
+        producer = RolloutProducer(manager, CountingSource(), buffer, ledger, production)
         task = asyncio.create_task(producer.run())
         trained = []
         for step in range(1, steps + 1):
@@ -150,8 +150,8 @@ def test_sync_lag_waits_for_the_weights_of_the_previous_step():
 
     async def run():
         buffer = RolloutBuffer(capacity=4, max_staleness=0, ledger=ledger)
-        producer = RolloutProducer(manager, CountingSource(), buffer, ledger, prompts_per_step=2,
-                                   samples_per_prompt=4, lag=0, dynamic_sampling=False)
+        production = Production(prompts_per_step=2, samples_per_prompt=4, lag=0, dynamic_sampling=False)
+        producer = RolloutProducer(manager, CountingSource(), buffer, ledger, production)
         task = asyncio.create_task(producer.run())
         await buffer.take(2, trainer_version=0)
         for _ in range(20):
@@ -172,8 +172,8 @@ async def take_once(manager, source, ledger: Ledger, groups: int):
     """One ``buffer.take`` of ``groups`` groups from a producer running ``manager`` over ``source``
     (through ``producer.guard``: a production failure raises here); returns (taken, producer)."""
     buffer = RolloutBuffer(capacity=4, max_staleness=0, ledger=ledger)
-    producer = RolloutProducer(manager, source, buffer, ledger, prompts_per_step=groups, samples_per_prompt=4, lag=0,
-                               dynamic_sampling=False)
+    production = Production(prompts_per_step=groups, samples_per_prompt=4, lag=0, dynamic_sampling=False)
+    producer = RolloutProducer(manager, source, buffer, ledger, production)
     task = asyncio.create_task(producer.run())
     try:
         return await asyncio.wait_for(producer.guard(buffer.take(groups, trainer_version=0)), 30), producer
@@ -329,9 +329,10 @@ def test_a_resumed_producer_takes_the_carried_groups_back_before_drawing_new_pro
     outstanding = {0: Prompt("p0"), 1: Prompt("p1"), 2: Prompt("p2")}
 
     async def position():
-        producer = RolloutProducer(ScriptedManager(lambda i: "ok"), CountingSource(), RolloutBuffer(4, 1, ledger),
-                                   ledger, prompts_per_step=2, samples_per_prompt=4, lag=1, dynamic_sampling=False,
-                                   requeue=outstanding.items(), next_index=3)
+        production = Production(prompts_per_step=2, samples_per_prompt=4, lag=1, dynamic_sampling=False)
+        start = ProducerStart(requeue=outstanding.items(), next_index=3)
+        buffer = RolloutBuffer(4, 1, ledger)
+        producer = RolloutProducer(ScriptedManager(lambda i: "ok"), CountingSource(), buffer, ledger, production, start)
         return producer.position(carried)
 
     state = asyncio.run(position())
@@ -349,9 +350,9 @@ def test_a_resumed_producer_takes_the_carried_groups_back_before_drawing_new_pro
         requeue = [(i, Prompt(**p)) for i, p in state["requeue"]]
         source = CountingSource()
         source.position = state["next_index"]  # new prompts p3, p4, ...
-        producer = RolloutProducer(manager, source, buffer, resumed_ledger, prompts_per_step=2,
-                                   samples_per_prompt=4, lag=1, dynamic_sampling=False, requeue=requeue,
-                                   next_index=state["next_index"], carried=(back[0], {0: Prompt("p0")}))
+        production = Production(prompts_per_step=2, samples_per_prompt=4, lag=1, dynamic_sampling=False)
+        start = ProducerStart(requeue=requeue, next_index=state["next_index"], carried=(back[0], {0: Prompt("p0")}))
+        producer = RolloutProducer(manager, source, buffer, resumed_ledger, production, start)
         task = asyncio.create_task(producer.run())
         taken = await buffer.take(2, trainer_version=1)
         producer.taken(taken.groups)
@@ -411,9 +412,9 @@ def test_a_checkpoint_reads_the_groups_in_flight_through_one_abort_pause_and_let
     async def carry():
         buffer = RolloutBuffer(4, 1, ledger)
         buffer.restore([Group(0, [sample([0]) for _ in range(4)])], reserved=2)
-        producer = RolloutProducer(manager, CountingSource(), buffer, ledger, prompts_per_step=2, samples_per_prompt=4,
-                                   lag=1, dynamic_sampling=False, next_index=3,
-                                   requeue=[(0, Prompt("p0")), (1, Prompt("p1")), (2, Prompt("p2"))])
+        production = Production(prompts_per_step=2, samples_per_prompt=4, lag=1, dynamic_sampling=False)
+        start = ProducerStart(requeue=[(0, Prompt("p0")), (1, Prompt("p1")), (2, Prompt("p2"))], next_index=3)
+        producer = RolloutProducer(manager, CountingSource(), buffer, ledger, production, start)
         return await producer.carry(pool)
 
     position = asyncio.run(carry())

@@ -249,8 +249,9 @@ def test_lora_options_on_a_full_checkpoint_and_verify_of_adapters_are_refused(me
     from lora_runs import ATTENTION
 
     with pytest.raises(convert.ConversionError, match="holds a full model, no LoRA adapters to merge"):
-        convert.to_hf(megatron_checkpoint[0], tiny_checkpoint, tmp_path / "out", Layout(), merge=True)
+        convert.to_hf(megatron_checkpoint[0], tiny_checkpoint, tmp_path / "out", Layout(), convert.HfExport(merge=True))
     with pytest.raises(convert.ConversionError, match="holds a full model, not LoRA adapters: drop the LoRA settings"):
-        convert.to_hf(megatron_checkpoint[0], tiny_checkpoint, tmp_path / "out", Layout(), lora=ATTENTION)
+        convert.to_hf(megatron_checkpoint[0], tiny_checkpoint, tmp_path / "out", Layout(),
+                      convert.HfExport(lora=ATTENTION))
     with pytest.raises(convert.ConversionError, match="holds LoRA adapters only: verify them with to-hf --merge"):
         convert.verify(lora_run / "checkpoints", tiny_checkpoint, Layout())

@@ -17,13 +17,13 @@ from megarl.algos.advantages import fill_advantages
 from megarl.algos.distill import fill_distill_advantages, opd_token_advantages
 from megarl.config import ConfigError, load_config
 from megarl.config.inputs import check_inputs
-from megarl.engines.types import SamplingParams
+from megarl.engines.types import GenerationOptions, SamplingParams
 from megarl.parallel import free_port
 from megarl.rollout.group import RolloutManager
 from megarl.rollout.teacher import TeacherAnswerError, TeacherScorer, teacher_logprobs_from
 from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.prompts import Prompt
-from megarl.tasks.rewards import arithmetic_reward
+from megarl.tasks.rewards import RewardScorer, arithmetic_reward
 from megarl.trainer.rl_batch import build_rl_batch
 
 TOLERANCE = 1e-4
@@ -37,8 +37,8 @@ def teacher_checkpoint(tiny_checkpoint, tmp_path_factory):
 
 
 def manager(client, tokenizer, teacher=None) -> RolloutManager:
-    return RolloutManager(client, tokenizer, arithmetic_reward, SamplingParams(max_new_tokens=6, top_k=10), G,
-                          teacher=teacher)
+    generation = GenerationOptions(SamplingParams(max_new_tokens=6, top_k=10))
+    return RolloutManager(client, tokenizer, RewardScorer(arithmetic_reward), generation, G, teacher=teacher)
 
 
 @pytest.fixture(scope="module")

@@ -24,18 +24,7 @@ LIBRARY_SIGNATURES = {
     "megarl/platform/sglang_cpu_attention.py:install._run_sdpa_forward_decode",
     "megarl/platform/sglang_cpu_sampling.py:sample",
 }
-NOT_YET = {
-    "megarl/agents/rollout.py:AgentEpisodes.__init__",
-    "megarl/agents/gateway.py:AgentGateway.__init__",
-    "megarl/models/bridge.py:build_megatron_model",
-    "megarl/pipeline/producer.py:RolloutProducer.__init__",
-    "megarl/trainer/convert.py:to_hf_rank",
-    "megarl/trainer/convert.py:to_hf",
-    "megarl/rollout/group.py:RolloutManager.__init__",
-    "megarl/algos/off_policy.py:correction",
-    "megarl/engines/pool.py:EnginePool.launch",
-    "megarl/engines/actor.py:launch_engine_actor",
-}
+NOT_YET: set[str] = set()
 
 
 def parameter_counts(source: str) -> list[tuple[str, int]]:

@@ -18,9 +18,9 @@ import pytest
 import torch
 from hf_oracle import assert_sample_matches_hf
 
-from megarl.agents.gateway import AgentGateway
+from megarl.agents.gateway import AgentGateway, GatewaySettings
 from megarl.agents.parsers import tool_call_parser
-from megarl.engines.types import SamplingParams
+from megarl.engines.types import GenerationOptions, SamplingParams
 from megarl.models.hf_config import read_hf_config
 
 PARSER = "qwen25"
@@ -79,7 +79,10 @@ def call(loop, gateway_args, requests):
     """Send ``requests`` (kwargs of ``chat.completions.create``) in one session of a new gateway;
     returns (the gateway, the session, the responses)."""
     async def body():
-        async with AgentGateway(*gateway_args[:3], **gateway_args[3]) as gateway:
+        policy, tokenizer, params, options = gateway_args
+        settings = {k: v for k, v in options.items() if k != "sampling_mask"}
+        generation = GenerationOptions(params, sampling_mask=options.get("sampling_mask", True))
+        async with AgentGateway(policy, tokenizer, generation, GatewaySettings(**settings)) as gateway:
             session = gateway.open_session("g", "e")
             async with openai.AsyncOpenAI(base_url=gateway.base_url(session.id), api_key=session.key,
                                           max_retries=0) as agent:
@@ -181,7 +184,8 @@ def test_a_streamed_answer_is_the_unstreamed_one(client, tokenizer, preferring, 
 
 def test_what_the_gateway_does_not_implement_is_refused_by_name(client, tokenizer, loop):
     async def body():
-        async with AgentGateway(client, tokenizer, SAMPLING, max_turns=2) as gateway:
+        gateway = AgentGateway(client, tokenizer, GenerationOptions(SAMPLING), GatewaySettings(max_turns=2))
+        async with gateway:
             session = gateway.open_session()
             async with openai.AsyncOpenAI(base_url=gateway.base_url(session.id), api_key=session.key,
                                           max_retries=0) as agent:

@@ -25,7 +25,7 @@ from megarl.config.schema import JudgeConfig, RewardConfig
 from megarl.config.topology import RunTopology, pool_engine_settings
 from megarl.engines.client import SGLangClient
 from megarl.engines.server import SGLangEngine
-from megarl.engines.types import SamplingParams
+from megarl.engines.types import GenerationOptions, SamplingParams
 from megarl.parallel import free_port
 from megarl.pipeline.judge import judge_generate, make_judge
 from megarl.platform.description import detect
@@ -220,8 +220,8 @@ def test_rule_and_judge_combine_by_weights_and_malformed_answers_are_counted(cli
     # greedy: the policy (the judge's checkpoint here too) answers with a run of sevens; the last two prompts
     # take what it answers them as their answer, so that the rule reward is 1 there
     params = SamplingParams(max_new_tokens=3, temperature=0.0)
-    manager = RolloutManager(client, tokenizer, reward, params, samples_per_prompt=2, routing=False,
-                             sampling_mask=False)
+    manager = RolloutManager(client, tokenizer, RewardScorer(reward),
+                             GenerationOptions(params, routing=False, sampling_mask=False), samples_per_prompt=2)
     prompts = [*CASES, Prompt("3+4=", "777"), Prompt("0+0=", "7")]
     results = loop.run_until_complete(manager.generate_groups(prompts, [str(i) for i in range(len(prompts))]))
 

@@ -141,7 +141,7 @@ def _bridge_counts(hf_path: str) -> dict:
     """Build the tiny model with each target set's adapters (one rank, CPU) and count them."""
     import torch
 
-    from megarl.models.bridge import build_megatron_model, export_adapter_state
+    from megarl.models.bridge import ModelSettings, build_megatron_model, export_adapter_state
     from megarl.models.lora import LoraConfig
     from megarl.parallel import Layout, free_port
     from megarl.trainer.distributed import init_rank
@@ -150,8 +150,8 @@ def _bridge_counts(hf_path: str) -> dict:
     init_rank(0, Layout(), "127.0.0.1", free_port())
     out = {}
     for name, targets in TARGETS.items():
-        model = build_megatron_model(hf_path, Layout(), transformer_impl="local",
-                                     lora=LoraConfig(True, 8, 16, 0.0, tuple(targets), "merged"))
+        lora = LoraConfig(True, 8, 16, 0.0, tuple(targets), "merged")
+        model = build_megatron_model(hf_path, Layout(), ModelSettings(transformer_impl="local", lora=lora))
         trainable = {n: p.numel() for c in model.chunks for n, p in c.named_parameters() if p.requires_grad}
         by_target: dict[str, int] = {}
         for n, count in trainable.items():

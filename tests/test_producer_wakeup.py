@@ -11,13 +11,14 @@ import pytest
 
 from megarl.engines.client import SGLangClient
 from megarl.engines.pool import EnginePool
-from megarl.engines.types import SamplingParams, ServedModel
+from megarl.engines.types import GenerationOptions, SamplingParams, ServedModel
 from megarl.pipeline.buffer import RolloutBuffer
 from megarl.pipeline.ledger import Ledger
-from megarl.pipeline.producer import RolloutProducer
+from megarl.pipeline.producer import ProducerStart, Production, RolloutProducer
 from megarl.pipeline.run import start_tasks_eagerly
 from megarl.rollout.group import RolloutManager
 from megarl.tasks.prompts import Prompt
+from megarl.tasks.rewards import RewardScorer
 
 pytestmark = pytest.mark.unit
 
@@ -54,15 +55,17 @@ async def released_requests(eager: bool) -> list[dict]:
                                                        context_length=64))
     await client._http.aclose()
     client._http = httpx.AsyncClient(base_url="http://engine", transport=httpx.MockTransport(engine))
-    manager = RolloutManager(EnginePool([client]), tokenize, reward_fn=lambda *a: 0.0,
-                             params=SamplingParams(max_new_tokens=2, top_k=5), samples_per_prompt=SAMPLES)
+    manager = RolloutManager(EnginePool([client]), tokenize, scorer=RewardScorer(lambda *a: 0.0),
+                             generation=GenerationOptions(SamplingParams(max_new_tokens=2, top_k=5)),
+                             samples_per_prompt=SAMPLES)
     ledger = Ledger()
     buffer = RolloutBuffer(capacity=GROUPS, max_staleness=0, ledger=ledger)
     async with contextlib.AsyncExitStack() as stack:
         if eager:
             start_tasks_eagerly(stack)
-        producer = RolloutProducer(manager, Prompts(), buffer, ledger, prompts_per_step=GROUPS,
-                                   samples_per_prompt=SAMPLES, lag=0, dynamic_sampling=False, engine_version=-1)
+        production = Production(prompts_per_step=GROUPS, samples_per_prompt=SAMPLES, lag=0, dynamic_sampling=False)
+        start = ProducerStart(engine_version=-1)
+        producer = RolloutProducer(manager, Prompts(), buffer, ledger, production, start)
         task = asyncio.create_task(producer.run())
         for _ in range(20):
             await asyncio.sleep(0)

@@ -68,7 +68,8 @@ def test_a_frozen_model_serves_a_role_and_only_the_policys_roles_train(tmp_path,
     assert main(["recipe=tiny_moe_cpu", "mode=sync", "steps=2", "warmup.steps=0",
                  "task.agent=agent_examples:solver_and_frozen_verifier", "task.roles=[solver,verifier]",
                  f"task.role_engines=[{{role:verifier,hf_path:'{sevens}'}}]", "rollout.prompts_per_step=4",
-                 "rollout.samples_per_prompt=2", f"model.hf_path={tiny_checkpoint}", f"logging.run_dir={run}"]) == 0
+                 "rollout.samples_per_prompt=2", f"model.hf_path={tiny_checkpoint}", f"logging.run_dir={run}",
+                 "rollout.max_new_tokens=4"]) == 0  # the gateway caps a call's max_tokens (4) at this
     rows = [row for row in read_metrics(run) if "reward/mean" in row]
     assert [row["buffer/trained"] for row in rows] == [4 * 2, 2 * 4 * 2]  # the solver's samples alone
     assert all(row["reward/mean"] == 1.0 for row in rows)  # the solver's reward, no verifier sample

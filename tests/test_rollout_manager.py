@@ -11,13 +11,13 @@ import torch
 from in_flight import engine_loads
 
 from megarl.engines.server import EngineSettings, SGLangEngine
-from megarl.engines.types import PauseMode, SamplingParams
+from megarl.engines.types import GenerationOptions, PauseMode, SamplingParams
 from megarl.rollout.env import CalculatorEnv, CalculatorError, EnvEpisodes, EnvStep, EpisodeLimits, calculate
 from megarl.rollout.group import RolloutManager
 from megarl.sample import FinishReason
 from megarl.tasks.prompts import Prompt, chat_renderer
 from megarl.tasks.reward_types import RewardInput
-from megarl.tasks.rewards import arithmetic_reward
+from megarl.tasks.rewards import RewardScorer, arithmetic_reward
 
 LOGPROB_TOLERANCE = 1e-3
 
@@ -48,8 +48,9 @@ def test_rendered_prompts_are_tokenized_as_the_template_made_them(client, tokeni
     if not isinstance(expected, list):  # transformers returns a BatchEncoding for one conversation
         expected = expected["input_ids"]
     text = chat_renderer(tokenizer)(messages)
-    manager = RolloutManager(client, tokenizer, arithmetic_reward, SamplingParams(max_new_tokens=2, top_k=10),
-                             samples_per_prompt=2, add_special_tokens=False)
+    manager = RolloutManager(client, tokenizer, RewardScorer(arithmetic_reward),
+                             GenerationOptions(SamplingParams(max_new_tokens=2, top_k=10)), samples_per_prompt=2,
+                             add_special_tokens=False)
     (result,) = loop.run_until_complete(manager.generate_groups([Prompt(text, "7")], ["rendered"]))
     assert result.rejected is None and [s.prompt_ids for s in result.samples] == [expected] * 2
     assert expected.count(tokenizer.bos_token_id) == 1
@@ -65,7 +66,7 @@ def test_bad_prompts_and_a_raising_reward_are_counted_and_the_batch_completes(cl
         return await arithmetic_reward(inp)
 
     params = SamplingParams(max_new_tokens=6, top_k=10)
-    manager = RolloutManager(client, tokenizer, reward, params, samples_per_prompt=3)
+    manager = RolloutManager(client, tokenizer, RewardScorer(reward), GenerationOptions(params), samples_per_prompt=3)
     too_long = "1" * (client.model.context_length + 5)
     prompts = [Prompt("3+4=", "7"), Prompt("", "0"), Prompt(too_long, "1"), Prompt("1+8=", "9"),
                Prompt("1" * (client.model.context_length - 5), "1")]  # fits alone, not with 6 new tokens
@@ -165,7 +166,8 @@ def test_abort_resubmit_splices_prefix_and_continuation(engine, client, tokenize
     # 64-token context even when the abort lands late (at 56, a late abort was refused: 60 > 58 tokens)
     params = SamplingParams(max_new_tokens=NEW, top_k=10, ignore_eos=True)
     target = FirstPass(client)
-    manager = RolloutManager(target, tokenizer, arithmetic_reward, params, samples_per_prompt=6)
+    manager = RolloutManager(target, tokenizer, RewardScorer(arithmetic_reward), GenerationOptions(params),
+                             samples_per_prompt=6)
     prompt = Prompt("2+5=", "7")
 
     async def aborted_group(group_id: str, wave_s: float, fraction: float):

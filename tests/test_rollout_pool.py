@@ -10,7 +10,7 @@ import numpy as np
 import psutil
 import pytest
 
-from megarl.engines.actor import EngineInfo
+from megarl.engines.actor import EngineInfo, WatchdogSettings
 from megarl.engines.pool import EnginePool
 from megarl.engines.server import EngineSettings
 from megarl.engines.types import EngineError, EngineUnreachable, PauseMode, SamplingParams, ServedModel
@@ -226,7 +226,7 @@ def pool(ray_local, tiny_checkpoint, tmp_path_factory, loop):
     settings = EngineSettings(model_path=tiny_checkpoint, dtype="float32", max_total_tokens=4096,
                               log_path=str(tmp_path_factory.mktemp("sglang_pool") / "server.log"))
     t0 = time.monotonic()
-    pool = loop.run_until_complete(EnginePool.launch([settings], poll_interval_s=0.2))
+    pool = loop.run_until_complete(EnginePool.launch([settings], watchdog=WatchdogSettings(poll_interval_s=0.2)))
     print(f"\n[measured] engine actor start-up {time.monotonic() - t0:.1f} s")
     yield pool
     loop.run_until_complete(pool.aclose())

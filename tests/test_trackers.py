@@ -168,3 +168,16 @@ def test_a_tracker_that_is_not_installed_exits_2_at_load_naming_the_install_step
     assert err.startswith(f"megarl: config error: logging.trackers: {tracker} is not installed: ")
     assert "tools/setup_venv.sh" in err and "==" in err
     assert not (tmp_path / "run").exists()  # refused before the run directory is made
+
+
+@pytest.mark.unit
+def test_the_tracker_settings_of_a_run_hold_its_logging_section_and_whole_resolved_config():
+    from megarl.config import load_config
+    from megarl.config.components import tracker_settings
+
+    cfg = load_config(["recipe=tiny_moe_cpu", "logging.trackers=[tensorboard,mlflow]", "run_name=r7"])
+    settings = tracker_settings(cfg)
+    assert list(settings.names) == ["tensorboard", "mlflow"] and settings.run_name == "r7"
+    assert settings.mlflow == cfg.logging.mlflow and settings.wandb == cfg.logging.wandb
+    assert settings.config["run_name"] == "r7" and settings.config["trainer"]["lr"] == cfg.trainer.lr
+    assert settings.config["logging"]["trackers"] == ["tensorboard", "mlflow"]

@@ -150,11 +150,11 @@ def measure_sync_memory(rank, layout, hf_path, out_dir, capacity):
 
     from dataclasses import asdict
 
-    from megarl.models.bridge import build_megatron_model
+    from megarl.models.bridge import ModelSettings, build_megatron_model
     from megarl.sync.rank import RankSync
     from megarl.sync.transports.disk import DiskSpec
 
-    model = build_megatron_model(hf_path, layout, transformer_impl="local")
+    model = build_megatron_model(hf_path, layout, ModelSettings(transformer_impl="local"))
     sync = RankSync(model)
     sync.connect(DiskSpec(work_dir=out_dir))
 

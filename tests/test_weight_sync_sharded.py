@@ -257,7 +257,7 @@ def test_exchange_over_gloo_moves_each_slice_once_to_its_engine_rank(tmp_path):
 
 
 def _local_export_worker(rank: int, port: int, checkpoint: str, out_dir: str) -> None:
-    from megarl.models.bridge import build_megatron_model, export_hf_state
+    from megarl.models.bridge import ModelSettings, build_megatron_model, export_hf_state
     from megarl.parallel import Layout
     from megarl.sync.local_export import local_tasks, task_slices
     from megarl.sync.sharded_rank import bucket_runs
@@ -266,7 +266,7 @@ def _local_export_worker(rank: int, port: int, checkpoint: str, out_dir: str) ->
     layout = Layout(world_size=4, tp=2, ep=2)
     init_rank(rank, layout, "127.0.0.1", port, backend="gloo")
     torch.set_num_threads(1)
-    model = build_megatron_model(checkpoint, layout, transformer_impl="local")
+    model = build_megatron_model(checkpoint, layout, ModelSettings(transformer_impl="local"))
     groups = model.bridge.hf_pretrained.config.num_key_value_heads
     tasks = local_tasks(model)
     slices = [s for task in tasks for s in task_slices(task, groups)]

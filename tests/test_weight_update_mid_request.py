@@ -25,13 +25,13 @@ import torch
 from in_flight import engine_loads
 
 from megarl.engines.client import SGLangClient, mixed_version_tokens
-from megarl.engines.types import PauseMode, SamplingParams
+from megarl.engines.types import GenerationOptions, PauseMode, SamplingParams
 from megarl.parallel import Layout
 from megarl.rollout.group import RolloutManager
 from megarl.rollout.splice import splice_continuation
 from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.prompts import Prompt
-from megarl.tasks.rewards import arithmetic_reward
+from megarl.tasks.rewards import RewardScorer, arithmetic_reward
 from megarl.trainer.launch import run_ranks
 from megarl.trainer.micro_batching import MicroBatching
 from megarl.trainer.rl_batch import build_rl_batch
@@ -140,7 +140,8 @@ async def _samples_across_update(engine, tokenizer, a_checkpoint: str, b_checkpo
     """A group of 12 whose requests span the update of A to B (some of them), the engine back on A after."""
     params = SamplingParams(max_new_tokens=NEW_TOKENS, top_k=10, ignore_eos=True)
     async with SGLangClient(engine.url, engine.model) as client:
-        manager = RolloutManager(client, tokenizer, arithmetic_reward, params, samples_per_prompt=12)
+        manager = RolloutManager(client, tokenizer, RewardScorer(arithmetic_reward), GenerationOptions(params),
+                                 samples_per_prompt=12)
         prompt = Prompt("2+5=", "7")
         t0 = time.monotonic()
         await manager.generate_group(prompt, "warm")

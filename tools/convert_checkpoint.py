@@ -97,10 +97,9 @@ def main(argv=None) -> int:
                                            prompts=prompts if checked else None, tolerance=args.tolerance)
         elif args.command == "to-hf":
             lora = convert.lora_settings(args.config, args.lora_rank, args.lora_alpha, args.lora_targets)
-            shards, verified = convert.to_hf(args.megatron, args.hf, args.out, layout, dtype=args.dtype,
-                                             max_shard_bytes=args.max_shard_size,
-                                             prompts=prompts if checked else None, tolerance=args.tolerance,
-                                             lora=lora, merge=args.merge)
+            export = convert.HfExport(max_shard_bytes=args.max_shard_size, lora=lora, merge=args.merge)
+            shards, verified = convert.to_hf(args.megatron, args.hf, args.out, layout, export, dtype=args.dtype,
+                                             prompts=prompts if checked else None, tolerance=args.tolerance)
             print(json.dumps({"shards": convert.report_dict(shards)}))
         else:
             verified = convert.verify(args.megatron, args.hf, layout, dtype=args.dtype, prompts=prompts,

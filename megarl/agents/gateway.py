@@ -82,7 +82,7 @@ from megarl.agents import tools as tool_calls
 from megarl.agents.responses import Answer, TokenLogprob, chat_body, chat_chunks, completion_body, completion_chunks
 from megarl.agents.trajectory import Call, Segment, Trajectory
 from megarl.engines.protocol import Engines
-from megarl.engines.types import EngineError, EngineUnreachable, SamplingParams
+from megarl.engines.types import EngineError, EngineUnreachable, GenerationOptions, SamplingParams
 from megarl.sample import FinishReason, RolloutSample
 
 log = logging.getLogger(__name__)
@@ -146,21 +146,38 @@ class _Request:
     include_usage: bool = False  # stream_options.include_usage
 
 
+@dataclass(frozen=True)
+class GatewaySettings:
+    """How the gateway serves an episode's calls: at most ``max_turns`` calls per role; ``max_response_tokens``
+    bounds a segment's response (None: the context only); ``partial_rollout`` (:data:`PARTIAL_ROLLOUT_MODES`):
+    what a call cut by a weight update does; ``frozen_roles``: the roles served by frozen models (their
+    calls are not trained on); ``tool_call_parser``: SGLang's parser of the served model's tool calls
+    (``megarl/agents/parsers.py``; None: chat calls with ``tools`` are refused); it listens on ``host``
+    (``port`` 0: a free one)."""
+
+    max_turns: int
+    max_response_tokens: int | None = None
+    partial_rollout: str = "continue"
+    frozen_roles: Collection[str] = ()
+    tool_call_parser: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+
+
 class AgentGateway:
     """The gateway (module docstring). ``async with`` (or :meth:`start` / :meth:`aclose`); then per
     episode :meth:`open_session` (its ``key`` is the client's ``api_key``), :meth:`base_url`, and
     :meth:`close_session` (later calls: 404).
 
-    ``max_response_tokens`` None: a segment's response is bounded by the context only.
-    ``tool_call_parser``: SGLang's parser of the served model's tool calls (``megarl/agents/parsers.py``);
-    None: chat calls with ``tools`` are refused. ``tool_call_counts``: answers whose text held tool calls,
-    ``parsed`` or ``unparsable`` (returned as text), over the gateway's life."""
+    ``generation``: the sampling (each call's own within it) and what comes back with each token;
+    ``settings``: :class:`GatewaySettings`; ``roles``: role name -> its engines (None = ``policy``);
+    None = one role, "". ``tool_call_counts``: answers whose text held tool calls, ``parsed`` or
+    ``unparsable`` (returned as text), over the gateway's life."""
 
-    def __init__(self, policy: Engines, tokenizer, params: SamplingParams, *, max_turns: int,
-                 max_response_tokens: int | None = None, roles: Mapping[str, Engines] | None = None,
-                 routing: bool = True, sampling_mask: bool = True, partial_rollout: str = "continue",
-                 frozen_roles: Collection[str] = (), tool_call_parser: str | None = None, host: str = "127.0.0.1",
-                 port: int = 0):
+    def __init__(self, policy: Engines, tokenizer, generation: GenerationOptions, settings: GatewaySettings,
+                 roles: Mapping[str, Engines | None] | None = None):
+        max_turns, max_response_tokens = settings.max_turns, settings.max_response_tokens
+        partial_rollout, frozen_roles = settings.partial_rollout, settings.frozen_roles
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if max_response_tokens is not None and max_response_tokens < 1:
@@ -173,14 +190,15 @@ class AgentGateway:
             raise ValueError(f"frozen_roles {sorted(frozen_roles)} must be roles of {sorted(roles or ())}")
         if getattr(tokenizer, "chat_template", None) is None:
             log.warning("the tokenizer has no chat template: /v1/chat/completions will answer 400")
-        self.policy, self.tokenizer, self.params = policy, tokenizer, params
-        self.roles = dict(roles) if roles is not None else None
+        self.policy, self.tokenizer, self.params = policy, tokenizer, generation.params
+        self.roles = {role: t if t is not None else policy for role, t in roles.items()} if roles is not None else None
         self.max_turns, self.max_response_tokens = max_turns, max_response_tokens
-        self.routing, self.sampling_mask, self.partial_rollout = routing, sampling_mask, partial_rollout
+        self.routing, self.sampling_mask, self.partial_rollout = generation.routing, generation.sampling_mask, \
+            partial_rollout
         self.frozen_roles = frozenset(frozen_roles)
-        self.tool_call_parser = tool_call_parser
+        self.tool_call_parser = settings.tool_call_parser
         self.tool_call_counts: collections.Counter[str] = collections.Counter()
-        self.host, self.port = host, port
+        self.host, self.port = settings.host, settings.port
         self.sessions: dict[str, Session] = {}
         self._special_ids = set(tokenizer.all_special_ids)
         self._runner: web.AppRunner | None = None

@@ -50,7 +50,6 @@ import collections
 import logging
 import math
 import numbers
-from collections.abc import Collection, Mapping
 
 import numpy as np
 
@@ -58,11 +57,9 @@ from megarl.agents.gateway import AgentGateway, Session
 from megarl.agents.invoke import Failure, run_agent
 from megarl.agents.spec import AgentFn, AgentResult
 from megarl.agents.workers import AgentWorkers
-from megarl.engines.protocol import Engines
-from megarl.engines.types import SamplingParams
 from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.prompts import Prompt
-from megarl.tasks.reward_types import RewardFn, RewardInput
+from megarl.tasks.reward_types import RewardInput
 from megarl.tasks.rewards import RewardScorer
 
 log = logging.getLogger(__name__)
@@ -72,32 +69,22 @@ class AgentEpisodes:
     """Runs agent episodes (module docstring) through one gateway, started on the first :meth:`run`
     in the running loop; :meth:`aclose` stops it.
 
-    ``roles``: role name -> its engines (None = ``target``, the policy); None = one role, "".
-    ``frozen_roles``: those of ``roles`` served by frozen models (their calls are not trained on).
-    ``max_response_tokens`` bounds each sample's response (None: the context). ``reward_fn`` scores
-    episodes whose agent returned None, with ``reward_timeout_s`` (its failures: reward 0, error).
+    ``gateway``: the episodes' gateway, not started yet (``megarl/agents/gateway.py``; with ``workers``,
+    listening on a host the workers' nodes reach), closed by :meth:`aclose`. ``timeout_s`` bounds an
+    episode. ``scorer`` scores episodes whose agent returned None (its failures: reward 0, error).
     Counters over the object's life: ``errors`` (episode errors by kind), ``budget_ends`` (by
-    budget), ``reward_errors`` (by kind), ``tool_call_counts`` (the gateway's). ``partial_rollout``,
-    ``tool_call_parser`` and ``host``: the gateway's (``megarl/agents/gateway.py``; with ``workers``, a
-    ``host`` the workers' nodes reach). ``workers``: where the episodes run (None: in the driver); the
-    caller closes them.
+    budget), ``reward_errors`` (by kind), ``tool_call_counts`` (the gateway's). ``workers``: where the
+    episodes run (None: in the driver); the caller closes them.
     """
 
-    def __init__(self, target: Engines, tokenizer, agent: AgentFn, params: SamplingParams, *, max_turns: int,
-                 max_response_tokens: int | None, timeout_s: float, routing: bool = True, sampling_mask: bool = True,
-                 roles: Mapping[str, Engines | None] | None = None, reward_fn: RewardFn | None = None,
-                 reward_timeout_s: float = 30.0, partial_rollout: str = "continue", frozen_roles: Collection[str] = (),
-                 tool_call_parser: str | None = None, host: str = "127.0.0.1", workers: AgentWorkers | None = None):
+    def __init__(self, gateway: AgentGateway, agent: AgentFn, *, timeout_s: float, scorer: RewardScorer | None = None,
+                 workers: AgentWorkers | None = None):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        resolved = {role: t if t is not None else target for role, t in roles.items()} if roles is not None else None
-        self.gateway = AgentGateway(target, tokenizer, params, max_turns=max_turns,
-                                    max_response_tokens=max_response_tokens, roles=resolved, routing=routing,
-                                    sampling_mask=sampling_mask, partial_rollout=partial_rollout,
-                                    frozen_roles=frozen_roles, tool_call_parser=tool_call_parser, host=host)
-        self.tokenizer, self.agent, self.timeout_s, self.workers = tokenizer, agent, timeout_s, workers
-        self.routing, self.sampling_mask = routing, sampling_mask
-        self.scorer = RewardScorer(reward_fn, reward_timeout_s) if reward_fn is not None else None
+        self.gateway = gateway
+        self.tokenizer, self.agent, self.timeout_s, self.workers = gateway.tokenizer, agent, timeout_s, workers
+        self.routing, self.sampling_mask = gateway.routing, gateway.sampling_mask
+        self.scorer = scorer
         self._starting = asyncio.Lock()
         self.errors: collections.Counter[str] = collections.Counter()
         self.budget_ends: collections.Counter[str] = collections.Counter()

@@ -25,7 +25,7 @@ import torch
 from megarl.algos.aggregation import aggregation_fn
 from megarl.algos.is_diagnostics import diagnostic_sums
 from megarl.algos.kl import kl_penalty
-from megarl.algos.off_policy import correction, off_policy_sequence_mask
+from megarl.algos.off_policy import CorrectionSpec, correction, off_policy_sequence_mask
 from megarl.algos.policy_loss import CovBand, PolicyLoss, policy_loss_fn
 from megarl.algos.rejection import parse_criteria
 from megarl.algos.score_centering import Centering
@@ -138,9 +138,9 @@ def _keep(batch: LossInputs, cfg: AlgorithmConfig, trainer_logprobs: torch.Tenso
     """The configured correction and its keep mask, with ``off_policy_mask_kl`` applied."""
     criteria = parse_criteria(cfg.off_policy_rejection, cfg.off_policy_rejection_threshold) \
         if cfg.off_policy_rejection else ()
-    corrected = correction(cfg.off_policy_correction, cfg.off_policy_level, trainer_logprobs, batch.rollout_logprobs,
-                           batch.loss_mask, cfg.is_threshold, cfg.is_threshold_low, cfg.off_policy_veto_threshold,
-                           cfg.off_policy_veto_threshold_high, criteria)
+    spec = CorrectionSpec(cfg.off_policy_correction, cfg.off_policy_level, cfg.is_threshold, cfg.is_threshold_low,
+                          cfg.off_policy_veto_threshold, cfg.off_policy_veto_threshold_high, criteria)
+    corrected = correction(trainer_logprobs, batch.rollout_logprobs, batch.loss_mask, spec)
     keep = corrected.keep
     if cfg.off_policy_mask_kl is not None:
         if batch.rollout_logprobs is None or batch.advantages.dim() != 1:

@@ -141,42 +141,46 @@ def _weights(kind: str, level: str, old_logprobs: torch.Tensor, rollout_logprobs
     return Correction(trained.to(old_logprobs.dtype), trained)
 
 
-def correction(
-    kind: str,
-    level: str,
-    old_logprobs: torch.Tensor,
-    rollout_logprobs: Optional[torch.Tensor],
-    loss_mask: torch.Tensor,
-    threshold: float,
-    threshold_low: Optional[float] = None,
-    veto_threshold: Optional[float] = None,
-    veto_threshold_high: Optional[float] = None,
-    rejection: Sequence[Criterion] = (),
-) -> Correction:
+@dataclass(frozen=True)
+class CorrectionSpec:
     """The correction ``AlgorithmConfig`` names: ``off_policy_correction`` (kind), ``off_policy_level``,
     ``is_threshold``, ``is_threshold_low``, ``off_policy_veto_threshold``, ``off_policy_veto_threshold_high``
-    and the parsed ``off_policy_rejection`` criteria (:func:`megarl.algos.rejection.parse_criteria`).
+    and the parsed ``off_policy_rejection`` criteria (:func:`megarl.algos.rejection.parse_criteria`)."""
+    kind: str
+    level: str
+    threshold: float
+    threshold_low: Optional[float] = None
+    veto_threshold: Optional[float] = None
+    veto_threshold_high: Optional[float] = None
+    rejection: Sequence[Criterion] = ()
+
+
+def correction(old_logprobs: torch.Tensor, rollout_logprobs: Optional[torch.Tensor], loss_mask: torch.Tensor,
+               spec: CorrectionSpec) -> Correction:
+    """The correction ``spec`` names, weights and keep mask [B, T].
 
     ``none`` without veto or criteria gives weights ``1[m > 0]`` and needs no ``rollout_logprobs`` (may be None).
     """
+    kind, level = spec.kind, spec.level
     if kind not in CORRECTIONS:
         raise ValueError(f"unknown off_policy_correction {kind!r}; valid: {', '.join(CORRECTIONS)}")
     if level not in LEVELS:
         raise ValueError(f"unknown off_policy_level {level!r}; valid: {', '.join(LEVELS)}")
-    vetoed = veto_threshold is not None or veto_threshold_high is not None
-    if kind == "none" and not vetoed and not rejection:
+    vetoed = spec.veto_threshold is not None or spec.veto_threshold_high is not None
+    if kind == "none" and not vetoed and not spec.rejection:
         trained = loss_mask > 0
         return Correction(trained.to(old_logprobs.dtype), trained)
     if rollout_logprobs is None:
         what = f"off_policy_correction={kind}" if kind != "none" else (
             "off_policy_veto_threshold" if vetoed else "off_policy_rejection")
         raise ValueError(f"{what} needs rollout_logprobs")
-    out = _weights(kind, level, old_logprobs, rollout_logprobs, loss_mask, threshold, threshold_low)
+    out = _weights(kind, level, old_logprobs, rollout_logprobs, loss_mask, spec.threshold, spec.threshold_low)
     keep = out.keep
     if vetoed:
-        keep = keep & veto(old_logprobs, rollout_logprobs, loss_mask, veto_threshold, veto_threshold_high)[:, None]
-    if rejection:
-        keep = keep & rejection_keep(old_logprobs - rollout_logprobs, loss_mask, rejection)
+        keep = keep & veto(old_logprobs, rollout_logprobs, loss_mask, spec.veto_threshold,
+                           spec.veto_threshold_high)[:, None]
+    if spec.rejection:
+        keep = keep & rejection_keep(old_logprobs - rollout_logprobs, loss_mask, spec.rejection)
     return Correction(out.weights, keep)
 
 

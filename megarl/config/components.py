@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from megarl.metrics.trackers import TrackerSettings
+from megarl.models.bridge import ModelSettings
 from megarl.trainer.critic import CriticSettings
 from megarl.trainer.micro_batching import MicroBatching
-from megarl.trainer.model_setup import ModelSettings
 from megarl.trainer.optimizer import OptimizerSettings
 from megarl.trainer.settings import OptimizerConfig, WarmupConfig
 from megarl.trainer.warmup import WarmupJob
@@ -20,6 +21,16 @@ def _optimizer(cfg, section, lr: float | None, updates_per_step: int) -> Optimiz
     keys = {f.name: getattr(section, f.name) for f in fields(OptimizerConfig)}
     return OptimizerSettings(**dict(keys, lr=keys["lr"] if lr is None else lr),
                              lr_decay_steps=max(cfg.steps * updates_per_step, 1), dtype=cfg.model.dtype)
+
+
+def tracker_settings(cfg) -> TrackerSettings:
+    """The run's trackers: ``logging.trackers`` and their sections, ``run_name`` and the whole config resolved
+    (what the trackers record of the run)."""
+    from omegaconf import OmegaConf
+
+    return TrackerSettings(names=list(cfg.logging.trackers), wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow,
+                           run_name=cfg.run_name,
+                           config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True))
 
 
 def optimizer_settings(cfg, lr: float | None = None, updates_per_step: int = 1) -> OptimizerSettings:

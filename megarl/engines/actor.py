@@ -43,6 +43,20 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class WatchdogSettings:
+    """How an :class:`EngineActor` watches its server (module docstring): liveness polled every
+    ``poll_interval_s`` seconds, a server silent for ``unresponsive_restart_s`` restarted, at most
+    ``max_restarts`` restarts before the engine is reported failed."""
+
+    poll_interval_s: float = 0.5
+    max_restarts: int = 3
+    unresponsive_restart_s: float = 60.0
+
+
+DEFAULT_WATCHDOG = WatchdogSettings()
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """Where an engine is and what happened to it.
 
@@ -311,8 +325,7 @@ def follower_options(nodes, rank: int) -> tuple[dict, tuple[str, ...]]:
 
 
 def launch_engine_actor(settings: EngineSettings, *, num_cpus: float = 0.5, num_gpus: float = 0,
-                        poll_interval_s: float = 0.5, max_restarts: int = 3, unresponsive_restart_s: float = 60.0,
-                        nodes=None, seats=None, **ray_options):
+                        watchdog: WatchdogSettings = DEFAULT_WATCHDOG, nodes=None, seats=None, **ray_options):
     """Create an :class:`EngineActor` as a Ray actor (not started yet: call ``start.remote()``).
 
     ``num_cpus`` is the actor's Ray reservation; the server process is not accounted by Ray, so on
@@ -351,5 +364,5 @@ def launch_engine_actor(settings: EngineSettings, *, num_cpus: float = 0.5, num_
     elif resources:
         ray_options["resources"] = resources
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=4, **ray_options)(EngineActor)
-    return remote.remote(settings, poll_interval_s=poll_interval_s, max_restarts=max_restarts,
-                         unresponsive_restart_s=unresponsive_restart_s, nodes=nodes)
+    return remote.remote(settings, poll_interval_s=watchdog.poll_interval_s, max_restarts=watchdog.max_restarts,
+                         unresponsive_restart_s=watchdog.unresponsive_restart_s, nodes=nodes)

@@ -36,6 +36,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import numpy as np
 
+from megarl.engines.actor import DEFAULT_WATCHDOG, WatchdogSettings
 from megarl.engines.affinity import EngineAffinity
 from megarl.engines.client import SGLangClient
 from megarl.engines.membership import ACTIVE, LEAVING, EngineMembership, PoolMember, RestartHook, active
@@ -109,19 +110,17 @@ class EnginePool:
 
     @classmethod
     async def launch(cls, settings: Sequence, *, num_cpus: float = 0.5, num_gpus: float = 0,
-                     poll_interval_s: float = 0.5, max_restarts: int = 3, unresponsive_restart_s: float = 60.0,
-                     request_timeout_s: float = 600.0, seats: Sequence | None = None, **pool_kwargs) -> EnginePool:
+                     watchdog: WatchdogSettings = DEFAULT_WATCHDOG, request_timeout_s: float = 600.0,
+                     seats: Sequence | None = None, **pool_kwargs) -> EnginePool:
         """Start one ``EngineActor`` per ``EngineSettings`` in parallel (Ray must be initialised;
         :func:`megarl.engines.supervisor.start_engines`), wait until all are healthy, and return the pool
         over them. Ray must place every engine's actor (``num_gpus`` GPUs, ``num_cpus`` CPUs each) within
         the engines' startup timeout (``EngineSettings.startup_timeout_s``), else EngineStartError says
-        what they need and what Ray has free. ``seats[i]`` pins engine i beside the trainer ranks whose
-        devices it shares (colocated, :mod:`megarl.engines.pinning`). On failure or cancellation the engines
-        started are stopped before the error propagates."""
+        what they need and what Ray has free. ``watchdog``: how each actor watches its server. ``seats[i]``
+        pins engine i beside the trainer ranks whose devices it shares (colocated, :mod:`megarl.engines.pinning`).
+        On failure or cancellation the engines started are stopped before the error propagates."""
         launched = await start_engines(settings, num_cpus=num_cpus, num_gpus=num_gpus,
-                                       poll_interval_s=poll_interval_s, max_restarts=max_restarts,
-                                       unresponsive_restart_s=unresponsive_restart_s,
-                                       request_timeout_s=request_timeout_s, seats=seats)
+                                       watchdog=watchdog, request_timeout_s=request_timeout_s, seats=seats)
         pool = cls([e.client for e in launched], [e.supervisor for e in launched], **pool_kwargs)
         pool.membership.actors = [e.actor for e in launched]
         pool.membership.placements = [e.placement for e in launched]

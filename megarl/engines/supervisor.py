@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from megarl.engines.actor import EngineInfo
+from megarl.engines.actor import DEFAULT_WATCHDOG, EngineInfo, WatchdogSettings
 from megarl.engines.client import SGLangClient
 from megarl.engines.types import EngineUnreachable, ServedModel
 
@@ -91,8 +91,8 @@ class StartedEngine:
 
 
 async def start_engines(settings: Sequence, *, num_cpus: float = 0.5, num_gpus: float = 0,
-                        poll_interval_s: float = 0.5, max_restarts: int = 3, unresponsive_restart_s: float = 60.0,
-                        request_timeout_s: float = 600.0, seats: Sequence | None = None) -> list[StartedEngine]:
+                        watchdog: WatchdogSettings = DEFAULT_WATCHDOG, request_timeout_s: float = 600.0,
+                        seats: Sequence | None = None) -> list[StartedEngine]:
     """One healthy engine per ``settings`` (see :meth:`megarl.engines.pool.EnginePool.launch`; ``seats[i]``:
     engine i's seats when it is pinned, :func:`megarl.engines.actor.launch_engine_actor`); on failure or
     cancellation the engines started are stopped before the error propagates."""
@@ -105,9 +105,7 @@ async def start_engines(settings: Sequence, *, num_cpus: float = 0.5, num_gpus: 
         raise ValueError(f"{len(settings)} engines but {len(seats)} seat lists")
     placements = [engine_nodes(s, num_cpus=num_cpus, num_gpus=num_gpus) if seat is None else None
                   for s, seat in zip(settings, seats)]
-    actors = [launch_engine_actor(s, num_cpus=num_cpus, num_gpus=num_gpus, poll_interval_s=poll_interval_s,
-                                  max_restarts=max_restarts, unresponsive_restart_s=unresponsive_restart_s,
-                                  nodes=nodes, seats=seat)
+    actors = [launch_engine_actor(s, num_cpus=num_cpus, num_gpus=num_gpus, watchdog=watchdog, nodes=nodes, seats=seat)
               for s, nodes, seat in zip(settings, placements, seats)]
     try:
         await _placed(actors, max(s.startup_timeout_s for s in settings), num_cpus, num_gpus)

@@ -97,6 +97,17 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class GenerationOptions:
+    """What a rollout asks of the engines besides the prompt, shared by the single-turn groups, the
+    environment episodes and the agent gateway: ``params``, the sampling; ``routing``, each token's routed
+    experts back (Keep Routing); ``sampling_mask``, each token's top-k / top-p mask back."""
+
+    params: SamplingParams
+    routing: bool = True
+    sampling_mask: bool = True
+
+
+@dataclass(frozen=True)
 class BatchResult:
     """The samples of one ``generate_batch`` call, in prompt order, and how many prompts of it had
     to be resubmitted because their engine died."""

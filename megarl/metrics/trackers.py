@@ -190,16 +190,6 @@ class TrackerSettings:
     run_name: str = "run"
     config: Mapping[str, Any] = field(default_factory=dict)
 
-    @classmethod
-    def from_config(cls, cfg) -> TrackerSettings:
-        """The settings of the run ``cfg`` (a loaded ``MegarlConfig``): ``logging.*``, ``run_name`` and the
-        whole config resolved."""
-        from omegaconf import OmegaConf
-
-        return cls(names=list(cfg.logging.trackers), wandb=cfg.logging.wandb, mlflow=cfg.logging.mlflow,
-                   run_name=cfg.run_name,
-                   config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True))
-
 
 def start_tracker(name: str, settings: TrackerSettings, run_dir: Path) -> Tracker:
     """The tracker ``name`` (one of :data:`TRACKERS`) for the run in ``run_dir``."""

@@ -26,6 +26,22 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+@dataclass(frozen=True)
+class ModelSettings:
+    """How a trainer rank builds its model (besides the layout, the precision and the optimizer)
+    (:func:`megarl.config.components.model_settings`)."""
+
+    transformer_impl: str = "auto"  # auto | local | transformer_engine
+    dispatcher: str = "alltoall"  # alltoall | allgather
+    routing_replay: bool = False  # Keep Routing: the model replays the engine's experts
+    recompute: str = "none"  # none | selective | full
+    recompute_num_layers: int | None = None
+    moe_aux_loss_coeff: float = 0.0
+    reference: bool = False  # keep the starting weights as the KL reference (algorithm.kl_coef != 0)
+    lora: LoraConfig | None = None  # train LoRA adapters on a frozen base (cfg.lora)
+    moe_expert_bias_update_rate: float | None = None  # None: the checkpoint family's
+
+
 @dataclass
 class MegatronModel:
     """The bridge (for conversion back to HF) and this rank's model chunks (one per virtual stage)."""
@@ -60,55 +76,52 @@ def load_bridge(hf_path: str | Path, dtype: str = "float32"):
         raise ValueError(f"model.hf_path={hf_path}: megatron-bridge cannot convert it: {exc}") from exc
 
 
-def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "float32",
-                         transformer_impl: str = "auto", dispatcher: str = "alltoall",
-                         ddp_config=None, routing_replay: bool = False,
-                         moe_aux_loss_coeff: float = 0.0, load_weights: bool = True, recompute: str = "none",
-                         recompute_num_layers: int | None = None, lora: LoraConfig | None = None,
-                         value_head: bool = False, moe_expert_bias_update_rate: float | None = None) -> MegatronModel:
+def build_megatron_model(hf_path: str | Path, layout: Layout, model: ModelSettings = ModelSettings(), *,
+                         dtype: str = "float32", ddp_config=None, load_weights: bool = True,
+                         value_head: bool = False) -> MegatronModel:
     """Build this rank's Megatron chunks for ``layout`` and load the HF weights into them.
 
-    ``recompute``: megatron's activation recompute, ``none`` | ``selective`` (see
-    :func:`recompute_settings`) | ``full`` (every ``recompute_num_layers`` layers, default 1, keep
-    only their input).
+    ``model.recompute``: megatron's activation recompute, ``none`` | ``selective`` (see
+    :func:`recompute_settings`) | ``full`` (every ``model.recompute_num_layers`` layers, default 1, keep
+    only their input); ``model.reference`` is the caller's to keep.
 
     Call after :func:`megarl.trainer.distributed.init_rank`. With ``ddp_config`` the chunks are
     wrapped in megatron's DistributedDataParallel (for training); without, they are bare modules.
     ``load_weights=False`` builds the architecture only (for weights loaded from a Megatron checkpoint).
-    ``lora``: freeze the base and add LoRA adapters (:func:`megarl.models.lora.apply_lora`) after
+    ``model.lora``: freeze the base and add LoRA adapters (:func:`megarl.models.lora.apply_lora`) after
     the weights are loaded and before the DDP wrap, so DDP and the optimizer see the adapters only.
     ``value_head``: the critic's model, a scalar head in place of the output layer
     (:func:`megarl.models.value_head.attach_value_head`), added at the same point.
-    ``moe_expert_bias_update_rate``: the routers' expert-bias update rate (None: the checkpoint family's;
-    ValueError for a checkpoint whose routers have no expert bias). With ``routing_replay`` the auxiliary
+    ``model.moe_expert_bias_update_rate``: the routers' expert-bias update rate (None: the checkpoint family's;
+    ValueError for a checkpoint whose routers have no expert bias). With ``model.routing_replay`` the auxiliary
     losses count the replayed routes (:mod:`megarl.models.replayed_balancing`).
     """
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
     platform = detect()
-    layers = choose_layers(transformer_impl, platform)
+    layers = choose_layers(model.transformer_impl, platform)
     te = layers == "transformer_engine"
     bridge = load_bridge(hf_path, dtype)
     provider = bridge.to_megatron_provider(load_weights=load_weights)
-    settings = parallel_settings(layout, dtype, dispatcher, routing_replay, moe_aux_loss_coeff)
-    settings.update(recompute_settings(recompute, recompute_num_layers,
+    settings = parallel_settings(layout, dtype, model.dispatcher, model.routing_replay, model.moe_aux_loss_coeff)
+    settings.update(recompute_settings(model.recompute, model.recompute_num_layers,
                                        grouped_experts=te and bool(getattr(provider, "moe_grouped_gemm", False))))
     settings.update(layer_settings(layers, platform))
     if not te:
         provider.transformer_layer_spec = local_layer_spec
         packed_attention.enable()
-    if moe_expert_bias_update_rate is not None:
+    if model.moe_expert_bias_update_rate is not None:
         if not getattr(provider, "moe_router_enable_expert_bias", False):
             raise ValueError(f"model.moe_expert_bias_update_rate: the routers of {hf_path} have no expert bias (it is "
                              "for sigmoid routers with e_score_correction_bias: deepseek_v3, glm4_moe)")
-        settings["moe_router_bias_update_rate"] = moe_expert_bias_update_rate
-    if routing_replay:
+        settings["moe_router_bias_update_rate"] = model.moe_expert_bias_update_rate
+    if model.routing_replay:
         count_replayed_routes()
     for key, value in settings.items():
         setattr(provider, key, value)
     provider.finalize()
-    if lora is not None:
-        provider.register_pre_wrap_hook(lambda chunks: apply_lora(chunks, lora))  # after the bridge's weight load
+    if model.lora is not None:
+        provider.register_pre_wrap_hook(lambda chunks: apply_lora(chunks, model.lora))  # after the bridge's weight load
     if value_head:
         from megarl.models.value_head import attach_value_head
 
@@ -121,7 +134,7 @@ def build_megatron_model(hf_path: str | Path, layout: Layout, *, dtype: str = "f
         fp16=dtype == "float16",
     )
     log.info("megatron model on this rank: %d parameters", sum(p.numel() for c in chunks for p in c.parameters()))
-    return MegatronModel(bridge=bridge, provider=provider, chunks=chunks, has_adapters=lora is not None)
+    return MegatronModel(bridge=bridge, provider=provider, chunks=chunks, has_adapters=model.lora is not None)
 
 
 def parallel_settings(layout: Layout, dtype: str, dispatcher: str, routing_replay: bool,

@@ -40,38 +40,61 @@ class GenerationFailing(RuntimeError):
     would never fill a batch."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Production:
+    """What the producer makes: ``prompts_per_step`` groups of ``samples_per_prompt`` samples a step, at most
+    ``lag`` weight versions ahead (module docstring), with ``dynamic_sampling`` (groups whose samples all
+    score the same are dropped and replaced)."""
+
+    prompts_per_step: int
+    samples_per_prompt: int
+    lag: int
+    dynamic_sampling: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class ProducerStart:
+    """Where a producer starts: the engines' weight version, the prompts drawn before and not trained
+    (``requeue``, index -> prompt, drawn first), the next source index, and ``carried``: a checkpoint's
+    rollouts (:mod:`megarl.pipeline.carried`) and the buffered groups' prompts, taken back before anything
+    new is drawn (the ledger restored with them)."""
+
+    engine_version: int = 0
+    requeue: Iterable[tuple[int, object]] = ()
+    next_index: int = 0
+    carried: tuple[CarriedRollouts, dict[int, object]] | None = None
+
+
 class RolloutProducer:
-    """Fills ``buffer`` from ``source`` through ``manager`` until :meth:`stop`.
+    """Fills ``buffer`` from ``source`` through ``manager`` until :meth:`stop`, as ``production`` says,
+    from ``start``.
 
     ``manager.generate_group(prompt, group_id)`` returns an object with ``samples`` (one final
     sample per requested attempt; finish ``error`` = not scorable), ``resubmitted`` (aborted
     attempts sent again). ``source.next_batch(n)`` yields prompts; ``state_dict()`` is its position.
-    ``carried``: a checkpoint's rollouts (:mod:`megarl.pipeline.carried`) and the buffered groups' prompts,
-    taken back before anything new is drawn (the ``ledger`` restored with them).
+    ``fatal``: errors that end the run (no engine left), not just the group.
     """
 
-    def __init__(self, manager, source, buffer: RolloutBuffer, ledger: Ledger, *, prompts_per_step: int,
-                 samples_per_prompt: int, lag: int, dynamic_sampling: bool, engine_version: int = 0,
-                 requeue: Iterable[tuple[int, object]] = (), next_index: int = 0,
-                 fatal: tuple[type[BaseException], ...] = (),
-                 carried: tuple[CarriedRollouts, dict[int, object]] | None = None):
+    def __init__(self, manager, source, buffer: RolloutBuffer, ledger: Ledger, production: Production,
+                 start: ProducerStart = ProducerStart(), *, fatal: tuple[type[BaseException], ...] = ()):
         self.manager, self.source, self.buffer, self.ledger = manager, source, buffer, ledger
-        self.prompts_per_step, self.samples_per_prompt = prompts_per_step, samples_per_prompt
-        self.lag, self.dynamic_sampling = lag, dynamic_sampling
-        self.engine_version = engine_version
-        self.outstanding: dict[int, object] = dict(requeue)  # index -> prompt: drawn, not yet trained or dropped
+        self.prompts_per_step, self.samples_per_prompt = production.prompts_per_step, production.samples_per_prompt
+        self.lag, self.dynamic_sampling = production.lag, production.dynamic_sampling
+        self.engine_version = start.engine_version
+        self.outstanding: dict[int, object] = dict(start.requeue)  # index -> prompt: drawn, not trained or dropped
         self._queue = sorted(self.outstanding.items())
+        carried = start.carried
         self._carried = carried[0] if carried is not None else None
         if carried is not None:
             self.outstanding |= carried[1] | {p.index: p.prompt for p in carried[0].partial}
-        self._next_index = next_index
+        self._next_index = start.next_index
         self._version_changed = asyncio.Condition()
         self._tasks: set[asyncio.Task] = set()
         self.generated_tokens = 0  # response tokens of every group that came back
         self.generated_samples = 0  # samples of every group that came back
         self.bad_prompts = 0  # source rows that were no prompt (skipped, counted as prompt errors)
         self.fatal = fatal  # errors that end the run (no engine left), not just the group
-        self.max_consecutive_failed_groups = max(64, 4 * prompts_per_step)
+        self.max_consecutive_failed_groups = max(64, 4 * production.prompts_per_step)
         self._consecutive_failed = 0
         self.failure: asyncio.Future = asyncio.get_running_loop().create_future()
 

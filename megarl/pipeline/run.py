@@ -37,10 +37,9 @@ from megarl.algos.advantages import BatchStats
 from megarl.algos.gae import ragged_gae
 from megarl.algos.kl_control import KLController
 from megarl.algos.value_loss import value_metrics
-from megarl.config.components import micro_batching
+from megarl.config.components import micro_batching, tracker_settings
 from megarl.engines.pool import EnginePool
 from megarl.engines.types import PauseMode
-from megarl.metrics.trackers import TrackerSettings
 from megarl.parallel import Layout
 from megarl.pipeline.bookkeeping import StepBooks, combine_updates
 from megarl.pipeline.buffer import Batch, RolloutBuffer
@@ -410,7 +409,7 @@ async def _start_pipeline(cfg: DictConfig, start_checkpoint: str, layout: Layout
     colocation = Colocation(pool, abort=cfg.buffer.partial_rollout == "abort_resubmit", platform=platform,
                             release_trainer=lambda: trainer_release(trainer)) if plan.colocated else None
     membership = None if plan.colocated else _membership(cfg, plan, pool, sync, stack)
-    books = StepBooks(Path(cfg.logging.run_dir), resumed.step, stack, TrackerSettings.from_config(cfg))
+    books = StepBooks(Path(cfg.logging.run_dir), resumed.step, stack, tracker_settings(cfg))
     pipe = Pipeline(cfg=cfg, trainer=trainer, pool=pool, sync=sync, buffer=rollout.buffer, producer=rollout.producer,
                     ledger=resumed.ledger, books=books,
                     batching=micro_batching(cfg, pool.model.vocab_size, tokenizer.pad_token_id),

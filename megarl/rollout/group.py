@@ -40,12 +40,12 @@ from dataclasses import dataclass
 import numpy as np
 
 from megarl.engines.protocol import Engines
-from megarl.engines.types import EngineError, EngineUnreachable, SamplingParams
+from megarl.engines.types import EngineError, EngineUnreachable, GenerationOptions, SamplingParams
 from megarl.rollout.splice import splice_continuation
 from megarl.rollout.teacher import TeacherScorer
 from megarl.sample import FinishReason, RolloutSample
 from megarl.tasks.prompts import Prompt
-from megarl.tasks.reward_types import RewardFn, RewardInput
+from megarl.tasks.reward_types import RewardInput
 from megarl.tasks.rewards import RewardScorer
 
 log = logging.getLogger(__name__)
@@ -92,22 +92,23 @@ class RolloutManager:
     """G samples per prompt with rewards; see the module docstring for the outcomes.
 
     ``target`` is an ``EnginePool`` or one ``SGLangClient`` (``megarl.engines.protocol.Engines``);
-    ``reward_fn`` an async reward (``megarl.tasks.rewards``), awaited with ``reward_timeout_s``.
+    ``scorer`` awaits the async reward (``megarl.tasks.rewards``) with its timeout; ``generation``: the
+    sampling and what comes back with each token.
     Counters over the manager's life: ``resubmitted``, ``rejected`` (by reason kind), ``reward_errors`` (by kind).
     ``EngineUnreachable`` (an engine gone for good) propagates: no later group could run either.
     """
 
-    def __init__(self, target: Engines, tokenizer, reward_fn: RewardFn, params: SamplingParams,
-                 samples_per_prompt: int, routing: bool = True, sampling_mask: bool = True,
-                 reward_timeout_s: float = 30.0, episodes=None, teacher: TeacherScorer | None = None,
+    def __init__(self, target: Engines, tokenizer, scorer: RewardScorer, generation: GenerationOptions,
+                 samples_per_prompt: int, episodes=None, teacher: TeacherScorer | None = None,
                  add_special_tokens: bool = True):
         if samples_per_prompt < 1:
             raise ValueError(f"samples_per_prompt must be >= 1, got {samples_per_prompt}")
-        self.target, self.tokenizer, self.params = target, tokenizer, params
-        self.samples_per_prompt, self.routing, self.sampling_mask = samples_per_prompt, routing, sampling_mask
+        self.target, self.tokenizer, self.params = target, tokenizer, generation.params
+        self.samples_per_prompt = samples_per_prompt
+        self.routing, self.sampling_mask = generation.routing, generation.sampling_mask
         self.episodes, self.teacher = episodes, teacher
         self.add_special_tokens = add_special_tokens  # False: prompts come rendered, with their own BOS
-        self.scorer = RewardScorer(reward_fn, reward_timeout_s)
+        self.scorer = scorer
         self.resubmitted = 0
         self.rejected: collections.Counter[str] = collections.Counter()
         self.in_flight: dict[str, PartialGroup] = {}  # single-turn groups by id: their samples so far

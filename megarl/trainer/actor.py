@@ -134,7 +134,7 @@ class TrainerRank:
 
     def build(self, hf_path: str, optimizer, model, critic=None) -> int:
         """Build model, DDP and optimizer from the HF checkpoint (``optimizer``: OptimizerSettings,
-        ``model``: model_setup.ModelSettings), the KL reference from the same weights when asked, and
+        ``model``: models.bridge.ModelSettings), the KL reference from the same weights when asked, and
         the critic with ``critic`` (critic.CriticSettings); returns this rank's policy parameter count."""
         from megarl.trainer.critic import build_critic
         from megarl.trainer.model_setup import build_trainable

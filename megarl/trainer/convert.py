@@ -59,6 +59,25 @@ class ConversionError(ValueError):
 
 
 @dataclass(frozen=True)
+class HfExport:
+    """How :func:`to_hf` writes: safetensors files of at most ``max_shard_bytes``; a LoRA run's adapters
+    (``lora``, their settings) as an HF PEFT directory, or with ``merge`` merged into the base's weights."""
+
+    max_shard_bytes: int = 5 * 10**9
+    lora: LoraConfig | None = None
+    merge: bool = False
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The prompts whose logits a written checkpoint is checked on, and the largest |logit difference|
+    allowed (None: :data:`DEFAULT_TOLERANCE` of the dtype)."""
+
+    prompts: list[str]
+    tolerance: float | None
+
+
+@dataclass(frozen=True)
 class ShardReport:
     """The safetensors files written (by :func:`write_hf_shards`, or a PEFT adapter's one file), and
     the most bytes held in memory at once."""
@@ -329,11 +348,11 @@ def _load(chunks, ckpt: str, adapters_only: bool = False) -> None:
 def _loaded_model(hf_path: str, ckpt: str, layout: Layout, dtype: str, lora: LoraConfig | None = None):
     """The model of ``hf_path``'s architecture with the weights of the checkpoint ``ckpt``; with
     ``lora``, ``hf_path``'s weights with the checkpoint's adapters on them."""
-    from megarl.models.bridge import build_megatron_model
+    from megarl.models.bridge import ModelSettings, build_megatron_model
 
     architecture = hf_architecture(hf_path)
-    model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local",
-                                 load_weights=lora is not None, lora=lora)
+    model = build_megatron_model(hf_path, layout, ModelSettings(transformer_impl="local", lora=lora), dtype=dtype,
+                                 load_weights=lora is not None)
     check_checkpoint_matches(Path(ckpt), hf_path, architecture, _model_signature(model.chunks))
     _load(model.chunks, ckpt, adapters_only=lora is not None)
     return model
@@ -345,10 +364,10 @@ def to_megatron_rank(rank: int, layout: Layout, hf_path: str, out_dir: str, dtyp
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
-    from megarl.models.bridge import build_megatron_model
+    from megarl.models.bridge import ModelSettings, build_megatron_model
 
     architecture = hf_architecture(hf_path)
-    model = build_megatron_model(hf_path, layout, dtype=dtype, transformer_impl="local")
+    model = build_megatron_model(hf_path, layout, ModelSettings(transformer_impl="local"), dtype=dtype)
     state = _megatron_state(model.chunks)
     state["megarl"] = {"model": _model_signature(model.chunks), "hf_architecture": architecture}
     dist_checkpointing.save(state, out_dir, sharded_strategy=get_default_save_sharded_strategy(FORMAT))
@@ -359,26 +378,27 @@ def to_megatron_rank(rank: int, layout: Layout, hf_path: str, out_dir: str, dtyp
     return _verify_model(model, hf_path, dtype, prompts, tolerance)
 
 
-def to_hf_rank(rank: int, layout: Layout, ckpt: str, hf_path: str, out_dir: str, dtype: str, max_shard_bytes: int,
-               prompts: list[str] | None, tolerance: float | None, lora: LoraConfig | None,
-               merge: bool) -> tuple[ShardReport | None, VerifyReport | None]:
+def to_hf_rank(rank: int, layout: Layout, ckpt: str, hf_path: str, out_dir: str, dtype: str, export: HfExport,
+               verification: Verification | None) -> tuple[ShardReport | None, VerifyReport | None]:
     """Rank body of :func:`to_hf`; rank 0 writes the files and returns the reports."""
     from megarl.models.bridge import save_hf_adapter
 
-    model = _loaded_model(hf_path, ckpt, layout, dtype, lora)
-    if lora is not None and not merge:
-        save_hf_adapter(model, lora, out_dir)  # collective; rank 0 writes
+    model = _loaded_model(hf_path, ckpt, layout, dtype, export.lora)
+    if export.lora is not None and not export.merge:
+        save_hf_adapter(model, export.lora, out_dir)  # collective; rank 0 writes
         return (_adapter_report(Path(out_dir)) if rank == 0 else None), None
     tensors = model.bridge.export_hf_weights(model.chunks, cpu=True, show_progress=False)
     shards = None
     if rank == 0:
         model.bridge.hf_pretrained.save_artifacts(out_dir)
-        shards = write_hf_shards(tensors, out_dir, max_shard_bytes)
+        shards = write_hf_shards(tensors, out_dir, export.max_shard_bytes)
     else:
         for _ in tensors:  # the export's gathers are collective
             pass
     torch.distributed.barrier()
-    return shards, None if prompts is None else _verify_model(model, out_dir, dtype, prompts, tolerance)
+    if verification is None:
+        return shards, None
+    return shards, _verify_model(model, out_dir, dtype, verification.prompts, verification.tolerance)
 
 
 def _adapter_report(out_dir: Path) -> ShardReport:
@@ -532,28 +552,28 @@ def to_megatron(hf_path: str | Path, out_dir: str | Path, layout: Layout, *, dty
     return verified
 
 
-def to_hf(ckpt: str | Path, hf_path: str | Path, out_dir: str | Path, layout: Layout, *, dtype: str = "auto",
-          max_shard_bytes: int = 5 * 10**9, prompts: Sequence[str] | None = None, tolerance: float | None = None,
-          lora: LoraConfig | None = None, merge: bool = False) -> tuple[ShardReport, VerifyReport | None]:
+def to_hf(ckpt: str | Path, hf_path: str | Path, out_dir: str | Path, layout: Layout, export: HfExport = HfExport(),
+          *, dtype: str = "auto", prompts: Sequence[str] | None = None,
+          tolerance: float | None = None) -> tuple[ShardReport, VerifyReport | None]:
     """Convert the ``torch_dist`` checkpoint ``ckpt`` (any layout) to an HF checkpoint at ``out_dir``.
 
     ``hf_path`` is the HF checkpoint the model came from: it gives the architecture (which must
     be the checkpoint's), the config and the tokenizer. The ranks load ``ckpt`` under ``layout``.
 
-    A LoRA run's checkpoint (adapters only) needs ``lora``, its settings, and ``hf_path`` is then
+    A LoRA run's checkpoint (adapters only) needs ``export.lora``, its settings, and ``hf_path`` is then
     the base model (its weights too). It converts to an HF PEFT directory (``adapter_config.json``
-    + ``adapter_model.safetensors``) or, with ``merge``, to an HF checkpoint of the base with the
-    adapters merged (W + alpha / rank * B A); ``prompts`` (verification) need ``merge``.
+    + ``adapter_model.safetensors``) or, with ``export.merge``, to an HF checkpoint of the base with the
+    adapters merged (W + alpha / rank * B A); ``prompts`` (verification) need ``export.merge``.
     """
     path = checkpoint_dir(ckpt)
     check_layout(hf_path, layout)
-    check_lora(path, lora, merge)
-    if lora is not None and not merge and prompts is not None:
+    check_lora(path, export.lora, export.merge)
+    if export.lora is not None and not export.merge and prompts is not None:
         raise ConversionError("verification compares the logits of an HF checkpoint, which a PEFT adapter is not: "
                               "verify the adapters with --merge")
     dtype, out = _resolve_dtype(hf_path, dtype), _empty_output(out_dir)
-    shards, verified = _run(to_hf_rank, layout, str(path), str(hf_path), out, dtype, max_shard_bytes,
-                            _list(prompts), tolerance, lora, merge)
+    verification = None if prompts is None else Verification(list(prompts), tolerance)
+    shards, verified = _run(to_hf_rank, layout, str(path), str(hf_path), out, dtype, export, verification)
     log.info("%s -> %s: %d tensors in %d files, %.1f MB", path, out, shards.tensors, len(shards.files),
              shards.total_bytes / 2**20)
     return shards, verified

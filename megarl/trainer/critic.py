@@ -41,7 +41,7 @@ class CriticSettings:
 
 def build_critic(settings: CriticSettings, layout, model):
     """This rank's critic (a model_setup.TrainableModel) for ``layout``; ``model``: the policy's
-    model_setup.ModelSettings (layer implementation, dispatcher, recompute), without routing replay or LoRA."""
+    models.bridge.ModelSettings (layer implementation, dispatcher, recompute), without routing replay or LoRA."""
     from megarl.trainer.model_setup import build_trainable
 
     backbone = dataclasses.replace(model, routing_replay=False, reference=False, lora=None,

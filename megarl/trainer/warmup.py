@@ -93,8 +93,8 @@ def run_warmup(rank: int, layout: Layout, job: WarmupJob) -> list[float]:
     from transformers import AutoTokenizer
 
     from megarl.metrics.sink import MetricsFile
-    from megarl.models.bridge import save_hf_checkpoint
-    from megarl.trainer.model_setup import ModelSettings, build_trainable
+    from megarl.models.bridge import ModelSettings, save_hf_checkpoint
+    from megarl.trainer.model_setup import build_trainable
     from megarl.trainer.sft_step import supervised_step
 
     tokenizer = AutoTokenizer.from_pretrained(job.hf_path)

@@ -47,20 +47,24 @@ async def one_run(episodes, count: int, tool_cpu_s: float) -> dict:
 
 async def bench(engine, tokenizer, args) -> dict:
     """Both modes' runs, alternately, on ``engine``."""
+    from megarl.agents.gateway import AgentGateway, GatewaySettings
     from megarl.agents.rollout import AgentEpisodes
     from megarl.agents.spec import load_agent
     from megarl.agents.workers import AgentWorkers
     from megarl.engines.client import SGLangClient
-    from megarl.engines.types import SamplingParams
+    from megarl.engines.types import GenerationOptions, SamplingParams
     from megarl.parallel.network import node_address
 
     params = SamplingParams(max_new_tokens=4, top_k=5)
     workers = AgentWorkers(args.workers, cpus=1.0, episodes_per_worker=args.episodes_per_worker)
     runs: dict[str, list[dict]] = {"driver": [], "workers": []}
     async with SGLangClient(engine.url, engine.model) as client:
-        modes = {name: AgentEpisodes(client, tokenizer, load_agent(AGENT), params, max_turns=1, max_response_tokens=8,
-                                     timeout_s=600.0, host=node_address() if pool else "127.0.0.1", workers=pool)
-                 for name, pool in (("driver", None), ("workers", workers))}
+        def agent_episodes(pool):
+            settings = GatewaySettings(max_turns=1, max_response_tokens=8, host=node_address() if pool else "127.0.0.1")
+            gateway = AgentGateway(client, tokenizer, GenerationOptions(params), settings)
+            return AgentEpisodes(gateway, load_agent(AGENT), timeout_s=600.0, workers=pool)
+
+        modes = {name: agent_episodes(pool) for name, pool in (("driver", None), ("workers", workers))}
         try:
             for episodes in modes.values():  # warm-up: the worker processes, the engine's first requests
                 await one_run(episodes, 2 * args.workers, args.tool_cpu_s)

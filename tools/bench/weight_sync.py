@@ -330,13 +330,13 @@ def _engine(model_dir: Path, log_path: Path, **kwargs):
 def run_full_model(tmp: Path, args, delta_only: bool) -> dict:
     """The syncs of the whole model (bucketed, per tensor, colocated, in flight; the delta syncs; the sharded
     pair into an engine of two ranks)."""
-    from megarl.models.bridge import build_megatron_model
+    from megarl.models.bridge import ModelSettings, build_megatron_model
     from megarl.parallel import Layout, free_port
     from megarl.sync.rank import RankSync
     from megarl.trainer.distributed import init_rank
 
     init_rank(0, Layout(), "127.0.0.1", free_port(), backend="gloo")
-    model = build_megatron_model(tmp / "model", Layout(), dtype="bfloat16", transformer_impl="local")
+    model = build_megatron_model(tmp / "model", Layout(), ModelSettings(transformer_impl="local"), dtype="bfloat16")
     trainer = LocalTrainer(RankSync(model))
     if args.sharded_only:
         return {"sharded": run_sharded(tmp, trainer)}
@@ -387,13 +387,14 @@ def run_sharded(tmp: Path, trainer) -> dict:
 
 def run_lora(tmp: Path, args) -> dict:
     from megarl.engines.server import lora_serving
-    from megarl.models.bridge import build_megatron_model
+    from megarl.models.bridge import ModelSettings, build_megatron_model
     from megarl.models.lora import LoraConfig
     from megarl.parallel import Layout
 
     lora = LoraConfig(enabled=True, rank=args.lora_rank, alpha=2 * args.lora_rank, dropout=0.0,
                       target_modules=("linear_qkv", "linear_proj"), sync="adapter")
-    lora_model = build_megatron_model(tmp / "model", Layout(), dtype="bfloat16", transformer_impl="local", lora=lora)
+    lora_model = build_megatron_model(tmp / "model", Layout(), ModelSettings(transformer_impl="local", lora=lora),
+                                      dtype="bfloat16")
     engine = _engine(tmp / "model", tmp / "server_lora.log", **lora_serving(lora))
     try:
         return asyncio.run(run_lora_syncs(LocalAdapterTrainer(lora_model, lora), engine, tmp / "lora", args.repeats))

@@ -16,27 +16,28 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
+from megarl.agents.gateway import AgentGateway, GatewaySettings
 from megarl.agents.parsers import tool_call_parser
 from megarl.agents.rollout import AgentEpisodes
 from megarl.agents.spec import load_agent
 from megarl.agents.workers import AgentWorkerError, AgentWorkers
 from megarl.engines.pool import EnginePool
 from megarl.engines.protocol import Engines
-from megarl.engines.types import EngineUnreachable, SamplingParams
+from megarl.engines.types import EngineUnreachable, GenerationOptions, SamplingParams
 from megarl.models.hf_config import read_hf_config
 from megarl.parallel.network import node_address
 from megarl.pipeline.buffer import RolloutBuffer
 from megarl.pipeline.evaluation import EVAL_PRIORITY
 from megarl.pipeline.judge import make_judge
 from megarl.pipeline.modes import lag_and_capacity
-from megarl.pipeline.producer import RolloutProducer
+from megarl.pipeline.producer import ProducerStart, Production, RolloutProducer
 from megarl.pipeline.startup.trainer import Resumed
 from megarl.rollout.env import EnvEpisodes, EpisodeLimits, make_env_factory
 from megarl.rollout.group import RolloutManager
 from megarl.rollout.teacher import TeacherScorer
 from megarl.tasks.heldout import arithmetic_heldout, dataset_heldout, training_rows_heldout
 from megarl.tasks.prompts import Prompt, chat_renderer, make_prompt_source
-from megarl.tasks.rewards import make_reward
+from megarl.tasks.rewards import RewardScorer, make_reward
 
 log = logging.getLogger(__name__)
 
@@ -86,13 +87,13 @@ def episode_runner(cfg: DictConfig, target: EnginePool, tokenizer, params: Sampl
         placed = {entry.role: frozen[entry.role] if entry.hf_path else target.subset(entry.engines)
                   for entry in task.role_engines}
         roles = {role: placed.get(role) for role in task.roles} if task.roles else None
-        return AgentEpisodes(target, tokenizer, load_agent(task.agent), params, max_turns=task.max_turns,
-                             max_response_tokens=task.max_response_tokens, timeout_s=task.agent_timeout_s,
-                             routing=cfg.rollout.keep_routing, sampling_mask=cfg.rollout.top_k > 0, roles=roles,
-                             partial_rollout=cfg.buffer.partial_rollout, frozen_roles=frozen,
-                             tool_call_parser=tool_call_parser(cfg.rollout.tool_call_parser, model_type),
-                             host=node_address() if agent_workers is not None else "127.0.0.1",
-                             workers=agent_workers)
+        generation = GenerationOptions(params, routing=cfg.rollout.keep_routing, sampling_mask=cfg.rollout.top_k > 0)
+        settings = GatewaySettings(max_turns=task.max_turns, max_response_tokens=task.max_response_tokens,
+                                   partial_rollout=cfg.buffer.partial_rollout, frozen_roles=frozenset(frozen),
+                                   tool_call_parser=tool_call_parser(cfg.rollout.tool_call_parser, model_type),
+                                   host=node_address() if agent_workers is not None else "127.0.0.1")
+        gateway = AgentGateway(target, tokenizer, generation, settings, roles)
+        return AgentEpisodes(gateway, load_agent(task.agent), timeout_s=task.agent_timeout_s, workers=agent_workers)
     if task.env is None:
         return None
     budget = task.max_response_tokens or target.model.context_length  # and each episode's context
@@ -144,11 +145,11 @@ def _manager(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapping[s
     if isinstance(episodes, AgentEpisodes):
         stack.push_async_callback(episodes.aclose)
     training = evaluation is None
-    return RolloutManager(pool, tokenizer, make_reward(cfg.reward, judge=judge), params,
-                          samples_per_prompt or r.samples_per_prompt, routing=r.keep_routing and training,
-                          sampling_mask=r.top_k > 0 and training, reward_timeout_s=cfg.reward.timeout_s,
-                          episodes=episodes,
-                          teacher=shared.teacher if training else None, add_special_tokens=not cfg.task.chat_template)
+    scorer = RewardScorer(make_reward(cfg.reward, judge=judge), cfg.reward.timeout_s)
+    generation = GenerationOptions(params, routing=r.keep_routing and training, sampling_mask=r.top_k > 0 and training)
+    return RolloutManager(pool, tokenizer, scorer, generation, samples_per_prompt or r.samples_per_prompt,
+                          episodes=episodes, teacher=shared.teacher if training else None,
+                          add_special_tokens=not cfg.task.chat_template)
 
 
 def heldout_prompts(cfg: DictConfig, tokenizer) -> tuple[list[Prompt], frozenset[str]]:
@@ -188,10 +189,11 @@ def start_rollout(cfg: DictConfig, start_checkpoint: str, tokenizer, pools: Mapp
         source.load_state_dict(resumed.position["source"])
     lag, capacity, max_staleness = lag_and_capacity(cfg)
     buffer = RolloutBuffer(capacity, max_staleness, resumed.ledger)
-    producer = RolloutProducer(manager, source, buffer, resumed.ledger, prompts_per_step=r.prompts_per_step,
-                               samples_per_prompt=r.samples_per_prompt, lag=lag,
-                               dynamic_sampling=r.dynamic_sampling, engine_version=resumed.step,
-                               requeue=resumed.requeue, next_index=resumed.next_index,
-                               fatal=(EngineUnreachable, AgentWorkerError), carried=resumed.carried)
+    production = Production(prompts_per_step=r.prompts_per_step, samples_per_prompt=r.samples_per_prompt, lag=lag,
+                            dynamic_sampling=r.dynamic_sampling)
+    start = ProducerStart(engine_version=resumed.step, requeue=resumed.requeue, next_index=resumed.next_index,
+                          carried=resumed.carried)
+    producer = RolloutProducer(manager, source, buffer, resumed.ledger, production, start,
+                               fatal=(EngineUnreachable, AgentWorkerError))
     evaluation = _evaluation(cfg, start_checkpoint, tokenizer, pools, prompts, shared, stack) if evaluates else None
     return Rollout(producer=producer, buffer=buffer, teacher=teacher, evaluation=evaluation)
