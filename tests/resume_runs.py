@@ -18,6 +18,7 @@ from typing import Callable
 
 import psutil
 import ray
+from run_processes import RunProcesses, assert_gone_after_kill, run_processes
 
 from megarl.metrics.sink import read_metrics
 
@@ -50,9 +51,10 @@ def engine_processes(tmp_path: Path) -> list[psutil.Process]:
 
 
 def signal_driver_when(tmp_path: Path, recipe: str, ready: Callable[[], bool],
-                       sig: signal.Signals) -> tuple[subprocess.Popen, list[Path]]:
-    """Start the driver, send ``sig`` once ``ready()``, wait for it to end; returns it and the temporary
-    directories (``TMPDIR``) its SGLang servers had when the signal went."""
+                       sig: signal.Signals) -> tuple[subprocess.Popen, list[Path], RunProcesses]:
+    """Start the driver, send ``sig`` once ``ready()``, wait for it to end; returns it, the temporary
+    directories (``TMPDIR``) its SGLang servers had when the signal went, and the run's processes then
+    (tests/run_processes.py)."""
     # the driver joins the test process's Ray (tests/conftest.py, ray_local) rather than starting one
     env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_ADDRESS=ray.get_runtime_context().gcs_address)
     with open(tmp_path / "driver.log", "ab") as out:
@@ -65,13 +67,14 @@ def signal_driver_when(tmp_path: Path, recipe: str, ready: Callable[[], bool],
             time.sleep(0.05)
         assert proc.poll() is None, f"driver ended early (rc {proc.returncode}); see {tmp_path / 'driver.log'}"
         scratch = [Path(p.environ()["TMPDIR"]) for p in engine_processes(tmp_path)]
+        at_signal = run_processes(psutil.Process(proc.pid), tmp_path / "warm", joined=True)
         proc.send_signal(sig)
         proc.wait(timeout=120)
-    return proc, scratch
+    return proc, scratch, at_signal
 
 
 def run_until(tmp_path: Path, recipe: str, last_step: int,
-              sig: signal.Signals) -> tuple[subprocess.Popen, list[Path]]:
+              sig: signal.Signals) -> tuple[subprocess.Popen, list[Path], RunProcesses]:
     """:func:`signal_driver_when` step ``last_step`` of this driver is in metrics.jsonl."""
     started = time.time()
     return signal_driver_when(tmp_path, recipe,
@@ -89,7 +92,8 @@ def check_stop_during_start_up(recipe, tmp_path, warmed_up):
     """SIGTERM while the engine loads: the driver cancels its start-up, stops the engine at once
     (not once it is healthy), writes no checkpoint and exits 0 (a SLURM job then requeues itself)."""
     copy_warmed_up(tmp_path, warmed_up)
-    proc, loading = signal_driver_when(tmp_path, recipe, lambda: bool(engine_processes(tmp_path)), signal.SIGTERM)
+    proc, loading, _ = signal_driver_when(tmp_path, recipe, lambda: bool(engine_processes(tmp_path)),
+                                          signal.SIGTERM)
     assert loading, (tmp_path / "driver.log").read_text()[-3000:]  # the signal came while an engine ran
     driver_log = (tmp_path / "driver.log").read_text()
     assert proc.returncode == 0, driver_log[-3000:]
@@ -102,20 +106,19 @@ def check_stop_during_start_up(recipe, tmp_path, warmed_up):
 def check_kill_and_resume(recipe, tmp_path, warmed_up, stop: signal.Signals):
     run = tmp_path / "run"
     copy_warmed_up(tmp_path, warmed_up)
-    killed, scratch = run_until(tmp_path, recipe, 3, signal.SIGKILL)
+    killed, scratch, at_kill = run_until(tmp_path, recipe, 3, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
     assert scratch and all(any(path.iterdir()) for path in scratch)  # SGLang's sockets, in the server's TMPDIR
+    # the killed driver's run ends with it: its actors (Ray ends a dead driver's), the SGLang server (its own
+    # process group, which notices) and the server's children
+    assert all(kind in at_kill.described for kind in ("EngineActor", "TrainerRank", "sglang_main")), at_kill.described
+    assert_gone_after_kill(at_kill)
     # the periodic checkpoint before the kill (2), or the next one (4): the trainer rank is a Ray actor,
     # which can finish writing a checkpoint it had begun after its driver died
     assert (run / "checkpoints" / "latest").read_text().strip() in ("2", "4")
-    # the killed driver's SGLang server (its own process group) notices and ends itself
-    deadline = time.monotonic() + 30
-    while engine_processes(tmp_path) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not engine_processes(tmp_path), "the SGLang server outlived its killed driver"
 
     # resumes at 3, then the stop request: checkpoint and exit
-    terminated, left = run_until(tmp_path, recipe, 4, stop)
+    terminated, left, _ = run_until(tmp_path, recipe, 4, stop)
     assert terminated.returncode == 0, (tmp_path / "driver.log").read_text()[-3000:]
     # the killed server's TMPDIR went when the next server started, the stopped one's with its stop()
     assert left and not any(path.exists() for path in scratch + left), "a server's TMPDIR is left"
