@@ -110,6 +110,7 @@ def test_tiny_recipe_runs_on_the_ray_cluster_with_overrides(job):
     env = dict(line.split("=", 1) for line in (log_dir / "env.txt").read_text().splitlines())
     assert env["MASTER_ADDR"] == head and env["RAY_ADDRESS"] == f"{head}:{RAY_PORT}"
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0" and env["MEGARL_NUM_NODES"] == str(NODES)
+    assert env["RAY_task_events_max_num_task_in_gcs"] == "1000"  # the GCS stays bounded over days
     calls = (tmp / "slurm_calls.log").read_text()
     assert calls.count("srun ") == NODES and "requeue" not in calls
 

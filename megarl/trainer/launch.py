@@ -54,6 +54,12 @@ def _import_root(obj) -> str | None:
     return str(root)
 
 
+# Ray's GCS keeps the events of its last RAY_task_events_max_num_task_in_gcs tasks (100,000 by default); a run's
+# calls add about 20 kB a step to it, for days. A Ray that megarl starts keeps the last 1,000 (the calls of the
+# last steps, what the dashboard shows) unless the environment names its own number (slurm/megarl.sbatch: the same).
+TASK_EVENTS_KEPT_ENV, TASK_EVENTS_KEPT = "RAY_task_events_max_num_task_in_gcs", "1000"
+
+
 @contextlib.contextmanager
 def ray_for_run(num_cpus: int) -> Iterator[None]:
     """Ray for a run (a :func:`run_ranks` call, an RL pipeline) inside the block.
@@ -61,7 +67,8 @@ def ray_for_run(num_cpus: int) -> Iterator[None]:
     When this process is already connected (a notebook's or a pytest worker's ``ray.init``), the run
     uses that connection and leaves it connected: it must remove what it created itself. Otherwise
     it joins the cluster at ``RAY_ADDRESS`` (slurm/megarl.sbatch exports it) or starts a local one of
-    ``num_cpus`` logical CPUs (the run's actors; at least 2), and disconnects (stopping a local
+    ``num_cpus`` logical CPUs (the run's actors; at least 2; its GCS keeps ``TASK_EVENTS_KEPT`` task
+    events unless the environment sets ``TASK_EVENTS_KEPT_ENV``), and disconnects (stopping a local
     cluster) when the block ends. The process's SIGTERM handler stays what it was (``ray.init`` sets
     its own).
     """
@@ -73,6 +80,7 @@ def ray_for_run(num_cpus: int) -> Iterator[None]:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
     else:
+        os.environ.setdefault(TASK_EVENTS_KEPT_ENV, TASK_EVENTS_KEPT)  # read by the GCS ray.init starts
         ray.init(num_cpus=max(2, num_cpus), include_dashboard=False, log_to_driver=False)
     if main and sigterm is not None:
         signal.signal(signal.SIGTERM, sigterm)

@@ -174,11 +174,18 @@ def main() -> int:
         parser.error(f"--steps {args.steps}: give at least --baseline-step + 2 x --every "
                      f"({args.baseline_step + 2 * args.every}) for two samples after the baseline")
 
-    import ray
+    from megarl.trainer.launch import ray_for_run
 
     work = work_directory(args.work_dir, "megarl-soak-")
+    with ray_for_run(8):  # Ray as a run starts it (its GCS's task events bounded as megarl bounds them)
+        return soak(args, work)
+
+
+def soak(args: argparse.Namespace, work: Path) -> int:
+    """Warm up, run and sample the soak in ``work`` on the Ray this process is connected to; its exit status."""
+    import ray
+
     common = workload_overrides(work, args)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     address = ray.get_runtime_context().gcs_address
     env = {**os.environ, "RAY_ADDRESS": address}
     train = [sys.executable, "-m", "megarl.train", "recipe=tiny_moe_cpu"]
