@@ -224,11 +224,12 @@ def test_client_sends_the_key_on_every_call(tiny_checkpoint):
 # key too, or ensure_healthy would take the refused /model_info for a hung server and restart it.
 ENGINE = r"""
 import json, os, signal, sys, time
-from megarl.engines.actor import EngineActor
+from megarl.engines.actor import EngineActor, WatchdogSettings
 from megarl.engines.server import EngineSettings
 model, host, key, url_file, log = sys.argv[1:6]
 actor = EngineActor(EngineSettings(model_path=model, host=host, api_key=key, dtype="float32",
-                                   max_total_tokens=4096, log_path=log), unresponsive_restart_s=20)
+                                   max_total_tokens=4096, log_path=log),
+                    WatchdogSettings(unresponsive_restart_s=20))
 def stop(*_):
     actor.stop()
     sys.exit(0)

@@ -193,8 +193,8 @@ class AgentGateway:
         self.policy, self.tokenizer, self.params = policy, tokenizer, generation.params
         self.roles = {role: t if t is not None else policy for role, t in roles.items()} if roles is not None else None
         self.max_turns, self.max_response_tokens = max_turns, max_response_tokens
-        self.routing, self.sampling_mask, self.partial_rollout = generation.routing, generation.sampling_mask, \
-            partial_rollout
+        self.routing, self.sampling_mask = generation.routing, generation.sampling_mask
+        self.partial_rollout = partial_rollout
         self.frozen_roles = frozenset(frozen_roles)
         self.tool_call_parser = settings.tool_call_parser
         self.tool_call_counts: collections.Counter[str] = collections.Counter()

@@ -83,7 +83,6 @@ class AgentEpisodes:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.gateway = gateway
         self.tokenizer, self.agent, self.timeout_s, self.workers = gateway.tokenizer, agent, timeout_s, workers
-        self.routing, self.sampling_mask = gateway.routing, gateway.sampling_mask
         self.scorer = scorer
         self._starting = asyncio.Lock()
         self.errors: collections.Counter[str] = collections.Counter()
@@ -128,8 +127,9 @@ class AgentEpisodes:
             raise session.engine_failure
         if failure is None:
             failure = self._check_result(result, session)
-        samples = session.trajectory.samples(group_id=group_id, episode_id=episode_id, routing=self.routing,
-                                             sampling_mask=self.sampling_mask, frozen_roles=self.gateway.frozen_roles)
+        samples = session.trajectory.samples(group_id=group_id, episode_id=episode_id, routing=self.gateway.routing,
+                                             sampling_mask=self.gateway.sampling_mask,
+                                             frozen_roles=self.gateway.frozen_roles)
         if failure is not None and (session.budget_end is None or not samples):
             samples = self._error(failure, samples, prompt, group_id, episode_id)
         else:

@@ -77,8 +77,7 @@ class EngineActor:
     """One SGLang server under watch. Create it through :func:`launch_engine_actor`; plain
     construction works too (the tests of the watchdog logic need no Ray)."""
 
-    def __init__(self, settings: EngineSettings, poll_interval_s: float = 0.5, max_restarts: int = 3,
-                 unresponsive_restart_s: float = 60.0, nodes=None):
+    def __init__(self, settings: EngineSettings, watchdog: WatchdogSettings = DEFAULT_WATCHDOG, nodes=None):
         from megarl.log import setup_logging
 
         setup_logging()
@@ -89,8 +88,7 @@ class EngineActor:
             settings = dataclasses.replace(settings, port=free_port(settings.host))
         self._node = node_address()
         self._settings = settings
-        self.poll_interval_s, self.max_restarts = poll_interval_s, max_restarts
-        self.unresponsive_restart_s = unresponsive_restart_s
+        self.watchdog = watchdog
         self._lock = threading.RLock()  # held for start, restart and stop
         self._engine: SGLangEngine | None = None
         self._starting: SGLangEngine | None = None  # a server being spawned (stop() cancels its start)
@@ -99,7 +97,7 @@ class EngineActor:
         self._restarts = 0
         self._failed: str | None = None
         self._stopping = threading.Event()
-        self._watchdog: threading.Thread | None = None
+        self._watch_thread: threading.Thread | None = None
         self._leads = settings.nnodes > 1 and settings.node_rank == 0  # node 0 of an engine over several nodes
         if self._leads and nodes is None:
             raise ValueError(f"an engine on nnodes={settings.nnodes} needs its nodes (engine_nodes, or seats)")
@@ -117,8 +115,8 @@ class EngineActor:
             if self._engine is not None:
                 raise RuntimeError(f"engine at {self.url} already started")
             self._spawn(self._settings)
-            self._watchdog = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
-            self._watchdog.start()
+            self._watch_thread = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
+            self._watch_thread.start()
         return self.info()
 
     def _spawn(self, settings: EngineSettings) -> None:
@@ -154,7 +152,7 @@ class EngineActor:
             follower = dataclasses.replace(settings, node_rank=rank, host=None, port=None, log_path=log_path,
                                            visible_gpus=visible_gpus)
             remote = ray.remote(num_cpus=0, max_concurrency=4, **options)(EngineActor)
-            self._followers.append(remote.remote(follower, poll_interval_s=self.poll_interval_s, max_restarts=0))
+            self._followers.append(remote.remote(follower, dataclasses.replace(self.watchdog, max_restarts=0)))
         return [f.start.remote() for f in self._followers]
 
     def _await_followers(self, starts: list) -> None:
@@ -196,7 +194,7 @@ class EngineActor:
         return self._engine is not None and all(_running(p) for p in self._processes) and self._followers_alive()
 
     def _watch(self) -> None:
-        while not self._stopping.wait(self.poll_interval_s):
+        while not self._stopping.wait(self.watchdog.poll_interval_s):
             if self._failed is None and not self._alive():
                 with self._lock:
                     try:
@@ -226,28 +224,29 @@ class EngineActor:
         """Return the engine's info once it runs and answers HTTP: at once when it does, else after
         restarting it (a dead process, or one silent for ``unresponsive_restart_s``) or waiting for
         the restart under way. Raises EngineDiedError when the actor gave up or was stopped."""
-        deadline = time.monotonic() + self.unresponsive_restart_s
+        silent_s = self.watchdog.unresponsive_restart_s
+        deadline = time.monotonic() + silent_s
         while True:
             with self._lock:
                 self._restart_while_dead()
                 if self._answers():
                     return self.info()
                 if time.monotonic() > deadline:
-                    self._restart(f"does not answer {self.url}/model_info for {self.unresponsive_restart_s:g} s")
-                    deadline = time.monotonic() + self.unresponsive_restart_s
-            time.sleep(self.poll_interval_s)
+                    self._restart(f"does not answer {self.url}/model_info for {silent_s:g} s")
+                    deadline = time.monotonic() + silent_s
+            time.sleep(self.watchdog.poll_interval_s)
 
     def _restart(self, why: str) -> None:
         old_pid = self._engine.pid if self._engine is not None else None
         tail = self._engine.log_tail(15) if self._engine is not None else ""
-        if self._restarts >= self.max_restarts:
+        if self._restarts >= self.watchdog.max_restarts:
             self._failed = (f"SGLang server at {self.url} {why} and was already restarted {self._restarts} times "
                             f"(max_restarts); last log:\n{tail}")
             log.error("%s", self._failed)
             return
         self._restarts += 1
         log.warning("SGLang server pid %s at %s %s; restart %d/%d. Log tail:\n%s", old_pid, self.url, why,
-                    self._restarts, self.max_restarts, tail)
+                    self._restarts, self.watchdog.max_restarts, tail)
         if self._engine is not None:
             self._engine.stop()  # reaps the leader and kills the rest of its process group
         self._stop_followers()  # every node starts again
@@ -278,8 +277,8 @@ class EngineActor:
         starting = self._starting
         if starting is not None:
             starting.cancel_start()
-        if self._watchdog is not None:
-            self._watchdog.join()
+        if self._watch_thread is not None:
+            self._watch_thread.join()
         with self._lock:
             if self._engine is not None:
                 self._engine.stop()
@@ -364,5 +363,4 @@ def launch_engine_actor(settings: EngineSettings, *, num_cpus: float = 0.5, num_
     elif resources:
         ray_options["resources"] = resources
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=4, **ray_options)(EngineActor)
-    return remote.remote(settings, poll_interval_s=watchdog.poll_interval_s, max_restarts=watchdog.max_restarts,
-                         unresponsive_restart_s=watchdog.unresponsive_restart_s, nodes=nodes)
+    return remote.remote(settings, watchdog, nodes=nodes)
