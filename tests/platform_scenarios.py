@@ -69,5 +69,6 @@ if __name__ == "__main__":
         init_rank(0, LAYOUTS[name], "127.0.0.1", free_port())
         print([scenario(0, LAYOUTS[name], name, hf_path, out_dir)])
         print("inductor imported:", "torch._inductor.compile_fx" in sys.modules)
+        print("wandb imported:", "wandb" in sys.modules)
     else:
         print(run_ranks(scenario, LAYOUTS[name], name, hf_path, out_dir, timeout_s=300))

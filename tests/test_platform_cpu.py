@@ -60,16 +60,18 @@ def test_scenario_fails_without_workaround(workaround, tiny_checkpoint, tmp_path
 
 
 @pytest.mark.processes
-def test_compiling_at_first_call_keeps_the_loss_and_inductor_out(tiny_checkpoint, tmp_path):
-    """The speed-up ``torch_compile_imports_inductor``: the same training step, bit for bit, without
-    TorchInductor imported; with it off, megatron's import brings TorchInductor in."""
+def test_the_speedups_keep_the_loss_and_keep_inductor_and_wandb_out(tiny_checkpoint, tmp_path):
+    """The speed-ups ``torch_compile_imports_inductor`` and ``megatron_timers_import_wandb``: the same training
+    step, bit for bit, without TorchInductor or wandb imported; with each off, megatron's import brings its
+    package in."""
     runs = {off: run_scenario("train", tiny_checkpoint, tmp_path / (off or "on"), off=off)
-            for off in ("", "torch_compile_imports_inductor")}
+            for off in ("", "torch_compile_imports_inductor", "megatron_timers_import_wandb")}
     for result in runs.values():
         assert result.returncode == 0, result.stderr[-3000:]
-    loss, inductor = zip(*(result.stdout.splitlines()[-2:] for result in runs.values()))
-    assert loss[0] == loss[1]
-    assert inductor == ("inductor imported: False", "inductor imported: True")
+    loss, inductor, wandb = zip(*(result.stdout.splitlines()[-3:] for result in runs.values()))
+    assert loss[0] == loss[1] == loss[2]
+    assert inductor == ("inductor imported: False", "inductor imported: True", "inductor imported: False")
+    assert wandb == ("wandb imported: False", "wandb imported: False", "wandb imported: True")
 
 
 @pytest.mark.unit

@@ -19,10 +19,12 @@ import dataclasses
 import datetime
 import shutil
 import threading
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_sglang_engine import cpu_seconds, server_processes
 from test_weight_sync_sharded import EXPERTS, qwen3_moe_table
 from test_weight_sync_sharded_engine import rank_hashes
 
@@ -174,3 +176,15 @@ def test_sharded_sync_into_a_dp_attention_engine_loads_what_a_disk_load_does(dp_
     assert report.transport == "sharded" and report.version == 6
     print(f"\n[measured] DP-attention engine: bytes per engine rank / model bytes "
           f"{report.bytes_per_engine_rank / model_bytes:.3f}")
+
+
+def test_the_idle_dp_attention_engine_leaves_the_cores_alone(dp_attention_engine):
+    """Its processes (server, data-parallel controller, two schedulers, detokenizer) use almost no CPU while
+    idle: SGLang's controller polls the tokenizer's socket without a wait, a whole core, unless
+    :mod:`megarl.engine_process.controller_wait` lets it wait on the socket."""
+    processes = server_processes(dp_attention_engine)
+    assert any("data_parallel_controller" in p.name() for p in processes), [p.name() for p in processes]
+    before = cpu_seconds(processes)
+    time.sleep(3.0)
+    used = cpu_seconds(processes) - before
+    assert used < 0.6, f"the idle engine's {len(processes)} processes used {used:.2f} s of CPU in 3 s"

@@ -10,7 +10,8 @@ computed with, sent with it or kept at a retraction (:mod:`megarl.engine_process
 them when the prefix is computed again (:mod:`megarl.engine_process.route_replay`; ``MEGARL_ROUTE_REPLAY=off``
 in the environment leaves the replay out, for ``tools/bench/route_replay.py``'s baseline), answers a
 request's per-token metadata as binary arrays when it asks (:mod:`megarl.engine_process.compact_metadata`),
-lets a paused scheduler wait on its sockets rather than spin (:mod:`megarl.engine_process.paused_wait`), then
+lets a paused scheduler wait on its sockets rather than spin (:mod:`megarl.engine_process.paused_wait`) and the
+data-parallel controller on its socket (:mod:`megarl.engine_process.controller_wait`), then
 runs SGLang's own
 ``sglang.launch_server`` main with the same arguments. All are applied at import time on purpose: on
 GPU SGLang starts its scheduler and detokenizer with the "spawn" start method, and a spawned child
@@ -46,6 +47,7 @@ with gc_paused():  # most of SGLang is imported here
     model_registry.install(sys.argv[1:])  # before anything imports SGLang's registry
     from megarl.engine_process import (
         compact_metadata,
+        controller_wait,
         ipc,
         kept_routes,
         paused_wait,
@@ -67,6 +69,7 @@ with gc_paused():  # most of SGLang is imported here
     else:
         print(f"{route_replay.OFF_ENV}=off: recomputed prefixes are routed afresh", file=sys.stderr)
     paused_wait.install()
+    controller_wait.install()
     if SKIP_TOKENIZER_FLAG in sys.argv:
         tokenizer_stops.install()
 

@@ -390,11 +390,26 @@ def _torch_compile_imports_inductor() -> None:
         _install_source_patch("megatron.core.jit", "\nenable_jit_fuser()\n", "\ndisable_jit_fuser()\n")
 
 
-# Not failures but slow paths of megatron's pure-torch fallbacks on CPU; tested for equal results. Applied
-# first: the jit one must come before anything imports megatron-core.
+_TIMERS_WANDB_IMPORT = "try:\n    import wandb\nexcept ImportError:\n    wandb = None\n"
+
+
+def _megatron_timers_import_wandb() -> None:
+    """megatron-core's timers import wandb wherever it is installed (for a wandb writer, which megarl never
+    gives them), a second and a half of CPU in every process that imports megatron-core; megarl's own wandb
+    tracker (:mod:`megarl.metrics.trackers`) imports it where it logs. The timers take ``wandb = None``, as
+    where wandb is not installed; the process can still import wandb. When megatron-core was imported before
+    :func:`apply`, nothing changes."""
+    if "megatron.core.timers" not in sys.modules:
+        _install_source_patch("megatron.core.timers", _TIMERS_WANDB_IMPORT, "wandb = None\n")
+
+
+# Not failures but slow paths of megatron's pure-torch fallbacks on CPU, or imports they never use; tested for
+# equal results. Applied first: they must come before anything imports megatron-core.
 SPEEDUPS = (
     Workaround("torch_compile_imports_inductor", "TorchInductor imported by every process that imports megatron",
                _torch_compile_imports_inductor),
+    Workaround("megatron_timers_import_wandb", "wandb imported by every process that imports megatron",
+               _megatron_timers_import_wandb),
     Workaround("thd_rope_loops_over_sequences", "a Python loop over the sequences of a packed batch",
                _thd_rope_loops_over_sequences),
 )
