@@ -1,6 +1,7 @@
 """Inputs that used to fail a minute into a run (after the warm-up, with Ray up) now fail at load:
 ``python -m megarl.train`` exits 2 within seconds with one line naming the key, before any Ray
-session, engine or trainer starts."""
+session, engine or trainer starts. The bad inputs go through the driver in-process (its ``main``, one load
+per case, as tests/test_config_keys.py does); the reruns of a finished run through the command itself."""
 import json
 import os
 import re
@@ -11,24 +12,39 @@ from pathlib import Path
 
 import pytest
 
+from megarl.train import main
+
 pytestmark = pytest.mark.processes
 
 ROOT = Path(__file__).resolve().parents[1]
 LOAD_LIMIT_S = 10.0
 
 
-def train(*overrides: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, float]:
-    """Run the driver on the tiny recipe. Paths it would write point into ``tmp_path``, so a check
-    that failed to fire cannot touch the checkout; the timeout bounds such a run."""
+def arguments(overrides: tuple[str, ...], tmp_path: Path) -> list[str]:
+    """The tiny recipe with ``overrides``. Paths a run would write point into ``tmp_path`` unless overridden, so
+    a check that failed to fire cannot touch the checkout."""
     sandbox = [f"model.hf_path={tmp_path / 'base'}", f"warmup.save_hf_path={tmp_path / 'sft'}",
                f"logging.run_dir={tmp_path / 'run'}"]
     given = {o.split("=", 1)[0] for o in overrides}
-    sandbox = [s for s in sandbox if s.split("=", 1)[0] not in given]
+    return ["recipe=tiny_moe_cpu", *(s for s in sandbox if s.split("=", 1)[0] not in given), *overrides]
+
+
+def train(*overrides: str, tmp_path: Path) -> tuple[subprocess.CompletedProcess, float]:
+    """``python -m megarl.train`` on :func:`arguments`; the timeout bounds a run whose check failed to fire."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "megarl.train", "recipe=tiny_moe_cpu", *sandbox, *overrides],
+    result = subprocess.run([sys.executable, "-m", "megarl.train", *arguments(overrides, tmp_path)],
                             capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     return result, time.monotonic() - t0
+
+
+def load(*overrides: str, tmp_path: Path, capsys) -> tuple[subprocess.CompletedProcess, float]:
+    """The driver's ``main`` in this process on :func:`arguments`: its return code and what it printed."""
+    capsys.readouterr()
+    t0 = time.monotonic()
+    code = main(arguments(overrides, tmp_path))
+    elapsed, printed = time.monotonic() - t0, capsys.readouterr()
+    return subprocess.CompletedProcess("megarl.train", code, printed.out, printed.err), elapsed
 
 
 @pytest.fixture
@@ -59,9 +75,9 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_fails_at_load_in_seconds(case, prompts_jsonl, tmp_path):
+def test_bad_input_fails_at_load_in_seconds(case, prompts_jsonl, tmp_path, capsys):
     overrides, key, expected = CASES[case]
-    result, elapsed = train(*(o.format(dataset=prompts_jsonl) for o in overrides), tmp_path=tmp_path)
+    result, elapsed = load(*(o.format(dataset=prompts_jsonl) for o in overrides), tmp_path=tmp_path, capsys=capsys)
     assert result.returncode == 2, result.stderr[-2000:]
     err = result.stderr.strip()
     assert len(err.splitlines()) == 1, err
@@ -100,11 +116,11 @@ BAD_FILES = {
 
 
 @pytest.mark.parametrize("case", list(BAD_FILES))
-def test_a_bad_file_or_path_fails_at_start_naming_it(case, bad_inputs, tmp_path):
+def test_a_bad_file_or_path_fails_at_start_naming_it(case, bad_inputs, tmp_path, capsys):
     """Exit 2 in seconds, one line naming the key and the file (and a dataset's line), no traceback; nothing is
     made at a mistyped model path (the recipe builds its tiny model at its own path only)."""
     overrides, key, expected = BAD_FILES[case]
-    result, elapsed = train(*(o.format(**bad_inputs) for o in overrides), tmp_path=tmp_path)
+    result, elapsed = load(*(o.format(**bad_inputs) for o in overrides), tmp_path=tmp_path, capsys=capsys)
     assert result.returncode == 2, result.stderr[-2000:]
     err = result.stderr.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"megarl: config error: {key}: "), err
