@@ -162,3 +162,46 @@ def test_a_run_of_consecutive_samples_selects_as_one_cut_of_its_own():
         assert torch.equal(getattr(apart, name), torch.cat([getattr(run, name)[-n:], getattr(run, name)[:-n]]))
     run.routed_experts.fill_(7)
     assert not torch.equal(batch.routed_experts[lo:], run.routed_experts)  # a copy, not a view of the batch
+
+
+def test_a_batch_pickled_as_ray_hands_it_over_reads_back_equal_with_its_bulk_columns_in_place():
+    """Pickled with protocol 5 and its buffers out of band, read back over read-only copies of those buffers
+    (as a rank reads a Ray object): every column equal; the routes and the sampling mask over the buffers
+    themselves (no copy), the other columns writable tensors of their own; micro-batches select from it."""
+    import pickle
+    import warnings
+
+    rng = np.random.default_rng(2)
+    samples = [RolloutSample(
+        prompt_ids=rng.integers(0, 384, 3).tolist(), response_ids=rng.integers(0, 384, R).tolist(),
+        loss_mask=np.ones(R, np.uint8), rollout_logprobs=-rng.random(R).astype(np.float32),
+        model_version=np.zeros(R, np.int32), routed_experts=rng.integers(0, 8, (2 + R, 2, 2)).astype(np.uint8),
+        sampling_mask=SamplingMask.from_rows([rng.choice(384, 2, replace=False).tolist() for _ in range(R)],
+                                             [(-rng.random(2)).astype(np.float32).tolist() for _ in range(R)]),
+        finish_reason=FinishReason.STOP, advantage=1.0) for R in (2, 4, 3)]
+    batch = build_rl_batch(samples)
+    buffers = []
+    data = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)
+    stored = [bytes(b.raw()) for b in buffers]  # the object store's copy; read-only views of it below
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's warning about read-only arrays stays silent
+        received = pickle.loads(data, buffers=[memoryview(b) for b in stored])
+    for name in ("tokens", "targets", "loss_mask", "rollout_logprobs", "staleness", "cu_seqlens", "advantages",
+                 "routed_experts", "group_ids"):
+        assert torch.equal(getattr(received, name), getattr(batch, name)), name
+    for name in ("ids", "offsets", "logprobs"):
+        assert torch.equal(getattr(received.sampling_mask, name), getattr(batch.sampling_mask, name)), name
+
+    def inside_a_buffer(tensor: torch.Tensor) -> bool:
+        addresses = [np.frombuffer(b, np.uint8).ctypes.data for b in stored]
+        return any(a <= tensor.data_ptr() < a + len(b) for a, b in zip(addresses, stored))
+
+    assert inside_a_buffer(received.routed_experts)
+    assert all(inside_a_buffer(t) for t in (received.sampling_mask.ids, received.sampling_mask.offsets,
+                                            received.sampling_mask.logprobs))
+    assert not inside_a_buffer(received.tokens) and not inside_a_buffer(received.loss_mask)
+    received.loss_mask.fill_(0.5)  # writable: its own memory
+    part = received.select([2, 0])
+    assert torch.equal(part.routed_experts, torch.cat([batch.routed_experts[batch.cu_seqlens[2]:],
+                                                       batch.routed_experts[:batch.cu_seqlens[1]]]))
+    assert not inside_a_buffer(part.routed_experts)  # a micro-batch is a copy of its own

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -38,7 +39,9 @@ class RLBatch:
     trained positions) or None, ``old_values`` and ``returns`` float32 [N] (the critic's values before the
     step and the GAE returns, :mod:`megarl.algos.gae`; 0 off the trained positions) or None. Per sample:
     ``cu_seqlens`` int64 [B + 1], ``advantages`` float32 [B], ``group_ids`` int64 [B] (its prompt group, numbered
-    in order of first appearance; :func:`megarl.algos.advantages.group_index`) or None."""
+    in order of first appearance; :func:`megarl.algos.advantages.group_index`) or None. Unpickled on a trainer
+    rank, ``routed_experts`` and the sampling mask's tensors may be read-only memory (:meth:`__setstate__`):
+    never written in place."""
 
     tokens: torch.Tensor
     targets: torch.Tensor
@@ -113,10 +116,12 @@ class RLBatch:
         return state
 
     def __setstate__(self, state: dict) -> None:
-        """The batch :meth:`__getstate__` gave, each array a tensor over its own writable memory."""
+        """The batch :meth:`__getstate__` gave. The routes and the sampling mask (most of a step's bytes at MoE
+        width, which a rank only reads) stay over the memory they arrived in, read-only where it is (Ray's object
+        store); every other array becomes a tensor over writable memory (its own, or a copy)."""
         mask = state.pop("sampling_mask")
-        vars(self).update({name: _as_tensor(value) for name, value in state.items()})
-        self.sampling_mask = None if mask is None else CsrMask(*map(_as_tensor, mask))
+        vars(self).update({name: _as_tensor(value, shared=name == "routed_experts") for name, value in state.items()})
+        self.sampling_mask = None if mask is None else CsrMask(*(_as_tensor(a, shared=True) for a in mask))
 
     def position_advantages(self) -> torch.Tensor:
         """The advantage at every position, float32 [N]: the sample's, plus its token advantage."""
@@ -133,11 +138,18 @@ def _as_numpy(value):
     return value.numpy() if isinstance(value, torch.Tensor) and value.device.type == "cpu" else value
 
 
-def _as_tensor(value):
-    """A numpy array as a tensor over writable memory (its own, or a copy of a read-only buffer's)."""
+def _as_tensor(value, shared: bool = False):
+    """A numpy array as a tensor over its memory when writable or ``shared`` (read-only then: never written in
+    place), else over a copy; anything else as it is."""
     if not isinstance(value, np.ndarray):
         return value
-    return torch.from_numpy(value if value.flags.writeable else value.copy())
+    if value.flags.writeable:
+        return torch.from_numpy(value)
+    if not shared:
+        return torch.from_numpy(value.copy())
+    with warnings.catch_warnings():  # torch's warning that it cannot mark the tensor read-only
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(value)
 
 
 def _merged(spans) -> list[tuple[int, int]]:
