@@ -116,6 +116,11 @@ def run(cfg: DictConfig, command: list[str] | None = None) -> None:
     if cfg.mode == "warmup":
         warmup(cfg)
     else:
+        import torch
+
+        # the driver's tensor work (batches, advantages) is memory-bound bookkeeping: intra-op threads there
+        # spin on cores the engines and ranks need and save nothing
+        torch.set_num_threads(1)
         try:
             asyncio.run(rl(cfg, rl_start(cfg, hf_path)))
         except asyncio.CancelledError:

@@ -268,6 +268,9 @@ def rank_process(conn, names: list[str], compact: bool) -> None:
     :func:`rank_stage`; the slot handed back when done; at the end its stages' figures."""
     from multiprocessing import shared_memory
 
+    import torch
+
+    torch.set_num_threads(1)  # as a trainer rank runs (megarl/trainer/actor.py)
     slots = [shared_memory.SharedMemory(name=name) for name in names]
     stages, buf, c0 = Stages(), None, time.process_time()
     while (message := conn.recv()) is not None:
@@ -429,6 +432,9 @@ def main() -> int:
     else:
         bodies, model = recorded(work, prompts, args.new_tokens)
     check_same_values(model, bodies["old"], prompts)
+    import torch
+
+    torch.set_num_threads(1)  # the driver's stages run as the driver does (megarl/train.py)
     result = {path: replay(model, bodies[path], prompts, args.samples, path == "new", args.repeats,
                            args.pipeline_repeats) for path in ("old", "new")}
     result["new_over_old"] = {
