@@ -395,7 +395,7 @@ _TIMERS_WANDB_IMPORT = "try:\n    import wandb\nexcept ImportError:\n    wandb =
 
 def _megatron_timers_import_wandb() -> None:
     """megatron-core's timers import wandb wherever it is installed (for a wandb writer, which megarl never
-    gives them), a second and a half of CPU in every process that imports megatron-core; megarl's own wandb
+    gives them), CPU time in every process that imports megatron-core; megarl's own wandb
     tracker (:mod:`megarl.metrics.trackers`) imports it where it logs. The timers take ``wandb = None``, as
     where wandb is not installed; the process can still import wandb. When megatron-core was imported before
     :func:`apply`, nothing changes."""
